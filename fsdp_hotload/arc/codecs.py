@@ -1,0 +1,154 @@
+"""Codecs: how one chunk's change against its parent becomes payload bytes, and back.
+
+A codec sees one chunk at a time as raw bytes in box C order, never a container or a file, so new codecs plug
+in without touching the container. Encoding starts from an :class:`ElementDiff` (the changed element positions
+with their old and new values), because that is what a device-side diff pulls to the host: the dense bytes of
+an unchanged tensor never leave the device. Decoding writes the new chunk bytes into a caller-owned buffer and
+must bound every allocation by the size the caller expects (payloads are untrusted).
+
+Example::
+
+    codec = get_codec("arc_v2")
+    payload = codec.encode(element_diff(parent_bytes, new_bytes, itemsize=2))
+    out = np.empty_like(parent_bytes)
+    codec.decode(payload, parent_bytes, 2, out)
+    assert (out == new_bytes).all()
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import numpy as np
+import zstandard
+
+from .dtypes import UINT_BY_SIZE
+from .errors import FormatError
+from .kernels import diff_positions, scatter_xor
+
+
+@dataclass(frozen=True)
+class ElementDiff:
+    """The changed elements of one chunk: sorted positions plus old and new values as unsigned integers."""
+
+    n: int  # elements in the chunk
+    itemsize: int  # bytes per element (1, 2, 4 or 8)
+    idx: np.ndarray  # int64, strictly increasing, < n
+    old: np.ndarray  # uint{8*itemsize}, parent values at idx
+    new: np.ndarray  # uint{8*itemsize}, new values at idx
+
+    @property
+    def changed(self) -> int:
+        return int(self.idx.size)
+
+    def check(self) -> None:
+        """Validate shapes and dtypes (diffs can come from a device path; catch mistakes at the boundary)."""
+        want = UINT_BY_SIZE.get(self.itemsize)
+        if want is None:
+            raise FormatError(f"unsupported element size {self.itemsize}")
+        if self.idx.dtype != np.int64 or self.old.dtype != want or self.new.dtype != want:
+            raise FormatError("ElementDiff arrays have the wrong dtypes")
+        if not (self.idx.shape == self.old.shape == self.new.shape) or self.idx.ndim != 1:
+            raise FormatError("ElementDiff arrays differ in length")
+
+
+def element_diff(parent: np.ndarray, new: np.ndarray, itemsize: int) -> ElementDiff:
+    """Host-side diff of two chunks given as flat uint8 byte arrays of equal length (numba, GIL released)."""
+    if parent.shape != new.shape or parent.dtype != np.uint8 or new.dtype != np.uint8:
+        raise FormatError("element_diff needs two flat uint8 arrays of equal length")
+    u = UINT_BY_SIZE[itemsize]
+    a = np.ascontiguousarray(parent).view(u)
+    b = np.ascontiguousarray(new).view(u)
+    idx = diff_positions(a, b)
+    return ElementDiff(int(a.size), itemsize, idx, a[idx], b[idx])
+
+
+class Codec(Protocol):
+    """What a chunk codec provides. ``name`` is recorded per tensor in the container."""
+
+    name: str
+
+    def encode(self, diff: ElementDiff) -> bytes:
+        """Payload bytes for one chunk's change."""
+        ...
+
+    def decode(self, payload: bytes, parent: np.ndarray, itemsize: int, out: np.ndarray) -> None:
+        """Write the new chunk bytes into ``out`` (flat uint8, same length as ``parent``).
+
+        Raise FormatError for any malformed payload; never allocate more than ``len(parent)`` bytes of output.
+        """
+        ...
+
+
+_REGISTRY: dict[str, Callable[[], Codec]] = {}
+
+
+def register_codec(name: str, factory: Callable[[], Codec]) -> None:
+    """Make a codec available by name (used by the container on read, and by config on write)."""
+    _REGISTRY[name] = factory
+
+
+def get_codec(name: str) -> Codec:
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise FormatError(f"unknown codec {name!r} (known: {', '.join(sorted(_REGISTRY))})") from None
+    return factory()
+
+
+def codec_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def zstd_decompress_exact(payload: bytes, size: int, what: str = "payload") -> bytes:
+    """Decompress a single zstd frame whose content must be exactly ``size`` bytes.
+
+    The frame header's declared size is checked before anything is allocated, so a hostile header cannot make
+    us allocate more than the tensor we expect.
+    """
+    try:
+        params = zstandard.get_frame_parameters(payload)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"{what} is not a zstd frame: {exc}") from None
+    declared = params.content_size
+    if declared not in (size, zstandard.CONTENTSIZE_UNKNOWN):
+        raise FormatError(f"{what} declares {declared} bytes, {size} expected")
+    try:
+        dctx = zstandard.ZstdDecompressor()
+        if declared == size:
+            out = dctx.decompress(payload, max_output_size=size)
+        else:
+            reader = dctx.stream_reader(payload, read_across_frames=False)
+            out = reader.read(size + 1)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"{what} is corrupt: {exc}") from None
+    if len(out) != size:
+        raise FormatError(f"{what} decompresses to {len(out)} bytes, {size} expected")
+    return out
+
+
+class ArcV2:
+    """``arc_v2``: XOR of the raw little-endian bytes against the parent, as one zstd frame per chunk.
+
+    The dense XOR buffer is rebuilt on the host from the sparse diff (zeros plus the changed elements), which
+    zstd then squeezes; an unchanged chunk costs a few bytes. The frame records its content size.
+    """
+
+    name = "arc_v2"
+
+    def __init__(self, level: int = 3) -> None:
+        self.level = level
+
+    def encode(self, diff: ElementDiff) -> bytes:
+        diff.check()
+        xor = np.zeros(diff.n, dtype=UINT_BY_SIZE[diff.itemsize])
+        scatter_xor(xor, diff.idx, diff.old, diff.new)
+        cctx = zstandard.ZstdCompressor(level=self.level, write_content_size=True)
+        return cctx.compress(xor.view(np.uint8).data)
+
+    def decode(self, payload: bytes, parent: np.ndarray, itemsize: int, out: np.ndarray) -> None:
+        raw = zstd_decompress_exact(payload, parent.size, "arc_v2 payload")
+        np.bitwise_xor(parent, np.frombuffer(raw, dtype=np.uint8), out=out)
+
+
+register_codec("arc_v2", ArcV2)

@@ -1,0 +1,247 @@
+"""The delta file: a safetensors container of per-tensor encoded deltas, and its decoder.
+
+A delta file has the same name and tensor set as the parent file it applies to. Each tensor is stored as a
+``U8`` vector holding its chunk payloads back to back; the header's string metadata records, per tensor, the
+original dtype and shape, the Adler-32 of the reconstructed bytes, the codec and the chunk table (the box of
+each chunk and the byte range of its payload). docs/FORMAT.md pins the layout byte for byte.
+
+Example::
+
+    blob = encode_delta_file(parent, new, parent_identity="step-000010-ab12cd34")
+    rebuilt = apply_delta_file(parent, blob, filename="model-00001-of-00003.safetensors",
+                               expected_parent="step-000010-ab12cd34")
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .adler import combine
+from .boxes import Box, check_tiling, gather, scatter
+from .codecs import element_diff, get_codec
+from .dtypes import RawTensor, itemsize, numel
+from .errors import ArcError, ChecksumError, FormatError, MismatchError
+from .stio import Header, build_header, parse_header
+
+FORMAT_NAME = "hotload-arc"
+FORMAT_VERSION = "1"
+CHECKSUM_FORMAT = "alder32"  # sic: the token the Fireworks API uses for Adler-32
+K_FORMAT, K_VERSION, K_KIND = "format", "format_version", "kind"
+K_PARENT, K_COMPRESSION, K_CHECKSUM, K_TENSORS = (
+    "previous_snapshot_identity", "compression_format", "checksum_format", "arc_tensors")
+SPACES = ("flat", "shape")
+
+
+@dataclass
+class TensorDelta:
+    """One tensor of a delta file: its identity, its checksum, and its encoded chunks."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    adler32: int
+    codec: str
+    space: str = "flat"
+    chunks: list[tuple[Box, bytes]] = field(default_factory=list)
+
+    @property
+    def space_shape(self) -> tuple[int, ...]:
+        return (numel(self.shape),) if self.space == "flat" else tuple(self.shape)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(len(p) for _, p in self.chunks)
+
+
+def _check_space(space: str, where: dict[str, str]) -> None:
+    if space not in SPACES:
+        raise FormatError(f"chunk space {space!r} is not one of {SPACES}", **where)
+
+
+def delta_header(tensors: Sequence[TensorDelta], *, parent_identity: str,
+                 extra_metadata: Mapping[str, str] | None = None) -> bytes:
+    """Header bytes of a delta file; checks that each tensor's chunks tile it exactly."""
+    table: dict[str, Any] = {}
+    items = []
+    for t in tensors:
+        _check_space(t.space, {"tensor": t.name})
+        try:
+            check_tiling([b for b, _ in t.chunks], t.space_shape)
+        except ArcError as exc:
+            raise exc.at(tensor=t.name) from None
+        chunks, pos = [], 0
+        for box, payload in t.chunks:
+            chunks.append({**box.to_json(), "offset": pos, "size": len(payload)})
+            pos += len(payload)
+        table[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "adler32": int(t.adler32), "codec": t.codec,
+                         "space": t.space, "chunks": chunks}
+        items.append((t.name, "U8", (pos,), pos))
+    codecs = {t.codec for t in tensors}
+    meta = {K_FORMAT: FORMAT_NAME, K_VERSION: FORMAT_VERSION, K_KIND: "delta", K_PARENT: parent_identity,
+            K_COMPRESSION: codecs.pop() if len(codecs) == 1 else "mixed", K_CHECKSUM: CHECKSUM_FORMAT,
+            K_TENSORS: json.dumps(table, separators=(",", ":"), sort_keys=True)}
+    if extra_metadata:
+        meta.update({k: v for k, v in extra_metadata.items() if k not in meta})
+    return build_header(items, meta)
+
+
+def build_delta_file(tensors: Sequence[TensorDelta], *, parent_identity: str,
+                     extra_metadata: Mapping[str, str] | None = None) -> bytes:
+    """The whole delta file in memory (payloads are compressed, so this is small)."""
+    parts = [delta_header(tensors, parent_identity=parent_identity, extra_metadata=extra_metadata)]
+    for t in tensors:
+        parts.extend(p for _, p in t.chunks)
+    return b"".join(parts)
+
+
+def encode_tensor(name: str, parent: RawTensor, new: RawTensor, codec: str = "arc_v2") -> TensorDelta:
+    """One whole-tensor chunk (file-level encoding, when one process holds both versions)."""
+    if parent.dtype != new.dtype or parent.shape != new.shape:
+        raise MismatchError(f"{parent.dtype}{list(parent.shape)} -> {new.dtype}{list(new.shape)}: dtype and shape "
+                            "must not change along a chain", tensor=name)
+    payload = get_codec(codec).encode(element_diff(parent.data, new.data, new.itemsize))
+    return TensorDelta(name, new.dtype, new.shape, new.adler32(), codec, "flat",
+                       [(Box.flat(0, new.numel), payload)])
+
+
+def encode_delta_file(parent: Mapping[str, Any], new: Mapping[str, Any], *, parent_identity: str,
+                      codec: str = "arc_v2") -> bytes:
+    """Delta file turning the tensors ``parent`` into ``new`` (numpy arrays, CPU torch tensors or RawTensors)."""
+    missing, extra = sorted(set(parent) - set(new)), sorted(set(new) - set(parent))
+    if missing or extra:
+        raise MismatchError(f"tensor sets differ: only in parent {missing}, only in new {extra}")
+    deltas = [encode_tensor(n, RawTensor.from_any(parent[n]), RawTensor.from_any(new[n]), codec) for n in new]
+    return build_delta_file(deltas, parent_identity=parent_identity)
+
+
+@dataclass(frozen=True)
+class DeltaInfo:
+    """What a delta file's header says, checked for internal consistency."""
+
+    parent_identity: str
+    compression_format: str
+    tensors: dict[str, TensorDelta]  # chunks hold (box, (offset, size)) placeholders: payloads are not read
+    header: Header
+
+
+def is_delta_file(data: bytes | memoryview) -> bool:
+    try:
+        return parse_header(data).metadata.get(K_FORMAT) == FORMAT_NAME
+    except ArcError:
+        return False
+
+
+def read_delta_info(data: bytes | memoryview, *, filename: str = "<bytes>") -> DeltaInfo:
+    """Parse and check a delta file's header and chunk tables (no payload is decoded)."""
+    header = parse_header(data, filename=filename)
+    meta = header.metadata
+    where = {"file": filename}
+    if meta.get(K_FORMAT) != FORMAT_NAME:
+        raise FormatError(f"not a delta file (metadata format={meta.get(K_FORMAT)!r})", **where)
+    if meta.get(K_VERSION) != FORMAT_VERSION:
+        raise FormatError(f"format_version {meta.get(K_VERSION)!r} is not supported (want {FORMAT_VERSION})", **where)
+    if meta.get(K_KIND) != "delta" or meta.get(K_CHECKSUM) != CHECKSUM_FORMAT or not meta.get(K_PARENT):
+        raise FormatError("metadata needs kind=delta, checksum_format=alder32 and previous_snapshot_identity", **where)
+    try:
+        table = json.loads(meta.get(K_TENSORS, ""))
+    except json.JSONDecodeError as exc:
+        raise FormatError(f"arc_tensors is not JSON: {exc}", **where) from None
+    if not isinstance(table, dict):
+        raise FormatError("arc_tensors is not an object", **where)
+    if set(table) != set(header.entries):
+        raise FormatError(f"arc_tensors names {sorted(set(table) ^ set(header.entries))} without stored data "
+                          "(or the reverse)", **where)
+    tensors: dict[str, TensorDelta] = {}
+    for name, info in table.items():
+        tw = {"file": filename, "tensor": name}
+        try:
+            tensors[name] = _parse_tensor(name, info, header.entries[name])
+        except ArcError as exc:
+            raise exc.at(**tw) from None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"bad tensor entry: {exc!r}", **tw) from None
+    return DeltaInfo(meta[K_PARENT], meta.get(K_COMPRESSION, ""), tensors, header)
+
+
+def _parse_tensor(name: str, info: Any, entry: Any) -> TensorDelta:
+    if not isinstance(info, dict):
+        raise FormatError("tensor entry is not an object")
+    dtype, shape, adler, codec, space = (info.get(k) for k in ("dtype", "shape", "adler32", "codec", "space"))
+    itemsize(str(dtype))
+    if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
+        raise FormatError(f"bad shape {shape!r}")
+    if type(adler) is not int or not 0 <= adler < 2**32:
+        raise FormatError(f"bad adler32 {adler!r}")
+    get_codec(str(codec))
+    _check_space(str(space), {})
+    if entry.dtype != "U8" or len(entry.shape) != 1:
+        raise FormatError(f"payload is stored as {entry.dtype}{list(entry.shape)}, want a U8 vector")
+    t = TensorDelta(name, dtype, tuple(shape), adler, codec, space)
+    chunks = info.get("chunks")
+    if not isinstance(chunks, list):
+        raise FormatError("chunk table is not a list")
+    pos = 0
+    for c in chunks:
+        box = Box.from_json(c)
+        off, size = c.get("offset"), c.get("size")
+        if type(off) is not int or type(size) is not int or off != pos or size < 0:
+            raise FormatError(f"chunk payload range offset={off!r} size={size!r} (expected offset {pos})")
+        pos += size
+        t.chunks.append((box, (off, size)))  # type: ignore[arg-type]  # payload range, not bytes, when parsed
+    if pos != entry.nbytes:
+        raise FormatError(f"chunk payloads cover {pos} bytes of a {entry.nbytes}-byte payload")
+    check_tiling([b for b, _ in t.chunks], t.space_shape)
+    return t
+
+
+def apply_tensor(t: TensorDelta, parent: RawTensor, payload: np.ndarray, *, filename: str) -> RawTensor:
+    """Rebuild one tensor from its parent and its payload bytes, and verify its Adler-32."""
+    where = {"file": filename, "tensor": t.name}
+    if parent.dtype != t.dtype or tuple(parent.shape) != t.shape:
+        raise MismatchError(f"delta is for {t.dtype}{list(t.shape)}, parent holds {parent.dtype}{list(parent.shape)}",
+                            **where)
+    size = parent.itemsize
+    codec = get_codec(t.codec)
+    out = np.empty(parent.nbytes, dtype=np.uint8)
+    space = t.space_shape
+    for box, (off, n) in t.chunks:  # type: ignore[misc]
+        base = gather(parent.data, box, space, size)
+        piece = np.empty(box.numel * size, dtype=np.uint8)
+        try:
+            codec.decode(bytes(payload[off:off + n]), np.ascontiguousarray(base), size, piece)
+        except ArcError as exc:
+            raise exc.at(**where) from None
+        scatter(out, piece, box, space, size)
+    rebuilt = RawTensor(t.dtype, t.shape, out)
+    got = rebuilt.adler32()
+    if got != t.adler32:
+        raise ChecksumError(f"Adler-32 of the rebuilt tensor is {got:#010x}, the encoder recorded {t.adler32:#010x}",
+                            **where)
+    return rebuilt
+
+
+def apply_delta_file(parent: Mapping[str, Any], data: bytes | memoryview, *, filename: str = "<bytes>",
+                     expected_parent: str | None = None) -> dict[str, RawTensor]:
+    """Rebuild the tensors of one file from the parent file's tensors and a delta file; verify every checksum."""
+    info = read_delta_info(data, filename=filename)
+    if expected_parent is not None and info.parent_identity != expected_parent:
+        raise MismatchError(f"delta was made against {info.parent_identity!r}, the parent here is "
+                            f"{expected_parent!r}", file=filename)
+    missing, extra = sorted(set(parent) - set(info.tensors)), sorted(set(info.tensors) - set(parent))
+    if missing or extra:
+        raise MismatchError(f"tensor sets differ: missing from delta {missing}, not in parent {extra}", file=filename)
+    buf = np.frombuffer(data, dtype=np.uint8)
+    out: dict[str, RawTensor] = {}
+    for name in parent:  # the parent's order, so a rebuilt file is laid out like the original
+        t = info.tensors[name]
+        e = info.header.entries[name]
+        a = info.header.data_start + e.begin
+        out[name] = apply_tensor(t, RawTensor.from_any(parent[name]), buf[a:a + e.nbytes], filename=filename)
+    return out
+
+
+__all__ = ["TensorDelta", "DeltaInfo", "build_delta_file", "delta_header", "encode_tensor", "encode_delta_file",
+           "is_delta_file", "read_delta_info", "apply_tensor", "apply_delta_file", "combine"]

@@ -1,0 +1,150 @@
+"""Strict safetensors reading and streaming writing.
+
+We parse safetensors ourselves instead of through the ``safetensors`` package for two reasons: every byte we
+read from a bucket is untrusted and each bound must be checked with an error that names the file and tensor,
+and the publisher writes multi-GB files piece by piece without assembling them in memory. The layout is the
+public safetensors one (8-byte little-endian header length, JSON header padded with spaces to 8 bytes, packed
+data), and tests check that the ``safetensors`` package reads what we write and vice versa.
+
+Example::
+
+    blob = save_file({"w": RawTensor.from_any(np.ones(3, np.float32))}, {"note": "x"})
+    tensors = load_file(blob, filename="model-00001.safetensors")
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import BinaryIO, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from .dtypes import DTYPES, RawTensor, numel
+from .errors import FormatError
+
+MAX_HEADER_BYTES = 100 * 2**20  # the safetensors reference reader uses the same bound
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor's header entry: name, dtype code, shape and byte range inside the data section."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class Header:
+    entries: dict[str, Entry]  # in data order
+    metadata: dict[str, str]
+    data_start: int  # offset of the data section inside the file
+
+
+def parse_header(data: bytes | memoryview, *, filename: str = "<bytes>", total_size: int | None = None) -> Header:
+    """Parse and check a safetensors header. ``data`` needs only the header bytes when ``total_size`` is given."""
+    size = len(data) if total_size is None else total_size
+    if size < 8 or len(data) < 8:
+        raise FormatError("file is shorter than the 8-byte header length", file=filename)
+    hlen = int.from_bytes(bytes(data[:8]), "little")
+    if hlen > MAX_HEADER_BYTES or 8 + hlen > size or 8 + hlen > len(data):
+        raise FormatError(f"header length {hlen} exceeds the file ({size} bytes)", file=filename)
+    try:
+        raw = json.loads(bytes(data[8:8 + hlen]).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"header is not JSON: {exc}", file=filename) from None
+    if not isinstance(raw, dict):
+        raise FormatError("header is not a JSON object", file=filename)
+    meta = raw.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise FormatError("__metadata__ must map strings to strings", file=filename)
+    entries: list[Entry] = []
+    for name, info in raw.items():
+        if not isinstance(info, dict):
+            raise FormatError("header entry is not an object", file=filename, tensor=name)
+        dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in DTYPES:
+            raise FormatError(f"unsupported dtype {dtype!r}", file=filename, tensor=name)
+        if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
+            raise FormatError(f"bad shape {shape!r}", file=filename, tensor=name)
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int and o >= 0 for o in offs)):
+            raise FormatError(f"bad data_offsets {offs!r}", file=filename, tensor=name)
+        begin, end = offs
+        want = numel(tuple(shape)) * DTYPES[dtype][0]
+        if end < begin or end - begin != want:
+            raise FormatError(f"data_offsets {offs} hold {end - begin} bytes, shape needs {want}", file=filename,
+                              tensor=name)
+        entries.append(Entry(name, dtype, tuple(shape), begin, end))
+    entries.sort(key=lambda e: (e.begin, e.end))
+    pos = 0
+    for e in entries:
+        if e.begin != pos:
+            raise FormatError(f"data_offsets start at {e.begin}, expected {pos} (gap or overlap)", file=filename,
+                              tensor=e.name)
+        pos = e.end
+    data_start = 8 + hlen
+    if data_start + pos != size:
+        raise FormatError(f"data section is {size - data_start} bytes, header describes {pos}", file=filename)
+    return Header({e.name: e for e in entries}, dict(meta), data_start)
+
+
+def load_file(data: bytes | memoryview, *, filename: str = "<bytes>") -> dict[str, RawTensor]:
+    """All tensors of a safetensors blob as RawTensors viewing ``data`` (no copy)."""
+    header = parse_header(data, filename=filename)
+    buf = np.frombuffer(data, dtype=np.uint8)
+    out: dict[str, RawTensor] = {}
+    for e in header.entries.values():
+        a = header.data_start + e.begin
+        out[e.name] = RawTensor(e.dtype, e.shape, buf[a:a + e.nbytes])
+    return out
+
+
+def load_metadata(data: bytes | memoryview, *, filename: str = "<bytes>") -> dict[str, str]:
+    return parse_header(data, filename=filename).metadata
+
+
+def build_header(items: Sequence[tuple[str, str, Sequence[int], int]], metadata: Mapping[str, str] | None) -> bytes:
+    """Header bytes (length prefix included) for tensors ``(name, dtype, shape, nbytes)`` written in that order."""
+    head: dict[str, object] = {}
+    if metadata:
+        head["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    pos = 0
+    for name, dtype, shape, nbytes in items:
+        if name in head:
+            raise FormatError("duplicate tensor name", tensor=name)
+        head[name] = {"dtype": dtype, "shape": [int(s) for s in shape], "data_offsets": [pos, pos + int(nbytes)]}
+        pos += int(nbytes)
+    text = json.dumps(head, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def write_file(out: BinaryIO, tensors: Mapping[str, RawTensor], metadata: Mapping[str, str] | None = None) -> int:
+    """Stream a safetensors file to ``out``; returns bytes written. Tensors are written in mapping order."""
+    items = [(n, t.dtype, t.shape, t.nbytes) for n, t in tensors.items()]
+    header = build_header(items, metadata)
+    out.write(header)
+    total = len(header)
+    for t in tensors.values():
+        out.write(memoryview(t.data))
+        total += t.nbytes
+    return total
+
+
+def save_file(tensors: Mapping[str, RawTensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """A safetensors blob in memory (for small files and tests; prefer :func:`write_file` for large ones)."""
+    import io
+
+    bio = io.BytesIO()
+    write_file(bio, {n: RawTensor.from_any(t) for n, t in tensors.items()}, metadata)
+    return bio.getvalue()
+
+
+def iter_names(header: Header) -> Iterable[str]:
+    return header.entries.keys()

@@ -1,0 +1,417 @@
+"""A local Fireworks hot-load emulator: a real HTTP server on loopback with replicas that really load snapshots.
+
+It exists so the whole publish → signal → load loop runs offline, in tests and in the demo, against the same
+HTTP protocol the real service speaks (``hotload-protocol.md``): same paths, headers, body schema (unknown
+fields rejected, pydantic-style), ledger rules, status shape. Replicas download each snapshot from the bucket
+through the storage layer, rebuild deltas with the reference decoder (which verifies every tensor's Adler-32),
+check the result against the index and weight spec, and only then swap. Faults can be injected to exercise the
+trainer's recovery paths.
+
+Endpoints (all answer JSON; errors are ``{"error": {"message": ...}}``):
+
+* ``POST/GET /hot_load/v1/models/hot_load`` — signal / status, routed by the ``fireworks-deployment`` header
+* ``POST /hot_load/v1/models/hot_load/hint`` — per-file hint (recorded, not acted on)
+* ``DELETE|GET /v1/accounts/<a>/deployments/<d>/ledger`` — reset / read the ledger (oldest row first)
+* ``GET /v1/accounts`` — account lookup, as the Fireworks SDK does it before building headers
+* ``GET /emulator/v1/state`` — every deployment's replicas (identity + per-tensor sha256) and ledger
+
+Example::
+
+    with HotLoadEmulator("/tmp/bucket", replicas=2, api_key="k") as emu:
+        client = HotLoadClient(emu.url, account_id="a", model_id="m", deployment_id="d", api_key="k")
+        client.signal("step-1")
+        client.wait_ready("step-1", timeout_s=30)
+        print(emu.state()["deployments"]["accounts/a/deployments/d"]["replicas"][0]["tensors"])
+"""
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import logging
+import re
+import threading
+import urllib.parse
+from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from pydantic import ValidationError
+
+from .emulator_state import Deployment, EmulatorSettings, SignalRejected
+from .fireworks import HINT_PATH, HOT_LOAD_PATH, HintRequest, HotLoadRequest
+
+log = logging.getLogger(__name__)
+
+__all__ = ["HotLoadEmulator", "run_emulator_cli", "format_validation_error"]
+
+STATE_PATH = "/emulator/v1/state"
+MAX_BODY = 1 << 20
+_LEDGER_RE = re.compile(r"/v1/accounts/([^/]+)/deployments/([^/]+)/ledger")
+_MODEL_RE = re.compile(r"accounts/[^/]+/models/[^/]+")
+_DEPLOYMENT_RE = re.compile(r"accounts/[^/]+/deployments/[^/]+")
+_META_KEYS = ("previous_snapshot_identity", "compression_format", "checksum_format")
+
+
+class _HttpError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        super().__init__(message)
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """Pydantic errors in the one-line style the real server uses (clients match on this text)."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            parts.append(f"Extra inputs are not permitted, field: '{loc}', value: {err.get('input')!r}")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            parts.append(f"{msg}, field: '{loc}'")
+    return "; ".join(parts)
+
+
+def _require_meta_keys(body: dict[str, Any], where: str) -> None:
+    """The docs say all three metadata keys must be sent; the emulator does not default them."""
+    meta = body.get("incremental_snapshot_metadata")
+    if isinstance(meta, dict):
+        for k in _META_KEYS:
+            if k not in meta:
+                raise _HttpError(400, f"Field required, field: '{where}incremental_snapshot_metadata.{k}'")
+
+
+class HotLoadEmulator:
+    """Serves the hot-load protocol on loopback for snapshots stored under ``bucket``.
+
+    Deployments are created on first use, keyed by the ``fireworks-deployment`` header; each has ``replicas``
+    replicas with their own loader thread. ``base_config`` (optional) is the base model's ``config.json``:
+    when given, every snapshot's config is compared with it as the real service does.
+
+    Example::
+
+        emu = HotLoadEmulator("s3://bucket/prefix", storage_options={"endpoint_url": url}).start()
+        emu.fail_next_loads(1, replica=0)      # the next load on replica 0 fails
+        emu.reject_next_signals(2, status=503)  # the next two signals get HTTP 503
+        ...
+        emu.stop()
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        replicas: int = 2,
+        api_key: str | None = None,
+        load_delay_s: float = 0.0,
+        account_id: str = "emulator",
+        compression_formats: Sequence[str] = ("arc_v2",),
+        base_config: dict[str, Any] | None = None,
+    ) -> None:
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
+        self.bucket = bucket
+        self.storage_options = dict(storage_options or {})
+        self.host = host
+        self.port = port
+        self.replicas = replicas
+        self.account_id = account_id
+        self._api_key = api_key
+        self._storage: Any = None
+        self._lock = threading.Lock()
+        self._errors: list[BaseException] = []
+        self._reject: list[tuple[int, str]] = []
+        self._deployments: dict[str, Deployment] = {}
+        self.settings = EmulatorSettings(
+            get_bytes=self._get_bytes, load_delay_s=float(load_delay_s),
+            compression_formats=tuple(compression_formats), base_config=base_config,
+            record_error=self._record_error)
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        return f"HotLoadEmulator(bucket={self.bucket!r}, url={self.url if self._server else None!r})"
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    def start(self) -> "HotLoadEmulator":
+        if self._server is not None:
+            return self
+        server = ThreadingHTTPServer((self.host, self.port), _Handler)
+        server.daemon_threads = True
+        server.emulator = self  # type: ignore[attr-defined]
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="hotload-emulator-http", daemon=True)
+        self._thread.start()
+        log.info("hot-load emulator serving %s on %s", self.bucket, self.url)
+        return self
+
+    def stop(self) -> None:
+        """Stop the server and the replica threads; raises the first internal error a background thread hit."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            if self._thread is not None:
+                self._thread.join(10)
+            self._server, self._thread = None, None
+        with self._lock:
+            deps = list(self._deployments.values())
+            self._deployments.clear()
+        for dep in deps:
+            dep.shutdown()
+        self.check()
+
+    def check(self) -> None:
+        """Re-raise an internal error recorded by a background thread (a bug, not a load failure)."""
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise RuntimeError(f"hot-load emulator hit {len(errors)} internal error(s); first: {errors[0]!r}") \
+                from errors[0]
+
+    def __enter__(self) -> "HotLoadEmulator":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        if self._server is None:
+            raise RuntimeError("the emulator is not running; call start() first")
+        host, port = self._server.server_address[:2]
+        host = str(host)
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    # ------------------------------------------------------------------------------------------ faults
+
+    def fail_next_loads(self, k: int, replica: int | None = None) -> None:
+        """The next ``k`` loads on ``replica`` (on every replica if None) end in stage "error"."""
+        targets = range(self.replicas) if replica is None else [replica]
+        if replica is not None and not 0 <= replica < self.replicas:
+            raise ValueError(f"replica must be in [0, {self.replicas}), got {replica}")
+        with self.settings.lock:
+            for i in targets:
+                self.settings.fail_counts[i] = self.settings.fail_counts.get(i, 0) + k
+
+    def set_load_delay(self, seconds: float) -> None:
+        """Every load waits this long after its download starts (makes in-flight states observable)."""
+        self.settings.load_delay_s = float(seconds)
+
+    def reject_next_signals(self, k: int, status: int = 503, message: str = "injected fault: service unavailable") \
+            -> None:
+        """The next ``k`` signal POSTs are answered with ``status`` and ``message`` before any validation."""
+        with self._lock:
+            self._reject.extend([(status, message)] * k)
+
+    # ------------------------------------------------------------------------------------------ state
+
+    def state(self) -> dict[str, Any]:
+        """Same dict as GET /emulator/v1/state."""
+        with self._lock:
+            deps = dict(self._deployments)
+        return {"deployments": {k: d.inspect() for k, d in sorted(deps.items())}}
+
+    def _record_error(self, exc: BaseException) -> None:
+        log.error("hot-load emulator internal error: %r", exc)
+        with self._lock:
+            self._errors.append(exc)
+
+    def _get_bytes(self, relpath: str) -> bytes:
+        with self._lock:
+            if self._storage is None:
+                from .storage import Storage
+
+                self._storage = Storage(self.bucket, self.storage_options)
+            storage = self._storage
+        return storage.get_bytes(relpath)
+
+    def _deployment(self, key: str, model: str | None) -> Deployment:
+        with self._lock:
+            dep = self._deployments.get(key)
+            if dep is None:
+                dep = Deployment(key, None, replicas=self.replicas, settings=self.settings)
+                self._deployments[key] = dep
+        if model is not None:
+            dep.check_model(model)
+        return dep
+
+    # ------------------------------------------------------------------------------------------ routing
+
+    def _check_auth(self, headers: Any) -> None:
+        if self._api_key is None:
+            return
+        auth = headers.get("Authorization") or ""
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
+            raise _HttpError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')")
+
+    def _routed(self, headers: Any) -> Deployment:
+        model, dep = headers.get("fireworks-model"), headers.get("fireworks-deployment")
+        if not dep:
+            raise _HttpError(400, "missing header fireworks-deployment: accounts/<account>/deployments/<id>")
+        if not model:
+            raise _HttpError(400, "missing header fireworks-model: accounts/<account>/models/<model>")
+        if not _DEPLOYMENT_RE.fullmatch(dep):
+            raise _HttpError(400, f"fireworks-deployment {dep!r} must look like accounts/<account>/deployments/<id>")
+        if not _MODEL_RE.fullmatch(model):
+            raise _HttpError(400, f"fireworks-model {model!r} must look like accounts/<account>/models/<model>")
+        return self._deployment(dep, model)
+
+    @staticmethod
+    def _json_body(body: bytes) -> dict[str, Any]:
+        try:
+            obj = json.loads(body)
+        except ValueError as exc:
+            raise _HttpError(400, f"request body is not valid JSON: {exc}") from None
+        if not isinstance(obj, dict):
+            raise _HttpError(400, "request body must be a JSON object")
+        return obj
+
+    def handle(self, method: str, target: str, headers: Any, body: bytes) -> tuple[int, Any]:
+        """Route one request; returns (status, JSON-able body)."""
+        path = urllib.parse.urlsplit(target).path.rstrip("/") or "/"
+        try:
+            self._check_auth(headers)
+            if path == HOT_LOAD_PATH:
+                if method == "POST":
+                    return self._signal(headers, body)
+                if method == "GET":
+                    return 200, self._routed(headers).status()
+                raise _HttpError(405, f"{method} is not allowed on {path}")
+            if path == HINT_PATH:
+                if method != "POST":
+                    raise _HttpError(405, f"{method} is not allowed on {path}")
+                return self._hint(headers, body)
+            m = _LEDGER_RE.fullmatch(path)
+            if m:
+                key = f"accounts/{m.group(1)}/deployments/{m.group(2)}"
+                if method == "DELETE":
+                    self._deployment(key, None).reset_ledger()
+                    return 200, {}
+                if method == "GET":
+                    return 200, {"ledger": self._deployment(key, None).ledger_rows()}
+                raise _HttpError(405, f"{method} is not allowed on {path}")
+            if path == "/v1/accounts" and method == "GET":
+                return 200, {"accounts": [{"name": f"accounts/{self.account_id}"}]}
+            if path == STATE_PATH and method == "GET":
+                return 200, self.state()
+            raise _HttpError(404, f"no such endpoint: {method} {path}")
+        except _HttpError as exc:
+            return exc.status, {"error": {"message": str(exc), "code": exc.status}}
+        except SignalRejected as exc:
+            return exc.status, {"error": {"message": str(exc), "code": exc.status}}
+
+    def _signal(self, headers: Any, body: bytes) -> tuple[int, Any]:
+        with self._lock:
+            reject = self._reject.pop(0) if self._reject else None
+        if reject is not None:
+            raise _HttpError(*reject)
+        dep = self._routed(headers)
+        obj = self._json_body(body)
+        try:
+            req = HotLoadRequest.model_validate(obj)
+        except ValidationError as exc:
+            raise _HttpError(400, format_validation_error(exc)) from None
+        _require_meta_keys(obj, "")
+        return 200, dep.signal(req)
+
+    def _hint(self, headers: Any, body: bytes) -> tuple[int, Any]:
+        dep = self._routed(headers)
+        obj = self._json_body(body)
+        try:
+            req = HintRequest.model_validate(obj)
+        except ValidationError as exc:
+            raise _HttpError(400, format_validation_error(exc)) from None
+        if isinstance(obj.get("snapshot"), dict):
+            _require_meta_keys(obj["snapshot"], "snapshot.")
+        meta = req.snapshot.incremental_snapshot_metadata
+        dep.hint(req.snapshot.identity, req.filename, meta.previous_snapshot_identity if meta else None)
+        return 200, {"status": "ok"}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_version = "hotload-emulator/1"
+    protocol_version = "HTTP/1.0"
+
+    def _dispatch(self, method: str) -> None:
+        emu: HotLoadEmulator = self.server.emulator  # type: ignore[attr-defined]
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
+        if length < 0 or length > MAX_BODY:
+            self._send(413 if length > MAX_BODY else 400, {"error": {"message": "bad or oversized Content-Length"}})
+            return
+        body = self.rfile.read(length) if length else b""
+        try:
+            status, payload = emu.handle(method, self.path, self.headers, body)
+        except Exception as exc:  # a bug in the emulator: answer 500 and keep it for stop()/check()
+            emu._record_error(exc)
+            status, payload = 500, {"error": {"message": f"internal emulator error: {exc!r}"}}
+        self._send(status, payload)
+
+    def _send(self, status: int, payload: Any) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server naming)
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._dispatch("POST")
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        self._dispatch("DELETE")
+
+    def do_PUT(self) -> None:  # noqa: N802
+        self._dispatch("PUT")
+
+    def do_PATCH(self) -> None:  # noqa: N802
+        self._dispatch("PATCH")
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        log.debug("emulator %s - %s", self.address_string(), format % args)
+
+
+def run_emulator_cli(args: list[str] | None = None) -> int:
+    """``hotload emulate``: serve until Ctrl-C; prints the URL to point HotLoadClient at."""
+    p = argparse.ArgumentParser(prog="hotload emulate", description="Run a local Fireworks hot-load emulator.")
+    p.add_argument("--bucket", required=True, help="bucket prefix URI holding <identity>/ snapshot folders")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no auth)")
+    p.add_argument("--load-delay", type=float, default=0.0, help="extra seconds per load")
+    p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for s3:// buckets")
+    ns = p.parse_args(args)
+    opts = {"endpoint_url": ns.endpoint_url} if ns.endpoint_url else None
+    emu = HotLoadEmulator(ns.bucket, storage_options=opts, host=ns.host, port=ns.port, replicas=ns.replicas,
+                          api_key=ns.api_key, load_delay_s=ns.load_delay)
+    try:
+        emu.start()
+    except OSError as exc:
+        print(f"hotload emulate: cannot listen on {ns.host}:{ns.port}: {exc}")
+        return 2
+    print(f"hot-load emulator for {ns.bucket} listening on {emu.url} (Ctrl-C to stop)", flush=True)
+    stop = threading.Event()
+    try:
+        while not stop.wait(3600):
+            pass
+    except KeyboardInterrupt:
+        print("stopping", flush=True)
+    finally:
+        emu.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_emulator_cli())

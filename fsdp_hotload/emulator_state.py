@@ -1,0 +1,441 @@
+"""Deployment, replica and ledger state of the hot-load emulator, and the snapshot loader its replicas run.
+
+Kept apart from the HTTP layer (``emulator.py``) so the rules a real deployment applies — which signals are
+accepted, how a replica rebuilds and verifies a snapshot, what survives a failed load — read as plain code.
+
+A replica's load is real work: it reads the index and weight spec from the bucket, downloads every shard,
+parses full files or applies delta files to the tensors it currently serves (the decoder verifies each tensor's
+Adler-32), checks the result against the index and spec, and only then swaps. A failure leaves the replica on
+its previous weights with ``stage == "error"`` and the error text in the ledger.
+
+Example::
+
+    settings = EmulatorSettings(get_bytes=Storage(bucket).get_bytes)
+    dep = Deployment("accounts/a/deployments/d", "accounts/a/models/m", replicas=2, settings=settings)
+    code, body = dep.signal(HotLoadRequest(identity="step-1"))
+    ...
+    dep.shutdown()
+"""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .arc import ArcError, RawTensor, apply_delta_file, code_from_name, is_delta_file, load_file, read_delta_info
+from .arc import torch_name
+from .fireworks import HotLoadRequest, validate_filename
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SPEC_FILE = "model.weight.spec.json"
+CONFIG_FILE = "config.json"
+CHECKSUM_FORMAT = "alder32"
+
+
+class LoadError(Exception):
+    """A snapshot could not be loaded; the message names the file/tensor and the reason."""
+
+
+class SignalRejected(Exception):
+    """A signal fails validation against the deployment's state; carries the HTTP status to answer."""
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        super().__init__(message)
+
+
+@dataclass
+class EmulatorSettings:
+    """Knobs shared by every deployment of one emulator (read at use time, so tests can change them live)."""
+
+    get_bytes: Callable[[str], bytes]
+    load_delay_s: float = 0.0
+    compression_formats: tuple[str, ...] = ("arc_v2",)
+    base_config: dict[str, Any] | None = None
+    fail_counts: dict[int, int] = field(default_factory=dict)  # replica index -> loads left to fail
+    record_error: Callable[[BaseException], None] = lambda exc: None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def take_failure(self, replica: int) -> bool:
+        with self.lock:
+            left = self.fail_counts.get(replica, 0)
+            if left <= 0:
+                return False
+            self.fail_counts[replica] = left - 1
+            return True
+
+
+# ---------------------------------------------------------------------------------------------------- loader
+
+
+def _read_json(get_bytes: Callable[[str], bytes], identity: str, name: str) -> dict[str, Any]:
+    path = f"{identity}/{name}"
+    try:
+        raw = get_bytes(path)
+    except Exception as exc:  # the storage layer's own error types vary by backend
+        raise LoadError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
+    try:
+        obj = json.loads(raw)
+    except ValueError as exc:
+        raise LoadError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise LoadError(f"{path} must hold a JSON object")
+    return obj
+
+
+def _check_config(config: dict[str, Any], base: dict[str, Any] | None, ignore: list[str], identity: str) -> None:
+    """The server compares the snapshot's config.json with the base model's; same error kinds as the docs."""
+    if base is None:
+        return
+    skip = set(ignore)
+    only_base = sorted(k for k in base if k not in config and k not in skip)
+    only_snap = sorted(k for k in config if k not in base and k not in skip)
+    if only_base:
+        raise LoadError(f"{identity}/{CONFIG_FILE}: Extra base model config options: {', '.join(only_base)}")
+    if only_snap:
+        raise LoadError(f"{identity}/{CONFIG_FILE}: Extra snapshot model config options: {', '.join(only_snap)}")
+    for k in sorted(base):
+        if k not in skip and base[k] != config[k]:
+            raise LoadError(f"{identity}/{CONFIG_FILE}: Config value mismatch for {k}: base {base[k]!r}, "
+                            f"snapshot {config[k]!r}")
+
+
+def read_layout(get_bytes: Callable[[str], bytes], identity: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """Index weight_map and spec tensor_map of a snapshot, checked against each other."""
+    index = _read_json(get_bytes, identity, INDEX_FILE)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise LoadError(f"{identity}/{INDEX_FILE}: 'weight_map' must be a non-empty object")
+    for name, fname in weight_map.items():
+        if not isinstance(fname, str):
+            raise LoadError(f"{identity}/{INDEX_FILE}: weight_map[{name!r}] must be a file name")
+        try:
+            validate_filename(fname, field=f"weight_map[{name!r}]")
+        except ValueError as exc:
+            raise LoadError(f"{identity}/{INDEX_FILE}: {exc}") from None
+    spec = _read_json(get_bytes, identity, SPEC_FILE)
+    tensor_map = spec.get("tensor_map")
+    if not isinstance(tensor_map, dict):
+        raise LoadError(f"{identity}/{SPEC_FILE}: 'tensor_map' must be an object")
+    missing = sorted(n for n in weight_map if n not in tensor_map)
+    if missing:
+        raise LoadError(f"{identity}/{SPEC_FILE}: tensor_map lacks {len(missing)} tensor(s) named in the index: "
+                        f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    for name in weight_map:
+        entry = tensor_map[name]
+        ok = (isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and isinstance(entry.get("shape"), list)
+              and all(isinstance(s, int) and s >= 0 for s in entry["shape"]))
+        if not ok:
+            raise LoadError(f"{identity}/{SPEC_FILE}: tensor_map[{name!r}] needs 'shape' (list of ints) and 'dtype'")
+    return weight_map, tensor_map
+
+
+def _check_tensor(identity: str, fname: str, name: str, t: RawTensor, spec: dict[str, Any]) -> None:
+    try:
+        want = code_from_name(spec["dtype"])
+    except ArcError:
+        raise LoadError(f"{identity}/{SPEC_FILE}: tensor {name!r} has unknown dtype {spec['dtype']!r}") from None
+    if t.dtype != want or list(t.shape) != list(spec["shape"]):
+        raise LoadError(f"{identity}/{fname}: tensor {name!r} is {torch_name(t.dtype)}{list(t.shape)}, the weight "
+                        f"spec says {spec['dtype']}{spec['shape']}")
+
+
+def load_snapshot(
+    get_bytes: Callable[[str], bytes],
+    identity: str,
+    *,
+    previous: str | None,
+    compression_format: str | None,
+    parent: dict[str, RawTensor],
+    parent_weight_map: dict[str, str] | None,
+    on_stage: Callable[[str], None] = lambda stage: None,
+) -> tuple[dict[str, RawTensor], dict[str, str], dict[str, Any]]:
+    """Download and rebuild one snapshot; returns (tensors, weight_map, config). Raises LoadError/ArcError."""
+    weight_map, tensor_map = read_layout(get_bytes, identity)
+    config = _read_json(get_bytes, identity, CONFIG_FILE)
+    if previous is not None:
+        if parent_weight_map is None:
+            raise LoadError(f"delta {identity!r} needs parent {previous!r}, but this replica holds no weights")
+        if weight_map != parent_weight_map:
+            diff = sorted(set(weight_map.items()) ^ set(parent_weight_map.items()))
+            raise LoadError(f"{identity}/{INDEX_FILE}: a delta must keep the parent's weight_map exactly; "
+                            f"differs at {diff[0][0]!r}")
+    files: dict[str, list[str]] = {}
+    for name, fname in weight_map.items():
+        files.setdefault(fname, []).append(name)
+    out: dict[str, RawTensor] = {}
+    for fname in sorted(files):
+        on_stage("downloading")
+        path = f"{identity}/{fname}"
+        try:
+            data = get_bytes(path)
+        except Exception as exc:
+            raise LoadError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
+        on_stage("applying" if previous is not None else "verifying")
+        want = set(files[fname])
+        if previous is None:
+            if is_delta_file(data):
+                raise LoadError(f"{path} is a delta file, but {identity!r} was signalled as a full snapshot")
+            got = load_file(data, filename=fname)
+        else:
+            if not is_delta_file(data):
+                raise LoadError(f"{path} is not a delta file, but {identity!r} was signalled as a delta")
+            codecs = {t.codec for t in read_delta_info(data, filename=fname).tensors.values()}
+            if compression_format is not None and codecs - {compression_format}:
+                raise LoadError(f"{path} is encoded with {sorted(codecs)}, the signal said {compression_format!r}")
+            got = apply_delta_file({n: parent[n] for n in files[fname]}, data, filename=fname,
+                                   expected_parent=previous)
+        if set(got) != want:
+            raise LoadError(f"{path}: holds tensors {sorted(set(got) - want)} not mapped to it by the index and "
+                            f"lacks {sorted(want - set(got))}")
+        for name in files[fname]:
+            _check_tensor(identity, fname, name, got[name], tensor_map[name])
+        out.update(got)
+    return out, weight_map, config
+
+
+def summarize(tensors: dict[str, RawTensor]) -> dict[str, dict[str, Any]]:
+    return {n: {"dtype": torch_name(t.dtype), "shape": list(t.shape), "sha256": t.sha256()}
+            for n, t in sorted(tensors.items())}
+
+
+# ---------------------------------------------------------------------------------------------------- state
+
+
+@dataclass
+class LedgerRow:
+    identity: str
+    kind: str  # "full" | "delta"
+    previous: str | None
+    compression_format: str | None
+    reset_prompt_cache: Any
+    ignore: list[str]
+    signalled_at: float
+    per_replica: list[dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"identity": self.identity, "kind": self.kind, "previous": self.previous,
+                "compression_format": self.compression_format, "reset_prompt_cache": self.reset_prompt_cache,
+                "signalled_at": self.signalled_at, "per_replica": [dict(r) for r in self.per_replica]}
+
+
+@dataclass
+class _Job:
+    row: LedgerRow
+    generation: int
+
+
+class Replica:
+    """One serving replica: its weights, its load stage, and the worker thread that loads snapshots in order."""
+
+    def __init__(self, index: int, deployment: "Deployment") -> None:
+        self.index = index
+        self.dep = deployment
+        self.current: str | None = None
+        self.readiness = True  # serving the base model until a snapshot is loaded
+        self.stage = "idle"
+        self.target: str | None = None
+        self.error: str | None = None
+        self.busy = False
+        self.tensors: dict[str, RawTensor] = {}
+        self.weight_map: dict[str, str] | None = None
+        self.summary: dict[str, dict[str, Any]] = {}
+        self.jobs: queue.Queue[_Job | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name=f"hotload-emulator-{deployment.key}-r{index}",
+                                       daemon=True)
+        self.thread.start()
+
+    def status(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"stage": self.stage, "target_snapshot_identity": self.target}
+        if self.error is not None:
+            state["error"] = self.error
+        return {"current_snapshot_identity": self.current, "readiness": self.readiness, "loading_state": state,
+                "loaded_adapters": [], "supports_rdma_weight_sync": False, "rdma_weight_sync_enabled": None}
+
+    def inspect(self) -> dict[str, Any]:
+        return {"identity": self.current, "readiness": self.readiness, "stage": self.stage, "target": self.target,
+                "error": self.error, "tensors": {k: dict(v) for k, v in self.summary.items()}}
+
+    def forget(self) -> None:
+        """Ledger reset: back to the base model (caller holds the deployment lock)."""
+        self.current, self.tensors, self.weight_map, self.summary = None, {}, None, {}
+        self.readiness, self.error, self.target = True, None, None
+        self.stage = "idle"
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            try:
+                self._load(job)
+            except BaseException as exc:  # a bug in the emulator itself: keep it visible
+                self.dep.settings.record_error(exc)
+                with self.dep.lock:
+                    self.stage, self.error, self.readiness, self.busy = "error", f"internal error: {exc!r}", True, False
+
+    def _set_stage(self, job: _Job, stage: str) -> None:
+        with self.dep.lock:
+            if job.generation == self.dep.generation:
+                self.stage = stage
+
+    def _load(self, job: _Job) -> None:
+        row, dep = job.row, self.dep
+        with dep.lock:
+            if job.generation != dep.generation:  # cancelled by a ledger reset
+                self.busy = not self.jobs.empty()
+                return
+            self.busy, self.stage, self.target, self.error = True, "downloading", row.identity, None
+            parent, parent_map, current = self.tensors, self.weight_map, self.current
+        try:
+            if dep.settings.take_failure(self.index):
+                raise LoadError(f"injected fault: replica {self.index} fails this load (fail_next_loads)")
+            if dep.settings.load_delay_s > 0:
+                time.sleep(dep.settings.load_delay_s)
+            if row.previous is not None and current != row.previous:
+                raise LoadError(f"delta {row.identity!r} applies to {row.previous!r}, but replica {self.index} "
+                                f"serves {current!r}")
+            tensors, weight_map, config = load_snapshot(
+                dep.settings.get_bytes, row.identity, previous=row.previous,
+                compression_format=row.compression_format, parent=parent, parent_weight_map=parent_map,
+                on_stage=lambda s: self._set_stage(job, s))
+            _check_config(config, dep.settings.base_config, row.ignore, row.identity)
+        except (LoadError, ArcError) as exc:
+            self._fail(job, f"{type(exc).__name__}: {exc}")
+            return
+        except Exception as exc:  # anything else a corrupt input can trigger is still a load error
+            self._fail(job, f"unexpected {type(exc).__name__} while loading: {exc}")
+            return
+        with dep.lock:
+            if job.generation != dep.generation:
+                self.busy = not self.jobs.empty()
+                return
+            self.readiness, self.stage = False, "swapping"  # the only window in which the replica is not ready
+        summary = summarize(tensors)
+        with dep.lock:
+            if job.generation == dep.generation:
+                self.tensors, self.weight_map, self.summary, self.current = tensors, weight_map, summary, row.identity
+                self.stage = "done"
+                row.per_replica[self.index].update(stage="done", ready_at=time.time())
+            self.readiness = True
+            self.busy = not self.jobs.empty()
+        log.info("emulator %s replica %d serves %r", dep.key, self.index, row.identity)
+
+    def _fail(self, job: _Job, message: str) -> None:
+        log.warning("emulator %s replica %d failed to load %r: %s", self.dep.key, self.index, job.row.identity,
+                    message)
+        with self.dep.lock:
+            if job.generation == self.dep.generation:
+                self.stage, self.target, self.error = "error", job.row.identity, message
+                job.row.per_replica[self.index].update(stage="error", error=message, failed_at=time.time())
+            self.busy = not self.jobs.empty()
+
+
+class Deployment:
+    """One emulated deployment: replicas, ledger, hints, and the signal rules of the protocol."""
+
+    def __init__(self, key: str, model: str | None, *, replicas: int, settings: EmulatorSettings) -> None:
+        self.key = key
+        self.model = model
+        self.settings = settings
+        self.lock = threading.RLock()
+        self.generation = 0
+        self.ledger: list[LedgerRow] = []
+        self.hints: list[dict[str, Any]] = []
+        self.replicas = [Replica(i, self) for i in range(replicas)]
+
+    def check_model(self, model: str) -> None:
+        with self.lock:
+            if self.model is None:
+                self.model = model
+            elif model != self.model:
+                raise SignalRejected(400, f"fireworks-model {model!r} does not match {self.model!r}, the model "
+                                          f"deployment {self.key!r} serves")
+
+    def signal(self, req: HotLoadRequest) -> dict[str, Any]:
+        """Validate a signal against the ledger and the replicas, then queue the load on every replica."""
+        identity = req.identity
+        meta = req.incremental_snapshot_metadata
+        previous = meta.previous_snapshot_identity if meta is not None else None
+        with self.lock:
+            if self.ledger and self.ledger[-1].identity == identity:
+                if self.ledger[-1].previous == previous:
+                    return {"status": "ok"}  # a retried signal: the load is already under way or done
+                raise SignalRejected(409, f"identity {identity!r} was just signalled with different "
+                                          "incremental_snapshot_metadata; use a new identity")
+            if any(r.identity == identity for r in self.ledger):
+                raise SignalRejected(409, f"identity {identity!r} was already used on deployment {self.key!r}; "
+                                          "every snapshot needs a new identity")
+            if meta is not None:
+                if meta.compression_format not in self.settings.compression_formats:
+                    raise SignalRejected(400, f"compression_format {meta.compression_format!r} is not supported "
+                                              f"(supported: {', '.join(self.settings.compression_formats)})")
+                if meta.checksum_format != CHECKSUM_FORMAT:
+                    raise SignalRejected(400, f"checksum_format {meta.checksum_format!r} is not supported "
+                                              f"(supported: {CHECKSUM_FORMAT})")
+                if not self.ledger:
+                    raise SignalRejected(400, f"delta snapshot {identity!r} names previous_snapshot_identity "
+                                              f"{previous!r}, but the ledger is empty (new deployment or ledger "
+                                              "reset): signal a full snapshot first")
+                if all(r.identity != previous for r in self.ledger):
+                    raise SignalRejected(400, f"previous_snapshot_identity {previous!r} is not in the ledger of "
+                                              f"{self.key!r}")
+                served = [r.current for r in self.replicas]
+                if any(s != previous for s in served):
+                    raise SignalRejected(400, f"previous_snapshot_identity {previous!r} is not the snapshot the "
+                                              f"replicas serve ({served}); signal a full snapshot")
+            row = LedgerRow(
+                identity=identity, kind="delta" if meta is not None else "full", previous=previous,
+                compression_format=meta.compression_format if meta is not None else None,
+                reset_prompt_cache=req.reset_prompt_cache if req.reset_prompt_cache is not None else "all",
+                ignore=list(req.validation.extra_fields_ignore) if req.validation is not None else [],
+                signalled_at=time.time(),
+                per_replica=[{"replica": i, "stage": "pending", "ready_at": None, "error": None}
+                             for i in range(len(self.replicas))])
+            self.ledger.append(row)
+            for rep in self.replicas:
+                if not rep.busy:
+                    rep.stage, rep.target, rep.error = "pending", identity, None
+                rep.busy = True
+                rep.jobs.put(_Job(row, self.generation))
+        return {"status": "ok"}
+
+    def hint(self, identity: str, filename: str, previous: str | None) -> None:
+        with self.lock:
+            self.hints.append({"identity": identity, "filename": filename, "previous": previous, "at": time.time()})
+
+    def reset_ledger(self) -> None:
+        with self.lock:
+            self.generation += 1
+            self.ledger.clear()
+            self.hints.clear()
+            for rep in self.replicas:
+                rep.forget()
+
+    def status(self) -> dict[str, Any]:
+        with self.lock:
+            return {"replicas": [r.status() for r in self.replicas]}
+
+    def ledger_rows(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return [r.to_dict() for r in self.ledger]
+
+    def inspect(self) -> dict[str, Any]:
+        with self.lock:
+            return {"model": self.model, "replicas": [r.inspect() for r in self.replicas],
+                    "ledger": [r.to_dict() for r in self.ledger], "hints": [dict(h) for h in self.hints]}
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        with self.lock:
+            self.generation += 1  # queued loads are dropped
+        for rep in self.replicas:
+            rep.jobs.put(None)
+        for rep in self.replicas:
+            rep.thread.join(timeout_s)

@@ -1,0 +1,764 @@
+"""Client for the Fireworks hot-load API: signal a snapshot, send per-file hints, poll until it is served.
+
+The wire protocol is described in ``hotload-protocol.md``; this module is the trainer's side of it. Requests are
+pydantic models with ``extra="forbid"`` because the server's body schema rejects unknown fields, so a typo
+should fail here, before it reaches the network. Responses tolerate unknown fields because the server adds
+fields over time.
+
+The API key is held in a wrapper whose ``repr`` is redacted, and every message this module builds from server
+text passes through a redaction step, so the key never reaches a log line or a traceback.
+
+Only the standard library speaks HTTP here (``http.client``): the client must work in trainer images where
+``requests`` is not installed.
+
+Example::
+
+    client = HotLoadClient("https://api.fireworks.ai", account_id="acme", model_id="qwen3-8b",
+                           deployment_id="rl-rollouts")        # key from FIREWORKS_API_KEY
+    client.signal("step-00040")                                 # full snapshot
+    client.wait_ready("step-00040", timeout_s=600)
+    client.signal("step-00041", previous_identity="step-00040")  # arc_v2 delta on top of it
+    client.wait_ready("step-00041")
+"""
+from __future__ import annotations
+
+import http.client
+import ipaddress
+import json
+import logging
+import os
+import re
+import ssl
+import time
+import urllib.parse
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "API_KEY_ENV",
+    "DeploymentTarget",
+    "HintRequest",
+    "HintSnapshot",
+    "HotLoadClient",
+    "HotLoadError",
+    "HotLoadRequest",
+    "HotLoadResponseError",
+    "HotLoadStatus",
+    "HotLoadTimeout",
+    "IncrementalSnapshotMetadata",
+    "LoadedAdapter",
+    "LoadingState",
+    "ReplicaStatus",
+    "ValidationOptions",
+    "validate_identity",
+]
+
+API_KEY_ENV = "FIREWORKS_API_KEY"
+DEFAULT_BASE_URL = "https://api.fireworks.ai"
+HOT_LOAD_PATH = "/hot_load/v1/models/hot_load"
+HINT_PATH = "/hot_load/v1/models/hot_load/hint"
+SOURCE_URL_HEADER = "x-fireworks-hot-load-source-url"
+IDENTITY_MAX_LEN = 128
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+# Statuses that will not change by polling again: waiting would only hide a configuration error.
+_FATAL_POLL_STATUS = frozenset({400, 401, 403, 404})
+_IDENTITY_CHARS = re.compile(r"[A-Za-z0-9._-]+")
+_MODEL_RE = re.compile(r"accounts/([^/]+)/models/([^/]+)")
+_DEPLOYMENT_RE = re.compile(r"accounts/([^/]+)/deployments/([^/]+)")
+
+_HINTS: dict[int, str] = {
+    400: "the server rejected the request: check the identity and incremental_snapshot_metadata "
+    "(the previous identity must be the snapshot the deployment serves now; after a ledger reset or a failed "
+    "load, publish a full snapshot)",
+    401: f"the API key was not accepted: set {API_KEY_ENV} to a valid key (inference-only keys get 401 on "
+    "hot-load and training APIs)",
+    403: "the key lacks permission for this account or deployment: check account_id and deployment_id, and that "
+    "the key belongs to that account",
+    404: "not found: check base_url, account_id and deployment_id, and that the deployment was created with "
+    "hot-load enabled",
+    408: "the server timed out reading the request: check the network path and retry",
+    409: "conflict: every snapshot needs a new identity; publish under a fresh identity",
+    429: "rate limited and the retry budget is spent: signal and poll less often, or raise retry_budget_s",
+    500: "server error and the retry budget is spent: check the deployment's status; publish a full snapshot "
+    "once it is healthy",
+}
+
+
+def _hint_for(status: int | None) -> str | None:
+    if status is None:
+        return None
+    if status in _HINTS:
+        return _HINTS[status]
+    if 500 <= status < 600:
+        return _HINTS[500]
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------- errors
+
+
+class HotLoadError(RuntimeError):
+    """A hot-load request failed, or a snapshot failed to load.
+
+    ``status_code`` is the HTTP status (None for network failures and load failures), ``server_message`` the
+    message extracted from the response body, ``hint`` a sentence saying what to do.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status_code: int | None = None,
+        server_message: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        self.status_code = status_code
+        self.server_message = server_message
+        self.hint = hint
+        super().__init__(f"{message}; what to do: {hint}" if hint else message)
+
+
+class HotLoadTimeout(HotLoadError):
+    """The snapshot was not served by every replica within the wait budget."""
+
+
+class HotLoadResponseError(HotLoadError):
+    """The server answered 2xx with a body this client cannot read (wrong endpoint or incompatible server)."""
+
+
+# ---------------------------------------------------------------------------------------------------- identity
+
+
+def validate_identity(identity: str, *, field: str = "identity") -> str:
+    """Check a snapshot identity: it is a directory name directly under the bucket prefix, so one safe segment.
+
+    The server documents only "one path segment, no '/'"; the length and charset limits are ours, chosen so an
+    identity is a valid object-store key segment on every backend and cannot escape the prefix.
+    """
+    if not isinstance(identity, str) or not identity:
+        raise ValueError(f"{field} must be a non-empty string, got {identity!r}")
+    if "/" in identity:
+        raise ValueError(f"{field} {identity!r} must be one path segment (no '/')")
+    if identity in (".", ".."):
+        raise ValueError(f"{field} {identity!r} must not be '.' or '..'")
+    if len(identity) > IDENTITY_MAX_LEN:
+        raise ValueError(f"{field} is {len(identity)} characters long; the limit is {IDENTITY_MAX_LEN}")
+    if not _IDENTITY_CHARS.fullmatch(identity):
+        bad = sorted({c for c in identity if not _IDENTITY_CHARS.fullmatch(c)})
+        raise ValueError(
+            f"{field} {identity!r} contains {''.join(bad)!r}; allowed characters are A-Z a-z 0-9 . _ -"
+        )
+    return identity
+
+
+def validate_filename(filename: str, *, field: str = "filename") -> str:
+    """A file path relative to a snapshot directory: no absolute paths, no '..', no empty segments."""
+    if not isinstance(filename, str) or not filename:
+        raise ValueError(f"{field} must be a non-empty string, got {filename!r}")
+    parts = filename.split("/")
+    if filename.startswith("/") or "\\" in filename or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"{field} {filename!r} must be a relative path inside the snapshot directory")
+    return filename
+
+
+# ---------------------------------------------------------------------------------------------------- models
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    def to_body(self) -> dict[str, Any]:
+        """The JSON body: unset optional fields are left out, because the server rejects unknown ones and older
+        servers do not know every optional field."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+class IncrementalSnapshotMetadata(_Request):
+    """Marks a signal as a delta (arc_v2) on top of ``previous_snapshot_identity``."""
+
+    previous_snapshot_identity: str
+    compression_format: str = "arc_v2"
+    checksum_format: str = "alder32"  # sic: the wire token is misspelt
+
+    @field_validator("previous_snapshot_identity")
+    @classmethod
+    def _check_previous(cls, v: str) -> str:
+        return validate_identity(v, field="previous_snapshot_identity")
+
+
+class ValidationOptions(_Request):
+    """Top-level ``config.json`` keys to ignore when the server compares the snapshot config with the base."""
+
+    extra_fields_ignore: list[str] = Field(default_factory=list)
+
+
+ResetPromptCache = Union[Literal["all", "new_session", "none"], StrictBool]
+
+
+class HotLoadRequest(_Request):
+    """Body of POST /hot_load/v1/models/hot_load.
+
+    Example::
+
+        HotLoadRequest(identity="step-2",
+                       incremental_snapshot_metadata=IncrementalSnapshotMetadata(previous_snapshot_identity="step-1"))
+    """
+
+    identity: str
+    incremental_snapshot_metadata: Optional[IncrementalSnapshotMetadata] = None
+    reset_prompt_cache: Optional[ResetPromptCache] = None
+    validation: Optional[ValidationOptions] = None
+
+    @field_validator("identity")
+    @classmethod
+    def _check_identity(cls, v: str) -> str:
+        return validate_identity(v)
+
+
+class HintSnapshot(_Request):
+    identity: str
+    incremental_snapshot_metadata: Optional[IncrementalSnapshotMetadata] = None
+
+    @field_validator("identity")
+    @classmethod
+    def _check_identity(cls, v: str) -> str:
+        return validate_identity(v)
+
+
+class HintRequest(_Request):
+    """Body of POST /hot_load/v1/models/hot_load/hint: one file of a snapshot is durable in the bucket."""
+
+    snapshot: HintSnapshot
+    filename: str
+
+    @field_validator("filename")
+    @classmethod
+    def _check_filename(cls, v: str) -> str:
+        return validate_filename(v)
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class LoadingState(_Response):
+    stage: str = "unknown"
+    target_snapshot_identity: Optional[str] = None
+
+    @property
+    def error_text(self) -> str | None:
+        """Error text if the server adds one (the emulator does; the documented API has no such field)."""
+        extra = self.model_extra or {}
+        value = extra.get("error")
+        return str(value) if value not in (None, "") else None
+
+
+class LoadedAdapter(_Response):
+    identity: Optional[str] = None
+    status: Optional[str] = None
+
+
+class ReplicaStatus(_Response):
+    current_snapshot_identity: Optional[str] = None
+    readiness: bool = False
+    loading_state: Optional[LoadingState] = None
+    loaded_adapters: list[LoadedAdapter] = Field(default_factory=list)
+    supports_rdma_weight_sync: Optional[bool] = None
+    rdma_weight_sync_enabled: Optional[bool] = None
+
+    @property
+    def stage(self) -> str:
+        return self.loading_state.stage if self.loading_state is not None else "unknown"
+
+    @property
+    def target(self) -> str | None:
+        return self.loading_state.target_snapshot_identity if self.loading_state is not None else None
+
+    def serves(self, identity: str) -> bool:
+        return bool(self.readiness) and self.current_snapshot_identity == identity
+
+    def failed(self, identity: str) -> bool:
+        """True for an error of *this* load; an error whose target is another identity is stale."""
+        return self.stage == "error" and self.target == identity
+
+    def describe(self) -> str:
+        text = (
+            f"current={self.current_snapshot_identity!r} readiness={self.readiness} "
+            f"stage={self.stage!r} target={self.target!r}"
+        )
+        err = self.loading_state.error_text if self.loading_state is not None else None
+        return f"{text} error={err!r}" if err else text
+
+
+class HotLoadStatus(_Response):
+    """Body of GET /hot_load/v1/models/hot_load."""
+
+    replicas: list[ReplicaStatus]
+    replica_distribution: Any = None
+
+    def is_ready(self, identity: str) -> bool:
+        """Strict (on-policy) readiness: at least one replica, and every replica serves ``identity``."""
+        return bool(self.replicas) and all(r.serves(identity) for r in self.replicas)
+
+    def failed_replicas(self, identity: str) -> list[int]:
+        return [i for i, r in enumerate(self.replicas) if r.failed(identity)]
+
+    def describe(self) -> str:
+        if not self.replicas:
+            return "no replicas reported (the hot-load manager may not be initialised yet)"
+        return "; ".join(f"replica {i}: {r.describe()}" for i, r in enumerate(self.replicas))
+
+
+class DeploymentTarget(BaseModel):
+    """One deployment to publish to; a snapshot can be signalled to several.
+
+    Example::
+
+        target = DeploymentTarget(account_id="acme", model_id="qwen3-8b", deployment_id="rollouts-eu")
+        client = target.client(api_key=key)
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    account_id: str
+    model_id: str
+    deployment_id: str
+    base_url: str = DEFAULT_BASE_URL
+
+    @property
+    def deployment_name(self) -> str:
+        return _deployment_name(self.account_id, self.deployment_id)[0]
+
+    def client(self, **kwargs: Any) -> "HotLoadClient":
+        return HotLoadClient(
+            self.base_url,
+            account_id=self.account_id,
+            model_id=self.model_id,
+            deployment_id=self.deployment_id,
+            **kwargs,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+
+class _Secret:
+    """Holds the API key; its repr never shows it."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def get(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "<redacted>"
+
+    __str__ = __repr__
+
+
+def _segment(value: str, what: str) -> str:
+    if not isinstance(value, str) or not value or "/" in value:
+        raise ValueError(f"{what} must be a non-empty name without '/', got {value!r}")
+    return value
+
+
+def _deployment_name(account_id: str, deployment_id: str) -> tuple[str, str, str]:
+    """(resource name, account, deployment); ``deployment_id`` may already be ``accounts/<a>/deployments/<d>``."""
+    account = _segment(account_id.removeprefix("accounts/"), "account_id")
+    if deployment_id.startswith("accounts/"):
+        m = _DEPLOYMENT_RE.fullmatch(deployment_id)
+        if not m:
+            raise ValueError(f"deployment_id {deployment_id!r} must be a name or 'accounts/<acct>/deployments/<id>'")
+        if m.group(1) != account:
+            raise ValueError(f"deployment_id {deployment_id!r} belongs to account {m.group(1)!r}, not {account!r}")
+        return deployment_id, account, m.group(2)
+    dep = _segment(deployment_id, "deployment_id")
+    return f"accounts/{account}/deployments/{dep}", account, dep
+
+
+def _model_name(account: str, model_id: str) -> str:
+    if model_id.startswith("accounts/"):
+        if not _MODEL_RE.fullmatch(model_id):
+            raise ValueError(f"model_id {model_id!r} must be a name or 'accounts/<acct>/models/<model>'")
+        return model_id
+    return f"accounts/{account}/models/{_segment(model_id, 'model_id')}"
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def extract_server_message(body: bytes) -> str:
+    """The server's error message: ``error.message``, a string ``error``, any JSON, or the start of the text."""
+    text = body.decode("utf-8", errors="replace")
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return text.strip()[:200]
+    if isinstance(obj, dict) and "error" in obj:
+        err = obj["error"]
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(err, str):
+            return err
+    if isinstance(obj, dict) and isinstance(obj.get("message"), str):
+        return obj["message"]
+    return json.dumps(obj)[:500]
+
+
+def _retry_after(headers: Mapping[str, str]) -> float | None:
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------- client
+
+
+class HotLoadClient:
+    """Signals snapshots to one Fireworks deployment and waits until they are served.
+
+    Transient failures (connection errors, timeouts, 408/429/5xx) are retried with capped exponential backoff
+    (``backoff_initial_s`` doubling up to ``backoff_max_s``, ``Retry-After`` honoured as a floor) for at most
+    ``retry_budget_s`` seconds; a repeated signal is safe because the server treats a re-signal of the same
+    identity idempotently.
+
+    Example::
+
+        client = HotLoadClient("http://127.0.0.1:8083", account_id="acme", model_id="m", deployment_id="d",
+                               api_key="...")
+        client.signal("step-7")
+        status = client.wait_ready("step-7", timeout_s=120)
+    """
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_BASE_URL,
+        *,
+        account_id: str,
+        model_id: str,
+        deployment_id: str,
+        api_key: str | None = None,
+        timeout_s: float = 60.0,
+        retry_budget_s: float = 300.0,
+        poll_interval_s: float = 5.0,
+        additional_headers: Mapping[str, str] | None = None,
+        allow_insecure: bool = False,
+        control_plane_url: str | None = None,
+        backoff_initial_s: float = 1.0,
+        backoff_max_s: float = 30.0,
+    ) -> None:
+        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        if not key:
+            raise ValueError(f"no Fireworks API key: set {API_KEY_ENV} (or pass api_key=)")
+        self._api_key = _Secret(key)
+        self.deployment_name, self.account_id, self.deployment_id = _deployment_name(account_id, deployment_id)
+        self.model_name = _model_name(self.account_id, model_id)
+        self.base_url = self._check_url(base_url, allow_insecure, "base_url")
+        self.control_plane_url = self._check_url(control_plane_url or base_url, allow_insecure, "control_plane_url")
+        for name, value in (("timeout_s", timeout_s), ("poll_interval_s", poll_interval_s)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        if retry_budget_s < 0 or backoff_initial_s < 0 or backoff_max_s < 0:
+            raise ValueError("retry_budget_s, backoff_initial_s and backoff_max_s must be >= 0")
+        self.timeout_s = float(timeout_s)
+        self.retry_budget_s = float(retry_budget_s)
+        self.poll_interval_s = float(poll_interval_s)
+        self.backoff_initial_s = float(backoff_initial_s)
+        self.backoff_max_s = float(backoff_max_s)
+        self.additional_headers = dict(additional_headers or {})
+        # Older servers reject reset_prompt_cache as an unknown field; after the first such 400 we stop sending it.
+        self.send_reset_prompt_cache = True
+        self._ssl = ssl.create_default_context()
+
+    @staticmethod
+    def _check_url(url: str, allow_insecure: bool, field: str) -> urllib.parse.SplitResult:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{field} {url!r} must be an http(s) URL with a host")
+        if parts.scheme == "http" and not allow_insecure and not _is_loopback(parts.hostname):
+            raise ValueError(
+                f"{field} {url!r} uses plain http to a non-loopback host, which would send the API key in clear "
+                "text; use https (or allow_insecure=True for a trusted private network)"
+            )
+        if parts.query or parts.fragment:
+            raise ValueError(f"{field} {url!r} must not carry a query or fragment")
+        return parts
+
+    def __repr__(self) -> str:
+        return (
+            f"HotLoadClient(base_url={urllib.parse.urlunsplit(self.base_url)!r}, model={self.model_name!r}, "
+            f"deployment={self.deployment_name!r}, api_key={self._api_key!r})"
+        )
+
+    __str__ = __repr__
+
+    # --------------------------------------------------------------------------------------------- transport
+
+    def _redact(self, text: str) -> str:
+        key = self._api_key.get()
+        return text.replace(key, "<redacted>") if key else text
+
+    def headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """Headers of every hot-load request; caller ``additional_headers`` override the defaults."""
+        h = {
+            "Authorization": f"Bearer {self._api_key.get()}",
+            "fireworks-model": self.model_name,
+            "fireworks-deployment": self.deployment_name,
+            "Content-Type": "application/json",
+        }
+        h.update(extra or {})
+        lowered = {k.lower() for k in self.additional_headers}
+        h = {k: v for k, v in h.items() if k.lower() not in lowered}
+        h.update(self.additional_headers)
+        return h
+
+    def _send_once(
+        self, base: urllib.parse.SplitResult, method: str, path: str, payload: bytes | None, headers: dict[str, str],
+        timeout: float,
+    ) -> tuple[int, dict[str, str], bytes]:
+        if base.scheme == "https":
+            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+                base.hostname, base.port, timeout=timeout, context=self._ssl
+            )
+        else:
+            conn = http.client.HTTPConnection(base.hostname, base.port, timeout=timeout)
+        try:
+            conn.request(method, base.path.rstrip("/") + path, body=payload, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
+        finally:
+            conn.close()
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        *,
+        extra_headers: Mapping[str, str] | None = None,
+        deadline: float | None = None,
+        control_plane: bool = False,
+    ) -> Any:
+        """One API call with transport retries; returns the parsed JSON body ({} for an empty body)."""
+        base = self.control_plane_url if control_plane else self.base_url
+        what = f"{method} {urllib.parse.urlunsplit(base).rstrip('/')}{path}"
+        payload = json.dumps(body).encode() if body is not None else None
+        headers = self.headers(extra_headers)
+        start = time.monotonic()
+        end = start + self.retry_budget_s
+        if deadline is not None:
+            end = min(end, deadline)
+        attempt = 0
+        while True:
+            attempt += 1
+            timeout = self.timeout_s if deadline is None else max(0.5, min(self.timeout_s, deadline - time.monotonic()))
+            status: int | None = None
+            data = b""
+            retry_after: float | None = None
+            try:
+                status, rheaders, data = self._send_once(base, method, path, payload, headers, timeout)
+            except ssl.SSLCertVerificationError as exc:
+                raise HotLoadError(
+                    self._redact(f"{what}: TLS certificate verification failed: {exc}"),
+                    hint="check the base_url host name and the system CA certificates",
+                ) from None
+            except (OSError, http.client.HTTPException) as exc:
+                failure = f"{type(exc).__name__}: {exc}"
+            else:
+                if 200 <= status < 300:
+                    return self._parse_json(what, data)
+                if status not in RETRYABLE_STATUS:
+                    raise self._http_error(what, status, data, attempt)
+                failure = f"HTTP {status}: {extract_server_message(data)}"
+                retry_after = _retry_after(rheaders)
+            delay = min(self.backoff_initial_s * (2 ** (attempt - 1)), self.backoff_max_s)
+            if retry_after is not None:
+                delay = max(delay, min(retry_after, self.backoff_max_s))
+            if time.monotonic() + delay > end:
+                if status is not None:
+                    raise self._http_error(what, status, data, attempt)
+                raise HotLoadError(
+                    self._redact(
+                        f"{what}: no answer after {attempt} attempt(s) over {time.monotonic() - start:.1f}s: {failure}"
+                    ),
+                    hint="check that base_url is reachable from this host (proxy, firewall, DNS); "
+                    "raise retry_budget_s for flaky networks",
+                )
+            log.warning("%s failed (%s); retry %d in %.1fs", what, self._redact(failure), attempt, delay)
+            time.sleep(delay)
+
+    def _http_error(self, what: str, status: int, data: bytes, attempts: int) -> HotLoadError:
+        message = self._redact(extract_server_message(data))
+        tries = f" after {attempts} attempts" if attempts > 1 else ""
+        return HotLoadError(
+            f"{what} returned HTTP {status}{tries}: {message}",
+            status_code=status,
+            server_message=message,
+            hint=_hint_for(status),
+        )
+
+    def _parse_json(self, what: str, data: bytes) -> Any:
+        if not data.strip():
+            return {}
+        try:
+            return json.loads(data)
+        except ValueError:
+            raise HotLoadResponseError(
+                self._redact(f"{what} returned a body that is not JSON: {data[:200]!r}"),
+                hint="check that base_url points at the Fireworks API (or a gateway that forwards it)",
+            ) from None
+
+    # --------------------------------------------------------------------------------------------- API
+
+    def signal(
+        self,
+        identity: str,
+        *,
+        previous_identity: str | None = None,
+        reset_prompt_cache: ResetPromptCache | None = None,
+        validation: ValidationOptions | Mapping[str, Any] | None = None,
+        source_url: str | None = None,
+    ) -> dict[str, Any]:
+        """Tell the deployment that snapshot ``identity`` is complete in the bucket (a delta when
+        ``previous_identity`` is given). Returns the response body; success means accepted, not loaded."""
+        validate_identity(identity)
+        if previous_identity is not None:
+            validate_identity(previous_identity, field="previous_identity")
+        meta = (
+            IncrementalSnapshotMetadata(previous_snapshot_identity=previous_identity)
+            if previous_identity is not None
+            else None
+        )
+        if isinstance(validation, Mapping):
+            validation = ValidationOptions.model_validate(dict(validation))
+        extra = {SOURCE_URL_HEADER: source_url} if source_url else None
+
+        def body(with_cache: bool) -> dict[str, Any]:
+            return HotLoadRequest(
+                identity=identity,
+                incremental_snapshot_metadata=meta,
+                reset_prompt_cache=reset_prompt_cache if with_cache else None,
+                validation=validation,
+            ).to_body()
+
+        with_cache = reset_prompt_cache is not None and self.send_reset_prompt_cache
+        try:
+            result = self._request("POST", HOT_LOAD_PATH, body(with_cache), extra_headers=extra)
+        except HotLoadError as exc:
+            text = (exc.server_message or "").lower()
+            if not (
+                with_cache
+                and exc.status_code == 400
+                and "reset_prompt_cache" in text
+                and "extra inputs are not permitted" in text
+            ):
+                raise
+            log.warning("server does not accept reset_prompt_cache; signalling %r without it from now on", identity)
+            self.send_reset_prompt_cache = False
+            result = self._request("POST", HOT_LOAD_PATH, body(False), extra_headers=extra)
+        log.info("signalled %s snapshot %r to %s", "delta" if meta else "full", identity, self.deployment_name)
+        return result if isinstance(result, dict) else {"response": result}
+
+    def hint(self, identity: str, filename: str, *, previous_identity: str | None = None) -> None:
+        """Tell replicas that one file of ``identity`` is durable, so they can start fetching it early."""
+        meta = (
+            IncrementalSnapshotMetadata(previous_snapshot_identity=validate_identity(previous_identity, field="previous_identity"))
+            if previous_identity is not None
+            else None
+        )
+        req = HintRequest(
+            snapshot=HintSnapshot(identity=validate_identity(identity), incremental_snapshot_metadata=meta),
+            filename=validate_filename(filename),
+        )
+        self._request("POST", HINT_PATH, req.to_body())
+
+    def status(self, *, deadline: float | None = None) -> HotLoadStatus:
+        """One status poll."""
+        what = f"GET {urllib.parse.urlunsplit(self.base_url).rstrip('/')}{HOT_LOAD_PATH}"
+        data = self._request("GET", HOT_LOAD_PATH, deadline=deadline)
+        try:
+            return HotLoadStatus.model_validate(data)
+        except ValidationError as exc:
+            raise HotLoadResponseError(
+                self._redact(f"{what}: unrecognized hot-load status response format: {exc.errors()[0]['msg']} "
+                             f"in {json.dumps(data)[:200]}"),
+                hint="check that base_url points at the hot-load gateway of this deployment",
+            ) from None
+
+    def wait_ready(
+        self,
+        identity: str,
+        *,
+        timeout_s: float = 600.0,
+        on_poll: Callable[[HotLoadStatus], None] | None = None,
+    ) -> HotLoadStatus:
+        """Poll until every replica serves ``identity``; fail fast on an error stage for ``identity``.
+
+        Transient poll failures are logged and polled through (the load goes on server-side meanwhile);
+        400/401/403/404 and unreadable responses are raised at once because waiting cannot fix them.
+        """
+        validate_identity(identity)
+        deadline = time.monotonic() + timeout_s
+        last: HotLoadStatus | None = None
+        last_error: str | None = None
+        while True:
+            try:
+                st = self.status(deadline=deadline)
+            except HotLoadResponseError:
+                raise
+            except HotLoadError as exc:
+                if exc.status_code in _FATAL_POLL_STATUS:
+                    raise
+                last_error = str(exc)
+                log.warning("status poll for %r failed: %s", identity, last_error)
+            else:
+                last, last_error = st, None
+                if on_poll is not None:
+                    on_poll(st)
+                failed = st.failed_replicas(identity)
+                if failed:
+                    raise HotLoadError(
+                        self._redact(f"snapshot {identity!r} failed to load on replica(s) "
+                                     f"{', '.join(map(str, failed))}: {st.describe()}"),
+                        hint="the deployment keeps serving its previous snapshot; read the ledger for the error, "
+                        "fix the snapshot, and publish a new full snapshot (a failed load ends the delta chain)",
+                    )
+                if st.is_ready(identity):
+                    return st
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if last is None:
+                    state = f"no status was received (last error: {last_error})"
+                else:
+                    state = last.describe() + (f" (last poll failed: {last_error})" if last_error else "")
+                raise HotLoadTimeout(
+                    self._redact(f"snapshot {identity!r} was not served by every replica within {timeout_s:g}s; "
+                                 f"last state: {state}"),
+                    hint="loads of large snapshots take minutes: raise timeout_s, check the deployment's "
+                    "replicas are up, and publish a full snapshot if the chain is stuck",
+                )
+            time.sleep(min(self.poll_interval_s, remaining))
+
+    def reset_ledger(self) -> None:
+        """Forget every hot-loaded snapshot on the deployment; the next signal must be a full snapshot."""
+        path = f"/v1/accounts/{self.account_id}/deployments/{self.deployment_id}/ledger"
+        self._request("DELETE", path, control_plane=True)
+        log.info("reset the hot-load ledger of %s", self.deployment_name)
