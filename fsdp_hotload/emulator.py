@@ -30,6 +30,7 @@ import hmac
 import json
 import logging
 import re
+import socket
 import threading
 import urllib.parse
 from collections.abc import Sequence
@@ -39,7 +40,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .emulator_state import Deployment, EmulatorSettings, SignalRejected
-from .fireworks import HINT_PATH, HOT_LOAD_PATH, HintRequest, HotLoadRequest
+from .fireworks_models import HINT_PATH, HOT_LOAD_PATH, HintRequest, HotLoadRequest
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,8 @@ class HotLoadEmulator:
     def start(self) -> "HotLoadEmulator":
         if self._server is not None:
             return self
-        server = ThreadingHTTPServer((self.host, self.port), _Handler)
+        server_cls = _Server6 if ":" in self.host else ThreadingHTTPServer
+        server = server_cls((self.host, self.port), _Handler)
         server.daemon_threads = True
         server.emulator = self  # type: ignore[attr-defined]
         self._server = server
@@ -332,6 +334,10 @@ class HotLoadEmulator:
         meta = req.snapshot.incremental_snapshot_metadata
         dep.hint(req.snapshot.identity, req.filename, meta.previous_snapshot_identity if meta else None)
         return 200, {"status": "ok"}
+
+
+class _Server6(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -27,9 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .arc import ArcError, RawTensor, apply_delta_file, code_from_name, is_delta_file, load_file, read_delta_info
-from .arc import torch_name
-from .fireworks import HotLoadRequest, validate_filename
+from .arc import (ArcError, RawTensor, apply_delta_file, code_from_name, is_delta_file, load_file, read_delta_info,
+                  torch_name)
+from .fireworks_models import HotLoadRequest, validate_filename
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +233,14 @@ class _Job:
 
 
 class Replica:
-    """One serving replica: its weights, its load stage, and the worker thread that loads snapshots in order."""
+    """One serving replica: its weights, its load stage, and the worker thread that loads snapshots in order.
+
+    Created by :class:`Deployment`; one thread per replica so replicas finish at different times, as real ones do.
+    Example::
+
+        rep = dep.replicas[0]
+        rep.inspect()["identity"], rep.status()["readiness"]
+    """
 
     def __init__(self, index: int, deployment: "Deployment") -> None:
         self.index = index
@@ -339,7 +346,18 @@ class Replica:
 
 
 class Deployment:
-    """One emulated deployment: replicas, ledger, hints, and the signal rules of the protocol."""
+    """One emulated deployment: replicas, ledger, hints, and the signal rules of the protocol.
+
+    Signals are validated synchronously (what a server can know at POST time: identity reuse, delta parent,
+    formats); everything that needs the bucket is found by the replicas while loading and reported as
+    ``stage == "error"``, because that is how the real service surfaces load failures.
+
+    Example::
+
+        dep = Deployment("accounts/a/deployments/d", None, replicas=2, settings=settings)
+        dep.signal(HotLoadRequest(identity="step-1"))      # raises SignalRejected(status, message) if refused
+        dep.status()["replicas"][0]["loading_state"]["stage"]
+    """
 
     def __init__(self, key: str, model: str | None, *, replicas: int, settings: EmulatorSettings) -> None:
         self.key = key

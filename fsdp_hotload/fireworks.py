@@ -1,9 +1,8 @@
 """Client for the Fireworks hot-load API: signal a snapshot, send per-file hints, poll until it is served.
 
-The wire protocol is described in ``hotload-protocol.md``; this module is the trainer's side of it. Requests are
-pydantic models with ``extra="forbid"`` because the server's body schema rejects unknown fields, so a typo
-should fail here, before it reaches the network. Responses tolerate unknown fields because the server adds
-fields over time.
+The wire protocol is described in ``hotload-protocol.md``; this module is the trainer's side of it. The
+request/response models and error types live in :mod:`fsdp_hotload.fireworks_models` (shared with the local
+emulator, so both sides validate the same schema) and are re-exported here.
 
 The API key is held in a wrapper whose ``repr`` is redacted, and every message this module builds from server
 text passes through a redaction step, so the key never reaches a log line or a traceback.
@@ -32,15 +31,39 @@ import ssl
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, Optional, Union
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .fireworks_models import (
+    HINT_PATH,
+    HOT_LOAD_PATH,
+    IDENTITY_MAX_LEN,
+    HintRequest,
+    HintSnapshot,
+    HotLoadError,
+    HotLoadRequest,
+    HotLoadResponseError,
+    HotLoadStatus,
+    HotLoadTimeout,
+    IncrementalSnapshotMetadata,
+    LoadedAdapter,
+    LoadingState,
+    ReplicaStatus,
+    ResetPromptCache,
+    ValidationOptions,
+    validate_filename,
+    validate_identity,
+)
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "API_KEY_ENV",
     "DeploymentTarget",
+    "HINT_PATH",
+    "HOT_LOAD_PATH",
+    "IDENTITY_MAX_LEN",
     "HintRequest",
     "HintSnapshot",
     "HotLoadClient",
@@ -53,20 +76,19 @@ __all__ = [
     "LoadedAdapter",
     "LoadingState",
     "ReplicaStatus",
+    "ResetPromptCache",
     "ValidationOptions",
+    "extract_server_message",
+    "validate_filename",
     "validate_identity",
 ]
 
 API_KEY_ENV = "FIREWORKS_API_KEY"
 DEFAULT_BASE_URL = "https://api.fireworks.ai"
-HOT_LOAD_PATH = "/hot_load/v1/models/hot_load"
-HINT_PATH = "/hot_load/v1/models/hot_load/hint"
 SOURCE_URL_HEADER = "x-fireworks-hot-load-source-url"
-IDENTITY_MAX_LEN = 128
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # Statuses that will not change by polling again: waiting would only hide a configuration error.
 _FATAL_POLL_STATUS = frozenset({400, 401, 403, 404})
-_IDENTITY_CHARS = re.compile(r"[A-Za-z0-9._-]+")
 _MODEL_RE = re.compile(r"accounts/([^/]+)/models/([^/]+)")
 _DEPLOYMENT_RE = re.compile(r"accounts/([^/]+)/deployments/([^/]+)")
 
@@ -98,219 +120,6 @@ def _hint_for(status: int | None) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------------- errors
-
-
-class HotLoadError(RuntimeError):
-    """A hot-load request failed, or a snapshot failed to load.
-
-    ``status_code`` is the HTTP status (None for network failures and load failures), ``server_message`` the
-    message extracted from the response body, ``hint`` a sentence saying what to do.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status_code: int | None = None,
-        server_message: str | None = None,
-        hint: str | None = None,
-    ) -> None:
-        self.status_code = status_code
-        self.server_message = server_message
-        self.hint = hint
-        super().__init__(f"{message}; what to do: {hint}" if hint else message)
-
-
-class HotLoadTimeout(HotLoadError):
-    """The snapshot was not served by every replica within the wait budget."""
-
-
-class HotLoadResponseError(HotLoadError):
-    """The server answered 2xx with a body this client cannot read (wrong endpoint or incompatible server)."""
-
-
-# ---------------------------------------------------------------------------------------------------- identity
-
-
-def validate_identity(identity: str, *, field: str = "identity") -> str:
-    """Check a snapshot identity: it is a directory name directly under the bucket prefix, so one safe segment.
-
-    The server documents only "one path segment, no '/'"; the length and charset limits are ours, chosen so an
-    identity is a valid object-store key segment on every backend and cannot escape the prefix.
-    """
-    if not isinstance(identity, str) or not identity:
-        raise ValueError(f"{field} must be a non-empty string, got {identity!r}")
-    if "/" in identity:
-        raise ValueError(f"{field} {identity!r} must be one path segment (no '/')")
-    if identity in (".", ".."):
-        raise ValueError(f"{field} {identity!r} must not be '.' or '..'")
-    if len(identity) > IDENTITY_MAX_LEN:
-        raise ValueError(f"{field} is {len(identity)} characters long; the limit is {IDENTITY_MAX_LEN}")
-    if not _IDENTITY_CHARS.fullmatch(identity):
-        bad = sorted({c for c in identity if not _IDENTITY_CHARS.fullmatch(c)})
-        raise ValueError(
-            f"{field} {identity!r} contains {''.join(bad)!r}; allowed characters are A-Z a-z 0-9 . _ -"
-        )
-    return identity
-
-
-def validate_filename(filename: str, *, field: str = "filename") -> str:
-    """A file path relative to a snapshot directory: no absolute paths, no '..', no empty segments."""
-    if not isinstance(filename, str) or not filename:
-        raise ValueError(f"{field} must be a non-empty string, got {filename!r}")
-    parts = filename.split("/")
-    if filename.startswith("/") or "\\" in filename or any(p in ("", ".", "..") for p in parts):
-        raise ValueError(f"{field} {filename!r} must be a relative path inside the snapshot directory")
-    return filename
-
-
-# ---------------------------------------------------------------------------------------------------- models
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    def to_body(self) -> dict[str, Any]:
-        """The JSON body: unset optional fields are left out, because the server rejects unknown ones and older
-        servers do not know every optional field."""
-        return self.model_dump(mode="json", exclude_none=True)
-
-
-class IncrementalSnapshotMetadata(_Request):
-    """Marks a signal as a delta (arc_v2) on top of ``previous_snapshot_identity``."""
-
-    previous_snapshot_identity: str
-    compression_format: str = "arc_v2"
-    checksum_format: str = "alder32"  # sic: the wire token is misspelt
-
-    @field_validator("previous_snapshot_identity")
-    @classmethod
-    def _check_previous(cls, v: str) -> str:
-        return validate_identity(v, field="previous_snapshot_identity")
-
-
-class ValidationOptions(_Request):
-    """Top-level ``config.json`` keys to ignore when the server compares the snapshot config with the base."""
-
-    extra_fields_ignore: list[str] = Field(default_factory=list)
-
-
-ResetPromptCache = Union[Literal["all", "new_session", "none"], StrictBool]
-
-
-class HotLoadRequest(_Request):
-    """Body of POST /hot_load/v1/models/hot_load.
-
-    Example::
-
-        HotLoadRequest(identity="step-2",
-                       incremental_snapshot_metadata=IncrementalSnapshotMetadata(previous_snapshot_identity="step-1"))
-    """
-
-    identity: str
-    incremental_snapshot_metadata: Optional[IncrementalSnapshotMetadata] = None
-    reset_prompt_cache: Optional[ResetPromptCache] = None
-    validation: Optional[ValidationOptions] = None
-
-    @field_validator("identity")
-    @classmethod
-    def _check_identity(cls, v: str) -> str:
-        return validate_identity(v)
-
-
-class HintSnapshot(_Request):
-    identity: str
-    incremental_snapshot_metadata: Optional[IncrementalSnapshotMetadata] = None
-
-    @field_validator("identity")
-    @classmethod
-    def _check_identity(cls, v: str) -> str:
-        return validate_identity(v)
-
-
-class HintRequest(_Request):
-    """Body of POST /hot_load/v1/models/hot_load/hint: one file of a snapshot is durable in the bucket."""
-
-    snapshot: HintSnapshot
-    filename: str
-
-    @field_validator("filename")
-    @classmethod
-    def _check_filename(cls, v: str) -> str:
-        return validate_filename(v)
-
-
-class _Response(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class LoadingState(_Response):
-    stage: str = "unknown"
-    target_snapshot_identity: Optional[str] = None
-
-    @property
-    def error_text(self) -> str | None:
-        """Error text if the server adds one (the emulator does; the documented API has no such field)."""
-        extra = self.model_extra or {}
-        value = extra.get("error")
-        return str(value) if value not in (None, "") else None
-
-
-class LoadedAdapter(_Response):
-    identity: Optional[str] = None
-    status: Optional[str] = None
-
-
-class ReplicaStatus(_Response):
-    current_snapshot_identity: Optional[str] = None
-    readiness: bool = False
-    loading_state: Optional[LoadingState] = None
-    loaded_adapters: list[LoadedAdapter] = Field(default_factory=list)
-    supports_rdma_weight_sync: Optional[bool] = None
-    rdma_weight_sync_enabled: Optional[bool] = None
-
-    @property
-    def stage(self) -> str:
-        return self.loading_state.stage if self.loading_state is not None else "unknown"
-
-    @property
-    def target(self) -> str | None:
-        return self.loading_state.target_snapshot_identity if self.loading_state is not None else None
-
-    def serves(self, identity: str) -> bool:
-        return bool(self.readiness) and self.current_snapshot_identity == identity
-
-    def failed(self, identity: str) -> bool:
-        """True for an error of *this* load; an error whose target is another identity is stale."""
-        return self.stage == "error" and self.target == identity
-
-    def describe(self) -> str:
-        text = (
-            f"current={self.current_snapshot_identity!r} readiness={self.readiness} "
-            f"stage={self.stage!r} target={self.target!r}"
-        )
-        err = self.loading_state.error_text if self.loading_state is not None else None
-        return f"{text} error={err!r}" if err else text
-
-
-class HotLoadStatus(_Response):
-    """Body of GET /hot_load/v1/models/hot_load."""
-
-    replicas: list[ReplicaStatus]
-    replica_distribution: Any = None
-
-    def is_ready(self, identity: str) -> bool:
-        """Strict (on-policy) readiness: at least one replica, and every replica serves ``identity``."""
-        return bool(self.replicas) and all(r.serves(identity) for r in self.replicas)
-
-    def failed_replicas(self, identity: str) -> list[int]:
-        return [i for i, r in enumerate(self.replicas) if r.failed(identity)]
-
-    def describe(self) -> str:
-        if not self.replicas:
-            return "no replicas reported (the hot-load manager may not be initialised yet)"
-        return "; ".join(f"replica {i}: {r.describe()}" for i, r in enumerate(self.replicas))
 
 
 class DeploymentTarget(BaseModel):
@@ -679,11 +488,10 @@ class HotLoadClient:
 
     def hint(self, identity: str, filename: str, *, previous_identity: str | None = None) -> None:
         """Tell replicas that one file of ``identity`` is durable, so they can start fetching it early."""
-        meta = (
-            IncrementalSnapshotMetadata(previous_snapshot_identity=validate_identity(previous_identity, field="previous_identity"))
-            if previous_identity is not None
-            else None
-        )
+        meta = None
+        if previous_identity is not None:
+            validate_identity(previous_identity, field="previous_identity")
+            meta = IncrementalSnapshotMetadata(previous_snapshot_identity=previous_identity)
         req = HintRequest(
             snapshot=HintSnapshot(identity=validate_identity(identity), incremental_snapshot_metadata=meta),
             filename=validate_filename(filename),

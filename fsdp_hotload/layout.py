@@ -82,14 +82,12 @@ def _norm_shape(shape: object, where: str) -> tuple[int, ...]:
         raise LayoutError(f"{where}: shape must be a list of integers, got {shape!r}")
     dims: list[int] = []
     for d in shape:  # type: ignore[union-attr]
-        if isinstance(d, bool):
-            raise LayoutError(f"{where}: shape entries must be integers, got {d!r} in {shape!r}")
         try:
-            v = operator.index(d)
+            v = -1 if isinstance(d, bool) else operator.index(d)
         except TypeError:
-            raise LayoutError(f"{where}: shape entries must be integers, got {d!r} in {shape!r}") from None
+            v = -1
         if v < 0:
-            raise LayoutError(f"{where}: negative dimension {v} in shape {list(shape)}")  # type: ignore[call-overload]
+            raise LayoutError(f"{where}: shape entries must be non-negative integers, got {d!r} in {shape!r}")
         dims.append(v)
     return tuple(dims)
 
@@ -250,8 +248,8 @@ class ShardPlan:
                     raise LayoutError(f"shard plan: tensor {name!r} is in both {seen[name]!r} and {filename!r}")
                 seen[name] = filename
         if weight_map != seen:
-            bad = sorted(set(weight_map.items()) ^ set(seen.items()))[0]
-            raise LayoutError(f"shard plan: weight_map disagrees with files for tensor {bad[0]!r}")
+            bad = next(n for n in sorted({*weight_map, *seen}, key=str) if weight_map.get(n) != seen.get(n))
+            raise LayoutError(f"shard plan: weight_map disagrees with files for tensor {bad!r}")
         for name in seen:
             spec = specs.get(name)
             if not isinstance(spec, TensorSpec) or spec.name != name:
@@ -613,21 +611,9 @@ def new_identity(step: int, *, prefix: str = "step", session: str | None = None)
 # --------------------------------------------------------------------------------- config and tokenizer files
 
 AUX_FILENAMES: tuple[str, ...] = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "chat_template.json",
-    "preprocessor_config.json",
-    "processor_config.json",
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "vocab.txt",
+    "merges.txt", "chat_template.json", "preprocessor_config.json", "processor_config.json",
     "video_preprocessor_config.json",
 )
 # Chat templates, tiktoken vocabularies, and remote-code modules that config.json's "auto_map" may name.

@@ -12,56 +12,29 @@ Backends: local paths (``/tmp/x``, ``file://``), ``memory://``, ``s3://`` (s3fs;
 Local writes go to a hidden temporary name in the target directory and are renamed into place, so a reader
 never sees a torn file. Object stores give the same guarantee natively (an object appears when its PUT or its
 multipart upload completes); there is no rename there, which is why a snapshot is marked complete by writing
-its commit marker last (see :mod:`fsdp_hotload.retention`).
-
-Example::
-
-    st = Storage("s3://bucket/acct/acct-dep", {"endpoint_url": "http://127.0.0.1:9000"})
-    st.put_many({"step-4-a1b2/config.json": b"{}", "step-4-a1b2/model-00000.safetensors": payload})
-    st.put_file("step-4-a1b2/model-00001.safetensors", "/scratch/shard1.safetensors")   # multipart when large
-    assert st.list("step-4-a1b2") == ["config.json", ...]  # relpaths below the prefix, sorted
-    print(st.stats.throttled, st.stats.bytes_put)
+its commit marker last (see :mod:`fsdp_hotload.retention`, whose names are re-exported here).
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import errno
 import importlib
 import logging
 import os
 import random
+import socket
 import threading
 import time
 import uuid
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, BinaryIO, Callable, TypeVar
+from datetime import datetime
+from enum import Enum
+from typing import Any, BinaryIO, Callable, Iterator, TypeVar
 
 import fsspec
 import fsspec.core
-
-from .errors_storage import (  # noqa: F401  (re-exported: the public home of these names is this module)
-    ErrorClass,
-    MissingBackendError,
-    StorageError,
-    backend_install_hint,
-    backoff_delay,
-    classify_error,
-)
-
-if TYPE_CHECKING:
-    from .retention import FileInfo
-
-__all__ = [
-    "Storage",
-    "StorageStats",
-    "StorageError",
-    "MissingBackendError",
-    "ErrorClass",
-    "classify_error",
-    "backoff_delay",
-    "backend_install_hint",
-    "TMP_PREFIX",
-]
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +44,608 @@ T = TypeVar("T")
 TMP_PREFIX = ".hotload-tmp-"
 #: S3 rejects multipart parts under 5 MiB (except the last one).
 MIN_PART_SIZE = 5 * 2**20
-# Protocols whose writable files only become visible when closed, so streaming into them is safe.
+# Protocols whose files opened for writing only become visible when closed, so streaming into them is safe.
 _OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})
-_MEMORY_PROTOCOLS = frozenset({"memory"})
 _COPY_BLOCK = 8 * 2**20
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Errors and their classification
+# ----------------------------------------------------------------------------------------------------------
+
+
+class StorageError(Exception):
+    """An operation failed for good: retries ran out, or the error was one that retrying cannot fix.
+
+    ``uri`` is the object or prefix, ``op`` the operation, ``attempts`` how many tries were made, ``cause`` the
+    last underlying exception (also chained as ``__cause__``).
+    """
+
+    def __init__(self, message: str, *, uri: str = "", op: str = "", attempts: int = 0,
+                 cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.uri = uri
+        self.op = op
+        self.attempts = attempts
+        self.cause = cause
+
+
+class MissingBackendError(StorageError, ImportError):
+    """The root URI needs an optional package (s3fs, gcsfs) that is not installed; the message says what to install."""
+
+
+_BACKEND_PACKAGES: dict[str, tuple[str, str]] = {
+    "s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"),
+    "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"),
+}
+
+
+def backend_install_hint(protocol: str) -> str | None:
+    """The install hint for an optional backend, e.g. ``"s3:// needs s3fs: pip install 'hotload[s3]'"``; None if
+    the protocol needs no optional package of ours."""
+    entry = _BACKEND_PACKAGES.get(protocol.lower())
+    if entry is None:
+        return None
+    module, extra = entry
+    return f"{protocol}:// needs {module}: pip install 'hotload[{extra}]'"
+
+
+class ErrorClass(Enum):
+    """What to do about a failed storage call."""
+
+    THROTTLE = "throttle"    # the service asks us to slow down: retry after the long backoff
+    TRANSIENT = "transient"  # network trouble, timeouts, 5xx: retry after the short backoff
+    NOT_FOUND = "not_found"  # the object does not exist: tell the caller, never retry
+    FATAL = "fatal"          # permissions, auth, bad requests, bugs: retrying cannot help
+
+    @property
+    def retryable(self) -> bool:
+        return self in (ErrorClass.THROTTLE, ErrorClass.TRANSIENT)
+
+
+_THROTTLE_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
+    "RequestThrottled", "RequestThrottledException", "ProvisionedThroughputExceededException",
+    "ServiceUnavailable", "503", "429",
+})
+_THROTTLE_TEXT = ("slowdown", "slow down", "reduce your request rate", "too many requests", "rate exceeded")
+_TRANSIENT_CODES = frozenset({
+    "InternalError", "RequestTimeout", "RequestTimeoutException", "BadDigest", "IncompleteBody",
+    "XAmzContentSHA256Mismatch", "OperationAborted", "500", "502", "504",
+})
+_AUTH_CODES = frozenset({
+    "AccessDenied", "AccountProblem", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+    "ExpiredToken", "InvalidToken", "InvalidSecurity", "NotSignedUp", "RequestTimeTooSkewed", "401", "403",
+})
+_NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NotFound", "404"})
+# Matched by class name anywhere in the MRO, so botocore, aiohttp, urllib3 and requests need not be imported.
+_TRANSIENT_CLASS_NAMES = frozenset({
+    "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
+    "HTTPClientError", "ProxyConnectionError", "IncompleteRead", "ResponseStreamingError",
+    "ClientPayloadError", "ServerDisconnectedError", "ClientConnectionError", "ServerTimeoutError",
+    "RemoteDisconnected", "ProtocolError", "ChunkedEncodingError", "ReadTimeout", "ConnectTimeout",
+    "FSTimeoutError", "TransportError",
+})
+_AUTH_CLASS_NAMES = frozenset({
+    "NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "RefreshError",
+    "DefaultCredentialsError", "Forbidden", "Unauthorized",
+})
+_TRANSIENT_ERRNOS = frozenset(
+    getattr(errno, name) for name in (
+        "ECONNRESET", "ECONNABORTED", "ECONNREFUSED", "ETIMEDOUT", "EPIPE", "EHOSTUNREACH", "ENETUNREACH",
+        "ENETDOWN", "ENETRESET", "EAGAIN", "EBUSY", "EREMOTEIO",
+    ) if hasattr(errno, name)
+)
+
+
+def _exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """The exception, then its causes and contexts (s3fs turns a ClientError into an OSError ``from`` it)."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo and len(seen) < 16:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+
+
+def _code_and_status(exc: BaseException) -> tuple[str | None, int | None]:
+    """Service error code and HTTP status, from botocore's ``response`` dict or an HTTP client's attributes."""
+    code: str | None = None
+    status: int | None = None
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        err = response.get("Error") or {}
+        code = str(err["Code"]) if isinstance(err, dict) and err.get("Code") is not None else None
+        meta = response.get("ResponseMetadata") or {}
+        if isinstance(meta, dict) and isinstance(meta.get("HTTPStatusCode"), int):
+            status = meta["HTTPStatusCode"]
+    elif response is not None and isinstance(getattr(response, "status_code", None), int):
+        status = response.status_code
+    if status is None:
+        for attr in ("status_code", "status", "code"):
+            value = getattr(exc, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and 400 <= value <= 599:
+                status = value
+                break
+    return code, status
+
+
+def classify_error(exc: BaseException) -> ErrorClass:
+    """Decide whether a failed storage call should be retried, and with which backoff.
+
+    Pure function of the exception and its cause chain. Throttling wins over everything (an S3 SlowDown arrives
+    as an ``OSError(EBUSY)`` whose cause is the ClientError), then not-found, then permission/auth errors, then
+    connection errors, timeouts and 5xx. Anything unrecognised is FATAL: retrying a bug only hides it.
+    """
+    found: set[ErrorClass] = set()
+    for e in _exception_chain(exc):
+        code, status = _code_and_status(e)
+        names = {klass.__name__ for klass in type(e).__mro__}
+        try:
+            text = str(e).lower()
+        except Exception:  # noqa: BLE001 - a broken __str__ must not break classification
+            text = ""
+        if code in _THROTTLE_CODES or status in (429, 503) or any(t in text for t in _THROTTLE_TEXT):
+            found.add(ErrorClass.THROTTLE)
+        elif isinstance(e, FileNotFoundError) or code in _NOT_FOUND_CODES or status == 404:
+            found.add(ErrorClass.NOT_FOUND)
+        elif (isinstance(e, PermissionError) or code in _AUTH_CODES or status in (401, 403)
+              or names & _AUTH_CLASS_NAMES):
+            found.add(ErrorClass.FATAL)
+        elif (isinstance(e, (ConnectionError, TimeoutError, socket.timeout, asyncio.TimeoutError))
+              or names & _TRANSIENT_CLASS_NAMES or code in _TRANSIENT_CODES
+              or status in (408, 500, 502, 504)
+              or (isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS)):
+            found.add(ErrorClass.TRANSIENT)
+    for cls in (ErrorClass.THROTTLE, ErrorClass.NOT_FOUND, ErrorClass.FATAL, ErrorClass.TRANSIENT):
+        if cls in found:
+            return cls
+    return ErrorClass.FATAL
+
+
+def backoff_delay(attempt: int, base_s: float, cap_s: float, u: float) -> float:
+    """Full-jitter exponential backoff: ``u * min(cap, base * 2**(attempt-1))`` for ``u`` uniform in [0, 1).
+
+    Full jitter (rather than a fixed schedule) spreads the retries of many ranks hitting the same throttled
+    prefix, so they do not come back in lockstep.
+    """
+    if attempt < 1:
+        raise ValueError(f"attempt must be >= 1, got {attempt}")
+    return max(0.0, min(1.0, u)) * min(cap_s, base_s * 2.0 ** (attempt - 1))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stats and listings
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StorageStats:
+    """Counters for one Storage, safe to update from many threads. ``seconds`` sums the time spent inside put
+    calls (retries and backoff included), so under ``put_many`` it can exceed wall time."""
+
+    puts: int = 0
+    bytes_put: int = 0
+    gets: int = 0
+    bytes_got: int = 0
+    retries: int = 0
+    throttled: int = 0
+    failures: int = 0
+    seconds: float = 0.0
+    backoff_seconds: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for name, value in deltas.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def snapshot(self) -> dict[str, float]:
+        """A consistent copy of the counters (for per-publish metrics: take one before and one after)."""
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """Size and modification time (seconds since the epoch; None when the backend does not say) of one file."""
+
+    size: int
+    mtime: float | None
+
+
+def _mtime_of(info: dict[str, Any]) -> float | None:
+    for key in ("mtime", "LastModified", "updated", "modified", "created"):
+        value = info.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, datetime):
+            return value.timestamp()
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Storage
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _protocols(fs: Any) -> frozenset[str]:
+    proto = getattr(fs, "protocol", ())
+    return frozenset([proto] if isinstance(proto, str) else proto)
+
+
+def _normalise_root(root: str) -> str:
+    root = os.fspath(root).strip()
+    if not root:
+        raise ValueError("storage root is empty")
+    protocol, _ = fsspec.core.split_protocol(root)
+    if protocol is None:
+        root = os.path.abspath(os.path.expanduser(root))
+    stripped = root.rstrip("/")
+    if not stripped or stripped.endswith(":") or stripped.endswith("::"):
+        raise ValueError(f"storage root {root!r} names no directory or bucket")
+    return stripped
+
+
+def _check_relpath(relpath: str, root: str, *, allow_empty: bool = False) -> str:
+    """Reject paths that would escape the root or alias another object (``..``, ``//``, absolute paths)."""
+    if not isinstance(relpath, str):
+        raise TypeError(f"relpath under {root} must be str, got {type(relpath).__name__}")
+    rel = relpath.rstrip("/") if allow_empty else relpath
+    if not rel:
+        if allow_empty:
+            return ""
+        raise ValueError(f"empty relpath under {root}")
+    if rel.startswith("/") or "\\" in rel or "\x00" in rel:
+        raise ValueError(f"bad relpath {relpath!r} under {root}: must be relative, '/'-separated")
+    if any(part in ("", ".", "..") for part in rel.split("/")):
+        raise ValueError(f"bad relpath {relpath!r} under {root}: empty, '.' or '..' segment")
+    return rel
+
+
+class Storage:
+    """Files under one root URI, with retries, bounded concurrency and atomic local writes.
+
+    Example::
+
+        st = Storage("s3://bucket/acct/acct-dep", {"endpoint_url": "http://127.0.0.1:9000"})
+        st.put_many({"step-4-a1b2/config.json": b"{}", "step-4-a1b2/model-00000.safetensors": payload})
+        st.put_file("step-4-a1b2/model-00001.safetensors", "/scratch/shard1.safetensors")  # multipart if large
+        st.list("step-4-a1b2")     # ['step-4-a1b2/config.json', 'step-4-a1b2/model-00000.safetensors', ...]
+        st.stats.throttled         # how often the store said SlowDown
+
+    ``fs`` injects a ready filesystem (tests wrap one to inject faults); ``rng`` and ``sleep`` exist so tests can
+    pin the jitter and observe the backoff without waiting for it.
+    """
+
+    def __init__(self, root: str, storage_options: dict | None = None, *, max_attempts: int = 6,
+                 base_backoff_s: float = 0.2, throttle_backoff_s: float = 1.0, max_backoff_s: float = 20.0,
+                 max_concurrency: int = 8, multipart_threshold: int = 64 * 2**20,
+                 fs: fsspec.AbstractFileSystem | None = None,
+                 rng: random.Random | None = None, sleep: Callable[[float], None] | None = None) -> None:
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        if min(base_backoff_s, throttle_backoff_s, max_backoff_s) < 0:
+            raise ValueError("backoff times must be >= 0")
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if multipart_threshold < 1:
+            raise ValueError(f"multipart_threshold must be >= 1, got {multipart_threshold}")
+        self.root = _normalise_root(root)
+        self.storage_options = dict(storage_options or {})
+        self.max_attempts = max_attempts
+        self.base_backoff_s = base_backoff_s
+        self.throttle_backoff_s = throttle_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.max_concurrency = max_concurrency
+        self.multipart_threshold = multipart_threshold
+        # s3fs goes multipart when size >= 2 * chunksize: half the threshold makes "above threshold" multipart.
+        self.part_size = max(MIN_PART_SIZE, multipart_threshold // 2)
+        self.stats = StorageStats()
+        self._rng = rng or random.Random()
+        self._sleep = sleep or time.sleep
+        if fs is None:
+            fs, fs_root = self._open_fs(self.root, self.storage_options)
+        else:
+            fs_root = fs._strip_protocol(self.root)
+        self._fs = fs
+        self._fs_root = str(fs_root).rstrip("/") or "/"
+        protos = _protocols(fs)
+        self._local = bool(getattr(fs, "local_file", False))
+        self._object_store = bool(protos & _OBJECT_STORE_PROTOCOLS)
+        # s3fs's pipe_file takes the multipart part size; other backends' may not.
+        self._chunked = bool(protos & {"s3", "s3a"})
+
+    @staticmethod
+    def _open_fs(root: str, options: dict) -> tuple[fsspec.AbstractFileSystem, str]:
+        for link in root.split("::"):
+            protocol, _ = fsspec.core.split_protocol(link)
+            hint = backend_install_hint(protocol) if protocol else None
+            if hint is not None:
+                module = _BACKEND_PACKAGES[protocol.lower()][0]
+                try:
+                    importlib.import_module(module)
+                except ImportError as exc:
+                    raise MissingBackendError(f"cannot open {root}: {hint}", uri=root, op="open",
+                                              cause=exc) from exc
+        try:
+            return fsspec.core.url_to_fs(root, **options)
+        except ImportError as exc:
+            raise MissingBackendError(f"cannot open {root}: missing backend package ({exc})", uri=root,
+                                      op="open", cause=exc) from exc
+        except (ValueError, TypeError) as exc:
+            raise StorageError(f"cannot open {root}: {exc}", uri=root, op="open", cause=exc) from exc
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        """The underlying fsspec filesystem (for readers that need ranged reads or streaming)."""
+        return self._fs
+
+    def __repr__(self) -> str:
+        return f"Storage({self.root!r})"
+
+    # -- paths -------------------------------------------------------------------------------------------
+
+    def uri(self, relpath: str) -> str:
+        """The full URI of ``relpath`` (what error messages and the hot-load source URL name)."""
+        return f"{self.root}/{relpath}" if relpath else self.root
+
+    def _path(self, relpath: str) -> str:
+        return f"{self._fs_root}/{relpath}" if relpath else self._fs_root
+
+    def _rel(self, path: str) -> str | None:
+        path = self._fs._strip_protocol(path).rstrip("/")
+        root = self._fs_root.rstrip("/")
+        if path.startswith(root + "/"):
+            return path[len(root) + 1:]
+        return None
+
+    # -- retry core ----------------------------------------------------------------------------------------
+
+    def _run(self, op: str, relpath: str, fn: Callable[[], T]) -> T:
+        """Call ``fn`` until it succeeds, the error is not retryable, or attempts run out."""
+        uri = self.uri(relpath)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return fn()
+            except FileNotFoundError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - classified below, re-raised as StorageError
+                kind = classify_error(exc)
+                if kind is ErrorClass.NOT_FOUND:
+                    raise FileNotFoundError(f"{uri}: {exc}") from exc
+                if not kind.retryable or attempt >= self.max_attempts:
+                    self.stats.add(failures=1)
+                    why = (f"after {attempt} attempts" if kind.retryable
+                           else f"({kind.value} error, not retried)")
+                    raise StorageError(f"{op} {uri} failed {why}: {type(exc).__name__}: {exc}", uri=uri,
+                                       op=op, attempts=attempt, cause=exc) from exc
+                throttled = kind is ErrorClass.THROTTLE
+                base = self.throttle_backoff_s if throttled else self.base_backoff_s
+                delay = backoff_delay(attempt, base, self.max_backoff_s, self._rng.random())
+                self.stats.add(retries=1, throttled=int(throttled), backoff_seconds=delay)
+                logger.warning("%s %s: %s error (%s: %s); retry %d/%d in %.2fs", op, uri, kind.value,
+                               type(exc).__name__, exc, attempt, self.max_attempts - 1, delay)
+                self._sleep(delay)
+
+    # -- writes ------------------------------------------------------------------------------------------
+
+    def put_bytes(self, relpath: str, data: bytes | bytearray | memoryview) -> None:
+        """Write one object (replacing any old one), retrying transient failures."""
+        rel = _check_relpath(relpath, self.root)
+        view = memoryview(data)
+        if view.ndim != 1 or view.format not in ("B", "b", "c"):
+            view = view.cast("B")
+        nbytes = view.nbytes
+        path = self._path(rel)
+        t0 = time.perf_counter()
+        try:
+            if self._local:
+                self._run("put", rel, lambda: self._local_atomic_write(path, lambda f: f.write(view)))
+            elif self._object_store and nbytes > self.multipart_threshold and not isinstance(data, bytes):
+                # Large buffer views: stream in parts rather than copy the whole buffer into one bytes object.
+                self._run("put", rel, lambda: self._stream_write(path, view))
+            else:
+                payload = data if isinstance(data, (bytes, bytearray)) else view.tobytes()
+                kwargs = {"chunksize": self.part_size} if self._chunked else {}
+                self._run("put", rel, lambda: self._fs.pipe_file(path, payload, **kwargs))
+        finally:
+            self.stats.add(seconds=time.perf_counter() - t0)
+        self.stats.add(puts=1, bytes_put=nbytes)
+
+    def put_file(self, relpath: str, local_path: str) -> None:
+        """Upload a local file. Files above ``multipart_threshold`` are streamed (multipart on object stores)
+        and never read into memory whole; a missing ``local_path`` raises FileNotFoundError."""
+        rel = _check_relpath(relpath, self.root)
+        local_path = os.fspath(local_path)
+        size = os.path.getsize(local_path)
+        path = self._path(rel)
+
+        def copy_into(dst: BinaryIO) -> None:
+            with open(local_path, "rb") as src:
+                while block := src.read(_COPY_BLOCK):
+                    dst.write(block)
+
+        def upload() -> None:
+            if self._local:
+                self._local_atomic_write(path, copy_into)
+            elif size > self.multipart_threshold and self._object_store:
+                self._fs.put_file(local_path, path, chunksize=self.part_size)
+            else:
+                with open(local_path, "rb") as src:
+                    payload = src.read()
+                kwargs = {"chunksize": self.part_size} if self._chunked else {}
+                self._fs.pipe_file(path, payload, **kwargs)
+
+        t0 = time.perf_counter()
+        try:
+            self._run("put_file", rel, upload)
+        finally:
+            self.stats.add(seconds=time.perf_counter() - t0)
+        self.stats.add(puts=1, bytes_put=size)
+
+    def put_many(self, items: dict[str, bytes | bytearray | memoryview]) -> None:
+        """Write many objects on at most ``max_concurrency`` threads.
+
+        All relpaths are checked before anything is written. On the first failure no further puts start; the
+        ones already running finish, and the first error is raised (naming the count if several failed).
+        """
+        for rel in items:
+            _check_relpath(rel, self.root)
+        if len(items) <= 1 or self.max_concurrency == 1:
+            for rel, data in items.items():
+                self.put_bytes(rel, data)
+            return
+        workers = min(self.max_concurrency, len(items))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hotload-storage") as pool:
+            futures: dict[Future[None], str] = {pool.submit(self.put_bytes, rel, data): rel
+                                                for rel, data in items.items()}
+            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+            for fut in pending:
+                fut.cancel()
+            wait(futures)
+        errors = [(futures[f], f.exception()) for f in futures if not f.cancelled() and f.exception()]
+        if not errors:
+            return
+        rel, first = errors[0]
+        if len(errors) == 1:
+            raise first  # type: ignore[misc]
+        raise StorageError(f"put_many: {len(errors)} of {len(items)} puts failed under {self.root}; "
+                           f"first: {first}", uri=self.uri(rel), op="put_many",
+                           attempts=getattr(first, "attempts", 0), cause=first) from first
+
+    def _local_atomic_write(self, path: str, write: Callable[[BinaryIO], Any]) -> None:
+        """Write to a hidden temp name in the same directory, fsync, then rename over the target."""
+        parent = os.path.dirname(path)
+        self._fs.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f"{TMP_PREFIX}{os.path.basename(path)}.{uuid.uuid4().hex[:12]}")
+        try:
+            with self._fs.open(tmp, "wb") as f:
+                write(f)
+                f.flush()
+                with contextlib.suppress(AttributeError, OSError, ValueError):
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        with contextlib.suppress(OSError):  # make the rename itself durable; some filesystems refuse, which is fine
+            dir_fd = os.open(parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+
+    def _stream_write(self, path: str, view: memoryview) -> None:
+        """Write a large buffer to an object store part by part; on failure abort, never commit a partial object."""
+        f = self._fs.open(path, "wb", block_size=self.part_size)
+        try:
+            for off in range(0, view.nbytes, self.part_size):
+                f.write(view[off:off + self.part_size])
+            f.close()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                f.discard()  # aborts the multipart upload
+            with contextlib.suppress(Exception):
+                f.closed = True  # so garbage collection does not close (and thereby commit) it
+            raise
+
+    # -- reads and listings -------------------------------------------------------------------------------
+
+    def get_bytes(self, relpath: str) -> bytes:
+        """Read one object whole; FileNotFoundError passes straight through (never retried)."""
+        rel = _check_relpath(relpath, self.root)
+        data = self._run("get", rel, lambda: self._fs.cat_file(self._path(rel)))
+        self.stats.add(gets=1, bytes_got=len(data))
+        return bytes(data)
+
+    def exists(self, relpath: str) -> bool:
+        rel = _check_relpath(relpath, self.root)
+        path = self._path(rel)
+        self._fs.invalidate_cache(path)
+        return bool(self._run("exists", rel, lambda: self._fs.exists(path)))
+
+    def size(self, relpath: str) -> int:
+        rel = _check_relpath(relpath, self.root)
+        path = self._path(rel)
+        self._fs.invalidate_cache(path)
+        return int(self._run("size", rel, lambda: self._fs.info(path)["size"]))
+
+    def list_info(self, prefix: str = "") -> dict[str, FileInfo]:
+        """Files below ``prefix`` (a directory: ``"a"`` does not match ``"ab/x"``), recursively, with sizes and
+        modification times, keyed by relpath from the root. Temp files of unfinished local writes are hidden."""
+        rel = _check_relpath(prefix, self.root, allow_empty=True)
+        path = self._path(rel)
+        self._fs.invalidate_cache(path)
+
+        def find() -> dict[str, Any]:
+            try:
+                return self._fs.find(path, detail=True)
+            except FileNotFoundError:
+                return {}
+
+        out: dict[str, FileInfo] = {}
+        for name, info in self._run("list", rel, find).items():
+            if info.get("type", "file") != "file":
+                continue
+            child = self._rel(name)
+            if child is None or os.path.basename(child).startswith(TMP_PREFIX):
+                continue
+            out[child] = FileInfo(size=int(info.get("size") or 0), mtime=_mtime_of(info))
+        return dict(sorted(out.items()))
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Relpaths (from the root, like every relpath here, so they feed straight back into ``get_bytes``) of
+        the files below the directory ``prefix``, recursively, sorted."""
+        return list(self.list_info(prefix))
+
+    def list_dirs(self) -> list[str]:
+        """Names of the top-level directories under the root: the snapshot identities, committed or not."""
+        self._fs.invalidate_cache(self._fs_root)
+
+        def ls() -> list[dict[str, Any]]:
+            try:
+                return self._fs.ls(self._fs_root, detail=True)
+            except FileNotFoundError:
+                return []
+
+        names = set()
+        for entry in self._run("list_dirs", "", ls):
+            if entry.get("type") == "directory":
+                names.add(entry["name"].rstrip("/").rsplit("/", 1)[-1])
+        return sorted(names)
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete everything below ``prefix`` (or the single object it names). Missing is not an error. An
+        empty prefix is refused: wiping the whole root by accident must not be one call away."""
+        rel = _check_relpath(prefix, self.root, allow_empty=True)
+        if not rel:
+            raise ValueError(f"refusing to delete the whole storage root {self.root}")
+        path = self._path(rel)
+
+        def rm() -> None:
+            try:
+                self._fs.rm(path, recursive=True)
+            except FileNotFoundError:
+                pass
+            self._fs.invalidate_cache(path)
+
+        self._run("delete", rel, rm)
+
+
+def __getattr__(name: str) -> Any:
+    """Commit markers and retention live in :mod:`fsdp_hotload.retention`; they are reachable from here too."""
+    from . import retention
+
+    if name in retention.__all__:
+        return getattr(retention, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

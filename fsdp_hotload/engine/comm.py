@@ -1,0 +1,132 @@
+"""Collectives the publisher needs, over a side gloo group (never the training process group).
+
+Two narrow operations cover the pipeline: ``exchange`` (each rank sends one byte blob to every other rank, used
+to route chunk payloads to the rank that writes each file) and ``gather``/``broadcast`` of small Python objects
+(statuses to rank 0, the outcome back). The publisher thread and the trainer's main thread each get their own
+group, because two threads must never interleave collectives on one group.
+
+Example::
+
+    comm = GlooComm.create()                  # collective: every rank calls it, in the same order
+    incoming = comm.exchange([b"to-0", b"to-1"])
+"""
+from __future__ import annotations
+
+import pickle
+from typing import Any, Protocol, Sequence
+
+
+class Comm(Protocol):
+    rank: int
+    world: int
+
+    def exchange(self, outgoing: Sequence[bytes]) -> list[bytes]:
+        """``outgoing[d]`` goes to rank d; returns ``incoming[s]`` from rank s (own blob passed through)."""
+        ...
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Objects from every rank on rank 0 (None elsewhere)."""
+        ...
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's object on every rank."""
+        ...
+
+    def allreduce_max(self, value: int) -> int:
+        ...
+
+
+class LocalComm:
+    """The single-process case: every collective is the identity."""
+
+    rank = 0
+    world = 1
+
+    def exchange(self, outgoing: Sequence[bytes]) -> list[bytes]:
+        return [outgoing[0]]
+
+    def gather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj
+
+    def allreduce_max(self, value: int) -> int:
+        return value
+
+
+class GlooComm:
+    """Collectives on a dedicated gloo group; payloads travel as uint8 CPU tensors point to point."""
+
+    def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self._global = [dist.get_global_rank(group, r) for r in range(self.world)] if group is not None else list(
+            range(self.world))
+
+    @classmethod
+    def create(cls) -> "GlooComm":
+        """A new gloo group over all ranks (collective; call on every rank in the same order)."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised; call init_process_group first")
+        return cls(dist.new_group(backend="gloo"))
+
+    def exchange(self, outgoing: Sequence[bytes]) -> list[bytes]:
+        import torch
+
+        dist = self._dist
+        if len(outgoing) != self.world:
+            raise ValueError(f"exchange needs one blob per rank ({self.world}), got {len(outgoing)}")
+        sizes = torch.tensor([len(b) for b in outgoing], dtype=torch.int64)
+        table = [torch.empty(self.world, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(table, sizes, group=self.group)
+        incoming: list[bytes] = [b""] * self.world
+        incoming[self.rank] = bytes(outgoing[self.rank])
+        reqs, bufs = [], {}
+        for peer in range(self.world):
+            if peer == self.rank:
+                continue
+            n_in = int(table[peer][self.rank])
+            if n_in:
+                bufs[peer] = torch.empty(n_in, dtype=torch.uint8)
+                reqs.append(dist.irecv(bufs[peer], src=self._global[peer], group=self.group))
+            if len(outgoing[peer]):
+                t = torch.frombuffer(bytearray(outgoing[peer]), dtype=torch.uint8)
+                reqs.append(dist.isend(t, dst=self._global[peer], group=self.group))
+        for r in reqs:
+            r.wait()
+        for peer, buf in bufs.items():
+            incoming[peer] = buf.numpy().tobytes()
+        return incoming
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        self._dist.gather_object(obj, out, dst=self._global[0], group=self.group)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=self._global[0], group=self.group)
+        return box[0]
+
+    def allreduce_max(self, value: int) -> int:
+        import torch
+
+        t = torch.tensor([value], dtype=torch.int64)
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
+        return int(t.item())
+
+
+def dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads(blob: bytes) -> Any:
+    # Blobs come from the other ranks of the same job over the side group, never from storage.
+    return pickle.loads(blob) if blob else None

@@ -1,0 +1,68 @@
+"""Per-publish metrics: one record per snapshot, logged and appended as a JSON line on rank 0."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from dataclasses import asdict, dataclass, field
+
+log = logging.getLogger("fsdp_hotload")
+
+
+@dataclass
+class PublishMetrics:
+    step: int
+    identity: str
+    kind: str
+    ok: bool = False
+    error: str | None = None
+    changed_fraction: float | None = None  # of all elements (delta only)
+    raw_bytes: int = 0  # bytes of the snapshot as a full one
+    bytes_written: int = 0  # weight files only
+    ratio: float | None = None
+    files: int = 0
+    blocking_ms: float = 0.0  # trainer main thread, max over ranks
+    diff_s: float = 0.0  # max over ranks
+    encode_s: float = 0.0
+    route_s: float = 0.0
+    upload_s: float = 0.0
+    signal_s: float = 0.0
+    ready_s: float = 0.0
+    total_s: float = 0.0  # hook to all replicas ready
+    staleness_steps: int = 0  # trainer step when the fleet served it, minus this step
+    upload_mb_s: float | None = None
+    throttled: int = 0
+    retries: int = 0
+    skipped_before: int = 0  # steps skipped because the publisher was busy
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def line(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    def summary(self) -> str:
+        if not self.ok:
+            return f"step {self.step} {self.kind} {self.identity}: FAILED: {self.error}"
+        ratio = f"{self.ratio:.1f}x" if self.ratio else "-"
+        changed = f" changed {100 * self.changed_fraction:.2f}%" if self.changed_fraction is not None else ""
+        return (f"step {self.step} {self.kind} {self.identity}: {self.bytes_written / 1e6:.2f} MB ({ratio}){changed}"
+                f" blocking {self.blocking_ms:.1f} ms, upload {self.upload_s:.2f}s, ready {self.ready_s:.2f}s")
+
+
+class MetricsSink:
+    """Appends JSON lines to ``path`` (if given) and keeps them in memory; thread-safe."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.records: list[PublishMetrics] = []
+        self._lock = threading.Lock()
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def emit(self, m: PublishMetrics) -> None:
+        with self._lock:
+            self.records.append(m)
+            if self.path:
+                with open(self.path, "a") as f:
+                    f.write(m.line() + "\n")
+        (log.info if m.ok else log.warning)("hotload: %s", m.summary())

@@ -1,0 +1,366 @@
+"""The publisher: a cheap hook on the trainer's main thread, and a background pipeline per rank.
+
+``publish(step)`` decides whether to publish (every ``publish_every`` steps, and only if an in-flight slot is
+free on every rank, else skip or wait per ``busy_policy``), copies the local chunks into a staging slot and
+returns. A background thread then runs one snapshot at a time:
+
+1. kind (full/delta, from the Cadence) and identity;
+2. diff against the cache and encode (delta) or take the raw bytes (full), per chunk;
+3. route pieces to file owners over the side group, assemble and upload each owned file, hint it;
+4. rank 0 writes the manifests and the commit marker, signals every deployment and waits until all replicas
+   serve the snapshot;
+5. the outcome is broadcast: on success the staged bytes become the cache, on any failure the next publish is
+   full.
+
+Every rank runs every collective of a publish even when its own part failed, so one rank's error ends that
+snapshot (nobody signals it) instead of hanging the others. Errors are stored and raised on the next
+``publish`` call (or logged, with ``keep_training_on_error``).
+
+Example::
+
+    pub = Publisher(chunks, specs, HotloadConfig(bucket_url="/tmp/bucket"))
+    for step in range(100):
+        train_step(); pub.publish(step)
+    pub.close()
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from ..arc.adler import chunk_parts, global_elements, update_parts
+from ..arc.codecs import get_codec
+from ..arc.dtypes import numel
+from ..config import HotloadConfig
+from ..layout import ShardPlan, TensorSpec, hf_aux_files, new_identity, plan_shards
+from ..storage import Storage
+from .assemble import Piece, assemble_delta_file, assemble_full_file, assign_owners
+from .cadence import Cadence
+from .comm import Comm, LocalComm, dumps, loads
+from .metrics import MetricsSink, PublishMetrics
+from .signal import Signaller
+from .staging import ChunkLike, Stager
+
+log = logging.getLogger("fsdp_hotload")
+
+
+class PublishError(RuntimeError):
+    """A snapshot could not be published; the next publish will be a full snapshot."""
+
+
+@dataclass
+class _Job:
+    step: int
+    buf: torch.Tensor
+    event: Any
+    blocking_ms: float
+    skipped_before: int
+    t_hook: float
+
+
+@dataclass
+class _Outcome:
+    ok: bool
+    error: str | None = None
+    metrics: PublishMetrics | None = None
+
+
+@dataclass
+class _RankStatus:
+    rank: int
+    error: str | None = None
+    files: dict[str, int] = field(default_factory=dict)
+    changed: int = 0
+    elements: int = 0
+    diff_s: float = 0.0
+    encode_s: float = 0.0
+    route_s: float = 0.0
+    upload_s: float = 0.0
+    blocking_ms: float = 0.0
+    throttled: int = 0
+    retries: int = 0
+
+
+class Publisher:
+    """Framework-neutral engine: it sees chunks (name, box, source tensor), never modules."""
+
+    def __init__(self, chunks: Sequence[ChunkLike], specs: Sequence[TensorSpec], config: HotloadConfig, *,
+                 comm: Comm | None = None, ctrl: Comm | None = None, storage: Storage | None = None,
+                 signaller: Signaller | None = None, session: str | None = None) -> None:
+        self.config = config
+        self.comm: Comm = comm or LocalComm()
+        self.ctrl: Comm = ctrl or self.comm
+        self.rank, self.world = self.comm.rank, self.comm.world
+        self.chunks = list(chunks)
+        self.plan: ShardPlan = plan_shards(specs, max_file_bytes=config.max_file_bytes)
+        for c in self.chunks:
+            spec = self.plan.specs.get(c.name)
+            if spec is None or tuple(spec.shape) != tuple(c.shape) or spec.dtype != c.dtype:
+                raise ValueError(f"chunk {c.name!r} ({c.dtype}{list(c.shape)}) does not match the tensor specs "
+                                 f"({spec})")
+        self.owners = assign_owners(self.plan, self.world)
+        self.storage = storage or Storage(config.bucket_url, config.storage_options,
+                                          max_concurrency=config.upload_concurrency)
+        self.stager = Stager(self.chunks, slots=config.max_inflight, cache_on=config.cache_on)
+        self.codec = get_codec(config.codec)
+        self.cadence = Cadence(config.full_every, config.max_chain_length)
+        # Identities must agree on every rank: rank 0 picks the session suffix.
+        self.session = self.ctrl.broadcast(session or new_identity(0).rsplit("-", 1)[-1])
+        self.signaller = signaller if signaller is not None else (
+            Signaller.from_config(config) if (self.rank == 0 or config.send_hints) else None)
+        self.metrics = MetricsSink(config.metrics_path if self.rank == 0 else None)
+        self._aux = hf_aux_files(config.hf_config_dir) if self.rank == 0 else {}
+        self._cache_parts: list[tuple[int, int]] = [(0, 0)] * len(self.chunks)
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._skipped = 0
+        self.latest_step = -1
+        self.closed = False
+
+    # ================================================================== main thread
+    def publish(self, step: int, sources: Sequence[torch.Tensor] | None = None) -> bool:
+        """Stage the current weights for publishing; returns True if a snapshot was started."""
+        self.raise_if_failed()
+        if self.closed:
+            raise RuntimeError("publisher is closed")
+        self.latest_step = step
+        if step % self.config.publish_every:
+            return False
+        t0 = time.perf_counter()
+        wait = self.config.busy_policy == "wait"
+        if wait:
+            buf = self.stager.acquire(wait=True)
+        else:
+            busy = int(self.stager.free_slots() == 0)
+            if self.world > 1:
+                busy = self.ctrl.allreduce_max(busy)  # every rank must make the same choice
+            buf = None if busy else self.stager.acquire(wait=True)
+        if buf is None:
+            self._skipped += 1
+            return False
+        event = self.stager.stage(buf, sources)
+        blocking_ms = (time.perf_counter() - t0) * 1e3
+        with self._idle:
+            self._pending += 1
+        self._ensure_thread()
+        self._queue.put(_Job(step, buf, event, blocking_ms, self._skipped, t0))
+        self._skipped = 0
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every started snapshot has finished (accepted or failed)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"{self._pending} snapshot(s) still publishing after {timeout}s")
+                self._idle.wait(left)
+
+    def raise_if_failed(self) -> None:
+        err, self._error = self._error, None
+        if err is not None:
+            if self.config.keep_training_on_error:
+                log.warning("hotload: publish failed (training goes on, next publish is full): %s", err)
+            else:
+                raise PublishError(str(err)) from err
+
+    def close(self, *, raise_errors: bool = True) -> None:
+        """Finish in-flight snapshots, stop the thread, and raise a stored error."""
+        if self.closed:
+            return
+        self.wait()
+        self.closed = True
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+        if self.signaller is not None:
+            self.signaller.close()
+        if raise_errors:
+            self.raise_if_failed()
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=f"hotload-publisher-{self.rank}", daemon=True)
+            self._thread.start()
+
+    # ================================================================== background thread
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                outcome = self._run(job)
+                if not outcome.ok:
+                    self._error = PublishError(outcome.error or "publish failed")
+            except BaseException as exc:  # a collective itself failed: the group is unusable from here on
+                log.exception("hotload: publisher thread failed")
+                self._error = exc
+                self.cadence.on_failure()
+                self.stager.release(job.buf)
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def _run(self, job: _Job) -> _Outcome:
+        kind = self.cadence.next_kind()
+        parent = self.cadence.accepted
+        identity = new_identity(job.step, prefix=self.config.identity_prefix, session=self.session)
+        st = _RankStatus(self.rank, blocking_ms=job.blocking_ms)
+        outgoing: list[list[Piece]] = [[] for _ in range(self.world)]
+        new_parts: list[tuple[int, int]] = []
+        try:
+            self.stager.wait_event(job.event)
+            new_parts = self._encode(job.buf, kind, outgoing, st)
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0, which ends this snapshot
+            st.error = f"rank {self.rank}: encode failed: {exc!r}"
+            outgoing = [[] for _ in range(self.world)]
+        t0 = time.perf_counter()
+        incoming = self.comm.exchange([dumps(p) for p in outgoing])
+        st.route_s = time.perf_counter() - t0
+        if st.error is None:
+            try:
+                self._write_owned(identity, kind, parent, [loads(b) or [] for b in incoming], st)
+            except Exception as exc:  # noqa: BLE001
+                st.error = f"rank {self.rank}: upload failed: {exc!r}"
+        statuses = self.comm.gather(st)
+        outcome = self._finish(job, identity, kind, parent, statuses) if self.rank == 0 else None
+        outcome = self.comm.broadcast(outcome)
+        if outcome.ok:
+            self.stager.promote(job.buf)
+            self._cache_parts = new_parts
+            self.cadence.on_success(identity, kind)
+        else:
+            self.stager.release(job.buf)
+            self.cadence.on_failure()
+        if self.rank == 0 and outcome.metrics is not None:
+            outcome.metrics.staleness_steps = max(self.latest_step - job.step, 0)
+            self.metrics.emit(outcome.metrics)
+        return outcome
+
+    def _encode(self, buf: torch.Tensor, kind: str, outgoing: list[list[Piece]], st: _RankStatus
+                ) -> list[tuple[int, int]]:
+        parts: list[tuple[int, int]] = []
+        t0 = time.perf_counter()
+        diffs = self.stager.diff(buf) if kind == "delta" else None
+        st.diff_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for i, (c, s) in enumerate(zip(self.chunks, self.stager.slices)):
+            space = (numel(c.shape),) if c.space == "flat" else tuple(c.shape)
+            total = s.itemsize * numel(c.shape)
+            if diffs is not None:
+                d = diffs[i]
+                payload = self.codec.encode(d)
+                p = update_parts(self._cache_parts[i], global_elements(d.idx, c.box, space), d.old, d.new,
+                                 s.itemsize, total)
+                st.changed += d.changed
+            else:
+                raw = self.stager.host_bytes(buf, s)
+                payload = raw.tobytes()
+                p = chunk_parts(raw, c.box, space, s.itemsize, total)
+            st.elements += s.numel
+            parts.append(p)
+            if s.numel:
+                owner = self.owners[self.plan.file_of(c.name)]
+                outgoing[owner].append(Piece(c.name, c.space, tuple(c.box.start), tuple(c.box.length), payload, p))
+        st.encode_s = time.perf_counter() - t0
+        return parts
+
+    def _write_owned(self, identity: str, kind: str, parent: str | None, incoming: list[list[Piece]],
+                     st: _RankStatus) -> None:
+        by_file: dict[str, list[Piece]] = {f: [] for f, r in self.owners.items() if r == self.rank}
+        for pieces in incoming:
+            for p in pieces:
+                by_file[self.plan.file_of(p.tensor)].append(p)
+        before = self.storage.stats.snapshot()
+        t0 = time.perf_counter()
+
+        def write(filename: str) -> tuple[str, int]:
+            pieces = by_file[filename]
+            if kind == "full":
+                blob = assemble_full_file(self.plan, filename, pieces)
+            else:
+                assert parent is not None
+                blob = assemble_delta_file(self.plan, filename, pieces, parent_identity=parent,
+                                           codec=self.codec.name)
+            self.storage.put_bytes(f"{identity}/{filename}", blob)
+            if self.signaller is not None and self.config.send_hints:
+                self.signaller.hint(identity, filename, parent if kind == "delta" else None)
+            return filename, len(blob)
+
+        with ThreadPoolExecutor(max_workers=self.config.upload_concurrency) as pool:
+            st.files = dict(pool.map(write, sorted(by_file)))
+        st.upload_s = time.perf_counter() - t0
+        after = self.storage.stats.snapshot()
+        st.throttled = int(after.get("throttled", 0) - before.get("throttled", 0))
+        st.retries = int(after.get("retries", 0) - before.get("retries", 0))
+
+    def _finish(self, job: _Job, identity: str, kind: str, parent: str | None,
+                statuses: list[_RankStatus] | None) -> _Outcome:
+        """Rank 0: manifests, commit marker, signal, wait. Nothing is signalled unless every file is durable."""
+        assert statuses is not None
+        raw = self.plan.total_size
+        m = PublishMetrics(step=job.step, identity=identity, kind=kind, raw_bytes=raw,
+                           skipped_before=job.skipped_before)
+        files = {f: n for s in statuses for f, n in s.files.items()}
+        m.files = len(files)
+        m.bytes_written = sum(files.values())
+        m.ratio = raw / m.bytes_written if m.bytes_written else None
+        m.blocking_ms = max(s.blocking_ms for s in statuses)
+        for k in ("diff_s", "encode_s", "route_s", "upload_s"):
+            setattr(m, k, max(getattr(s, k) for s in statuses))
+        m.throttled = sum(s.throttled for s in statuses)
+        m.retries = sum(s.retries for s in statuses)
+        elements = sum(s.elements for s in statuses)
+        if kind == "delta" and elements:
+            m.changed_fraction = sum(s.changed for s in statuses) / elements
+        if m.upload_s > 0:
+            m.upload_mb_s = m.bytes_written / 1e6 / m.upload_s
+        errors = [s.error for s in statuses if s.error]
+        if not errors and set(files) != set(self.plan.files):
+            errors.append(f"files missing after upload: {sorted(set(self.plan.files) - set(files))}")
+        try:
+            if errors:
+                raise PublishError("; ".join(errors))
+            self._write_manifests(identity, kind, parent, files)
+            if self.signaller is not None:
+                t0 = time.perf_counter()
+                ready_s = self.signaller.signal_and_wait(identity, parent if kind == "delta" else None)
+                m.signal_s = time.perf_counter() - t0 - ready_s
+                m.ready_s = ready_s
+            if self.config.keep_last:
+                from ..retention import apply_retention
+
+                apply_retention(self.storage, self.config.keep_last, protected={identity})
+            m.ok = True
+        except Exception as exc:  # noqa: BLE001 - any failure ends this chain; the next publish is full
+            m.error = str(exc)
+            if self.signaller is not None:
+                self.signaller.on_failure()
+        m.total_s = time.perf_counter() - job.t_hook
+        return _Outcome(m.ok, m.error, m)
+
+    def _write_manifests(self, identity: str, kind: str, parent: str | None, files: dict[str, int]) -> None:
+        from ..retention import CommitInfo, write_commit_marker
+
+        items = dict(self._aux)
+        items["model.safetensors.index.json"] = self.plan.to_index_json()
+        items["model.weight.spec.json"] = self.plan.to_spec_json()
+        self.storage.put_many({f"{identity}/{k}": v for k, v in items.items()})
+        sizes = {**files, **{k: len(v) for k, v in items.items()}}
+        write_commit_marker(self.storage, CommitInfo(identity=identity, kind=kind,
+                                                     parent_identity=parent if kind == "delta" else None,
+                                                     files={k: {"size": n} for k, n in sizes.items()},
+                                                     created_at=time.time()))

@@ -1,0 +1,79 @@
+"""Signalling: tell every deployment about a snapshot and wait until all their replicas serve it.
+
+One snapshot can feed several deployments (rollout pools in several regions reading one bucket). Each keeps its
+own chain state: the identity it serves, which is the ``previous_snapshot_identity`` of its next delta. The
+publisher advances its cache only when every deployment accepted, so after any failure the chains agree again at
+the next (full) snapshot.
+
+Example::
+
+    sig = Signaller.from_config(cfg)            # None when cfg.hotload_api_url is unset
+    ready_s = sig.signal_and_wait("step-000012-ab12cd34", previous="step-000011-ab12cd34")
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+from ..config import HotloadConfig
+
+log = logging.getLogger("fsdp_hotload")
+
+
+class Signaller:
+    def __init__(self, clients: Sequence[Any], *, ready_timeout_s: float = 600.0,
+                 reset_prompt_cache: str | None = None) -> None:
+        self.clients = list(clients)
+        self.ready_timeout_s = ready_timeout_s
+        self.reset_prompt_cache = reset_prompt_cache
+        self.served: dict[str, str | None] = {c.deployment_name: None for c in self.clients}
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)), thread_name_prefix="hotload-signal")
+
+    @classmethod
+    def from_config(cls, cfg: HotloadConfig) -> "Signaller | None":
+        if not cfg.hotload_api_url:
+            return None
+        from ..fireworks import HotLoadClient
+
+        assert cfg.account_id and cfg.model_id
+        clients = [HotLoadClient(cfg.hotload_api_url, account_id=cfg.account_id, model_id=cfg.model_id,
+                                 deployment_id=d, api_key=cfg.resolved_api_key(),
+                                 poll_interval_s=cfg.poll_interval_s) for d in cfg.deployments]
+        return cls(clients, ready_timeout_s=cfg.ready_timeout_s, reset_prompt_cache=cfg.reset_prompt_cache)
+
+    def hint(self, identity: str, filename: str, previous: str | None) -> None:
+        """Best effort: a lost hint only delays the replicas' prefetch, never correctness."""
+        for c in self.clients:
+            try:
+                c.hint(identity, filename, previous_identity=previous)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("hotload: hint for %s/%s to %s failed: %s", identity, filename, c.deployment_name, exc)
+
+    def signal_and_wait(self, identity: str, previous: str | None) -> float:
+        """Signal every deployment, then wait for all; returns seconds spent waiting for readiness."""
+        for c in self.clients:
+            prev = self.served[c.deployment_name] if previous is not None else None
+            if previous is not None and prev != previous:
+                raise RuntimeError(f"deployment {c.deployment_name} serves {prev!r}, not the delta's parent "
+                                   f"{previous!r}; a full snapshot is needed")
+            c.signal(identity, previous_identity=prev, reset_prompt_cache=self.reset_prompt_cache)
+        t0 = time.perf_counter()
+        futures = [self._pool.submit(c.wait_ready, identity, timeout_s=self.ready_timeout_s) for c in self.clients]
+        errors = []
+        for c, f in zip(self.clients, futures):
+            try:
+                f.result()
+                self.served[c.deployment_name] = identity
+            except Exception as exc:  # noqa: BLE001 - collected: every deployment is waited for
+                errors.append(f"{c.deployment_name}: {exc}")
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        return time.perf_counter() - t0
+
+    def on_failure(self) -> None:
+        """Nothing to undo: served identities only change on success, and the next publish is full."""
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,178 @@
+"""Staging: the only work the trainer's main thread does, plus the diff against the cache.
+
+Each rank's chunks are packed into one flat byte buffer per slot (offsets aligned to 8 bytes), in the snapshot
+dtype, on the chunks' own device. ``stage`` copies (and casts) every chunk's source into a free slot; on CUDA it
+does so on a side stream and makes the training stream wait for that copy on the device, so the host returns
+at once and the next optimizer step cannot overwrite a parameter before it has been copied. The cache is one
+more buffer with the same layout holding the bytes of the last accepted snapshot; after an accepted publish the
+slot and the cache swap roles (no copy).
+
+Example::
+
+    st = Stager(chunks, slots=1)
+    slot = st.acquire(); st.stage(slot)        # main thread
+    diffs = st.diff(slot)                      # background: ElementDiff per chunk (only changes reach the host)
+    st.promote(slot)                           # background, after every deployment accepted the snapshot
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from ..arc.codecs import ElementDiff, element_diff
+from ..arc.dtypes import UINT_BY_SIZE, itemsize, torch_name
+
+_SIGNED = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class ChunkLike(Protocol):
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    space: str
+    box: Any
+    source: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Where one chunk lives inside a flat slot buffer."""
+
+    index: int
+    offset: int  # bytes
+    nbytes: int
+    numel: int
+    itemsize: int
+    torch_dtype: torch.dtype
+
+
+class Stager:
+    """Slot buffers, the cache buffer, and the copy/diff operations between them."""
+
+    def __init__(self, chunks: Sequence[ChunkLike], *, slots: int = 1, cache_on: str = "device") -> None:
+        self.chunks = list(chunks)
+        devices = {c.source.device for c in self.chunks}
+        if len(devices) > 1:
+            raise ValueError(f"local chunks live on several devices {sorted(map(str, devices))}; one expected")
+        self.device = devices.pop() if devices else torch.device("cpu")
+        self.slices: list[Slice] = []
+        pos = 0
+        for i, c in enumerate(self.chunks):
+            size = itemsize(c.dtype)
+            n = c.box.numel
+            if int(c.source.numel()) != n:
+                raise ValueError(f"chunk {c.name!r}: source has {c.source.numel()} elements, box has {n}")
+            pos += -pos % 8
+            self.slices.append(Slice(i, pos, n * size, n, size, getattr(torch, torch_name(c.dtype))))
+            pos += n * size
+        self.nbytes = pos
+        self._free: list[torch.Tensor] = [self._alloc(self.device) for _ in range(slots)]
+        self._cond = threading.Condition()
+        self.cache: torch.Tensor | None = None  # bytes of the last accepted snapshot
+        self.cache_on = cache_on
+        self.cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+
+    def _alloc(self, device: torch.device) -> torch.Tensor:
+        pin = device.type == "cpu" and torch.cuda.is_available()
+        return torch.empty(self.nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+
+    # ------------------------------------------------------------------ main thread
+    def free_slots(self) -> int:
+        with self._cond:
+            return len(self._free)
+
+    def acquire(self, wait: bool) -> torch.Tensor | None:
+        with self._cond:
+            while not self._free:
+                if not wait:
+                    return None
+                self._cond.wait()
+            return self._free.pop()
+
+    def view(self, buf: torch.Tensor, s: Slice) -> torch.Tensor:
+        return buf[s.offset:s.offset + s.nbytes].view(s.torch_dtype)
+
+    def stage(self, buf: torch.Tensor, sources: Sequence[torch.Tensor] | None = None) -> Any:
+        """Copy every chunk's source into ``buf`` (casting to the snapshot dtype). Returns a completion event."""
+        srcs = [c.source for c in self.chunks] if sources is None else list(sources)
+        if self.cuda:
+            assert self._stream is not None
+            main = torch.cuda.current_stream(self.device)
+            self._stream.wait_stream(main)
+            with torch.cuda.stream(self._stream):
+                for s, src in zip(self.slices, srcs):
+                    self.view(buf, s).copy_(src.detach().reshape(-1), non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            main.wait_event(event)  # the next optimizer step waits for the copy on the device, not on the host
+            return event
+        with torch.no_grad():
+            for s, src in zip(self.slices, srcs):
+                self.view(buf, s).copy_(src.detach().reshape(-1))
+        return None
+
+    # ------------------------------------------------------------------ background thread
+    def host_bytes(self, buf: torch.Tensor, s: Slice) -> np.ndarray:
+        """A chunk's staged bytes on the host (a view when the buffer is on the CPU)."""
+        piece = buf[s.offset:s.offset + s.nbytes]
+        return piece.cpu().numpy() if piece.device.type != "cpu" else piece.numpy()
+
+    def diff(self, buf: torch.Tensor) -> list[ElementDiff]:
+        """Per-chunk changes of ``buf`` against the cache. On CUDA only positions and values cross to the host."""
+        if self.cache is None:
+            raise RuntimeError("no cache: the first publish must be full")
+        out = []
+        for s in self.slices:
+            if s.numel == 0:
+                empty = np.empty(0, dtype=UINT_BY_SIZE[s.itemsize])
+                out.append(ElementDiff(0, s.itemsize, np.empty(0, np.int64), empty, empty.copy()))
+                continue
+            new = buf[s.offset:s.offset + s.nbytes]
+            old = self.cache[s.offset:s.offset + s.nbytes]
+            if new.device.type == "cuda":
+                out.append(_device_diff(new, old.to(new.device, non_blocking=True), s))
+            else:
+                out.append(element_diff(old.numpy(), new.numpy(), s.itemsize))
+        return out
+
+    def promote(self, buf: torch.Tensor) -> None:
+        """``buf`` holds the newly accepted snapshot: it becomes the cache, the old cache a free slot."""
+        with self._cond:
+            if self.cache_on == "host" and buf.device.type != "cpu":
+                if self.cache is None:
+                    self.cache = self._alloc(torch.device("cpu"))
+                self.cache.copy_(buf)
+                self._free.append(buf)
+            else:
+                old, self.cache = self.cache, buf
+                self._free.append(old if old is not None else self._alloc(self.device))
+            self._cond.notify_all()
+
+    def release(self, buf: torch.Tensor) -> None:
+        """Give a slot back without promoting it (failed or skipped publish)."""
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify_all()
+
+    def wait_event(self, event: Any) -> float:
+        t0 = time.perf_counter()
+        if event is not None:
+            event.synchronize()
+        return time.perf_counter() - t0
+
+
+def _device_diff(new: torch.Tensor, old: torch.Tensor, s: Slice) -> ElementDiff:
+    """Compare on the device; copy only the changed positions and their old/new values to the host."""
+    a = new.view(_SIGNED[s.itemsize])
+    b = old.view(_SIGNED[s.itemsize])
+    idx = torch.nonzero(a != b).reshape(-1)
+    u = UINT_BY_SIZE[s.itemsize]
+    return ElementDiff(s.numel, s.itemsize, idx.cpu().numpy().astype(np.int64),
+                       b[idx].cpu().numpy().view(u), a[idx].cpu().numpy().view(u))
+

@@ -1,0 +1,616 @@
+"""FSDP adapter: which parts of which Hugging Face tensors this rank holds, as chunks.
+
+The publisher never assembles a full tensor for a delta: each rank diffs and encodes the elements it already
+holds. This module answers, for one rank, "which elements of which published tensor are mine, and where do they
+live in memory", without any communication and without copying data:
+
+* FSDP2 (``fully_shard``): parameters are DTensors. The local tensor is the rank's shard; its place in the full
+  tensor comes from the placements (Shard(0) by default: a dim-0 slab, i.e. one contiguous element range).
+* FSDP1 (``FullyShardedDataParallel``, ``use_orig_params`` True or False): parameters are flattened and
+  concatenated into a FlatParameter whose per-rank shard is a contiguous range that may cut tensors anywhere.
+  The flat parameter's own shard metadata says which element range of each original tensor is in this rank's
+  shard and where; each such range becomes a ``flat`` chunk.
+* Plain tensors (an unwrapped model, parameters FSDP was told to ignore, buffers): replicated, so rank 0 owns
+  them whole and the other ranks publish nothing of them. Every element has exactly one owner.
+
+Chunk ``source`` tensors are views into the framework's own storage (the sharded, full-precision master
+copy), so staging at publish time is one device copy per chunk. Computing the chunks is a cheap metadata walk;
+call :func:`local_chunks` at each publish rather than caching the result across steps, because frameworks may
+replace storages (FSDP1's lazy init with CPU offload pins a new copy; ``load_state_dict`` and ``.to()`` too).
+
+Example::
+
+    chunks = local_chunks(model, tie_word_embeddings=True)
+    for c in chunks:                      # c.box is in c.space ("flat": (numel,), "shape": c.shape)
+        staging[c.name].copy_(c.source)   # the engine casts fp32 masters to c.dtype ("BF16") while copying
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from .arc.boxes import Box, check_tiling
+from .arc.dtypes import code_from_name, numel, torch_name
+from .arc.errors import ArcError, FormatError
+from .naming import Rename, clean_name, plan_names
+
+FLAT = "flat"
+SHAPE = "shape"
+_FLOAT_CODES = frozenset({"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"})
+
+TensorSpec = tuple[str, tuple[int, ...], str]
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """A chunk without its data: what :func:`check_ownership` needs, and small enough to send between ranks.
+
+    Example::
+
+        metas = [c.meta() for c in local_chunks(model)]
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    space: str
+    box: Box
+
+    @property
+    def space_shape(self) -> tuple[int, ...]:
+        return space_shape(self.space, self.shape)
+
+
+@dataclass(frozen=True, eq=False)
+class LocalChunk:
+    """The part of one published tensor that this rank holds (``eq=False``: tensors have no boolean equality).
+
+    Example::
+
+        c = local_chunks(model)[0]
+        full = torch.empty(c.shape, dtype=torch.bfloat16)
+        full.view(-1)[c.box.start[0]:c.box.start[0] + c.box.length[0]] = c.source   # when c.space == "flat"
+    """
+
+    name: str  # HF tensor name (wrapper prefixes stripped, user rename applied)
+    shape: tuple[int, ...]  # full tensor shape
+    dtype: str  # dtype code of the published tensor (snapshot dtype for floating tensors)
+    space: str  # "flat": box over (numel,); "shape": box over shape
+    box: Box  # the part this rank holds
+    source: torch.Tensor  # 1-D view of this rank's elements in box C order, original dtype and device
+
+    @property
+    def space_shape(self) -> tuple[int, ...]:
+        return space_shape(self.space, self.shape)
+
+    def meta(self) -> ChunkMeta:
+        return ChunkMeta(self.name, self.shape, self.dtype, self.space, self.box)
+
+
+class _ChunkLike(Protocol):
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    space: str
+    box: Box
+
+
+class OwnershipError(ValueError):
+    """Chunks from all ranks do not cover every tensor element exactly once (or disagree with the specs)."""
+
+
+def space_shape(space: str, shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape a chunk's box lives in: ``(numel,)`` for ``flat``, the tensor shape for ``shape``."""
+    if space == FLAT:
+        return (numel(tuple(shape)),)
+    if space == SHAPE:
+        return tuple(int(s) for s in shape)
+    raise ValueError(f"unknown chunk space {space!r} (expected {FLAT!r} or {SHAPE!r})")
+
+
+# --------------------------------------------------------------------------------------------- framework access
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.5
+        try:
+            from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+        except ImportError:
+            return None
+    return DTensor
+
+
+def _fsdp1_type() -> type | None:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return None
+    return FullyShardedDataParallel
+
+
+def _fsdp2_type() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef]
+        except ImportError:
+            return None
+    return FSDPModule
+
+
+def _local_shape_and_offset(dt: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    # DTensor's own rule, so we agree with it by construction: along each sharded dim, shards are torch.chunk
+    # pieces (ceil(n / k) each, the last ones shorter or EMPTY); an empty shard's offset is reported as the
+    # dim size. Nested shards of one dim (several mesh dims) compose left to right.
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # torch < 2.5
+        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset  # type: ignore
+    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    return tuple(int(s) for s in shape), tuple(int(o) for o in offset)
+
+
+def _is_flat_param(p: Any) -> bool:
+    return bool(getattr(p, "_is_flat_param", False)) or type(p).__name__ == "FlatParameter"
+
+
+def _view_1d(t: torch.Tensor, name: str) -> torch.Tensor:
+    t = t.detach()
+    if not t.is_contiguous():
+        raise ValueError(
+            f"tensor {name!r} is not contiguous (stride {tuple(t.stride())} for shape {tuple(t.shape)}); "
+            "chunks must be views of the framework's storage, so make the parameter contiguous"
+        )
+    return t.view(-1)
+
+
+# ---------------------------------------------------------------------------------------------------- sources
+
+
+class _Source:
+    """One underlying tensor (several published names may share it) and how this rank holds it."""
+
+    def shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def dtype(self) -> torch.dtype:
+        raise NotImplementedError
+
+    def pieces(self, name: str) -> list[tuple[str, Box, torch.Tensor]]:
+        """(space, box, 1-D source view) for each non-empty part this rank owns."""
+        raise NotImplementedError
+
+
+class _PlainSource(_Source):
+    """A tensor every rank holds whole (replicated): owned by global rank 0."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(s) for s in self.tensor.shape)
+
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    def pieces(self, name: str) -> list[tuple[str, Box, torch.Tensor]]:
+        if self.tensor.numel() == 0:
+            return []
+        return [(FLAT, Box.flat(0, self.tensor.numel()), _view_1d(self.tensor, name))]
+
+
+class _DTensorSource(_Source):
+    """A DTensor (FSDP2's sharded parameter, possibly on a 2-D HSDP or FSDP+TP mesh)."""
+
+    def __init__(self, dt: Any) -> None:
+        self.dt = dt
+
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(s) for s in self.dt.shape)
+
+    def dtype(self) -> torch.dtype:
+        return self.dt.dtype
+
+    def pieces(self, name: str) -> list[tuple[str, Box, torch.Tensor]]:
+        dt = self.dt
+        coord = dt.device_mesh.get_coordinate()
+        if coord is None:  # this rank is not in the tensor's mesh
+            return []
+        shard_dims: list[int] = []
+        for mesh_dim, pl in enumerate(dt.placements):
+            if type(pl).__name__ == "_StridedShard":
+                raise NotImplementedError(
+                    f"tensor {name!r}: strided sharding {pl} (FSDP over a tensor-parallel dim) holds "
+                    "non-contiguous rows on each rank, which a single box cannot describe"
+                )
+            if pl.is_shard():
+                shard_dims.append(int(pl.dim))
+            elif pl.is_replicate():
+                if coord[mesh_dim] != 0:  # one replica of each shard publishes it
+                    return []
+            else:
+                raise ValueError(f"tensor {name!r} has placement {pl}; reduce partial values before publishing")
+        local = getattr(dt, "_local_tensor", None)
+        if local is None:
+            local = dt.to_local()
+        local_shape, offset = _local_shape_and_offset(dt)
+        if tuple(local.shape) != local_shape:
+            raise RuntimeError(
+                f"tensor {name!r}: local shard has shape {tuple(local.shape)} but its placements "
+                f"{dt.placements} give {local_shape}"
+            )
+        if local.numel() == 0:
+            return []
+        full = self.shape()
+        view = _view_1d(local, name)
+        if all(d == 0 for d in shard_dims):
+            # A dim-0 slab with all trailing dims whole is one contiguous range of the flattened tensor.
+            start = offset[0] * numel(full[1:]) if full else 0
+            return [(FLAT, Box.flat(start, local.numel()), view)]
+        return [(SHAPE, Box(offset, local_shape), view)]
+
+
+class _Fsdp1Source(_Source):
+    """Original parameter ``index`` of an FSDP1 FlatParameter."""
+
+    def __init__(self, fsdp_module: nn.Module, handle: Any, index: int) -> None:
+        self.fsdp_module = fsdp_module
+        self.handle = handle
+        self.flat = handle.flat_param
+        self.index = index
+
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(s) for s in self.flat._shapes[self.index])
+
+    def _local_shard(self) -> torch.Tensor:
+        # `_local_shard` is the sharded (padded, full-precision) flat parameter; `flat_param.data` may point at
+        # the unsharded or low-precision copy while a forward is in progress. Before FSDP's lazy init there
+        # is no `_local_shard` yet and the flat parameter itself is the sharded one.
+        local = getattr(self.flat, "_local_shard", None)
+        if local is None:
+            local = self.flat
+        expected = getattr(self.flat, "_sharded_size", None)
+        if expected is not None and local.numel() != numel(tuple(expected)):
+            raise RuntimeError(
+                f"FSDP flat parameter holding {list(self.flat._fqns)} is not in its sharded state "
+                f"({local.numel()} elements, {numel(tuple(expected))} expected)"
+            )
+        return local.detach()
+
+    def dtype(self) -> torch.dtype:
+        return self._local_shard().dtype
+
+    def _owner(self) -> bool:
+        strategy = getattr(getattr(self.handle, "_sharding_strategy", None), "name", "FULL_SHARD")
+        if strategy == "NO_SHARD":  # every rank of the group holds the whole flat parameter
+            return int(self.handle.rank) == 0
+        if "HYBRID" in strategy:  # shards are replicated across the inter-node group: replica 0 publishes
+            import torch.distributed as dist
+
+            inter = getattr(self.fsdp_module, "_inter_node_pg", None)
+            if inter is not None and dist.get_rank(group=inter) != 0:
+                return False
+        return True
+
+    def pieces(self, name: str) -> list[tuple[str, Box, torch.Tensor]]:
+        info = self.flat._shard_param_infos[self.index]
+        if not info.in_shard or not info.numel_in_shard or not self._owner():
+            return []
+        contiguities = getattr(self.flat, "_contiguities", None)
+        if contiguities is not None and not contiguities[self.index]:
+            raise NotImplementedError(
+                f"tensor {name!r} was not contiguous when FSDP flattened it, so its flat range is in memory "
+                "order, not C order; make the parameter contiguous before wrapping"
+            )
+        start, n = int(info.intra_param_start_idx), int(info.numel_in_shard)
+        if int(info.intra_param_end_idx) - start + 1 != n or start + n > int(self.flat._numels[self.index]):
+            raise RuntimeError(f"tensor {name!r}: inconsistent FSDP shard metadata {info}")
+        local = self._local_shard()
+        view = local[int(info.offset_in_shard):int(info.offset_in_shard) + n]
+        if view.numel() != n:
+            raise RuntimeError(f"tensor {name!r}: shard range {info} exceeds the local shard ({local.numel()})")
+        return [(FLAT, Box.flat(start, n), view)]
+
+
+# -------------------------------------------------------------------------------------------------------- walk
+
+
+@dataclass
+class _Slot:
+    raw: str  # cleaned path (before rename)
+    source: _Source
+    is_buffer: bool
+
+
+def _framework_maps(
+    model: nn.Module,
+) -> tuple[dict[tuple[int, str], _Source], dict[int, list[tuple[str, _Source]]], dict[int, _Source]]:
+    """Sources of framework-managed parameters, keyed by (id(owning module), attribute name).
+
+    Looked up by module slot rather than by the attribute's current value, so the answer does not depend on
+    whether the framework has the parameter sharded or unsharded at the moment (FSDP2 swaps plain unsharded
+    tensors into modules between forward and backward; FSDP1 replaces them with views of the flat parameter).
+    Also returns, per module, the FSDP1-managed slots in flat-parameter order: with ``use_orig_params=False``
+    they are no longer registered parameters, so the walk must add them itself. The third map holds FSDP2's
+    sharded DTensors by id, so that the same DTensor found anywhere else is recognised as the same tensor.
+    """
+    by_slot: dict[tuple[int, str], _Source] = {}
+    by_tensor: dict[int, _Source] = {}
+    fsdp1_by_module: dict[int, list[tuple[str, _Source]]] = {}
+    fsdp1, fsdp2 = _fsdp1_type(), _fsdp2_type()
+    for mod in model.modules():
+        if fsdp1 is not None and isinstance(mod, fsdp1):
+            handle = getattr(mod, "_handle", None)
+            if handle is None:
+                continue
+            flat = handle.flat_param
+            for i, info in enumerate(flat._param_infos):
+                src = _Fsdp1Source(mod, handle, i)
+                by_slot[(id(info.module), info.param_name)] = src
+                fsdp1_by_module.setdefault(id(info.module), []).append((info.param_name, src))
+            for shared in flat._shared_param_infos:
+                src = by_slot[(id(shared.prim_module), shared.prim_param_name)]
+                by_slot[(id(shared.module), shared.param_name)] = src
+                fsdp1_by_module.setdefault(id(shared.module), []).append((shared.param_name, src))
+        if fsdp2 is not None and isinstance(mod, fsdp2):
+            state = mod._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:  # torch < 2.9: at most one group per module
+                group = getattr(state, "_fsdp_param_group", None)
+                groups = [group] if group is not None else []
+            for group in groups:
+                for fp in group.fsdp_params:
+                    src = _DTensorSource(fp.sharded_param)
+                    by_tensor[id(fp.sharded_param)] = src
+                    info = fp._module_info
+                    by_slot[(id(info.module), info.param_name)] = src
+                    for m, pname in zip(info.shared_modules, info.shared_param_names):
+                        by_slot[(id(m), pname)] = src
+    return by_slot, fsdp1_by_module, by_tensor
+
+
+def _slots(model: nn.Module, include_buffers: bool) -> list[_Slot]:
+    """Every place a tensor is registered, in ``state_dict`` order, with its source."""
+    by_slot, fsdp1_by_module, by_tensor = _framework_maps(model)  # by_tensor: one source per tensor object
+    dtensor = _dtensor_type()
+
+    def source_of(t: torch.Tensor) -> _Source:
+        src = by_tensor.get(id(t))
+        if src is None:
+            src = _DTensorSource(t) if dtensor is not None and isinstance(t, dtensor) else _PlainSource(t)
+            by_tensor[id(t)] = src
+        return src
+
+    slots: list[_Slot] = []
+
+    def add(prefix: str, attr: str, src: _Source, is_buffer: bool) -> None:
+        path = f"{prefix}.{attr}" if prefix else attr
+        slots.append(_Slot(clean_name(path), src, is_buffer))
+
+    for prefix, mod in model.named_modules(remove_duplicate=False):
+        done: set[str] = set()
+        for pname, p in mod._parameters.items():
+            if p is None or _is_flat_param(p):
+                continue
+            src = by_slot.get((id(mod), pname))
+            if src is None:
+                src = source_of(p)
+            add(prefix, pname, src, False)
+            done.add(pname)
+        for pname, src in fsdp1_by_module.get(id(mod), []):
+            if pname not in done:
+                add(prefix, pname, src, False)
+                done.add(pname)
+        if include_buffers:
+            skip = getattr(mod, "_non_persistent_buffers_set", set())
+            for bname, b in mod._buffers.items():
+                if b is not None and bname not in skip:
+                    add(prefix, bname, source_of(b), True)
+    return slots
+
+
+def _plan(
+    model: nn.Module, rename: Rename | None, tie_word_embeddings: bool | None, include_buffers: bool
+) -> list[tuple[str, _Source, list[str]]]:
+    """(published name, source, cleaned paths of that source with this name's own path first)."""
+    slots = _slots(model, include_buffers)
+    keys: list[Hashable] = [id(s.source) for s in slots]
+    paths_of: dict[int, list[str]] = {}
+    for s in slots:
+        paths_of.setdefault(id(s.source), []).append(s.raw)
+    planned = plan_names([(s.raw, k) for s, k in zip(slots, keys)], rename=rename,
+                         tie_word_embeddings=tie_word_embeddings)
+    out = []
+    for name, i in planned:
+        s = slots[i]
+        others = [p for p in paths_of[id(s.source)] if p != s.raw]
+        out.append((name, s.source, [s.raw, *others]))
+    return out
+
+
+def _snapshot_code(snapshot_dtype: str) -> str:
+    try:
+        code = code_from_name(snapshot_dtype)
+    except ArcError:
+        raise ValueError(f"snapshot_dtype {snapshot_dtype!r} is not a known dtype") from None
+    if code not in _FLOAT_CODES:
+        raise ValueError(f"snapshot_dtype {snapshot_dtype!r} is not a floating dtype")
+    return code
+
+
+def _published_dtype(dtype: torch.dtype, snapshot_code: str, name: str) -> str:
+    if dtype.is_floating_point:
+        return snapshot_code
+    if dtype.is_complex:
+        raise ValueError(f"tensor {name!r} is complex ({dtype}); safetensors snapshots cannot hold it")
+    try:
+        return code_from_name(str(dtype))
+    except ArcError:
+        raise ValueError(f"tensor {name!r} has dtype {dtype}, which snapshots cannot hold") from None
+
+
+# ------------------------------------------------------------------------------------------------- public API
+
+
+def local_chunks(
+    model: nn.Module,
+    *,
+    snapshot_dtype: str = "BF16",
+    rename: Rename | None = None,
+    tie_word_embeddings: bool | None = None,
+    include_buffers: bool = True,
+) -> list[LocalChunk]:
+    """The chunks this rank owns, in ``state_dict`` order. No communication, no data copies.
+
+    Ranks that hold nothing of a tensor (empty FSDP shards, non-zero ranks for replicated tensors, replicas
+    other than the first under HSDP) return no chunk for it; chunks are never empty.
+    """
+    code = _snapshot_code(snapshot_dtype)
+    chunks: list[LocalChunk] = []
+    for name, src, _paths in _plan(model, rename, tie_word_embeddings, include_buffers):
+        shape, dtype = src.shape(), _published_dtype(src.dtype(), code, name)
+        for space, box, view in src.pieces(name):
+            chunks.append(LocalChunk(name, shape, dtype, space, box, view))
+    return chunks
+
+
+def full_tensor_specs(
+    model: nn.Module,
+    *,
+    snapshot_dtype: str = "BF16",
+    rename: Rename | None = None,
+    tie_word_embeddings: bool | None = None,
+    include_buffers: bool = True,
+) -> list[TensorSpec]:
+    """``(name, full shape, dtype code)`` of every published tensor, the same list on every rank."""
+    code = _snapshot_code(snapshot_dtype)
+    return [
+        (name, src.shape(), _published_dtype(src.dtype(), code, name))
+        for name, src, _paths in _plan(model, rename, tie_word_embeddings, include_buffers)
+    ]
+
+
+def _is_distributed(model: nn.Module) -> bool:
+    fsdp1, fsdp2, dtensor = _fsdp1_type(), _fsdp2_type(), _dtensor_type()
+    for mod in model.modules():
+        if (fsdp1 is not None and isinstance(mod, fsdp1)) or (fsdp2 is not None and isinstance(mod, fsdp2)):
+            return True
+    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
+
+
+def gather_full_state(
+    model: nn.Module,
+    *,
+    snapshot_dtype: str = "BF16",
+    rename: Rename | None = None,
+    tie_word_embeddings: bool | None = None,
+    include_buffers: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Full tensors (CPU, published dtype) on every rank, through the framework's own full-state-dict path.
+
+    For tests and debugging only: this all-gathers every parameter, which the publisher never does. It is the
+    independent reference that published chunks are compared against bit for bit. Collective: every rank of
+    the model's process groups must call it.
+    """
+    code = _snapshot_code(snapshot_dtype)
+    if _is_distributed(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # cpu_offload=False: with it, only rank 0 would receive the tensors.
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    else:
+        state = model.state_dict()
+    by_path = {clean_name(k): v for k, v in state.items()}
+    out: dict[str, torch.Tensor] = {}
+    for name, src, paths in _plan(model, rename, tie_word_embeddings, include_buffers):
+        found = next((by_path[p] for p in paths if p in by_path), None)
+        if found is None:
+            raise KeyError(f"tensor {name!r} (path {paths[0]!r}) is missing from the framework's state dict")
+        t = found.detach().to("cpu")
+        if t.is_floating_point():
+            t = t.to(getattr(torch, torch_name(code)))
+        _published_dtype(src.dtype(), code, name)
+        out[name] = t.contiguous()
+    return out
+
+
+def check_ownership(chunks_from_all_ranks: Sequence[Sequence[_ChunkLike]], specs: Sequence[TensorSpec]) -> None:
+    """Raise OwnershipError unless the chunks of all ranks cover every element of every tensor exactly once.
+
+    ``chunks_from_all_ranks[r]`` holds rank r's :class:`LocalChunk` or :class:`ChunkMeta` objects; ``specs``
+    is :func:`full_tensor_specs`. Chunks must also agree with the specs on shape and dtype, and all chunks of
+    one tensor must use the same space.
+    """
+    spec_of: dict[str, tuple[tuple[int, ...], str]] = {}
+    for name, shape, dtype in specs:
+        if name in spec_of:
+            raise OwnershipError(f"tensor {name!r} appears twice in the tensor specs")
+        spec_of[name] = (tuple(int(s) for s in shape), dtype)
+    boxes: dict[str, list[tuple[int, Box]]] = {name: [] for name in spec_of}
+    spaces: dict[str, str] = {}
+    for rank, chunks in enumerate(chunks_from_all_ranks):
+        for c in chunks:
+            if c.name not in spec_of:
+                raise OwnershipError(f"rank {rank} holds a chunk of {c.name!r}, which is not in the tensor specs")
+            shape, dtype = spec_of[c.name]
+            if tuple(c.shape) != shape or c.dtype != dtype:
+                raise OwnershipError(
+                    f"rank {rank}: chunk of {c.name!r} says {c.dtype} {list(c.shape)}, specs say {dtype} {list(shape)}"
+                )
+            if c.space not in (FLAT, SHAPE):
+                raise OwnershipError(f"rank {rank}: chunk of {c.name!r} has unknown space {c.space!r}")
+            if spaces.setdefault(c.name, c.space) != c.space:
+                raise OwnershipError(f"tensor {c.name!r} has chunks in both {FLAT!r} and {SHAPE!r} space")
+            boxes[c.name].append((rank, c.box))
+    for name, (shape, _dtype) in spec_of.items():
+        space = spaces.get(name, FLAT)
+        try:
+            check_tiling([b for _, b in boxes[name]], space_shape(space, shape))
+        except FormatError as exc:
+            held = "; ".join(f"rank {r}: {b.to_json()}" for r, b in boxes[name]) or "no rank holds any of it"
+            raise OwnershipError(f"tensor {name!r} {list(shape)} ({space} space): {exc.reason} ({held})") from None
+
+
+def verify_ownership(
+    model: nn.Module,
+    *,
+    group: Any = None,
+    snapshot_dtype: str = "BF16",
+    rename: Rename | None = None,
+    tie_word_embeddings: bool | None = None,
+    include_buffers: bool = True,
+) -> list[TensorSpec]:
+    """Collective debug check: every rank computes its chunks, and all ranks check the union.
+
+    Sends only chunk metadata (no tensor data). Raises OwnershipError on every rank if the specs differ between
+    ranks or the chunks do not tile each tensor exactly once. Returns the specs.
+    """
+    import torch.distributed as dist
+
+    kw: dict[str, Any] = dict(snapshot_dtype=snapshot_dtype, rename=rename,
+                              tie_word_embeddings=tie_word_embeddings, include_buffers=include_buffers)
+    metas = [c.meta() for c in local_chunks(model, **kw)]
+    specs = full_tensor_specs(model, **kw)
+    world = dist.get_world_size(group)
+    all_metas: list[Any] = [None] * world
+    all_specs: list[Any] = [None] * world
+    dist.all_gather_object(all_metas, metas, group=group)
+    dist.all_gather_object(all_specs, specs, group=group)
+    for r, other in enumerate(all_specs):
+        if other != all_specs[0]:
+            diff = sorted(set(map(repr, other)) ^ set(map(repr, all_specs[0])))[:3]
+            raise OwnershipError(f"ranks 0 and {r} see different tensor specs (e.g. {', '.join(diff)})")
+    check_ownership(all_metas, specs)
+    return specs

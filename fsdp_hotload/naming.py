@@ -1,0 +1,129 @@
+"""From module attribute paths to Hugging Face tensor names.
+
+Wrappers that trainers put around a model (FSDP1, activation checkpointing, ``torch.compile``, DDP) insert
+attribute segments into every parameter path. A rollout fleet loads the checkpoint with the plain HF names, so
+the snapshot must be written under those, whatever wrappers the trainer happened to use. This module holds the
+string side of that: stripping wrapper segments, applying the user's rename, and choosing which names of a
+shared (tied) tensor to publish. The module walk that finds the tensors lives in :mod:`fsdp_hotload.fsdp`.
+
+Example::
+
+    clean_name("_orig_mod.model._fsdp_wrapped_module.layers.0._checkpoint_wrapped_module.mlp.weight")
+    # -> "model.layers.0.mlp.weight"
+"""
+from __future__ import annotations
+
+from typing import Callable, Hashable, Sequence
+
+# Attribute names that wrappers insert between a module and the module they wrap. They are stripped wherever
+# they appear: no HF model uses them as real submodule names.
+#   _fsdp_wrapped_module        FSDP1 (FullyShardedDataParallel)
+#   _checkpoint_wrapped_module  torch.distributed.algorithms checkpoint_wrapper / offload_wrapper
+#   _orig_mod                   torch.compile's OptimizedModule
+#   _fpw_module                 FlatParamWrapper of early FSDP releases
+#   _flat_param                 FSDP1's FlatParameter (a flat parameter's name maps to its owner module's path)
+WRAPPER_SEGMENTS: frozenset[str] = frozenset(
+    {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod", "_fpw_module", "_flat_param"}
+)
+
+# DDP keeps the model as ``.module``. Unlike the segments above, "module" is a plausible real attribute name
+# deeper in a model, so it is only stripped at the front of the path (possibly interleaved with other wrappers,
+# e.g. ``_orig_mod.module.`` for a compiled DDP model).
+LEADING_SEGMENTS: frozenset[str] = frozenset({"module"})
+
+# The output projection that HF drops from a checkpoint when ``tie_word_embeddings`` is set.
+TIED_OUTPUT_SUFFIX = "lm_head.weight"
+
+Rename = Callable[[str], "str | None"]
+
+
+def clean_name(name: str) -> str:
+    """Strip wrapper segments from a parameter/buffer path, leaving the name the unwrapped model would use.
+
+    Raises ValueError when nothing is left (the path named a wrapper itself, not a tensor).
+    """
+    parts = [p for p in name.split(".") if p not in WRAPPER_SEGMENTS]
+    while parts and parts[0] in LEADING_SEGMENTS:
+        parts.pop(0)
+    if not parts or any(p == "" for p in parts):
+        raise ValueError(f"tensor path {name!r} has no name left after stripping wrapper segments")
+    return ".".join(parts)
+
+
+def is_tied_output(name: str) -> bool:
+    """True for ``lm_head.weight`` and prefixed forms (``language_model.lm_head.weight``)."""
+    return name == TIED_OUTPUT_SUFFIX or name.endswith("." + TIED_OUTPUT_SUFFIX)
+
+
+def apply_rename(raw: str, rename: Rename | None) -> str | None:
+    """The published name for a cleaned path: ``rename(raw)`` (None drops the tensor) or ``raw`` itself."""
+    if rename is None:
+        return raw
+    out = rename(raw)
+    if out is None:
+        return None
+    if not isinstance(out, str) or not out:
+        raise ValueError(f"rename({raw!r}) returned {out!r}; expected a non-empty str or None to drop the tensor")
+    return out
+
+
+def plan_names(
+    slots: Sequence[tuple[str, Hashable]],
+    *,
+    rename: Rename | None = None,
+    tie_word_embeddings: bool | None = None,
+) -> list[tuple[str, int]]:
+    """Choose the published names for a model's tensors.
+
+    ``slots`` lists every place a tensor is registered, in module order, as ``(cleaned path, key)``; slots
+    that share a tensor (tied weights, a module reachable by two paths) have equal keys. Returns
+    ``(published name, index of the slot it comes from)`` in slot order.
+
+    Tied tensors follow the HF convention: with ``tie_word_embeddings=True`` a shared tensor is published
+    once, under its first name that is not an ``lm_head.weight`` (the input embedding), and the output name is
+    omitted; with False or None every name is published, each from the same data.
+    """
+    named: list[tuple[str, int]] = []
+    for i, (raw, _key) in enumerate(slots):
+        out = apply_rename(raw, rename)
+        if out is not None:
+            named.append((out, i))
+
+    slots_per_key: dict[Hashable, int] = {}
+    for _raw, key in slots:
+        slots_per_key[key] = slots_per_key.get(key, 0) + 1
+    by_key: dict[Hashable, list[tuple[str, int]]] = {}
+    for out, i in named:
+        by_key.setdefault(slots[i][1], []).append((out, i))
+
+    keep: set[int] = set()
+    for key, group in by_key.items():
+        # Names that point at the same tensor twice (same module under two paths, renamed alike) collapse.
+        distinct: dict[str, int] = {}
+        for out, i in group:
+            distinct.setdefault(out, i)
+        if tie_word_embeddings and len(distinct) > 1:
+            inputs = [n for n in distinct if not is_tied_output(n)]
+            chosen = inputs[0] if inputs else next(iter(distinct))
+            keep.add(distinct[chosen])
+        else:
+            keep.update(distinct.values())
+        if tie_word_embeddings and slots_per_key[key] == 1:
+            (only,) = distinct
+            if is_tied_output(only):
+                raise ValueError(
+                    f"tie_word_embeddings=True but {only!r} is a tensor of its own, not shared with the input "
+                    "embedding; publishing without it would lose weights. Pass tie_word_embeddings=False (or "
+                    "None), or tie the weights in the model."
+                )
+
+    result = [(out, i) for out, i in named if i in keep]
+    seen: dict[str, int] = {}
+    for out, i in result:
+        if out in seen:
+            raise ValueError(
+                f"two different tensors would be published as {out!r}: {slots[seen[out]][0]!r} and "
+                f"{slots[i][0]!r} (check the rename function)"
+            )
+        seen[out] = i
+    return result

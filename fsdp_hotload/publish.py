@@ -1,0 +1,96 @@
+"""Publishing from in-memory tensors in one process, for trainers that gather their weights themselves.
+
+This is the engine with one rank and one whole-tensor chunk per tensor: the same cadence (full first, every N,
+after any failure), storage, manifests, commit marker and signalling as the FSDP callback.
+
+Example::
+
+    cfg = HotloadConfig(bucket_url="s3://bucket/prefix", hotload_api_url="https://api.fireworks.ai",
+                        account_id="acct", model_id="m", deployment_id="d", full_every=10)
+    with TensorPublisher(model.state_dict(), cfg) as pub:
+        for step in range(100):
+            train_step()
+            pub.publish(step, model.state_dict())   # returns at once; uploads run in the background
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from .arc.boxes import Box
+from .arc.dtypes import code_from_name
+from .config import HotloadConfig
+from .engine.metrics import PublishMetrics
+from .engine.publisher import Publisher
+from .layout import TensorSpec
+
+
+@dataclass(frozen=True)
+class WholeChunk:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    space: str
+    box: Box
+    source: torch.Tensor
+
+
+def _as_torch(value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value))
+    raise TypeError(f"expected a torch tensor or numpy array, got {type(value).__name__}")
+
+
+def snapshot_code(t: torch.Tensor, snapshot_dtype: str) -> str:
+    """Floating tensors are published in the snapshot dtype; others keep their own."""
+    return code_from_name(snapshot_dtype) if t.is_floating_point() else code_from_name(str(t.dtype))
+
+
+class TensorPublisher:
+    """Publishes a fixed set of named tensors (same names, shapes and dtypes at every step)."""
+
+    def __init__(self, tensors: Mapping[str, Any], config: HotloadConfig, **engine_kwargs: Any) -> None:
+        self.names = list(tensors)
+        self.chunks = []
+        for name in self.names:
+            t = _as_torch(tensors[name])
+            n = t.numel()
+            self.chunks.append(WholeChunk(name, tuple(t.shape), snapshot_code(t, config.snapshot_dtype), "flat",
+                                          Box.flat(0, n), t.reshape(-1)))
+        specs = [TensorSpec(c.name, c.shape, c.dtype) for c in self.chunks]
+        self.engine = Publisher(self.chunks, specs, config, **engine_kwargs)
+
+    def publish(self, step: int, tensors: Mapping[str, Any] | None = None) -> bool:
+        """Stage ``tensors`` (or the ones given at construction) and publish them in the background."""
+        sources = None
+        if tensors is not None:
+            missing = [n for n in self.names if n not in tensors]
+            if missing or len(tensors) != len(self.names):
+                raise KeyError(f"publish needs exactly the tensors given at construction; missing {missing[:5]}, "
+                               f"unexpected {sorted(set(tensors) - set(self.names))[:5]}")
+            sources = [_as_torch(tensors[n]).reshape(-1) for n in self.names]
+            for c, s in zip(self.chunks, sources):
+                if s.numel() != c.box.numel:
+                    raise ValueError(f"tensor {c.name!r} changed size: {s.numel()} elements, {c.box.numel} before")
+        return self.engine.publish(step, sources)
+
+    def wait(self, timeout: float | None = None) -> None:
+        self.engine.wait(timeout)
+
+    def close(self, *, raise_errors: bool = True) -> None:
+        self.engine.close(raise_errors=raise_errors)
+
+    @property
+    def metrics(self) -> list[PublishMetrics]:
+        return self.engine.metrics.records
+
+    def __enter__(self) -> "TensorPublisher":
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(raise_errors=exc_type is None)  # never mask the exception already on its way out

@@ -1,0 +1,276 @@
+"""Commit markers and retention: which snapshots in the bucket are complete, and which may go.
+
+Object stores have no rename, so a snapshot cannot appear atomically. Instead the publisher uploads every file
+first and then writes ``<identity>/hotload.commit.json`` last; readers treat a snapshot directory without it as
+incomplete. The marker also records the lineage (kind and parent identity) that retention needs: a delta is
+useless without its parent, so deleting a base that a kept delta chain still leads back to would break every
+replica that follows that chain.
+
+Example::
+
+    write_commit_marker(st, CommitInfo("step-8-a1b2", "delta", "step-4-a1b2", {"model-00000.safetensors":
+                                                                                {"size": 1234}}))
+    [c.identity for c in list_committed(st)]          # oldest first
+    apply_retention(st, keep_last=3, protected={"step-4-a1b2"})   # deletes what no kept chain needs
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:
+    from .storage import Storage
+
+__all__ = [
+    "COMMIT_MARKER",
+    "COMMIT_FORMAT",
+    "COMMIT_VERSION",
+    "CommitInfo",
+    "CommitMarkerError",
+    "validate_identity",
+    "write_commit_marker",
+    "read_commit_marker",
+    "list_committed",
+    "plan_retention",
+    "apply_retention",
+]
+
+logger = logging.getLogger(__name__)
+
+COMMIT_MARKER = "hotload.commit.json"
+COMMIT_FORMAT = "hotload-commit"
+COMMIT_VERSION = 1
+_KINDS = ("full", "delta")
+
+
+class CommitMarkerError(ValueError):
+    """A commit marker is malformed, or does not match the files it claims; the message names its URI."""
+
+
+def validate_identity(identity: object, *, what: str = "identity") -> str:
+    """A snapshot identity is exactly one path segment (the protocol's rule): no '/', not '.' or '..'."""
+    if not isinstance(identity, str) or not identity:
+        raise ValueError(f"{what} must be a non-empty string, got {identity!r}")
+    if "/" in identity or "\\" in identity or "\x00" in identity or identity in (".", ".."):
+        raise ValueError(f"{what} {identity!r} must be a single path segment")
+    return identity
+
+
+@dataclass
+class CommitInfo:
+    """The content of a commit marker: one complete snapshot and where it sits in its chain.
+
+    Example::
+
+        CommitInfo("step-8-a1b2", "delta", parent_identity="step-4-a1b2",
+                   files={"model-00000.safetensors": {"size": 1234}})
+    """
+
+    identity: str
+    kind: str
+    parent_identity: str | None = None
+    files: dict[str, dict[str, int]] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        validate_identity(self.identity)
+        if self.kind not in _KINDS:
+            raise ValueError(f"snapshot {self.identity}: kind must be 'full' or 'delta', got {self.kind!r}")
+        if self.kind == "delta":
+            validate_identity(self.parent_identity, what=f"snapshot {self.identity}: parent_identity")
+            if self.parent_identity == self.identity:
+                raise ValueError(f"snapshot {self.identity}: a delta cannot be its own parent")
+        elif self.parent_identity is not None:
+            raise ValueError(f"snapshot {self.identity}: a full snapshot has no parent_identity, "
+                             f"got {self.parent_identity!r}")
+        if not isinstance(self.files, dict):
+            raise ValueError(f"snapshot {self.identity}: files must be an object, got {type(self.files).__name__}")
+        for rel, meta in self.files.items():
+            parts = rel.split("/") if isinstance(rel, str) else [""]
+            if any(p in ("", ".", "..") for p in parts) or rel == COMMIT_MARKER:
+                raise ValueError(f"snapshot {self.identity}: bad file name {rel!r}")
+            size = meta.get("size") if isinstance(meta, dict) else None
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise ValueError(f"snapshot {self.identity}: file {rel!r} needs a non-negative int 'size', "
+                                 f"got {meta!r}")
+        if (not isinstance(self.created_at, (int, float)) or isinstance(self.created_at, bool)
+                or not math.isfinite(self.created_at)):
+            raise ValueError(f"snapshot {self.identity}: created_at must be a finite number, "
+                             f"got {self.created_at!r}")
+        self.created_at = float(self.created_at)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(meta["size"] for meta in self.files.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": COMMIT_FORMAT, "version": COMMIT_VERSION, "identity": self.identity, "kind": self.kind,
+                "parent_identity": self.parent_identity,
+                "files": {rel: {"size": meta["size"]} for rel, meta in sorted(self.files.items())},
+                "created_at": self.created_at}
+
+    @classmethod
+    def from_json(cls, obj: Any, *, source: str = "<commit marker>") -> CommitInfo:
+        """Parse and validate a marker's JSON object; errors name ``source`` (the marker's URI)."""
+        if not isinstance(obj, dict):
+            raise CommitMarkerError(f"{source}: expected a JSON object, got {type(obj).__name__}")
+        if obj.get("format") != COMMIT_FORMAT:
+            raise CommitMarkerError(f"{source}: format is {obj.get('format')!r}, expected {COMMIT_FORMAT!r}")
+        version = obj.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise CommitMarkerError(f"{source}: bad version {version!r}")
+        if version > COMMIT_VERSION:
+            raise CommitMarkerError(f"{source}: version {version} is newer than this reader "
+                                    f"(supports {COMMIT_VERSION}); upgrade hotload")
+        missing = [k for k in ("identity", "kind", "files", "created_at") if k not in obj]
+        if missing:
+            raise CommitMarkerError(f"{source}: missing field(s) {', '.join(missing)}")
+        try:
+            return cls(identity=obj["identity"], kind=obj["kind"], parent_identity=obj.get("parent_identity"),
+                       files=obj["files"], created_at=obj["created_at"])
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise CommitMarkerError(f"{source}: {exc}") from exc
+
+
+def _marker_path(identity: str) -> str:
+    return f"{validate_identity(identity)}/{COMMIT_MARKER}"
+
+
+def write_commit_marker(storage: Storage, info: CommitInfo, *, verify: bool = True) -> None:
+    """Mark a snapshot complete. Call it only after every file is durable: readers take it as the signal.
+
+    With ``verify`` (default) the snapshot's listing is checked first, so a marker never vouches for a file that
+    is missing or has the wrong size (one listing call, not one request per file).
+    """
+    path = _marker_path(info.identity)
+    if verify:
+        listing = storage.list_info(info.identity)
+        for rel, meta in sorted(info.files.items()):
+            found = listing.get(f"{info.identity}/{rel}")
+            if found is None:
+                raise CommitMarkerError(f"cannot commit {storage.uri(path)}: {storage.uri(info.identity + '/' + rel)}"
+                                        f" is missing")
+            if found.size != meta["size"]:
+                raise CommitMarkerError(f"cannot commit {storage.uri(path)}: {rel} has {found.size} bytes, "
+                                        f"the marker says {meta['size']}")
+    storage.put_bytes(path, json.dumps(info.to_json(), indent=1, sort_keys=True).encode())
+
+
+def read_commit_marker(storage: Storage, identity: str) -> CommitInfo | None:
+    """The snapshot's marker, or None when it has none (incomplete, or still uploading)."""
+    path = _marker_path(identity)
+    uri = storage.uri(path)
+    try:
+        raw = storage.get_bytes(path)
+    except FileNotFoundError:
+        return None
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CommitMarkerError(f"{uri}: not valid JSON ({exc})") from exc
+    info = CommitInfo.from_json(obj, source=uri)
+    if info.identity != identity:
+        raise CommitMarkerError(f"{uri}: names identity {info.identity!r} but lives in directory {identity!r}")
+    return info
+
+
+def list_committed(storage: Storage, *, strict: bool = True) -> list[CommitInfo]:
+    """Every committed snapshot under the root, oldest first (by ``created_at``, then identity).
+
+    A malformed marker raises (``strict``, the default: retention must not act on a bucket it cannot read), or
+    is logged and skipped.
+    """
+    dirs = storage.list_dirs()
+    if not dirs:
+        return []
+
+    def read(identity: str) -> CommitInfo | None:
+        try:
+            return read_commit_marker(storage, identity)
+        except CommitMarkerError:
+            if strict:
+                raise
+            logger.warning("skipping snapshot %s: bad commit marker", storage.uri(identity), exc_info=True)
+            return None
+
+    workers = max(1, min(getattr(storage, "max_concurrency", 8), len(dirs)))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hotload-markers") as pool:
+        infos = list(pool.map(read, dirs))
+    return sorted((i for i in infos if i is not None), key=lambda i: (i.created_at, i.identity))
+
+
+def _ancestors_closure(roots: Iterable[str], by_id: dict[str, CommitInfo]) -> set[str]:
+    """The roots plus every snapshot reachable through parent links (cycles and gaps tolerated)."""
+    keep: set[str] = set()
+    for start in roots:
+        node: str | None = start
+        while node is not None and node in by_id and node not in keep:
+            keep.add(node)
+            node = by_id[node].parent_identity
+    return keep
+
+
+def plan_retention(snapshots: list[CommitInfo], keep_last: int, protected: set[str] | frozenset[str]) -> list[str]:
+    """Identities to delete (oldest first), given the committed snapshots. Pure; nothing is touched.
+
+    Kept: the ``keep_last`` newest snapshots, every ``protected`` one (a deployment serves it, and the next
+    delta will name it as parent), and all ancestors of any kept snapshot back to its full base.
+    """
+    if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
+        raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
+    by_id: dict[str, CommitInfo] = {}
+    for snap in snapshots:
+        if snap.identity in by_id:
+            raise ValueError(f"snapshot {snap.identity!r} listed twice")
+        by_id[snap.identity] = snap
+    ordered = sorted(snapshots, key=lambda s: (s.created_at, s.identity))
+    roots = [s.identity for s in ordered[-keep_last:]] + [p for p in protected if p in by_id]
+    keep = _ancestors_closure(roots, by_id)
+    for snap in ordered:
+        if snap.identity in keep and snap.parent_identity is not None and snap.parent_identity not in by_id:
+            logger.warning("kept snapshot %s depends on %s, which is not committed (chain broken)",
+                           snap.identity, snap.parent_identity)
+    return [s.identity for s in ordered if s.identity not in keep]
+
+
+def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] = frozenset(), *,
+                    delete_incomplete: bool = False) -> list[str]:
+    """Delete the snapshots :func:`plan_retention` gives up, and return their identities (in deletion order).
+
+    Children go before parents, and each snapshot loses its commit marker before its files, so a crash half way
+    leaves no committed snapshot whose chain or files are gone.
+
+    ``delete_incomplete`` (off by default) also removes directories without a marker whose files are all older
+    than the newest committed snapshot. It is off because an upload in flight looks exactly like an abandoned
+    one: at a full-snapshot step a delta may be committed while the full one is still uploading, and another
+    trainer or rank may be mid-publish. Only turn it on when no publisher can be writing under this root. Its
+    age test compares the store's file times with the trainer's ``created_at`` clock.
+    """
+    protected = frozenset(protected)
+    committed = list_committed(storage)
+    doomed = plan_retention(committed, keep_last, protected)
+    by_id = {c.identity: c for c in committed}
+    deleted: list[str] = []
+    for identity in sorted(doomed, key=lambda i: (by_id[i].created_at, i), reverse=True):
+        storage.delete_prefix(_marker_path(identity))
+        storage.delete_prefix(identity)
+        deleted.append(identity)
+        logger.info("retention: deleted snapshot %s", storage.uri(identity))
+    if delete_incomplete and committed:
+        newest = committed[-1].created_at
+        for identity in storage.list_dirs():
+            if identity in by_id or identity in protected:
+                continue
+            times = [f.mtime for f in storage.list_info(identity).values()]
+            if not times or any(t is None for t in times):
+                continue  # empty, or the backend gives no times: its age is unknown, keep it
+            if max(t for t in times if t is not None) < newest:
+                storage.delete_prefix(identity)
+                deleted.append(identity)
+                logger.info("retention: deleted incomplete snapshot %s", storage.uri(identity))
+    return deleted

@@ -1,0 +1,236 @@
+"""Run under torchrun (gloo, CPU): every rank's chunks reproduce the framework's full state dict bit for bit.
+
+For each wrapping (FSDP2, FSDP2 HSDP on 4 ranks, FSDP1 with use_orig_params False and True) of a small model
+with awkward shapes, every rank checks that:
+  (a) the chunks of all ranks, each source cast to the chunk dtype and scattered at its box, rebuild exactly
+      the tensors of ``gather_full_state`` (the framework's own full-state-dict path);
+  (b) ``check_ownership`` accepts the union of all ranks' chunks (every element owned exactly once);
+  (c) ``full_tensor_specs`` is identical on all ranks and lists the names the unwrapped model would have;
+and that chunk sources are live views: after an in-place update of the parameters, the chunks taken before
+it rebuild the new state. Prints "RANK r OK n" at the end; any failure raises (non-zero exit).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_hotload.arc.boxes import scatter
+from fsdp_hotload.arc.dtypes import RawTensor, itemsize, numel, torch_name
+from fsdp_hotload.fsdp import check_ownership, full_tensor_specs, gather_full_state, local_chunks, verify_ownership
+
+VOCAB, DIM, HID = 11, 6, 5
+CHECKS = 0
+ORDER_WITHIN_MODULE_LOST = "fsdp1"
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(DIM, HID)  # (5, 6) and (5,): uneven on 2 ranks, an empty shard on 4
+        self.lin2 = nn.Linear(HID, DIM, bias=False)
+        self.norm = nn.Parameter(torch.randn(DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin2(torch.relu(self.lin1(x))) * self.norm
+
+
+class Half(nn.Module):
+    """A bf16 unit next to fp32 ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, 3).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x.to(torch.bfloat16)).float().sum(-1, keepdim=True)
+
+
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, DIM)  # 11 rows: never divisible by 2 or 4
+        self.layers = nn.ModuleList([Block(), Block()])
+        self.aux = Half()
+        self.odd = nn.Parameter(torch.randn(3, 2))  # fewer rows than 4 ranks
+        self.one = nn.Parameter(torch.randn(1))  # one element: one rank holds it, the rest are empty
+        self.temp = nn.Parameter(torch.tensor(0.75))  # 0-d: FSDP cannot shard it, so it stays replicated
+        self.register_buffer("step_count", torch.arange(5, dtype=torch.int64))
+        self.register_buffer("rope_cache", torch.randn(4), persistent=False)
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Inner()
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+        self.lm_head.weight = self.model.embed_tokens.weight  # tied
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        h = m.embed_tokens(ids)
+        for layer in m.layers:
+            h = h + layer(h)
+        h = h + m.aux(h) + m.odd.sum() * m.one * m.temp
+        return self.lm_head(h)
+
+
+def build() -> Tiny:
+    torch.manual_seed(0)  # identical on every rank, like a real init followed by a broadcast
+    return Tiny()
+
+
+def reference_names() -> list[str]:
+    return list(build().state_dict().keys())  # the unwrapped model's names and order
+
+
+def gather(obj: Any, group: Any = None) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def chunk_bytes(chunks: list) -> list[tuple[str, str, Any, bytes]]:
+    out = []
+    for c in chunks:
+        cast = c.source.to(getattr(torch, torch_name(c.dtype)))
+        out.append((c.name, c.space, c.box, RawTensor.from_any(cast.cpu()).data.tobytes()))
+    return out
+
+
+def rebuild(everything: list[list[tuple[str, str, Any, bytes]]], specs: list) -> dict[str, np.ndarray]:
+    spec = {name: (shape, dtype) for name, shape, dtype in specs}
+    full = {name: np.zeros(numel(shape) * itemsize(dtype), dtype=np.uint8) for name, (shape, dtype) in spec.items()}
+    for rank_chunks in everything:
+        for name, space, box, data in rank_chunks:
+            shape, dtype = spec[name]
+            sp = (numel(shape),) if space == "flat" else shape
+            scatter(full[name], np.frombuffer(data, dtype=np.uint8), box, sp, itemsize(dtype))
+    return full
+
+
+def expect(cond: bool, what: str) -> None:
+    global CHECKS
+    if not cond:
+        raise AssertionError(f"rank {dist.get_rank()}: {what}")
+    CHECKS += 1
+
+
+def verify(label: str, model: nn.Module, names: list[str] | None, chunks: list | None = None, **kw: Any) -> list:
+    """Checks (a), (b), (c) for one model state; ``chunks`` taken earlier must still be live views."""
+    if chunks is None:
+        chunks = local_chunks(model, **kw)
+    specs = full_tensor_specs(model, **kw)
+    full = gather_full_state(model, **kw)
+    # (c) same specs everywhere, the unwrapped model's names, and the reference agrees on shapes and dtypes
+    expect(all(s == specs for s in gather(specs)), f"{label}: specs differ between ranks")
+    if names is not None:
+        got = [s[0] for s in specs]
+        if ORDER_WITHIN_MODULE_LOST in label:  # FSDP1 re-registers what it flattens, after the params it ignores
+            got, names = sorted(got), sorted(names)
+        expect(got == names, f"{label}: names {got} != {names}")
+    expect(list(full) == [s[0] for s in specs], f"{label}: gathered names {list(full)} differ from the specs")
+    for name, shape, dtype in specs:
+        ref = RawTensor.from_any(full[name])
+        expect(ref.shape == shape and ref.dtype == dtype, f"{label}: {name} is {ref.dtype}{ref.shape}, spec {dtype}{shape}")
+    for c in chunks:
+        expect(c.source.dim() == 1 and c.source.numel() == c.box.numel > 0, f"{label}: bad source for {c.name}")
+    # (b) every element owned exactly once
+    check_ownership(gather([c.meta() for c in chunks]), specs)
+    # (a) the chunks of all ranks rebuild the gathered state bit for bit
+    rebuilt = rebuild(gather(chunk_bytes(chunks)), specs)
+    for name in full:
+        expect(np.array_equal(rebuilt[name], RawTensor.from_any(full[name]).data), f"{label}: {name} differs from the gathered state")
+    return chunks
+
+
+def bump(model: nn.Module) -> None:
+    """An in-place update of every parameter's local data, the way an optimizer step writes it."""
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.add_(0.5)
+
+
+def check_all(label: str, model: nn.Module, *, dtypes: dict[str, torch.dtype]) -> None:
+    names = reference_names()
+    untied = [n for n in names if n != "lm_head.weight"]
+    chunks = verify(f"{label}/tie=None", model, names)
+    for c in chunks:  # sources keep the framework's dtype (fp32 masters stay fp32; the engine casts)
+        expect(c.source.dtype == dtypes[c.name], f"{label}: source of {c.name} is {c.source.dtype}")
+        expect(c.dtype == ("I64" if c.name.endswith("step_count") else "BF16"), f"{label}: dtype of {c.name}")
+    verify(f"{label}/tie=True", model, untied, tie_word_embeddings=True)
+    verify(f"{label}/F32", model, names, snapshot_dtype="F32", tie_word_embeddings=False)
+    rename: Callable[[str], str | None] = lambda n: None if n == "model.one" else n.replace("model.", "transformer.", 1)
+    renamed = [rename(n) for n in untied if rename(n) is not None]
+    verify(f"{label}/rename", model, renamed, rename=rename, tie_word_embeddings=True)
+    verify(f"{label}/no-buffers", model, [n for n in names if "step_count" not in n], include_buffers=False)
+    verify_ownership(model)
+    before = {k: RawTensor.from_any(v).data.copy() for k, v in gather_full_state(model).items()}
+    bump(model)
+    verify(f"{label}/live-views", model, names, chunks=chunks)  # chunks taken before the update
+    after = gather_full_state(model)
+    expect(not np.array_equal(before["model.odd"], RawTensor.from_any(after["model.odd"]).data), f"{label}: update had no effect")
+
+
+def fsdp2(world: int, hsdp: bool) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = build()
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard")) if hsdp else init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model.model.aux, mesh=mesh)
+    # Keep the root unsharded after forward, so the walk must look past the plain tensors FSDP2 swaps in.
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params={model.model.temp})
+    return model
+
+
+def fsdp1(use_orig_params: bool, checkpointing: bool) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+
+    model = build()
+    cpu = torch.device("cpu")
+    wrap = functools.partial(FSDP, device_id=cpu, use_orig_params=use_orig_params)
+    layers = model.model.layers
+    if checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        layers[0] = checkpoint_wrapper(layers[0])
+    for i in range(len(layers)):
+        layers[i] = wrap(layers[i])
+    # NO_SHARD: every rank holds the whole unit; only rank 0 may publish it.
+    model.model.aux = wrap(model.model.aux, sharding_strategy=ShardingStrategy.NO_SHARD)
+    return wrap(model, ignored_states=[model.model.temp])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtypes = {k: v.dtype for k, v in build().state_dict().items()}
+    dtypes.update({k.replace("model.", "transformer.", 1): v for k, v in dtypes.items()})
+
+    model = fsdp2(world, hsdp=False)
+    check_all("fsdp2", model, dtypes=dtypes)
+    model(torch.tensor([[1, 2, 3]]))  # root parameters are now unsharded plain tensors
+    expect(not hasattr(model.lm_head.weight, "to_local"), "fsdp2: root stayed sharded after forward")
+    verify("fsdp2/after-forward", model, reference_names())
+    if world % 2 == 0 and world >= 4:
+        check_all("hsdp", fsdp2(world, hsdp=True), dtypes=dtypes)
+    check_all("fsdp1/orig=False", fsdp1(False, checkpointing=False), dtypes=dtypes)
+    check_all("fsdp1/orig=True+ckpt", fsdp1(True, checkpointing=True), dtypes=dtypes)
+    dist.barrier()
+    print(f"RANK {rank} OK {CHECKS}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,363 @@
+"""The hot-load emulator over real HTTP on loopback, driven by HotLoadClient and by raw requests."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsdp_hotload.emulator import HotLoadEmulator
+from fsdp_hotload.fireworks import HotLoadClient, HotLoadError, HotLoadStatus
+from tests.s3_fixture import s3_server  # noqa: F401  (fixture)
+from tests.emulator_fixture import (  # noqa: F401  (emulator is a fixture)
+    CONFIG,
+    EMULATOR_API_KEY,
+    emulator,
+    perturb,
+    sha256_map,
+    tiny_model,
+    write_delta_snapshot,
+    write_full_snapshot,
+)
+
+DEP = "accounts/acct/deployments/dep"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def client_for(emu: HotLoadEmulator, **kw: Any) -> HotLoadClient:
+    opts: dict[str, Any] = dict(account_id="acct", model_id="m", deployment_id="dep", api_key=EMULATOR_API_KEY,
+                                poll_interval_s=0.02, backoff_initial_s=0.01, backoff_max_s=0.05, retry_budget_s=5)
+    opts.update(kw)
+    return HotLoadClient(emu.url, **opts)
+
+
+def raw(emu: HotLoadEmulator, method: str, path: str, body: Any = None, *, headers: dict[str, str] | None = None,
+        auth: bool = True) -> tuple[int, Any]:
+    h = {"fireworks-model": "accounts/acct/models/m", "fireworks-deployment": DEP, "Content-Type": "application/json"}
+    if auth:
+        h["Authorization"] = f"Bearer {EMULATOR_API_KEY}"
+    h.update(headers or {})
+    h = {k: v for k, v in h.items() if v is not None}
+    host, port = emu.url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.request(method, path, body=None if body is None else json.dumps(body).encode(), headers=h)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"null")
+    finally:
+        conn.close()
+
+
+def served(emu: HotLoadEmulator) -> list[tuple[str | None, dict[str, str]]]:
+    reps = emu.state()["deployments"][DEP]["replicas"]
+    return [(r["identity"], {n: t["sha256"] for n, t in r["tensors"].items()}) for r in reps]
+
+
+def load_full(emu: HotLoadEmulator, client: HotLoadClient, identity: str, seed: int = 0) -> dict[str, Any]:
+    model = tiny_model(seed)
+    write_full_snapshot(emu.bucket, identity, model)
+    client.signal(identity)
+    client.wait_ready(identity, timeout_s=30)
+    return model
+
+
+# ------------------------------------------------------------------------------------------------ happy path
+
+
+def test_full_then_delta_load_serves_exact_bytes(emulator: HotLoadEmulator) -> None:
+    client = client_for(emulator)
+    m1 = load_full(emulator, client, "step-1")
+    assert served(emulator) == [("step-1", sha256_map(m1))] * 2
+    tensors = emulator.state()["deployments"][DEP]["replicas"][0]["tensors"]
+    assert tensors["model.norm.weight"]["dtype"] == "bfloat16" and tensors["model.norm.weight"]["shape"] == [8]
+
+    m2 = perturb(m1, seed=1)
+    assert sha256_map(m2) != sha256_map(m1)
+    write_delta_snapshot(emulator.bucket, "step-2", "step-1", m1, m2)
+    client.signal("step-2", previous_identity="step-1", reset_prompt_cache="new_session")
+    st = client.wait_ready("step-2", timeout_s=30)
+    assert [r.loading_state.stage for r in st.replicas if r.loading_state] == ["done", "done"]
+    assert served(emulator) == [("step-2", sha256_map(m2))] * 2
+
+    m3 = perturb(m2, seed=2)
+    write_delta_snapshot(emulator.bucket, "step-3", "step-2", m2, m3)
+    client.signal("step-3", previous_identity="step-2")
+    client.wait_ready("step-3", timeout_s=30)
+    assert served(emulator) == [("step-3", sha256_map(m3))] * 2
+
+    ledger = emulator.state()["deployments"][DEP]["ledger"]
+    assert [(r["identity"], r["kind"], r["previous"]) for r in ledger] == [
+        ("step-1", "full", None), ("step-2", "delta", "step-1"), ("step-3", "delta", "step-2")]
+    assert ledger[1]["reset_prompt_cache"] == "new_session"
+    assert all(p["stage"] == "done" and p["ready_at"] for r in ledger for p in r["per_replica"])
+    code, body = raw(emulator, "GET", "/emulator/v1/state")
+    assert code == 200 and body == json.loads(json.dumps(emulator.state()))
+
+
+def test_status_shape_and_idempotent_resignal(emulator: HotLoadEmulator) -> None:
+    client = client_for(emulator)
+    code, body = raw(emulator, "GET", "/hot_load/v1/models/hot_load")
+    assert code == 200
+    st = HotLoadStatus.model_validate(body)
+    assert len(st.replicas) == 2 and st.replicas[0].current_snapshot_identity is None
+    load_full(emulator, client, "step-1")
+    assert raw(emulator, "POST", "/hot_load/v1/models/hot_load", {"identity": "step-1"}) == (200, {"status": "ok"})
+    assert len(emulator.state()["deployments"][DEP]["ledger"]) == 1
+    code, body = raw(emulator, "GET", "/v1/accounts?pageSize=2")
+    assert code == 200 and body == {"accounts": [{"name": "accounts/emulator"}]}
+
+
+# ------------------------------------------------------------------------------------------------ validation
+
+
+def test_unknown_field_is_rejected_pydantic_style(emulator: HotLoadEmulator) -> None:
+    code, body = raw(emulator, "POST", "/hot_load/v1/models/hot_load", {"identity": "s1", "bogus": True})
+    assert code == 400
+    assert body["error"]["message"] == "Extra inputs are not permitted, field: 'bogus', value: True"
+    code, body = raw(emulator, "POST", "/hot_load/v1/models/hot_load",
+                     {"identity": "s2", "incremental_snapshot_metadata": {
+                         "previous_snapshot_identity": "s1", "compression_format": "arc_v2"}})
+    assert code == 400 and "incremental_snapshot_metadata.checksum_format" in body["error"]["message"]
+    for bad in ([1, 2], {"identity": "a/b"}, {"identity": ""}, {"identity": "s", "reset_prompt_cache": "some"}):
+        code, body = raw(emulator, "POST", "/hot_load/v1/models/hot_load", bad)
+        assert code == 400, bad
+    # reset_prompt_cache is accepted both as the documented enum and as the SDK's bool
+    write_full_snapshot(emulator.bucket, "s1", tiny_model(0))
+    code, _ = raw(emulator, "POST", "/hot_load/v1/models/hot_load", {"identity": "s1", "reset_prompt_cache": True})
+    assert code == 200
+
+
+def test_headers_are_required_and_model_must_match(emulator: HotLoadEmulator) -> None:
+    code, body = raw(emulator, "GET", "/hot_load/v1/models/hot_load", headers={"fireworks-deployment": None})
+    assert code == 400 and "fireworks-deployment" in body["error"]["message"]
+    code, body = raw(emulator, "GET", "/hot_load/v1/models/hot_load", headers={"fireworks-model": None})
+    assert code == 400 and "fireworks-model" in body["error"]["message"]
+    assert raw(emulator, "GET", "/hot_load/v1/models/hot_load")[0] == 200
+    code, body = raw(emulator, "GET", "/hot_load/v1/models/hot_load",
+                     headers={"fireworks-model": "accounts/acct/models/other"})
+    assert code == 400 and "does not match" in body["error"]["message"]
+
+
+def test_auth_is_checked(emulator: HotLoadEmulator) -> None:
+    with pytest.raises(HotLoadError) as info:
+        client_for(emulator, api_key="wrong-key").signal("s1")
+    assert info.value.status_code == 401 and "wrong-key" not in str(info.value)
+    assert raw(emulator, "GET", "/emulator/v1/state", auth=False)[0] == 401
+
+
+def test_delta_parent_rules(emulator: HotLoadEmulator) -> None:
+    client = client_for(emulator)
+    m1 = load_full(emulator, client, "step-1")
+    m2 = perturb(m1, seed=1)
+    write_delta_snapshot(emulator.bucket, "step-2", "step-1", m1, m2)
+    with pytest.raises(HotLoadError, match="not in the ledger") as info:
+        client.signal("step-2", previous_identity="step-0")
+    assert info.value.status_code == 400
+    code, body = raw(emulator, "POST", "/hot_load/v1/models/hot_load", {
+        "identity": "step-2", "incremental_snapshot_metadata": {
+            "previous_snapshot_identity": "step-1", "compression_format": "zstd", "checksum_format": "alder32"}})
+    assert code == 400 and "compression_format" in body["error"]["message"]
+    load_full(emulator, client, "step-3", seed=3)
+    # step-1 is in the ledger but no longer served
+    with pytest.raises(HotLoadError, match="not the snapshot the replicas serve"):
+        client.signal("step-2", previous_identity="step-1")
+
+
+def test_reused_identity_conflicts(emulator: HotLoadEmulator) -> None:
+    client = client_for(emulator)
+    load_full(emulator, client, "step-1")
+    load_full(emulator, client, "step-2", seed=2)
+    with pytest.raises(HotLoadError) as info:
+        client.signal("step-1")
+    assert info.value.status_code == 409 and "new identity" in str(info.value)
+
+
+def test_delta_after_ledger_reset_is_rejected(emulator: HotLoadEmulator) -> None:
+    client = client_for(emulator)
+    m1 = load_full(emulator, client, "step-1")
+    write_delta_snapshot(emulator.bucket, "step-2", "step-1", m1, perturb(m1, seed=1))
+    client.reset_ledger()
+    state = emulator.state()["deployments"][DEP]
+    assert state["ledger"] == [] and [r["identity"] for r in state["replicas"]] == [None, None]
+    with pytest.raises(HotLoadError, match="ledger is empty") as info:
+        client.signal("step-2", previous_identity="step-1")
+    assert info.value.status_code == 400
+    m3 = load_full(emulator, client, "step-3", seed=3)
+    assert served(emulator) == [("step-3", sha256_map(m3))] * 2
+
+
+# ------------------------------------------------------------------------------------------------ load failures
+
+
+def test_corrupted_delta_keeps_old_weights(emulator: HotLoadEmulator) -> None:
+    client = client_for(emulator)
+    m1 = load_full(emulator, client, "step-1")
+    folder = write_delta_snapshot(emulator.bucket, "step-2", "step-1", m1, perturb(m1, seed=1))
+    victim = folder / "model-00001.safetensors"
+    blob = bytearray(victim.read_bytes())
+    blob[-3] ^= 0x40
+    victim.write_bytes(bytes(blob))
+    client.signal("step-2", previous_identity="step-1")
+    with pytest.raises(HotLoadError, match="failed to load") as info:
+        client.wait_ready("step-2", timeout_s=30)
+    assert "stage='error'" in str(info.value)
+    assert served(emulator) == [("step-1", sha256_map(m1))] * 2
+    row = emulator.state()["deployments"][DEP]["ledger"][-1]
+    assert row["identity"] == "step-2"
+    assert all("model-00001.safetensors" in p["error"] for p in row["per_replica"])
+    st = client.status()
+    assert all(r.current_snapshot_identity == "step-1" and r.readiness and r.target == "step-2"
+               for r in st.replicas)
+
+
+def test_delta_from_wrong_base_bytes_fails_the_checksum(emulator: HotLoadEmulator) -> None:
+    """The trainer's cache diverged from what the deployment loaded: the delta decodes, Adler-32 catches it."""
+    client = client_for(emulator)
+    m1 = load_full(emulator, client, "step-1")
+    wrong_base = perturb(m1, seed=7, fraction=0.05)
+    write_delta_snapshot(emulator.bucket, "step-2", "step-1", wrong_base, perturb(wrong_base, seed=1))
+    client.signal("step-2", previous_identity="step-1")
+    with pytest.raises(HotLoadError, match="ChecksumError"):
+        client.wait_ready("step-2", timeout_s=30)
+    assert served(emulator) == [("step-1", sha256_map(m1))] * 2
+
+
+def test_missing_file_is_a_load_error(emulator: HotLoadEmulator) -> None:
+    client = client_for(emulator)
+    m1 = load_full(emulator, client, "step-1")
+    folder = write_full_snapshot(emulator.bucket, "step-2", perturb(m1, seed=1))
+    (folder / "model-00002.safetensors").unlink()
+    client.signal("step-2")
+    with pytest.raises(HotLoadError, match="model-00002.safetensors"):
+        client.wait_ready("step-2", timeout_s=30)
+    assert served(emulator) == [("step-1", sha256_map(m1))] * 2
+
+
+def test_spec_must_cover_the_index(emulator: HotLoadEmulator) -> None:
+    client = client_for(emulator)
+    folder = write_full_snapshot(emulator.bucket, "step-1", tiny_model(0))
+    spec = json.loads((folder / "model.weight.spec.json").read_text())
+    spec["tensor_map"]["model.norm.weight"]["shape"] = [9]
+    (folder / "model.weight.spec.json").write_text(json.dumps(spec))
+    client.signal("step-1")
+    with pytest.raises(HotLoadError, match="weight spec says"):
+        client.wait_ready("step-1", timeout_s=30)
+    del spec["tensor_map"]["model.norm.weight"]
+    folder2 = write_full_snapshot(emulator.bucket, "step-2", tiny_model(0))
+    (folder2 / "model.weight.spec.json").write_text(json.dumps(spec))
+    client.signal("step-2")
+    with pytest.raises(HotLoadError, match="tensor_map lacks 1 tensor"):
+        client.wait_ready("step-2", timeout_s=30)
+
+
+def test_fail_next_loads_on_one_replica(emulator: HotLoadEmulator) -> None:
+    client = client_for(emulator)
+    emulator.fail_next_loads(1, replica=1)
+    model = tiny_model(0)
+    write_full_snapshot(emulator.bucket, "step-1", model)
+    client.signal("step-1")
+    with pytest.raises(HotLoadError, match=r"replica\(s\) 1:.*injected fault"):
+        client.wait_ready("step-1", timeout_s=30)
+    assert [i for i, _ in served(emulator)] in (["step-1", None], [None, None])
+    # a delta needs every replica on its parent; the recovery is a new full snapshot
+    m2 = perturb(model, seed=1)
+    write_delta_snapshot(emulator.bucket, "step-2", "step-1", model, m2)
+    with pytest.raises(HotLoadError, match="not the snapshot the replicas serve"):
+        client.signal("step-2", previous_identity="step-1")
+    load_full(emulator, client, "step-3", seed=3)
+    assert [i for i, _ in served(emulator)] == ["step-3", "step-3"]
+
+
+def test_reject_next_signals_is_retried_by_the_client(emulator: HotLoadEmulator) -> None:
+    client = client_for(emulator)
+    emulator.reject_next_signals(2, status=503, message="warming up")
+    load_full(emulator, client, "step-1")
+    assert [i for i, _ in served(emulator)] == ["step-1", "step-1"]
+    emulator.reject_next_signals(1, status=403, message="forbidden here")
+    with pytest.raises(HotLoadError, match="forbidden here"):
+        client.signal("step-2")
+
+
+def test_load_delay_shows_in_flight_state(emulator: HotLoadEmulator) -> None:
+    client = client_for(emulator)
+    write_full_snapshot(emulator.bucket, "step-1", tiny_model(0))
+    emulator.set_load_delay(0.3)
+    client.signal("step-1")
+    first = client.status()
+    assert not first.is_ready("step-1")
+    assert {r.target for r in first.replicas} == {"step-1"}
+    assert {r.stage for r in first.replicas} <= {"pending", "downloading"}
+    assert client.wait_ready("step-1", timeout_s=30).is_ready("step-1")
+
+
+def test_hint_is_recorded(emulator: HotLoadEmulator) -> None:
+    client = client_for(emulator)
+    client.hint("step-1", "model-00001.safetensors")
+    code, body = raw(emulator, "POST", "/hot_load/v1/models/hot_load/hint",
+                     {"snapshot": {"identity": "step-1"}, "filename": "x", "extra": 1})
+    assert code == 400 and "field: 'extra'" in body["error"]["message"]
+    hints = emulator.state()["deployments"][DEP]["hints"]
+    assert [(h["identity"], h["filename"]) for h in hints] == [("step-1", "model-00001.safetensors")]
+
+
+def test_base_config_comparison(tmp_path: Path) -> None:
+    base = dict(CONFIG, hidden_size=16)
+    with HotLoadEmulator(str(tmp_path), replicas=1, api_key=EMULATOR_API_KEY, base_config=base) as emu:
+        client = client_for(emu)
+        write_full_snapshot(tmp_path, "step-1", tiny_model(0))
+        client.signal("step-1")
+        with pytest.raises(HotLoadError, match="Config value mismatch for hidden_size"):
+            client.wait_ready("step-1", timeout_s=30)
+        write_full_snapshot(tmp_path, "step-2", tiny_model(0))
+        client.signal("step-2", validation={"extra_fields_ignore": ["hidden_size"]})
+        client.wait_ready("step-2", timeout_s=30)
+
+
+def test_reads_snapshots_from_s3(tmp_path: Path, s3_server: Any) -> None:
+    from fsdp_hotload.storage import Storage
+
+    uri = s3_server.unique_uri("emulator")
+    store = Storage(uri, s3_server.storage_options)
+    m1 = tiny_model(0)
+    m2 = perturb(m1, seed=1)
+    for ident, folder in (("step-1", write_full_snapshot(tmp_path, "step-1", m1)),
+                          ("step-2", write_delta_snapshot(tmp_path, "step-2", "step-1", m1, m2))):
+        store.put_many({f"{ident}/{f.name}": f.read_bytes() for f in folder.iterdir()})
+    with HotLoadEmulator(uri, storage_options=s3_server.storage_options, replicas=1,
+                         api_key=EMULATOR_API_KEY) as emu:
+        client = client_for(emu)
+        client.signal("step-1")
+        client.wait_ready("step-1", timeout_s=60)
+        client.signal("step-2", previous_identity="step-1")
+        client.wait_ready("step-2", timeout_s=60)
+        assert served(emu) == [("step-2", sha256_map(m2))]
+
+
+def test_cli_serves_until_interrupted(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from fsdp_hotload.emulator import run_emulator_cli; "
+                               "sys.exit(run_emulator_cli(sys.argv[1:]))", "--bucket", str(tmp_path),
+         "--replicas", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        url = line.split("listening on ")[1].split()[0]
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("GET", "/v1/accounts?pageSize=2")
+        assert json.loads(conn.getresponse().read()) == {"accounts": [{"name": "accounts/emulator"}]}
+        conn.close()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,651 @@
+"""Storage layer: round trips on real backends (local, file://, memory://, moto S3 on loopback), retries with
+injected faults, commit markers and retention."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import socket
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import fsspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fsdp_hotload.retention import (
+    COMMIT_MARKER,
+    CommitInfo,
+    CommitMarkerError,
+    apply_retention,
+    list_committed,
+    plan_retention,
+    read_commit_marker,
+    write_commit_marker,
+)
+from fsdp_hotload.storage import (
+    TMP_PREFIX,
+    ErrorClass,
+    MissingBackendError,
+    Storage,
+    StorageError,
+    backend_install_hint,
+    backoff_delay,
+    classify_error,
+)
+from tests.s3_fixture import (  # noqa: F401  (s3_server is a fixture)
+    FaultyFileSystem,
+    S3Server,
+    access_denied_error,
+    s3_server,
+    slowdown_error,
+)
+
+MiB = 2**20
+BACKENDS = ["local", "file", "memory", "s3"]
+
+
+@pytest.fixture
+def make_storage(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[..., Storage]:
+    """Build a Storage on a fresh root of the requested backend."""
+
+    def make(kind: str, **kwargs: object) -> Storage:
+        if kind == "local":
+            return Storage(str(tmp_path / f"root-{uuid.uuid4().hex[:6]}"), **kwargs)
+        if kind == "file":
+            return Storage(f"file://{tmp_path}/root-{uuid.uuid4().hex[:6]}", **kwargs)
+        if kind == "memory":
+            return Storage(f"memory://hotload-tests/{uuid.uuid4().hex}", **kwargs)
+        if kind == "s3":
+            server: S3Server = request.getfixturevalue("s3_server")
+            return Storage(server.unique_uri("st"), server.storage_options, **kwargs)
+        raise AssertionError(kind)
+
+    return make
+
+
+class FixedRng:
+    """Stands in for random.Random so a test can pin the jitter draw."""
+
+    def __init__(self, u: float) -> None:
+        self.u = u
+
+    def random(self) -> float:
+        return self.u
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Error classification and backoff (pure)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _client_error(code: str, status: int) -> Exception:
+    from botocore.exceptions import ClientError
+
+    return ClientError({"Error": {"Code": code, "Message": f"{code} message"},
+                        "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+
+def _aiohttp_status(status: int) -> Exception:
+    import aiohttp
+    from multidict import CIMultiDict, CIMultiDictProxy
+    from yarl import URL
+
+    url = URL("http://127.0.0.1:9/bucket/key")
+    info = aiohttp.RequestInfo(url, "PUT", CIMultiDictProxy(CIMultiDict()), url)
+    return aiohttp.ClientResponseError(info, (), status=status, message="status")
+
+
+def _chained(outer: BaseException, cause: BaseException) -> BaseException:
+    outer.__cause__ = cause
+    return outer
+
+
+def _botocore(name: str) -> Exception:
+    import botocore.exceptions as be
+
+    if name == "EndpointConnectionError":
+        return be.EndpointConnectionError(endpoint_url="http://127.0.0.1:1")
+    if name == "ReadTimeoutError":
+        return be.ReadTimeoutError(endpoint_url="http://127.0.0.1:1")
+    return be.NoCredentialsError()
+
+
+CASES: list[tuple[str, Callable[[], BaseException], ErrorClass]] = [
+    ("SlowDown translated by s3fs", lambda: slowdown_error(), ErrorClass.THROTTLE),
+    ("SlowDown raw ClientError", lambda: slowdown_error(translated=False), ErrorClass.THROTTLE),
+    ("Throttling", lambda: _client_error("Throttling", 400), ErrorClass.THROTTLE),
+    ("ThrottlingException", lambda: _client_error("ThrottlingException", 400), ErrorClass.THROTTLE),
+    ("RequestLimitExceeded", lambda: _client_error("RequestLimitExceeded", 400), ErrorClass.THROTTLE),
+    ("HTTP 503 by status", lambda: _client_error("Whatever", 503), ErrorClass.THROTTLE),
+    ("HTTP 429 from aiohttp", lambda: _aiohttp_status(429), ErrorClass.THROTTLE),
+    ("HTTP 503 from aiohttp", lambda: _aiohttp_status(503), ErrorClass.THROTTLE),
+    ("rate text only", lambda: OSError("Please reduce your request rate."), ErrorClass.THROTTLE),
+    ("ConnectionResetError", lambda: ConnectionResetError("reset by peer"), ErrorClass.TRANSIENT),
+    ("ConnectionError", lambda: ConnectionError("reset"), ErrorClass.TRANSIENT),
+    ("TimeoutError", lambda: TimeoutError("timed out"), ErrorClass.TRANSIENT),
+    ("socket.timeout", lambda: socket.timeout("timed out"), ErrorClass.TRANSIENT),
+    ("OSError ECONNRESET", lambda: OSError(errno.ECONNRESET, "reset"), ErrorClass.TRANSIENT),
+    ("InternalError 500", lambda: _client_error("InternalError", 500), ErrorClass.TRANSIENT),
+    ("HTTP 502 from aiohttp", lambda: _aiohttp_status(502), ErrorClass.TRANSIENT),
+    ("botocore EndpointConnectionError", lambda: _botocore("EndpointConnectionError"), ErrorClass.TRANSIENT),
+    ("botocore ReadTimeoutError", lambda: _botocore("ReadTimeoutError"), ErrorClass.TRANSIENT),
+    ("aiohttp ServerDisconnectedError", lambda: __import__("aiohttp").ServerDisconnectedError(),
+     ErrorClass.TRANSIENT),
+    ("wrapped transient", lambda: _chained(OSError(errno.EIO, "boom"), ConnectionResetError()),
+     ErrorClass.TRANSIENT),
+    ("PermissionError", lambda: PermissionError("denied"), ErrorClass.FATAL),
+    ("AccessDenied translated by s3fs", lambda: access_denied_error(), ErrorClass.FATAL),
+    ("AccessDenied raw", lambda: access_denied_error(translated=False), ErrorClass.FATAL),
+    ("HTTP 403 from aiohttp", lambda: _aiohttp_status(403), ErrorClass.FATAL),
+    ("NoCredentialsError", lambda: _botocore("NoCredentialsError"), ErrorClass.FATAL),
+    ("ValueError (a bug)", lambda: ValueError("bad argument"), ErrorClass.FATAL),
+    ("OSError ENOSPC", lambda: OSError(errno.ENOSPC, "disk full"), ErrorClass.FATAL),
+    ("FileNotFoundError", lambda: FileNotFoundError("gone"), ErrorClass.NOT_FOUND),
+    ("NoSuchKey raw", lambda: _client_error("NoSuchKey", 404), ErrorClass.NOT_FOUND),
+]
+
+
+@pytest.mark.parametrize("make_exc,expected", [(c[1], c[2]) for c in CASES], ids=[c[0] for c in CASES])
+def test_classify_error(make_exc: Callable[[], BaseException], expected: ErrorClass) -> None:
+    assert classify_error(make_exc()) is expected
+
+
+def test_retryable_flags() -> None:
+    assert ErrorClass.THROTTLE.retryable and ErrorClass.TRANSIENT.retryable
+    assert not ErrorClass.FATAL.retryable and not ErrorClass.NOT_FOUND.retryable
+
+
+def test_backoff_delay_full_jitter_and_cap() -> None:
+    assert [backoff_delay(a, 0.5, 100.0, 1.0) for a in (1, 2, 3, 4)] == [0.5, 1.0, 2.0, 4.0]
+    assert backoff_delay(10, 0.5, 3.0, 1.0) == 3.0          # capped
+    assert backoff_delay(3, 0.5, 100.0, 0.0) == 0.0          # full jitter reaches zero
+    draws = [backoff_delay(3, 0.5, 100.0, random.Random(i).random()) for i in range(200)]
+    assert all(0.0 <= d <= 2.0 for d in draws) and max(draws) - min(draws) > 1.0
+    with pytest.raises(ValueError):
+        backoff_delay(0, 0.5, 1.0, 0.5)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Round trips on every backend
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_round_trip_and_listing(kind: str, make_storage: Callable[..., Storage], tmp_path: Path) -> None:
+    st = make_storage(kind)
+    assert not st.root.endswith("/") and st.uri("a/b") == st.root + "/a/b"
+    assert st.list() == [] and st.list_dirs() == []
+    payload = os.urandom(100_003)
+    st.put_bytes("snap-1/model-00000.safetensors", payload)
+    st.put_bytes("snap-1/config.json", memoryview(b'{"a": 1}'))
+    st.put_bytes("snap-1/sub/deep.bin", bytearray(b"deep"))
+    st.put_bytes("snap-10/x", b"")
+    st.put_many({f"snap-2/f{i}": bytes([i]) * (i + 1) for i in range(5)})
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"from a file" * 1000)
+    st.put_file("snap-2/from-file.bin", str(src))
+
+    assert st.get_bytes("snap-1/model-00000.safetensors") == payload
+    assert st.get_bytes("snap-1/config.json") == b'{"a": 1}'
+    assert st.get_bytes("snap-10/x") == b""
+    assert st.get_bytes("snap-2/f3") == b"\x03" * 4
+    assert st.get_bytes("snap-2/from-file.bin") == src.read_bytes()
+    assert st.size("snap-1/model-00000.safetensors") == len(payload)
+    assert st.exists("snap-1/config.json") and not st.exists("snap-1/nope.json")
+    assert st.list_dirs() == ["snap-1", "snap-10", "snap-2"]
+    # A prefix is a directory: "snap-1" does not pick up "snap-10"; results are relpaths from the root.
+    assert st.list("snap-1") == ["snap-1/config.json", "snap-1/model-00000.safetensors", "snap-1/sub/deep.bin"]
+    assert st.list("snap-1/") == st.list("snap-1")
+    assert len(st.list()) == 3 + 1 + 6
+    assert st.list_info("snap-2")["snap-2/f4"].size == 5
+
+    st.put_bytes("snap-1/config.json", b"{}")  # overwrite
+    assert st.get_bytes("snap-1/config.json") == b"{}"
+
+    st.delete_prefix("snap-1")
+    st.delete_prefix("never-existed")
+    assert st.list_dirs() == ["snap-10", "snap-2"]
+    assert st.list("snap-1") == []
+    with pytest.raises(FileNotFoundError):
+        st.get_bytes("snap-1/config.json")
+    with pytest.raises(FileNotFoundError):
+        st.size("snap-1/config.json")
+    assert st.stats.puts == 11 and st.stats.retries == 0
+    assert st.stats.bytes_put == len(payload) + 8 + 4 + 0 + 15 + src.stat().st_size + 2
+
+
+@pytest.mark.parametrize("kind", ["local", "memory", "s3"])
+def test_put_file_large_streams(kind: str, make_storage: Callable[..., Storage], tmp_path: Path) -> None:
+    st = make_storage(kind, multipart_threshold=6 * MiB)
+    data = os.urandom(13 * MiB + 17)
+    src = tmp_path / "big.bin"
+    src.write_bytes(data)
+    st.put_file("s/big.bin", str(src))
+    assert st.size("s/big.bin") == len(data)
+    assert st.get_bytes("s/big.bin") == data
+    with pytest.raises(FileNotFoundError):
+        st.put_file("s/other.bin", str(tmp_path / "missing.bin"))
+
+
+def test_bad_relpaths_and_roots(tmp_path: Path) -> None:
+    st = Storage(str(tmp_path))
+    for bad in ["", "/abs", "a/../b", "a//b", "./a", "a\\b"]:
+        with pytest.raises(ValueError, match="relpath"):
+            st.put_bytes(bad, b"x")
+    with pytest.raises(ValueError, match="whole storage root"):
+        st.delete_prefix("")
+    with pytest.raises(ValueError):
+        Storage("s3://")
+    assert Storage(str(tmp_path) + "/").root == str(tmp_path)
+    assert Storage("memory://a/b/").root == "memory://a/b"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Local atomicity
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_local_writes_are_atomic_for_concurrent_readers(tmp_path: Path) -> None:
+    st = Storage(str(tmp_path))
+    versions = [bytes([v]) * MiB for v in range(4)]
+    st.put_bytes("s/f.bin", versions[0])
+    stop = threading.Event()
+    seen: list[bytes] = []
+    errors: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            while not stop.is_set():
+                seen.append((tmp_path / "s" / "f.bin").read_bytes())
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the assertion below
+            errors.append(exc)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for i in range(24):
+            st.put_bytes("s/f.bin", versions[i % 4])
+    finally:
+        stop.set()
+        t.join()
+    assert not errors
+    assert seen and all(s in versions for s in seen)  # never a torn or empty file
+    assert os.listdir(tmp_path / "s") == ["f.bin"]  # no temp files left behind
+
+
+def test_failed_local_write_keeps_old_file_and_hides_temp_files(tmp_path: Path) -> None:
+    faulty = FaultyFileSystem(fsspec.filesystem("file"), fail_puts=1, exc_factory=lambda: OSError(errno.ENOSPC, "full"),
+                              fail_after_bytes=0)  # dies mid-write, after the temp file exists
+    st = Storage(str(tmp_path), fs=faulty, base_backoff_s=0)
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "f.bin").write_bytes(b"old")
+    with pytest.raises(StorageError, match="f.bin"):
+        st.put_bytes("s/f.bin", b"new")
+    assert (tmp_path / "s" / "f.bin").read_bytes() == b"old"
+    assert os.listdir(tmp_path / "s") == ["f.bin"]
+    (tmp_path / "s" / f"{TMP_PREFIX}g.bin.deadbeef").write_bytes(b"torn")  # as a crash would leave it
+    assert st.list("s") == ["s/f.bin"]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# S3: multipart
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _parts_in_etag(server: S3Server, st: Storage, rel: str) -> int:
+    key = st.uri(rel).split(f"s3://{server.bucket}/", 1)[1]
+    etag = server.client().head_object(Bucket=server.bucket, Key=key)["ETag"].strip('"')
+    return int(etag.rsplit("-", 1)[1]) if "-" in etag else 1
+
+
+def test_s3_put_file_70mb_is_multipart(s3_server: S3Server, tmp_path: Path) -> None:
+    st = Storage(s3_server.unique_uri("multipart"), s3_server.storage_options, multipart_threshold=16 * MiB)
+    data = os.urandom(70 * MiB)
+    src = tmp_path / "shard.safetensors"
+    src.write_bytes(data)
+    st.put_file("snap/model-00000.safetensors", str(src))
+    assert _parts_in_etag(s3_server, st, "snap/model-00000.safetensors") == 9  # 70 MiB in 8 MiB parts
+    assert st.get_bytes("snap/model-00000.safetensors") == data
+    assert st.stats.bytes_put == 70 * MiB
+
+    small = tmp_path / "small.bin"
+    small.write_bytes(data[: 3 * MiB])
+    st.put_file("snap/small.bin", str(small))
+    assert _parts_in_etag(s3_server, st, "snap/small.bin") == 1  # below the threshold: one PUT
+
+
+def test_s3_large_memoryview_streams_in_parts(s3_server: S3Server) -> None:
+    st = Storage(s3_server.unique_uri("mv"), s3_server.storage_options, multipart_threshold=10 * MiB)
+    data = os.urandom(12 * MiB + 5)
+    st.put_bytes("snap/big.bin", memoryview(data))
+    assert _parts_in_etag(s3_server, st, "snap/big.bin") == 3  # 5 MiB parts
+    assert st.get_bytes("snap/big.bin") == data
+
+
+def _open_uploads(server: S3Server, st: Storage) -> list[str]:
+    prefix = st.root.split(f"s3://{server.bucket}/", 1)[1]
+    listing = server.client().list_multipart_uploads(Bucket=server.bucket, Prefix=prefix)
+    return [u["Key"] for u in listing.get("Uploads", [])]
+
+
+def test_s3_upload_dropped_mid_stream_is_aborted_and_retried(s3_server: S3Server) -> None:
+    uri = s3_server.unique_uri("abort")
+    inner, _ = fsspec.core.url_to_fs(uri, **s3_server.storage_options)
+    faulty = FaultyFileSystem(inner, fail_puts=1, exc_factory=lambda: ConnectionResetError("dropped"),
+                              fail_after_bytes=6 * MiB)  # after the first part is uploaded
+    st = Storage(uri, fs=faulty, multipart_threshold=10 * MiB, base_backoff_s=0.0001)
+    data = os.urandom(12 * MiB)
+    st.put_bytes("snap/big.bin", memoryview(data))
+    assert st.get_bytes("snap/big.bin") == data and st.stats.retries == 1
+    assert _open_uploads(s3_server, st) == []
+
+    faulty.arm(10)  # every try dies mid-stream: nothing may be committed or left open
+    with pytest.raises(StorageError, match="snap/other.bin"):
+        st.put_bytes("snap/other.bin", memoryview(data))
+    assert not st.exists("snap/other.bin")
+    assert _open_uploads(s3_server, st) == []
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Retries
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_throttled_twice_then_succeeds_on_s3(s3_server: S3Server) -> None:
+    uri = s3_server.unique_uri("throttle")
+    inner, _ = fsspec.core.url_to_fs(uri, **s3_server.storage_options)
+    faulty = FaultyFileSystem(inner, fail_puts=2, exc_factory=slowdown_error)
+    delays: list[float] = []
+    st = Storage(uri, fs=faulty, base_backoff_s=0.0001, throttle_backoff_s=0.01, max_backoff_s=1.0,
+                 rng=FixedRng(0.5), sleep=delays.append)
+    st.put_bytes("snap/a.bin", b"payload")
+    assert st.get_bytes("snap/a.bin") == b"payload"
+    assert faulty.failures_raised == 2 and faulty.write_calls == 3
+    assert st.stats.throttled == 2 and st.stats.retries == 2 and st.stats.puts == 1
+    # Full jitter drawn at 0.5 of the throttle base, doubling: the throttle base was used, not the short one.
+    assert delays == pytest.approx([0.005, 0.01])
+    assert st.stats.backoff_seconds == pytest.approx(0.015)
+
+
+def test_transient_errors_use_short_backoff_and_real_sleep(tmp_path: Path) -> None:
+    faulty = FaultyFileSystem(fsspec.filesystem("file"), fail_puts=2, exc_factory=lambda: ConnectionResetError())
+    st = Storage(str(tmp_path), fs=faulty, base_backoff_s=0.001, throttle_backoff_s=10.0)
+    st.put_bytes("a/b", b"ok")
+    assert (tmp_path / "a" / "b").read_bytes() == b"ok"
+    assert st.stats.retries == 2 and st.stats.throttled == 0
+    assert st.stats.backoff_seconds <= 0.001 + 0.002
+
+
+def test_always_failing_put_raises_storage_error_naming_uri() -> None:
+    faulty = FaultyFileSystem(fsspec.filesystem("memory"), fail_puts=10**6, exc_factory=lambda: ConnectionError("reset"))
+    st = Storage(f"memory://hotload-tests/{uuid.uuid4().hex}", fs=faulty, max_attempts=4, base_backoff_s=0.0001)
+    with pytest.raises(StorageError) as info:
+        st.put_bytes("snap/model-00001.safetensors", b"x")
+    err = info.value
+    assert st.uri("snap/model-00001.safetensors") in str(err) and "after 4 attempts" in str(err)
+    assert err.attempts == 4 and isinstance(err.__cause__, ConnectionError)
+    assert faulty.failures_raised == 4
+    assert st.stats.retries == 3 and st.stats.failures == 1
+    assert not st.exists("snap/model-00001.safetensors")
+
+
+@pytest.mark.parametrize("factory", [lambda: PermissionError("denied"), access_denied_error],
+                         ids=["PermissionError", "AccessDenied"])
+def test_permission_errors_are_not_retried(factory: Callable[[], BaseException]) -> None:
+    faulty = FaultyFileSystem(fsspec.filesystem("memory"), fail_puts=5, exc_factory=factory)
+    st = Storage(f"memory://hotload-tests/{uuid.uuid4().hex}", fs=faulty, base_backoff_s=0.0001)
+    with pytest.raises(StorageError, match="not retried") as info:
+        st.put_bytes("snap/x", b"x")
+    assert st.uri("snap/x") in str(info.value) and info.value.attempts == 1
+    assert faulty.failures_raised == 1 and st.stats.retries == 0
+
+
+def test_get_missing_passes_through_unretried() -> None:
+    faulty = FaultyFileSystem(fsspec.filesystem("memory"))
+    st = Storage(f"memory://hotload-tests/{uuid.uuid4().hex}", fs=faulty)
+    with pytest.raises(FileNotFoundError):
+        st.get_bytes("nope")
+    assert faulty.read_calls == 1 and st.stats.retries == 0
+
+
+def test_get_retries_transient_read_errors() -> None:
+    faulty = FaultyFileSystem(fsspec.filesystem("memory"), fail_gets=2, get_exc_factory=lambda: TimeoutError())
+    st = Storage(f"memory://hotload-tests/{uuid.uuid4().hex}", fs=faulty, base_backoff_s=0.0001)
+    st.put_bytes("a", b"data")
+    assert st.get_bytes("a") == b"data" and st.stats.retries == 2
+
+
+def test_put_many_bounds_concurrency(tmp_path: Path) -> None:
+    faulty = FaultyFileSystem(fsspec.filesystem("memory"), delay_s=0.03)
+    st = Storage(f"memory://hotload-tests/{uuid.uuid4().hex}", fs=faulty, max_concurrency=3)
+    items = {f"snap/f{i:02d}": os.urandom(100) for i in range(12)}
+    st.put_many(items)
+    assert 2 <= faulty.max_inflight <= 3
+    assert {rel: st.get_bytes(rel) for rel in st.list("snap")} == items
+
+
+def test_put_many_raises_the_failure(tmp_path: Path) -> None:
+    faulty = FaultyFileSystem(fsspec.filesystem("file"), fail_puts=1, exc_factory=lambda: PermissionError("no"),
+                              match="f07")
+    st = Storage(str(tmp_path), fs=faulty, max_concurrency=4)
+    with pytest.raises(StorageError) as info:
+        st.put_many({f"snap/f{i:02d}": b"x" for i in range(10)})
+    assert st.uri("snap/f07") in str(info.value)
+    assert "snap/f07" not in st.list("snap")
+    with pytest.raises(ValueError, match="relpath"):  # all names are checked before anything is written
+        st.put_many({"ok": b"1", "../escape": b"2"})
+    assert not st.exists("ok")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Optional backends
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_backend_install_hint() -> None:
+    assert backend_install_hint("s3") == "s3:// needs s3fs: pip install 'hotload[s3]'"
+    assert backend_install_hint("gs") == "gs:// needs gcsfs: pip install 'hotload[gcs]'"
+    assert backend_install_hint("memory") is None
+
+
+@pytest.mark.parametrize("uri,module,extra", [("s3://bucket/prefix", "s3fs", "hotload[s3]"),
+                                              ("gs://bucket/prefix", "gcsfs", "hotload[gcs]")])
+def test_missing_optional_backend(monkeypatch: pytest.MonkeyPatch, uri: str, module: str, extra: str) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # makes `import <module>` fail as if not installed
+    with pytest.raises(MissingBackendError) as info:
+        Storage(uri)
+    msg = str(info.value)
+    assert module in msg and extra in msg and uri in msg
+    assert isinstance(info.value, ImportError)
+
+
+def test_unknown_protocol_names_the_uri() -> None:
+    with pytest.raises(StorageError, match="nosuchproto://bucket/x"):
+        Storage("nosuchproto://bucket/x")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Commit markers
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _publish(st: Storage, info: CommitInfo) -> CommitInfo:
+    """Upload the files a CommitInfo names (random bytes of the stated sizes), then its marker."""
+    st.put_many({f"{info.identity}/{rel}": os.urandom(meta["size"]) for rel, meta in info.files.items()})
+    write_commit_marker(st, info)
+    return info
+
+
+@pytest.mark.parametrize("kind", ["local", "memory", "s3"])
+def test_commit_marker_round_trip(kind: str, make_storage: Callable[..., Storage]) -> None:
+    st = make_storage(kind)
+    full = _publish(st, CommitInfo("step-4-aa", "full", None, {"model-00000.safetensors": {"size": 10},
+                                                              "config.json": {"size": 2}}, created_at=100.0))
+    delta = _publish(st, CommitInfo("step-8-aa", "delta", "step-4-aa", {"model-00000.safetensors": {"size": 3}},
+                                    created_at=200.0))
+    st.put_bytes("step-12-aa/model-00000.safetensors", b"in flight")  # no marker: incomplete
+    assert read_commit_marker(st, "step-4-aa") == full
+    assert read_commit_marker(st, "step-8-aa") == delta
+    assert read_commit_marker(st, "step-12-aa") is None
+    assert [c.identity for c in list_committed(st)] == ["step-4-aa", "step-8-aa"]
+    raw = json.loads(st.get_bytes(f"step-8-aa/{COMMIT_MARKER}"))
+    assert raw == {"format": "hotload-commit", "version": 1, "identity": "step-8-aa", "kind": "delta",
+                   "parent_identity": "step-4-aa", "files": {"model-00000.safetensors": {"size": 3}},
+                   "created_at": 200.0}
+
+
+def test_list_committed_sorts_by_created_at(tmp_path: Path) -> None:
+    st = Storage(str(tmp_path))
+    for name, t in [("b", 3.0), ("a", 2.0), ("c", 1.0)]:
+        write_commit_marker(st, CommitInfo(name, "full", created_at=t))
+    assert [c.identity for c in list_committed(st)] == ["c", "a", "b"]
+
+
+def test_commit_marker_verifies_files(tmp_path: Path) -> None:
+    st = Storage(str(tmp_path))
+    st.put_bytes("s1/model-00000.safetensors", b"12345")
+    with pytest.raises(CommitMarkerError, match="model-00001.safetensors.*missing"):
+        write_commit_marker(st, CommitInfo("s1", "full", files={"model-00000.safetensors": {"size": 5},
+                                                                "model-00001.safetensors": {"size": 1}}))
+    with pytest.raises(CommitMarkerError, match="5 bytes"):
+        write_commit_marker(st, CommitInfo("s1", "full", files={"model-00000.safetensors": {"size": 6}}))
+    assert read_commit_marker(st, "s1") is None
+
+
+@pytest.mark.parametrize("content,match", [
+    (b"{not json", "not valid JSON"),
+    (b"[]", "expected a JSON object"),
+    (json.dumps({"format": "other", "version": 1}).encode(), "format"),
+    (json.dumps({"format": "hotload-commit", "version": 99, "identity": "s1", "kind": "full", "files": {},
+                 "created_at": 1.0}).encode(), "newer"),
+    (json.dumps({"format": "hotload-commit", "version": 1, "identity": "s1", "kind": "delta",
+                 "parent_identity": None, "files": {}, "created_at": 1.0}).encode(), "parent_identity"),
+    (json.dumps({"format": "hotload-commit", "version": 1, "identity": "s1", "kind": "full",
+                 "files": {"a": {"size": -1}}, "created_at": 1.0}).encode(), "size"),
+    (json.dumps({"format": "hotload-commit", "version": 1, "identity": "other", "kind": "full", "files": {},
+                 "created_at": 1.0}).encode(), "directory"),
+])
+def test_malformed_marker_names_its_uri(tmp_path: Path, content: bytes, match: str) -> None:
+    st = Storage(str(tmp_path))
+    st.put_bytes(f"s1/{COMMIT_MARKER}", content)
+    with pytest.raises(CommitMarkerError, match=match) as info:
+        read_commit_marker(st, "s1")
+    assert st.uri(f"s1/{COMMIT_MARKER}") in str(info.value)
+    with pytest.raises(CommitMarkerError):
+        list_committed(st)
+    assert list_committed(st, strict=False) == []
+
+
+def test_commit_info_validation() -> None:
+    with pytest.raises(ValueError, match="single path segment"):
+        CommitInfo("a/b", "full")
+    with pytest.raises(ValueError, match="kind"):
+        CommitInfo("a", "partial")
+    with pytest.raises(ValueError, match="full snapshot has no parent"):
+        CommitInfo("a", "full", parent_identity="b")
+    with pytest.raises(ValueError, match="own parent"):
+        CommitInfo("a", "delta", parent_identity="a")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Retention
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _snap(identity: str, t: float, parent: str | None = None) -> CommitInfo:
+    return CommitInfo(identity, "delta" if parent else "full", parent, {}, created_at=t)
+
+
+# Two chains: A <- B <- C, then D <- E <- F, then a lone full G.
+CHAINS = [_snap("A", 1), _snap("B", 2, "A"), _snap("C", 3, "B"), _snap("D", 4), _snap("E", 5, "D"),
+          _snap("F", 6, "E"), _snap("G", 7)]
+
+
+def test_plan_retention_keeps_last_and_their_chains() -> None:
+    assert plan_retention(CHAINS, keep_last=1, protected=set()) == ["A", "B", "C", "D", "E", "F"]
+    # F is among the last two: its whole chain back to D stays.
+    assert plan_retention(CHAINS, keep_last=2, protected=set()) == ["A", "B", "C"]
+    assert plan_retention(CHAINS[:6], keep_last=1, protected=set()) == ["A", "B", "C"]
+    assert plan_retention(CHAINS, keep_last=100, protected=set()) == []
+    assert plan_retention(list(reversed(CHAINS)), keep_last=1, protected=set()) == ["A", "B", "C", "D", "E", "F"]
+
+
+def test_plan_retention_protects_served_snapshots_and_ancestors() -> None:
+    assert plan_retention(CHAINS, keep_last=1, protected={"B"}) == ["C", "D", "E", "F"]
+    assert plan_retention(CHAINS, keep_last=1, protected={"B", "unknown"}) == ["C", "D", "E", "F"]
+
+
+def test_plan_retention_tolerates_gaps_and_cycles() -> None:
+    broken = [_snap("X", 1, "gone"), _snap("Y", 2, "X"), _snap("Z", 3)]
+    assert plan_retention(broken, keep_last=2, protected=set()) == []
+    cyc = [_snap("P", 1, "Q"), _snap("Q", 2, "P"), _snap("R", 3)]
+    assert plan_retention(cyc, keep_last=1, protected=set()) == ["P", "Q"]
+    assert plan_retention(cyc, keep_last=2, protected=set()) == []
+    with pytest.raises(ValueError, match="keep_last"):
+        plan_retention(CHAINS, keep_last=0, protected=set())
+    with pytest.raises(ValueError, match="twice"):
+        plan_retention([_snap("A", 1), _snap("A", 2)], keep_last=1, protected=set())
+
+
+@st.composite
+def _histories(draw: st.DrawFn) -> list[CommitInfo]:
+    n = draw(st.integers(1, 12))
+    snaps: list[CommitInfo] = []
+    for i in range(n):
+        parent = None
+        if snaps and draw(st.booleans()):
+            parent = snaps[draw(st.integers(0, len(snaps) - 1))].identity
+        snaps.append(_snap(f"s{i:02d}", float(i), parent))
+    return snaps
+
+
+@settings(max_examples=150, deadline=None)
+@given(_histories(), st.integers(1, 5), st.sets(st.integers(0, 11), max_size=3))
+def test_plan_retention_property(snaps: list[CommitInfo], keep_last: int, prot_idx: set[int]) -> None:
+    protected = {f"s{i:02d}" for i in prot_idx}
+    doomed = set(plan_retention(snaps, keep_last, protected))
+    by_id = {s.identity: s for s in snaps}
+    needed: set[str] = set()
+    for root in [s.identity for s in snaps[-keep_last:]] + [p for p in protected if p in by_id]:
+        node: str | None = root
+        while node is not None:
+            needed.add(node)
+            node = by_id[node].parent_identity
+    assert doomed == set(by_id) - needed  # deletes exactly what no kept chain needs
+
+
+def test_apply_retention_on_local_storage(tmp_path: Path) -> None:
+    st = Storage(str(tmp_path))
+    now = time.time()
+    files = {"model-00000.safetensors": {"size": 4}}
+    for s in [CommitInfo("A", "full", None, files, now - 50), CommitInfo("B", "delta", "A", files, now - 40),
+              CommitInfo("C", "full", None, files, now - 30), CommitInfo("D", "delta", "C", files, now - 20)]:
+        _publish(st, s)
+    st.put_bytes("stale/model-00000.safetensors", b"half")   # abandoned long ago
+    os.utime(tmp_path / "stale" / "model-00000.safetensors", (now - 1000, now - 1000))
+    st.put_bytes("inflight/model-00000.safetensors", b"half")  # being written right now
+
+    assert apply_retention(st, keep_last=1, protected={"B"}) == []  # B is served: B and A stay; D needs C
+    assert apply_retention(st, keep_last=1) == ["B", "A"]  # children first
+    assert st.list_dirs() == ["C", "D", "inflight", "stale"]
+    assert [c.identity for c in list_committed(st)] == ["C", "D"]
+
+    assert apply_retention(st, keep_last=1, delete_incomplete=True) == ["stale"]
+    assert st.list_dirs() == ["C", "D", "inflight"]
+
+
+def test_apply_retention_on_s3(s3_server: S3Server) -> None:
+    st = Storage(s3_server.unique_uri("retention"), s3_server.storage_options)
+    files = {"model-00000.safetensors": {"size": 3}}
+    _publish(st, CommitInfo("A", "full", None, files, 1.0))
+    _publish(st, CommitInfo("B", "delta", "A", files, 2.0))
+    _publish(st, CommitInfo("C", "full", None, files, 3.0))
+    assert apply_retention(st, keep_last=1) == ["B", "A"]
+    assert st.list_dirs() == ["C"] and st.list("A") == [] and st.list("B") == []
