@@ -206,7 +206,7 @@ class _PlainSource(_Source):
         return self.tensor.dtype
 
     def pieces(self, name: str) -> list[tuple[str, Box, torch.Tensor]]:
-        if self.tensor.numel() == 0:
+        if _global_rank() != 0 or self.tensor.numel() == 0:
             return []
         return [(FLAT, Box.flat(0, self.tensor.numel()), _view_1d(self.tensor, name))]
 

@@ -36,8 +36,11 @@ from typing import Any, BinaryIO, Callable, Iterator, TypeVar
 import fsspec
 import fsspec.core
 
-logger = logging.getLogger(__name__)
+__all__ = ["Storage", "StorageStats", "StorageError", "MissingBackendError", "FileInfo", "ErrorClass",
+           "classify_error", "backoff_delay", "backend_install_hint", "TMP_PREFIX", "COMMIT_MARKER", "CommitInfo",
+           "write_commit_marker", "read_commit_marker", "list_committed", "plan_retention", "apply_retention"]
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: Hidden prefix of the temporary names used for atomic local writes; ``list`` never reports such files.
@@ -49,9 +52,7 @@ _OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})
 _COPY_BLOCK = 8 * 2**20
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Errors and their classification
-# ----------------------------------------------------------------------------------------------------------
+# -- errors and their classification ------------------------------------------------------------------------
 
 
 class StorageError(Exception):
@@ -74,10 +75,7 @@ class MissingBackendError(StorageError, ImportError):
     """The root URI needs an optional package (s3fs, gcsfs) that is not installed; the message says what to install."""
 
 
-_BACKEND_PACKAGES: dict[str, tuple[str, str]] = {
-    "s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"),
-    "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"),
-}
+_BACKEND_PACKAGES = {"s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs")}
 
 
 def backend_install_hint(protocol: str) -> str | None:
@@ -105,50 +103,36 @@ class ErrorClass(Enum):
 
 _THROTTLE_CODES = frozenset({
     "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
-    "RequestThrottled", "RequestThrottledException", "ProvisionedThroughputExceededException",
-    "ServiceUnavailable", "503", "429",
-})
+    "RequestThrottled", "RequestThrottledException", "ServiceUnavailable", "503", "429"})
 _THROTTLE_TEXT = ("slowdown", "slow down", "reduce your request rate", "too many requests", "rate exceeded")
-_TRANSIENT_CODES = frozenset({
-    "InternalError", "RequestTimeout", "RequestTimeoutException", "BadDigest", "IncompleteBody",
-    "XAmzContentSHA256Mismatch", "OperationAborted", "500", "502", "504",
-})
+_TRANSIENT_CODES = frozenset({"InternalError", "RequestTimeout", "RequestTimeoutException", "BadDigest",
+                              "IncompleteBody", "XAmzContentSHA256Mismatch", "OperationAborted", "500", "502", "504"})
 _AUTH_CODES = frozenset({
     "AccessDenied", "AccountProblem", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch",
-    "ExpiredToken", "InvalidToken", "InvalidSecurity", "NotSignedUp", "RequestTimeTooSkewed", "401", "403",
-})
+    "ExpiredToken", "InvalidToken", "InvalidSecurity", "NotSignedUp", "RequestTimeTooSkewed", "401", "403"})
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NotFound", "404"})
 # Matched by class name anywhere in the MRO, so botocore, aiohttp, urllib3 and requests need not be imported.
 _TRANSIENT_CLASS_NAMES = frozenset({
     "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
-    "HTTPClientError", "ProxyConnectionError", "IncompleteRead", "ResponseStreamingError",
-    "ClientPayloadError", "ServerDisconnectedError", "ClientConnectionError", "ServerTimeoutError",
-    "RemoteDisconnected", "ProtocolError", "ChunkedEncodingError", "ReadTimeout", "ConnectTimeout",
-    "FSTimeoutError", "TransportError",
-})
-_AUTH_CLASS_NAMES = frozenset({
-    "NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "RefreshError",
-    "DefaultCredentialsError", "Forbidden", "Unauthorized",
-})
-_TRANSIENT_ERRNOS = frozenset(
-    getattr(errno, name) for name in (
-        "ECONNRESET", "ECONNABORTED", "ECONNREFUSED", "ETIMEDOUT", "EPIPE", "EHOSTUNREACH", "ENETUNREACH",
-        "ENETDOWN", "ENETRESET", "EAGAIN", "EBUSY", "EREMOTEIO",
-    ) if hasattr(errno, name)
-)
+    "HTTPClientError", "ProxyConnectionError", "IncompleteRead", "ResponseStreamingError", "ClientPayloadError",
+    "ServerDisconnectedError", "ClientConnectionError", "ServerTimeoutError", "RemoteDisconnected", "ProtocolError",
+    "ChunkedEncodingError", "ReadTimeout", "ConnectTimeout", "FSTimeoutError", "TransportError"})
+_AUTH_CLASS_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+                               "RefreshError", "DefaultCredentialsError", "Forbidden", "Unauthorized"})
+_TRANSIENT_ERRNOS = frozenset(getattr(errno, name) for name in (
+    "ECONNRESET", "ECONNABORTED", "ECONNREFUSED", "ETIMEDOUT", "EPIPE", "EHOSTUNREACH", "ENETUNREACH", "ENETDOWN",
+    "ENETRESET", "EAGAIN", "EBUSY", "EREMOTEIO") if hasattr(errno, name))
 
 
 def _exception_chain(exc: BaseException) -> Iterator[BaseException]:
-    """The exception, then its causes and contexts (s3fs turns a ClientError into an OSError ``from`` it)."""
+    """The exception and its explicit causes (s3fs raises an OSError ``from`` the botocore ClientError).
+    Implicit contexts are not followed: an error raised while handling a dropped connection is not transient."""
     seen: set[int] = set()
-    todo = [exc]
-    while todo and len(seen) < 16:
-        e = todo.pop(0)
-        if id(e) in seen:
-            continue
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen and len(seen) < 16:
         seen.add(id(e))
         yield e
-        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+        e = e.__cause__
 
 
 def _code_and_status(exc: BaseException) -> tuple[str | None, int | None]:
@@ -217,9 +201,7 @@ def backoff_delay(attempt: int, base_s: float, cap_s: float, u: float) -> float:
     return max(0.0, min(1.0, u)) * min(cap_s, base_s * 2.0 ** (attempt - 1))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Stats and listings
-# ----------------------------------------------------------------------------------------------------------
+# -- stats and listings ---------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -270,9 +252,7 @@ def _mtime_of(info: dict[str, Any]) -> float | None:
     return None
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Storage
-# ----------------------------------------------------------------------------------------------------------
+# -- storage ----------------------------------------------------------------------------------------------------
 
 
 def _protocols(fs: Any) -> frozenset[str]:

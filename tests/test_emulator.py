@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,19 @@ def raw(emu: HotLoadEmulator, method: str, path: str, body: Any = None, *, heade
 def served(emu: HotLoadEmulator) -> list[tuple[str | None, dict[str, str]]]:
     reps = emu.state()["deployments"][DEP]["replicas"]
     return [(r["identity"], {n: t["sha256"] for n, t in r["tensors"].items()}) for r in reps]
+
+
+def settle(emu: HotLoadEmulator, identity: str, timeout_s: float = 30) -> list[dict[str, Any]]:
+    """Wait until every replica has finished (done or error) the load of ``identity``; returns its ledger row's
+    per-replica entries. wait_ready fails fast on the first replica error, while others may still be loading."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = [r for r in emu.state()["deployments"][DEP]["ledger"] if r["identity"] == identity]
+        if rows and all(p["stage"] in ("done", "error") for p in rows[0]["per_replica"]):
+            return rows[0]["per_replica"]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"replicas did not finish loading {identity!r}: {rows}")
+        time.sleep(0.01)
 
 
 def load_full(emu: HotLoadEmulator, client: HotLoadClient, identity: str, seed: int = 0) -> dict[str, Any]:
@@ -207,10 +221,9 @@ def test_corrupted_delta_keeps_old_weights(emulator: HotLoadEmulator) -> None:
     with pytest.raises(HotLoadError, match="failed to load") as info:
         client.wait_ready("step-2", timeout_s=30)
     assert "stage='error'" in str(info.value)
+    per_replica = settle(emulator, "step-2")
+    assert all(p["stage"] == "error" and "model-00001.safetensors" in p["error"] for p in per_replica)
     assert served(emulator) == [("step-1", sha256_map(m1))] * 2
-    row = emulator.state()["deployments"][DEP]["ledger"][-1]
-    assert row["identity"] == "step-2"
-    assert all("model-00001.safetensors" in p["error"] for p in row["per_replica"])
     st = client.status()
     assert all(r.current_snapshot_identity == "step-1" and r.readiness and r.target == "step-2"
                for r in st.replicas)
@@ -225,6 +238,7 @@ def test_delta_from_wrong_base_bytes_fails_the_checksum(emulator: HotLoadEmulato
     client.signal("step-2", previous_identity="step-1")
     with pytest.raises(HotLoadError, match="ChecksumError"):
         client.wait_ready("step-2", timeout_s=30)
+    assert [p["stage"] for p in settle(emulator, "step-2")] == ["error", "error"]
     assert served(emulator) == [("step-1", sha256_map(m1))] * 2
 
 
@@ -236,6 +250,7 @@ def test_missing_file_is_a_load_error(emulator: HotLoadEmulator) -> None:
     client.signal("step-2")
     with pytest.raises(HotLoadError, match="model-00002.safetensors"):
         client.wait_ready("step-2", timeout_s=30)
+    assert [p["stage"] for p in settle(emulator, "step-2")] == ["error", "error"]
     assert served(emulator) == [("step-1", sha256_map(m1))] * 2
 
 
@@ -264,7 +279,8 @@ def test_fail_next_loads_on_one_replica(emulator: HotLoadEmulator) -> None:
     client.signal("step-1")
     with pytest.raises(HotLoadError, match=r"replica\(s\) 1:.*injected fault"):
         client.wait_ready("step-1", timeout_s=30)
-    assert [i for i, _ in served(emulator)] in (["step-1", None], [None, None])
+    assert [p["stage"] for p in settle(emulator, "step-1")] == ["done", "error"]
+    assert [i for i, _ in served(emulator)] == ["step-1", None]
     # a delta needs every replica on its parent; the recovery is a new full snapshot
     m2 = perturb(model, seed=1)
     write_delta_snapshot(emulator.bucket, "step-2", "step-1", model, m2)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -111,8 +112,9 @@ class Publisher:
         self.stager = Stager(self.chunks, slots=config.max_inflight, cache_on=config.cache_on)
         self.codec = get_codec(config.codec)
         self.cadence = Cadence(config.full_every, config.max_chain_length)
-        # Identities must agree on every rank: rank 0 picks the session suffix.
-        self.session = self.ctrl.broadcast(session or new_identity(0).rsplit("-", 1)[-1])
+        # Identities must agree on every rank (rank 0 picks the suffix) and never repeat across publisher
+        # instances, even within one process (a restarted publisher must not reuse an identity).
+        self.session = self.ctrl.broadcast(session or secrets.token_hex(4))
         self.signaller = signaller if signaller is not None else (
             Signaller.from_config(config) if (self.rank == 0 or config.send_hints) else None)
         self.metrics = MetricsSink(config.metrics_path if self.rank == 0 else None)

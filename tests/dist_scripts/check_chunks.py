@@ -26,6 +26,7 @@ from fsdp_hotload.fsdp import check_ownership, full_tensor_specs, gather_full_st
 
 VOCAB, DIM, HID = 11, 6, 5
 CHECKS = 0
+IDS = torch.tensor([[1, 2, 3, 10]])
 ORDER_WITHIN_MODULE_LOST = "fsdp1"
 
 
@@ -176,6 +177,14 @@ def check_all(label: str, model: nn.Module, *, dtypes: dict[str, torch.dtype]) -
     verify(f"{label}/live-views", model, names, chunks=chunks)  # chunks taken before the update
     after = gather_full_state(model)
     expect(not np.array_equal(before["model.odd"], RawTensor.from_any(after["model.odd"]).data), f"{label}: update had no effect")
+    # The first forward runs the framework's lazy init (FSDP1 sets up its local shard then); chunks taken
+    # before it must still be views of the live data after it.
+    model(IDS)
+    verify(f"{label}/after-forward", model, names, chunks=chunks)
+    verify(f"{label}/after-forward-fresh", model, names)
+    if label.startswith("fsdp1"):  # (FSDP2's root stays unsharded here, so an update would miss its shards)
+        bump(model)
+        verify(f"{label}/after-forward-update", model, names, chunks=chunks)
 
 
 def fsdp2(world: int, hsdp: bool) -> nn.Module:
@@ -220,9 +229,9 @@ def main() -> None:
 
     model = fsdp2(world, hsdp=False)
     check_all("fsdp2", model, dtypes=dtypes)
-    model(torch.tensor([[1, 2, 3]]))  # root parameters are now unsharded plain tensors
+    # reshard_after_forward=False: the root's parameters are now unsharded plain tensors, yet the chunks
+    # checked above after the forward are still the shards.
     expect(not hasattr(model.lm_head.weight, "to_local"), "fsdp2: root stayed sharded after forward")
-    verify("fsdp2/after-forward", model, reference_names())
     if world % 2 == 0 and world >= 4:
         check_all("hsdp", fsdp2(world, hsdp=True), dtypes=dtypes)
     check_all("fsdp1/orig=False", fsdp1(False, checkpointing=False), dtypes=dtypes)

@@ -1,0 +1,214 @@
+"""The framework-free publisher end to end: real storage (local folder, moto S3), real emulator over HTTP."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+
+from fsdp_hotload.arc.dtypes import RawTensor
+from fsdp_hotload.config import HotloadConfig
+from fsdp_hotload.emulator import HotLoadEmulator
+from fsdp_hotload.engine import PublishError
+from fsdp_hotload.publish import TensorPublisher
+from fsdp_hotload.retention import read_commit_marker
+from fsdp_hotload.storage import Storage
+from tests.s3_fixture import FaultyFileSystem, slowdown_error
+
+API_KEY = "test-key"
+
+
+def make_model(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": torch.randn(256, 64, generator=g) * 0.02,
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(64, 64, generator=g) * 0.02,
+        "model.layers.0.mlp.up_proj.weight": torch.randn(160, 64, generator=g) * 0.02,
+        "model.layers.1.self_attn.q_proj.weight": torch.randn(64, 64, generator=g) * 0.02,
+        "model.layers.1.input_layernorm.weight": torch.ones(64),
+        "model.norm.weight": torch.ones(64),
+        "model.rotary.step": torch.tensor([3], dtype=torch.int64),
+    }
+
+
+def train_step(model: dict[str, torch.Tensor], step: int) -> None:
+    """An RL-like update: a few percent of the bf16 values move each step."""
+    g = torch.Generator().manual_seed(1000 + step)
+    for name, t in model.items():
+        if t.is_floating_point():
+            mask = torch.rand(t.shape, generator=g) < 0.03
+            t.add_(mask * torch.randn(t.shape, generator=g) * 1e-2)
+        else:
+            t.add_(1)
+
+
+def expected_sha(model: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {k: RawTensor.from_any(v.bfloat16() if v.is_floating_point() else v).sha256() for k, v in model.items()}
+
+
+def served(emu: HotLoadEmulator) -> list[tuple[str | None, dict[str, str]]]:
+    deps = emu.state()["deployments"]
+    (dep,) = deps.values()
+    return [(r["identity"], {k: t["sha256"] for k, t in r["tensors"].items()}) for r in dep["replicas"]]
+
+
+def config(bucket: str, emu: HotLoadEmulator | None, tmp_path: Path, **kw: Any) -> HotloadConfig:
+    cfg_dir = tmp_path / "hf"
+    cfg_dir.mkdir(exist_ok=True)
+    (cfg_dir / "config.json").write_text('{"model_type": "llama", "hidden_size": 16}')
+    (cfg_dir / "tokenizer_config.json").write_text("{}")
+    base: dict[str, Any] = dict(bucket_url=bucket, hf_config_dir=str(cfg_dir), poll_interval_s=0.02,
+                                ready_timeout_s=30, metrics_path=str(tmp_path / "metrics.jsonl"))
+    if emu is not None:
+        base.update(hotload_api_url=emu.url, account_id="acct", model_id="m", deployment_id="dep",
+                    api_key=API_KEY)
+    base.update(kw)
+    return HotloadConfig(**base)
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_thirty_publishes_served_bit_exact(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    if backend == "s3":
+        s3 = request.getfixturevalue("s3_server")
+        bucket, opts = s3.unique_uri("pub"), s3.storage_options
+    else:
+        bucket, opts = str(tmp_path / "bucket"), {}
+    model = make_model()
+    with HotLoadEmulator(bucket, storage_options=opts, replicas=2, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, storage_options=opts, full_every=10)
+        with TensorPublisher(model, cfg) as pub:
+            for step in range(30):
+                train_step(model, step)
+                assert pub.publish(step, model)
+                pub.wait()
+                want = expected_sha(model)
+                for identity, shas in served(emu):
+                    assert identity == pub.metrics[-1].identity
+                    assert shas == want, f"step {step}: replica serves other bytes"
+        kinds = [m.kind for m in pub.metrics]
+    assert kinds == (["full"] + ["delta"] * 9) * 3
+    assert all(m.ok for m in pub.metrics)
+    deltas = [m for m in pub.metrics if m.kind == "delta"]
+    assert all(m.bytes_written < m.raw_bytes for m in deltas)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 30 and json.loads(lines[1])["kind"] == "delta"
+    storage = Storage(bucket, opts)
+    info = read_commit_marker(storage, pub.metrics[1].identity)
+    assert info is not None and info.kind == "delta" and info.parent_identity == pub.metrics[0].identity
+    names = set(storage.list(pub.metrics[1].identity))
+    assert {f"{pub.metrics[1].identity}/{n}" for n in ("config.json", "tokenizer_config.json",
+                                                       "model.safetensors.index.json", "model.weight.spec.json",
+                                                       "hotload.commit.json")} <= names
+
+
+def test_emulator_load_failure_forces_full_and_recovers(tmp_path: Path) -> None:
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=2, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, full_every=100, keep_training_on_error=True)
+        with TensorPublisher(model, cfg) as pub:
+            for step in range(6):
+                train_step(model, step)
+                if step == 2:
+                    emu.fail_next_loads(1, replica=1)
+                pub.publish(step, model)
+                pub.wait()
+                ok = pub.metrics[-1].ok
+                for identity, shas in served(emu):
+                    # whatever a replica serves is a complete, verified snapshot: the current one when ok
+                    if ok:
+                        assert shas == expected_sha(model)
+        kinds = [(m.kind, m.ok) for m in pub.metrics]
+    assert kinds == [("full", True), ("delta", True), ("delta", False), ("full", True), ("delta", True),
+                     ("delta", True)]
+
+
+def test_failed_upload_is_never_signalled_and_next_is_full(tmp_path: Path) -> None:
+    bucket = str(tmp_path / "bucket")
+    faulty = FaultyFileSystem(fsspec.filesystem("file"))
+    storage = Storage(bucket, fs=faulty, max_attempts=2, base_backoff_s=0.001, max_backoff_s=0.002)
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, full_every=100)
+        pub = TensorPublisher(model, cfg, storage=storage)
+        pub.publish(0, model)
+        pub.wait()
+        first = pub.metrics[-1].identity
+        faulty.arm(2, match="model-00002")  # both attempts of one publish
+        train_step(model, 1)
+        pub.publish(1, model)
+        pub.wait()
+        failed = pub.metrics[-1]
+        assert not failed.ok and "model-00002" in (failed.error or "")
+        assert [i for i, _ in served(emu)] == [first]  # never signalled
+        assert not storage.exists(f"{failed.identity}/hotload.commit.json")
+        with pytest.raises(PublishError, match="upload failed"):
+            pub.publish(2, model)  # the stored error surfaces on the next call
+        train_step(model, 2)
+        pub.publish(3, model)
+        pub.wait()
+        pub.close()
+        assert pub.metrics[-1].kind == "full" and pub.metrics[-1].ok
+        assert served(emu)[0][1] == expected_sha(model)
+
+
+def test_throttling_is_retried_and_counted(tmp_path: Path) -> None:
+    bucket = str(tmp_path / "bucket")
+    faulty = FaultyFileSystem(fsspec.filesystem("file"), fail_puts=2, exc_factory=slowdown_error,
+                              match="model-00001")
+    storage = Storage(bucket, fs=faulty, base_backoff_s=0.001, throttle_backoff_s=0.002, max_backoff_s=0.01)
+    model = make_model()
+    with TensorPublisher(model, config(bucket, None, tmp_path), storage=storage) as pub:
+        pub.publish(0, model)
+        pub.wait()
+    m = pub.metrics[-1]
+    assert m.ok and m.throttled == 2 and m.retries >= 2
+
+
+def test_restart_starts_with_full(tmp_path: Path) -> None:
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        for run in range(2):
+            with TensorPublisher(model, config(bucket, emu, tmp_path)) as pub:
+                for step in range(3):
+                    train_step(model, 10 * run + step)
+                    pub.publish(step, model)
+                    pub.wait()
+            assert [m.kind for m in pub.metrics] == ["full", "delta", "delta"]
+            assert served(emu)[0][1] == expected_sha(model)
+
+
+def test_busy_policy_skip_and_wait(tmp_path: Path) -> None:
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY, load_delay_s=0.3) as emu:
+        with TensorPublisher(model, config(bucket, emu, tmp_path, busy_policy="skip")) as pub:
+            started = [pub.publish(s, model) for s in range(5)]
+            pub.wait()
+        assert started[0] and not all(started)
+        assert pub.metrics[-1].ok
+        with TensorPublisher(model, config(bucket, emu, tmp_path, busy_policy="wait")) as pub:
+            started = [pub.publish(s, model) for s in range(3)]
+            pub.wait()
+        assert all(started) and [m.ok for m in pub.metrics] == [True] * 3
+
+
+def test_config_errors_name_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="full_every"):
+        HotloadConfig(bucket_url=str(tmp_path), full_every=0)
+    with pytest.raises(ValueError, match="codec"):
+        HotloadConfig(bucket_url=str(tmp_path), codec="gzip")
+    with pytest.raises(ValueError, match="account_id"):
+        HotloadConfig(bucket_url=str(tmp_path), hotload_api_url="http://127.0.0.1:1")
+    os.environ["HOTLOAD_BUCKET_URL"] = str(tmp_path)
+    os.environ["HOTLOAD_DEPLOYMENT_ID"] = '["a", "b"]'
+    try:
+        cfg = HotloadConfig.from_env(full_every=5)
+        assert cfg.deployments == ["a", "b"] and cfg.full_every == 5
+    finally:
+        del os.environ["HOTLOAD_BUCKET_URL"], os.environ["HOTLOAD_DEPLOYMENT_ID"]

@@ -1,0 +1,220 @@
+"""Commit markers and retention: markers round-trip on real backends (local, memory://, moto S3), malformed
+markers are reported with their URI, and retention keeps every chain a kept or served snapshot needs."""
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fsdp_hotload.retention import (
+    COMMIT_MARKER,
+    CommitInfo,
+    CommitMarkerError,
+    apply_retention,
+    list_committed,
+    plan_retention,
+    read_commit_marker,
+    write_commit_marker,
+)
+from fsdp_hotload.storage import Storage
+from tests.s3_fixture import S3Server  # the s3_server fixture comes from tests/conftest.py
+
+
+@pytest.fixture
+def make_storage(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[str], Storage]:
+    def make(kind: str) -> Storage:
+        if kind == "local":
+            return Storage(str(tmp_path / f"root-{uuid.uuid4().hex[:6]}"))
+        if kind == "memory":
+            return Storage(f"memory://hotload-tests/{uuid.uuid4().hex}")
+        server: S3Server = request.getfixturevalue("s3_server")
+        return Storage(server.unique_uri("commit"), server.storage_options)
+
+    return make
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Commit markers
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _publish(st: Storage, info: CommitInfo) -> CommitInfo:
+    """Upload the files a CommitInfo names (random bytes of the stated sizes), then its marker."""
+    st.put_many({f"{info.identity}/{rel}": os.urandom(meta["size"]) for rel, meta in info.files.items()})
+    write_commit_marker(st, info)
+    return info
+
+
+@pytest.mark.parametrize("kind", ["local", "memory", "s3"])
+def test_commit_marker_round_trip(kind: str, make_storage: Callable[..., Storage]) -> None:
+    st = make_storage(kind)
+    full = _publish(st, CommitInfo("step-4-aa", "full", None, {"model-00000.safetensors": {"size": 10},
+                                                              "config.json": {"size": 2}}, created_at=100.0))
+    delta = _publish(st, CommitInfo("step-8-aa", "delta", "step-4-aa", {"model-00000.safetensors": {"size": 3}},
+                                    created_at=200.0))
+    st.put_bytes("step-12-aa/model-00000.safetensors", b"in flight")  # no marker: incomplete
+    assert read_commit_marker(st, "step-4-aa") == full
+    assert read_commit_marker(st, "step-8-aa") == delta
+    assert read_commit_marker(st, "step-12-aa") is None
+    assert [c.identity for c in list_committed(st)] == ["step-4-aa", "step-8-aa"]
+    raw = json.loads(st.get_bytes(f"step-8-aa/{COMMIT_MARKER}"))
+    assert raw == {"format": "hotload-commit", "version": 1, "identity": "step-8-aa", "kind": "delta",
+                   "parent_identity": "step-4-aa", "files": {"model-00000.safetensors": {"size": 3}},
+                   "created_at": 200.0}
+
+
+def test_list_committed_sorts_by_created_at(tmp_path: Path) -> None:
+    st = Storage(str(tmp_path))
+    for name, t in [("b", 3.0), ("a", 2.0), ("c", 1.0)]:
+        write_commit_marker(st, CommitInfo(name, "full", created_at=t))
+    assert [c.identity for c in list_committed(st)] == ["c", "a", "b"]
+
+
+def test_commit_marker_verifies_files(tmp_path: Path) -> None:
+    st = Storage(str(tmp_path))
+    st.put_bytes("s1/model-00000.safetensors", b"12345")
+    with pytest.raises(CommitMarkerError, match="model-00001.safetensors.*missing"):
+        write_commit_marker(st, CommitInfo("s1", "full", files={"model-00000.safetensors": {"size": 5},
+                                                                "model-00001.safetensors": {"size": 1}}))
+    with pytest.raises(CommitMarkerError, match="5 bytes"):
+        write_commit_marker(st, CommitInfo("s1", "full", files={"model-00000.safetensors": {"size": 6}}))
+    assert read_commit_marker(st, "s1") is None
+
+
+@pytest.mark.parametrize("content,match", [
+    (b"{not json", "not valid JSON"),
+    (b"[]", "expected a JSON object"),
+    (json.dumps({"format": "other", "version": 1}).encode(), "format"),
+    (json.dumps({"format": "hotload-commit", "version": 99, "identity": "s1", "kind": "full", "files": {},
+                 "created_at": 1.0}).encode(), "newer"),
+    (json.dumps({"format": "hotload-commit", "version": 1, "identity": "s1", "kind": "delta",
+                 "parent_identity": None, "files": {}, "created_at": 1.0}).encode(), "parent_identity"),
+    (json.dumps({"format": "hotload-commit", "version": 1, "identity": "s1", "kind": "full",
+                 "files": {"a": {"size": -1}}, "created_at": 1.0}).encode(), "size"),
+    (json.dumps({"format": "hotload-commit", "version": 1, "identity": "other", "kind": "full", "files": {},
+                 "created_at": 1.0}).encode(), "directory"),
+])
+def test_malformed_marker_names_its_uri(tmp_path: Path, content: bytes, match: str) -> None:
+    st = Storage(str(tmp_path))
+    st.put_bytes(f"s1/{COMMIT_MARKER}", content)
+    with pytest.raises(CommitMarkerError, match=match) as info:
+        read_commit_marker(st, "s1")
+    assert st.uri(f"s1/{COMMIT_MARKER}") in str(info.value)
+    with pytest.raises(CommitMarkerError):
+        list_committed(st)
+    assert list_committed(st, strict=False) == []
+
+
+def test_commit_info_validation() -> None:
+    with pytest.raises(ValueError, match="single path segment"):
+        CommitInfo("a/b", "full")
+    with pytest.raises(ValueError, match="kind"):
+        CommitInfo("a", "partial")
+    with pytest.raises(ValueError, match="full snapshot has no parent"):
+        CommitInfo("a", "full", parent_identity="b")
+    with pytest.raises(ValueError, match="own parent"):
+        CommitInfo("a", "delta", parent_identity="a")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Retention
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _snap(identity: str, t: float, parent: str | None = None) -> CommitInfo:
+    return CommitInfo(identity, "delta" if parent else "full", parent, {}, created_at=t)
+
+
+# Two chains: A <- B <- C, then D <- E <- F, then a lone full G.
+CHAINS = [_snap("A", 1), _snap("B", 2, "A"), _snap("C", 3, "B"), _snap("D", 4), _snap("E", 5, "D"),
+          _snap("F", 6, "E"), _snap("G", 7)]
+
+
+def test_plan_retention_keeps_last_and_their_chains() -> None:
+    assert plan_retention(CHAINS, keep_last=1, protected=set()) == ["A", "B", "C", "D", "E", "F"]
+    # F is among the last two: its whole chain back to D stays.
+    assert plan_retention(CHAINS, keep_last=2, protected=set()) == ["A", "B", "C"]
+    assert plan_retention(CHAINS[:6], keep_last=1, protected=set()) == ["A", "B", "C"]
+    assert plan_retention(CHAINS, keep_last=100, protected=set()) == []
+    assert plan_retention(list(reversed(CHAINS)), keep_last=1, protected=set()) == ["A", "B", "C", "D", "E", "F"]
+
+
+def test_plan_retention_protects_served_snapshots_and_ancestors() -> None:
+    assert plan_retention(CHAINS, keep_last=1, protected={"B"}) == ["C", "D", "E", "F"]
+    assert plan_retention(CHAINS, keep_last=1, protected={"B", "unknown"}) == ["C", "D", "E", "F"]
+
+
+def test_plan_retention_tolerates_gaps_and_cycles() -> None:
+    broken = [_snap("X", 1, "gone"), _snap("Y", 2, "X"), _snap("Z", 3)]
+    assert plan_retention(broken, keep_last=2, protected=set()) == []
+    cyc = [_snap("P", 1, "Q"), _snap("Q", 2, "P"), _snap("R", 3)]
+    assert plan_retention(cyc, keep_last=1, protected=set()) == ["P", "Q"]
+    assert plan_retention(cyc, keep_last=2, protected=set()) == []
+    with pytest.raises(ValueError, match="keep_last"):
+        plan_retention(CHAINS, keep_last=0, protected=set())
+    with pytest.raises(ValueError, match="twice"):
+        plan_retention([_snap("A", 1), _snap("A", 2)], keep_last=1, protected=set())
+
+
+@st.composite
+def _histories(draw: st.DrawFn) -> list[CommitInfo]:
+    n = draw(st.integers(1, 12))
+    snaps: list[CommitInfo] = []
+    for i in range(n):
+        parent = None
+        if snaps and draw(st.booleans()):
+            parent = snaps[draw(st.integers(0, len(snaps) - 1))].identity
+        snaps.append(_snap(f"s{i:02d}", float(i), parent))
+    return snaps
+
+
+@settings(max_examples=150, deadline=None)
+@given(_histories(), st.integers(1, 5), st.sets(st.integers(0, 11), max_size=3))
+def test_plan_retention_property(snaps: list[CommitInfo], keep_last: int, prot_idx: set[int]) -> None:
+    protected = {f"s{i:02d}" for i in prot_idx}
+    doomed = set(plan_retention(snaps, keep_last, protected))
+    by_id = {s.identity: s for s in snaps}
+    needed: set[str] = set()
+    for root in [s.identity for s in snaps[-keep_last:]] + [p for p in protected if p in by_id]:
+        node: str | None = root
+        while node is not None:
+            needed.add(node)
+            node = by_id[node].parent_identity
+    assert doomed == set(by_id) - needed  # deletes exactly what no kept chain needs
+
+
+def test_apply_retention_on_local_storage(tmp_path: Path) -> None:
+    st = Storage(str(tmp_path))
+    now = time.time()
+    files = {"model-00000.safetensors": {"size": 4}}
+    for s in [CommitInfo("A", "full", None, files, now - 50), CommitInfo("B", "delta", "A", files, now - 40),
+              CommitInfo("C", "full", None, files, now - 30), CommitInfo("D", "delta", "C", files, now - 20)]:
+        _publish(st, s)
+    st.put_bytes("stale/model-00000.safetensors", b"half")   # abandoned long ago
+    os.utime(tmp_path / "stale" / "model-00000.safetensors", (now - 1000, now - 1000))
+    st.put_bytes("inflight/model-00000.safetensors", b"half")  # being written right now
+
+    assert apply_retention(st, keep_last=1, protected={"B"}) == []  # B is served: B and A stay; D needs C
+    assert apply_retention(st, keep_last=1) == ["B", "A"]  # children first
+    assert st.list_dirs() == ["C", "D", "inflight", "stale"]
+    assert [c.identity for c in list_committed(st)] == ["C", "D"]
+
+    assert apply_retention(st, keep_last=1, delete_incomplete=True) == ["stale"]
+    assert st.list_dirs() == ["C", "D", "inflight"]
+
+
+def test_apply_retention_on_s3(s3_server: S3Server) -> None:
+    st = Storage(s3_server.unique_uri("retention"), s3_server.storage_options)
+    files = {"model-00000.safetensors": {"size": 3}}
+    _publish(st, CommitInfo("A", "full", None, files, 1.0))
+    _publish(st, CommitInfo("B", "delta", "A", files, 2.0))
+    _publish(st, CommitInfo("C", "full", None, files, 3.0))
+    assert apply_retention(st, keep_last=1) == ["B", "A"]
+    assert st.list_dirs() == ["C"] and st.list("A") == [] and st.list("B") == []
