@@ -103,6 +103,9 @@ class HotloadConfig(BaseModel):
             missing = [f for f in ("account_id", "model_id", "deployment_id") if not getattr(self, f)]
             if missing:
                 raise ValueError(f"hotload_api_url is set, so {', '.join(missing)} must be set too")
+            if not self.hf_config_dir:
+                raise ValueError("hotload_api_url is set, so hf_config_dir must be set too: the deployment "
+                                 "rejects snapshots without config.json and tokenizer files")
         return self
 
     @property

@@ -31,6 +31,7 @@ import json
 import logging
 import re
 import socket
+import sys
 import threading
 import urllib.parse
 from collections.abc import Sequence
@@ -405,11 +406,11 @@ def run_emulator_cli(args: list[str] | None = None) -> int:
     try:
         emu.start()
     except OSError as exc:
-        print(f"hotload emulate: cannot listen on {ns.host}:{ns.port}: {exc}")
+        print(f"hotload emulate: cannot listen on {ns.host}:{ns.port}: {exc}", file=sys.stderr)
         return 2
-    print(f"hot-load emulator for {ns.bucket} listening on {emu.url} (Ctrl-C to stop)", flush=True)
     stop = threading.Event()
-    try:
+    try:  # entered before the URL is printed, so a Ctrl-C right after it still stops cleanly
+        print(f"hot-load emulator for {ns.bucket} listening on {emu.url} (Ctrl-C to stop)", flush=True)
         while not stop.wait(3600):
             pass
     except KeyboardInterrupt:

@@ -304,8 +304,9 @@ class Replica:
         try:
             if dep.settings.take_failure(self.index):
                 raise LoadError(f"injected fault: replica {self.index} fails this load (fail_next_loads)")
-            if dep.settings.load_delay_s > 0:
-                time.sleep(dep.settings.load_delay_s)
+            started = time.monotonic()  # re-read each tick: set_load_delay(0) releases loads already waiting
+            while time.monotonic() - started < dep.settings.load_delay_s and job.generation == dep.generation:
+                time.sleep(0.01)
             if row.previous is not None and current != row.previous:
                 raise LoadError(f"delta {row.identity!r} applies to {row.previous!r}, but replica {self.index} "
                                 f"serves {current!r}")

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from fsdp_hotload.emulator import HotLoadEmulator
-from fsdp_hotload.fireworks import HotLoadClient, HotLoadError, HotLoadStatus
+from fsdp_hotload.fireworks import HotLoadClient, HotLoadError, HotLoadStatus, HotLoadTimeout
 from tests.s3_fixture import s3_server  # noqa: F401  (fixture)
 from tests.emulator_fixture import (  # noqa: F401  (emulator is a fixture)
     CONFIG,
@@ -303,12 +303,16 @@ def test_reject_next_signals_is_retried_by_the_client(emulator: HotLoadEmulator)
 def test_load_delay_shows_in_flight_state(emulator: HotLoadEmulator) -> None:
     client = client_for(emulator)
     write_full_snapshot(emulator.bucket, "step-1", tiny_model(0))
-    emulator.set_load_delay(0.3)
+    emulator.set_load_delay(600)  # held until released below
     client.signal("step-1")
     first = client.status()
     assert not first.is_ready("step-1")
     assert {r.target for r in first.replicas} == {"step-1"}
     assert {r.stage for r in first.replicas} <= {"pending", "downloading"}
+    assert all(r.readiness and r.current_snapshot_identity is None for r in first.replicas)
+    with pytest.raises(HotLoadTimeout, match="within 0.1s"):
+        client.wait_ready("step-1", timeout_s=0.1)
+    emulator.set_load_delay(0)
     assert client.wait_ready("step-1", timeout_s=30).is_ready("step-1")
 
 
@@ -372,7 +376,8 @@ def test_cli_serves_until_interrupted(tmp_path: Path) -> None:
         assert json.loads(conn.getresponse().read()) == {"accounts": [{"name": "accounts/emulator"}]}
         conn.close()
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=20) == 0
+        _, err = proc.communicate(timeout=20)
+        assert proc.returncode == 0, err
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -205,6 +205,9 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
         HotloadConfig(bucket_url=str(tmp_path), codec="gzip")
     with pytest.raises(ValueError, match="account_id"):
         HotloadConfig(bucket_url=str(tmp_path), hotload_api_url="http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="hf_config_dir"):
+        HotloadConfig(bucket_url=str(tmp_path), hotload_api_url="http://127.0.0.1:1", account_id="a",
+                      model_id="m", deployment_id="d")
     os.environ["HOTLOAD_BUCKET_URL"] = str(tmp_path)
     os.environ["HOTLOAD_DEPLOYMENT_ID"] = '["a", "b"]'
     try:

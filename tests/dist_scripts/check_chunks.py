@@ -158,7 +158,7 @@ def bump(model: nn.Module) -> None:
             local.add_(0.5)
 
 
-def check_all(label: str, model: nn.Module, *, dtypes: dict[str, torch.dtype]) -> None:
+def check_all(label: str, model: nn.Module, *, dtypes: dict[str, torch.dtype], unsharded_root: bool = False) -> None:
     names = reference_names()
     untied = [n for n in names if n != "lm_head.weight"]
     chunks = verify(f"{label}/tie=None", model, names)
@@ -180,11 +180,15 @@ def check_all(label: str, model: nn.Module, *, dtypes: dict[str, torch.dtype]) -
     # The first forward runs the framework's lazy init (FSDP1 sets up its local shard then); chunks taken
     # before it must still be views of the live data after it.
     model(IDS)
+    if unsharded_root:  # FSDP2 with reshard_after_forward=False: the walk must look past the swapped-in tensors
+        expect(not hasattr(model.lm_head.weight, "to_local"), f"{label}: root stayed sharded after forward")
+    fresh = local_chunks(model)  # taken now, before gather_full_state reshards the root
     verify(f"{label}/after-forward", model, names, chunks=chunks)
-    verify(f"{label}/after-forward-fresh", model, names)
-    if label.startswith("fsdp1"):  # (FSDP2's root stays unsharded here, so an update would miss its shards)
-        bump(model)
-        verify(f"{label}/after-forward-update", model, names, chunks=chunks)
+    verify(f"{label}/after-forward-fresh", model, names, chunks=fresh)
+    # A backward pass reshards everything (and reduce-scatters gradients); an update then writes the shards.
+    model(IDS).float().pow(2).mean().backward()
+    bump(model)
+    verify(f"{label}/after-backward-update", model, names, chunks=chunks)
 
 
 def fsdp2(world: int, hsdp: bool) -> nn.Module:
@@ -228,12 +232,9 @@ def main() -> None:
     dtypes.update({k.replace("model.", "transformer.", 1): v for k, v in dtypes.items()})
 
     model = fsdp2(world, hsdp=False)
-    check_all("fsdp2", model, dtypes=dtypes)
-    # reshard_after_forward=False: the root's parameters are now unsharded plain tensors, yet the chunks
-    # checked above after the forward are still the shards.
-    expect(not hasattr(model.lm_head.weight, "to_local"), "fsdp2: root stayed sharded after forward")
+    check_all("fsdp2", model, dtypes=dtypes, unsharded_root=True)
     if world % 2 == 0 and world >= 4:
-        check_all("hsdp", fsdp2(world, hsdp=True), dtypes=dtypes)
+        check_all("hsdp", fsdp2(world, hsdp=True), dtypes=dtypes, unsharded_root=True)
     check_all("fsdp1/orig=False", fsdp1(False, checkpointing=False), dtypes=dtypes)
     check_all("fsdp1/orig=True+ckpt", fsdp1(True, checkpointing=True), dtypes=dtypes)
     dist.barrier()

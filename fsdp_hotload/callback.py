@@ -1,0 +1,96 @@
+"""The FSDP callback: two lines in a training script keep the rollout fleet on the newest policy.
+
+``HotloadCallback(model, config)`` finds the part of every HF tensor this rank holds (FSDP2 ``fully_shard``,
+FSDP1 with or without ``use_orig_params``, or a plain module), and ``step(step)`` after ``optimizer.step()``
+copies those shards into a staging buffer and returns; diffing, encoding, uploading and signalling run in a
+background thread per rank. Side gloo groups carry the publisher's traffic, never the training group.
+
+Example::
+
+    cfg = HotloadConfig.from_env()                      # or HotloadConfig(bucket_url=..., ...)
+    with HotloadCallback(model, cfg) as hot:
+        for step, batch in enumerate(loader):
+            loss = model(batch).loss; loss.backward(); optimizer.step(); optimizer.zero_grad()
+            hot.step(step)
+    # or: hot.attach(optimizer) to publish from optimizer.register_step_post_hook
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from .config import HotloadConfig
+from .engine.comm import Comm, GlooComm, LocalComm
+from .engine.metrics import PublishMetrics
+from .engine.publisher import Publisher
+from .fsdp import full_tensor_specs, local_chunks
+from .layout import TensorSpec
+
+log = logging.getLogger("fsdp_hotload")
+
+
+class HotloadCallback:
+    """Publishes a (possibly sharded) model's weights every ``config.publish_every`` steps."""
+
+    def __init__(self, model: torch.nn.Module, config: HotloadConfig, *,
+                 rename: Callable[[str], str | None] | None = None, tie_word_embeddings: bool | None = None,
+                 include_buffers: bool = True, **engine_kwargs: Any) -> None:
+        import torch.distributed as dist
+
+        self.model = model
+        self.config = config
+        self._chunk_kwargs = dict(snapshot_dtype=config.snapshot_dtype, rename=rename,
+                                  tie_word_embeddings=tie_word_embeddings, include_buffers=include_buffers)
+        comm: Comm
+        ctrl: Comm
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            comm, ctrl = GlooComm.create(), GlooComm.create()  # background thread / main thread
+        else:
+            comm = ctrl = LocalComm()
+        chunks = local_chunks(model, **self._chunk_kwargs)
+        specs = [TensorSpec(n, tuple(s), d) for n, s, d in full_tensor_specs(model, **self._chunk_kwargs)]
+        self.engine = Publisher(chunks, specs, config, comm=comm, ctrl=ctrl, **engine_kwargs)
+        self._layout = [(c.name, c.box) for c in chunks]
+        self._step = 0
+        self._hook: Any = None
+
+    def step(self, step: int | None = None) -> bool:
+        """Call right after ``optimizer.step()``; returns True if a snapshot was started at this step."""
+        step = self._step if step is None else int(step)
+        self._step = step + 1
+        return self.engine.publish(step, self._sources())
+
+    def _sources(self) -> list[torch.Tensor]:
+        # Fresh views every time: framework internals may swap a parameter's storage between steps.
+        chunks = local_chunks(self.model, **self._chunk_kwargs)
+        if [(c.name, c.box) for c in chunks] != self._layout:
+            raise RuntimeError("the model's sharding changed since HotloadCallback was created; create a new one")
+        return [c.source for c in chunks]
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Publish from ``optimizer.register_step_post_hook`` (steps are counted from 0)."""
+        self._hook = optimizer.register_step_post_hook(lambda *_: self.step())
+        return self._hook
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until in-flight snapshots finished (for tests and for the end of training)."""
+        self.engine.wait(timeout)
+
+    def close(self, *, raise_errors: bool = True) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self.engine.close(raise_errors=raise_errors)
+
+    @property
+    def metrics(self) -> list[PublishMetrics]:
+        """Per-publish records (filled on rank 0)."""
+        return self.engine.metrics.records
+
+    def __enter__(self) -> "HotloadCallback":
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(raise_errors=exc_type is None)

@@ -1,0 +1,91 @@
+"""A real FSDP training job that publishes every step into the emulator; rank 0 checks what replicas serve.
+
+After every publish, every rank gathers the full state dict (the framework's own path) and rank 0 checks that
+every replica serves, bit for bit, the gathered bytes of the snapshot it reports. Results go to --out as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.request
+from pathlib import Path
+
+import fsspec
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from fsdp_hotload import HotloadCallback, HotloadConfig  # noqa: E402
+from fsdp_hotload.arc.dtypes import RawTensor  # noqa: E402
+from fsdp_hotload.fsdp import gather_full_state  # noqa: E402
+from fsdp_hotload.storage import Storage  # noqa: E402
+from tests.dist_scripts.check_chunks import IDS, fsdp1, fsdp2  # noqa: E402
+from tests.s3_fixture import FaultyFileSystem  # noqa: E402
+
+
+def served(url: str) -> list[tuple[str | None, dict[str, str]]]:
+    req = urllib.request.Request(f"{url}/emulator/v1/state", headers={"Authorization": "Bearer test-key"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        deps = json.load(resp)["deployments"]
+    (dep,) = deps.values()
+    return [(r["identity"], {k: t["sha256"] for k, t in r["tensors"].items()}) for r in dep["replicas"]]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["fsdp2", "fsdp1", "fsdp1-orig"], required=True)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--full-every", type=int, default=10)
+    p.add_argument("--bucket", required=True)
+    p.add_argument("--url", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--hf-dir", required=True)
+    p.add_argument("--fail-step", type=int, default=-1, help="this step's uploads fail on --fail-rank")
+    p.add_argument("--fail-rank", type=int, default=1)
+    p.add_argument("--restart-at", type=int, default=-1, help="close the callback and make a new one here")
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = fsdp2(dist.get_world_size(), hsdp=False) if args.mode == "fsdp2" else fsdp1(
+        args.mode == "fsdp1-orig", checkpointing=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = HotloadConfig(bucket_url=args.bucket, hotload_api_url=args.url, account_id="acct", model_id="tiny",
+                        deployment_id="dep", api_key="test-key", hf_config_dir=args.hf_dir, full_every=args.full_every, poll_interval_s=0.02,
+                        ready_timeout_s=60, keep_training_on_error=True)
+    faulty = FaultyFileSystem(fsspec.filesystem("file"))
+    storage = Storage(args.bucket, fs=faulty, max_attempts=2, base_backoff_s=0.001, max_backoff_s=0.002)
+    cb = HotloadCallback(model, cfg, storage=storage)
+    expected: dict[str, dict[str, str]] = {}
+    records = []
+    for step in range(args.steps):
+        if step == args.restart_at:
+            cb.close()
+            cb = HotloadCallback(model, cfg, storage=storage)
+        loss = model(IDS).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step == args.fail_step and rank == args.fail_rank:
+            faulty.arm(2, match="model-00002")  # both attempts of one file this rank owns
+        cb.step(step)
+        cb.wait()
+        full = gather_full_state(model)
+        if rank == 0:
+            m = cb.metrics[-1]
+            expected[m.identity] = {k: RawTensor.from_any(v).sha256() for k, v in full.items()}
+            reps = served(args.url)
+            records.append({"step": step, "kind": m.kind, "ok": m.ok, "identity": m.identity,
+                            "ratio": m.ratio, "changed": m.changed_fraction,
+                            "serves_current": all(i == m.identity for i, _ in reps),
+                            "bit_exact": all(expected.get(i) == shas for i, shas in reps)})
+    cb.close()
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(records, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""The FSDP adapter's view of a model: names, chunks, ownership. Multi-rank cases run real torchrun jobs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fsdp_hotload.arc.boxes import Box
+from fsdp_hotload.arc.dtypes import RawTensor
+from fsdp_hotload.fsdp import (
+    ChunkMeta,
+    OwnershipError,
+    check_ownership,
+    full_tensor_specs,
+    gather_full_state,
+    local_chunks,
+)
+from fsdp_hotload.naming import clean_name, plan_names
+from tests.dist_util import SCRIPTS, run_torchrun
+
+
+# ------------------------------------------------------------------------------------------------- names
+
+
+@pytest.mark.parametrize(
+    "raw, clean",
+    [
+        ("model.layers.0.mlp.weight", "model.layers.0.mlp.weight"),
+        ("_fsdp_wrapped_module.model.layers.0._fsdp_wrapped_module.mlp.weight", "model.layers.0.mlp.weight"),
+        ("_orig_mod.model.embed_tokens.weight", "model.embed_tokens.weight"),
+        ("model.layers.3._checkpoint_wrapped_module.self_attn.q_proj.bias", "model.layers.3.self_attn.q_proj.bias"),
+        ("module.lm_head.weight", "lm_head.weight"),
+        ("_orig_mod.module._fsdp_wrapped_module.model.norm.weight", "model.norm.weight"),
+        ("module._orig_mod.model.norm.weight", "model.norm.weight"),
+        ("_fsdp_wrapped_module.model.layers.1._fsdp_wrapped_module._flat_param", "model.layers.1"),
+        # "module" deeper in a path is a real submodule name, not DDP's wrapper
+        ("model.adapter.module.weight", "model.adapter.module.weight"),
+    ],
+)
+def test_clean_name(raw: str, clean: str) -> None:
+    assert clean_name(raw) == clean
+
+
+@pytest.mark.parametrize("raw", ["_fsdp_wrapped_module._flat_param", "module", "model..weight"])
+def test_clean_name_rejects_paths_without_a_name(raw: str) -> None:
+    with pytest.raises(ValueError, match="no name left"):
+        clean_name(raw)
+
+
+def test_plan_names_tie_rename_and_collisions() -> None:
+    slots = [("model.embed_tokens.weight", "E"), ("model.norm.weight", "N"), ("lm_head.weight", "E")]
+    assert [n for n, _ in plan_names(slots)] == ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    assert plan_names(slots, tie_word_embeddings=True) == [("model.embed_tokens.weight", 0), ("model.norm.weight", 1)]
+    # the input name wins even when the output name comes first
+    assert plan_names(slots[::-1], tie_word_embeddings=True) == [("model.norm.weight", 1), ("model.embed_tokens.weight", 2)]
+    drop_norm = plan_names(slots, rename=lambda n: None if "norm" in n else "x." + n, tie_word_embeddings=False)
+    assert drop_norm == [("x.model.embed_tokens.weight", 0), ("x.lm_head.weight", 2)]
+    with pytest.raises(ValueError, match="separate|of its own"):
+        plan_names([("model.embed_tokens.weight", "E"), ("lm_head.weight", "L")], tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="'w'.*'model.embed_tokens.weight'.*'model.norm.weight'"):
+        plan_names(slots, rename=lambda n: "w")
+    with pytest.raises(ValueError, match="non-empty str"):
+        plan_names(slots, rename=lambda n: "")
+
+
+# ------------------------------------------------------------------------------------------ plain module
+
+
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5))  # 0-d
+        self.embed_tokens = nn.Embedding(7, 4)
+        self.proj = nn.Linear(4, 3).to(torch.bfloat16)
+        self.empty = nn.Parameter(torch.zeros(0, 4))
+        self.register_buffer("positions", torch.arange(6, dtype=torch.int32))
+        self.register_buffer("mask", torch.ones(3, dtype=torch.bool))
+        self.register_buffer("cache", torch.randn(5), persistent=False)
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.model = Inner()
+        self.lm_head = nn.Linear(4, 7, bias=False)
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+
+def test_plain_module_one_whole_chunk_per_tensor_as_views() -> None:
+    model = Tied()
+    state = model.state_dict()
+    chunks = local_chunks(model)
+    specs = full_tensor_specs(model)
+    # every persistent tensor, in state_dict order; the non-persistent buffer is not published
+    assert [s[0] for s in specs] == list(state) and "model.cache" not in state
+    dtypes = {n: d for n, _, d in specs}
+    assert dtypes["model.scale"] == "BF16" and dtypes["model.proj.weight"] == "BF16"
+    assert dtypes["model.positions"] == "I32" and dtypes["model.mask"] == "BOOL"
+    # one whole flat chunk per non-empty tensor; the empty one is in the specs but has no chunk
+    assert [c.name for c in chunks] == [n for n in state if state[n].numel() > 0]
+    for c in chunks:
+        t = state[c.name]
+        assert c.shape == tuple(t.shape) and c.space == "flat" and c.box == Box.flat(0, t.numel())
+        assert c.source.dim() == 1 and c.source.dtype == t.dtype
+        assert c.source.data_ptr() == t.data_ptr()  # a view of the parameter itself, not a copy
+    check_ownership([chunks], specs)
+    # tied names share one tensor: both views see an in-place update
+    by_name = {c.name: c for c in chunks}
+    with torch.no_grad():
+        model.model.embed_tokens.weight[2, 1] = 42.0
+    assert by_name["lm_head.weight"].source[2 * 4 + 1].item() == 42.0
+    assert by_name["model.embed_tokens.weight"].source[2 * 4 + 1].item() == 42.0
+
+
+def test_plain_module_tie_rename_buffers_and_dtype() -> None:
+    model = Tied()
+    tied = full_tensor_specs(model, tie_word_embeddings=True)
+    assert "lm_head.weight" not in [s[0] for s in tied] and "model.embed_tokens.weight" in [s[0] for s in tied]
+    no_buffers = full_tensor_specs(model, include_buffers=False)
+    assert [s[0] for s in no_buffers] == [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    f32 = {n: d for n, _, d in full_tensor_specs(model, snapshot_dtype="float32")}
+    assert f32["model.proj.weight"] == "F32" and f32["model.positions"] == "I32"
+    renamed = local_chunks(model, rename=lambda n: None if n.startswith("model.proj") else n.replace("model.", "m."))
+    assert [c.name for c in renamed] == ["m.scale", "m.positions", "m.mask", "m.embed_tokens.weight", "lm_head.weight"]
+    with pytest.raises(ValueError, match="not a floating dtype"):
+        local_chunks(model, snapshot_dtype="I32")
+    with pytest.raises(ValueError, match="not a known dtype"):
+        full_tensor_specs(model, snapshot_dtype="float7")
+
+
+def test_gather_full_state_plain_matches_state_dict_in_snapshot_dtype() -> None:
+    model = Tied()
+    full = gather_full_state(model, tie_word_embeddings=True)
+    state = model.state_dict()
+    assert list(full) == [n for n in state if n != "lm_head.weight"]
+    for name, t in full.items():
+        want = state[name].to(torch.bfloat16) if state[name].is_floating_point() else state[name]
+        assert t.dtype == want.dtype and t.device.type == "cpu" and t.shape == want.shape
+        assert np.array_equal(RawTensor.from_any(t).data, RawTensor.from_any(want).data), name
+
+
+def test_wrappers_do_not_change_names() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    plain = Tied()
+    wrapped = Tied()
+    wrapped.model.proj = checkpoint_wrapper(wrapped.model.proj)
+    compiled = torch.compile(wrapped)  # an OptimizedModule: names gain "_orig_mod." until cleaned
+    assert any("_orig_mod." in n for n, _ in compiled.named_parameters())
+    assert any("_checkpoint_wrapped_module." in n for n, _ in compiled.named_parameters())
+    assert full_tensor_specs(compiled) == full_tensor_specs(plain)
+
+
+def test_unsupported_tensors_are_named() -> None:
+    model = nn.Module()
+    model.w = nn.Parameter(torch.randn(4, 3).t())  # a transposed view: no flat C-order view exists
+    with pytest.raises(ValueError, match="'w' is not contiguous"):
+        local_chunks(model)
+    model = nn.Module()
+    model.z = nn.Parameter(torch.zeros(2, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="'z' is complex"):
+        full_tensor_specs(model)
+
+
+# ---------------------------------------------------------------------------------------------- ownership
+
+
+SPECS = [("a", (10,), "BF16"), ("b", (4, 6), "F32"), ("c", (), "BF16")]
+
+
+def _meta(name: str, box: Box, space: str = "flat") -> ChunkMeta:
+    shape, dtype = {n: (s, d) for n, s, d in SPECS}[name][0], {n: d for n, _, d in SPECS}[name]
+    return ChunkMeta(name, shape, dtype, space, box)
+
+
+def test_check_ownership_accepts_exact_tilings() -> None:
+    rank0 = [_meta("a", Box.flat(0, 6)), _meta("b", Box((0, 0), (4, 3)), "shape"), _meta("c", Box.flat(0, 1))]
+    rank1 = [_meta("a", Box.flat(6, 4)), _meta("b", Box((0, 3), (4, 3)), "shape")]
+    check_ownership([rank0, rank1], SPECS)
+    check_ownership([rank0, rank1, []], SPECS)  # a rank that holds nothing is fine
+
+
+@pytest.mark.parametrize(
+    "ranks, match",
+    [
+        ([[_meta("a", Box.flat(0, 6)), _meta("b", Box.flat(0, 24)), _meta("c", Box.flat(0, 1))],
+          [_meta("a", Box.flat(5, 4))]], "'a'.*overlap"),
+        ([[_meta("a", Box.flat(0, 6)), _meta("b", Box.flat(0, 24)), _meta("c", Box.flat(0, 1))],
+          [_meta("a", Box.flat(6, 3))]], "'a'.*cover 9 elements"),
+        ([[_meta("a", Box.flat(0, 10)), _meta("b", Box.flat(0, 24))]], "'c'.*no rank holds"),
+        ([[_meta("a", Box.flat(0, 10)), _meta("b", Box.flat(0, 24)), _meta("c", Box.flat(0, 1))],
+          [_meta("c", Box.flat(0, 1))]], "'c'.*rank 0.*rank 1"),
+        ([[_meta("a", Box.flat(0, 10)), _meta("b", Box.flat(0, 12)), _meta("c", Box.flat(0, 1)),
+           _meta("b", Box((2, 0), (2, 6)), "shape")]], "'b' has chunks in both"),
+        ([[ChunkMeta("zz", (1,), "BF16", "flat", Box.flat(0, 1))]], "rank 0 holds a chunk of 'zz'"),
+        ([[ChunkMeta("a", (10,), "F16", "flat", Box.flat(0, 10))]], "'a' says F16"),
+        ([[ChunkMeta("a", (10,), "BF16", "rows", Box.flat(0, 10))]], "unknown space 'rows'"),
+    ],
+)
+def test_check_ownership_rejects(ranks: list, match: str) -> None:
+    with pytest.raises(OwnershipError, match=match):
+        check_ownership(ranks, SPECS)
+
+
+def test_check_ownership_rejects_duplicate_specs() -> None:
+    with pytest.raises(OwnershipError, match="'a' appears twice"):
+        check_ownership([], [*SPECS, ("a", (10,), "BF16")])
+
+
+# ------------------------------------------------------------------------------------------------ torchrun
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_fsdp_chunks_rebuild_gathered_state(nproc: int) -> None:
+    """FSDP2 (and HSDP on 4 ranks), FSDP1 with both use_orig_params values: see dist_scripts/check_chunks.py."""
+    result = run_torchrun(str(SCRIPTS / "check_chunks.py"), nproc, [])
+    for rank in range(nproc):
+        assert f"RANK {rank} OK " in result.stdout, result.stdout
