@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("parent"), d.add_argument("new"), d.add_argument("out")
     d.add_argument("--codec", default="arc_v2", help="arc_v2 (Fireworks wire format) or arc_sparse_v1")
     d.add_argument("--parent-identity", default=None, help="identity recorded as the parent (default: PARENT's name)")
+    d.add_argument("--vendor-module", default=None,
+                   help="encode files with this module's delta_compress_files_to_file (Fireworks' reference "
+                        "encoder) for byte compatibility with Fireworks' loader")
     a = sub.add_parser("apply", help="rebuild a full snapshot from PARENT and DELTA into OUT")
     a.add_argument("parent"), a.add_argument("delta"), a.add_argument("out")
     a.add_argument("--parent-identity", default=None, help="reject a delta made against another parent")
@@ -102,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise FileNotFoundError(path)
         if args.cmd == "diff":
             n = diff_paths(args.parent, args.new, args.out, codec=args.codec, parent_identity=args.parent_identity,
-                           progress=Progress("diff"))
+                           progress=Progress("diff"), vendor_module=args.vendor_module)
             print(f"wrote {_human(n)} to {args.out}")
         elif args.cmd == "apply":
             apply_paths(args.parent, args.delta, args.out, expected_parent=args.parent_identity,

@@ -307,6 +307,10 @@ class Replica:
             started = time.monotonic()  # re-read each tick: set_load_delay(0) releases loads already waiting
             while time.monotonic() - started < dep.settings.load_delay_s and job.generation == dep.generation:
                 time.sleep(0.01)
+            if job.generation != dep.generation:  # ledger reset or shutdown while waiting
+                with dep.lock:
+                    self.busy = not self.jobs.empty()
+                return
             if row.previous is not None and current != row.previous:
                 raise LoadError(f"delta {row.identity!r} applies to {row.previous!r}, but replica {self.index} "
                                 f"serves {current!r}")

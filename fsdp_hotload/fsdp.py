@@ -14,9 +14,8 @@ live in memory", without any communication and without copying data:
   them whole and the other ranks publish nothing of them. Every element has exactly one owner.
 
 Chunk ``source`` tensors are views into the framework's own storage (the sharded, full-precision master
-copy), so staging at publish time is one device copy per chunk. Computing the chunks is a cheap metadata walk;
-call :func:`local_chunks` at each publish rather than caching the result across steps, because frameworks may
-replace storages (FSDP1's lazy init with CPU offload pins a new copy; ``load_state_dict`` and ``.to()`` too).
+copy), so staging at publish time is one device copy per chunk, and chunks taken once stay live across steps
+(see :func:`local_chunks` for when they do not).
 
 Example::
 
@@ -26,8 +25,9 @@ Example::
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-from typing import Any, Hashable, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -120,45 +120,36 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch < 2.5
+def _first_importable(*paths: str) -> Any:
+    """The first ``module:attr`` that imports (these names moved between torch releases), or None."""
+    for path in paths:
+        mod, attr = path.split(":")
         try:
-            from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
-        except ImportError:
-            return None
-    return DTensor
+            return getattr(importlib.import_module(mod), attr)
+        except (ImportError, AttributeError):
+            continue
+    return None
 
 
-def _fsdp1_type() -> type | None:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:
-        return None
-    return FullyShardedDataParallel
+def _dtensor_type() -> Any:
+    return _first_importable("torch.distributed.tensor:DTensor", "torch.distributed._tensor:DTensor")
 
 
-def _fsdp2_type() -> type | None:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch < 2.6
-        try:
-            from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef]
-        except ImportError:
-            return None
-    return FSDPModule
+def _fsdp1_type() -> Any:
+    return _first_importable("torch.distributed.fsdp:FullyShardedDataParallel")
+
+
+def _fsdp2_type() -> Any:
+    return _first_importable("torch.distributed.fsdp:FSDPModule", "torch.distributed._composable.fsdp:FSDPModule")
 
 
 def _local_shape_and_offset(dt: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     # DTensor's own rule, so we agree with it by construction: along each sharded dim, shards are torch.chunk
     # pieces (ceil(n / k) each, the last ones shorter or EMPTY); an empty shard's offset is reported as the
     # dim size. Nested shards of one dim (several mesh dims) compose left to right.
-    try:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    except ImportError:  # torch < 2.5
-        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset  # type: ignore
-    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    compute = _first_importable("torch.distributed.tensor._utils:compute_local_shape_and_global_offset",
+                                "torch.distributed._tensor._utils:compute_local_shape_and_global_offset")
+    shape, offset = compute(dt.shape, dt.device_mesh, dt.placements)
     return tuple(int(s) for s in shape), tuple(int(o) for o in offset)
 
 
@@ -327,13 +318,6 @@ class _Fsdp1Source(_Source):
 # -------------------------------------------------------------------------------------------------------- walk
 
 
-@dataclass
-class _Slot:
-    raw: str  # cleaned path (before rename)
-    source: _Source
-    is_buffer: bool
-
-
 def _framework_maps(
     model: nn.Module,
 ) -> tuple[dict[tuple[int, str], _Source], dict[int, list[tuple[str, _Source]]], dict[int, _Source]]:
@@ -375,14 +359,17 @@ def _framework_maps(
                     src = _DTensorSource(fp.sharded_param)
                     by_tensor[id(fp.sharded_param)] = src
                     info = fp._module_info
-                    by_slot[(id(info.module), info.param_name)] = src
                     for m, pname in zip(info.shared_modules, info.shared_param_names):
                         by_slot[(id(m), pname)] = src
     return by_slot, fsdp1_by_module, by_tensor
 
 
-def _slots(model: nn.Module, include_buffers: bool) -> list[_Slot]:
-    """Every place a tensor is registered, in ``state_dict`` order, with its source."""
+def _slots(model: nn.Module, include_buffers: bool) -> list[tuple[str, _Source]]:
+    """Every place a tensor is registered, as (cleaned path, source), in ``state_dict`` order.
+
+    (Within one module, FSDP1 re-registers the parameters it flattens after those it ignores, so there the
+    order can differ from the unwrapped model's; it is the same on every rank.)
+    """
     by_slot, fsdp1_by_module, by_tensor = _framework_maps(model)  # by_tensor: one source per tensor object
     dtensor = _dtensor_type()
 
@@ -393,11 +380,10 @@ def _slots(model: nn.Module, include_buffers: bool) -> list[_Slot]:
             by_tensor[id(t)] = src
         return src
 
-    slots: list[_Slot] = []
+    slots: list[tuple[str, _Source]] = []
 
-    def add(prefix: str, attr: str, src: _Source, is_buffer: bool) -> None:
-        path = f"{prefix}.{attr}" if prefix else attr
-        slots.append(_Slot(clean_name(path), src, is_buffer))
+    def add(prefix: str, attr: str, src: _Source) -> None:
+        slots.append((clean_name(f"{prefix}.{attr}" if prefix else attr), src))
 
     for prefix, mod in model.named_modules(remove_duplicate=False):
         done: set[str] = set()
@@ -407,17 +393,17 @@ def _slots(model: nn.Module, include_buffers: bool) -> list[_Slot]:
             src = by_slot.get((id(mod), pname))
             if src is None:
                 src = source_of(p)
-            add(prefix, pname, src, False)
+            add(prefix, pname, src)
             done.add(pname)
         for pname, src in fsdp1_by_module.get(id(mod), []):
             if pname not in done:
-                add(prefix, pname, src, False)
+                add(prefix, pname, src)
                 done.add(pname)
         if include_buffers:
             skip = getattr(mod, "_non_persistent_buffers_set", set())
             for bname, b in mod._buffers.items():
                 if b is not None and bname not in skip:
-                    add(prefix, bname, source_of(b), True)
+                    add(prefix, bname, source_of(b))
     return slots
 
 
@@ -426,17 +412,15 @@ def _plan(
 ) -> list[tuple[str, _Source, list[str]]]:
     """(published name, source, cleaned paths of that source with this name's own path first)."""
     slots = _slots(model, include_buffers)
-    keys: list[Hashable] = [id(s.source) for s in slots]
     paths_of: dict[int, list[str]] = {}
-    for s in slots:
-        paths_of.setdefault(id(s.source), []).append(s.raw)
-    planned = plan_names([(s.raw, k) for s, k in zip(slots, keys)], rename=rename,
+    for raw, src in slots:
+        paths_of.setdefault(id(src), []).append(raw)
+    planned = plan_names([(raw, id(src)) for raw, src in slots], rename=rename,
                          tie_word_embeddings=tie_word_embeddings)
     out = []
     for name, i in planned:
-        s = slots[i]
-        others = [p for p in paths_of[id(s.source)] if p != s.raw]
-        out.append((name, s.source, [s.raw, *others]))
+        raw, src = slots[i]
+        out.append((name, src, [raw, *(p for p in paths_of[id(src)] if p != raw)]))
     return out
 
 
@@ -475,7 +459,12 @@ def local_chunks(
     """The chunks this rank owns, in ``state_dict`` order. No communication, no data copies.
 
     Ranks that hold nothing of a tensor (empty FSDP shards, non-zero ranks for replicated tensors, replicas
-    other than the first under HSDP) return no chunk for it; chunks are never empty.
+    other than the first under HSDP or FSDP1 NO_SHARD) return no chunk for it; chunks are never empty.
+
+    Sources stay views of the live parameters across training steps as long as the framework keeps its
+    storage: FSDP2 from ``fully_shard`` on, FSDP1 from wrapping on (its lazy init keeps the storage, except
+    with CPU offload, which pins a new copy: take the chunks after the first forward there). Loading a state
+    dict or moving the model replaces storages; take the chunks again after that.
     """
     code = _snapshot_code(snapshot_dtype)
     chunks: list[LocalChunk] = []
@@ -541,7 +530,6 @@ def gather_full_state(
         t = found.detach().to("cpu")
         if t.is_floating_point():
             t = t.to(getattr(torch, torch_name(code)))
-        _published_dtype(src.dtype(), code, name)
         out[name] = t.contiguous()
     return out
 
@@ -601,16 +589,12 @@ def verify_ownership(
 
     kw: dict[str, Any] = dict(snapshot_dtype=snapshot_dtype, rename=rename,
                               tie_word_embeddings=tie_word_embeddings, include_buffers=include_buffers)
-    metas = [c.meta() for c in local_chunks(model, **kw)]
     specs = full_tensor_specs(model, **kw)
-    world = dist.get_world_size(group)
-    all_metas: list[Any] = [None] * world
-    all_specs: list[Any] = [None] * world
-    dist.all_gather_object(all_metas, metas, group=group)
-    dist.all_gather_object(all_specs, specs, group=group)
-    for r, other in enumerate(all_specs):
-        if other != all_specs[0]:
-            diff = sorted(set(map(repr, other)) ^ set(map(repr, all_specs[0])))[:3]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, ([c.meta() for c in local_chunks(model, **kw)], specs), group=group)
+    for r, (_metas, other) in enumerate(gathered):
+        if other != gathered[0][1]:
+            diff = sorted(set(map(repr, other)) ^ set(map(repr, gathered[0][1])))[:3]
             raise OwnershipError(f"ranks 0 and {r} see different tensor specs (e.g. {', '.join(diff)})")
-    check_ownership(all_metas, specs)
+    check_ownership([metas for metas, _specs in gathered], specs)
     return specs

@@ -82,3 +82,22 @@ def test_usage_errors_exit_2(snapshots: tuple[Path, Path], tmp_path: Path) -> No
     assert res.returncode == 2 and "junk.safetensors" in res.stderr
     assert run("frobnicate").returncode == 2
     assert run("diff", a).returncode == 2
+
+
+def test_vendor_route(snapshots: tuple[Path, Path], tmp_path: Path) -> None:
+    """--vendor-module calls delta_compress_files_to_file(parent_file, new_file, out_file, compression_format)."""
+    from fsdp_hotload.arc.folder import apply_paths, diff_paths
+    from tests.vendor_example import fw_reference_shape as vendor
+
+    a, b = snapshots
+    d = tmp_path / "vdelta"
+    vendor.CALLS.clear()
+    diff_paths(str(a), str(b), str(d), vendor_module="tests.vendor_example.fw_reference_shape")
+    names = sorted(n for n in os.listdir(b) if n.endswith(".safetensors"))
+    assert [(os.path.basename(s), os.path.basename(t), os.path.basename(o), f) for s, t, o, f in vendor.CALLS] == [
+        (n, n, n, "arc_v2") for n in names]
+    assert [os.path.dirname(c[0]) for c in vendor.CALLS] == [str(a)] * len(names)
+    rebuilt = apply_paths(str(a), str(d), None, expected_parent="vendor")
+    assert set(rebuilt) == set(names)
+    res = run("diff", a, b, tmp_path / "x", "--vendor-module", "no_such_vendor_module")
+    assert res.returncode == 2 and "no_such_vendor_module" in res.stderr

@@ -15,11 +15,9 @@ import pytest
 
 from fsdp_hotload.emulator import HotLoadEmulator
 from fsdp_hotload.fireworks import HotLoadClient, HotLoadError, HotLoadStatus, HotLoadTimeout
-from tests.s3_fixture import s3_server  # noqa: F401  (fixture)
-from tests.emulator_fixture import (  # noqa: F401  (emulator is a fixture)
+from tests.emulator_fixture import (  # the emulator and s3_server fixtures come from tests/conftest.py
     CONFIG,
     EMULATOR_API_KEY,
-    emulator,
     perturb,
     sha256_map,
     tiny_model,
@@ -204,6 +202,19 @@ def test_delta_after_ledger_reset_is_rejected(emulator: HotLoadEmulator) -> None
     assert info.value.status_code == 400
     m3 = load_full(emulator, client, "step-3", seed=3)
     assert served(emulator) == [("step-3", sha256_map(m3))] * 2
+
+
+def test_ledger_reset_cancels_an_in_flight_load(emulator: HotLoadEmulator) -> None:
+    client = client_for(emulator)
+    write_full_snapshot(emulator.bucket, "step-1", tiny_model(0))
+    emulator.set_load_delay(600)
+    client.signal("step-1")
+    client.reset_ledger()
+    emulator.set_load_delay(0)
+    m2 = load_full(emulator, client, "step-2", seed=2)
+    state = emulator.state()["deployments"][DEP]
+    assert [r["identity"] for r in state["ledger"]] == ["step-2"]
+    assert served(emulator) == [("step-2", sha256_map(m2))] * 2
 
 
 # ------------------------------------------------------------------------------------------------ load failures

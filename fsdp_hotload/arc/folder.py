@@ -23,6 +23,7 @@ from .container import apply_delta_file, encode_delta_file, is_delta_file, read_
 from .dtypes import RawTensor, itemsize, numel
 from .errors import ArcError, FormatError
 from .stio import load_file, parse_header, write_file
+from .vendor import vendor_encoder
 
 INDEX = "model.safetensors.index.json"
 Progress = Callable[[int, int, str], None]
@@ -70,21 +71,29 @@ def _copy_aux(src: str, dst: str, skip: set[str]) -> None:
 
 
 def diff_paths(parent: str, new: str, out: str, *, codec: str = "arc_v2", parent_identity: str | None = None,
-               progress: Progress | None = None) -> int:
-    """Write the delta of ``new`` against ``parent`` to ``out`` (file or folder); returns bytes written."""
+               progress: Progress | None = None, vendor_module: str | None = None) -> int:
+    """Write the delta of ``new`` against ``parent`` to ``out`` (file or folder); returns bytes written.
+
+    With ``vendor_module``, each weight file is encoded by that module's ``delta_compress_files_to_file``
+    (see vendor.py) instead of our encoder.
+    """
     ident = parent_identity or os.path.basename(os.path.normpath(parent))
+    vendor = vendor_encoder(vendor_module) if vendor_module else None
     pairs = list(_pairs(parent, new))
     if os.path.isdir(new):
         os.makedirs(out, exist_ok=True)
         _copy_aux(new, out, set())
     total = 0
     for i, (name, pa, pb) in enumerate(pairs):
-        blob = encode_delta_file(load_file(_read(pa), filename=pa), load_file(_read(pb), filename=pb),
-                                 parent_identity=ident, codec=codec)
         dst = os.path.join(out, name) if os.path.isdir(new) else out
-        with open(dst, "wb") as f:
-            f.write(blob)
-        total += len(blob)
+        if vendor is not None:
+            vendor(pa, pb, dst)
+        else:
+            blob = encode_delta_file(load_file(_read(pa), filename=pa), load_file(_read(pb), filename=pb),
+                                     parent_identity=ident, codec=codec)
+            with open(dst, "wb") as f:
+                f.write(blob)
+        total += os.path.getsize(dst)
         if progress:
             progress(i + 1, len(pairs), name)
     return total

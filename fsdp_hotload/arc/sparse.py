@@ -1,47 +1,45 @@
-"""``arc_sparse_v1``: a high-ratio codec for sparse bf16 (or any 1/2/4/8-byte) chunk changes.
+"""``arc_sparse_v1``: a high-ratio codec for sparse changes of 1/2/4/8-byte elements (made for bf16 RL updates).
 
-Why a second codec next to ``arc_v2``: RL fine-tuning changes ~1-5% of bf16 elements per step, almost all by one
-or two ulps. ``arc_v2`` spends bytes on the dense XOR buffer and on zstd's generic modelling of it; this codec
-codes only what the receiver cannot predict, with a static-table rANS entropy coder tuned to that data.
+Why a second codec next to ``arc_v2``: RL fine-tuning changes ~1-5% of bf16 elements per step, nearly all by one
+or two ulps. This codec codes only what the receiver cannot predict from the parent, with static-table rANS.
 
-What is coded, per changed element (positions ascending):
+Per changed element (ascending positions) it codes:
 
-* **where** — the gap to the previous change (elements skipped). In *sparse* mode gaps count all elements and are
-  coded under a context of the previous gap's size (changes cluster in rows). In *class* mode gaps count only
-  elements of the same *class* (the 8 bits under the sign bit of the parent value: the exponent of bf16/fp32),
-  each class with its own statistics. The receiver knows the parent, so it can count classes itself; a weight of
-  0.001 changes ~20x more often than one of 0.02 at the same step size (its ulp is ~20x smaller), so this
-  removes ~1/3 of the position cost. Class mode needs the dense parent at encode time (:meth:`encode_arrays`).
-* **what** — ``(new - old) mod 2^bits`` of the raw bit patterns, zigzagged (a +-1 ulp change is 2 or 1), coded
-  under the parent's class (tiny weights move several ulps per step, large ones one).
+* **where** — a gap (unchanged elements skipped). *Sparse* mode (:meth:`SparseCodec.encode`, from an
+  ElementDiff) counts all elements and uses the previous gap's size as context (changes cluster in rows).
+  *Class* mode (:meth:`SparseCodec.encode_arrays`, from the dense chunks) counts only elements of the same
+  *class* — the 8 bits under the sign bit of the parent value, i.e. the bf16/fp32 exponent — with statistics per
+  class. The receiver holds the parent, so it can count classes too; since a weight of 0.001 changes ~20x more
+  often than one of 0.02 under the same step (its ulp is ~20x smaller), this removes ~1/3 of the position cost.
+* **what** — ``(new - old) mod 2^bits`` of the raw bit patterns, zigzagged (+-1 ulp is 2 or 1), in the
+  context of the parent's class (tiny weights move several ulps per step, large ones one).
 
-Each number is split into a token (small, entropy coded with a per-context table) and raw low bits (the
-"hybrid integer" split: values < 16 are their own token, larger ones keep their top 3 bits in the token).
-Contexts are merged greedily into at most 16 tables per kind while that lowers the estimated total size.
+Numbers become a token (values < 16 are their own token; larger ones keep their top 3 bits) plus raw low bits.
+Contexts are merged greedily into at most 16 tables per kind while that lowers the estimated size; tiny chunks
+use a built-in table instead of paying for one.
 
-Payload layout (little-endian)::
+Payload (little-endian)::
 
-    header  magic "ASPC", version 1, itemsize, mode (0 empty, 1 sparse, 2 class), 0,
-            n (u64, elements), k (u64, changes), model bytes (u32), stream bytes (u64)
-    model   for gaps then values: table count (u8), context->table map (runs of (table|255, varint length)
-            covering 256 contexts), each table as symbol count + varint frequencies summing to 4096
-    stream  one rANS stream (32-bit state, byte renormalisation) holding tokens and raw bits in decode order
+    header  b"ASPC", version, itemsize, mode (0 empty, 1 sparse, 2 class), varints n, k, model bytes, stream bytes
+    model   for gaps then values: table count (u8; 255 = built-in table), context->table map as runs
+            (table or 255, varint run) over 256 contexts, then per table: symbol count and varint frequencies
+            summing to 4096
+    stream  one rANS stream (32-bit state, byte renormalisation): tokens and raw bits in decode order
 
-The decoder is strict: every length is checked, the stream must be consumed exactly and end in the encoder's
-initial state, positions must stay below n, values must fit the element width, and exactly k changes must be
-decoded. It allocates nothing that depends on n or k beyond the caller's output.
+The decoder is strict: the stream must be consumed exactly and end in the encoder's initial state, positions
+stay below n, values fit the element width, exactly k changes are decoded, and nothing is allocated from
+sizes in the payload. All loops run in numba with the GIL released.
 
 Example::
 
     codec = get_codec(SPARSE_CODEC)
-    payload = codec.encode(element_diff(parent_bytes, new_bytes, itemsize=2))
-    payload = SparseCodec().encode_arrays(parent_bytes, new_bytes, itemsize=2)  # class mode, smaller
+    payload = codec.encode(element_diff(parent_bytes, new_bytes, itemsize=2))      # sparse mode
+    payload = SparseCodec().encode_arrays(parent_bytes, new_bytes, itemsize=2)   # class mode, smaller
     codec.decode(payload, parent_bytes, 2, out)
 """
 from __future__ import annotations
 
 import math
-import struct
 
 import numpy as np
 from numba import njit
@@ -54,35 +52,45 @@ SPARSE_CODEC = "arc_sparse_v1"
 
 _MAGIC = b"ASPC"
 _VERSION = 1
-_HEADER = struct.Struct("<4sBBBBQQIQ")
 MODE_EMPTY, MODE_SPARSE, MODE_CLASS = 0, 1, 2
-
 _PROB_BITS = 12
 _PROB_SCALE = 1 << _PROB_BITS
-_RANS_L = 1 << 23  # state lives in [L, 256 L)
-_NSYM = 256  # hybrid tokens of 64-bit values fit in a byte with split 16 / 2 msb bits
+_RANS_L = 1 << 23  # the rANS state lives in [L, 256 L)
+_NSYM = 256  # tokens of any 64-bit value
 _MAX_TABLES = 16
-_NONE = 255  # context with no table (class mode: the class never changes)
+_NONE = 255  # map entry: no table (class mode: the class never changes); table count: the built-in table
 _MODEL_CAP = 2 * (1 + 3 * 256 + _MAX_TABLES * (3 + 2 * _NSYM))
 _GAP, _VAL = 0, 1
+_SMALL_K = 256  # below this many changes encode_arrays also tries sparse mode and keeps the smaller payload
 _JIT = dict(nogil=True, cache=True)
 
 _ERRORS = {
     1: "rANS stream truncated",
     2: "a decoded position runs past the end of the chunk",
     3: "a decoded value does not fit the element width",
-    4: "a context has no coding table",
+    4: "a context that needs a coding table has none",
     5: "rANS stream has trailing bytes or a bad final state",
     6: "more changes decoded than the header declares",
     7: "fewer changes decoded than the header declares",
     8: "a class gap runs past the end of its class",
-    9: "model section: table count out of range",
+    9: "model section: table count or table id out of range",
     10: "model section: context map runs do not cover 256 contexts",
     11: "model section: bad table (frequencies must sum to 4096)",
     12: "model section truncated",
     13: "model section has trailing bytes",
-    14: "stream shorter than the 4-byte rANS state",
 }
+
+
+def _default_table() -> np.ndarray:
+    """Built-in frequencies for chunks too small to pay for a table: +-1 ulp values, then small/medium tokens."""
+    f = np.ones(_NSYM, np.int64)
+    f[0:2] += 600
+    f[2:112] += 24
+    assert f.sum() == _PROB_SCALE
+    return f
+
+
+_DEFAULT = _default_table()
 
 
 # ----------------------------------------------------------------------------------------------- numba helpers
@@ -90,39 +98,25 @@ _ERRORS = {
 def _top_bit(v: np.uint64) -> int:
     """Index of the highest set bit of v > 0."""
     n = 0
-    if v >> np.uint64(32):
-        v >>= np.uint64(32)
-        n += 32
-    if v >> np.uint64(16):
-        v >>= np.uint64(16)
-        n += 16
-    if v >> np.uint64(8):
-        v >>= np.uint64(8)
-        n += 8
-    if v >> np.uint64(4):
-        v >>= np.uint64(4)
-        n += 4
-    if v >> np.uint64(2):
-        v >>= np.uint64(2)
-        n += 2
-    if v >> np.uint64(1):
-        n += 1
+    for s in (32, 16, 8, 4, 2, 1):
+        if v >> np.uint64(s):
+            v >>= np.uint64(s)
+            n += s
     return n
 
 
 @njit(inline="always")
-def _token(v: np.uint64) -> tuple[int, int]:
-    """Hybrid-integer token of v and the number of raw low bits that follow it."""
+def _token(v: np.uint64) -> int:
+    """Hybrid-integer token: v itself below 16, else 16 + 4 * (top bit - 4) + the two bits under it."""
     if v < np.uint64(16):
-        return np.int64(v), 0
+        return np.int64(v)
     n = _top_bit(v)
-    nb = n - 2
-    m = int((v >> np.uint64(nb)) & np.uint64(3))
-    return 16 + ((n - 4) << 2) + m, nb
+    return 16 + ((n - 4) << 2) + int((v >> np.uint64(n - 2)) & np.uint64(3))
 
 
 @njit(inline="always")
 def _token_bits(tok: int) -> int:
+    """Raw low bits that follow a token."""
     return 0 if tok < 16 else ((tok - 16) >> 2) + 2
 
 
@@ -130,8 +124,17 @@ def _token_bits(tok: int) -> int:
 def _zigzag(old: np.uint64, new: np.uint64, bits: int) -> np.uint64:
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - bits)
     d = (new - old) & mask
-    sign = (d >> np.uint64(bits - 1)) & np.uint64(1)
-    return ((d << np.uint64(1)) & mask) ^ (mask * sign)
+    return ((d << np.uint64(1)) & mask) ^ (mask * ((d >> np.uint64(bits - 1)) & np.uint64(1)))
+
+
+@njit(inline="always")
+def _unzigzag_apply(o: np.uint64, v: np.uint64, bits: int) -> tuple[np.uint64, bool]:
+    """Parent value plus the zigzag delta coded as v = z - 1; fails if z is 0 or wider than the element."""
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - bits)
+    if v >= mask:
+        return o, False
+    z = v + np.uint64(1)
+    return (o + ((z >> np.uint64(1)) ^ (mask * (z & np.uint64(1))))) & mask, True
 
 
 @njit(inline="always")
@@ -140,35 +143,22 @@ def _class_of(v: np.uint64, shift: int) -> int:
 
 
 @njit(inline="always")
-def _enc_put(x: np.uint64, buf: np.ndarray, pos: int, start: int, freq: int, scale: int) -> tuple[np.uint64, int]:
-    """rANS-encode one symbol (start, freq) of a 2^scale distribution; bytes go backwards into buf."""
-    f = np.uint64(freq)
-    xmax = np.uint64(((_RANS_L >> scale) << 8) * freq)
+def _gap_ctx(g: np.uint64) -> int:
+    """Sparse-mode gap context: bit length of the previous gap (capped)."""
+    return min(_top_bit(g) + 1, 40) if g > np.uint64(0) else 0
+
+
+@njit(inline="always")
+def _renorm_out(x: np.uint64, buf: np.ndarray, pos: int, xmax: np.uint64) -> tuple[np.uint64, int]:
     while x >= xmax:
         pos -= 1
         buf[pos] = np.uint8(x & np.uint64(0xFF))
         x >>= np.uint64(8)
-    x = ((x // f) << np.uint64(scale)) + (x % f) + np.uint64(start)
     return x, pos
 
 
 @njit(inline="always")
-def _enc_value(x, buf, pos, v, freq, cum):
-    """Encode v with a table (token) followed by its raw bits, in reverse (the decoder reads token first)."""
-    tok, nb = _token(v)
-    if nb > 0:
-        nchunks = (nb + 15) // 16
-        for ci in range(nchunks - 1, -1, -1):
-            s = ci * 16
-            b = min(16, nb - s)
-            chunk = int((v >> np.uint64(s)) & np.uint64((1 << b) - 1))
-            x, pos = _enc_put(x, buf, pos, chunk, 1, b)
-    x, pos = _enc_put(x, buf, pos, cum[tok], freq[tok], _PROB_BITS)
-    return x, pos
-
-
-@njit(inline="always")
-def _renorm(x: np.uint64, data: np.ndarray, pos: int, end: int) -> tuple[np.uint64, int, bool]:
+def _renorm_in(x: np.uint64, data: np.ndarray, pos: int, end: int) -> tuple[np.uint64, int, bool]:
     while x < np.uint64(_RANS_L):
         if pos >= end:
             return x, pos, False
@@ -179,45 +169,37 @@ def _renorm(x: np.uint64, data: np.ndarray, pos: int, end: int) -> tuple[np.uint
 
 @njit(inline="always")
 def _dec_value(x, data, pos, end, freq, cum, lut):
-    """Decode one table-coded number (token + raw bits). Returns (value, x, pos, ok)."""
+    """Decode one table-coded number (token, then its raw bits in 16-bit chunks). Returns (v, x, pos, ok)."""
     slot = int(x & np.uint64(_PROB_SCALE - 1))
     tok = int(lut[slot])
     x = np.uint64(freq[tok]) * (x >> np.uint64(_PROB_BITS)) + np.uint64(slot - cum[tok])
-    x, pos, ok = _renorm(x, data, pos, end)
-    if not ok:
-        return np.uint64(0), x, pos, False
-    if tok < 16:
-        return np.uint64(tok), x, pos, True
+    x, pos, ok = _renorm_in(x, data, pos, end)
+    if tok < 16 or not ok:
+        return np.uint64(tok), x, pos, ok
     nb = _token_bits(tok)
-    t = tok - 16
-    v = np.uint64(4 | (t & 3)) << np.uint64(nb)
+    v = np.uint64(4 | (tok & 3)) << np.uint64(nb)
     s = 0
     while s < nb:
         b = min(16, nb - s)
-        chunk = x & np.uint64((1 << b) - 1)
-        x >>= np.uint64(b)
-        x, pos, ok = _renorm(x, data, pos, end)
+        v |= (x & np.uint64((1 << b) - 1)) << np.uint64(s)
+        x, pos, ok = _renorm_in(x >> np.uint64(b), data, pos, end)
         if not ok:
-            return np.uint64(0), x, pos, False
-        v |= chunk << np.uint64(s)
+            return v, x, pos, False
         s += b
     return v, x, pos, True
 
 
-# ------------------------------------------------------------------------------------------ building the model
+# ------------------------------------------------------------------------------------------------ the model
 @njit(**_JIT)
 def _normalize(h: np.ndarray, out: np.ndarray) -> None:
     """Quantise counts to frequencies summing to 2^12, keeping every used symbol at >= 1."""
-    total_count = 0
-    for s in range(h.size):
-        total_count += h[s]
+    n = h.sum()
     total = 0
     best = 0
     for s in range(h.size):
         out[s] = 0
         if h[s] > 0:
-            f = (h[s] * _PROB_SCALE + total_count // 2) // total_count
-            out[s] = max(f, 1)
+            out[s] = max((h[s] * _PROB_SCALE + n // 2) // n, 1)
             total += out[s]
             if h[s] > h[best]:
                 best = s
@@ -231,190 +213,196 @@ def _normalize(h: np.ndarray, out: np.ndarray) -> None:
                 need -= 1
 
 
-@njit(inline="always")
-def _varint_len(v: int) -> int:
-    n = 1
-    while v >= 128:
-        v >>= 7
-        n += 1
-    return n
-
-
 @njit(**_JIT)
 def _group_cost(h: np.ndarray) -> float:
-    """Estimated bits to code a histogram with its own table: entropy plus the table's serialised size."""
-    n = 0
-    last = -1
-    for s in range(h.size):
-        if h[s] > 0:
-            n += h[s]
-            last = s
+    """Estimated bits for a histogram coded with its own table: entropy plus the table's serialised size."""
+    n = h.sum()
     if n == 0:
         return 0.0
     bits = 0.0
-    table = 1
-    for s in range(last + 1):
+    table = 0  # bytes: symbol count, one per frequency up to the last used symbol, one more per frequency >= 128
+    for s in range(h.size):
         if h[s] > 0:
             bits += h[s] * math.log2(n / h[s])
-            table += _varint_len(max(1, h[s] * _PROB_SCALE // n))
-        else:
-            table += 1
-    return bits + 8.0 * table
+            table += h[s] * _PROB_SCALE >= 128 * n
+            last = s
+    return bits + 8.0 * (table + last + 2)
 
 
 @njit(**_JIT)
-def _merge_contexts(hist: np.ndarray, ctx_map: np.ndarray) -> int:
-    """Group contexts (rows of hist) into tables: sort by mean token, merge neighbours while it saves bits.
-
-    Writes ctx_map (255 for contexts never used) and returns the number of tables (<= 16).
-    """
-    nctx = hist.shape[0]
-    keys = np.empty(nctx, np.float64)
-    active = np.empty(nctx, np.int64)
+def _merge_contexts(hist: np.ndarray, ctx_map: np.ndarray) -> tuple[int, float]:
+    """Group contexts (rows of hist) into tables: sort by mean token, merge neighbours while that saves bits
+    (and always down to 16 tables). Writes ctx_map (255 for unused contexts); returns (tables, est. bits)."""
+    keys = np.empty(256, np.float64)
+    active = np.empty(256, np.int64)
     na = 0
-    for c in range(nctx):
+    for c in range(256):
         ctx_map[c] = _NONE
-        tot = 0
-        acc = 0.0
-        for s in range(hist.shape[1]):
-            tot += hist[c, s]
-            acc += float(hist[c, s]) * s
+        tot = hist[c].sum()
         if tot > 0:
             active[na] = c
-            keys[na] = acc / tot
+            keys[na] = (hist[c] * np.arange(_NSYM)).sum() / tot
             na += 1
     if na == 0:
-        return 0
+        return 0, 0.0
     order = active[:na][np.argsort(keys[:na], kind="mergesort")]
-    # groups as a linked list over sorted contexts: gh = summed histogram, members via first/next
-    gh = np.zeros((na, hist.shape[1]), np.int64)
+    gh = np.empty((na, _NSYM), np.int64)  # group histograms; group g is alive while owner[g] == g
+    cost = np.empty(na)
     for g in range(na):
-        gh[g, :] = hist[order[g], :]
-    owner = np.arange(na)  # sorted context -> group id
-    nxt = np.arange(1, na + 1)  # next live group (na = end)
-    alive = na
-    cost = np.empty(na, np.float64)
-    for g in range(na):
+        gh[g] = hist[order[g]]
         cost[g] = _group_cost(gh[g])
-    gain = np.full(na, -np.inf)  # gain of merging g with nxt[g]
-    tmp = np.empty(hist.shape[1], np.int64)
+    owner = np.arange(na)
+    nxt = np.arange(1, na + 1)  # next live group in key order (na: none)
+    prv = np.arange(-1, na - 1)
+    gain = np.full(na, -np.inf)  # bits saved by merging g with nxt[g]
     for g in range(na - 1):
-        tmp[:] = gh[g] + gh[g + 1]
-        gain[g] = cost[g] + cost[g + 1] - _group_cost(tmp)
-    prev = np.arange(-1, na - 1)
+        gain[g] = cost[g] + cost[g + 1] - _group_cost(gh[g] + gh[g + 1])
+    alive = na
     while alive > 1:
-        best = -1
-        bg = -np.inf
+        best = 0
         g = 0
         while g < na:
-            if nxt[g] < na and gain[g] > bg:
-                bg = gain[g]
+            if gain[g] > gain[best]:
                 best = g
             g = nxt[g]
-        if best < 0 or (bg <= 0.0 and alive <= _MAX_TABLES):
+        if gain[best] <= 0.0 and alive <= _MAX_TABLES:
             break
         o = nxt[best]
         gh[best] += gh[o]
         cost[best] = cost[best] + cost[o] - gain[best]
         nxt[best] = nxt[o]
         if nxt[o] < na:
-            prev[nxt[o]] = best
-        for i in range(na):
-            if owner[i] == o:
-                owner[i] = best
+            prv[nxt[o]] = best
+        owner[owner == o] = best
         alive -= 1
-        for h in (prev[best], best):
-            if h >= 0 and nxt[h] < na:
-                tmp[:] = gh[h] + gh[nxt[h]]
-                gain[h] = cost[h] + cost[nxt[h]] - _group_cost(tmp)
-            elif h >= 0:
+        for h in (prv[best], best):
+            if h >= 0:
                 gain[h] = -np.inf
-    # number live groups 0..alive-1 in sorted order
-    table_of = np.full(na, -1)
+                if nxt[h] < na:
+                    gain[h] = cost[h] + cost[nxt[h]] - _group_cost(gh[h] + gh[nxt[h]])
+    table_of = np.empty(na, np.int64)
+    total = 0.0
     t = 0
     g = 0
     while g < na:
         table_of[g] = t
+        total += cost[g]
         t += 1
         g = nxt[g]
     for i in range(na):
         ctx_map[order[i]] = table_of[owner[i]]
-    return alive
+    return alive, total
+
+
+@njit(inline="always")
+def _put_varint(buf: np.ndarray, pos: int, v: int) -> int:
+    while v >= 128:
+        buf[pos] = (v & 127) | 128
+        pos += 1
+        v >>= 7
+    buf[pos] = v
+    return pos + 1
 
 
 @njit(**_JIT)
-def _build_model(ops_kind, ops_ctx, ops_val, maps, freqs, cums, model) -> tuple[int, int, int]:
-    """Histogram the ops per (kind, context), merge contexts into tables, quantise, serialise the model.
+def _build_model(kind, ctx, val, tok, maps, freqs, cums, model) -> tuple[int, int]:
+    """Tokenise the ops, merge contexts into tables (or pick the built-in table), quantise, serialise.
 
-    Returns (model bytes, token count, raw bit count) — the last two bound the rANS stream size.
+    Returns (model bytes, raw bit count); the latter bounds the rANS stream size.
     """
     hist = np.zeros((2, 256, _NSYM), np.int64)
     raw_bits = 0
-    for i in range(ops_val.size):
-        tok, nb = _token(ops_val[i])
-        hist[ops_kind[i], ops_ctx[i], tok] += 1
-        raw_bits += nb
+    for i in range(val.size):
+        t = _token(val[i])
+        tok[i] = t
+        hist[kind[i], ctx[i], t] += 1
+        raw_bits += _token_bits(t)
     pos = 0
-    for kind in range(2):
-        ntab = _merge_contexts(hist[kind], maps[kind])
-        th = np.zeros((max(ntab, 1), _NSYM), np.int64)
-        for c in range(256):
-            if maps[kind, c] != _NONE:
-                th[maps[kind, c]] += hist[kind, c]
-        model[pos] = ntab
+    for k in range(2):
+        ntab, est = _merge_contexts(hist[k], maps[k])
+        tot = hist[k].sum(axis=0)
+        default_bits = 0.0
+        for s in range(_NSYM):
+            default_bits += tot[s] * math.log2(_PROB_SCALE / _DEFAULT[s])
+        use_default = ntab > 0 and default_bits <= est
+        if use_default:
+            for c in range(256):
+                if maps[k, c] != _NONE:
+                    maps[k, c] = 0
+            freqs[k, 0] = _DEFAULT
+        else:
+            th = np.zeros((max(ntab, 1), _NSYM), np.int64)
+            for c in range(256):
+                if maps[k, c] != _NONE:
+                    th[maps[k, c]] += hist[k, c]
+            for t in range(ntab):
+                _normalize(th[t], freqs[k, t])
+        model[pos] = _NONE if use_default else ntab
         pos += 1
         c = 0
         while c < 256:  # context map as runs
             run = 1
-            while c + run < 256 and maps[kind, c + run] == maps[kind, c]:
+            while c + run < 256 and maps[k, c + run] == maps[k, c]:
                 run += 1
-            model[pos] = maps[kind, c]
-            pos += 1
-            v = run
-            while v >= 128:
-                model[pos] = (v & 127) | 128
-                pos += 1
-                v >>= 7
-            model[pos] = v
-            pos += 1
+            model[pos] = maps[k, c]
+            pos = _put_varint(model, pos + 1, run)
             c += run
-        for t in range(ntab):
-            _normalize(th[t], freqs[kind, t])
+        for t in range(1 if use_default else ntab):
             acc = 0
-            for s in range(_NSYM):
-                cums[kind, t, s] = acc
-                acc += freqs[kind, t, s]
             last = 0
             for s in range(_NSYM):
-                if freqs[kind, t, s] > 0:
+                cums[k, t, s] = acc
+                acc += freqs[k, t, s]
+                if freqs[k, t, s] > 0:
                     last = s
-            v = last + 1
-            while v >= 128:
-                model[pos] = (v & 127) | 128
-                pos += 1
-                v >>= 7
-            model[pos] = v
-            pos += 1
+            if use_default:
+                continue
+            pos = _put_varint(model, pos, last + 1)
             for s in range(last + 1):
-                v = freqs[kind, t, s]
-                while v >= 128:
-                    model[pos] = (v & 127) | 128
-                    pos += 1
-                    v >>= 7
-                model[pos] = v
-                pos += 1
-    return pos, ops_val.size, raw_bits
+                pos = _put_varint(model, pos, freqs[k, t, s])
+    return pos, raw_bits
 
 
 @njit(**_JIT)
-def _encode_stream(ops_kind, ops_ctx, ops_val, maps, freqs, cums, buf) -> int:
-    """rANS-encode all ops in reverse into the end of buf; returns the start offset of the stream."""
+def _encode_stream(kind, ctx, val, tok, maps, freqs, cums, buf) -> int:
+    """rANS-encode all ops in reverse into the end of buf (division by reciprocal); returns the stream start."""
+    # per (kind, table, symbol): x_max, reciprocal, shift, bias, complement (the classic byte-rANS encoder)
+    xmax = np.empty(freqs.shape, np.uint64)
+    rcp = np.empty(freqs.shape, np.uint64)
+    rsh = np.empty(freqs.shape, np.uint64)
+    bias = np.empty(freqs.shape, np.uint64)
+    for k in range(2):
+        for t in range(freqs.shape[1]):
+            for s in range(_NSYM):
+                f = freqs[k, t, s]
+                xmax[k, t, s] = ((_RANS_L >> _PROB_BITS) << 8) * f
+                if f < 2:
+                    rcp[k, t, s] = 0xFFFFFFFF
+                    rsh[k, t, s] = 0
+                    bias[k, t, s] = cums[k, t, s] + _PROB_SCALE - 1
+                else:
+                    sh = 0
+                    while f > (1 << sh):
+                        sh += 1
+                    rcp[k, t, s] = ((1 << (sh + 31)) + f - 1) // f
+                    rsh[k, t, s] = sh - 1
+                    bias[k, t, s] = cums[k, t, s]
     x = np.uint64(_RANS_L)
     pos = buf.size
-    for i in range(ops_val.size - 1, -1, -1):
-        kind = ops_kind[i]
-        t = maps[kind, ops_ctx[i]]
-        x, pos = _enc_value(x, buf, pos, ops_val[i], freqs[kind, t], cums[kind, t])
+    for i in range(val.size - 1, -1, -1):
+        v = val[i]
+        s = int(tok[i])
+        nb = _token_bits(s)
+        if nb > 0:  # raw bits, highest chunk first (the decoder reads the lowest first)
+            for ci in range((nb - 1) // 16, -1, -1):
+                b = min(16, nb - 16 * ci)
+                x, pos = _renorm_out(x, buf, pos, np.uint64(1 << (31 - b)))
+                x = (x << np.uint64(b)) | ((v >> np.uint64(16 * ci)) & np.uint64((1 << b) - 1))
+        k = kind[i]
+        t = maps[k, ctx[i]]
+        x, pos = _renorm_out(x, buf, pos, xmax[k, t, s])
+        q = ((x * rcp[k, t, s]) >> np.uint64(32)) >> rsh[k, t, s]
+        x = x + bias[k, t, s] + q * np.uint64(_PROB_SCALE - freqs[k, t, s])
     for _ in range(4):
         pos -= 1
         buf[pos] = np.uint8(x >> np.uint64(24))
@@ -422,19 +410,20 @@ def _encode_stream(ops_kind, ops_ctx, ops_val, maps, freqs, cums, buf) -> int:
     return pos
 
 
-# --------------------------------------------------------------------------------------- ops of the two modes
+# ------------------------------------------------------------------------------------------- ops of each mode
 @njit(**_JIT)
 def _ops_sparse(idx, old, new, bits, shift, kind, ctx, val) -> None:
-    """Sparse mode: per change a gap over all elements (context: size of the previous gap), then the value."""
+    """Sparse mode, per change: the gap over all elements (context: previous gap), then the value (context:
+    the parent's class)."""
     prev = -1
     pctx = 0
     for j in range(idx.size):
-        g = idx[j] - prev - 1
+        g = np.uint64(idx[j] - prev - 1)
         prev = idx[j]
         kind[2 * j] = _GAP
         ctx[2 * j] = pctx
-        val[2 * j] = np.uint64(g)
-        pctx = min(_top_bit(np.uint64(g)) + 1, 40) if g > 0 else 0
+        val[2 * j] = g
+        pctx = _gap_ctx(g)
         o = np.uint64(old[j])
         kind[2 * j + 1] = _VAL
         ctx[2 * j + 1] = _class_of(o, shift)
@@ -450,10 +439,10 @@ def _count_changes(a: np.ndarray, b: np.ndarray) -> int:
 
 
 @njit(**_JIT)
-def _class_ranks(a, b, shift, idx, rank, ncls) -> None:
-    """One pass over the dense arrays: changed positions, their rank within their class, class sizes.
+def _class_ranks(a, b, shift, idx, rank, old, new, ncls) -> None:
+    """One pass over the dense chunks: changed positions, old/new values, rank within class, class sizes.
 
-    Four interleaved histograms break the store-to-load chain of consecutive same-class elements.
+    Four interleaved histograms break the store-to-load chain of runs of same-class elements.
     """
     h = np.zeros((4, 256), np.int64)
     j = 0
@@ -464,134 +453,119 @@ def _class_ranks(a, b, shift, idx, rank, ncls) -> None:
         if x != b[i]:
             idx[j] = i
             rank[j] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
+            old[j] = x
+            new[j] = b[i]
             j += 1
         h[i & 3, c] += 1
-    for c in range(256):
-        ncls[c] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
+    ncls[:] = h.sum(axis=0)
 
 
 @njit(**_JIT)
-def _ops_class(a, b, bits, shift, idx, rank, ncls, kind, ctx, val) -> int:
-    """Class mode: the first gap of every changing class, then per change its value and the gap to the next
-    change of its class (the last gap runs to the end of the class). Returns the op count."""
-    k = idx.size
+def _ops_class(old, new, rank, ncls, bits, shift, kind, ctx, val) -> int:
+    """Class mode: the first gap of each changing class (ascending class), then per change its value and the
+    gap to its class's next change (the last one runs to the end of the class). Returns the op count."""
+    k = rank.size
     nxt = ncls.copy()
     gaps = np.empty(k, np.int64)
     for j in range(k - 1, -1, -1):
-        c = _class_of(np.uint64(a[idx[j]]), shift)
+        c = _class_of(np.uint64(old[j]), shift)
         gaps[j] = nxt[c] - rank[j] - 1
         nxt[c] = rank[j]
-    n_ops = 0
+    m = 0
     for c in range(256):
-        if nxt[c] != ncls[c]:  # the class has changes: its first gap is the first change's rank
-            kind[n_ops] = _GAP
-            ctx[n_ops] = c
-            val[n_ops] = np.uint64(nxt[c])
-            n_ops += 1
+        if nxt[c] != ncls[c]:
+            kind[m] = _GAP
+            ctx[m] = c
+            val[m] = np.uint64(nxt[c])
+            m += 1
     for j in range(k):
-        o = np.uint64(a[idx[j]])
+        o = np.uint64(old[j])
         c = _class_of(o, shift)
-        kind[n_ops] = _VAL
-        ctx[n_ops] = c
-        val[n_ops] = _zigzag(o, np.uint64(b[idx[j]]), bits) - np.uint64(1)
-        kind[n_ops + 1] = _GAP
-        ctx[n_ops + 1] = c
-        val[n_ops + 1] = np.uint64(gaps[j])
-        n_ops += 2
-    return n_ops
+        kind[m] = _VAL
+        ctx[m] = c
+        val[m] = _zigzag(o, np.uint64(new[j]), bits) - np.uint64(1)
+        kind[m + 1] = _GAP
+        ctx[m + 1] = c
+        val[m + 1] = np.uint64(gaps[j])
+        m += 2
+    return m
 
 
 # ---------------------------------------------------------------------------------------------------- decoding
+@njit(inline="always")
+def _get_varint(buf: np.ndarray, pos: int) -> tuple[int, int]:
+    """Varint of at most 3 bytes (all model numbers are < 2^21); pos = -1 on truncation or overlong input."""
+    v = 0
+    for sh in (0, 7, 14):
+        if pos >= buf.size:
+            return 0, -1
+        byte = int(buf[pos])
+        pos += 1
+        v |= (byte & 127) << sh
+        if byte < 128:
+            return v, pos
+    return 0, -1
+
+
 @njit(**_JIT)
 def _parse_model(model, maps, freqs, cums, luts) -> int:
-    """Parse and validate the model section; returns 0 or an error code."""
+    """Parse and validate the model section into decoding tables; returns 0 or an error code."""
     pos = 0
-    end = model.size
-    for kind in range(2):
-        if pos >= end:
+    for k in range(2):
+        if pos >= model.size:
             return 12
         ntab = int(model[pos])
         pos += 1
-        if ntab > _MAX_TABLES:
+        default = ntab == _NONE
+        if default:
+            ntab = 1
+        elif ntab > _MAX_TABLES:
             return 9
         c = 0
         while c < 256:
-            if pos >= end:
+            if pos >= model.size:
                 return 12
             t = int(model[pos])
-            pos += 1
+            run, pos = _get_varint(model, pos + 1)
+            if pos < 0:
+                return 12
             if t != _NONE and t >= ntab:
                 return 9
-            run = 0
-            sh = 0
-            while True:
-                if pos >= end or sh > 14:
-                    return 12
-                byte = int(model[pos])
-                pos += 1
-                run |= (byte & 127) << sh
-                sh += 7
-                if byte < 128:
-                    break
             if run < 1 or c + run > 256:
                 return 10
-            for i in range(c, c + run):
-                maps[kind, i] = t
+            maps[k, c:c + run] = t
             c += run
         for t in range(ntab):
-            vals = np.zeros(_NSYM + 1, np.int64)
-            for s in range(-1, _NSYM):  # s == -1 reads the symbol count
-                if s >= 0 and s >= vals[_NSYM]:
-                    break
-                v = 0
-                sh = 0
-                while True:
-                    if pos >= end or sh > 14:
+            if default:
+                freqs[k, t] = _DEFAULT
+            else:
+                nsym, pos = _get_varint(model, pos)
+                if pos < 0:
+                    return 12
+                if nsym < 1 or nsym > _NSYM:
+                    return 11
+                freqs[k, t] = 0
+                for s in range(nsym):
+                    freqs[k, t, s], pos = _get_varint(model, pos)
+                    if pos < 0:
                         return 12
-                    byte = int(model[pos])
-                    pos += 1
-                    v |= (byte & 127) << sh
-                    sh += 7
-                    if byte < 128:
-                        break
-                if s < 0:
-                    if v < 1 or v > _NSYM:
-                        return 11
-                    vals[_NSYM] = v
-                else:
-                    vals[s] = v
             acc = 0
             for s in range(_NSYM):
-                freqs[kind, t, s] = vals[s]
-                cums[kind, t, s] = acc
-                if acc + vals[s] > _PROB_SCALE:
+                f = freqs[k, t, s]
+                cums[k, t, s] = acc
+                if acc + f > _PROB_SCALE:
                     return 11
-                for slot in range(acc, acc + vals[s]):
-                    luts[kind, t, slot] = s
-                acc += vals[s]
+                luts[k, t, acc:acc + f] = s
+                acc += f
             if acc != _PROB_SCALE:
                 return 11
-    if pos != end:
-        return 13
-    return 0
-
-
-@njit(inline="always")
-def _unzigzag_apply(o: np.uint64, v: np.uint64, bits: int) -> tuple[np.uint64, bool]:
-    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - bits)
-    z = v + np.uint64(1)
-    if v >= mask:  # z would be 0 or wider than the element
-        return o, False
-    d = (z >> np.uint64(1)) ^ (mask * (z & np.uint64(1)))
-    return (o + d) & mask, True
+    return 0 if pos == model.size else 13
 
 
 @njit(inline="always")
 def _stream_start(data: np.ndarray) -> np.uint64:
-    x = np.uint64(0)
-    for i in range(4):
-        x |= np.uint64(data[i]) << np.uint64(8 * i)
-    return x
+    return (np.uint64(data[0]) | (np.uint64(data[1]) << np.uint64(8)) | (np.uint64(data[2]) << np.uint64(16))
+            | (np.uint64(data[3]) << np.uint64(24)))
 
 
 @njit(**_JIT)
@@ -612,8 +586,8 @@ def _decode_sparse(parent, out, k, bits, shift, data, maps, freqs, cums, luts) -
             return 1
         if g >= np.uint64(n - prev - 1):
             return 2
-        prev = prev + 1 + int(g)
-        pctx = min(_top_bit(g) + 1, 40) if g > np.uint64(0) else 0
+        prev += 1 + int(g)
+        pctx = _gap_ctx(g)
         o = np.uint64(parent[prev])
         t = maps[_VAL, _class_of(o, shift)]
         if t == _NONE:
@@ -625,29 +599,28 @@ def _decode_sparse(parent, out, k, bits, shift, data, maps, freqs, cums, luts) -
         if not ok:
             return 3
         out[prev] = nv
-    if pos != end or x != np.uint64(_RANS_L):
-        return 5
-    return 0
+    return 0 if pos == end and x == np.uint64(_RANS_L) else 5
 
 
 @njit(**_JIT)
 def _decode_class(parent, out, k, bits, shift, data, maps, freqs, cums, luts) -> int:
+    n = parent.size
     x = _stream_start(data)
     pos = 4
     end = data.size
-    rem = np.full(256, -1, np.int64)  # elements of the class to skip before its next change; -1: never
+    rem = np.full(256, -1, np.int64)  # class elements to skip before the class's next change; -1: never
     for c in range(256):
         t = maps[_GAP, c]
         if t != _NONE:
             g, x, pos, ok = _dec_value(x, data, pos, end, freqs[_GAP, t], cums[_GAP, t], luts[_GAP, t])
             if not ok:
                 return 1
-            if g >= np.uint64(parent.size + 1):
+            if g > np.uint64(n):
                 return 8
             rem[c] = int(g)
     found = 0
     sh = np.uint64(shift)
-    for i in range(parent.size):
+    for i in range(n):
         a = parent[i]
         out[i] = a
         c = int((np.uint64(a) >> sh) & np.uint64(0xFF))
@@ -673,17 +646,14 @@ def _decode_class(parent, out, k, bits, shift, data, maps, freqs, cums, luts) ->
             g, x, pos, ok = _dec_value(x, data, pos, end, freqs[_GAP, t], cums[_GAP, t], luts[_GAP, t])
             if not ok:
                 return 1
-            if g >= np.uint64(parent.size + 1):
+            if g > np.uint64(n):
                 return 8
             rem[c] = int(g)
     if found != k:
         return 7
-    for c in range(256):
-        if rem[c] > 0:
-            return 8
-    if pos != end or x != np.uint64(_RANS_L):
-        return 5
-    return 0
+    if rem.max() > 0:
+        return 8
+    return 0 if pos == end and x == np.uint64(_RANS_L) else 5
 
 
 # -------------------------------------------------------------------------------------------------- the codec
@@ -692,12 +662,48 @@ def _shift_for(itemsize: int) -> int:
     return 8 * itemsize - 9 if itemsize > 1 else 0
 
 
-class SparseCodec:
-    """``arc_sparse_v1``: gap + zigzag-delta tokens under parent-derived contexts, static-table rANS.
+def _varint(v: int) -> bytes:
+    out = bytearray()
+    while v >= 128:
+        out.append((v & 127) | 128)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
 
-    :meth:`encode` takes an :class:`ElementDiff` (sparse mode); :meth:`encode_arrays` takes the dense parent and
-    new chunk bytes and uses class mode (~25-35% smaller on RL updates, and faster than diff + encode because it
-    is a single pass). :meth:`decode` reads both.
+
+def _read_varint(view: memoryview, pos: int, field: str) -> tuple[int, int]:
+    v = 0
+    for sh in range(0, 64, 7):
+        if pos >= len(view):
+            raise FormatError(f"{SPARSE_CODEC} payload header truncated in field {field!r}")
+        byte = view[pos]
+        pos += 1
+        v |= (byte & 127) << sh
+        if byte < 128:
+            return v, pos
+    raise FormatError(f"{SPARSE_CODEC} payload header field {field!r} is longer than 64 bits")
+
+
+def _as_uint(buf: np.ndarray, itemsize: int, what: str, writable: bool = False) -> np.ndarray:
+    """View a flat uint8 chunk as unsigned elements (copying a misaligned input)."""
+    if itemsize not in UINT_BY_SIZE:
+        raise FormatError(f"unsupported element size {itemsize}")
+    if not isinstance(buf, np.ndarray) or buf.dtype != np.uint8 or buf.ndim != 1:
+        raise FormatError(f"{what} must be a flat uint8 array")
+    if buf.size % itemsize:
+        raise FormatError(f"{what} has {buf.size} bytes, not a multiple of itemsize {itemsize}")
+    aligned = buf.flags.c_contiguous and buf.ctypes.data % itemsize == 0
+    if writable and not (aligned and buf.flags.writeable):
+        raise FormatError(f"{what} must be a writable, contiguous, aligned buffer")
+    return (buf if aligned else buf.copy()).view(UINT_BY_SIZE[itemsize])
+
+
+class SparseCodec:
+    """``arc_sparse_v1``: gap and zigzag-delta tokens in parent-derived contexts, static-table rANS.
+
+    :meth:`encode` takes an :class:`ElementDiff` (sparse mode). :meth:`encode_arrays` takes the dense parent
+    and new chunks (class mode: ~25-35% smaller on RL updates, and one fused pass instead of diff + encode).
+    :meth:`decode` reads both.
 
     Example::
 
@@ -710,23 +716,19 @@ class SparseCodec:
     name = SPARSE_CODEC
 
     def encode(self, diff: ElementDiff) -> bytes:
-        """Sparse-mode payload from the changed positions and their old/new values."""
+        """Sparse-mode payload from the changed positions and their old and new values."""
         diff.check()
         k = diff.changed
-        if k > diff.n or (k and (diff.idx[0] < 0 or diff.idx[-1] >= diff.n)):
-            raise FormatError(f"ElementDiff positions out of range for n={diff.n}")
+        if k and (diff.idx[0] < 0 or diff.idx[-1] >= diff.n or not bool(np.all(diff.idx[1:] > diff.idx[:-1]))):
+            raise FormatError(f"ElementDiff positions must be strictly increasing and below n={diff.n}")
         if k == 0:
             return self._pack(MODE_EMPTY, diff.itemsize, diff.n, 0, None)
-        if k > 1 and not bool(np.all(diff.idx[1:] > diff.idx[:-1])):
-            raise FormatError("ElementDiff positions must be strictly increasing")
-        kind = np.empty(2 * k, np.uint8)
-        ctx = np.empty(2 * k, np.uint8)
-        val = np.empty(2 * k, np.uint64)
-        _ops_sparse(diff.idx, diff.old, diff.new, 8 * diff.itemsize, _shift_for(diff.itemsize), kind, ctx, val)
-        return self._pack(MODE_SPARSE, diff.itemsize, diff.n, k, (kind, ctx, val))
+        ops = (np.empty(2 * k, np.uint8), np.empty(2 * k, np.uint8), np.empty(2 * k, np.uint64))
+        _ops_sparse(diff.idx, diff.old, diff.new, 8 * diff.itemsize, _shift_for(diff.itemsize), *ops)
+        return self._pack(MODE_SPARSE, diff.itemsize, diff.n, k, ops)
 
     def encode_arrays(self, parent: np.ndarray, new: np.ndarray, itemsize: int) -> bytes:
-        """Class-mode payload straight from two flat uint8 chunks of equal length (one fused pass)."""
+        """Class-mode payload straight from two flat uint8 chunks of equal length."""
         a, b = _as_uint(parent, itemsize, "parent"), _as_uint(new, itemsize, "new")
         if a.size != b.size:
             raise FormatError(f"parent has {a.size} elements, new has {b.size}")
@@ -734,96 +736,79 @@ class SparseCodec:
         if k == 0:
             return self._pack(MODE_EMPTY, itemsize, a.size, 0, None)
         shift = _shift_for(itemsize)
-        idx = np.empty(k, np.int64)
-        rank = np.empty(k, np.int64)
+        idx, rank = np.empty(k, np.int64), np.empty(k, np.int64)
+        old, nv = np.empty(k, a.dtype), np.empty(k, a.dtype)
         ncls = np.empty(256, np.int64)
-        _class_ranks(a, b, shift, idx, rank, ncls)
-        kind = np.empty(2 * k + 256, np.uint8)
-        ctx = np.empty(2 * k + 256, np.uint8)
-        val = np.empty(2 * k + 256, np.uint64)
-        m = _ops_class(a, b, 8 * itemsize, shift, idx, rank, ncls, kind, ctx, val)
-        return self._pack(MODE_CLASS, itemsize, a.size, k, (kind[:m], ctx[:m], val[:m]))
+        _class_ranks(a, b, shift, idx, rank, old, nv, ncls)
+        ops = (np.empty(2 * k + 256, np.uint8), np.empty(2 * k + 256, np.uint8), np.empty(2 * k + 256, np.uint64))
+        m = _ops_class(old, nv, rank, ncls, 8 * itemsize, shift, *ops)
+        payload = self._pack(MODE_CLASS, itemsize, a.size, k, tuple(o[:m] for o in ops))
+        if k < _SMALL_K:  # tiny chunks: per-class gaps may not pay for their context map
+            alt = self.encode(ElementDiff(a.size, itemsize, idx, old, nv))
+            payload = alt if len(alt) < len(payload) else payload
+        return payload
 
     @staticmethod
     def _pack(mode: int, itemsize: int, n: int, k: int, ops: tuple[np.ndarray, ...] | None) -> bytes:
-        if itemsize not in UINT_BY_SIZE:
-            raise FormatError(f"unsupported element size {itemsize}")
+        head = _MAGIC + bytes((_VERSION, itemsize, mode)) + _varint(n) + _varint(k)
         if ops is None:
-            return _HEADER.pack(_MAGIC, _VERSION, itemsize, mode, 0, n, k, 0, 0)
+            return head + _varint(0) + _varint(0)
         maps = np.empty((2, 256), np.int64)
         freqs = np.zeros((2, _MAX_TABLES, _NSYM), np.int64)
         cums = np.zeros((2, _MAX_TABLES, _NSYM), np.int64)
         model = np.empty(_MODEL_CAP, np.uint8)
-        mlen, ntok, raw_bits = _build_model(*ops, maps, freqs, cums, model)
-        # each token emits <= 2 bytes, each raw chunk of b bits <= ceil(b/8) bytes
-        buf = np.empty(16 + 2 * ntok + raw_bits // 8 + 2 * (raw_bits // 16 + ntok), np.uint8)
-        start = _encode_stream(*ops, maps, freqs, cums, buf)
-        stream = buf[start:]
-        head = _HEADER.pack(_MAGIC, _VERSION, itemsize, mode, 0, n, k, mlen, stream.size)
-        return b"".join((head, model[:mlen].tobytes(), stream.tobytes()))
+        tok = np.empty(ops[2].size, np.uint8)
+        mlen, raw_bits = _build_model(*ops, tok, maps, freqs, cums, model)
+        # a token emits <= 2 bytes, a raw chunk of b <= 16 bits <= ceil(b / 8) bytes, the final state 4
+        buf = np.empty(8 + 2 * tok.size + raw_bits // 8 + 2 * (raw_bits // 16 + tok.size), np.uint8)
+        start = _encode_stream(*ops, tok, maps, freqs, cums, buf)
+        return b"".join((head, _varint(mlen), _varint(buf.size - start), model[:mlen].tobytes(),
+                         buf[start:].tobytes()))
 
     def decode(self, payload: bytes, parent: np.ndarray, itemsize: int, out: np.ndarray) -> None:
-        """Write the new chunk into ``out``; raise FormatError (with the reason) for any malformed payload."""
-        view = memoryview(payload).cast("B") if not isinstance(payload, np.ndarray) else payload
-        if len(view) < _HEADER.size:
-            raise FormatError(f"{SPARSE_CODEC} payload has {len(view)} bytes, shorter than its header")
-        magic, version, isz, mode, _, n, k, mlen, slen = _HEADER.unpack_from(view, 0)
-        if magic != _MAGIC:
-            raise FormatError(f"{SPARSE_CODEC} payload has bad magic {magic!r}")
+        """Write the new chunk into ``out``; raise FormatError naming the reason for any malformed payload."""
+        view = memoryview(payload).cast("B")
+        if len(view) < 7 or bytes(view[:4]) != _MAGIC:
+            raise FormatError(f"{SPARSE_CODEC} payload is truncated or has a bad magic")
+        version, isz, mode = view[4], view[5], view[6]
         if version != _VERSION:
             raise FormatError(f"{SPARSE_CODEC} payload version {version} is not supported (only {_VERSION})")
         if isz != itemsize:
-            raise FormatError(f"{SPARSE_CODEC} payload is for itemsize {isz}, chunk has itemsize {itemsize}")
+            raise FormatError(f"{SPARSE_CODEC} payload is for itemsize {isz}, the chunk has itemsize {itemsize}")
+        if mode not in (MODE_EMPTY, MODE_SPARSE, MODE_CLASS):
+            raise FormatError(f"{SPARSE_CODEC} payload has unknown mode {mode}")
+        n, pos = _read_varint(view, 7, "n")
+        k, pos = _read_varint(view, pos, "k")
+        mlen, pos = _read_varint(view, pos, "model bytes")
+        slen, pos = _read_varint(view, pos, "stream bytes")
         a = _as_uint(parent, itemsize, "parent")
         o = _as_uint(out, itemsize, "out", writable=True)
         if o.size != a.size:
-            raise FormatError(f"output buffer holds {o.size} elements, parent {a.size}")
+            raise FormatError(f"output buffer holds {o.size} elements, the parent {a.size}")
         if n != a.size:
-            raise FormatError(f"{SPARSE_CODEC} payload is for {n} elements, parent has {a.size}")
+            raise FormatError(f"{SPARSE_CODEC} payload is for {n} elements, the parent has {a.size}")
         if k > n:
             raise FormatError(f"{SPARSE_CODEC} payload declares {k} changes for {n} elements")
-        if _HEADER.size + mlen + slen != len(view):
-            raise FormatError(
-                f"{SPARSE_CODEC} payload is {len(view)} bytes, header declares {_HEADER.size + mlen + slen}"
-            )
+        if pos + mlen + slen != len(view):
+            raise FormatError(f"{SPARSE_CODEC} payload has {len(view)} bytes, its header declares "
+                              f"{pos + mlen + slen}")
+        if (mode == MODE_EMPTY) != (k == 0) or (mode == MODE_EMPTY and mlen + slen) or (k and slen < 4):
+            raise FormatError(f"{SPARSE_CODEC} payload: mode {mode}, {k} changes, {mlen} model and {slen} "
+                              "stream bytes do not fit together")
         if mode == MODE_EMPTY:
-            if k != 0 or mlen != 0 or slen != 0:
-                raise FormatError(f"{SPARSE_CODEC} empty payload declares changes or streams")
             np.copyto(o, a)
             return
-        if mode not in (MODE_SPARSE, MODE_CLASS):
-            raise FormatError(f"{SPARSE_CODEC} payload has unknown mode {mode}")
-        if k == 0:
-            raise FormatError(f"{SPARSE_CODEC} payload in mode {mode} declares no changes")
-        if slen < 4:
-            raise FormatError(f"{SPARSE_CODEC}: {_ERRORS[14]}")
         raw = np.frombuffer(view, dtype=np.uint8)
         maps = np.full((2, 256), _NONE, np.int64)
-        freqs = np.zeros((2, _MAX_TABLES, _NSYM), np.int64)
-        cums = np.zeros((2, _MAX_TABLES, _NSYM), np.int64)
-        luts = np.zeros((2, _MAX_TABLES, _PROB_SCALE), np.uint8)
-        err = _parse_model(raw[_HEADER.size:_HEADER.size + mlen], maps, freqs, cums, luts)
-        if err == 0:
+        freqs = np.empty((2, _MAX_TABLES, _NSYM), np.int64)
+        cums = np.empty((2, _MAX_TABLES, _NSYM), np.int64)
+        luts = np.empty((2, _MAX_TABLES, _PROB_SCALE), np.uint8)
+        err = _parse_model(raw[pos:pos + mlen], maps, freqs, cums, luts)
+        if not err:
             kernel = _decode_sparse if mode == MODE_SPARSE else _decode_class
-            err = kernel(a, o, k, 8 * itemsize, _shift_for(itemsize), raw[_HEADER.size + mlen:], maps, freqs,
-                         cums, luts)
+            err = kernel(a, o, k, 8 * itemsize, _shift_for(itemsize), raw[pos + mlen:], maps, freqs, cums, luts)
         if err:
             raise FormatError(f"{SPARSE_CODEC} payload: {_ERRORS[err]}")
-
-
-def _as_uint(buf: np.ndarray, itemsize: int, what: str, writable: bool = False) -> np.ndarray:
-    """View a flat uint8 chunk as unsigned elements (copying only if misaligned)."""
-    if itemsize not in UINT_BY_SIZE:
-        raise FormatError(f"unsupported element size {itemsize}")
-    if not isinstance(buf, np.ndarray) or buf.dtype != np.uint8 or buf.ndim != 1:
-        raise FormatError(f"{what} must be a flat uint8 array")
-    if buf.size % itemsize:
-        raise FormatError(f"{what} has {buf.size} bytes, not a multiple of itemsize {itemsize}")
-    if writable and not (buf.flags.writeable and buf.flags.c_contiguous and buf.ctypes.data % itemsize == 0):
-        raise FormatError(f"{what} must be a writable, contiguous, aligned buffer")
-    if not buf.flags.c_contiguous or buf.ctypes.data % itemsize:
-        buf = np.ascontiguousarray(buf).copy()
-    return buf.view(UINT_BY_SIZE[itemsize])
 
 
 register_codec(SPARSE_CODEC, SparseCodec)

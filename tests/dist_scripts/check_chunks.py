@@ -183,6 +183,9 @@ def check_all(label: str, model: nn.Module, *, dtypes: dict[str, torch.dtype], u
     if unsharded_root:  # FSDP2 with reshard_after_forward=False: the walk must look past the swapped-in tensors
         expect(not hasattr(model.lm_head.weight, "to_local"), f"{label}: root stayed sharded after forward")
     fresh = local_chunks(model)  # taken now, before gather_full_state reshards the root
+    layout = [(c.name, c.space, c.box, c.source.data_ptr()) for c in chunks]
+    expect([(c.name, c.space, c.box, c.source.data_ptr()) for c in fresh] == layout,
+           f"{label}: chunks taken after forward differ from those taken before (not the same shards)")
     verify(f"{label}/after-forward", model, names, chunks=chunks)
     verify(f"{label}/after-forward-fresh", model, names, chunks=fresh)
     # A backward pass reshards everything (and reduce-scatters gradients); an update then writes the shards.

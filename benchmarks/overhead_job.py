@@ -1,0 +1,261 @@
+"""The torchrun side of ``benchmarks/overhead.py``: one FSDP2 job that trains with and without publishing.
+
+Why one job for every variant: step times on a shared 2-core machine drift (thermal, page cache, the other
+rank), so a baseline measured in another process would make the ratios meaningless. Here the variants run as
+interleaved phases of the same process, each phase ``--phase-steps`` steps, in a rotated order every round, and
+every publishing variant keeps one long-lived ``HotloadCallback`` (its own deployment in the emulator), so the
+cadence (a full snapshot every ``full_every`` publishes, deltas in between) is the real one. At the end of a
+phase the callback's in-flight snapshot is waited for outside the timed region, so no background work spills
+into the next phase.
+
+Rank 0 writes everything measured to ``--out`` as JSON; ``benchmarks/overhead.py`` turns it into the table.
+Run it through ``benchmarks/overhead.py``, which starts the emulator and torchrun.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fsdp_hotload import HotloadCallback, HotloadConfig  # noqa: E402
+from fsdp_hotload.fsdp import local_chunks  # noqa: E402
+
+PUBLISHING = ("skip", "wait", "skip_nosignal")
+
+
+# ------------------------------------------------------------------------------------------------ the model
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q_proj = nn.Linear(dim, dim, bias=False)
+        self.k_proj = nn.Linear(dim, dim, bias=False)
+        self.v_proj = nn.Linear(dim, dim, bias=False)
+        self.o_proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (p(x).view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, dim: int, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(dim)
+        self.self_attn = Attention(dim, heads)
+        self.post_attention_layernorm = nn.LayerNorm(dim)
+        self.mlp = MLP(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Inner(nn.Module):
+    def __init__(self, vocab: int, dim: int, hidden: int, heads: int, layers: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([Layer(dim, hidden, heads) for _ in range(layers)])
+        self.norm = nn.LayerNorm(dim)
+
+
+class CausalLM(nn.Module):
+    """HF-like names: model.embed_tokens.weight, model.layers.N.mlp.up_proj.weight, ..., lm_head.weight."""
+
+    def __init__(self, vocab: int, dim: int, hidden: int, heads: int, layers: int) -> None:
+        super().__init__()
+        self.model = Inner(vocab, dim, hidden, heads, layers)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        for p in self.parameters():  # small init, like real checkpoints (sets how often a bf16 ulp flips)
+            if p.dim() > 1:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(ids)
+        for layer in self.model.layers:
+            h = layer(h)
+        return self.lm_head(self.model.norm(h))
+
+
+def build_model(args: argparse.Namespace) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = CausalLM(args.vocab, args.dim, args.hidden, args.heads, args.layers)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def timed_median(fn: Any, reps: int) -> float:
+    """Median seconds of ``fn()``, both ranks starting each repetition together (as staging does)."""
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bare_copies(model: nn.Module, cb: HotloadCallback, reps: int) -> dict[str, float]:
+    """What staging fundamentally costs on this rank, timed the same way as the hook (seconds, median)."""
+    srcs = [c.source.detach() for c in local_chunks(model)]
+    with torch.no_grad():
+        pre = [s.to(torch.bfloat16) for s in srcs]
+        warm = [torch.empty_like(p) for p in pre]
+
+        def fresh_copy() -> None:  # the reference the targets use: a new bf16 buffer, copy the bf16 shard
+            for p in pre:
+                torch.empty_like(p).copy_(p)
+
+        def fresh_cast() -> None:  # a new bf16 buffer filled from the fp32 shard (cast included)
+            for s in srcs:
+                torch.empty(s.shape, dtype=torch.bfloat16).copy_(s)
+
+        def warm_cast() -> None:  # into a preallocated buffer: the floor for staging's cast-copy
+            for w, s in zip(warm, srcs):
+                w.copy_(s)
+
+        return {"bare_copy_s": timed_median(fresh_copy, reps), "fresh_cast_s": timed_median(fresh_cast, reps),
+                "warm_cast_s": timed_median(warm_cast, reps),
+                "sources_s": timed_median(cb._sources, reps),  # local_chunks() walk the hook repeats every step
+                "bf16_shard_bytes": sum(p.numel() * 2 for p in pre), "chunks": len(pre)}
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--bucket", required=True)
+    p.add_argument("--url", required=True)
+    p.add_argument("--api-key", required=True)
+    p.add_argument("--hf-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--variants", default="baseline,skip,wait")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--phase-steps", type=int, default=30)
+    p.add_argument("--discard", type=int, default=1, help="first steps of every phase not counted")
+    p.add_argument("--warmup", type=int, default=6, help="untimed steps per variant before round 0")
+    p.add_argument("--copy-reps", type=int, default=15)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=1536)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--poll", type=float, default=0.05)
+    args = p.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen) for _ in range(8)]
+
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v != "baseline" and v not in PUBLISHING]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; known: baseline, {', '.join(PUBLISHING)}")
+    callbacks: dict[str, HotloadCallback] = {}
+    for v in variants:
+        if v == "baseline":
+            continue
+        signal = v != "skip_nosignal"
+        cfg = HotloadConfig(bucket_url=f"{args.bucket}/{v}", hf_config_dir=args.hf_dir,
+                            busy_policy="wait" if v == "wait" else "skip",
+                            hotload_api_url=args.url if signal else None, account_id="bench", model_id="bench",
+                            deployment_id=f"dep-{v}" if signal else None, api_key=args.api_key if signal else None,
+                            poll_interval_s=args.poll, ready_timeout_s=120)
+        callbacks[v] = HotloadCallback(model, cfg)
+
+    records: list[dict[str, Any]] = []
+    step = 0
+
+    def run_phase(variant: str, n: int, rnd: int) -> None:
+        nonlocal step
+        cb = callbacks.get(variant)
+        for i in range(n):
+            ids = batches[step % len(batches)]
+            t0 = time.perf_counter()
+            logits = model(ids[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, args.vocab), ids[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            t1 = time.perf_counter()
+            started = cb.step(step) if cb is not None else False
+            t2 = time.perf_counter()
+            records.append({"variant": variant, "round": rnd, "i": i, "step": step, "step_s": t2 - t0,
+                            "hook_s": t2 - t1 if cb is not None else 0.0, "started": bool(started),
+                            "rss": rss_bytes()})
+            step += 1
+        if cb is not None:
+            cb.wait()  # outside the timed steps: the next phase starts with an idle publisher
+
+    t_start = time.perf_counter()
+    for v in variants:  # warm-up: allocator, first full snapshots, numba JIT (compiled on first use)
+        run_phase(v, args.warmup, -1)
+    for rnd in range(args.rounds):
+        order = variants[rnd % len(variants):] + variants[:rnd % len(variants)]
+        for v in order:
+            run_phase(v, args.phase_steps, rnd)
+    t_train = time.perf_counter() - t_start
+
+    any_cb = next(iter(callbacks.values()), None)
+    copies = bare_copies(model, any_cb, args.copy_reps) if any_cb is not None else {}
+    stagers = {v: {"nbytes": cb.engine.stager.nbytes, "max_inflight": cb.config.max_inflight,
+                   "free": cb.engine.stager.free_slots(), "cache": cb.engine.stager.cache is not None}
+               for v, cb in callbacks.items()}
+    for cb in callbacks.values():
+        cb.close()
+
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, {"rank": rank, "records": records, "copies": copies, "stagers": stagers})
+    if rank == 0:
+        out = {"args": vars(args), "world": world, "train_s": t_train, "ranks": gathered,
+               "metrics": {v: [asdict(m) for m in cb.metrics] for v, cb in callbacks.items()},
+               "full_params": sum(int(torch.Size(p.shape).numel()) for p in model.parameters()),
+               "torch": torch.__version__}
+        Path(args.out).write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
