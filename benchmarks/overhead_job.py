@@ -197,7 +197,7 @@ def main() -> None:
         if v == "baseline":
             continue
         signal = v != "skip_nosignal"
-        cfg = HotloadConfig(bucket_url=f"{args.bucket}/{v}", hf_config_dir=args.hf_dir,
+        cfg = HotloadConfig(bucket_url=args.bucket, hf_config_dir=args.hf_dir, identity_prefix=v,
                             busy_policy="wait" if v == "wait" else "skip",
                             hotload_api_url=args.url if signal else None, account_id="bench", model_id="bench",
                             deployment_id=f"dep-{v}" if signal else None, api_key=args.api_key if signal else None,

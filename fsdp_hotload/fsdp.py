@@ -359,6 +359,7 @@ def _framework_maps(
                     src = _DTensorSource(fp.sharded_param)
                     by_tensor[id(fp.sharded_param)] = src
                     info = fp._module_info
+                    by_slot[(id(info.module), info.param_name)] = src
                     for m, pname in zip(info.shared_modules, info.shared_param_names):
                         by_slot[(id(m), pname)] = src
     return by_slot, fsdp1_by_module, by_tensor

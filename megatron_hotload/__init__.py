@@ -1,0 +1,18 @@
+"""Megatron integration of hotload.
+
+Today this package generates the ``--hotload-*`` command-line flags from :class:`fsdp_hotload.HotloadConfig`
+and builds the config back from parsed arguments, so a Megatron launcher gets exactly the same validated
+settings as an FSDP script. The Megatron weight adapter (TP/PP/EP layouts to HF names) is not written yet; until
+it is, Megatron jobs can publish with :class:`fsdp_hotload.TensorPublisher` from a gathered HF state dict.
+
+Example::
+
+    parser = argparse.ArgumentParser()
+    add_hotload_args(parser)                 # --hotload-bucket-url, --hotload-full-every, ...
+    cfg = config_from_args(parser.parse_args())   # None unless --hotload-bucket-url was given
+"""
+from __future__ import annotations
+
+from .args import add_hotload_args, config_from_args, flag_name
+
+__all__ = ["add_hotload_args", "config_from_args", "flag_name"]

@@ -1,0 +1,297 @@
+"""Trainer overhead and end-to-end latency of publishing every step, measured against a run without publishing.
+
+Starts the in-process hot-load emulator (2 replicas that really download, rebuild and verify every snapshot) on
+a local-folder bucket, then launches ``benchmarks/overhead_job.py`` under
+``python -m torch.distributed.run --standalone --nproc-per-node 2`` (gloo, CPU, OMP_NUM_THREADS=1): one FSDP2
+job that trains a small HF-named transformer with AdamW (lr 1e-5) on synthetic tokens, in interleaved phases
+of each variant:
+
+* ``baseline``: no callback;
+* ``skip``: ``HotloadCallback`` publishing every step, ``busy_policy="skip"`` (the default);
+* ``wait``: the same with ``busy_policy="wait"`` (every step is published, the trainer waits for a slot);
+* ``skip_nosignal`` (opt-in with ``--variants``): ``skip`` without signalling, to separate the emulator's
+  own CPU use (it shares the machine here; a real fleet does not) from the trainer's.
+
+Then prints one table: step time (median, p90, ratio to baseline), hook blocking against a bare bf16 copy of
+the local shard, publishes completed/skipped, end-to-end latency (hook to all replicas ready), bytes written
+against a full snapshot per publish, staging memory against the bf16 shard, and whether each target is met.
+
+Example::
+
+    .venv/bin/python benchmarks/overhead.py --quick          # < 90 s
+    .venv/bin/python benchmarks/overhead.py                  # a few minutes; the numbers in RESULTS.md
+    .venv/bin/python benchmarks/overhead.py --variants baseline,skip,skip_nosignal --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from fsdp_hotload.emulator import HotLoadEmulator  # noqa: E402
+
+JOB = Path(__file__).resolve().with_name("overhead_job.py")
+API_KEY = "bench-key"
+TARGET_STEP_OVERHEAD = 0.03
+TARGET_BLOCKING_X = 1.5
+TARGET_MEMORY_X = 2.0
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+def pct(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]); NaN for no values."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    k = (len(xs) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def med(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _timed(rec: dict[str, Any], discard: int) -> bool:
+    return rec["round"] >= 0 and rec["i"] >= discard
+
+
+def analyse(res: dict[str, Any]) -> dict[str, Any]:
+    """Turn the job's raw records into the numbers of the table (all times in seconds unless named _ms)."""
+    discard = res["args"]["discard"]
+    ranks = res["ranks"]
+    variants = [v.strip() for v in res["args"]["variants"].split(",") if v.strip()]
+    # Per step, the job's step time is the slowest rank's (the ranks are coupled by FSDP's collectives).
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for r in ranks:
+        for rec in r["records"]:
+            by_step.setdefault(rec["step"], []).append(rec)
+    out: dict[str, Any] = {"variants": {}}
+    base_round_med: dict[int, float] = {}
+    for v in variants:
+        steps = [recs for recs in by_step.values() if recs[0]["variant"] == v and _timed(recs[0], discard)]
+        step_s = [max(x["step_s"] for x in recs) for recs in steps]
+        per_round: dict[int, list[float]] = {}
+        for recs in steps:
+            per_round.setdefault(recs[0]["round"], []).append(max(x["step_s"] for x in recs))
+        row: dict[str, Any] = {"n": len(step_s), "median": med(step_s), "p90": pct(step_s, 90),
+                               "mean": statistics.fmean(step_s) if step_s else float("nan"),
+                               "round_medians": {k: med(x) for k, x in sorted(per_round.items())}}
+        if v == "baseline":
+            base_round_med = row["round_medians"]
+        else:
+            # hook time: per rank, on the steps where a snapshot was staged and on all steps
+            staged = [[x["hook_s"] for x in r["records"] if x["variant"] == v and _timed(x, discard) and x["started"]]
+                      for r in ranks]
+            every = [[x["hook_s"] for x in r["records"] if x["variant"] == v and _timed(x, discard)] for r in ranks]
+            row["hook_staged_med"] = max(med(s) for s in staged)
+            row["hook_staged_p90"] = max(pct(s, 90) for s in staged)
+            row["hook_all_med"] = max(med(s) for s in every)
+            timed = [x for x in ranks[0]["records"] if x["variant"] == v and x["round"] >= 0]
+            row["started"] = sum(x["started"] for x in timed)
+            row["skipped"] = sum(not x["started"] for x in timed)
+            timed_steps = {x["step"] for x in timed}
+            ms = [m for m in res["metrics"][v] if m["step"] in timed_steps]
+            ok = [m for m in ms if m["ok"]]
+            row["ok"], row["failed"] = len(ok), len(ms) - len(ok)
+            row["errors"] = sorted({m["error"] for m in ms if not m["ok"]})[:3]
+            for kind in ("delta", "full"):
+                ks = [m for m in ok if m["kind"] == kind]
+                row[kind] = {"n": len(ks), "total_s": med([m["total_s"] for m in ks]),
+                             "upload_s": med([m["upload_s"] for m in ks]), "ready_s": med([m["ready_s"] for m in ks]),
+                             "encode_s": med([m["encode_s"] for m in ks]), "diff_s": med([m["diff_s"] for m in ks]),
+                             "bytes": med([m["bytes_written"] for m in ks]),
+                             "changed": med([m["changed_fraction"] for m in ks if m["changed_fraction"] is not None])}
+            row["total_s"] = med([m["total_s"] for m in ok])
+            row["upload_s"] = med([m["upload_s"] for m in ok])
+            row["ready_s"] = med([m["ready_s"] for m in ok])
+            row["engine_blocking_ms"] = med([m["blocking_ms"] for m in ok])
+            row["staleness"] = med([m["staleness_steps"] for m in ok])
+            raw = ok[0]["raw_bytes"] if ok else 0
+            row["raw_bytes"] = raw
+            row["bytes_written"] = sum(m["bytes_written"] for m in ok)
+            row["bytes_vs_full_each_publish"] = row["bytes_written"] / (raw * len(ok)) if ok and raw else float("nan")
+            row["bytes_vs_full_each_step"] = (row["bytes_written"] / (raw * len(timed))) if timed and raw else \
+                float("nan")
+            row["stager"] = [r["stagers"][v] for r in ranks]
+            base_rss = [med([x["rss"] for x in r["records"] if x["variant"] == "baseline" and _timed(x, discard)])
+                        for r in ranks]
+            var_rss = [max([x["rss"] for x in r["records"] if x["variant"] == v and _timed(x, discard)], default=0)
+                       for r in ranks]
+            row["rss_peak_over_base"] = max(b - a for a, b in zip(base_rss, var_rss)) if "baseline" in variants \
+                else float("nan")
+        out["variants"][v] = row
+    base = out["variants"].get("baseline")
+    for v, row in out["variants"].items():
+        if v == "baseline" or base is None:
+            continue
+        row["ratio_median"] = row["median"] / base["median"]
+        row["ratio_mean"] = row["mean"] / base["mean"]
+        row["round_ratios"] = [row["round_medians"][k] / base_round_med[k] for k in row["round_medians"]
+                               if k in base_round_med]
+    copies = [r["copies"] for r in ranks if r["copies"]]
+    if copies:
+        out["copies"] = {k: max(c[k] for c in copies) for k in copies[0]}
+        out["bf16_shard_bytes_per_rank"] = [c["bf16_shard_bytes"] for c in copies]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ report
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f}"
+
+
+def _yes(ok: bool) -> str:
+    return "MET" if ok else "MISSED"
+
+
+def report(res: dict[str, Any], a: dict[str, Any]) -> str:
+    """The table as markdown-ish plain text (pasted as is into RESULTS.md)."""
+    args, vs = res["args"], a["variants"]
+    lines = [f"model: {res['full_params'] / 1e6:.1f}M params ({args['layers']} layers, dim {args['dim']}, mlp "
+             f"{args['hidden']}, vocab {args['vocab']}), batch {args['batch']}x{args['seq']} tokens/rank, "
+             f"{res['world']} ranks FSDP2 (gloo, CPU); {args['rounds']} rounds x {args['phase_steps']} steps per "
+             f"variant (first {args['discard']} of each phase and a {args['warmup']}-step warm-up not counted); "
+             f"emulator poll interval {args['poll']} s"]
+    c = a.get("copies", {})
+    shard = max(a.get("bf16_shard_bytes_per_rank", [0]))
+    if c:
+        lines.append(f"bf16 local shard: {shard / 1e6:.1f} MB/rank in {c['chunks']} chunks; bare bf16 copy "
+                     f"(empty_like().copy_(bf16 shard)) {_ms(c['bare_copy_s'])} ms, fresh fp32->bf16 cast-copy "
+                     f"{_ms(c['fresh_cast_s'])} ms, cast-copy into a preallocated buffer {_ms(c['warm_cast_s'])} ms, "
+                     f"local_chunks() walk {_ms(c['sources_s'])} ms (max over ranks of the medians)")
+    lines += ["", "| variant | steps | median ms | p90 ms | ratio (median) | ratio (mean) | per-round ratios |",
+              "|---|---|---|---|---|---|---|"]
+    for v, r in vs.items():
+        rr = " ".join(f"{x:.3f}" for x in r.get("round_ratios", []))
+        lines.append(f"| {v} | {r['n']} | {_ms(r['median'])} | {_ms(r['p90'])} | "
+                     f"{r.get('ratio_median', 1.0):.3f} | {r.get('ratio_mean', 1.0):.3f} | {rr or '-'} |")
+    pubs = [v for v in vs if v != "baseline"]
+    if pubs:
+        lines += ["", "| variant | hook ms (staged, med / p90) | hook ms (all steps, med) | engine blocking_ms | "
+                  "blocking / bare copy | started / skipped | ok / failed | staleness (steps) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for v in pubs:
+            r = vs[v]
+            x = r["hook_staged_med"] / c["bare_copy_s"] if c else float("nan")
+            lines.append(f"| {v} | {_ms(r['hook_staged_med'])} / {_ms(r['hook_staged_p90'])} | "
+                         f"{_ms(r['hook_all_med'])} | {r['engine_blocking_ms']:.1f} | {x:.2f}x | "
+                         f"{r['started']} / {r['skipped']} | {r['ok']} / {r['failed']} | {r['staleness']:.0f} |")
+        lines += ["", "| variant | kind | n | total s (hook->all ready) | diff s | encode s | upload s | ready s | "
+                  "MB written | changed |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for v in pubs:
+            for kind in ("delta", "full"):
+                k = vs[v][kind]
+                if not k["n"]:
+                    continue
+                ch = f"{100 * k['changed']:.2f}%" if k["changed"] == k["changed"] else "-"
+                lines.append(f"| {v} | {kind} | {k['n']} | {k['total_s']:.3f} | {k['diff_s']:.3f} | "
+                             f"{k['encode_s']:.3f} | {k['upload_s']:.3f} | {k['ready_s']:.3f} | "
+                             f"{k['bytes'] / 1e6:.2f} | {ch} |")
+        lines += ["", "| variant | median total s / upload s / ready s | bytes written vs a full snapshot per "
+                  "publish | vs a full snapshot every step | staging+cache bytes vs bf16 shard | peak RSS over "
+                  "baseline |", "|---|---|---|---|---|---|"]
+        for v in pubs:
+            r = vs[v]
+            mem = max(s["nbytes"] * (s["max_inflight"] + 1) for s in r["stager"])
+            lines.append(f"| {v} | {r['total_s']:.3f} / {r['upload_s']:.3f} / {r['ready_s']:.3f} | "
+                         f"{r['bytes_vs_full_each_publish']:.3f} ({r['bytes_written'] / 1e6:.1f} MB in {r['ok']} "
+                         f"vs {r['raw_bytes'] / 1e6:.1f} MB each) | {r['bytes_vs_full_each_step']:.3f} | "
+                         f"{mem / shard:.3f}x ({mem / 1e6:.1f} MB) | {r['rss_peak_over_base'] / 1e6:.0f} MB |")
+    if "skip" in vs and c:
+        r = vs["skip"]
+        over_med, over_mean = r["ratio_median"] - 1, r["ratio_mean"] - 1
+        blk = r["hook_staged_med"] / c["bare_copy_s"]
+        mem = max(s["nbytes"] * (s["max_inflight"] + 1) for s in r["stager"]) / shard
+        lines += ["", "Targets (busy_policy=skip, publishing every step):",
+                  f"- step-time overhead <= {TARGET_STEP_OVERHEAD:.0%}: median {over_med:+.1%}, mean "
+                  f"{over_mean:+.1%} -> {_yes(over_med <= TARGET_STEP_OVERHEAD)} (median), "
+                  f"{_yes(over_mean <= TARGET_STEP_OVERHEAD)} (mean)",
+                  f"- hook blocking <= {TARGET_BLOCKING_X}x a bare bf16 copy of the local shard: "
+                  f"{blk:.2f}x -> {_yes(blk <= TARGET_BLOCKING_X)}",
+                  f"- extra memory <= {TARGET_MEMORY_X:.0f}x the bf16 local shard: Stager.nbytes x (max_inflight "
+                  f"{r['stager'][0]['max_inflight']} + 1) = {mem:.3f}x -> {_yes(mem <= TARGET_MEMORY_X)}"]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ launch
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import numba
+    import torch
+    import zstandard
+
+    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
+            f"numba {numba.__version__}, zstandard {zstandard.__version__}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer, shorter phases (< 90 s)")
+    p.add_argument("--variants", default="baseline,skip,wait",
+                   help="comma list of baseline, skip, wait, skip_nosignal")
+    p.add_argument("--rounds", type=int, help="interleaved rounds (default 4, quick 2)")
+    p.add_argument("--phase-steps", type=int, help="steps per variant per round (default 30, quick 10)")
+    p.add_argument("--replicas", type=int, default=2, help="emulator replicas per deployment")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--json", help="also write the raw results and the analysis here")
+    p.add_argument("--timeout", type=float, default=900.0)
+    args, job_extra = p.parse_known_args(argv)  # anything else (--dim, --layers, --poll ...) goes to the job
+    rounds = args.rounds or (2 if args.quick else 4)
+    phase = args.phase_steps or (10 if args.quick else 30)
+    warmup = 4 if args.quick else 6
+    tmp = Path(tempfile.mkdtemp(prefix="hotload-overhead-"))
+    try:
+        bucket, hf, out = tmp / "bucket", tmp / "hf", tmp / "result.json"
+        bucket.mkdir()
+        hf.mkdir()
+        (hf / "config.json").write_text(json.dumps({"model_type": "bench", "architectures": ["BenchForCausalLM"]}))
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   GLOO_SOCKET_IFNAME="lo", TORCH_CPP_LOG_LEVEL="ERROR",
+                   PYTHONPATH=os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH", "")) if x))
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        t0 = time.perf_counter()
+        with HotLoadEmulator(str(bucket), replicas=args.replicas, api_key=API_KEY) as emu:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                   str(args.nproc), str(JOB), "--bucket", str(bucket), "--url", emu.url, "--api-key", API_KEY,
+                   "--hf-dir", str(hf), "--out", str(out), "--variants", args.variants, "--rounds", str(rounds),
+                   "--phase-steps", str(phase), "--warmup", str(warmup), *job_extra]
+            proc = subprocess.run(cmd, cwd=str(REPO), env=env, timeout=args.timeout)
+        if proc.returncode != 0:
+            print(f"overhead job failed with exit code {proc.returncode}", file=sys.stderr)
+            return proc.returncode
+        res = json.loads(out.read_text())
+        a = analyse(res)
+        print(f"\nmachine: {machine()}")
+        print(f"command: {' '.join(['benchmarks/overhead.py', *(argv if argv is not None else sys.argv[1:])])}; "
+              f"wall {time.perf_counter() - t0:.0f} s (training phases {res['train_s']:.0f} s)\n")
+        print(report(res, a))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"raw": res, "analysis": a}, indent=1, default=str))
+        return 0
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
