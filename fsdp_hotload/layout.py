@@ -567,7 +567,7 @@ def _short(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def validate_identity(identity: str) -> str:
+def validate_identity(identity: str, *, what: str = "identity") -> str:
     """Return ``identity`` if it is a safe snapshot directory name, else raise ValueError naming the rule.
 
     The identity becomes ``<bucket>/<identity>/`` on every storage backend and on Windows receivers, so it must
@@ -576,7 +576,7 @@ def validate_identity(identity: str) -> str:
     """
     problem = _segment_problem(identity)
     if problem is not None:
-        raise ValueError(f"identity {_short(identity)}: {problem}")
+        raise ValueError(f"{what} {_short(identity)}: {problem}")
     return identity
 
 

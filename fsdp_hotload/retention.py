@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
+from .layout import validate_identity
+
 if TYPE_CHECKING:
     from .storage import Storage
 
@@ -51,14 +53,6 @@ _KINDS = ("full", "delta")
 class CommitMarkerError(ValueError):
     """A commit marker is malformed, or does not match the files it claims; the message names its URI."""
 
-
-def validate_identity(identity: object, *, what: str = "identity") -> str:
-    """A snapshot identity is exactly one path segment (the protocol's rule): no '/', not '.' or '..'."""
-    if not isinstance(identity, str) or not identity:
-        raise ValueError(f"{what} must be a non-empty string, got {identity!r}")
-    if "/" in identity or "\\" in identity or "\x00" in identity or identity in (".", ".."):
-        raise ValueError(f"{what} {identity!r} must be a single path segment")
-    return identity
 
 
 @dataclass

@@ -42,8 +42,9 @@ def _env() -> dict[str, str]:
 def run_torchrun(script: str, nproc: int, args: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
     """Run ``script`` on ``nproc`` local ranks; raise RuntimeError with all output unless every rank exits 0.
 
-    Rendezvous is the single-node c10d store of ``--standalone`` pinned to 127.0.0.1 and a free port (a port
-    taken between choosing and binding is retried once). The whole process group is killed on timeout.
+    Rendezvous is what ``--standalone`` sets up (a single-node c10d store), but on 127.0.0.1 and an explicit
+    free port rather than ``localhost:0``, so nothing depends on how the host name resolves; a port taken
+    between choosing and binding is retried once. The whole process group is killed on timeout.
     """
     last: subprocess.CompletedProcess | None = None
     for _attempt in range(2):

@@ -53,7 +53,8 @@ def test_plan_names_tie_rename_and_collisions() -> None:
     assert [n for n, _ in plan_names(slots)] == ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
     assert plan_names(slots, tie_word_embeddings=True) == [("model.embed_tokens.weight", 0), ("model.norm.weight", 1)]
     # the input name wins even when the output name comes first
-    assert plan_names(slots[::-1], tie_word_embeddings=True) == [("model.norm.weight", 1), ("model.embed_tokens.weight", 2)]
+    reversed_plan = plan_names(slots[::-1], tie_word_embeddings=True)
+    assert reversed_plan == [("model.norm.weight", 1), ("model.embed_tokens.weight", 2)]
     drop_norm = plan_names(slots, rename=lambda n: None if "norm" in n else "x." + n, tie_word_embeddings=False)
     assert drop_norm == [("x.model.embed_tokens.weight", 0), ("x.lm_head.weight", 2)]
     with pytest.raises(ValueError, match="separate|of its own"):

@@ -57,9 +57,10 @@ _PROB_BITS = 12
 _PROB_SCALE = 1 << _PROB_BITS
 _RANS_L = 1 << 23  # the rANS state lives in [L, 256 L)
 _NSYM = 256  # tokens of any 64-bit value
-_MAX_TABLES = 16
-_NONE = 255  # map entry: no table (class mode: the class never changes); table count: the built-in table
-_MODEL_CAP = 2 * (1 + 3 * 256 + _MAX_TABLES * (3 + 2 * _NSYM))
+_MAX_TABLES = 15  # table ids fit a nibble; 15 marks a context without a table
+_NONE = 255  # map entry: no table (class mode: the class never changes)
+_DEFAULT_MAPPED, _DEFAULT_ALL = 254, 255  # table-count byte: built-in table with / without a context map
+_MODEL_CAP = 2 * (7 + 128 + _MAX_TABLES * (3 + 2 * _NSYM))
 _GAP, _VAL = 0, 1
 _SMALL_K = 256  # below this many changes encode_arrays also tries sparse mode and keeps the smaller payload
 _JIT = dict(nogil=True, cache=True)
@@ -91,6 +92,18 @@ def _default_table() -> np.ndarray:
 
 
 _DEFAULT = _default_table()
+
+
+def _weight_table() -> np.ndarray:
+    """Table weights for 6-bit codes: code q > 0 stands for 16 * 2^((q-1)/4), in exact integer arithmetic so that
+    encoder and decoder derive identical frequencies on any machine (code 0: symbol absent)."""
+    w = np.zeros(64, np.int64)
+    for q in range(1, 64):
+        w[q] = math.isqrt(math.isqrt(65536 << (q - 1)))
+    return w
+
+
+_WEIGHTS = _weight_table()
 
 
 # ----------------------------------------------------------------------------------------------- numba helpers
@@ -220,39 +233,28 @@ def _group_cost(h: np.ndarray) -> float:
     if n == 0:
         return 0.0
     bits = 0.0
-    table = 0  # bytes: symbol count, one per frequency up to the last used symbol, one more per frequency >= 128
     for s in range(h.size):
         if h[s] > 0:
             bits += h[s] * math.log2(n / h[s])
-            table += h[s] * _PROB_SCALE >= 128 * n
             last = s
-    return bits + 8.0 * (table + last + 2)
+    return bits + 8.0 + 6.0 * (last + 1)  # the table: symbol count, then 6 bits per symbol
 
 
 @njit(**_JIT)
-def _merge_contexts(hist: np.ndarray, ctx_map: np.ndarray) -> tuple[int, float]:
-    """Group contexts (rows of hist) into tables: sort by mean token, merge neighbours while that saves bits
-    (and always down to 16 tables). Writes ctx_map (255 for unused contexts); returns (tables, est. bits)."""
-    keys = np.empty(256, np.float64)
-    active = np.empty(256, np.int64)
-    na = 0
-    for c in range(256):
-        ctx_map[c] = _NONE
-        tot = hist[c].sum()
-        if tot > 0:
-            active[na] = c
-            keys[na] = (hist[c] * np.arange(_NSYM)).sum() / tot
-            na += 1
-    if na == 0:
-        return 0, 0.0
-    order = active[:na][np.argsort(keys[:na], kind="mergesort")]
-    gh = np.empty((na, _NSYM), np.int64)  # group histograms; group g is alive while owner[g] == g
+def _merge_contexts(hist: np.ndarray, ctxs: np.ndarray, ctx_map: np.ndarray) -> tuple[int, float]:
+    """Group contexts (rows of hist, context ids in ctxs) into tables: sort by mean token, merge neighbours
+    while that saves bits (and always down to 15 tables). Writes ctx_map; returns (tables, estimated bits)."""
+    na = ctxs.size
+    keys = np.empty(na)
+    for r in range(na):
+        keys[r] = (hist[r] * np.arange(hist.shape[1])).sum() / hist[r].sum()
+    order = np.argsort(keys, kind="mergesort")
+    gh = hist[order].copy()  # group histograms, in key order; group g is alive while owner[g] == g
     cost = np.empty(na)
     for g in range(na):
-        gh[g] = hist[order[g]]
         cost[g] = _group_cost(gh[g])
     owner = np.arange(na)
-    nxt = np.arange(1, na + 1)  # next live group in key order (na: none)
+    nxt = np.arange(1, na + 1)  # next live group (na: none)
     prv = np.arange(-1, na - 1)
     gain = np.full(na, -np.inf)  # bits saved by merging g with nxt[g]
     for g in range(na - 1):
@@ -269,7 +271,7 @@ def _merge_contexts(hist: np.ndarray, ctx_map: np.ndarray) -> tuple[int, float]:
             break
         o = nxt[best]
         gh[best] += gh[o]
-        cost[best] = cost[best] + cost[o] - gain[best]
+        cost[best] += cost[o] - gain[best]
         nxt[best] = nxt[o]
         if nxt[o] < na:
             prv[nxt[o]] = best
@@ -290,7 +292,7 @@ def _merge_contexts(hist: np.ndarray, ctx_map: np.ndarray) -> tuple[int, float]:
         t += 1
         g = nxt[g]
     for i in range(na):
-        ctx_map[order[i]] = table_of[owner[i]]
+        ctx_map[ctxs[order[i]]] = table_of[owner[i]]
     return alive, total
 
 
@@ -305,49 +307,67 @@ def _put_varint(buf: np.ndarray, pos: int, v: int) -> int:
 
 
 @njit(**_JIT)
-def _build_model(kind, ctx, val, tok, maps, freqs, cums, model) -> tuple[int, int]:
-    """Tokenise the ops, merge contexts into tables (or pick the built-in table), quantise, serialise.
+def _build_model(kind, ctx, val, tok, exact_gap_map, maps, freqs, cums, model) -> tuple[int, int]:
+    """Tokenise the ops, merge contexts into tables (or take the built-in table when cheaper), quantise and
+    serialise. ``exact_gap_map``: the gap map must list exactly the contexts used (class mode).
 
     Returns (model bytes, raw bit count); the latter bounds the rANS stream size.
     """
-    hist = np.zeros((2, 256, _NSYM), np.int64)
+    used = np.zeros((2, 256), np.bool_)
     raw_bits = 0
+    ntok = 1
     for i in range(val.size):
         t = _token(val[i])
         tok[i] = t
-        hist[kind[i], ctx[i], t] += 1
+        ntok = max(ntok, t + 1)
+        used[kind[i], ctx[i]] = True
         raw_bits += _token_bits(t)
+    rows = np.zeros((2, 256), np.int64)
+    ctxs = [np.flatnonzero(used[0]), np.flatnonzero(used[1])]
+    for k in range(2):
+        rows[k, ctxs[k]] = np.arange(ctxs[k].size)
+    hist = np.zeros((2, max(ctxs[0].size, ctxs[1].size), ntok), np.int64)
+    for i in range(val.size):
+        hist[kind[i], rows[kind[i], ctx[i]], tok[i]] += 1
     pos = 0
     for k in range(2):
-        ntab, est = _merge_contexts(hist[k], maps[k])
-        tot = hist[k].sum(axis=0)
+        h = hist[k, :ctxs[k].size]
+        maps[k] = _NONE
+        ntab, est = _merge_contexts(h, ctxs[k], maps[k])
+        tot = h.sum(axis=0)
         default_bits = 0.0
-        for s in range(_NSYM):
+        for s in range(ntok):
             default_bits += tot[s] * math.log2(_PROB_SCALE / _DEFAULT[s])
-        use_default = ntab > 0 and default_bits <= est
+        use_default = default_bits <= est
         if use_default:
-            for c in range(256):
-                if maps[k, c] != _NONE:
-                    maps[k, c] = 0
+            maps[k, ctxs[k]] = 0
             freqs[k, 0] = _DEFAULT
+            ntab = 1
         else:
-            th = np.zeros((max(ntab, 1), _NSYM), np.int64)
-            for c in range(256):
-                if maps[k, c] != _NONE:
-                    th[maps[k, c]] += hist[k, c]
-            for t in range(ntab):
-                _normalize(th[t], freqs[k, t])
-        model[pos] = _NONE if use_default else ntab
-        pos += 1
-        c = 0
-        while c < 256:  # context map as runs
-            run = 1
-            while c + run < 256 and maps[k, c + run] == maps[k, c]:
-                run += 1
-            model[pos] = maps[k, c]
-            pos = _put_varint(model, pos + 1, run)
-            c += run
-        for t in range(1 if use_default else ntab):
+            th = np.zeros((ntab, ntok), np.int64)
+            for r in range(ctxs[k].size):
+                th[maps[k, ctxs[k][r]]] += h[r]
+            codes = np.zeros((ntab, ntok), np.int64)
+            for t in range(ntab):  # 6-bit log-scale codes of the counts; both sides normalise their weights
+                top = th[t].max()
+                for s in range(ntok):
+                    if th[t, s] > 0:
+                        codes[t, s] = min(max(63 + round(4.0 * math.log2(th[t, s] / top)), 1), 63)
+                _normalize(_WEIGHTS[codes[t]], freqs[k, t, :ntok])
+        if use_default and not (exact_gap_map and k == _GAP):
+            model[pos] = _DEFAULT_ALL
+            pos += 1
+        else:  # context map: first context, count, then one nibble per context (15: none)
+            first, count = ctxs[k][0], ctxs[k][-1] - ctxs[k][0] + 1
+            model[pos] = _DEFAULT_MAPPED if use_default else ntab
+            pos = _put_varint(model, pos + 1, first)
+            pos = _put_varint(model, pos, count)
+            for j in range(0, count, 2):
+                lo = maps[k, first + j]
+                hi = maps[k, first + j + 1] if j + 1 < count else _NONE
+                model[pos] = (lo & 15) | ((hi & 15) << 4)
+                pos += 1
+        for t in range(ntab):
             acc = 0
             last = 0
             for s in range(_NSYM):
@@ -355,11 +375,17 @@ def _build_model(kind, ctx, val, tok, maps, freqs, cums, model) -> tuple[int, in
                 acc += freqs[k, t, s]
                 if freqs[k, t, s] > 0:
                     last = s
-            if use_default:
-                continue
-            pos = _put_varint(model, pos, last + 1)
-            for s in range(last + 1):
-                pos = _put_varint(model, pos, freqs[k, t, s])
+            if not use_default:
+                pos = _put_varint(model, pos, last + 1)
+                acc = 0
+                for s in range(last + 1):  # 6-bit codes, least significant bits first
+                    acc |= codes[t, s] << (6 * (s & 3))
+                    if (s & 3) == 3 or s == last:
+                        for _ in range(((s & 3) * 6 + 6 + 7) // 8):
+                            model[pos] = acc & 255
+                            pos += 1
+                            acc >>= 8
+                        acc = 0
     return pos, raw_bits
 
 
@@ -375,6 +401,8 @@ def _encode_stream(kind, ctx, val, tok, maps, freqs, cums, buf) -> int:
         for t in range(freqs.shape[1]):
             for s in range(_NSYM):
                 f = freqs[k, t, s]
+                if f == 0:
+                    continue
                 xmax[k, t, s] = ((_RANS_L >> _PROB_BITS) << 8) * f
                 if f < 2:
                     rcp[k, t, s] = 0xFFFFFFFF
@@ -516,39 +544,48 @@ def _parse_model(model, maps, freqs, cums, luts) -> int:
             return 12
         ntab = int(model[pos])
         pos += 1
-        default = ntab == _NONE
-        if default:
-            ntab = 1
-        elif ntab > _MAX_TABLES:
+        default = ntab >= _DEFAULT_MAPPED
+        if ntab == _DEFAULT_ALL:
+            maps[k] = 0
+        elif ntab == 0 or (ntab > _MAX_TABLES and not default):
             return 9
-        c = 0
-        while c < 256:
-            if pos >= model.size:
+        else:
+            ntab = 1 if default else ntab
+            first, pos = _get_varint(model, pos)
+            count, pos = _get_varint(model, pos) if pos >= 0 else (0, -1)
+            if pos < 0 or pos + (count + 1) // 2 > model.size:
                 return 12
-            t = int(model[pos])
-            run, pos = _get_varint(model, pos + 1)
-            if pos < 0:
-                return 12
-            if t != _NONE and t >= ntab:
-                return 9
-            if run < 1 or c + run > 256:
+            if count < 1 or first + count > 256:
                 return 10
-            maps[k, c:c + run] = t
-            c += run
-        for t in range(ntab):
+            for j in range(count + (count & 1)):
+                t = (model[pos + j // 2] >> (4 * (j & 1))) & 15
+                if t != 15 and (t >= ntab or j == count):
+                    return 9
+                if j < count:
+                    maps[k, first + j] = _NONE if t == 15 else t
+            pos += (count + 1) // 2
+        for t in range(ntab if not default else 1):
             if default:
                 freqs[k, t] = _DEFAULT
             else:
                 nsym, pos = _get_varint(model, pos)
-                if pos < 0:
+                if pos < 0 or pos + (6 * nsym + 7) // 8 > model.size:
                     return 12
                 if nsym < 1 or nsym > _NSYM:
                     return 11
-                freqs[k, t] = 0
+                codes = np.zeros(_NSYM, np.int64)
                 for s in range(nsym):
-                    freqs[k, t, s], pos = _get_varint(model, pos)
-                    if pos < 0:
-                        return 12
+                    bit = 6 * s
+                    word = int(model[pos + bit // 8])
+                    if bit % 8 > 2:
+                        word |= int(model[pos + bit // 8 + 1]) << 8
+                    codes[s] = (word >> (bit % 8)) & 63
+                if (6 * nsym) % 8 and model[pos + (6 * nsym) // 8] >> ((6 * nsym) % 8):
+                    return 11  # nonzero padding bits
+                pos += (6 * nsym + 7) // 8
+                if codes[nsym - 1] == 0:
+                    return 11
+                _normalize(_WEIGHTS[codes], freqs[k, t])
             acc = 0
             for s in range(_NSYM):
                 f = freqs[k, t, s]
@@ -758,7 +795,7 @@ class SparseCodec:
         cums = np.zeros((2, _MAX_TABLES, _NSYM), np.int64)
         model = np.empty(_MODEL_CAP, np.uint8)
         tok = np.empty(ops[2].size, np.uint8)
-        mlen, raw_bits = _build_model(*ops, tok, maps, freqs, cums, model)
+        mlen, raw_bits = _build_model(*ops, tok, mode == MODE_CLASS, maps, freqs, cums, model)
         # a token emits <= 2 bytes, a raw chunk of b <= 16 bits <= ceil(b / 8) bytes, the final state 4
         buf = np.empty(8 + 2 * tok.size + raw_bits // 8 + 2 * (raw_bits // 16 + tok.size), np.uint8)
         start = _encode_stream(*ops, tok, maps, freqs, cums, buf)

@@ -11,9 +11,8 @@ it rebuild the new state. Prints "RANK r OK n" at the end; any failure raises (n
 """
 from __future__ import annotations
 
-import argparse
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -106,7 +105,7 @@ def chunk_bytes(chunks: list) -> list[tuple[str, str, Any, bytes]]:
 
 def rebuild(everything: list[list[tuple[str, str, Any, bytes]]], specs: list) -> dict[str, np.ndarray]:
     spec = {name: (shape, dtype) for name, shape, dtype in specs}
-    full = {name: np.zeros(numel(shape) * itemsize(dtype), dtype=np.uint8) for name, (shape, dtype) in spec.items()}
+    full = {name: np.zeros(numel(shape) * itemsize(dtype), np.uint8) for name, (shape, dtype) in spec.items()}
     for rank_chunks in everything:
         for name, space, box, data in rank_chunks:
             shape, dtype = spec[name]
@@ -138,7 +137,7 @@ def verify(label: str, model: nn.Module, names: list[str] | None, chunks: list |
     expect(list(full) == [s[0] for s in specs], f"{label}: gathered names {list(full)} differ from the specs")
     for name, shape, dtype in specs:
         ref = RawTensor.from_any(full[name])
-        expect(ref.shape == shape and ref.dtype == dtype, f"{label}: {name} is {ref.dtype}{ref.shape}, spec {dtype}{shape}")
+        expect((ref.shape, ref.dtype) == (shape, dtype), f"{label}: {name}: {ref.dtype}{ref.shape}, not {dtype}{shape}")
     for c in chunks:
         expect(c.source.dim() == 1 and c.source.numel() == c.box.numel > 0, f"{label}: bad source for {c.name}")
     # (b) every element owned exactly once
@@ -146,7 +145,8 @@ def verify(label: str, model: nn.Module, names: list[str] | None, chunks: list |
     # (a) the chunks of all ranks rebuild the gathered state bit for bit
     rebuilt = rebuild(gather(chunk_bytes(chunks)), specs)
     for name in full:
-        expect(np.array_equal(rebuilt[name], RawTensor.from_any(full[name]).data), f"{label}: {name} differs from the gathered state")
+        same = np.array_equal(rebuilt[name], RawTensor.from_any(full[name]).data)
+        expect(same, f"{label}: {name} differs from the gathered state")
     return chunks
 
 
@@ -166,17 +166,20 @@ def check_all(label: str, model: nn.Module, *, dtypes: dict[str, torch.dtype], u
         expect(c.source.dtype == dtypes[c.name], f"{label}: source of {c.name} is {c.source.dtype}")
         expect(c.dtype == ("I64" if c.name.endswith("step_count") else "BF16"), f"{label}: dtype of {c.name}")
     verify(f"{label}/tie=True", model, untied, tie_word_embeddings=True)
-    verify(f"{label}/F32", model, names, snapshot_dtype="F32", tie_word_embeddings=False)
-    rename: Callable[[str], str | None] = lambda n: None if n == "model.one" else n.replace("model.", "transformer.", 1)
+    no_buffers = [n for n in names if "step_count" not in n]
+    verify(f"{label}/F32-no-buffers", model, no_buffers, snapshot_dtype="F32", include_buffers=False)
+    def rename(n: str) -> str | None:
+        return None if n == "model.one" else n.replace("model.", "transformer.", 1)
+
     renamed = [rename(n) for n in untied if rename(n) is not None]
     verify(f"{label}/rename", model, renamed, rename=rename, tie_word_embeddings=True)
-    verify(f"{label}/no-buffers", model, [n for n in names if "step_count" not in n], include_buffers=False)
     verify_ownership(model)
     before = {k: RawTensor.from_any(v).data.copy() for k, v in gather_full_state(model).items()}
     bump(model)
     verify(f"{label}/live-views", model, names, chunks=chunks)  # chunks taken before the update
     after = gather_full_state(model)
-    expect(not np.array_equal(before["model.odd"], RawTensor.from_any(after["model.odd"]).data), f"{label}: update had no effect")
+    changed = not np.array_equal(before["model.odd"], RawTensor.from_any(after["model.odd"]).data)
+    expect(changed, f"{label}: the update had no effect")
     # The first forward runs the framework's lazy init (FSDP1 sets up its local shard then); chunks taken
     # before it must still be views of the live data after it.
     model(IDS)
@@ -199,7 +202,10 @@ def fsdp2(world: int, hsdp: bool) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     model = build()
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard")) if hsdp else init_device_mesh("cpu", (world,))
+    if hsdp:  # replicate over mesh dim 0, shard over mesh dim 1
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model.model.aux, mesh=mesh)
@@ -227,8 +233,6 @@ def fsdp1(use_orig_params: bool, checkpointing: bool) -> nn.Module:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     dtypes = {k: v.dtype for k, v in build().state_dict().items()}

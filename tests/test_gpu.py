@@ -1,0 +1,70 @@
+"""The device-side diff: on a GPU only changed positions and values cross to the host, and they match the host
+diff exactly. Skipped without CUDA (CI has none); run on a GPU machine with `pytest -m gpu tests/test_gpu.py`."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fsdp_hotload.arc.boxes import Box
+from fsdp_hotload.arc.codecs import element_diff
+from fsdp_hotload.engine.staging import Stager
+from fsdp_hotload.publish import WholeChunk
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def chunks(device: str) -> list[WholeChunk]:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    out = []
+    for name, shape, dtype in [("a", (257, 33), torch.float32), ("b", (5,), torch.bfloat16),
+                               ("c", (0,), torch.float32), ("d", (7, 3), torch.int64)]:
+        t = (torch.randn(shape, generator=g) * 0.02).to(dtype) if dtype.is_floating_point else torch.arange(
+            int(np.prod(shape)), dtype=dtype).reshape(shape)
+        code = "BF16" if dtype.is_floating_point else "I64"
+        out.append(WholeChunk(name, shape, code, "flat", Box.flat(0, t.numel()), t.to(device).reshape(-1)))
+    return out
+
+
+@pytest.mark.parametrize("cache_on", ["device", "host"])
+def test_device_diff_matches_host_diff(cache_on: str) -> None:
+    cs = chunks("cuda")
+    st = Stager(cs, slots=1, cache_on=cache_on)
+    buf = st.acquire(wait=False)
+    assert buf is not None and buf.device.type == "cuda"
+    st.wait_event(st.stage(buf))
+    host_before = buf.cpu().numpy().copy()
+    st.promote(buf)
+    with torch.no_grad():
+        for c in cs:
+            if c.source.is_floating_point() and c.source.numel():
+                c.source[::7] += 1e-2
+        cs[3].source[2] = -5
+    buf = st.acquire(wait=False)
+    assert buf is not None
+    st.wait_event(st.stage(buf))
+    host_after = buf.cpu().numpy()
+    diffs = st.diff(buf)
+    for s, d in zip(st.slices, diffs):
+        want = element_diff(host_before[s.offset:s.offset + s.nbytes], host_after[s.offset:s.offset + s.nbytes],
+                            s.itemsize)
+        assert d.n == want.n and np.array_equal(d.idx, want.idx)
+        assert np.array_equal(d.old, want.old) and np.array_equal(d.new, want.new)
+    assert sum(d.changed for d in diffs) > 0
+
+
+def test_staging_copy_is_ordered_before_next_update() -> None:
+    """The training stream waits for the staging copy, so an in-place update right after stage() cannot leak in."""
+    cs = chunks("cuda")
+    st = Stager(cs, slots=1)
+    want = torch.cat([c.source.detach().to(torch.bfloat16 if c.dtype == "BF16" else torch.int64)
+                      .reshape(-1).view(torch.uint8) for c in cs])
+    buf = st.acquire(wait=False)
+    assert buf is not None
+    event = st.stage(buf)
+    with torch.no_grad():
+        cs[0].source.mul_(3.0)  # queued on the training stream after the copy
+    st.wait_event(event)
+    got = torch.cat([buf[s.offset:s.offset + s.nbytes] for s in st.slices])
+    assert torch.equal(got.cpu(), want.cpu())
