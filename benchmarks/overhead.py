@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import platform
@@ -33,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,41 @@ def med(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+class CpuSampler(threading.Thread):
+    """Samples this process's CPU seconds (the emulator's replicas live here) so steps can be charged for them."""
+
+    def __init__(self, period_s: float = 0.05) -> None:
+        super().__init__(name="cpu-sampler", daemon=True)
+        self.period_s = period_s
+        self.samples: list[tuple[float, float]] = []
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            self.samples.append((time.time(), time.process_time()))
+            self._stop_event.wait(self.period_s)
+
+    def stop(self) -> list[tuple[float, float]]:
+        self._stop_event.set()
+        self.join()
+        self.samples.append((time.time(), time.process_time()))
+        return self.samples
+
+
+def cpu_between(samples: list[tuple[float, float]], a: float, b: float) -> float:
+    """CPU seconds spent between wall times a and b, interpolated between samples."""
+    if len(samples) < 2:
+        return float("nan")
+    ws, cs = [x[0] for x in samples], [x[1] for x in samples]
+
+    def at(t: float) -> float:
+        i = min(max(bisect.bisect_right(ws, t), 1), len(ws) - 1)
+        w0, w1, c0, c1 = ws[i - 1], ws[i], cs[i - 1], cs[i]
+        return c0 if w1 == w0 else c0 + (c1 - c0) * min(max((t - w0) / (w1 - w0), 0.0), 1.0)
+
+    return at(b) - at(a)
+
+
 def _timed(rec: dict[str, Any], discard: int) -> bool:
     return rec["round"] >= 0 and rec["i"] >= discard
 
@@ -89,6 +126,12 @@ def analyse(res: dict[str, Any]) -> dict[str, Any]:
         row: dict[str, Any] = {"n": len(step_s), "median": med(step_s), "p90": pct(step_s, 90),
                                "mean": statistics.fmean(step_s) if step_s else float("nan"),
                                "round_medians": {k: med(x) for k, x in sorted(per_round.items())}}
+        # CPU seconds per step: the job's processes (all threads) and the emulator (launcher process)
+        job_cpu = [sum(x["cpu_s"] for x in recs) for recs in steps]
+        row["job_cpu"] = statistics.fmean(job_cpu) if job_cpu else float("nan")
+        emu = res.get("emulator_cpu") or []
+        emu_cpu = [cpu_between(emu, *recs[0]["wall"]) for recs in steps]
+        row["emu_cpu"] = statistics.fmean(emu_cpu) if emu_cpu and emu else float("nan")
         if v == "baseline":
             base_round_med = row["round_medians"]
         else:
@@ -99,6 +142,10 @@ def analyse(res: dict[str, Any]) -> dict[str, Any]:
             row["hook_staged_med"] = max(med(s) for s in staged)
             row["hook_staged_p90"] = max(pct(s, 90) for s in staged)
             row["hook_all_med"] = max(med(s) for s in every)
+            row["parts_staged_med"] = {
+                k: max(med([x["parts"][k] for x in r["records"] if x["variant"] == v and _timed(x, discard)
+                            and x["started"]]) for r in ranks)
+                for k in ("sources", "busy", "acquire", "stage")}
             timed = [x for x in ranks[0]["records"] if x["variant"] == v and x["round"] >= 0]
             row["started"] = sum(x["started"] for x in timed)
             row["skipped"] = sum(not x["started"] for x in timed)
@@ -112,6 +159,7 @@ def analyse(res: dict[str, Any]) -> dict[str, Any]:
                 row[kind] = {"n": len(ks), "total_s": med([m["total_s"] for m in ks]),
                              "upload_s": med([m["upload_s"] for m in ks]), "ready_s": med([m["ready_s"] for m in ks]),
                              "encode_s": med([m["encode_s"] for m in ks]), "diff_s": med([m["diff_s"] for m in ks]),
+                             "route_s": med([m["route_s"] for m in ks]), "signal_s": med([m["signal_s"] for m in ks]),
                              "bytes": med([m["bytes_written"] for m in ks]),
                              "changed": med([m["changed_fraction"] for m in ks if m["changed_fraction"] is not None])}
             row["total_s"] = med([m["total_s"] for m in ok])
@@ -168,29 +216,45 @@ def report(res: dict[str, Any], a: dict[str, Any]) -> str:
     c = a.get("copies", {})
     shard = max(a.get("bf16_shard_bytes_per_rank", [0]))
     if c:
-        lines.append(f"bf16 local shard: {shard / 1e6:.1f} MB/rank in {c['chunks']} chunks; bare bf16 copy "
-                     f"(empty_like().copy_(bf16 shard)) {_ms(c['bare_copy_s'])} ms, fresh fp32->bf16 cast-copy "
-                     f"{_ms(c['fresh_cast_s'])} ms, cast-copy into a preallocated buffer {_ms(c['warm_cast_s'])} ms, "
-                     f"local_chunks() walk {_ms(c['sources_s'])} ms (max over ranks of the medians)")
-    lines += ["", "| variant | steps | median ms | p90 ms | ratio (median) | ratio (mean) | per-round ratios |",
-              "|---|---|---|---|---|---|---|"]
+        lines.append(f"bf16 local shard: {shard / 1e6:.1f} MB/rank in {c['chunks']} chunks. Copies, publisher idle "
+                     f"(max over ranks of the medians): bare bf16 copy empty_like(b).copy_(b) {_ms(c['bare_copy_s'])} "
+                     f"ms; fp32->bf16 cast-copy into a new buffer {_ms(c['fresh_cast_s'])} ms, into a preallocated "
+                     f"one {_ms(c['warm_cast_s'])} ms; Stager.stage {_ms(c['stage_idle_s'])} ms; local_chunks() "
+                     f"walk {_ms(c['sources_s'])} ms")
+    cores = res.get("cores") or 2
+    lines += ["", "Step = forward + backward + optimizer + cb.step(), slowest rank. CPU per step = core-seconds of both "
+              f"ranks' processes (all threads) + of the emulator process; busy = that / ({cores} cores x mean step).",
+              "", "| variant | steps | median ms | p90 ms | ratio (median) | ratio (mean) | per-round ratios (median) | "
+              "CPU s/step: job + emulator | cores busy |", "|---|---|---|---|---|---|---|---|---|"]
     for v, r in vs.items():
-        rr = " ".join(f"{x:.3f}" for x in r.get("round_ratios", []))
+        rr = " ".join(f"{x:.2f}" for x in r.get("round_ratios", []))
+        emu = r["emu_cpu"] if r["emu_cpu"] == r["emu_cpu"] else 0.0
+        busy = (r["job_cpu"] + emu) / (cores * r["mean"])
         lines.append(f"| {v} | {r['n']} | {_ms(r['median'])} | {_ms(r['p90'])} | "
-                     f"{r.get('ratio_median', 1.0):.3f} | {r.get('ratio_mean', 1.0):.3f} | {rr or '-'} |")
+                     f"{r.get('ratio_median', 1.0):.3f} | {r.get('ratio_mean', 1.0):.3f} | {rr or '-'} | "
+                     f"{r['job_cpu']:.3f} + {emu:.3f} | {busy:.0%} |")
     pubs = [v for v in vs if v != "baseline"]
     if pubs:
-        lines += ["", "| variant | hook ms (staged, med / p90) | hook ms (all steps, med) | engine blocking_ms | "
-                  "blocking / bare copy | started / skipped | ok / failed | staleness (steps) |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["", "Hook = time in cb.step() on the steps that staged a snapshot (max over ranks of the medians); "
+                  "its parts: local_chunks walk / busy check (allreduce, absorbs rank skew) / slot wait / "
+                  "Stager.stage copy.",
+                  "", "| variant | hook ms med / p90 | parts ms: walk / busy / slot / stage | hook ms, all steps "
+                  "(med) | hook / bare bf16 copy | hook / cast-copy | stage / cast-copy | started / skipped | "
+                  "ok / failed | staleness (steps) |", "|---|---|---|---|---|---|---|---|---|---|"]
         for v in pubs:
             r = vs[v]
+            pm = r["parts_staged_med"]
             x = r["hook_staged_med"] / c["bare_copy_s"] if c else float("nan")
+            y = r["hook_staged_med"] / c["warm_cast_s"] if c else float("nan")
+            z = pm["stage"] / c["warm_cast_s"] if c else float("nan")
             lines.append(f"| {v} | {_ms(r['hook_staged_med'])} / {_ms(r['hook_staged_p90'])} | "
-                         f"{_ms(r['hook_all_med'])} | {r['engine_blocking_ms']:.1f} | {x:.2f}x | "
-                         f"{r['started']} / {r['skipped']} | {r['ok']} / {r['failed']} | {r['staleness']:.0f} |")
-        lines += ["", "| variant | kind | n | total s (hook->all ready) | diff s | encode s | upload s | ready s | "
-                  "MB written | changed |", "|---|---|---|---|---|---|---|---|---|---|"]
+                         f"{_ms(pm['sources'])} / {_ms(pm['busy'])} / {_ms(pm['acquire'])} / {_ms(pm['stage'])} | "
+                         f"{_ms(r['hook_all_med'])} | {x:.1f}x | {y:.2f}x | {z:.2f}x | {r['started']} / {r['skipped']} | "
+                         f"{r['ok']} / {r['failed']} | {r['staleness']:.0f} |")
+        lines += ["", "End-to-end latency per publish (medians; PublishMetrics: stages are the max over ranks, "
+                  "total = hook until every replica of the deployment serves the snapshot):",
+                  "", "| variant | kind | n | total s | diff s | encode s | route s | upload s | signal s | ready s | "
+                  "MB written | changed |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for v in pubs:
             for kind in ("delta", "full"):
                 k = vs[v][kind]
@@ -198,18 +262,30 @@ def report(res: dict[str, Any], a: dict[str, Any]) -> str:
                     continue
                 ch = f"{100 * k['changed']:.2f}%" if k["changed"] == k["changed"] else "-"
                 lines.append(f"| {v} | {kind} | {k['n']} | {k['total_s']:.3f} | {k['diff_s']:.3f} | "
-                             f"{k['encode_s']:.3f} | {k['upload_s']:.3f} | {k['ready_s']:.3f} | "
-                             f"{k['bytes'] / 1e6:.2f} | {ch} |")
-        lines += ["", "| variant | median total s / upload s / ready s | bytes written vs a full snapshot per "
-                  "publish | vs a full snapshot every step | staging+cache bytes vs bf16 shard | peak RSS over "
-                  "baseline |", "|---|---|---|---|---|---|"]
+                             f"{k['encode_s']:.3f} | {k['route_s']:.3f} | {k['upload_s']:.3f} | {k['signal_s']:.3f} | "
+                             f"{k['ready_s']:.3f} | {k['bytes'] / 1e6:.2f} | {ch} |")
+        lines += ["", "Extra CPU per publish = (CPU/step - baseline CPU/step) x steps / publishes, both ranks + emulator. "
+                  "Staging memory = Stager.nbytes x (max_inflight + 1) (the design: slots + cache; 'held' = buffers "
+                  "the stager holds at the end). Transient RSS = peak RSS during the variant's steps over the "
+                  "baseline median (staging buffers were allocated before, so this is the pipeline's temporaries).",
+                  "", "| variant | total s / upload s / ready s (all ok publishes) | extra CPU s per publish: job + "
+                  "emulator | bytes written / (full snapshot x publishes) | / (full snapshot x steps) | staging+cache "
+                  "vs bf16 shard | transient RSS |", "|---|---|---|---|---|---|---|"]
+        base_row = vs.get("baseline")
         for v in pubs:
             r = vs[v]
             mem = max(s["nbytes"] * (s["max_inflight"] + 1) for s in r["stager"])
-            lines.append(f"| {v} | {r['total_s']:.3f} / {r['upload_s']:.3f} / {r['ready_s']:.3f} | "
-                         f"{r['bytes_vs_full_each_publish']:.3f} ({r['bytes_written'] / 1e6:.1f} MB in {r['ok']} "
-                         f"vs {r['raw_bytes'] / 1e6:.1f} MB each) | {r['bytes_vs_full_each_step']:.3f} | "
-                         f"{mem / shard:.3f}x ({mem / 1e6:.1f} MB) | {r['rss_peak_over_base'] / 1e6:.0f} MB |")
+            held = max(s["free"] + int(s["cache"]) for s in r["stager"])
+            extra = "-"
+            if base_row is not None and r["started"]:
+                per = (r["started"] + r["skipped"]) / r["started"]  # steps per publish
+                emu = (r["emu_cpu"] - base_row["emu_cpu"]) if r["emu_cpu"] == r["emu_cpu"] else 0.0
+                extra = f"{(r['job_cpu'] - base_row['job_cpu']) * per:.3f} + {emu * per:.3f}"
+            lines.append(f"| {v} | {r['total_s']:.3f} / {r['upload_s']:.3f} / {r['ready_s']:.3f} | {extra} | "
+                         f"{r['bytes_vs_full_each_publish']:.3f} ({r['bytes_written'] / 1e6:.1f} MB in {r['ok']}, "
+                         f"full = {r['raw_bytes'] / 1e6:.1f} MB) | {r['bytes_vs_full_each_step']:.3f} | "
+                         f"{mem / shard:.3f}x ({mem / 1e6:.1f} MB/rank, held {held}) | "
+                         f"{r['rss_peak_over_base'] / 1e6:.0f} MB |")
     if "skip" in vs and c:
         r = vs["skip"]
         over_med, over_mean = r["ratio_median"] - 1, r["ratio_mean"] - 1
@@ -220,7 +296,9 @@ def report(res: dict[str, Any], a: dict[str, Any]) -> str:
                   f"{over_mean:+.1%} -> {_yes(over_med <= TARGET_STEP_OVERHEAD)} (median), "
                   f"{_yes(over_mean <= TARGET_STEP_OVERHEAD)} (mean)",
                   f"- hook blocking <= {TARGET_BLOCKING_X}x a bare bf16 copy of the local shard: "
-                  f"{blk:.2f}x -> {_yes(blk <= TARGET_BLOCKING_X)}",
+                  f"{blk:.2f}x -> {_yes(blk <= TARGET_BLOCKING_X)} (against the fp32->bf16 cast-copy that staging "
+                  f"must do: {r['hook_staged_med'] / c['warm_cast_s']:.2f}x -> "
+                  f"{_yes(r['hook_staged_med'] / c['warm_cast_s'] <= TARGET_BLOCKING_X)})",
                   f"- extra memory <= {TARGET_MEMORY_X:.0f}x the bf16 local shard: Stager.nbytes x (max_inflight "
                   f"{r['stager'][0]['max_inflight']} + 1) = {mem:.3f}x -> {_yes(mem <= TARGET_MEMORY_X)}"]
     return "\n".join(lines)
@@ -248,18 +326,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer, shorter phases (< 90 s)")
-    p.add_argument("--variants", default="baseline,skip,wait",
-                   help="comma list of baseline, skip, wait, skip_nosignal")
-    p.add_argument("--rounds", type=int, help="interleaved rounds (default 4, quick 2)")
-    p.add_argument("--phase-steps", type=int, help="steps per variant per round (default 30, quick 10)")
+    p.add_argument("--variants", help="comma list of baseline, skip, wait, skip_nosignal "
+                                      "(default all four; quick: baseline,skip,wait)")
+    p.add_argument("--rounds", type=int, help="interleaved rounds (default 6, quick 2)")
+    p.add_argument("--phase-steps", type=int, help="steps per variant per round (default 12, quick 6)")
     p.add_argument("--replicas", type=int, default=2, help="emulator replicas per deployment")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--json", help="also write the raw results and the analysis here")
     p.add_argument("--timeout", type=float, default=900.0)
     args, job_extra = p.parse_known_args(argv)  # anything else (--dim, --layers, --poll ...) goes to the job
-    rounds = args.rounds or (2 if args.quick else 4)
-    phase = args.phase_steps or (10 if args.quick else 30)
-    warmup = 4 if args.quick else 6
+    rounds = args.rounds or (2 if args.quick else 6)
+    phase = args.phase_steps or (6 if args.quick else 12)
+    warmup = 3 if args.quick else 5
+    variants = args.variants or ("baseline,skip,wait" if args.quick else "baseline,skip,wait,skip_nosignal")
     tmp = Path(tempfile.mkdtemp(prefix="hotload-overhead-"))
     try:
         bucket, hf, out = tmp / "bucket", tmp / "hf", tmp / "result.json"
@@ -271,16 +350,21 @@ def main(argv: list[str] | None = None) -> int:
                    PYTHONPATH=os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH", "")) if x))
         env.pop("CUDA_VISIBLE_DEVICES", None)
         t0 = time.perf_counter()
+        sampler = CpuSampler()
+        sampler.start()
         with HotLoadEmulator(str(bucket), replicas=args.replicas, api_key=API_KEY) as emu:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                    str(args.nproc), str(JOB), "--bucket", str(bucket), "--url", emu.url, "--api-key", API_KEY,
-                   "--hf-dir", str(hf), "--out", str(out), "--variants", args.variants, "--rounds", str(rounds),
+                   "--hf-dir", str(hf), "--out", str(out), "--variants", variants, "--rounds", str(rounds),
                    "--phase-steps", str(phase), "--warmup", str(warmup), *job_extra]
             proc = subprocess.run(cmd, cwd=str(REPO), env=env, timeout=args.timeout)
+        samples = sampler.stop()
         if proc.returncode != 0:
             print(f"overhead job failed with exit code {proc.returncode}", file=sys.stderr)
             return proc.returncode
         res = json.loads(out.read_text())
+        res["emulator_cpu"] = samples
+        res["cores"] = os.cpu_count()
         a = analyse(res)
         print(f"\nmachine: {machine()}")
         print(f"command: {' '.join(['benchmarks/overhead.py', *(argv if argv is not None else sys.argv[1:])])}; "

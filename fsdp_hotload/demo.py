@@ -157,7 +157,15 @@ def job(args: argparse.Namespace) -> None:
         with open(os.path.join(args.workdir, "demo_result.json"), "w") as f:
             json.dump({"verified": verified, "rows": rows}, f)
     dist.barrier()
-    dist.destroy_process_group()
+    _exit_cleanly()
+
+
+def _exit_cleanly() -> None:
+    """Leave without C++ teardown: gloo can abort in static destructors after all work is done, which would
+    turn a finished job into a failed one."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_demo_cli(argv: list[str] | None = None) -> int:
@@ -190,7 +198,10 @@ def run_demo_cli(argv: list[str] | None = None) -> int:
     print(f"hotload demo: {args.nproc}-rank FSDP2 job on CPU, {args.steps} steps, full every {args.full_every}, "
           f"codec {args.codec}; bucket {bucket}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCH_CPP_LOG_LEVEL="ERROR")
-    with HotLoadEmulator(bucket, replicas=2, api_key=API_KEY) as emu:
+    from .arc import codec_names
+
+    # Our emulator stands in for a receiver running our decoder, so it accepts every codec we write.
+    with HotLoadEmulator(bucket, replicas=2, api_key=API_KEY, compression_formats=codec_names()) as emu:
         print(f"emulator: {emu.url} (2 replicas rebuild and verify every snapshot from the bucket)\n", flush=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
                "-m", "fsdp_hotload.demo", "--job", "--bucket", bucket, "--url", emu.url, "--hf-dir", hf,

@@ -445,6 +445,7 @@ class HotLoadClient:
         reset_prompt_cache: ResetPromptCache | None = None,
         validation: ValidationOptions | Mapping[str, Any] | None = None,
         source_url: str | None = None,
+        compression_format: str = "arc_v2",
     ) -> dict[str, Any]:
         """Tell the deployment that snapshot ``identity`` is complete in the bucket (a delta when
         ``previous_identity`` is given). Returns the response body; success means accepted, not loaded."""
@@ -452,7 +453,8 @@ class HotLoadClient:
         if previous_identity is not None:
             validate_identity(previous_identity, field="previous_identity")
         meta = (
-            IncrementalSnapshotMetadata(previous_snapshot_identity=previous_identity)
+            IncrementalSnapshotMetadata(previous_snapshot_identity=previous_identity,
+                                        compression_format=compression_format)
             if previous_identity is not None
             else None
         )
@@ -486,12 +488,14 @@ class HotLoadClient:
         log.info("signalled %s snapshot %r to %s", "delta" if meta else "full", identity, self.deployment_name)
         return result if isinstance(result, dict) else {"response": result}
 
-    def hint(self, identity: str, filename: str, *, previous_identity: str | None = None) -> None:
+    def hint(self, identity: str, filename: str, *, previous_identity: str | None = None,
+             compression_format: str = "arc_v2") -> None:
         """Tell replicas that one file of ``identity`` is durable, so they can start fetching it early."""
         meta = None
         if previous_identity is not None:
             validate_identity(previous_identity, field="previous_identity")
-            meta = IncrementalSnapshotMetadata(previous_snapshot_identity=previous_identity)
+            meta = IncrementalSnapshotMetadata(previous_snapshot_identity=previous_identity,
+                                               compression_format=compression_format)
         req = HintRequest(
             snapshot=HintSnapshot(identity=validate_identity(identity), incremental_snapshot_metadata=meta),
             filename=validate_filename(filename),

@@ -60,7 +60,6 @@ _NSYM = 256  # tokens of any 64-bit value
 _MAX_TABLES = 15  # table ids fit a nibble; 15 marks a context without a table
 _NONE = 255  # map entry: no table (class mode: the class never changes)
 _DEFAULT_MAPPED, _DEFAULT_ALL = 254, 255  # table-count byte: built-in table with / without a context map
-_MODEL_CAP = 2 * (7 + 128 + _MAX_TABLES * (3 + 2 * _NSYM))
 _GAP, _VAL = 0, 1
 _SMALL_K = 256  # below this many changes encode_arrays also tries sparse mode and keeps the smaller payload
 _JIT = dict(nogil=True, cache=True)
@@ -141,13 +140,10 @@ def _zigzag(old: np.uint64, new: np.uint64, bits: int) -> np.uint64:
 
 
 @njit(inline="always")
-def _unzigzag_apply(o: np.uint64, v: np.uint64, bits: int) -> tuple[np.uint64, bool]:
-    """Parent value plus the zigzag delta coded as v = z - 1; fails if z is 0 or wider than the element."""
-    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - bits)
-    if v >= mask:
-        return o, False
+def _unzigzag_add(o: np.uint64, v: np.uint64, mask: np.uint64) -> np.uint64:
+    """Parent value plus the zigzag delta coded as v = z - 1 (the caller checks v < mask: z in [1, mask])."""
     z = v + np.uint64(1)
-    return (o + ((z >> np.uint64(1)) ^ (mask * (z & np.uint64(1))))) & mask, True
+    return (o + ((z >> np.uint64(1)) ^ (mask * (z & np.uint64(1))))) & mask
 
 
 @njit(inline="always")
@@ -171,35 +167,32 @@ def _renorm_out(x: np.uint64, buf: np.ndarray, pos: int, xmax: np.uint64) -> tup
 
 
 @njit(inline="always")
-def _renorm_in(x: np.uint64, data: np.ndarray, pos: int, end: int) -> tuple[np.uint64, int, bool]:
+def _renorm_in(x: np.uint64, data: np.ndarray, pos: int) -> tuple[np.uint64, int]:
+    """Refill the state. Unchecked: the caller pads data and checks ``pos <= end`` after every value; with the
+    state >= 2^23 before a step, one value reads at most 14 bytes."""
     while x < np.uint64(_RANS_L):
-        if pos >= end:
-            return x, pos, False
         x = (x << np.uint64(8)) | np.uint64(data[pos])
         pos += 1
-    return x, pos, True
+    return x, pos
 
 
 @njit(inline="always")
-def _dec_value(x, data, pos, end, freq, cum, lut):
-    """Decode one table-coded number (token, then its raw bits in 16-bit chunks). Returns (v, x, pos, ok)."""
-    slot = int(x & np.uint64(_PROB_SCALE - 1))
+def _dec_value(x, data, pos, freq, cum, lut):
+    """Decode one table-coded number (token, then its raw bits in 16-bit chunks). Returns (v, x, pos)."""
+    slot = x & np.uint64(_PROB_SCALE - 1)
     tok = int(lut[slot])
-    x = np.uint64(freq[tok]) * (x >> np.uint64(_PROB_BITS)) + np.uint64(slot - cum[tok])
-    x, pos, ok = _renorm_in(x, data, pos, end)
-    if tok < 16 or not ok:
-        return np.uint64(tok), x, pos, ok
-    nb = _token_bits(tok)
+    x, pos = _renorm_in(np.uint64(freq[tok]) * (x >> np.uint64(_PROB_BITS)) + slot - np.uint64(cum[tok]), data, pos)
+    if tok < 16:
+        return np.uint64(tok), x, pos
+    nb = ((tok - 16) >> 2) + 2
     v = np.uint64(4 | (tok & 3)) << np.uint64(nb)
     s = 0
     while s < nb:
         b = min(16, nb - s)
         v |= (x & np.uint64((1 << b) - 1)) << np.uint64(s)
-        x, pos, ok = _renorm_in(x >> np.uint64(b), data, pos, end)
-        if not ok:
-            return v, x, pos, False
+        x, pos = _renorm_in(x >> np.uint64(b), data, pos)
         s += b
-    return v, x, pos, True
+    return v, x, pos
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -226,18 +219,27 @@ def _normalize(h: np.ndarray, out: np.ndarray) -> None:
                 need -= 1
 
 
+_XLOGX = np.array([0.0] + [c * math.log2(c) for c in range(1, 4096)])  # c·log2(c), for size estimates only
+
+
+@njit(inline="always")
+def _xlx(c: int) -> float:
+    return _XLOGX[c] if c < 4096 else c * math.log2(c)
+
+
 @njit(**_JIT)
-def _group_cost(h: np.ndarray) -> float:
-    """Estimated bits for a histogram coded with its own table: entropy plus the table's serialised size."""
-    n = h.sum()
-    if n == 0:
-        return 0.0
-    bits = 0.0
+def _group_cost(h: np.ndarray, h2: np.ndarray) -> float:
+    """Estimated bits to code the histogram h + h2 with its own table: entropy plus the serialised table."""
+    n = 0
+    acc = 0.0
+    last = -1
     for s in range(h.size):
-        if h[s] > 0:
-            bits += h[s] * math.log2(n / h[s])
+        c = h[s] + h2[s]
+        if c > 0:
+            n += c
+            acc += _xlx(c)
             last = s
-    return bits + 8.0 + 6.0 * (last + 1)  # the table: symbol count, then 6 bits per symbol
+    return _xlx(n) - acc + 8.0 + 6.0 * (last + 1) if n else 0.0  # the table: symbol count, 6 bits a symbol
 
 
 @njit(**_JIT)
@@ -251,14 +253,15 @@ def _merge_contexts(hist: np.ndarray, ctxs: np.ndarray, ctx_map: np.ndarray) -> 
     order = np.argsort(keys, kind="mergesort")
     gh = hist[order].copy()  # group histograms, in key order; group g is alive while owner[g] == g
     cost = np.empty(na)
+    zero = np.zeros(hist.shape[1], np.int64)
     for g in range(na):
-        cost[g] = _group_cost(gh[g])
+        cost[g] = _group_cost(gh[g], zero)
     owner = np.arange(na)
     nxt = np.arange(1, na + 1)  # next live group (na: none)
     prv = np.arange(-1, na - 1)
     gain = np.full(na, -np.inf)  # bits saved by merging g with nxt[g]
     for g in range(na - 1):
-        gain[g] = cost[g] + cost[g + 1] - _group_cost(gh[g] + gh[g + 1])
+        gain[g] = cost[g] + cost[g + 1] - _group_cost(gh[g], gh[g + 1])
     alive = na
     while alive > 1:
         best = 0
@@ -275,13 +278,15 @@ def _merge_contexts(hist: np.ndarray, ctxs: np.ndarray, ctx_map: np.ndarray) -> 
         nxt[best] = nxt[o]
         if nxt[o] < na:
             prv[nxt[o]] = best
-        owner[owner == o] = best
+        for i in range(na):
+            if owner[i] == o:
+                owner[i] = best
         alive -= 1
         for h in (prv[best], best):
             if h >= 0:
                 gain[h] = -np.inf
                 if nxt[h] < na:
-                    gain[h] = cost[h] + cost[nxt[h]] - _group_cost(gh[h] + gh[nxt[h]])
+                    gain[h] = cost[h] + cost[nxt[h]] - _group_cost(gh[h], gh[nxt[h]])
     table_of = np.empty(na, np.int64)
     total = 0.0
     t = 0
@@ -307,11 +312,12 @@ def _put_varint(buf: np.ndarray, pos: int, v: int) -> int:
 
 
 @njit(**_JIT)
-def _build_model(kind, ctx, val, tok, exact_gap_map, maps, freqs, cums, model) -> tuple[int, int]:
+def _build_model(kind, ctx, val, tok, exact_gap_map, maps):
     """Tokenise the ops, merge contexts into tables (or take the built-in table when cheaper), quantise and
     serialise. ``exact_gap_map``: the gap map must list exactly the contexts used (class mode).
 
-    Returns (model bytes, raw bit count); the latter bounds the rANS stream size.
+    Returns (model bytes, encoder frequencies and cumulative frequencies per kind/table/token, raw bit count);
+    the last bounds the rANS stream size.
     """
     used = np.zeros((2, 256), np.bool_)
     raw_bits = 0
@@ -329,37 +335,44 @@ def _build_model(kind, ctx, val, tok, exact_gap_map, maps, freqs, cums, model) -
     hist = np.zeros((2, max(ctxs[0].size, ctxs[1].size), ntok), np.int64)
     for i in range(val.size):
         hist[kind[i], rows[kind[i], ctx[i]], tok[i]] += 1
-    pos = 0
+    ntabs = np.zeros(2, np.int64)
+    defaults = np.zeros(2, np.bool_)
     for k in range(2):
         h = hist[k, :ctxs[k].size]
         maps[k] = _NONE
-        ntab, est = _merge_contexts(h, ctxs[k], maps[k])
-        tot = h.sum(axis=0)
+        ntabs[k], est = _merge_contexts(h, ctxs[k], maps[k])
         default_bits = 0.0
         for s in range(ntok):
-            default_bits += tot[s] * math.log2(_PROB_SCALE / _DEFAULT[s])
-        use_default = default_bits <= est
-        if use_default:
+            default_bits += h[:, s].sum() * math.log2(_PROB_SCALE / _DEFAULT[s])
+        if default_bits <= est:
+            defaults[k] = True
+            ntabs[k] = 1
             maps[k, ctxs[k]] = 0
-            freqs[k, 0] = _DEFAULT
-            ntab = 1
+    ntmax = ntabs.max()
+    freqs = np.zeros((2, ntmax, ntok), np.int64)
+    cums = np.zeros((2, ntmax, ntok), np.int64)
+    codes = np.zeros((2, ntmax, ntok), np.int64)
+    model = np.empty(2 * (8 + 128) + 2 * ntmax * (3 + (6 * ntok + 7) // 8), np.uint8)
+    pos = 0
+    for k in range(2):
+        if defaults[k]:
+            freqs[k, 0] = _DEFAULT[:ntok]
         else:
-            th = np.zeros((ntab, ntok), np.int64)
+            th = np.zeros((ntabs[k], ntok), np.int64)
             for r in range(ctxs[k].size):
-                th[maps[k, ctxs[k][r]]] += h[r]
-            codes = np.zeros((ntab, ntok), np.int64)
-            for t in range(ntab):  # 6-bit log-scale codes of the counts; both sides normalise their weights
+                th[maps[k, ctxs[k][r]]] += hist[k, r]
+            for t in range(ntabs[k]):  # 6-bit log-scale codes of the counts; both sides normalise their weights
                 top = th[t].max()
                 for s in range(ntok):
                     if th[t, s] > 0:
-                        codes[t, s] = min(max(63 + round(4.0 * math.log2(th[t, s] / top)), 1), 63)
-                _normalize(_WEIGHTS[codes[t]], freqs[k, t, :ntok])
-        if use_default and not (exact_gap_map and k == _GAP):
+                        codes[k, t, s] = min(max(63 + round(4.0 * math.log2(th[t, s] / top)), 1), 63)
+                _normalize(_WEIGHTS[codes[k, t]], freqs[k, t])
+        if defaults[k] and not (exact_gap_map and k == _GAP):
             model[pos] = _DEFAULT_ALL
             pos += 1
         else:  # context map: first context, count, then one nibble per context (15: none)
             first, count = ctxs[k][0], ctxs[k][-1] - ctxs[k][0] + 1
-            model[pos] = _DEFAULT_MAPPED if use_default else ntab
+            model[pos] = _DEFAULT_MAPPED if defaults[k] else ntabs[k]
             pos = _put_varint(model, pos + 1, first)
             pos = _put_varint(model, pos, count)
             for j in range(0, count, 2):
@@ -367,26 +380,22 @@ def _build_model(kind, ctx, val, tok, exact_gap_map, maps, freqs, cums, model) -
                 hi = maps[k, first + j + 1] if j + 1 < count else _NONE
                 model[pos] = (lo & 15) | ((hi & 15) << 4)
                 pos += 1
-        for t in range(ntab):
+        for t in range(ntabs[k]):
+            cums[k, t, 1:] = np.cumsum(freqs[k, t])[:-1]
+            if defaults[k]:
+                continue
+            last = np.flatnonzero(freqs[k, t])[-1]
+            pos = _put_varint(model, pos, last + 1)
             acc = 0
-            last = 0
-            for s in range(_NSYM):
-                cums[k, t, s] = acc
-                acc += freqs[k, t, s]
-                if freqs[k, t, s] > 0:
-                    last = s
-            if not use_default:
-                pos = _put_varint(model, pos, last + 1)
-                acc = 0
-                for s in range(last + 1):  # 6-bit codes, least significant bits first
-                    acc |= codes[t, s] << (6 * (s & 3))
-                    if (s & 3) == 3 or s == last:
-                        for _ in range(((s & 3) * 6 + 6 + 7) // 8):
-                            model[pos] = acc & 255
-                            pos += 1
-                            acc >>= 8
-                        acc = 0
-    return pos, raw_bits
+            for s in range(last + 1):  # 6-bit codes, least significant bits first
+                acc |= codes[k, t, s] << (6 * (s & 3))
+                if (s & 3) == 3 or s == last:
+                    for _ in range(((s & 3) * 6 + 6 + 7) // 8):
+                        model[pos] = acc & 255
+                        pos += 1
+                        acc >>= 8
+                    acc = 0
+    return model[:pos], freqs, cums, raw_bits
 
 
 @njit(**_JIT)
@@ -399,7 +408,7 @@ def _encode_stream(kind, ctx, val, tok, maps, freqs, cums, buf) -> int:
     bias = np.empty(freqs.shape, np.uint64)
     for k in range(2):
         for t in range(freqs.shape[1]):
-            for s in range(_NSYM):
+            for s in range(freqs.shape[2]):
                 f = freqs[k, t, s]
                 if f == 0:
                     continue
@@ -606,20 +615,22 @@ def _stream_start(data: np.ndarray) -> np.uint64:
 
 
 @njit(**_JIT)
-def _decode_sparse(parent, out, k, bits, shift, data, maps, freqs, cums, luts) -> int:
+def _decode_sparse(parent, out, k, bits, shift, data, end, maps, freqs, cums, luts) -> int:
     n = parent.size
     out[:] = parent
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - bits)
     x = _stream_start(data)
+    if x < np.uint64(_RANS_L):
+        return 5
     pos = 4
-    end = data.size
     prev = -1
     pctx = 0
     for _ in range(k):
         t = maps[_GAP, pctx]
         if t == _NONE:
             return 4
-        g, x, pos, ok = _dec_value(x, data, pos, end, freqs[_GAP, t], cums[_GAP, t], luts[_GAP, t])
-        if not ok:
+        g, x, pos = _dec_value(x, data, pos, freqs[_GAP, t], cums[_GAP, t], luts[_GAP, t])
+        if pos > end:
             return 1
         if g >= np.uint64(n - prev - 1):
             return 2
@@ -629,28 +640,30 @@ def _decode_sparse(parent, out, k, bits, shift, data, maps, freqs, cums, luts) -
         t = maps[_VAL, _class_of(o, shift)]
         if t == _NONE:
             return 4
-        v, x, pos, ok = _dec_value(x, data, pos, end, freqs[_VAL, t], cums[_VAL, t], luts[_VAL, t])
-        if not ok:
+        v, x, pos = _dec_value(x, data, pos, freqs[_VAL, t], cums[_VAL, t], luts[_VAL, t])
+        if pos > end:
             return 1
-        nv, ok = _unzigzag_apply(o, v, bits)
-        if not ok:
+        if v >= mask:
             return 3
+        nv = _unzigzag_add(o, v, mask)
         out[prev] = nv
     return 0 if pos == end and x == np.uint64(_RANS_L) else 5
 
 
 @njit(**_JIT)
-def _decode_class(parent, out, k, bits, shift, data, maps, freqs, cums, luts) -> int:
+def _decode_class(parent, out, k, bits, shift, data, end, maps, freqs, cums, luts) -> int:
     n = parent.size
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - bits)
     x = _stream_start(data)
+    if x < np.uint64(_RANS_L):
+        return 5
     pos = 4
-    end = data.size
     rem = np.full(256, -1, np.int64)  # class elements to skip before the class's next change; -1: never
     for c in range(256):
         t = maps[_GAP, c]
         if t != _NONE:
-            g, x, pos, ok = _dec_value(x, data, pos, end, freqs[_GAP, t], cums[_GAP, t], luts[_GAP, t])
-            if not ok:
+            g, x, pos = _dec_value(x, data, pos, freqs[_GAP, t], cums[_GAP, t], luts[_GAP, t])
+            if pos > end:
                 return 1
             if g > np.uint64(n):
                 return 8
@@ -672,16 +685,16 @@ def _decode_class(parent, out, k, bits, shift, data, maps, freqs, cums, luts) ->
             t = maps[_VAL, c]
             if t == _NONE:
                 return 4
-            v, x, pos, ok = _dec_value(x, data, pos, end, freqs[_VAL, t], cums[_VAL, t], luts[_VAL, t])
-            if not ok:
+            v, x, pos = _dec_value(x, data, pos, freqs[_VAL, t], cums[_VAL, t], luts[_VAL, t])
+            if pos > end:
                 return 1
-            nv, ok = _unzigzag_apply(o, v, bits)
-            if not ok:
+            if v >= mask:
                 return 3
+            nv = _unzigzag_add(o, v, mask)
             out[i] = nv
             t = maps[_GAP, c]
-            g, x, pos, ok = _dec_value(x, data, pos, end, freqs[_GAP, t], cums[_GAP, t], luts[_GAP, t])
-            if not ok:
+            g, x, pos = _dec_value(x, data, pos, freqs[_GAP, t], cums[_GAP, t], luts[_GAP, t])
+            if pos > end:
                 return 1
             if g > np.uint64(n):
                 return 8
@@ -695,8 +708,9 @@ def _decode_class(parent, out, k, bits, shift, data, maps, freqs, cums, luts) ->
 
 # -------------------------------------------------------------------------------------------------- the codec
 def _shift_for(itemsize: int) -> int:
-    """Bit offset of the 8 class bits: just under the sign bit (the exponent of bf16 and fp32)."""
-    return 8 * itemsize - 9 if itemsize > 1 else 0
+    """Bit offset of the class bits: the 8 under the sign bit (the exponent of bf16 and fp32); for bytes the top
+    5 (sign and exponent of fp8 e4m3), so that a class is not a single value."""
+    return 8 * itemsize - 9 if itemsize > 1 else 3
 
 
 def _varint(v: int) -> bytes:
@@ -791,15 +805,12 @@ class SparseCodec:
         if ops is None:
             return head + _varint(0) + _varint(0)
         maps = np.empty((2, 256), np.int64)
-        freqs = np.zeros((2, _MAX_TABLES, _NSYM), np.int64)
-        cums = np.zeros((2, _MAX_TABLES, _NSYM), np.int64)
-        model = np.empty(_MODEL_CAP, np.uint8)
         tok = np.empty(ops[2].size, np.uint8)
-        mlen, raw_bits = _build_model(*ops, tok, mode == MODE_CLASS, maps, freqs, cums, model)
+        model, freqs, cums, raw_bits = _build_model(*ops, tok, mode == MODE_CLASS, maps)
         # a token emits <= 2 bytes, a raw chunk of b <= 16 bits <= ceil(b / 8) bytes, the final state 4
         buf = np.empty(8 + 2 * tok.size + raw_bits // 8 + 2 * (raw_bits // 16 + tok.size), np.uint8)
         start = _encode_stream(*ops, tok, maps, freqs, cums, buf)
-        return b"".join((head, _varint(mlen), _varint(buf.size - start), model[:mlen].tobytes(),
+        return b"".join((head, _varint(model.size), _varint(buf.size - start), model.tobytes(),
                          buf[start:].tobytes()))
 
     def decode(self, payload: bytes, parent: np.ndarray, itemsize: int, out: np.ndarray) -> None:
@@ -842,8 +853,10 @@ class SparseCodec:
         luts = np.empty((2, _MAX_TABLES, _PROB_SCALE), np.uint8)
         err = _parse_model(raw[pos:pos + mlen], maps, freqs, cums, luts)
         if not err:
+            stream = np.zeros(slen + 32, np.uint8)  # padded: the kernels check for overruns once per value
+            stream[:slen] = raw[pos + mlen:]
             kernel = _decode_sparse if mode == MODE_SPARSE else _decode_class
-            err = kernel(a, o, k, 8 * itemsize, _shift_for(itemsize), raw[pos + mlen:], maps, freqs, cums, luts)
+            err = kernel(a, o, k, 8 * itemsize, _shift_for(itemsize), stream, slen, maps, freqs, cums, luts)
         if err:
             raise FormatError(f"{SPARSE_CODEC} payload: {_ERRORS[err]}")
 

@@ -24,8 +24,9 @@ log = logging.getLogger("fsdp_hotload")
 
 class Signaller:
     def __init__(self, clients: Sequence[Any], *, ready_timeout_s: float = 600.0,
-                 reset_prompt_cache: str | None = None) -> None:
+                 reset_prompt_cache: str | None = None, compression_format: str = "arc_v2") -> None:
         self.clients = list(clients)
+        self.compression_format = compression_format  # the codec of the deltas; Fireworks accepts arc_v2
         self.ready_timeout_s = ready_timeout_s
         self.reset_prompt_cache = reset_prompt_cache
         self.served: dict[str, str | None] = {c.deployment_name: None for c in self.clients}
@@ -41,13 +42,14 @@ class Signaller:
         clients = [HotLoadClient(cfg.hotload_api_url, account_id=cfg.account_id, model_id=cfg.model_id,
                                  deployment_id=d, api_key=cfg.resolved_api_key(),
                                  poll_interval_s=cfg.poll_interval_s) for d in cfg.deployments]
-        return cls(clients, ready_timeout_s=cfg.ready_timeout_s, reset_prompt_cache=cfg.reset_prompt_cache)
+        return cls(clients, ready_timeout_s=cfg.ready_timeout_s, reset_prompt_cache=cfg.reset_prompt_cache,
+                   compression_format=cfg.codec)
 
     def hint(self, identity: str, filename: str, previous: str | None) -> None:
         """Best effort: a lost hint only delays the replicas' prefetch, never correctness."""
         for c in self.clients:
             try:
-                c.hint(identity, filename, previous_identity=previous)
+                c.hint(identity, filename, previous_identity=previous, compression_format=self.compression_format)
             except Exception as exc:  # noqa: BLE001
                 log.warning("hotload: hint for %s/%s to %s failed: %s", identity, filename, c.deployment_name, exc)
 
@@ -58,7 +60,8 @@ class Signaller:
             if previous is not None and prev != previous:
                 raise RuntimeError(f"deployment {c.deployment_name} serves {prev!r}, not the delta's parent "
                                    f"{previous!r}; a full snapshot is needed")
-            c.signal(identity, previous_identity=prev, reset_prompt_cache=self.reset_prompt_cache)
+            c.signal(identity, previous_identity=prev, reset_prompt_cache=self.reset_prompt_cache,
+                     compression_format=self.compression_format)
         t0 = time.perf_counter()
         futures = [self._pool.submit(c.wait_ready, identity, timeout_s=self.ready_timeout_s) for c in self.clients]
         errors = []

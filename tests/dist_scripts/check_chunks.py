@@ -22,6 +22,7 @@ from torch import nn
 from fsdp_hotload.arc.boxes import scatter
 from fsdp_hotload.arc.dtypes import RawTensor, itemsize, numel, torch_name
 from fsdp_hotload.fsdp import check_ownership, full_tensor_specs, gather_full_state, local_chunks, verify_ownership
+from tests.dist_util import finish
 
 VOCAB, DIM, HID = 11, 6, 5
 CHECKS = 0
@@ -246,7 +247,7 @@ def main() -> None:
     check_all("fsdp1/orig=True+ckpt", fsdp1(True, checkpointing=True), dtypes=dtypes)
     dist.barrier()
     print(f"RANK {rank} OK {CHECKS}", flush=True)
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from fsdp_hotload.arc.dtypes import RawTensor  # noqa: E402
 from fsdp_hotload.fsdp import gather_full_state  # noqa: E402
 from fsdp_hotload.storage import Storage  # noqa: E402
 from tests.dist_scripts.check_chunks import IDS, fsdp1, fsdp2  # noqa: E402
+from tests.dist_util import finish  # noqa: E402
 from tests.s3_fixture import FaultyFileSystem  # noqa: E402
 
 
@@ -84,7 +85,7 @@ def main() -> None:
     if rank == 0:
         Path(args.out).write_text(json.dumps(records, indent=1))
     dist.barrier()
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,312 @@
+"""Codec benchmark: compression ratio and single-core speed of the delta codecs on RL-like bf16 updates.
+
+Run ``python benchmarks/codec.py`` (full: 64M-parameter synthetic snapshots plus a 4M-parameter GPT) or
+``python benchmarks/codec.py --quick`` (small sizes, < 60 s on 2 cores). ``--write-results`` also replaces
+the "Codec benchmark" section of ``benchmarks/RESULTS.md`` with the table.
+
+Every tensor of a snapshot is one chunk. Encode time covers the whole path from the two dense bf16 arrays
+(``element_diff`` included, or the fused pass of ``encode_arrays``); decode time covers rebuilding the new chunk
+from the parent into a preallocated buffer. Speeds are bf16 bytes of the chunk per second on one core, best of
+``--repeat`` runs (the machine may be shared). Every payload is decoded and compared bit for bit.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import zstandard  # noqa: E402
+from numba import njit  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from fsdp_hotload.arc.codecs import ArcV2, element_diff, zstd_decompress_exact  # noqa: E402
+from fsdp_hotload.arc.errors import FormatError  # noqa: E402
+from fsdp_hotload.arc.sparse import SparseCodec  # noqa: E402
+from rl_data import rl_snapshots, tiny_gpt_snapshots  # noqa: E402
+
+BOUND_DEFINITION = (
+    "order-0 bound = Σ over chunks of n·H_b(k/n) + k·H0(X) bits, where n = elements, k = changed elements, "
+    "H_b the binary entropy of the change mask and H0(X) the empirical entropy of the 16-bit XOR symbols "
+    "old^new at the changed positions (an order-0 model of the arc_v2 XOR buffer's information). "
+    "context bound = Σ over chunks and parent classes c (the 8 exponent bits of the parent) of "
+    "n_c·H_b(k_c/n_c) + k_c·H0(zigzag(new-old) | c): the same information given the parent's exponent, "
+    "which the receiver knows."
+)
+
+
+# ------------------------------------------------------------------------------------------ PULSE-style baseline
+@njit(nogil=True, cache=True)
+def _varint_gaps(idx: np.ndarray, out: np.ndarray) -> int:
+    pos = 0
+    prev = -1
+    for i in range(idx.size):
+        g = idx[i] - prev - 1
+        prev = idx[i]
+        while g >= 128:
+            out[pos] = (g & 127) | 128
+            pos += 1
+            g >>= 7
+        out[pos] = g
+        pos += 1
+    return pos
+
+
+@njit(nogil=True, cache=True)
+def _apply_varint_gaps(buf: np.ndarray, k: int, values: np.ndarray, out: np.ndarray) -> int:
+    """Scatter k values at the gap-coded positions; returns the bytes read, or -1 if malformed."""
+    pos = 0
+    prev = -1
+    for j in range(k):
+        g = 0
+        sh = 0
+        while True:
+            if pos >= buf.size or sh > 56:
+                return -1
+            b = buf[pos]
+            pos += 1
+            g |= (b & 127) << sh
+            sh += 7
+            if b < 128:
+                break
+        prev += g + 1
+        if prev >= out.size:
+            return -1
+        out[prev] = values[j]
+    return pos
+
+
+class Pulse:
+    """PULSE-style sparse baseline: varint gaps, then the raw new values, one zstd level-1 frame."""
+
+    name = "pulse"
+
+    def encode_arrays(self, parent: np.ndarray, new: np.ndarray, itemsize: int) -> bytes:
+        d = element_diff(parent, new, itemsize)
+        buf = np.empty(10 * d.changed + 10, np.uint8)
+        m = _varint_gaps(d.idx, buf)
+        body = d.changed.to_bytes(8, "little") + buf[:m].tobytes() + d.new.tobytes()
+        return zstandard.ZstdCompressor(level=1).compress(body)
+
+    def decode(self, payload: bytes, parent: np.ndarray, itemsize: int, out: np.ndarray) -> None:
+        # bounded by the worst case: k = n changes of 10-byte varints plus values
+        n = parent.size // itemsize
+        body = zstandard.ZstdDecompressor().decompress(payload, max_output_size=8 + n * (10 + itemsize))
+        k = int.from_bytes(body[:8], "little")
+        raw = np.frombuffer(body, np.uint8, offset=8)
+        values = raw[raw.size - k * itemsize:].view(parent.dtype if itemsize == 1 else f"<u{itemsize}")
+        np.copyto(out, parent)
+        used = _apply_varint_gaps(raw[:raw.size - k * itemsize], k, values, out.view(values.dtype))
+        if used != raw.size - k * itemsize:
+            raise FormatError("pulse payload is malformed")
+
+
+class _Diff:
+    """Wrap a Codec so that encoding starts from the dense arrays (element_diff counted in the time)."""
+
+    def __init__(self, codec: object) -> None:
+        self.codec = codec
+
+    def encode_arrays(self, parent: np.ndarray, new: np.ndarray, itemsize: int) -> bytes:
+        return self.codec.encode(element_diff(parent, new, itemsize))  # type: ignore[attr-defined]
+
+    def decode(self, payload: bytes, parent: np.ndarray, itemsize: int, out: np.ndarray) -> None:
+        self.codec.decode(payload, parent, itemsize, out)  # type: ignore[attr-defined]
+
+
+CODECS: dict[str, object] = {
+    "arc_v2": _Diff(ArcV2()),
+    "PULSE": Pulse(),
+    "sparse·diff": _Diff(SparseCodec()),
+    "sparse·dense": SparseCodec(),
+}
+
+
+# -------------------------------------------------------------------------------------------------- bounds
+def _entropy(counts: np.ndarray) -> float:
+    c = counts[counts > 0].astype(np.float64)
+    return float((c * np.log2(c.sum() / c)).sum()) if c.size else 0.0
+
+
+def _hb(k: np.ndarray, n: np.ndarray) -> float:
+    k = np.asarray(k, np.float64)
+    n = np.asarray(n, np.float64)
+    ok = (k > 0) & (k < n)
+    p = k[ok] / n[ok]
+    return float((n[ok] * -(p * np.log2(p) + (1 - p) * np.log2(1 - p))).sum())
+
+
+def bounds_bits(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """(order-0 bound, context bound) in bits for one bf16 chunk given as uint16 arrays."""
+    idx = np.flatnonzero(a != b)
+    if idx.size == 0:
+        return 0.0, 0.0
+    order0 = _hb(np.array([idx.size]), np.array([a.size])) + _entropy(np.bincount(a[idx] ^ b[idx]))
+    cls = (a >> 7) & 0xFF
+    ccls = cls[idx]
+    ctx = _hb(np.bincount(ccls, minlength=256), np.bincount(cls, minlength=256))
+    d = (b[idx].astype(np.int64) - a[idx].astype(np.int64)) % 65536
+    z = np.where(d >= 32768, 2 * (65536 - d) - 1, 2 * d)
+    for c in np.unique(ccls):
+        ctx += _entropy(np.unique(z[ccls == c], return_counts=True)[1])
+    return order0, ctx
+
+
+# --------------------------------------------------------------------------------------------------- running
+def _u8(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.uint8).numpy().reshape(-1)
+
+
+def _best_time(fn: Callable[[], object], repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_step(prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor], repeat: int) -> dict[str, object]:
+    """Ratios and speeds of every codec on one snapshot pair (each tensor one chunk)."""
+    pairs = [(_u8(prev[n]), _u8(cur[n])) for n in prev]
+    total = sum(a.size for a, _ in pairs)
+    changed = sum(int((a.view(np.uint16) != b.view(np.uint16)).sum()) for a, b in pairs)
+    row: dict[str, object] = {"changed": changed / (total // 2)}
+    for name, codec in CODECS.items():
+        payloads = [codec.encode_arrays(a, b, 2) for a, b in pairs]  # type: ignore[attr-defined]
+        outs = [np.empty_like(a) for a, _ in pairs]
+        for p, (a, b), o in zip(payloads, pairs, outs):
+            codec.decode(p, a, 2, o)  # type: ignore[attr-defined]
+            if not np.array_equal(o, b):
+                raise AssertionError(f"{name} did not round-trip")
+        enc = _best_time(lambda: [codec.encode_arrays(a, b, 2) for a, b in pairs], repeat)  # type: ignore
+        dec = _best_time(lambda: [codec.decode(p, a, 2, o) for p, (a, _), o in zip(payloads, pairs, outs)],
+                         repeat)  # type: ignore[attr-defined]
+        row[name] = (total / sum(len(p) for p in payloads), total / enc / 1e9, total / dec / 1e9)
+    o0 = ctx = 0.0
+    for a, b in pairs:
+        x, y = bounds_bits(a.view(np.uint16), b.view(np.uint16))
+        o0, ctx = o0 + x, ctx + y
+    row["bound"] = total * 8 / max(o0, 1.0)
+    row["ctx bound"] = total * 8 / max(ctx, 1.0)
+    return row
+
+
+def datasets(args: argparse.Namespace) -> Iterator[tuple[str, float, Iterator[dict[str, torch.Tensor]]]]:
+    for lr in (1e-6, 3e-6):
+        yield (f"synthetic {args.params / 1e6:.0f}M", lr,
+               rl_snapshots(total_params=args.params, steps=args.steps, lr=lr, seed=args.seed))
+    for lr in (1e-6, 3e-6):
+        kw = dict(vocab=1024, d=128, layers=2) if args.quick else dict(vocab=4096, d=256, layers=4)
+        label = "tiny GPT 0.5M" if args.quick else "tiny GPT 4.2M"
+        yield label, lr, tiny_gpt_snapshots(steps=args.steps, lr=lr, seed=args.seed, **kw)
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, torch {torch.__version__}, "
+            f"numba {numba.__version__}, numpy {np.__version__}, zstandard {zstandard.__version__} "
+            f"(libzstd {'.'.join(map(str, zstandard.ZSTD_VERSION))})")
+
+
+def table(rows: list[tuple[str, float, int, dict[str, object]]]) -> str:
+    head = ["data", "lr", "step", "changed"] + list(CODECS) + ["order-0 bound", "context bound",
+                                                              "dense / PULSE", "dense / bound", "diff / bound"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for data, lr, step, r in rows:
+        cells = [data, f"{lr:.0e}", str(step), f"{100 * r['changed']:.2f}%"]  # type: ignore[operator]
+        for name in CODECS:
+            ratio, enc, dec = r[name]  # type: ignore[misc]
+            cells.append(f"{ratio:.1f}× ({enc:.2f} / {dec:.2f})")
+        dense, diff = r["sparse·dense"][0], r["sparse·diff"][0]  # type: ignore[index]
+        cells += [f"{r['bound']:.1f}×", f"{r['ctx bound']:.1f}×", f"{dense / r['PULSE'][0]:.2f}",  # type: ignore
+                  f"{dense / r['bound']:.2f}", f"{diff / r['bound']:.2f}"]  # type: ignore[operator]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_results(path: Path, section: str) -> None:
+    """Replace (or append) the codec section of RESULTS.md, leaving other sections untouched."""
+    heading = "## Codec benchmark (benchmarks/codec.py)"
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section.rstrip() + "\n\n", text)
+    else:
+        text = text.rstrip() + "\n\n" + section.rstrip() + "\n"
+    path.write_text(text.rstrip() + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes (< 60 s)")
+    ap.add_argument("--params", type=int, default=None, help="synthetic parameters (default 64M, quick 4M)")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 3, quick 2)")
+    ap.add_argument("--repeat", type=int, default=None, help="timing repeats, best kept (default 3, quick 2)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--write-results", action="store_true", help="update benchmarks/RESULTS.md")
+    args = ap.parse_args(argv)
+    args.params = args.params or ((4 << 20) if args.quick else (64 << 20))
+    args.steps = args.steps or (2 if args.quick else 3)
+    args.repeat = args.repeat or (2 if args.quick else 3)
+    torch.set_num_threads(1)
+    numba.set_num_threads(1)
+    started = time.time()
+    rows = []
+    for data, lr, snaps in datasets(args):
+        prev = next(snaps)
+        for step, cur in enumerate(snaps, 1):
+            r = measure_step(prev, cur, args.repeat)
+            rows.append((data, lr, step, r))
+            print(f"{data} lr={lr:.0e} step {step}: changed {100 * r['changed']:.2f}%  " +  # type: ignore
+                  "  ".join(f"{n} {r[n][0]:.1f}x" for n in CODECS) +  # type: ignore[index]
+                  f"  bound {r['bound']:.1f}x  ctx {r['ctx bound']:.1f}x", flush=True)
+            prev = cur
+    cmd = "python benchmarks/codec.py" + (" --quick" if args.quick else "")
+    md = table(rows)
+    print()
+    print(md)
+    print()
+    print("Cells: ratio (encode GB/s / decode GB/s), one core, bf16 bytes of the chunk.")
+    print(BOUND_DEFINITION)
+    print(f"\n{machine()}\nelapsed {time.time() - started:.0f} s")
+    if args.write_results:
+        write_results(ROOT / "benchmarks" / "RESULTS.md", results_section(rows, md, cmd))
+
+
+def results_section(rows: list[tuple[str, float, int, dict[str, object]]], md: str, cmd: str) -> str:
+    return "\n".join([
+        "## Codec benchmark (benchmarks/codec.py)",
+        "",
+        f"- Machine: {machine()}",
+        f"- Date: {datetime.date.today().isoformat()}",
+        f"- Command: `{cmd}`",
+        "",
+        md,
+        "",
+        "Cells: ratio (encode GB/s / decode GB/s), one core, bf16 bytes of the chunk in; best of the repeats.",
+        f"{BOUND_DEFINITION}",
+    ])
+
+
+if __name__ == "__main__":
+    main()
