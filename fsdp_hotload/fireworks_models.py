@@ -14,10 +14,12 @@ Example::
 """
 from __future__ import annotations
 
-import re
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+
+from .layout import MAX_IDENTITY_LEN as IDENTITY_MAX_LEN
+from .layout import validate_identity as _layout_validate_identity
 
 __all__ = [
     "HINT_PATH",
@@ -42,8 +44,6 @@ __all__ = [
 
 HOT_LOAD_PATH = "/hot_load/v1/models/hot_load"
 HINT_PATH = "/hot_load/v1/models/hot_load/hint"
-IDENTITY_MAX_LEN = 128
-_IDENTITY_CHARS = re.compile(r"[A-Za-z0-9._-]+")
 
 
 # ---------------------------------------------------------------------------------------------------- errors
@@ -82,25 +82,8 @@ class HotLoadResponseError(HotLoadError):
 
 
 def validate_identity(identity: str, *, field: str = "identity") -> str:
-    """Check a snapshot identity: it is a directory name directly under the bucket prefix, so one safe segment.
-
-    The server documents only "one path segment, no '/'"; the length and charset limits are ours, chosen so an
-    identity is a valid object-store key segment on every backend and cannot escape the prefix.
-    """
-    if not isinstance(identity, str) or not identity:
-        raise ValueError(f"{field} must be a non-empty string, got {identity!r}")
-    if "/" in identity:
-        raise ValueError(f"{field} {identity!r} must be one path segment (no '/')")
-    if identity in (".", ".."):
-        raise ValueError(f"{field} {identity!r} must not be '.' or '..'")
-    if len(identity) > IDENTITY_MAX_LEN:
-        raise ValueError(f"{field} is {len(identity)} characters long; the limit is {IDENTITY_MAX_LEN}")
-    if not _IDENTITY_CHARS.fullmatch(identity):
-        bad = sorted({c for c in identity if not _IDENTITY_CHARS.fullmatch(c)})
-        raise ValueError(
-            f"{field} {identity!r} contains {''.join(bad)!r}; allowed characters are A-Z a-z 0-9 . _ -"
-        )
-    return identity
+    """Check a snapshot identity (one safe path segment; the rule lives in :mod:`fsdp_hotload.layout`)."""
+    return _layout_validate_identity(identity, what=field)
 
 
 def validate_filename(filename: str, *, field: str = "filename") -> str:

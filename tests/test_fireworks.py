@@ -333,8 +333,8 @@ def test_unrecognized_status_format(server: tuple[str, Scripted]) -> None:
 # ------------------------------------------------------------------------------------------------ models
 
 
-@pytest.mark.parametrize("bad,rule", [("", "non-empty"), ("a/b", "one path segment"), ("..", "'.' or '..'"),
-                                      ("x" * 129, "limit is 128"), ("step 1", "allowed characters")])
+@pytest.mark.parametrize("bad,rule", [("", "must not be empty"), ("a/b", "single path segment"),
+                                      ("..", "'.' or '..'"), ("x" * 129, "limit is 128"), ("step 1", "may only use")])
 def test_validate_identity_rules(bad: str, rule: str) -> None:
     with pytest.raises(ValueError, match="identity") as info:
         validate_identity(bad)
