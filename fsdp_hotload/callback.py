@@ -16,7 +16,9 @@ Example::
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
 from typing import Any, Callable
 
 import torch
@@ -31,6 +33,20 @@ from .layout import TensorSpec
 log = logging.getLogger("fsdp_hotload")
 
 
+def hf_tie_word_embeddings(hf_config_dir: str | None) -> bool | None:
+    """``tie_word_embeddings`` from the HF config.json, so snapshots name tied weights the way the receiver's
+    model class expects (None when there is no config or it does not say)."""
+    if not hf_config_dir:
+        return None
+    path = os.path.join(hf_config_dir, "config.json")
+    try:
+        with open(path) as f:
+            value = json.load(f).get("tie_word_embeddings")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    return value if isinstance(value, bool) else None
+
+
 class HotloadCallback:
     """Publishes a (possibly sharded) model's weights every ``config.publish_every`` steps."""
 
@@ -41,6 +57,8 @@ class HotloadCallback:
 
         self.model = model
         self.config = config
+        if tie_word_embeddings is None:
+            tie_word_embeddings = hf_tie_word_embeddings(config.hf_config_dir)
         self._chunk_kwargs = dict(snapshot_dtype=config.snapshot_dtype, rename=rename,
                                   tie_word_embeddings=tie_word_embeddings, include_buffers=include_buffers)
         comm: Comm

@@ -31,6 +31,8 @@ def test_forty_steps_bit_exact(tmp_path: Path, nproc: int, mode: str) -> None:
     recs = run_job(tmp_path, nproc, mode, "--steps", "40", "--full-every", "10")
     assert [r["kind"] for r in recs] == (["full"] + ["delta"] * 9) * 4
     assert all(r["ok"] and r["serves_current"] and r["bit_exact"] for r in recs), recs
+    # config.json says tie_word_embeddings: the shared weight is published once, under the embedding's name
+    assert "model.embed_tokens.weight" in recs[-1]["tensors"] and "lm_head.weight" not in recs[-1]["tensors"]
 
 
 def test_one_rank_upload_failure_is_never_served(tmp_path: Path) -> None:

@@ -72,7 +72,7 @@ def main() -> None:
             faulty.arm(2, match="model-00002")  # both attempts of one file this rank owns
         cb.step(step)
         cb.wait()
-        full = gather_full_state(model)
+        full = gather_full_state(model, tie_word_embeddings=True)  # as the job's config.json says
         if rank == 0:
             m = cb.metrics[-1]
             expected[m.identity] = {k: RawTensor.from_any(v).sha256() for k, v in full.items()}
@@ -80,7 +80,8 @@ def main() -> None:
             records.append({"step": step, "kind": m.kind, "ok": m.ok, "identity": m.identity,
                             "ratio": m.ratio, "changed": m.changed_fraction,
                             "serves_current": all(i == m.identity for i, _ in reps),
-                            "bit_exact": all(expected.get(i) == shas for i, shas in reps)})
+                            "bit_exact": all(expected.get(i) == shas for i, shas in reps),
+                            "tensors": sorted(reps[0][1])})
     cb.close()
     if rank == 0:
         Path(args.out).write_text(json.dumps(records, indent=1))
