@@ -66,32 +66,47 @@ def med(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def machine_busy_s() -> float:
+    """CPU seconds all processes of the machine have run so far (from /proc/stat; NaN where unavailable)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return float("nan")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 class CpuSampler(threading.Thread):
-    """Samples this process's CPU seconds (the emulator's replicas live here) so steps can be charged for them."""
+    """Samples this process's CPU seconds (the emulator's replicas live here) and the whole machine's, so steps
+    can be charged for the emulator and for whatever else runs on the machine at the same time."""
 
     def __init__(self, period_s: float = 0.05) -> None:
         super().__init__(name="cpu-sampler", daemon=True)
         self.period_s = period_s
-        self.samples: list[tuple[float, float]] = []
+        self.samples: list[tuple[float, float, float]] = []
         self._stop_event = threading.Event()
+
+    def _sample(self) -> None:
+        self.samples.append((time.time(), time.process_time(), machine_busy_s()))
 
     def run(self) -> None:
         while not self._stop_event.is_set():
-            self.samples.append((time.time(), time.process_time()))
+            self._sample()
             self._stop_event.wait(self.period_s)
 
-    def stop(self) -> list[tuple[float, float]]:
+    def stop(self) -> list[tuple[float, float, float]]:
         self._stop_event.set()
         self.join()
-        self.samples.append((time.time(), time.process_time()))
+        self._sample()
         return self.samples
 
 
-def cpu_between(samples: list[tuple[float, float]], a: float, b: float) -> float:
-    """CPU seconds spent between wall times a and b, interpolated between samples."""
+def cpu_between(samples: list[Any], a: float, b: float, col: int = 1) -> float:
+    """CPU seconds (sample column ``col``) spent between wall times a and b, interpolated between samples."""
     if len(samples) < 2:
         return float("nan")
-    ws, cs = [x[0] for x in samples], [x[1] for x in samples]
+    ws, cs = [x[0] for x in samples], [x[col] for x in samples]
 
     def at(t: float) -> float:
         i = min(max(bisect.bisect_right(ws, t), 1), len(ws) - 1)
@@ -132,6 +147,8 @@ def analyse(res: dict[str, Any]) -> dict[str, Any]:
         emu = res.get("emulator_cpu") or []
         emu_cpu = [cpu_between(emu, *recs[0]["wall"]) for recs in steps]
         row["emu_cpu"] = statistics.fmean(emu_cpu) if emu_cpu and emu else float("nan")
+        all_cpu = [cpu_between(emu, *recs[0]["wall"], col=2) for recs in steps]
+        row["machine_cpu"] = statistics.fmean(all_cpu) if all_cpu and emu else float("nan")
         if v == "baseline":
             base_round_med = row["round_medians"]
         else:
@@ -222,17 +239,19 @@ def report(res: dict[str, Any], a: dict[str, Any]) -> str:
                      f"one {_ms(c['warm_cast_s'])} ms; Stager.stage {_ms(c['stage_idle_s'])} ms; local_chunks() "
                      f"walk {_ms(c['sources_s'])} ms")
     cores = res.get("cores") or 2
-    lines += ["", "Step = forward + backward + optimizer + cb.step(), slowest rank. CPU per step = core-seconds of both "
-              f"ranks' processes (all threads) + of the emulator process; busy = that / ({cores} cores x mean step).",
+    lines += ["", "Step = forward + backward + optimizer + cb.step(), slowest rank. CPU s/step = core-seconds per step "
+              "of both ranks' processes (all threads), of the emulator (launcher process), and of every other "
+              f"process on the machine (/proc/stat minus ours); cores busy = all of it / ({cores} cores x mean step).",
               "", "| variant | steps | median ms | p90 ms | ratio (median) | ratio (mean) | per-round ratios (median) | "
-              "CPU s/step: job + emulator | cores busy |", "|---|---|---|---|---|---|---|---|---|"]
+              "CPU s/step: job / emulator / others | cores busy |", "|---|---|---|---|---|---|---|---|---|"]
     for v, r in vs.items():
         rr = " ".join(f"{x:.2f}" for x in r.get("round_ratios", []))
         emu = r["emu_cpu"] if r["emu_cpu"] == r["emu_cpu"] else 0.0
-        busy = (r["job_cpu"] + emu) / (cores * r["mean"])
+        others = max(r["machine_cpu"] - r["job_cpu"] - emu, 0.0) if r["machine_cpu"] == r["machine_cpu"] else 0.0
+        busy = (r["job_cpu"] + emu + others) / (cores * r["mean"])
         lines.append(f"| {v} | {r['n']} | {_ms(r['median'])} | {_ms(r['p90'])} | "
                      f"{r.get('ratio_median', 1.0):.3f} | {r.get('ratio_mean', 1.0):.3f} | {rr or '-'} | "
-                     f"{r['job_cpu']:.3f} + {emu:.3f} | {busy:.0%} |")
+                     f"{r['job_cpu']:.3f} / {emu:.3f} / {others:.3f} | {busy:.0%} |")
     pubs = [v for v in vs if v != "baseline"]
     if pubs:
         lines += ["", "Hook = time in cb.step() on the steps that staged a snapshot (max over ranks of the medians); "

@@ -198,6 +198,31 @@ def test_busy_policy_skip_and_wait(tmp_path: Path) -> None:
         assert all(started) and [m.ok for m in pub.metrics] == [True] * 3
 
 
+def test_several_deployments_follow_one_chain(tmp_path: Path) -> None:
+    """Two rollout pools read one bucket; each gets deltas against what it serves; a failure in one makes the next
+    publish full for both."""
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], keep_training_on_error=True)
+        with TensorPublisher(model, cfg) as pub:
+            for step in range(5):
+                train_step(model, step)
+                if step == 2:
+                    emu.fail_next_loads(1)
+                pub.publish(step, model)
+                pub.wait()
+                state = emu.state()["deployments"]
+                assert set(state) == {"accounts/acct/deployments/pool-us", "accounts/acct/deployments/pool-eu"}
+                if pub.metrics[-1].ok:
+                    for dep in state.values():
+                        (rep,) = dep["replicas"]
+                        assert rep["identity"] == pub.metrics[-1].identity
+                        assert {k: t["sha256"] for k, t in rep["tensors"].items()} == expected_sha(model)
+    assert [(m.kind, m.ok) for m in pub.metrics] == [("full", True), ("delta", True), ("delta", False),
+                                                    ("full", True), ("delta", True)]
+
+
 def test_config_errors_name_the_field(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="full_every"):
         HotloadConfig(bucket_url=str(tmp_path), full_every=0)
