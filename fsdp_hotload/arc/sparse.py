@@ -106,7 +106,7 @@ _WEIGHTS = _weight_table()
 
 
 # ----------------------------------------------------------------------------------------------- numba helpers
-@njit(inline="always")
+@njit(cache=True)
 def _top_bit(v: np.uint64) -> int:
     """Index of the highest set bit of v > 0."""
     n = 0
@@ -117,7 +117,7 @@ def _top_bit(v: np.uint64) -> int:
     return n
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _token(v: np.uint64) -> int:
     """Hybrid-integer token: v itself below 16, else 16 + 4 * (top bit - 4) + the two bits under it."""
     if v < np.uint64(16):
@@ -126,38 +126,38 @@ def _token(v: np.uint64) -> int:
     return 16 + ((n - 4) << 2) + int((v >> np.uint64(n - 2)) & np.uint64(3))
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _token_bits(tok: int) -> int:
     """Raw low bits that follow a token."""
     return 0 if tok < 16 else ((tok - 16) >> 2) + 2
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _zigzag(old: np.uint64, new: np.uint64, bits: int) -> np.uint64:
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - bits)
     d = (new - old) & mask
     return ((d << np.uint64(1)) & mask) ^ (mask * ((d >> np.uint64(bits - 1)) & np.uint64(1)))
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _unzigzag_add(o: np.uint64, v: np.uint64, mask: np.uint64) -> np.uint64:
     """Parent value plus the zigzag delta coded as v = z - 1 (the caller checks v < mask: z in [1, mask])."""
     z = v + np.uint64(1)
     return (o + ((z >> np.uint64(1)) ^ (mask * (z & np.uint64(1))))) & mask
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _class_of(v: np.uint64, shift: int) -> int:
     return int((v >> np.uint64(shift)) & np.uint64(0xFF))
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _gap_ctx(g: np.uint64) -> int:
     """Sparse-mode gap context: bit length of the previous gap (capped)."""
     return min(_top_bit(g) + 1, 40) if g > np.uint64(0) else 0
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _renorm_out(x: np.uint64, buf: np.ndarray, pos: int, xmax: np.uint64) -> tuple[np.uint64, int]:
     while x >= xmax:
         pos -= 1
@@ -166,7 +166,7 @@ def _renorm_out(x: np.uint64, buf: np.ndarray, pos: int, xmax: np.uint64) -> tup
     return x, pos
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _renorm_in(x: np.uint64, data: np.ndarray, pos: int) -> tuple[np.uint64, int]:
     """Refill the state. Unchecked: the caller pads data and checks ``pos <= end`` after every value; with the
     state >= 2^23 before a step, one value reads at most 14 bytes."""
@@ -176,7 +176,7 @@ def _renorm_in(x: np.uint64, data: np.ndarray, pos: int) -> tuple[np.uint64, int
     return x, pos
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _dec_value(x, data, pos, freq, cum, lut):
     """Decode one table-coded number (token, then its raw bits in 16-bit chunks). Returns (v, x, pos)."""
     slot = x & np.uint64(_PROB_SCALE - 1)
@@ -222,7 +222,7 @@ def _normalize(h: np.ndarray, out: np.ndarray) -> None:
 _XLOGX = np.array([0.0] + [c * math.log2(c) for c in range(1, 4096)])  # c·log2(c), for size estimates only
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _xlx(c: int) -> float:
     return _XLOGX[c] if c < 4096 else c * math.log2(c)
 
@@ -301,7 +301,7 @@ def _merge_contexts(hist: np.ndarray, ctxs: np.ndarray, ctx_map: np.ndarray) -> 
     return alive, total
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _put_varint(buf: np.ndarray, pos: int, v: int) -> int:
     while v >= 128:
         buf[pos] = (v & 127) | 128
@@ -529,7 +529,7 @@ def _ops_class(old, new, rank, ncls, bits, shift, kind, ctx, val) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- decoding
-@njit(inline="always")
+@njit(cache=True)
 def _get_varint(buf: np.ndarray, pos: int) -> tuple[int, int]:
     """Varint of at most 3 bytes (all model numbers are < 2^21); pos = -1 on truncation or overlong input."""
     v = 0
@@ -608,7 +608,7 @@ def _parse_model(model, maps, freqs, cums, luts) -> int:
     return 0 if pos == model.size else 13
 
 
-@njit(inline="always")
+@njit(cache=True)
 def _stream_start(data: np.ndarray) -> np.uint64:
     return (np.uint64(data[0]) | (np.uint64(data[1]) << np.uint64(8)) | (np.uint64(data[2]) << np.uint64(16))
             | (np.uint64(data[3]) << np.uint64(24)))
