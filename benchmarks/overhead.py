@@ -3,14 +3,15 @@
 Starts the in-process hot-load emulator (2 replicas that really download, rebuild and verify every snapshot) on
 a local-folder bucket, then launches ``benchmarks/overhead_job.py`` under
 ``python -m torch.distributed.run --standalone --nproc-per-node 2`` (gloo, CPU, OMP_NUM_THREADS=1): one FSDP2
-job that trains a small HF-named transformer with AdamW (lr 1e-5) on synthetic tokens, in interleaved phases
-of each variant:
+job that trains a small HF-named transformer (bf16 compute over fp32 master weights, fused AdamW lr 1e-5) on
+synthetic tokens, in interleaved phases of each variant:
 
 * ``baseline``: no callback;
 * ``skip``: ``HotloadCallback`` publishing every step, ``busy_policy="skip"`` (the default);
 * ``wait``: the same with ``busy_policy="wait"`` (every step is published, the trainer waits for a slot);
-* ``skip_nosignal`` (opt-in with ``--variants``): ``skip`` without signalling, to separate the emulator's
-  own CPU use (it shares the machine here; a real fleet does not) from the trainer's.
+* ``skip_nosignal``: ``skip`` without signalling, to separate the emulator's own CPU use (it shares the
+  machine here; a real fleet does not) from the trainer's;
+* ``skip_everyK`` (opt-in with ``--variants``): ``skip`` with ``publish_every=K``.
 
 Then prints one table: step time (median, p90, ratio to baseline), hook blocking against a bare bf16 copy of
 the local shard, publishes completed/skipped, end-to-end latency (hook to all replicas ready), bytes written
@@ -20,7 +21,11 @@ Example::
 
     .venv/bin/python benchmarks/overhead.py --quick          # < 90 s
     .venv/bin/python benchmarks/overhead.py                  # a few minutes; the numbers in RESULTS.md
-    .venv/bin/python benchmarks/overhead.py --variants baseline,skip,skip_nosignal --json out.json
+    .venv/bin/python benchmarks/overhead.py --variants baseline,skip,skip_every4 --json out.json
+    .venv/bin/python benchmarks/overhead.py --quick --layers 2 --poll 0.2   # unknown flags go to the job
+
+Why the CPU columns: on 2 shared cores the step-time ratio mixes the publisher's own cost with the emulator's
+and with other processes'; charging each step its core-seconds says which one moved it.
 """
 from __future__ import annotations
 
@@ -104,7 +109,7 @@ class CpuSampler(threading.Thread):
 
 def cpu_between(samples: list[Any], a: float, b: float, col: int = 1) -> float:
     """CPU seconds (sample column ``col``) spent between wall times a and b, interpolated between samples."""
-    if len(samples) < 2:
+    if len(samples) < 2 or len(samples[0]) <= col:
         return float("nan")
     ws, cs = [x[0] for x in samples], [x[col] for x in samples]
 
@@ -118,6 +123,63 @@ def cpu_between(samples: list[Any], a: float, b: float, col: int = 1) -> float:
 
 def _timed(rec: dict[str, Any], discard: int) -> bool:
     return rec["round"] >= 0 and rec["i"] >= discard
+
+
+def _publishing_stats(res: dict[str, Any], v: str, discard: int) -> dict[str, Any]:
+    """Hook time, publish counts, latency, bytes and memory of one publishing variant."""
+    ranks = res["ranks"]
+    variants = [x.strip() for x in res["args"]["variants"].split(",") if x.strip()]
+    row: dict[str, Any] = {}
+    # hook time: per rank, on the steps where a snapshot was staged and on all steps
+    staged = [[x["hook_s"] for x in r["records"] if x["variant"] == v and _timed(x, discard) and x["started"]]
+              for r in ranks]
+    all_steps = [[x["hook_s"] for x in r["records"] if x["variant"] == v and _timed(x, discard)] for r in ranks]
+    row["hook_staged_med"] = max(med(s) for s in staged)
+    row["hook_staged_p90"] = max(pct(s, 90) for s in staged)
+    row["hook_all_med"] = max(med(s) for s in all_steps)
+    # mean parts (means add up to the mean hook; the medians of skewed parts would not)
+    row["parts_staged_mean"] = {
+        k: max(statistics.fmean([x["parts"][k] for x in r["records"] if x["variant"] == v
+                                 and _timed(x, discard) and x["started"]] or [float("nan")]) for r in ranks)
+        for k in ("sources", "busy", "acquire", "stage")}
+    row["hook_staged_mean"] = max(statistics.fmean(s or [float("nan")]) for s in staged)
+    timed = [x for x in ranks[0]["records"] if x["variant"] == v and x["round"] >= 0]
+    row["started"] = sum(x["started"] for x in timed)
+    every = int(v[len("skip_every"):]) if v.startswith("skip_every") else 1
+    row["skipped"] = sum(not x["started"] for x in timed if x["step"] % every == 0)  # due, but busy
+    row["steps_total"] = len(timed)
+    timed_steps = {x["step"] for x in timed}
+    ms = [m for m in res["metrics"][v] if m["step"] in timed_steps]
+    ok = [m for m in ms if m["ok"]]
+    row["ok"], row["failed"] = len(ok), len(ms) - len(ok)
+    row["errors"] = sorted({m["error"] for m in ms if not m["ok"]})[:3]
+    for kind in ("delta", "full"):
+        ks = [m for m in ok if m["kind"] == kind]
+        row[kind] = {"n": len(ks), "total_s": med([m["total_s"] for m in ks]),
+                     "upload_s": med([m["upload_s"] for m in ks]), "ready_s": med([m["ready_s"] for m in ks]),
+                     "encode_s": med([m["encode_s"] for m in ks]), "diff_s": med([m["diff_s"] for m in ks]),
+                     "route_s": med([m["route_s"] for m in ks]), "signal_s": med([m["signal_s"] for m in ks]),
+                     "bytes": med([m["bytes_written"] for m in ks]),
+                     "changed": med([m["changed_fraction"] for m in ks if m["changed_fraction"] is not None])}
+    row["total_s"] = med([m["total_s"] for m in ok])
+    row["upload_s"] = med([m["upload_s"] for m in ok])
+    row["ready_s"] = med([m["ready_s"] for m in ok])
+    row["engine_blocking_ms"] = med([m["blocking_ms"] for m in ok])
+    row["staleness"] = med([m["staleness_steps"] for m in ok])
+    raw = ok[0]["raw_bytes"] if ok else 0
+    row["raw_bytes"] = raw
+    row["bytes_written"] = sum(m["bytes_written"] for m in ok)
+    row["bytes_vs_full_each_publish"] = row["bytes_written"] / (raw * len(ok)) if ok and raw else float("nan")
+    row["bytes_vs_full_each_step"] = (row["bytes_written"] / (raw * len(timed))) if timed and raw else \
+        float("nan")
+    row["stager"] = [r["stagers"][v] for r in ranks]
+    base_rss = [med([x["rss"] for x in r["records"] if x["variant"] == "baseline" and _timed(x, discard)])
+                for r in ranks]
+    var_rss = [max([x["rss"] for x in r["records"] if x["variant"] == v and _timed(x, discard)], default=0)
+               for r in ranks]
+    row["rss_peak_over_base"] = max(b - a for a, b in zip(base_rss, var_rss)) if "baseline" in variants \
+        else float("nan")
+    return row
 
 
 def analyse(res: dict[str, Any]) -> dict[str, Any]:
@@ -152,51 +214,7 @@ def analyse(res: dict[str, Any]) -> dict[str, Any]:
         if v == "baseline":
             base_round_med = row["round_medians"]
         else:
-            # hook time: per rank, on the steps where a snapshot was staged and on all steps
-            staged = [[x["hook_s"] for x in r["records"] if x["variant"] == v and _timed(x, discard) and x["started"]]
-                      for r in ranks]
-            every = [[x["hook_s"] for x in r["records"] if x["variant"] == v and _timed(x, discard)] for r in ranks]
-            row["hook_staged_med"] = max(med(s) for s in staged)
-            row["hook_staged_p90"] = max(pct(s, 90) for s in staged)
-            row["hook_all_med"] = max(med(s) for s in every)
-            row["parts_staged_med"] = {
-                k: max(med([x["parts"][k] for x in r["records"] if x["variant"] == v and _timed(x, discard)
-                            and x["started"]]) for r in ranks)
-                for k in ("sources", "busy", "acquire", "stage")}
-            timed = [x for x in ranks[0]["records"] if x["variant"] == v and x["round"] >= 0]
-            row["started"] = sum(x["started"] for x in timed)
-            row["skipped"] = sum(not x["started"] for x in timed)
-            timed_steps = {x["step"] for x in timed}
-            ms = [m for m in res["metrics"][v] if m["step"] in timed_steps]
-            ok = [m for m in ms if m["ok"]]
-            row["ok"], row["failed"] = len(ok), len(ms) - len(ok)
-            row["errors"] = sorted({m["error"] for m in ms if not m["ok"]})[:3]
-            for kind in ("delta", "full"):
-                ks = [m for m in ok if m["kind"] == kind]
-                row[kind] = {"n": len(ks), "total_s": med([m["total_s"] for m in ks]),
-                             "upload_s": med([m["upload_s"] for m in ks]), "ready_s": med([m["ready_s"] for m in ks]),
-                             "encode_s": med([m["encode_s"] for m in ks]), "diff_s": med([m["diff_s"] for m in ks]),
-                             "route_s": med([m["route_s"] for m in ks]), "signal_s": med([m["signal_s"] for m in ks]),
-                             "bytes": med([m["bytes_written"] for m in ks]),
-                             "changed": med([m["changed_fraction"] for m in ks if m["changed_fraction"] is not None])}
-            row["total_s"] = med([m["total_s"] for m in ok])
-            row["upload_s"] = med([m["upload_s"] for m in ok])
-            row["ready_s"] = med([m["ready_s"] for m in ok])
-            row["engine_blocking_ms"] = med([m["blocking_ms"] for m in ok])
-            row["staleness"] = med([m["staleness_steps"] for m in ok])
-            raw = ok[0]["raw_bytes"] if ok else 0
-            row["raw_bytes"] = raw
-            row["bytes_written"] = sum(m["bytes_written"] for m in ok)
-            row["bytes_vs_full_each_publish"] = row["bytes_written"] / (raw * len(ok)) if ok and raw else float("nan")
-            row["bytes_vs_full_each_step"] = (row["bytes_written"] / (raw * len(timed))) if timed and raw else \
-                float("nan")
-            row["stager"] = [r["stagers"][v] for r in ranks]
-            base_rss = [med([x["rss"] for x in r["records"] if x["variant"] == "baseline" and _timed(x, discard)])
-                        for r in ranks]
-            var_rss = [max([x["rss"] for x in r["records"] if x["variant"] == v and _timed(x, discard)], default=0)
-                       for r in ranks]
-            row["rss_peak_over_base"] = max(b - a for a, b in zip(base_rss, var_rss)) if "baseline" in variants \
-                else float("nan")
+            row.update(_publishing_stats(res, v, discard))
         out["variants"][v] = row
     base = out["variants"].get("baseline")
     for v, row in out["variants"].items():
@@ -254,22 +272,25 @@ def report(res: dict[str, Any], a: dict[str, Any]) -> str:
                      f"{r['job_cpu']:.3f} / {emu:.3f} / {others:.3f} | {busy:.0%} |")
     pubs = [v for v in vs if v != "baseline"]
     if pubs:
-        lines += ["", "Hook = time in cb.step() on the steps that staged a snapshot (max over ranks of the medians); "
-                  "its parts: local_chunks walk / busy check (allreduce, absorbs rank skew) / slot wait / "
-                  "Stager.stage copy.",
-                  "", "| variant | hook ms med / p90 | parts ms: walk / busy / slot / stage | hook ms, all steps "
-                  "(med) | hook / bare bf16 copy | hook / cast-copy | stage / cast-copy | started / skipped | "
-                  "ok / failed | staleness (steps) |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "Hook = time in cb.step() on the steps that staged a snapshot (max over ranks). Its parts (means, "
+                  "so they add up to the mean hook): local_chunks walk / busy check (the skip policy's allreduce on "
+                  "the main thread; absorbs rank skew) / waiting for a free slot / Stager.stage copy. PublishMetrics."
+                  "blocking_ms starts after the walk. Ratios use the median hook and the idle copies above.",
+                  "", "| variant | hook ms med / p90 / mean | parts ms (mean): walk / busy / slot / stage | hook ms, "
+                  "all steps (med) | PublishMetrics.blocking_ms (med) | hook / bare bf16 copy | hook / cast-copy | "
+                  "stage (mean) / cast-copy | started / skipped (busy) | ok / failed | staleness (steps) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for v in pubs:
             r = vs[v]
-            pm = r["parts_staged_med"]
+            pm = r["parts_staged_mean"]
             x = r["hook_staged_med"] / c["bare_copy_s"] if c else float("nan")
             y = r["hook_staged_med"] / c["warm_cast_s"] if c else float("nan")
             z = pm["stage"] / c["warm_cast_s"] if c else float("nan")
-            lines.append(f"| {v} | {_ms(r['hook_staged_med'])} / {_ms(r['hook_staged_p90'])} | "
-                         f"{_ms(pm['sources'])} / {_ms(pm['busy'])} / {_ms(pm['acquire'])} / {_ms(pm['stage'])} | "
-                         f"{_ms(r['hook_all_med'])} | {x:.1f}x | {y:.2f}x | {z:.2f}x | {r['started']} / {r['skipped']} | "
-                         f"{r['ok']} / {r['failed']} | {r['staleness']:.0f} |")
+            lines.append(f"| {v} | {_ms(r['hook_staged_med'])} / {_ms(r['hook_staged_p90'])} / "
+                         f"{_ms(r['hook_staged_mean'])} | {_ms(pm['sources'])} / {_ms(pm['busy'])} / "
+                         f"{_ms(pm['acquire'])} / {_ms(pm['stage'])} | {_ms(r['hook_all_med'])} | "
+                         f"{r['engine_blocking_ms']:.1f} | {x:.1f}x | {y:.2f}x | {z:.2f}x | "
+                         f"{r['started']} / {r['skipped']} | {r['ok']} / {r['failed']} | {r['staleness']:.0f} |")
         lines += ["", "End-to-end latency per publish (medians; PublishMetrics: stages are the max over ranks, "
                   "total = hook until every replica of the deployment serves the snapshot):",
                   "", "| variant | kind | n | total s | diff s | encode s | route s | upload s | signal s | ready s | "
@@ -297,7 +318,7 @@ def report(res: dict[str, Any], a: dict[str, Any]) -> str:
             held = max(s["free"] + int(s["cache"]) for s in r["stager"])
             extra = "-"
             if base_row is not None and r["started"]:
-                per = (r["started"] + r["skipped"]) / r["started"]  # steps per publish
+                per = r["steps_total"] / r["started"]  # steps per publish
                 emu = (r["emu_cpu"] - base_row["emu_cpu"]) if r["emu_cpu"] == r["emu_cpu"] else 0.0
                 extra = f"{(r['job_cpu'] - base_row['job_cpu']) * per:.3f} + {emu * per:.3f}"
             lines.append(f"| {v} | {r['total_s']:.3f} / {r['upload_s']:.3f} / {r['ready_s']:.3f} | {extra} | "
@@ -345,8 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer, shorter phases (< 90 s)")
-    p.add_argument("--variants", help="comma list of baseline, skip, wait, skip_nosignal "
-                                      "(default all four; quick: baseline,skip,wait)")
+    p.add_argument("--variants", help="comma list of baseline, skip, wait, skip_nosignal, skip_everyK "
+                                      "(default: the first four; quick: baseline,skip,wait)")
     p.add_argument("--rounds", type=int, help="interleaved rounds (default 6, quick 2)")
     p.add_argument("--phase-steps", type=int, help="steps per variant per round (default 12, quick 6)")
     p.add_argument("--replicas", type=int, default=2, help="emulator replicas per deployment")
@@ -369,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                    PYTHONPATH=os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH", "")) if x))
         env.pop("CUDA_VISIBLE_DEVICES", None)
         t0 = time.perf_counter()
+        load_before = os.getloadavg()
         sampler = CpuSampler()
         sampler.start()
         with HotLoadEmulator(str(bucket), replicas=args.replicas, api_key=API_KEY) as emu:
@@ -387,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         a = analyse(res)
         print(f"\nmachine: {machine()}")
         print(f"command: {' '.join(['benchmarks/overhead.py', *(argv if argv is not None else sys.argv[1:])])}; "
-              f"wall {time.perf_counter() - t0:.0f} s (training phases {res['train_s']:.0f} s)\n")
+              f"wall {time.perf_counter() - t0:.0f} s (training phases {res['train_s']:.0f} s); load average "
+              f"{load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after\n")
         print(report(res, a))
         if args.json:
             Path(args.json).write_text(json.dumps({"raw": res, "analysis": a}, indent=1, default=str))

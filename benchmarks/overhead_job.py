@@ -1,7 +1,7 @@
 """The torchrun side of ``benchmarks/overhead.py``: one FSDP2 job that trains with and without publishing.
 
-Why one job for every variant: step times on a shared 2-core machine drift (thermal, page cache, the other
-rank), so a baseline measured in another process would make the ratios meaningless. Here the variants run as
+Why one job for every variant: step times on a shared 2-core machine drift (other processes, page cache, the
+other rank), so a baseline measured in another process would make the ratios meaningless. Here the variants run as
 interleaved phases of the same process, each phase ``--phase-steps`` steps, in a rotated order every round, and
 every publishing variant keeps one long-lived ``HotloadCallback`` (its own deployment in the emulator), so the
 cadence (a full snapshot every ``full_every`` publishes, deltas in between) is the real one. At the end of a
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -33,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fsdp_hotload import HotloadCallback, HotloadConfig  # noqa: E402
 from fsdp_hotload.fsdp import local_chunks  # noqa: E402
 
-PUBLISHING = ("skip", "wait", "skip_nosignal")
+PUBLISHING = ("skip", "wait", "skip_nosignal", "skip_everyK")
+_VARIANT = re.compile(r"^(baseline|skip|wait|skip_nosignal|skip_every([1-9][0-9]*))$")
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -211,7 +213,7 @@ def main() -> None:
     p.add_argument("--phase-steps", type=int, default=12)
     p.add_argument("--discard", type=int, default=1, help="first steps of every phase not counted")
     p.add_argument("--warmup", type=int, default=6, help="untimed steps per variant before round 0")
-    p.add_argument("--copy-reps", type=int, default=15)
+    p.add_argument("--copy-reps", type=int, default=25)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--hidden", type=int, default=1536)
@@ -230,7 +232,7 @@ def main() -> None:
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen) for _ in range(8)]
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in variants if v != "baseline" and v not in PUBLISHING]
+    unknown = [v for v in variants if not _VARIANT.match(v)]
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}; known: baseline, {', '.join(PUBLISHING)}")
     callbacks: dict[str, HotloadCallback] = {}
@@ -238,8 +240,9 @@ def main() -> None:
         if v == "baseline":
             continue
         signal = v != "skip_nosignal"
+        every = _VARIANT.match(v).group(2)  # type: ignore[union-attr]
         cfg = HotloadConfig(bucket_url=args.bucket, hf_config_dir=args.hf_dir, identity_prefix=v,
-                            busy_policy="wait" if v == "wait" else "skip",
+                            busy_policy="wait" if v == "wait" else "skip", publish_every=int(every or 1),
                             hotload_api_url=args.url if signal else None, account_id="bench", model_id="bench",
                             deployment_id=f"dep-{v}" if signal else None, api_key=args.api_key if signal else None,
                             poll_interval_s=args.poll, ready_timeout_s=120)

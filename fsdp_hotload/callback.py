@@ -78,7 +78,7 @@ class HotloadCallback:
         """Call right after ``optimizer.step()``; returns True if a snapshot was started at this step."""
         step = self._step if step is None else int(step)
         self._step = step + 1
-        return self.engine.publish(step, self._sources())
+        return self.engine.publish(step, self._sources)  # views are built only on steps that publish
 
     def _sources(self) -> list[torch.Tensor]:
         # Fresh views every time: framework internals may swap a parameter's storage between steps.

@@ -119,6 +119,7 @@ def job(args: argparse.Namespace) -> None:
     cfg = HotloadConfig(bucket_url=args.bucket, hotload_api_url=args.url, account_id="demo", model_id="tiny-lm",
                         deployment_id="rollout", api_key=API_KEY, hf_config_dir=args.hf_dir,
                         full_every=args.full_every, codec=args.codec, poll_interval_s=0.02,
+                        busy_policy="wait",  # the demo checks every publish before the next step
                         metrics_path=os.path.join(args.workdir, "metrics.jsonl"))
     gen = torch.Generator().manual_seed(1234 + rank)
     rows = []

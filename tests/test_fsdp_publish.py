@@ -48,3 +48,13 @@ def test_restarted_trainer_starts_with_full(tmp_path: Path) -> None:
     recs = run_job(tmp_path, 2, "fsdp2", "--steps", "5", "--restart-at", "3")
     assert [r["kind"] for r in recs] == ["full", "delta", "delta", "full", "delta"]
     assert all(r["ok"] and r["bit_exact"] for r in recs)
+
+
+def test_skip_policy_overlaps_training(tmp_path: Path) -> None:
+    """Publishing in the background while training goes on: ranks agree on skipping without blocking (a
+    disagreement would hang the side group), every publish succeeds, and the fleet ends on the last one."""
+    recs = run_job(tmp_path, 2, "fsdp2", "--steps", "12", "--busy-policy", "skip", "--no-wait")
+    assert recs and all(r["ok"] for r in recs) and recs[0]["kind"] == "full"
+    steps = [r["step"] for r in recs]
+    assert steps == sorted(steps) and all(b - a >= 2 for a, b in zip(steps, steps[1:]))
+    assert recs[-1]["serves_current"] and recs[-1]["bit_exact"]

@@ -68,15 +68,20 @@ def global_elements(idx: np.ndarray, box: Box, space: Sequence[int]) -> np.ndarr
 @njit(nogil=True, cache=True)
 def _sparse_update(a: int, b: int, gidx: np.ndarray, old: np.ndarray, new: np.ndarray, itemsize: int,
                    total: int) -> tuple[int, int]:
+    # |weight * d| < 65521 * 255 < 2**24, so int64 sums stay exact for 2**39 terms: reduce once per element.
     for i in range(gidx.size):
         o = np.uint64(old[i])
         w = np.uint64(new[i])
-        base = gidx[i] * itemsize
+        top = (total - gidx[i] * itemsize) % MOD
+        da = np.int64(0)
+        db = np.int64(0)
         for j in range(itemsize):
-            d = np.int64((w >> np.uint64(8 * j)) & np.uint64(0xFF)) - np.int64((o >> np.uint64(8 * j)) & np.uint64(0xFF))
-            weight = (total - (base + j)) % MOD
-            a = (a + d) % MOD
-            b = (b + weight * d) % MOD
+            sh = np.uint64(8 * j)
+            d = np.int64((w >> sh) & np.uint64(0xFF)) - np.int64((o >> sh) & np.uint64(0xFF))
+            da += d
+            db += ((top - j) % MOD) * d
+        a = (a + da) % MOD
+        b = (b + db) % MOD
     return a, b
 
 

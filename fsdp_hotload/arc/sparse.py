@@ -15,15 +15,17 @@ Per changed element (ascending positions) it codes:
   context of the parent's class (tiny weights move several ulps per step, large ones one).
 
 Numbers become a token (values < 16 are their own token; larger ones keep their top 3 bits) plus raw low bits.
-Contexts are merged greedily into at most 16 tables per kind while that lowers the estimated size; tiny chunks
-use a built-in table instead of paying for one.
+Per kind (gaps, values), contexts are merged greedily into at most 15 tables while that lowers the estimated
+size; a chunk too small to pay for a table uses a built-in one.
 
-Payload (little-endian)::
+Payload (little-endian; varints are LEB128)::
 
-    header  b"ASPC", version, itemsize, mode (0 empty, 1 sparse, 2 class), varints n, k, model bytes, stream bytes
-    model   for gaps then values: table count (u8; 255 = built-in table), context->table map as runs
-            (table or 255, varint run) over 256 contexts, then per table: symbol count and varint frequencies
-            summing to 4096
+    header  b"ASPC", version 1, itemsize, mode (0 empty, 1 sparse, 2 class), varints n, k, model bytes, stream bytes
+    model   for gaps, then values: a table-count byte (1-15; 254 built-in table; 255 built-in table for every
+            context, no map), the context map (varint first context, varint count, a nibble per context:
+            its table, 15 none), then per table a varint symbol count and a 6-bit code per symbol
+            (code q > 0 weighs 16 * 2^((q-1)/4)); both sides turn the weights into frequencies summing to 4096
+            with the same integer arithmetic
     stream  one rANS stream (32-bit state, byte renormalisation): tokens and raw bits in decode order
 
 The decoder is strict: the stream must be consumed exactly and end in the encoder's initial state, positions
@@ -35,7 +37,7 @@ Example::
     codec = get_codec(SPARSE_CODEC)
     payload = codec.encode(element_diff(parent_bytes, new_bytes, itemsize=2))      # sparse mode
     payload = SparseCodec().encode_arrays(parent_bytes, new_bytes, itemsize=2)   # class mode, smaller
-    codec.decode(payload, parent_bytes, 2, out)
+    codec.decode(payload, parent_bytes, 2, out)                                   # reads either mode
 """
 from __future__ import annotations
 
@@ -62,7 +64,8 @@ _NONE = 255  # map entry: no table (class mode: the class never changes)
 _DEFAULT_MAPPED, _DEFAULT_ALL = 254, 255  # table-count byte: built-in table with / without a context map
 _GAP, _VAL = 0, 1
 _SMALL_K = 256  # below this many changes encode_arrays also tries sparse mode and keeps the smaller payload
-_JIT = dict(nogil=True, cache=True)
+_JIT = dict(nogil=True, cache=True)  # kernels run on publisher threads: never hold the GIL
+_HELPER = dict(cache=True)
 
 _ERRORS = {
     1: "rANS stream truncated",
@@ -74,7 +77,7 @@ _ERRORS = {
     7: "fewer changes decoded than the header declares",
     8: "a class gap runs past the end of its class",
     9: "model section: table count or table id out of range",
-    10: "model section: context map runs do not cover 256 contexts",
+    10: "model section: a context map is empty or runs past context 255",
     11: "model section: bad table (frequencies must sum to 4096)",
     12: "model section truncated",
     13: "model section has trailing bytes",
@@ -91,6 +94,7 @@ def _default_table() -> np.ndarray:
 
 
 _DEFAULT = _default_table()
+_DEFAULT_BITS = np.log2(_PROB_SCALE / _DEFAULT)  # for size estimates only
 
 
 def _weight_table() -> np.ndarray:
@@ -106,7 +110,7 @@ _WEIGHTS = _weight_table()
 
 
 # ----------------------------------------------------------------------------------------------- numba helpers
-@njit(cache=True)
+@njit(**_HELPER)
 def _top_bit(v: np.uint64) -> int:
     """Index of the highest set bit of v > 0."""
     n = 0
@@ -117,7 +121,7 @@ def _top_bit(v: np.uint64) -> int:
     return n
 
 
-@njit(cache=True)
+@njit(**_HELPER)
 def _token(v: np.uint64) -> int:
     """Hybrid-integer token: v itself below 16, else 16 + 4 * (top bit - 4) + the two bits under it."""
     if v < np.uint64(16):
@@ -126,38 +130,38 @@ def _token(v: np.uint64) -> int:
     return 16 + ((n - 4) << 2) + int((v >> np.uint64(n - 2)) & np.uint64(3))
 
 
-@njit(cache=True)
+@njit(**_HELPER)
 def _token_bits(tok: int) -> int:
     """Raw low bits that follow a token."""
     return 0 if tok < 16 else ((tok - 16) >> 2) + 2
 
 
-@njit(cache=True)
+@njit(**_HELPER)
 def _zigzag(old: np.uint64, new: np.uint64, bits: int) -> np.uint64:
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - bits)
     d = (new - old) & mask
     return ((d << np.uint64(1)) & mask) ^ (mask * ((d >> np.uint64(bits - 1)) & np.uint64(1)))
 
 
-@njit(cache=True)
+@njit(**_HELPER)
 def _unzigzag_add(o: np.uint64, v: np.uint64, mask: np.uint64) -> np.uint64:
     """Parent value plus the zigzag delta coded as v = z - 1 (the caller checks v < mask: z in [1, mask])."""
     z = v + np.uint64(1)
     return (o + ((z >> np.uint64(1)) ^ (mask * (z & np.uint64(1))))) & mask
 
 
-@njit(cache=True)
+@njit(**_HELPER)
 def _class_of(v: np.uint64, shift: int) -> int:
     return int((v >> np.uint64(shift)) & np.uint64(0xFF))
 
 
-@njit(cache=True)
+@njit(**_HELPER)
 def _gap_ctx(g: np.uint64) -> int:
     """Sparse-mode gap context: bit length of the previous gap (capped)."""
     return min(_top_bit(g) + 1, 40) if g > np.uint64(0) else 0
 
 
-@njit(cache=True)
+@njit(**_HELPER)
 def _renorm_out(x: np.uint64, buf: np.ndarray, pos: int, xmax: np.uint64) -> tuple[np.uint64, int]:
     while x >= xmax:
         pos -= 1
@@ -166,7 +170,7 @@ def _renorm_out(x: np.uint64, buf: np.ndarray, pos: int, xmax: np.uint64) -> tup
     return x, pos
 
 
-@njit(cache=True)
+@njit(**_HELPER)
 def _renorm_in(x: np.uint64, data: np.ndarray, pos: int) -> tuple[np.uint64, int]:
     """Refill the state. Unchecked: the caller pads data and checks ``pos <= end`` after every value; with the
     state >= 2^23 before a step, one value reads at most 14 bytes."""
@@ -176,7 +180,7 @@ def _renorm_in(x: np.uint64, data: np.ndarray, pos: int) -> tuple[np.uint64, int
     return x, pos
 
 
-@njit(cache=True)
+@njit(**_HELPER)
 def _dec_value(x, data, pos, freq, cum, lut):
     """Decode one table-coded number (token, then its raw bits in 16-bit chunks). Returns (v, x, pos)."""
     slot = x & np.uint64(_PROB_SCALE - 1)
@@ -199,7 +203,9 @@ def _dec_value(x, data, pos, freq, cum, lut):
 @njit(**_JIT)
 def _normalize(h: np.ndarray, out: np.ndarray) -> None:
     """Quantise counts to frequencies summing to 2^12, keeping every used symbol at >= 1."""
-    n = h.sum()
+    n = 0
+    for s in range(h.size):
+        n += h[s]
     total = 0
     best = 0
     for s in range(h.size):
@@ -222,7 +228,7 @@ def _normalize(h: np.ndarray, out: np.ndarray) -> None:
 _XLOGX = np.array([0.0] + [c * math.log2(c) for c in range(1, 4096)])  # c·log2(c), for size estimates only
 
 
-@njit(cache=True)
+@njit(**_HELPER)
 def _xlx(c: int) -> float:
     return _XLOGX[c] if c < 4096 else c * math.log2(c)
 
@@ -246,20 +252,36 @@ def _group_cost(h: np.ndarray, h2: np.ndarray) -> float:
 def _merge_contexts(hist: np.ndarray, ctxs: np.ndarray, ctx_map: np.ndarray) -> tuple[int, float]:
     """Group contexts (rows of hist, context ids in ctxs) into tables: sort by mean token, merge neighbours
     while that saves bits (and always down to 15 tables). Writes ctx_map; returns (tables, estimated bits)."""
-    na = ctxs.size
+    na, nt = hist.shape
     keys = np.empty(na)
-    for r in range(na):
-        keys[r] = (hist[r] * np.arange(hist.shape[1])).sum() / hist[r].sum()
-    order = np.argsort(keys, kind="mergesort")
-    gh = hist[order].copy()  # group histograms, in key order; group g is alive while owner[g] == g
+    order = np.empty(na, np.int64)
+    for r in range(na):  # mean token per context, insertion-sorted (na <= 256)
+        tot = 0
+        acc = 0
+        for s in range(nt):
+            tot += hist[r, s]
+            acc += hist[r, s] * s
+        keys[r] = acc / tot
+        j = r
+        while j > 0 and keys[order[j - 1]] > keys[r]:
+            order[j] = order[j - 1]
+            j -= 1
+        order[j] = r
+    gh = np.empty((na, nt), np.int64)  # group histograms in key order; groups live in a linked list
     cost = np.empty(na)
-    zero = np.zeros(hist.shape[1], np.int64)
+    gain = np.empty(na)  # bits saved by merging g with nxt[g]
+    owner = np.empty(na, np.int64)
+    nxt = np.empty(na, np.int64)
+    prv = np.empty(na, np.int64)
+    zero = np.zeros(nt, np.int64)
     for g in range(na):
+        for s in range(nt):
+            gh[g, s] = hist[order[g], s]
         cost[g] = _group_cost(gh[g], zero)
-    owner = np.arange(na)
-    nxt = np.arange(1, na + 1)  # next live group (na: none)
-    prv = np.arange(-1, na - 1)
-    gain = np.full(na, -np.inf)  # bits saved by merging g with nxt[g]
+        owner[g] = g
+        nxt[g] = g + 1
+        prv[g] = g - 1
+        gain[g] = -np.inf
     for g in range(na - 1):
         gain[g] = cost[g] + cost[g + 1] - _group_cost(gh[g], gh[g + 1])
     alive = na
@@ -273,7 +295,8 @@ def _merge_contexts(hist: np.ndarray, ctxs: np.ndarray, ctx_map: np.ndarray) -> 
         if gain[best] <= 0.0 and alive <= _MAX_TABLES:
             break
         o = nxt[best]
-        gh[best] += gh[o]
+        for s in range(nt):
+            gh[best, s] += gh[o, s]
         cost[best] += cost[o] - gain[best]
         nxt[best] = nxt[o]
         if nxt[o] < na:
@@ -282,7 +305,8 @@ def _merge_contexts(hist: np.ndarray, ctxs: np.ndarray, ctx_map: np.ndarray) -> 
             if owner[i] == o:
                 owner[i] = best
         alive -= 1
-        for h in (prv[best], best):
+        for side in range(2):  # the two candidate merges that changed
+            h = prv[best] if side == 0 else best
             if h >= 0:
                 gain[h] = -np.inf
                 if nxt[h] < na:
@@ -301,7 +325,7 @@ def _merge_contexts(hist: np.ndarray, ctxs: np.ndarray, ctx_map: np.ndarray) -> 
     return alive, total
 
 
-@njit(cache=True)
+@njit(**_HELPER)
 def _put_varint(buf: np.ndarray, pos: int, v: int) -> int:
     while v >= 128:
         buf[pos] = (v & 127) | 128
@@ -319,36 +343,44 @@ def _build_model(kind, ctx, val, tok, exact_gap_map, maps):
     Returns (model bytes, encoder frequencies and cumulative frequencies per kind/table/token, raw bit count);
     the last bounds the rANS stream size.
     """
-    used = np.zeros((2, 256), np.bool_)
+    rows = np.empty((2, 256), np.int64)  # context -> histogram row (-1: unused)
+    for c in range(256):
+        rows[0, c] = rows[1, c] = -1
+    ctxs = np.empty((2, 256), np.int64)  # row -> context, ascending
+    nctx = np.zeros(2, np.int64)
     raw_bits = 0
     ntok = 1
     for i in range(val.size):
         t = _token(val[i])
         tok[i] = t
         ntok = max(ntok, t + 1)
-        used[kind[i], ctx[i]] = True
+        rows[kind[i], ctx[i]] = 0
         raw_bits += _token_bits(t)
-    rows = np.zeros((2, 256), np.int64)
-    ctxs = [np.flatnonzero(used[0]), np.flatnonzero(used[1])]
     for k in range(2):
-        rows[k, ctxs[k]] = np.arange(ctxs[k].size)
-    hist = np.zeros((2, max(ctxs[0].size, ctxs[1].size), ntok), np.int64)
+        for c in range(256):
+            if rows[k, c] >= 0:
+                rows[k, c] = nctx[k]
+                ctxs[k, nctx[k]] = c
+                nctx[k] += 1
+    hist = np.zeros((2, max(nctx[0], nctx[1]), ntok), np.int64)
     for i in range(val.size):
         hist[kind[i], rows[kind[i], ctx[i]], tok[i]] += 1
     ntabs = np.zeros(2, np.int64)
     defaults = np.zeros(2, np.bool_)
     for k in range(2):
-        h = hist[k, :ctxs[k].size]
-        maps[k] = _NONE
-        ntabs[k], est = _merge_contexts(h, ctxs[k], maps[k])
+        for c in range(256):
+            maps[k, c] = _NONE
+        ntabs[k], est = _merge_contexts(hist[k, :nctx[k]], ctxs[k, :nctx[k]], maps[k])
         default_bits = 0.0
-        for s in range(ntok):
-            default_bits += h[:, s].sum() * math.log2(_PROB_SCALE / _DEFAULT[s])
+        for r in range(nctx[k]):
+            for s in range(ntok):
+                default_bits += hist[k, r, s] * _DEFAULT_BITS[s]
         if default_bits <= est:
             defaults[k] = True
             ntabs[k] = 1
-            maps[k, ctxs[k]] = 0
-    ntmax = ntabs.max()
+            for r in range(nctx[k]):
+                maps[k, ctxs[k, r]] = 0
+    ntmax = max(ntabs[0], ntabs[1])
     freqs = np.zeros((2, ntmax, ntok), np.int64)
     cums = np.zeros((2, ntmax, ntok), np.int64)
     codes = np.zeros((2, ntmax, ntok), np.int64)
@@ -356,22 +388,29 @@ def _build_model(kind, ctx, val, tok, exact_gap_map, maps):
     pos = 0
     for k in range(2):
         if defaults[k]:
-            freqs[k, 0] = _DEFAULT[:ntok]
+            for s in range(ntok):
+                freqs[k, 0, s] = _DEFAULT[s]
         else:
             th = np.zeros((ntabs[k], ntok), np.int64)
-            for r in range(ctxs[k].size):
-                th[maps[k, ctxs[k][r]]] += hist[k, r]
+            for r in range(nctx[k]):
+                for s in range(ntok):
+                    th[maps[k, ctxs[k, r]], s] += hist[k, r, s]
+            w = np.zeros(ntok, np.int64)
             for t in range(ntabs[k]):  # 6-bit log-scale codes of the counts; both sides normalise their weights
-                top = th[t].max()
+                top = 1
+                for s in range(ntok):
+                    top = max(top, th[t, s])
                 for s in range(ntok):
                     if th[t, s] > 0:
                         codes[k, t, s] = min(max(63 + round(4.0 * math.log2(th[t, s] / top)), 1), 63)
-                _normalize(_WEIGHTS[codes[k, t]], freqs[k, t])
+                    w[s] = _WEIGHTS[codes[k, t, s]]
+                _normalize(w, freqs[k, t])
         if defaults[k] and not (exact_gap_map and k == _GAP):
             model[pos] = _DEFAULT_ALL
             pos += 1
         else:  # context map: first context, count, then one nibble per context (15: none)
-            first, count = ctxs[k][0], ctxs[k][-1] - ctxs[k][0] + 1
+            first = ctxs[k, 0]
+            count = ctxs[k, nctx[k] - 1] - first + 1
             model[pos] = _DEFAULT_MAPPED if defaults[k] else ntabs[k]
             pos = _put_varint(model, pos + 1, first)
             pos = _put_varint(model, pos, count)
@@ -381,10 +420,13 @@ def _build_model(kind, ctx, val, tok, exact_gap_map, maps):
                 model[pos] = (lo & 15) | ((hi & 15) << 4)
                 pos += 1
         for t in range(ntabs[k]):
-            cums[k, t, 1:] = np.cumsum(freqs[k, t])[:-1]
+            last = 0
+            for s in range(1, ntok):
+                cums[k, t, s] = cums[k, t, s - 1] + freqs[k, t, s - 1]
+                if freqs[k, t, s] > 0:
+                    last = s
             if defaults[k]:
                 continue
-            last = np.flatnonzero(freqs[k, t])[-1]
             pos = _put_varint(model, pos, last + 1)
             acc = 0
             for s in range(last + 1):  # 6-bit codes, least significant bits first
@@ -449,12 +491,14 @@ def _encode_stream(kind, ctx, val, tok, maps, freqs, cums, buf) -> int:
 
 # ------------------------------------------------------------------------------------------- ops of each mode
 @njit(**_JIT)
-def _ops_sparse(idx, old, new, bits, shift, kind, ctx, val) -> None:
+def _ops_sparse(idx, old, new, bits, shift, kind, ctx, val) -> int:
     """Sparse mode, per change: the gap over all elements (context: previous gap), then the value (context:
-    the parent's class)."""
+    the parent's class). Returns -1, or the first j whose old and new values are equal (not a change)."""
     prev = -1
     pctx = 0
     for j in range(idx.size):
+        if old[j] == new[j]:
+            return j
         g = np.uint64(idx[j] - prev - 1)
         prev = idx[j]
         kind[2 * j] = _GAP
@@ -465,71 +509,63 @@ def _ops_sparse(idx, old, new, bits, shift, kind, ctx, val) -> None:
         kind[2 * j + 1] = _VAL
         ctx[2 * j + 1] = _class_of(o, shift)
         val[2 * j + 1] = _zigzag(o, np.uint64(new[j]), bits) - np.uint64(1)
+    return -1
 
 
 @njit(**_JIT)
-def _count_changes(a: np.ndarray, b: np.ndarray) -> int:
-    c = 0
-    for i in range(a.size):
-        c += a[i] != b[i]
-    return c
-
-
-@njit(**_JIT)
-def _class_ranks(a, b, shift, idx, rank, old, new, ncls) -> None:
-    """One pass over the dense chunks: changed positions, old/new values, rank within class, class sizes.
-
-    Four interleaved histograms break the store-to-load chain of runs of same-class elements.
-    """
-    h = np.zeros((4, 256), np.int64)
+def _class_pass(a, b, shift, bits, start, h, rank, cls, zv, first) -> tuple[int, int]:
+    """The one pass of class mode over the dense chunks, resumable: per change (at most rank.size) its rank
+    within its class, its class and its zigzag delta - 1, plus the positions of the first first.size changes.
+    h holds the class counts so far, as four interleaved histograms that break the store-to-load chain of runs
+    of same-class elements. Returns (element to resume at, changes written)."""
     j = 0
     sh = np.uint64(shift)
-    for i in range(a.size):
+    for i in range(start, a.size):
         x = a[i]
         c = int((np.uint64(x) >> sh) & np.uint64(0xFF))
         if x != b[i]:
-            idx[j] = i
+            if j == rank.size:
+                return i, j
             rank[j] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
-            old[j] = x
-            new[j] = b[i]
+            cls[j] = c
+            zv[j] = _zigzag(np.uint64(x), np.uint64(b[i]), bits) - np.uint64(1)
+            if j < first.size:
+                first[j] = i
             j += 1
         h[i & 3, c] += 1
-    ncls[:] = h.sum(axis=0)
+    return a.size, j
 
 
 @njit(**_JIT)
-def _ops_class(old, new, rank, ncls, bits, shift, kind, ctx, val) -> int:
-    """Class mode: the first gap of each changing class (ascending class), then per change its value and the
-    gap to its class's next change (the last one runs to the end of the class). Returns the op count."""
-    k = rank.size
-    nxt = ncls.copy()
-    gaps = np.empty(k, np.int64)
-    for j in range(k - 1, -1, -1):
-        c = _class_of(np.uint64(old[j]), shift)
-        gaps[j] = nxt[c] - rank[j] - 1
-        nxt[c] = rank[j]
-    m = 0
+def _ops_class(rank, cls, zv, ncls, kind, ctx, val) -> int:
+    """Class-mode ops: the first gap of each changing class (ascending class), then per change its value and
+    the gap to its class's next change (the last one runs to the end of the class). The per-change ops go from
+    offset 256, the first gaps just before them; returns the offset of the first op."""
+    nxt = np.empty(256, np.int64)
     for c in range(256):
+        nxt[c] = ncls[c]
+    for j in range(rank.size - 1, -1, -1):
+        c = cls[j]
+        m = 256 + 2 * j
+        kind[m] = _VAL
+        ctx[m] = c
+        val[m] = zv[j]
+        kind[m + 1] = _GAP
+        ctx[m + 1] = c
+        val[m + 1] = np.uint64(nxt[c] - rank[j] - 1)
+        nxt[c] = rank[j]
+    m = 256
+    for c in range(255, -1, -1):
         if nxt[c] != ncls[c]:
+            m -= 1
             kind[m] = _GAP
             ctx[m] = c
             val[m] = np.uint64(nxt[c])
-            m += 1
-    for j in range(k):
-        o = np.uint64(old[j])
-        c = _class_of(o, shift)
-        kind[m] = _VAL
-        ctx[m] = c
-        val[m] = _zigzag(o, np.uint64(new[j]), bits) - np.uint64(1)
-        kind[m + 1] = _GAP
-        ctx[m + 1] = c
-        val[m + 1] = np.uint64(gaps[j])
-        m += 2
     return m
 
 
 # ---------------------------------------------------------------------------------------------------- decoding
-@njit(cache=True)
+@njit(**_HELPER)
 def _get_varint(buf: np.ndarray, pos: int) -> tuple[int, int]:
     """Varint of at most 3 bytes (all model numbers are < 2^21); pos = -1 on truncation or overlong input."""
     v = 0
@@ -555,7 +591,8 @@ def _parse_model(model, maps, freqs, cums, luts) -> int:
         pos += 1
         default = ntab >= _DEFAULT_MAPPED
         if ntab == _DEFAULT_ALL:
-            maps[k] = 0
+            for c in range(256):
+                maps[k, c] = 0
         elif ntab == 0 or (ntab > _MAX_TABLES and not default):
             return 9
         else:
@@ -575,14 +612,15 @@ def _parse_model(model, maps, freqs, cums, luts) -> int:
             pos += (count + 1) // 2
         for t in range(ntab if not default else 1):
             if default:
-                freqs[k, t] = _DEFAULT
+                for s in range(_NSYM):
+                    freqs[k, t, s] = _DEFAULT[s]
             else:
                 nsym, pos = _get_varint(model, pos)
                 if pos < 0 or pos + (6 * nsym + 7) // 8 > model.size:
                     return 12
                 if nsym < 1 or nsym > _NSYM:
                     return 11
-                codes = np.zeros(_NSYM, np.int64)
+                codes = np.zeros(_NSYM, np.int64)  # then the table's weights
                 for s in range(nsym):
                     bit = 6 * s
                     word = int(model[pos + bit // 8])
@@ -594,21 +632,24 @@ def _parse_model(model, maps, freqs, cums, luts) -> int:
                 pos += (6 * nsym + 7) // 8
                 if codes[nsym - 1] == 0:
                     return 11
-                _normalize(_WEIGHTS[codes], freqs[k, t])
+                for s in range(_NSYM):
+                    codes[s] = _WEIGHTS[codes[s]]
+                _normalize(codes, freqs[k, t])
             acc = 0
             for s in range(_NSYM):
                 f = freqs[k, t, s]
                 cums[k, t, s] = acc
                 if acc + f > _PROB_SCALE:
                     return 11
-                luts[k, t, acc:acc + f] = s
+                for slot in range(acc, acc + f):
+                    luts[k, t, slot] = s
                 acc += f
             if acc != _PROB_SCALE:
                 return 11
     return 0 if pos == model.size else 13
 
 
-@njit(cache=True)
+@njit(**_HELPER)
 def _stream_start(data: np.ndarray) -> np.uint64:
     return (np.uint64(data[0]) | (np.uint64(data[1]) << np.uint64(8)) | (np.uint64(data[2]) << np.uint64(16))
             | (np.uint64(data[3]) << np.uint64(24)))
@@ -617,7 +658,8 @@ def _stream_start(data: np.ndarray) -> np.uint64:
 @njit(**_JIT)
 def _decode_sparse(parent, out, k, bits, shift, data, end, maps, freqs, cums, luts) -> int:
     n = parent.size
-    out[:] = parent
+    for i in range(n):
+        out[i] = parent[i]
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - bits)
     x = _stream_start(data)
     if x < np.uint64(_RANS_L):
@@ -658,8 +700,9 @@ def _decode_class(parent, out, k, bits, shift, data, end, maps, freqs, cums, lut
     if x < np.uint64(_RANS_L):
         return 5
     pos = 4
-    rem = np.full(256, -1, np.int64)  # class elements to skip before the class's next change; -1: never
+    rem = np.empty(256, np.int64)  # class elements to skip before the class's next change; -1: never
     for c in range(256):
+        rem[c] = -1
         t = maps[_GAP, c]
         if t != _NONE:
             g, x, pos = _dec_value(x, data, pos, freqs[_GAP, t], cums[_GAP, t], luts[_GAP, t])
@@ -701,8 +744,9 @@ def _decode_class(parent, out, k, bits, shift, data, end, maps, freqs, cums, lut
             rem[c] = int(g)
     if found != k:
         return 7
-    if rem.max() > 0:
-        return 8
+    for c in range(256):
+        if rem[c] > 0:
+            return 8
     return 0 if pos == end and x == np.uint64(_RANS_L) else 5
 
 
@@ -775,27 +819,35 @@ class SparseCodec:
         if k == 0:
             return self._pack(MODE_EMPTY, diff.itemsize, diff.n, 0, None)
         ops = (np.empty(2 * k, np.uint8), np.empty(2 * k, np.uint8), np.empty(2 * k, np.uint64))
-        _ops_sparse(diff.idx, diff.old, diff.new, 8 * diff.itemsize, _shift_for(diff.itemsize), *ops)
+        bad = _ops_sparse(diff.idx, diff.old, diff.new, 8 * diff.itemsize, _shift_for(diff.itemsize), *ops)
+        if bad >= 0:
+            raise FormatError(f"ElementDiff lists position {diff.idx[bad]} whose old and new values are equal")
         return self._pack(MODE_SPARSE, diff.itemsize, diff.n, k, ops)
 
     def encode_arrays(self, parent: np.ndarray, new: np.ndarray, itemsize: int) -> bytes:
-        """Class-mode payload straight from two flat uint8 chunks of equal length."""
+        """Class-mode payload straight from two flat uint8 chunks of equal length (one pass over them)."""
         a, b = _as_uint(parent, itemsize, "parent"), _as_uint(new, itemsize, "new")
         if a.size != b.size:
             raise FormatError(f"parent has {a.size} elements, new has {b.size}")
-        k = _count_changes(a, b)
+        shift, bits, n = _shift_for(itemsize), 8 * itemsize, a.size
+        h = np.zeros((4, 256), np.int64)
+        cap = min(n, max(4096, n // 32))  # a guess at the change count; grown (and the pass resumed) if short
+        rank, cls, zv = np.empty(cap, np.int64), np.empty(cap, np.uint8), np.empty(cap, np.uint64)
+        first = np.empty(_SMALL_K, np.int64)
+        i, k = _class_pass(a, b, shift, bits, 0, h, rank, cls, zv, first)
+        while i < n:
+            cap = min(n, 4 * cap)
+            rank, cls, zv = (np.concatenate((x[:k], np.empty(cap - k, x.dtype))) for x in (rank, cls, zv))
+            i, j = _class_pass(a, b, shift, bits, i, h, rank[k:], cls[k:], zv[k:], first[:0])
+            k += j
         if k == 0:
-            return self._pack(MODE_EMPTY, itemsize, a.size, 0, None)
-        shift = _shift_for(itemsize)
-        idx, rank = np.empty(k, np.int64), np.empty(k, np.int64)
-        old, nv = np.empty(k, a.dtype), np.empty(k, a.dtype)
-        ncls = np.empty(256, np.int64)
-        _class_ranks(a, b, shift, idx, rank, old, nv, ncls)
+            return self._pack(MODE_EMPTY, itemsize, n, 0, None)
         ops = (np.empty(2 * k + 256, np.uint8), np.empty(2 * k + 256, np.uint8), np.empty(2 * k + 256, np.uint64))
-        m = _ops_class(old, nv, rank, ncls, 8 * itemsize, shift, *ops)
-        payload = self._pack(MODE_CLASS, itemsize, a.size, k, tuple(o[:m] for o in ops))
+        m = _ops_class(rank[:k], cls[:k], zv[:k], h.sum(axis=0), *ops)
+        payload = self._pack(MODE_CLASS, itemsize, n, k, tuple(o[m:] for o in ops))
         if k < _SMALL_K:  # tiny chunks: per-class gaps may not pay for their context map
-            alt = self.encode(ElementDiff(a.size, itemsize, idx, old, nv))
+            idx = first[:k]
+            alt = self.encode(ElementDiff(n, itemsize, idx, a[idx], b[idx]))
             payload = alt if len(alt) < len(payload) else payload
         return payload
 

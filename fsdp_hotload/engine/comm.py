@@ -13,7 +13,7 @@ Example::
 from __future__ import annotations
 
 import pickle
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 
 class Comm(Protocol):
@@ -35,6 +35,10 @@ class Comm(Protocol):
     def allreduce_max(self, value: int) -> int:
         ...
 
+    def allreduce_max_async(self, value: int) -> "Callable[[], int]":
+        """Start a max-reduction; the returned function waits for and returns the result."""
+        ...
+
 
 class LocalComm:
     """The single-process case: every collective is the identity."""
@@ -53,6 +57,9 @@ class LocalComm:
 
     def allreduce_max(self, value: int) -> int:
         return value
+
+    def allreduce_max_async(self, value: int) -> "Callable[[], int]":
+        return lambda: value
 
 
 class GlooComm:
@@ -116,11 +123,19 @@ class GlooComm:
         return box[0]
 
     def allreduce_max(self, value: int) -> int:
+        return self.allreduce_max_async(value)()
+
+    def allreduce_max_async(self, value: int) -> "Callable[[], int]":
         import torch
 
         t = torch.tensor([value], dtype=torch.int64)
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
-        return int(t.item())
+        work = self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+        def result() -> int:
+            work.wait()
+            return int(t.item())
+
+        return result
 
 
 def dumps(obj: Any) -> bytes:

@@ -32,7 +32,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -126,38 +126,50 @@ class Publisher:
         self._pending = 0
         self._idle = threading.Condition()
         self._skipped = 0
+        self._agreed_busy: Callable[[], int] | None = None
         self.latest_step = -1
         self.closed = False
 
     # ================================================================== main thread
-    def publish(self, step: int, sources: Sequence[torch.Tensor] | None = None) -> bool:
-        """Stage the current weights for publishing; returns True if a snapshot was started."""
+    def publish(self, step: int,
+                sources: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]] | None = None) -> bool:
+        """Stage the current weights for publishing; returns True if a snapshot was started.
+
+        ``sources`` (or a function returning them, called only on steps that publish) replaces the chunks'
+        own source tensors. With several ranks and the skip policy, ranks agree on "every rank has a free
+        slot" with an asynchronous reduction started at one publish step and read at the next, so the trainer
+        never waits on the other ranks here; the price is that back-to-back publishes are two steps apart.
+        """
+        t0 = time.perf_counter()
         self.raise_if_failed()
         if self.closed:
             raise RuntimeError("publisher is closed")
         self.latest_step = step
         if step % self.config.publish_every:
             return False
-        t0 = time.perf_counter()
-        wait = self.config.busy_policy == "wait"
-        if wait:
+        if self.config.busy_policy == "wait":
             buf = self.stager.acquire(wait=True)
         else:
-            busy = int(self.stager.free_slots() == 0)
-            if self.world > 1:
-                busy = self.ctrl.allreduce_max(busy)  # every rank must make the same choice
+            if self.world == 1:
+                busy = self.stager.free_slots() == 0
+            else:
+                busy = bool(self._agreed_busy()) if self._agreed_busy is not None else False
+            # Agreed free means this rank's slot is free too: only this thread takes slots.
             buf = None if busy else self.stager.acquire(wait=True)
-        if buf is None:
+        if buf is not None:
+            srcs = sources() if callable(sources) else sources
+            event = self.stager.stage(buf, srcs)
+            blocking_ms = (time.perf_counter() - t0) * 1e3
+            with self._idle:
+                self._pending += 1
+            self._ensure_thread()
+            self._queue.put(_Job(step, buf, event, blocking_ms, self._skipped, t0))
+            self._skipped = 0
+        else:
             self._skipped += 1
-            return False
-        event = self.stager.stage(buf, sources)
-        blocking_ms = (time.perf_counter() - t0) * 1e3
-        with self._idle:
-            self._pending += 1
-        self._ensure_thread()
-        self._queue.put(_Job(step, buf, event, blocking_ms, self._skipped, t0))
-        self._skipped = 0
-        return True
+        if self.config.busy_policy == "skip" and self.world > 1:
+            self._agreed_busy = self.ctrl.allreduce_max_async(int(self.stager.free_slots() == 0))
+        return buf is not None
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every started snapshot has finished (accepted or failed)."""

@@ -106,15 +106,13 @@ class Stager:
             main = torch.cuda.current_stream(self.device)
             self._stream.wait_stream(main)
             with torch.cuda.stream(self._stream):
-                for s, src in zip(self.slices, srcs):
-                    self.view(buf, s).copy_(src.detach().reshape(-1), non_blocking=True)
+                _copy_all([self.view(buf, s) for s in self.slices], [src.detach().reshape(-1) for src in srcs])
                 event = torch.cuda.Event()
                 event.record(self._stream)
             main.wait_event(event)  # the next optimizer step waits for the copy on the device, not on the host
             return event
         with torch.no_grad():
-            for s, src in zip(self.slices, srcs):
-                self.view(buf, s).copy_(src.detach().reshape(-1))
+            _copy_all([self.view(buf, s) for s in self.slices], [src.detach().reshape(-1) for src in srcs])
         return None
 
     # ------------------------------------------------------------------ background thread
@@ -165,6 +163,19 @@ class Stager:
         if event is not None:
             event.synchronize()
         return time.perf_counter() - t0
+
+
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """All chunk copies (with casts) in one call where torch offers it: one call means one GIL release, so a busy
+    publisher thread cannot make the trainer wait to retake the GIL between chunks."""
+    if not dst:
+        return
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        foreach(dst, src)
+    else:  # pragma: no cover - older torch
+        for d, s in zip(dst, src):
+            d.copy_(s, non_blocking=True)
 
 
 def _device_diff(new: torch.Tensor, old: torch.Tensor, s: Slice) -> ElementDiff:

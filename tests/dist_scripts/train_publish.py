@@ -45,6 +45,8 @@ def main() -> None:
     p.add_argument("--hf-dir", required=True)
     p.add_argument("--fail-step", type=int, default=-1, help="this step's uploads fail on --fail-rank")
     p.add_argument("--fail-rank", type=int, default=1)
+    p.add_argument("--busy-policy", default="wait", choices=["wait", "skip"])
+    p.add_argument("--no-wait", action="store_true", help="do not wait for each publish (exercise skipping)")
     p.add_argument("--restart-at", type=int, default=-1, help="close the callback and make a new one here")
     args = p.parse_args()
     dist.init_process_group("gloo")
@@ -54,11 +56,12 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = HotloadConfig(bucket_url=args.bucket, hotload_api_url=args.url, account_id="acct", model_id="tiny",
                         deployment_id="dep", api_key="test-key", hf_config_dir=args.hf_dir, full_every=args.full_every, poll_interval_s=0.02,
-                        ready_timeout_s=60, keep_training_on_error=True)
+                        ready_timeout_s=60, keep_training_on_error=True, busy_policy=args.busy_policy)
     faulty = FaultyFileSystem(fsspec.filesystem("file"))
     storage = Storage(args.bucket, fs=faulty, max_attempts=2, base_backoff_s=0.001, max_backoff_s=0.002)
     cb = HotloadCallback(model, cfg, storage=storage)
     expected: dict[str, dict[str, str]] = {}
+    by_step: dict[int, dict[str, str]] = {}
     records = []
     for step in range(args.steps):
         if step == args.restart_at:
@@ -69,11 +72,15 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         if step == args.fail_step and rank == args.fail_rank:
-            faulty.arm(2, match="model-00002")  # both attempts of one file this rank owns
+            faulty.arm(1000, match=".safetensors")  # every weight upload of this rank fails, retries too
         cb.step(step)
-        cb.wait()
+        if not args.no_wait:
+            cb.wait()
+        if step == args.fail_step and rank == args.fail_rank:
+            faulty.arm(0)
         full = gather_full_state(model, tie_word_embeddings=True)  # as the job's config.json says
-        if rank == 0:
+        by_step[step] = {k: RawTensor.from_any(v).sha256() for k, v in full.items()} if rank == 0 else {}
+        if rank == 0 and not args.no_wait:
             m = cb.metrics[-1]
             expected[m.identity] = {k: RawTensor.from_any(v).sha256() for k, v in full.items()}
             reps = served(args.url)
@@ -83,6 +90,14 @@ def main() -> None:
                             "bit_exact": all(expected.get(i) == shas for i, shas in reps),
                             "tensors": sorted(reps[0][1])})
     cb.close()
+    if rank == 0 and args.no_wait:
+        # Publishes overlapped training: check each accepted snapshot was a real step, and the final state.
+        reps = served(args.url)
+        last = cb.metrics[-1]
+        records = [{"step": m.step, "kind": m.kind, "ok": m.ok, "identity": m.identity,
+                    "skipped_before": m.skipped_before} for m in cb.metrics]
+        records[-1].update(serves_current=all(i == last.identity for i, _ in reps),
+                           bit_exact=all(shas == by_step[last.step] for _, shas in reps))
     if rank == 0:
         Path(args.out).write_text(json.dumps(records, indent=1))
     dist.barrier()
