@@ -65,6 +65,9 @@ class HotloadConfig(BaseModel):
     busy_policy: Literal["skip", "wait"] = Field("skip", description="when all in-flight slots are taken: "
                                                                      "skip this step (publish the newest state "
                                                                      "later) or block until a slot frees")
+    background_nice: int = Field(10, ge=0, le=19, description="Linux nice value of the publisher's threads: "
+                                 "the trainer wins contended CPU cores, publishing uses what is left (0 = same "
+                                 "priority as training)")
     cache_on: Literal["device", "host"] = Field("device", description="where the previous snapshot's bytes live")
     keep_training_on_error: bool = Field(False, description="log background errors instead of raising them on "
                                                             "the next step")

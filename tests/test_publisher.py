@@ -240,3 +240,29 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
         assert cfg.deployments == ["a", "b"] and cfg.full_every == 5
     finally:
         del os.environ["HOTLOAD_BUCKET_URL"], os.environ["HOTLOAD_DEPLOYMENT_ID"]
+
+
+def test_publisher_threads_run_at_lower_priority() -> None:
+    """Encoding and upload threads inherit the publisher thread's nice value; the trainer's thread keeps its own."""
+    import threading
+
+    from fsdp_hotload.engine.publisher import lower_thread_priority
+
+    seen: dict[str, int] = {}
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def publisher() -> None:
+        lower_thread_priority(10)
+        seen["publisher"] = nice()
+        worker = threading.Thread(target=lambda: seen.__setitem__("worker", nice()))
+        worker.start()
+        worker.join()
+
+    before = nice()
+    t = threading.Thread(target=publisher)
+    t.start()
+    t.join()
+    assert seen == {"publisher": max(before, 10), "worker": max(before, 10)}
+    assert nice() == before

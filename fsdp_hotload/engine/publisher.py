@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import secrets
 import threading
@@ -50,6 +51,18 @@ from .signal import Signaller
 from .staging import ChunkLike, Stager
 
 log = logging.getLogger("fsdp_hotload")
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Raise the calling thread's nice value (Linux: per thread; other systems: no-op). Encoding and uploading
+    then take CPU the trainer leaves idle instead of competing with it."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
+    except OSError as exc:  # e.g. a sandbox that forbids it: publishing still works, at normal priority
+        log.debug("hotload: cannot lower publisher thread priority: %s", exc)
 
 
 class PublishError(RuntimeError):
@@ -210,6 +223,7 @@ class Publisher:
 
     # ================================================================== background thread
     def _loop(self) -> None:
+        lower_thread_priority(self.config.background_nice)  # threads this one starts inherit it
         while True:
             job = self._queue.get()
             if job is None:
