@@ -206,12 +206,10 @@ def measure_step(prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor], re
 
 def datasets(args: argparse.Namespace) -> Iterator[tuple[str, float, Iterator[dict[str, torch.Tensor]]]]:
     for lr in (1e-6, 3e-6):
-        yield (f"synthetic {args.params / 1e6:.0f}M", lr,
-               rl_snapshots(total_params=args.params, steps=args.steps, lr=lr, seed=args.seed))
+        yield "synthetic", lr, rl_snapshots(total_params=args.params, steps=args.steps, lr=lr, seed=args.seed)
     for lr in (1e-6, 3e-6):
         kw = dict(vocab=1024, d=128, layers=2) if args.quick else dict(vocab=4096, d=256, layers=4)
-        label = "tiny GPT 0.5M" if args.quick else "tiny GPT 4.2M"
-        yield label, lr, tiny_gpt_snapshots(steps=args.steps, lr=lr, seed=args.seed, **kw)
+        yield "tiny GPT", lr, tiny_gpt_snapshots(steps=args.steps, lr=lr, seed=args.seed, **kw)
 
 
 def machine() -> str:
@@ -272,8 +270,9 @@ def main(argv: list[str] | None = None) -> None:
     numba.set_num_threads(1)
     started = time.time()
     rows = []
-    for data, lr, snaps in datasets(args):
+    for name, lr, snaps in datasets(args):
         prev = next(snaps)
+        data = f"{name} {sum(t.numel() for t in prev.values()) / 1e6:.1f}M"
         for step, cur in enumerate(snaps, 1):
             r = measure_step(prev, cur, args.repeat)
             rows.append((data, lr, step, r))
@@ -281,30 +280,68 @@ def main(argv: list[str] | None = None) -> None:
                   "  ".join(f"{n} {r[n][0]:.1f}x" for n in CODECS) +  # type: ignore[index]
                   f"  bound {r['bound']:.1f}x  ctx {r['ctx bound']:.1f}x", flush=True)
             prev = cur
-    cmd = "python benchmarks/codec.py" + (" --quick" if args.quick else "")
+    cmd = " ".join(["python benchmarks/codec.py", *(sys.argv[1:] if argv is None else argv)])
     md = table(rows)
     print()
     print(md)
     print()
     print("Cells: ratio (encode GB/s / decode GB/s), one core, bf16 bytes of the chunk.")
     print(BOUND_DEFINITION)
+    print("\n".join(targets(rows)))
     print(f"\n{machine()}\nelapsed {time.time() - started:.0f} s")
     if args.write_results:
-        write_results(ROOT / "benchmarks" / "RESULTS.md", results_section(rows, md, cmd))
+        write_results(ROOT / "benchmarks" / "RESULTS.md", results_section(rows, md, cmd, time.time() - started))
 
 
-def results_section(rows: list[tuple[str, float, int, dict[str, object]]], md: str, cmd: str) -> str:
+def targets(rows: list[tuple[str, float, int, dict[str, object]]]) -> list[str]:
+    """The issue's targets, checked on the rows with 1-5% changed elements (the "~2%" regime)."""
+    near = [r for _, _, _, r in rows if 0.01 <= r["changed"] <= 0.05] or [r for _, _, _, r in rows]  # type: ignore
+    out = []
+    for mode in ("sparse·dense", "sparse·diff"):
+        vs_pulse = min(r[mode][0] / r["PULSE"][0] for r in near)  # type: ignore[index]
+        vs_bound = min(r[mode][0] / r["bound"] for r in near)  # type: ignore[index, operator]
+        enc = sorted(r[mode][1] for r in near)  # type: ignore[index]
+        dec = sorted(r[mode][2] for r in near)  # type: ignore[index]
+        out += [
+            f"{mode}: ratio ≥ 1.15× PULSE — worst {vs_pulse:.2f}× — {'met' if vs_pulse >= 1.15 else 'NOT met'}",
+            f"{mode}: ratio ≥ 90% of the order-0 bound — worst {100 * vs_bound:.0f}% — "
+            f"{'met' if vs_bound >= 0.9 else 'NOT met'}; stretch (beat the bound): "
+            f"{'met' if vs_bound > 1.0 else 'not met'}",
+            f"{mode}: encode ≥ 1 GB/s per core (whole path from the dense arrays) — min {enc[0]:.2f}, median "
+            f"{enc[len(enc) // 2]:.2f} GB/s — {'met' if enc[len(enc) // 2] >= 1.0 else 'NOT met'} (median); "
+            f"decode min {dec[0]:.2f}, median {dec[len(dec) // 2]:.2f} GB/s",
+        ]
+    return out
+
+
+def results_section(rows: list[tuple[str, float, int, dict[str, object]]], md: str, cmd: str, elapsed: float) -> str:
     return "\n".join([
         "## Codec benchmark (benchmarks/codec.py)",
         "",
         f"- Machine: {machine()}",
         f"- Date: {datetime.date.today().isoformat()}",
-        f"- Command: `{cmd}`",
+        f"- Command: `{cmd}` (about {elapsed:.0f} s)",
+        "- Codecs: `arc_v2` (zstd of the dense XOR), PULSE-style baseline (varint gaps + raw new bf16 values, "
+        "zstd level 1), `arc_sparse_v1` in sparse mode (`encode(element_diff(...))`) and in class mode "
+        "(`encode_arrays(parent, new)`, gaps counted per parent exponent).",
         "",
         md,
         "",
-        "Cells: ratio (encode GB/s / decode GB/s), one core, bf16 bytes of the chunk in; best of the repeats.",
+        "Cells: ratio (encode GB/s / decode GB/s), one core, bf16 bytes of the chunk in; best of the repeats on a "
+        "shared 2-core machine, so speeds are noisy. Every payload was decoded and compared bit for bit.",
+        "",
         f"{BOUND_DEFINITION}",
+        "",
+        "Targets (rows with 1-5% changed):",
+        "",
+        *[f"- {t}" for t in targets(rows)],
+        "",
+        "Notes: class mode (`encode_arrays`) codes each gap among the elements of the same parent exponent, which "
+        "the receiver can count; it needs the dense parent and new chunk at encode time (a host-side cache, or a "
+        "device kernel that returns per-class ranks). Sparse mode (`encode`) works from the ElementDiff of a "
+        "device diff. Its encode time above includes `element_diff` (kernels.py). The class-mode pass costs "
+        "~1.2 ns per element here (a per-element class histogram), so encode is ~1 GB/s at 2-3% changed and "
+        "slower at higher densities; the rANS stages cost ~25 ns per change.",
     ])
 
 

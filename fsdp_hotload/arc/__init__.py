@@ -19,10 +19,7 @@ from .dtypes import RawTensor, code_from_name, itemsize, torch_name
 from .errors import ArcError, ChecksumError, FormatError, MismatchError
 from .stio import load_file, parse_header, save_file, write_file
 
-try:  # the sparse codec registers itself on import
-    from . import sparse as _sparse  # noqa: F401
-except ImportError:  # pragma: no cover - only while the module is absent
-    pass
+from . import sparse as _sparse  # noqa: F401  (registers arc_sparse_v1)
 
 __all__ = [
     "ArcError", "ArcV2", "Box", "CHECKSUM_FORMAT", "ChecksumError", "Codec", "ElementDiff", "FormatError",
