@@ -136,7 +136,7 @@ class ArcV2:
 
     name = "arc_v2"
 
-    def __init__(self, level: int = 3) -> None:
+    def __init__(self, level: int = 1) -> None:  # level 3 gains nothing on XOR data and is ~10% slower
         self.level = level
 
     def encode(self, diff: ElementDiff) -> bytes:
