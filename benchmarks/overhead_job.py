@@ -222,12 +222,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--poll", type=float, default=0.05)
+    p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (RL runs use ~1e-6)")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(args)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)  # fused: 5x faster than foreach on CPU
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)  # fused: 5x faster than foreach on CPU
     gen = torch.Generator().manual_seed(1000 + rank)
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen) for _ in range(8)]
 
