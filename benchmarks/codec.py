@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import re
 import sys
 import time
@@ -212,18 +211,7 @@ def datasets(args: argparse.Namespace) -> Iterator[tuple[str, float, Iterator[di
         yield "tiny GPT", lr, tiny_gpt_snapshots(steps=args.steps, lr=lr, seed=args.seed, **kw)
 
 
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, torch {torch.__version__}, "
-            f"numba {numba.__version__}, numpy {np.__version__}, zstandard {zstandard.__version__} "
-            f"(libzstd {'.'.join(map(str, zstandard.ZSTD_VERSION))})")
+from machine_info import machine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
 def table(rows: list[tuple[str, float, int, dict[str, object]]]) -> str:

@@ -33,7 +33,6 @@ import argparse
 import bisect
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -345,21 +344,7 @@ def report(res: dict[str, Any], a: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ launch
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import numba
-    import torch
-    import zstandard
-
-    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
-            f"numba {numba.__version__}, zstandard {zstandard.__version__}")
+from machine_info import machine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
 def main(argv: list[str] | None = None) -> int:

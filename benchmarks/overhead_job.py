@@ -32,78 +32,11 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fsdp_hotload import HotloadCallback, HotloadConfig  # noqa: E402
+from fsdp_hotload.demo import CausalLM  # noqa: E402
 from fsdp_hotload.fsdp import local_chunks  # noqa: E402
 
 PUBLISHING = ("skip", "wait", "skip_nosignal", "skip_everyK")
 _VARIANT = re.compile(r"^(baseline|skip|wait|skip_nosignal|skip_every([1-9][0-9]*))$")
-
-
-# ------------------------------------------------------------------------------------------------ the model
-class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.q_proj = nn.Linear(dim, dim, bias=False)
-        self.k_proj = nn.Linear(dim, dim, bias=False)
-        self.v_proj = nn.Linear(dim, dim, bias=False)
-        self.o_proj = nn.Linear(dim, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = (p(x).view(b, t, self.heads, d // self.heads).transpose(1, 2)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, d))
-
-
-class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Layer(nn.Module):
-    def __init__(self, dim: int, hidden: int, heads: int) -> None:
-        super().__init__()
-        self.input_layernorm = nn.LayerNorm(dim)
-        self.self_attn = Attention(dim, heads)
-        self.post_attention_layernorm = nn.LayerNorm(dim)
-        self.mlp = MLP(dim, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Inner(nn.Module):
-    def __init__(self, vocab: int, dim: int, hidden: int, heads: int, layers: int) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList([Layer(dim, hidden, heads) for _ in range(layers)])
-        self.norm = nn.LayerNorm(dim)
-
-
-class CausalLM(nn.Module):
-    """HF-like names: model.embed_tokens.weight, model.layers.N.mlp.up_proj.weight, ..., lm_head.weight."""
-
-    def __init__(self, vocab: int, dim: int, hidden: int, heads: int, layers: int) -> None:
-        super().__init__()
-        self.model = Inner(vocab, dim, hidden, heads, layers)
-        self.lm_head = nn.Linear(dim, vocab, bias=False)
-        for p in self.parameters():  # small init, like real checkpoints (sets how often a bf16 ulp flips)
-            if p.dim() > 1:
-                nn.init.normal_(p, std=0.02)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.model.embed_tokens(ids)
-        for layer in self.model.layers:
-            h = layer(h)
-        return self.lm_head(self.model.norm(h))
 
 
 def build_model(args: argparse.Namespace) -> nn.Module:

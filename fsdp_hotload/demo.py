@@ -23,71 +23,84 @@ import tempfile
 import urllib.request
 from typing import Any
 
-VOCAB, DIM, FFN, LAYERS = 512, 128, 344, 4
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, DIM, FFN, HEADS, LAYERS = 512, 128, 344, 4, 4
 API_KEY = "demo-key"
 
 
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q_proj = nn.Linear(dim, dim, bias=False)
+        self.k_proj = nn.Linear(dim, dim, bias=False)
+        self.v_proj = nn.Linear(dim, dim, bias=False)
+        self.o_proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (p(x).view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, dim: int, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(dim)
+        self.self_attn = Attention(dim, heads)
+        self.post_attention_layernorm = nn.LayerNorm(dim)
+        self.mlp = MLP(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Inner(nn.Module):
+    def __init__(self, vocab: int, dim: int, hidden: int, heads: int, layers: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([Layer(dim, hidden, heads) for _ in range(layers)])
+        self.norm = nn.LayerNorm(dim)
+
+
+class CausalLM(nn.Module):
+    """HF-like names: model.embed_tokens.weight, model.layers.N.mlp.up_proj.weight, ..., lm_head.weight."""
+
+    def __init__(self, vocab: int, dim: int, hidden: int, heads: int, layers: int) -> None:
+        super().__init__()
+        self.model = Inner(vocab, dim, hidden, heads, layers)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        for p in self.parameters():  # small init, like real checkpoints (sets how often a bf16 ulp flips)
+            if p.dim() > 1:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(ids)
+        for layer in self.model.layers:
+            h = layer(h)
+        return self.lm_head(self.model.norm(h))
+
+
 def _model() -> Any:
-    import torch
-    from torch import nn
-
-    class Attn(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                setattr(self, n, nn.Linear(DIM, DIM, bias=False))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            w = torch.softmax(q @ k.transpose(-1, -2) / DIM ** 0.5, dim=-1)
-            return self.o_proj(w @ v)
-
-    class Mlp(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gate_proj = nn.Linear(DIM, FFN, bias=False)
-            self.up_proj = nn.Linear(DIM, FFN, bias=False)
-            self.down_proj = nn.Linear(FFN, DIM, bias=False)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    class Layer(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.input_layernorm = nn.RMSNorm(DIM)
-            self.self_attn = Attn()
-            self.post_attention_layernorm = nn.RMSNorm(DIM)
-            self.mlp = Mlp()
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            x = x + self.self_attn(self.input_layernorm(x))
-            return x + self.mlp(self.post_attention_layernorm(x))
-
-    class Inner(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed_tokens = nn.Embedding(VOCAB, DIM)
-            self.layers = nn.ModuleList([Layer() for _ in range(LAYERS)])
-            self.norm = nn.RMSNorm(DIM)
-
-    class TinyLM(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = Inner()
-            self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
-            for p in self.parameters():
-                if p.dim() > 1:
-                    nn.init.normal_(p, std=0.02)
-
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            h = self.model.embed_tokens(ids)
-            for layer in self.model.layers:
-                h = layer(h)
-            return self.lm_head(self.model.norm(h))
-
     torch.manual_seed(0)
-    return TinyLM()
+    return CausalLM(VOCAB, DIM, FFN, HEADS, LAYERS)
 
 
 def _served(url: str) -> list[tuple[str | None, dict[str, str]]]:
@@ -99,7 +112,6 @@ def _served(url: str) -> list[tuple[str | None, dict[str, str]]]:
 
 def job(args: argparse.Namespace) -> None:
     """One rank of the demo training job (run under torchrun)."""
-    import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
