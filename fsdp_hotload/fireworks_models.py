@@ -18,8 +18,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
-from .layout import MAX_IDENTITY_LEN as IDENTITY_MAX_LEN
-from .layout import validate_identity as _layout_validate_identity
+from .identity import MAX_IDENTITY_LEN as IDENTITY_MAX_LEN
+from .identity import validate_identity as _validate_identity
 
 __all__ = [
     "HINT_PATH",
@@ -83,7 +83,7 @@ class HotLoadResponseError(HotLoadError):
 
 def validate_identity(identity: str, *, field: str = "identity") -> str:
     """Check a snapshot identity (one safe path segment; the rule lives in :mod:`fsdp_hotload.layout`)."""
-    return _layout_validate_identity(identity, what=field)
+    return _validate_identity(identity, what=field)
 
 
 def validate_filename(filename: str, *, field: str = "filename") -> str:

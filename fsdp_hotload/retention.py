@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
-from .layout import validate_identity
+from .identity import validate_identity
 
 if TYPE_CHECKING:
     from .storage import Storage

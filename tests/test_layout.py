@@ -29,11 +29,9 @@ from fsdp_hotload.layout import (
     check_same_layout,
     hf_aux_files,
     layer_of,
-    new_identity,
     plan_shards,
-    process_session,
-    validate_identity,
 )
+from fsdp_hotload.identity import new_identity, process_session, validate_identity
 
 NP_DTYPE = {"F32": np.float32, "F16": np.float16, "U8": np.uint8, "BF16": np.uint16}
 LAYER_SUFFIXES = (
@@ -543,7 +541,7 @@ def test_new_identity_format_and_session() -> None:
 
 
 def test_new_identity_differs_between_processes() -> None:
-    code = "from fsdp_hotload.layout import new_identity; print(new_identity(40))"
+    code = "from fsdp_hotload.identity import new_identity; print(new_identity(40))"
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     other = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, check=True)

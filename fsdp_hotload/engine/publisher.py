@@ -41,7 +41,8 @@ from ..arc.adler import chunk_parts, global_elements, update_parts
 from ..arc.codecs import get_codec
 from ..arc.dtypes import numel
 from ..config import HotloadConfig
-from ..layout import ShardPlan, TensorSpec, hf_aux_files, new_identity, plan_shards
+from ..identity import new_identity
+from ..layout import ShardPlan, TensorSpec, hf_aux_files, plan_shards
 from ..storage import Storage
 from .assemble import Piece, assemble_delta_file, assemble_full_file, assign_owners
 from .cadence import Cadence
