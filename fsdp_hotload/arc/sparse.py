@@ -46,6 +46,7 @@ import numpy as np
 from .codecs import ElementDiff, register_codec
 from .dtypes import UINT_BY_SIZE
 from .errors import FormatError
+from .sparse_decode import _decode_class, _decode_sparse, _parse_model
 from .sparse_kernels import (
     MODE_CLASS,
     MODE_EMPTY,
@@ -60,12 +61,9 @@ from .sparse_kernels import (
     _VERSION,
     _build_model,
     _class_pass,
-    _decode_class,
-    _decode_sparse,
     _encode_stream,
     _ops_class,
     _ops_sparse,
-    _parse_model,
 )
 
 SPARSE_CODEC = "arc_sparse_v1"
