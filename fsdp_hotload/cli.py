@@ -58,6 +58,33 @@ def _print_table(report: object, show_status: bool) -> None:
           f"ratio {raw / stored if stored else float('inf'):.1f}x")
 
 
+def _warn_if_unmarked(path: str) -> None:
+    """Our readers treat a snapshot folder without its commit marker as possibly incomplete."""
+    from .arc.folder import INDEX
+    from .retention import COMMIT_MARKER
+
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, INDEX)) and not os.path.exists(
+            os.path.join(path, COMMIT_MARKER)):
+        print(f"warning: {path} has no {COMMIT_MARKER}: the snapshot may be incomplete (an upload still in "
+              "progress, or one that failed)", file=sys.stderr)
+
+
+def _mark_complete(folder: str, kind: str, parent: str | None) -> None:
+    """Write the commit marker into a snapshot folder the CLI produced (the folder name is its identity)."""
+    from .retention import COMMIT_MARKER, CommitInfo, write_commit_marker
+    from .storage import Storage
+
+    root, identity = os.path.split(os.path.abspath(folder))
+    files = {n: {"size": os.path.getsize(os.path.join(folder, n))} for n in sorted(os.listdir(folder))
+             if n != COMMIT_MARKER and os.path.isfile(os.path.join(folder, n))}
+    try:
+        info = CommitInfo(identity, kind, parent if kind == "delta" else None, files)
+    except ValueError as exc:
+        print(f"warning: {folder} gets no {COMMIT_MARKER}: {exc}", file=sys.stderr)
+        return
+    write_commit_marker(Storage(root), info)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hotload", description="Lossless delta snapshots for RL weight hot-loading.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -103,13 +130,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         for path in [getattr(args, k) for k in ("parent", "new", "delta", "path") if hasattr(args, k)]:
             if not os.path.exists(path):
                 raise FileNotFoundError(path)
+            _warn_if_unmarked(path)
         if args.cmd == "diff":
             n = diff_paths(args.parent, args.new, args.out, codec=args.codec, parent_identity=args.parent_identity,
                            progress=Progress("diff"), vendor_module=args.vendor_module)
+            if os.path.isdir(args.out):
+                _mark_complete(args.out, "delta", args.parent_identity or os.path.basename(
+                    os.path.normpath(args.parent)))
             print(f"wrote {_human(n)} to {args.out}")
         elif args.cmd == "apply":
             apply_paths(args.parent, args.delta, args.out, expected_parent=args.parent_identity,
                         progress=Progress("apply"))
+            if os.path.isdir(args.out):
+                _mark_complete(args.out, "full", None)
             print(f"rebuilt {args.out}: every checksum verified")
         elif args.cmd == "verify":
             report = verify_paths(args.parent, args.delta, expected_parent=args.parent_identity,

@@ -46,9 +46,12 @@ def test_diff_inspect_verify_apply(snapshots: tuple[Path, Path], tmp_path: Path,
     d, r = tmp_path / "delta", tmp_path / "rebuilt"
     res = run("diff", a, b, d, "--codec", codec)
     assert res.returncode == 0, res.stderr
-    assert sorted(os.listdir(d)) == sorted(os.listdir(b))
+    assert sorted(os.listdir(d)) == sorted([*os.listdir(b), "hotload.commit.json"])
+    assert json.loads((d / "hotload.commit.json").read_text())["parent_identity"] == "step-a"
     res = run("inspect", d)
     assert res.returncode == 0 and "kind: delta  parent: step-a" in res.stdout and codec in res.stdout
+    assert "warning" not in res.stderr  # the folder diff wrote is marked complete
+    assert "has no hotload.commit.json" in run("inspect", a).stderr  # a folder nobody marked
     res = run("verify", a, d, "--parent-identity", "step-a")
     assert res.returncode == 0 and "all checksums match" in res.stdout, res.stdout + res.stderr
     res = run("apply", a, d, r)
