@@ -156,6 +156,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--poll", type=float, default=0.05)
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (RL runs use ~1e-6)")
+    p.add_argument("--nice", type=int, default=None, help="HotloadConfig.background_nice (default: the config's)")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -179,7 +180,8 @@ def main() -> None:
                             busy_policy="wait" if v == "wait" else "skip", publish_every=int(every or 1),
                             hotload_api_url=args.url if signal else None, account_id="bench", model_id="bench",
                             deployment_id=f"dep-{v}" if signal else None, api_key=args.api_key if signal else None,
-                            poll_interval_s=args.poll, ready_timeout_s=120)
+                            poll_interval_s=args.poll, ready_timeout_s=120,
+                            **({} if args.nice is None else {"background_nice": args.nice}))
         callbacks[v] = HotloadCallback(model, cfg)
     probes = {v: HookProbe(cb) for v, cb in callbacks.items()}
 
