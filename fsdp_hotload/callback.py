@@ -59,7 +59,7 @@ class HotloadCallback:
         self.config = config
         if tie_word_embeddings is None:
             tie_word_embeddings = hf_tie_word_embeddings(config.hf_config_dir)
-        self._chunk_kwargs = dict(snapshot_dtype=config.snapshot_dtype, rename=rename,
+        self._chunk_kwargs: dict[str, Any] = dict(snapshot_dtype=config.snapshot_dtype, rename=rename,
                                   tie_word_embeddings=tie_word_embeddings, include_buffers=include_buffers)
         comm: Comm
         ctrl: Comm
@@ -89,7 +89,10 @@ class HotloadCallback:
 
     def attach(self, optimizer: torch.optim.Optimizer) -> Any:
         """Publish from ``optimizer.register_step_post_hook`` (steps are counted from 0)."""
-        self._hook = optimizer.register_step_post_hook(lambda *_: self.step())
+        def hook(*_: Any) -> None:
+            self.step()
+
+        self._hook = optimizer.register_step_post_hook(hook)
         return self._hook
 
     def wait(self, timeout: float | None = None) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import Any, Callable
 
 from pydantic import ValidationError
 
@@ -51,7 +51,8 @@ def add_hotload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
             group.add_argument(flag_name(name), dest=f"{PREFIX}_{name}", default=None,
                                action=argparse.BooleanOptionalAction, help=help_text)
             continue
-        conv = {"int": int, "float": float, "json": _json}.get(kind, str)
+        convs: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "json": _json}
+        conv = convs.get(kind, str)
         group.add_argument(flag_name(name), dest=f"{PREFIX}_{name}", default=None, type=conv, help=help_text)
     return parser
 

@@ -14,7 +14,7 @@ Example::
 from __future__ import annotations
 
 import zlib
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 from numba import njit
@@ -24,7 +24,7 @@ from .boxes import Box
 MOD = 65521
 
 
-def segment_parts(seg: np.ndarray | bytes | memoryview, offset: int, total: int) -> tuple[int, int]:
+def segment_parts(seg: Any, offset: int, total: int) -> tuple[int, int]:
     """Shares ``(a, b)`` of a contiguous byte segment at byte ``offset`` of a ``total``-byte tensor."""
     length = len(seg) if not isinstance(seg, np.ndarray) else int(seg.size)
     ad = zlib.adler32(seg) & 0xFFFFFFFF
@@ -41,7 +41,7 @@ def chunk_parts(chunk: np.ndarray, box: Box, space: Sequence[int], itemsize: int
     a = b = 0
     pos = 0
     for off, n in box.runs(space):
-        sa, sb = segment_parts(chunk[pos:pos + n * itemsize], off * itemsize, total)
+        sa, sb = segment_parts(chunk[pos:pos + n * itemsize], int(off) * itemsize, total)
         a, b = (a + sa) % MOD, (b + sb) % MOD
         pos += n * itemsize
     return a, b
@@ -66,7 +66,7 @@ def global_elements(idx: np.ndarray, box: Box, space: Sequence[int]) -> np.ndarr
 
 
 @njit(nogil=True, cache=True)
-def _sparse_update(a: int, b: int, gidx: np.ndarray, old: np.ndarray, new: np.ndarray, itemsize: int,
+def _sparse_update(a: Any, b: Any, gidx: np.ndarray, old: np.ndarray, new: np.ndarray, itemsize: int,
                    total: int) -> tuple[int, int]:
     # |weight * d| < 65521 * 255 < 2**24, so int64 sums stay exact for 2**39 terms: reduce once per element.
     for i in range(gidx.size):

@@ -179,7 +179,7 @@ def _parse_tensor(name: str, info: Any, entry: Any) -> TensorDelta:
     _check_space(str(space), {})
     if entry.dtype != "U8" or len(entry.shape) != 1:
         raise FormatError(f"payload is stored as {entry.dtype}{list(entry.shape)}, want a U8 vector")
-    t = TensorDelta(name, dtype, tuple(shape), adler, codec, space)
+    t = TensorDelta(name, str(dtype), tuple(shape), adler, str(codec), str(space))
     chunks = info.get("chunks")
     if not isinstance(chunks, list):
         raise FormatError("chunk table is not a list")

@@ -31,12 +31,20 @@ _SIGNED = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class ChunkLike(Protocol):
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    space: str
-    box: Any
-    source: torch.Tensor
+    """What the engine needs of a chunk (read-only: adapters hand in frozen dataclasses)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def space(self) -> str: ...
+    @property
+    def box(self) -> Any: ...
+    @property
+    def source(self) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
