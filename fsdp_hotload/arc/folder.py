@@ -63,10 +63,10 @@ def _pairs(a: str, b: str) -> Iterator[tuple[str, str, str]]:
         yield n, os.path.join(a, n), os.path.join(b, n)
 
 
-def _copy_aux(src: str, dst: str, skip: set[str]) -> None:
+def _copy_aux(src: str, dst: str) -> None:
     for n in sorted(os.listdir(src)):
         p = os.path.join(src, n)
-        if n not in skip and os.path.isfile(p) and not n.endswith(".safetensors"):
+        if os.path.isfile(p) and not n.endswith(".safetensors"):
             shutil.copyfile(p, os.path.join(dst, n))
 
 
@@ -82,7 +82,7 @@ def diff_paths(parent: str, new: str, out: str, *, codec: str = "arc_v2", parent
     pairs = list(_pairs(parent, new))
     if os.path.isdir(new):
         os.makedirs(out, exist_ok=True)
-        _copy_aux(new, out, set())
+        _copy_aux(new, out)
     total = 0
     for i, (name, pa, pb) in enumerate(pairs):
         dst = os.path.join(out, name) if os.path.isdir(new) else out
@@ -105,7 +105,7 @@ def apply_paths(parent: str, delta: str, out: str | None, *, expected_parent: st
     pairs = list(_pairs(parent, delta))
     if out is not None and os.path.isdir(delta):
         os.makedirs(out, exist_ok=True)
-        _copy_aux(delta, out, set())
+        _copy_aux(delta, out)
     result: dict[str, dict[str, RawTensor]] = {}
     for i, (name, pa, pd) in enumerate(pairs):
         parent_blob = _read(pa)

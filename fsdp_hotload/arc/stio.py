@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import BinaryIO, Iterable, Mapping, Sequence
+from typing import BinaryIO, Mapping, Sequence
 
 import numpy as np
 
@@ -105,9 +105,6 @@ def load_file(data: bytes | memoryview, *, filename: str = "<bytes>") -> dict[st
     return out
 
 
-def load_metadata(data: bytes | memoryview, *, filename: str = "<bytes>") -> dict[str, str]:
-    return parse_header(data, filename=filename).metadata
-
 
 def build_header(items: Sequence[tuple[str, str, Sequence[int], int]], metadata: Mapping[str, str] | None) -> bytes:
     """Header bytes (length prefix included) for tensors ``(name, dtype, shape, nbytes)`` written in that order."""
@@ -145,6 +142,3 @@ def save_file(tensors: Mapping[str, RawTensor], metadata: Mapping[str, str] | No
     write_file(bio, {n: RawTensor.from_any(t) for n, t in tensors.items()}, metadata)
     return bio.getvalue()
 
-
-def iter_names(header: Header) -> Iterable[str]:
-    return header.entries.keys()

@@ -32,9 +32,6 @@ class Comm(Protocol):
         """Rank 0's object on every rank."""
         ...
 
-    def allreduce_max(self, value: int) -> int:
-        ...
-
     def allreduce_max_async(self, value: int) -> "Callable[[], int]":
         """Start a max-reduction; the returned function waits for and returns the result."""
         ...
@@ -54,9 +51,6 @@ class LocalComm:
 
     def broadcast(self, obj: Any) -> Any:
         return obj
-
-    def allreduce_max(self, value: int) -> int:
-        return value
 
     def allreduce_max_async(self, value: int) -> "Callable[[], int]":
         return lambda: value
@@ -121,9 +115,6 @@ class GlooComm:
         box = [obj]
         self._dist.broadcast_object_list(box, src=self._global[0], group=self.group)
         return box[0]
-
-    def allreduce_max(self, value: int) -> int:
-        return self.allreduce_max_async(value)()
 
     def allreduce_max_async(self, value: int) -> "Callable[[], int]":
         import torch

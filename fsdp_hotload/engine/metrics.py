@@ -5,7 +5,7 @@ import json
 import logging
 import os
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 log = logging.getLogger("fsdp_hotload")
 
@@ -35,7 +35,6 @@ class PublishMetrics:
     throttled: int = 0
     retries: int = 0
     skipped_before: int = 0  # steps skipped because the publisher was busy
-    extra: dict[str, float] = field(default_factory=dict)
 
     def line(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

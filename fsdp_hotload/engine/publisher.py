@@ -375,9 +375,7 @@ class Publisher:
                 apply_retention(self.storage, self.config.keep_last, protected={identity})
             m.ok = True
         except Exception as exc:  # noqa: BLE001 - any failure ends this chain; the next publish is full
-            m.error = str(exc)
-            if self.signaller is not None:
-                self.signaller.on_failure()
+            m.error = str(exc)  # served identities only change on success; the next publish is full
         m.total_s = time.perf_counter() - job.t_hook
         return _Outcome(m.ok, m.error, m)
 

@@ -75,8 +75,5 @@ class Signaller:
             raise RuntimeError("; ".join(errors))
         return time.perf_counter() - t0
 
-    def on_failure(self) -> None:
-        """Nothing to undo: served identities only change on success, and the next publish is full."""
-
     def close(self) -> None:
         self._pool.shutdown(wait=True)

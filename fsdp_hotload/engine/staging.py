@@ -51,7 +51,6 @@ class ChunkLike(Protocol):
 class Slice:
     """Where one chunk lives inside a flat slot buffer."""
 
-    index: int
     offset: int  # bytes
     nbytes: int
     numel: int
@@ -70,13 +69,13 @@ class Stager:
         self.device = devices.pop() if devices else torch.device("cpu")
         self.slices: list[Slice] = []
         pos = 0
-        for i, c in enumerate(self.chunks):
+        for c in self.chunks:
             size = itemsize(c.dtype)
             n = c.box.numel
             if int(c.source.numel()) != n:
                 raise ValueError(f"chunk {c.name!r}: source has {c.source.numel()} elements, box has {n}")
             pos += -pos % 8
-            self.slices.append(Slice(i, pos, n * size, n, size, getattr(torch, torch_name(c.dtype))))
+            self.slices.append(Slice(pos, n * size, n, size, getattr(torch, torch_name(c.dtype))))
             pos += n * size
         self.nbytes = pos
         self._free: list[torch.Tensor] = [self._alloc(self.device) for _ in range(slots)]
