@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from fsdp_hotload.arc.codecs import ArcV2, element_diff, zstd_decompress_exact  # noqa: E402
+from fsdp_hotload.arc.codecs import ArcV2, element_diff  # noqa: E402
 from fsdp_hotload.arc.errors import FormatError  # noqa: E402
 from fsdp_hotload.arc.sparse import SparseCodec  # noqa: E402
 from rl_data import rl_snapshots, tiny_gpt_snapshots  # noqa: E402

@@ -13,6 +13,10 @@ synthetic tokens, in interleaved phases of each variant:
   machine here; a real fleet does not) from the trainer's;
 * ``skip_everyK`` (opt-in with ``--variants``): ``skip`` with ``publish_every=K``.
 
+Publishing variants run from the optimizer hooks (``cb.attach(opt)``: the CPU copy of the shard overlaps the
+next forward/backward, and the next ``optimizer.step()`` waits for it); ``--hook step`` calls ``cb.step()``
+after ``optimizer.step()`` instead (a synchronous copy).
+
 Then prints one table: step time (median, p90, ratio to baseline), hook blocking against a bare bf16 copy of
 the local shard, publishes completed/skipped, end-to-end latency (hook to all replicas ready), bytes written
 against a full snapshot per publish, staging memory against the bf16 shard, and whether each target is met.
@@ -23,6 +27,7 @@ Example::
     .venv/bin/python benchmarks/overhead.py                  # a few minutes; the numbers in RESULTS.md
     .venv/bin/python benchmarks/overhead.py --variants baseline,skip,skip_every4 --json out.json
     .venv/bin/python benchmarks/overhead.py --quick --layers 2 --poll 0.2   # unknown flags go to the job
+    .venv/bin/python benchmarks/overhead.py --variants baseline,skip_nosignal --lr 1e-6 --hook step
 
 Why the CPU columns: on 2 shared cores the step-time ratio mixes the publisher's own cost with the emulator's
 and with other processes'; charging each step its core-seconds says which one moved it.
@@ -130,7 +135,10 @@ def _publishing_stats(res: dict[str, Any], v: str, discard: int) -> dict[str, An
     variants = [x.strip() for x in res["args"]["variants"].split(",") if x.strip()]
     row: dict[str, Any] = {}
     # hook time: per rank, on the steps where a snapshot was staged and on all steps
-    staged = [[x["hook_s"] for x in r["records"] if x["variant"] == v and _timed(x, discard) and x["started"]]
+    # A background copy (attach) is waited for at the next optimizer step: that fence belongs to this publish.
+    staged = [[x["hook_s"] + (nxt["parts"].get("fence", 0.0) if nxt and nxt["variant"] == v else 0.0)
+               for x, nxt in zip(r["records"], r["records"][1:] + [None])
+               if x["variant"] == v and _timed(x, discard) and x["started"]]
               for r in ranks]
     all_steps = [[x["hook_s"] for x in r["records"] if x["variant"] == v and _timed(x, discard)] for r in ranks]
     row["hook_staged_med"] = max(med(s) for s in staged)
@@ -138,9 +146,12 @@ def _publishing_stats(res: dict[str, Any], v: str, discard: int) -> dict[str, An
     row["hook_all_med"] = max(med(s) for s in all_steps)
     # mean parts (means add up to the mean hook; the medians of skewed parts would not)
     row["parts_staged_mean"] = {
-        k: max(statistics.fmean([x["parts"][k] for x in r["records"] if x["variant"] == v
-                                 and _timed(x, discard) and x["started"]] or [float("nan")]) for r in ranks)
-        for k in ("sources", "busy", "acquire", "stage")}
+        k: max(statistics.fmean([(nxt["parts"].get(k, 0.0) if nxt and nxt["variant"] == v else 0.0)
+                                 if k == "fence" else x["parts"].get(k, 0.0)
+                                 for x, nxt in zip(r["records"], r["records"][1:] + [None])
+                                 if x["variant"] == v and _timed(x, discard) and x["started"]] or [float("nan")])
+               for r in ranks)
+        for k in ("sources", "busy", "acquire", "stage", "fence")}
     row["hook_staged_mean"] = max(statistics.fmean(s or [float("nan")]) for s in staged)
     timed = [x for x in ranks[0]["records"] if x["variant"] == v and x["round"] >= 0]
     row["started"] = sum(x["started"] for x in timed)
@@ -254,9 +265,9 @@ def report(res: dict[str, Any], a: dict[str, Any]) -> str:
                      f"(max over ranks of the medians): bare bf16 copy empty_like(b).copy_(b) {_ms(c['bare_copy_s'])} "
                      f"ms; fp32->bf16 cast-copy into a new buffer {_ms(c['fresh_cast_s'])} ms, into a preallocated "
                      f"one {_ms(c['warm_cast_s'])} ms; Stager.stage {_ms(c['stage_idle_s'])} ms; local_chunks() "
-                     f"walk {_ms(c['sources_s'])} ms")
+                     f"walk {_ms(c['walk_s'])} ms; cached chunk views (storage fingerprint) {_ms(c['sources_s'])} ms")
     cores = res.get("cores") or 2
-    lines += ["", "Step = forward + backward + optimizer + cb.step(), slowest rank. CPU s/step = core-seconds per step "
+    lines += ["", "Step = forward + backward + optimizer (with its hooks) [+ cb.step()], slowest rank. CPU s/step = core-seconds per step "
               "of both ranks' processes (all threads), of the emulator (launcher process), and of every other "
               f"process on the machine (/proc/stat minus ours); cores busy = all of it / ({cores} cores x mean step).",
               "", "| variant | steps | median ms | p90 ms | ratio (median) | ratio (mean) | per-round ratios (median) | "
@@ -271,11 +282,17 @@ def report(res: dict[str, Any], a: dict[str, Any]) -> str:
                      f"{r['job_cpu']:.3f} / {emu:.3f} / {others:.3f} | {busy:.0%} |")
     pubs = [v for v in vs if v != "baseline"]
     if pubs:
-        lines += ["", "Hook = time in cb.step() on the steps that staged a snapshot (max over ranks). Its parts (means, "
-                  "so they add up to the mean hook): local_chunks walk / busy check (the skip policy's allreduce on "
-                  "the main thread; absorbs rank skew) / waiting for a free slot / Stager.stage copy. PublishMetrics."
-                  "blocking_ms starts after the walk. Ratios use the median hook and the idle copies above.",
-                  "", "| variant | hook ms med / p90 / mean | parts ms (mean): walk / busy / slot / stage | hook ms, "
+        hook = ("the optimizer's post-step hook (attach), plus the pre-step wait for its background copy at "
+                "the next step" if args.get("hook", "step") == "attach" else "cb.step()")
+        lines += ["", f"Hook = trainer-thread time of a publish: {hook}, on the steps that staged a snapshot (max "
+                  "over ranks). Its parts (means, so they add up to the mean hook): chunk views (storage "
+                  "fingerprint; a model walk only when storage changed) / busy check (the skip policy's async "
+                  "agreement, read on the main thread; absorbs rank skew) / waiting for a free slot / Stager.stage "
+                  "(the copy, or handing it to the helper thread) / fence (waiting for a background copy at the next "
+                  "optimizer step). PublishMetrics.blocking_ms starts after the chunk views. Ratios use the median "
+                  "hook and the idle copies above.",
+                  "", "| variant | hook ms med / p90 / mean | parts ms (mean): views / busy / slot / stage / fence | "
+                  "hook ms, "
                   "all steps (med) | PublishMetrics.blocking_ms (med) | hook / bare bf16 copy | hook / cast-copy | "
                   "stage (mean) / cast-copy | started / skipped (busy) | ok / failed | staleness (steps) |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -287,7 +304,8 @@ def report(res: dict[str, Any], a: dict[str, Any]) -> str:
             z = pm["stage"] / c["warm_cast_s"] if c else float("nan")
             lines.append(f"| {v} | {_ms(r['hook_staged_med'])} / {_ms(r['hook_staged_p90'])} / "
                          f"{_ms(r['hook_staged_mean'])} | {_ms(pm['sources'])} / {_ms(pm['busy'])} / "
-                         f"{_ms(pm['acquire'])} / {_ms(pm['stage'])} | {_ms(r['hook_all_med'])} | "
+                         f"{_ms(pm['acquire'])} / {_ms(pm['stage'])} / {_ms(pm['fence'])} | "
+                         f"{_ms(r['hook_all_med'])} | "
                          f"{r['engine_blocking_ms']:.1f} | {x:.1f}x | {y:.2f}x | {z:.2f}x | "
                          f"{r['started']} / {r['skipped']} | {r['ok']} / {r['failed']} | {r['staleness']:.0f} |")
         lines += ["", "End-to-end latency per publish (medians; PublishMetrics: stages are the max over ranks, "

@@ -71,19 +71,26 @@ def timed_median(fn: Any, reps: int) -> float:
 
 
 class HookProbe:
-    """Splits the hook's time into its parts by wrapping a few methods of one callback's own objects.
+    """Splits the trainer-thread time of one callback into parts by wrapping a few methods of its own objects.
 
     Only instance attributes are replaced (the classes are untouched) and each wrapper adds two clock reads, so
-    the hook does exactly the work it does unobserved. Parts: ``sources`` (the ``local_chunks`` walk),
-    ``busy`` (the cross-rank busy check of ``busy_policy="skip"``, which also absorbs the ranks' skew),
-    ``acquire`` (waiting for a free slot: the whole wait of ``busy_policy="wait"``), ``stage`` (the copy).
+    the hook does exactly the work it does unobserved. ``publish`` is the whole hook (``cb.step`` or the
+    optimizer post-step hook); its parts: ``sources`` (chunk views: a storage fingerprint, or a walk of the
+    model when storage changed), ``busy`` (the skip policy's cross-rank busy check, which also absorbs the
+    ranks' skew), ``acquire`` (waiting for a free slot: the whole wait of ``busy_policy="wait"``), ``stage``
+    (the copy, or handing it to the helper thread). ``fence`` is the wait for a background copy at the next
+    optimizer step (``attach``), outside the hook but also on the trainer's thread.
     """
+
+    PARTS = ("publish", "sources", "busy", "acquire", "stage", "fence")
 
     def __init__(self, cb: HotloadCallback) -> None:
         eng = cb.engine
         self.t: dict[str, float] = {}
-        for part, obj, attr in (("sources", cb, "_sources"), ("busy", eng.ctrl, "allreduce_max"),
-                                ("acquire", eng.stager, "acquire"), ("stage", eng.stager, "stage")):
+        self.started = False
+        for part, obj, attr in (("publish", cb, "_publish"), ("sources", cb, "_sources"),
+                                ("busy", eng.ctrl, "allreduce_max_async"), ("acquire", eng.stager, "acquire"),
+                                ("stage", eng.stager, "stage"), ("fence", cb, "fence")):
             setattr(obj, attr, self._wrap(part, getattr(obj, attr)))
         self.take()
 
@@ -91,14 +98,19 @@ class HookProbe:
         def timed(*a: Any, **kw: Any) -> Any:
             t0 = time.perf_counter()
             try:
-                return fn(*a, **kw)
+                out = fn(*a, **kw)
             finally:
                 self.t[part] += time.perf_counter() - t0
+            if part == "publish":
+                self.started = self.started or bool(out)
+            # The async busy check returns a function read at the next publish step: time that read too.
+            return self._wrap(part, out) if part == "busy" and callable(out) else out
         return timed
 
-    def take(self) -> dict[str, float]:
-        out, self.t = self.t, {"sources": 0.0, "busy": 0.0, "acquire": 0.0, "stage": 0.0}
-        return out
+    def take(self) -> tuple[dict[str, float], bool]:
+        out, self.t = self.t, {p: 0.0 for p in self.PARTS}
+        started, self.started = self.started, False
+        return out, started
 
 
 def bare_copies(model: nn.Module, cb: HotloadCallback, reps: int) -> dict[str, float]:
@@ -129,7 +141,8 @@ def bare_copies(model: nn.Module, cb: HotloadCallback, reps: int) -> dict[str, f
             stager.release(buf)
         return {"bare_copy_s": timed_median(fresh_copy, reps), "fresh_cast_s": timed_median(fresh_cast, reps),
                 "warm_cast_s": timed_median(warm_cast, reps), "stage_idle_s": stage_idle,
-                "sources_s": timed_median(cb._sources, reps),  # local_chunks() walk the hook repeats every step
+                "walk_s": timed_median(lambda: local_chunks(model), reps),  # what the hook did before caching
+                "sources_s": timed_median(cb._sources, reps),  # what it does now: a storage fingerprint
                 "bf16_shard_bytes": sum(p.numel() * 2 for p in pre), "chunks": len(pre)}
 
 
@@ -157,8 +170,14 @@ def main() -> None:
     p.add_argument("--poll", type=float, default=0.05)
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (RL runs use ~1e-6)")
     p.add_argument("--nice", type=int, default=None, help="HotloadConfig.background_nice (default: the config's)")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="sys.setswitchinterval for the job (seconds; default: Python's 0.005)")
+    p.add_argument("--hook", choices=["attach", "step"], default="attach",
+                   help="publish from the optimizer hooks (async CPU copy) or call cb.step() after optimizer.step()")
     args = p.parse_args()
 
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(args)
@@ -191,6 +210,8 @@ def main() -> None:
     def run_phase(variant: str, n: int, rnd: int) -> None:
         nonlocal step
         cb = callbacks.get(variant)
+        if cb is not None and args.hook == "attach":
+            cb.attach(opt, first_step=step)
         for i in range(n):
             ids = batches[step % len(batches)]
             w0, c0 = time.time(), time.process_time()
@@ -198,18 +219,20 @@ def main() -> None:
             logits = model(ids[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, args.vocab), ids[:, 1:].reshape(-1))
             loss.backward()
-            opt.step()
+            opt.step()  # with attach: the fence (pre-step hook) and the publish (post-step hook) run in here
             opt.zero_grad(set_to_none=True)
-            t1 = time.perf_counter()
-            started = cb.step(step) if cb is not None else False
+            if cb is not None and args.hook == "step":
+                cb.step(step)
             t2 = time.perf_counter()
-            parts = probes[variant].take() if cb is not None else {}
+            parts, started = probes[variant].take() if cb is not None else ({}, False)
+            hook_s = parts.get("publish", 0.0) + parts.get("fence", 0.0)
             records.append({"variant": variant, "round": rnd, "i": i, "step": step, "step_s": t2 - t0,
-                            "hook_s": t2 - t1 if cb is not None else 0.0, "started": bool(started),
+                            "hook_s": hook_s, "started": started,
                             "parts": parts, "rss": rss_bytes(), "cpu_s": time.process_time() - c0,
                             "wall": (w0, time.time())})
             step += 1
         if cb is not None:
+            cb.detach()  # no-op without attach
             cb.wait()  # outside the timed steps: the next phase starts with an idle publisher
 
     t_start = time.perf_counter()

@@ -27,7 +27,7 @@ from .config import HotloadConfig
 from .engine.comm import Comm, GlooComm, LocalComm
 from .engine.metrics import PublishMetrics
 from .engine.publisher import Publisher
-from .fsdp import full_tensor_specs, local_chunks
+from .fsdp import full_tensor_specs, local_chunks, storage_fingerprint
 from .layout import TensorSpec
 
 log = logging.getLogger("fsdp_hotload")
@@ -67,42 +67,84 @@ class HotloadCallback:
             comm, ctrl = GlooComm.create(), GlooComm.create()  # background thread / main thread
         else:
             comm = ctrl = LocalComm()
+        self._fingerprint = storage_fingerprint(model)
         chunks = local_chunks(model, **self._chunk_kwargs)
+        self.walks = 1  # model walks for chunk views (the first here; again only when storage changed)
         specs = [TensorSpec(n, tuple(s), d) for n, s, d in full_tensor_specs(model, **self._chunk_kwargs)]
         self.engine = Publisher(chunks, specs, config, comm=comm, ctrl=ctrl, **engine_kwargs)
         self._layout = [(c.name, c.box) for c in chunks]
+        self._views = [c.source for c in chunks]
         self._step = 0
-        self._hook: Any = None
+        self._hooks: list[Any] = []
 
     def step(self, step: int | None = None) -> bool:
-        """Call right after ``optimizer.step()``; returns True if a snapshot was started at this step."""
+        """Call right after ``optimizer.step()``; returns True if a snapshot was started at this step.
+
+        The copy of the local shard is done when this returns (with :meth:`attach`, a CPU copy can instead
+        overlap the next forward and backward)."""
+        return self._publish(step, background_copy=False)
+
+    def _publish(self, step: int | None, background_copy: bool) -> bool:
         step = self._step if step is None else int(step)
         self._step = step + 1
-        return self.engine.publish(step, self._sources)  # views are built only on steps that publish
+        # views are built only on steps that publish
+        return self.engine.publish(step, self._sources, background_copy=background_copy)
 
     def _sources(self) -> list[torch.Tensor]:
-        # Fresh views every time: framework internals may swap a parameter's storage between steps.
-        chunks = local_chunks(self.model, **self._chunk_kwargs)
-        if [(c.name, c.box) for c in chunks] != self._layout:
-            raise RuntimeError("the model's sharding changed since HotloadCallback was created; create a new one")
-        return [c.source for c in chunks]
+        # The views stay valid while every parameter and buffer is the same object on the same memory; a
+        # framework or user that swaps storage changes the fingerprint, and the model is walked again.
+        fingerprint = storage_fingerprint(self.model)
+        if fingerprint != self._fingerprint:
+            chunks = local_chunks(self.model, **self._chunk_kwargs)
+            self.walks += 1
+            if [(c.name, c.box) for c in chunks] != self._layout:
+                raise RuntimeError("the model's sharding changed since HotloadCallback was created; "
+                                   "create a new one")
+            self._views, self._fingerprint = [c.source for c in chunks], fingerprint
+        return self._views
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> Any:
-        """Publish from ``optimizer.register_step_post_hook`` (steps are counted from 0)."""
-        def hook(*_: Any) -> None:
-            self.step()
+    def attach(self, optimizer: torch.optim.Optimizer, *, first_step: int | None = None) -> None:
+        """Publish from ``optimizer.register_step_post_hook``.
 
-        self._hook = optimizer.register_step_post_hook(hook)
-        return self._hook
+        Steps are counted from ``first_step`` (pass the resumed step when training restarts from a
+        checkpoint, so identities carry the real step), else from where ``step()`` or an earlier attach left
+        off (0 at first).
+
+        With ``config.async_copy`` (the default) a CPU copy of the shard runs on a helper thread while the
+        next forward and backward run, and a step pre-hook makes the next ``optimizer.step()`` wait for it,
+        so the trainer's thread blocks only if the copy is not done by then. The optimizer must own every
+        published parameter, and nothing else may modify them in place between two optimizer steps.
+        """
+        self.detach()
+        if first_step is not None:
+            self._step = int(first_step)
+        background = self.config.async_copy
+
+        def pre(*_: Any) -> None:
+            self.fence()
+
+        def post(*_: Any) -> None:
+            self._publish(None, background_copy=background)
+
+        self._hooks = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+
+    def detach(self) -> None:
+        """Remove the optimizer hooks of :meth:`attach` (waiting for a copy still reading the weights)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.fence()
+
+    def fence(self) -> float:
+        """Wait until the last staged copy has read the weights; returns seconds waited (0 when it was done)."""
+        return self.engine.fence()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until in-flight snapshots finished (for tests and for the end of training)."""
         self.engine.wait(timeout)
 
     def close(self, *, raise_errors: bool = True) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        self.detach()
         self.engine.close(raise_errors=raise_errors)
 
     @property

@@ -68,6 +68,9 @@ class HotloadConfig(BaseModel):
     background_nice: int = Field(10, ge=0, le=19, description="Linux nice value of the publisher's threads: "
                                  "the trainer wins contended CPU cores, publishing uses what is left (0 = same "
                                  "priority as training)")
+    async_copy: bool = Field(True, description="CPU trainers with attach(optimizer): copy the shard on a helper "
+                             "thread and let the next optimizer.step() wait for it, instead of copying on the "
+                             "trainer's thread (CUDA always copies on a side stream)")
     cache_on: Literal["device", "host"] = Field("device", description="where the previous snapshot's bytes live")
     keep_training_on_error: bool = Field(False, description="log background errors instead of raising them on "
                                                             "the next step")

@@ -118,7 +118,7 @@ def job(args: argparse.Namespace) -> None:
     from .arc.dtypes import RawTensor
     from .callback import HotloadCallback
     from .config import HotloadConfig
-    from .fsdp import gather_full_state
+    from .fsdp_verify import gather_full_state
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -139,6 +139,7 @@ def job(args: argparse.Namespace) -> None:
         print(f"{'step':>4} {'kind':<5} {'identity':<22} {'bytes':>10} {'ratio':>7} {'changed':>8} "
               f"{'block ms':>8} {'upload s':>8} {'ready s':>7}  verified", flush=True)
     with HotloadCallback(model, cfg) as hot:
+        hot.attach(opt)  # publishes from optimizer.step()'s post-step hook
         for step in range(args.steps):
             ids = torch.randint(0, VOCAB, (4, 33), generator=gen)
             logits = model(ids[:, :-1])
@@ -146,7 +147,6 @@ def job(args: argparse.Namespace) -> None:
             loss.backward()
             opt.step()
             opt.zero_grad()
-            hot.step(step)
             hot.wait()  # the demo checks every publish; a real job keeps training while it uploads
             full = gather_full_state(model)
             if rank == 0:

@@ -1,6 +1,7 @@
 """HotloadCallback on a plain (unsharded) module in one process, driven by the optimizer hook."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -9,6 +10,7 @@ from torch import nn
 from fsdp_hotload import HotloadCallback, HotloadConfig
 from fsdp_hotload.arc.dtypes import RawTensor
 from fsdp_hotload.emulator import HotLoadEmulator
+from tests.snapshots import rebuild_accepted
 
 
 class Net(nn.Module):
@@ -55,3 +57,72 @@ def test_attach_publishes_every_optimizer_step(tmp_path: Path) -> None:
     assert [m.kind for m in hot.metrics] == ["full", "delta", "delta", "full", "delta"]
     assert [m.step for m in hot.metrics] == [0, 1, 2, 3, 4]
     assert all(m.ok and m.blocking_ms >= 0 for m in hot.metrics)
+
+
+def _served(emu: HotLoadEmulator) -> list[tuple[str, dict[str, str]]]:
+    (dep,) = emu.state()["deployments"].values()
+    return [(rep["identity"], {k: t["sha256"] for k, t in rep["tensors"].items()}) for rep in dep["replicas"]]
+
+
+def _expected(model: nn.Module) -> dict[str, str]:
+    return {k: RawTensor.from_any(v.detach().bfloat16() if v.is_floating_point() else v).sha256()
+            for k, v in model.state_dict().items()}
+
+
+def test_replaced_parameter_is_walked_again(tmp_path: Path) -> None:
+    """Chunk views are cached while the model's storage is unchanged; replacing a parameter (as loading with
+    assign=True or a user's surgery does) must make the next publish read the new tensor, not the old one."""
+    bucket, hf = tmp_path / "bucket", tmp_path / "hf"
+    bucket.mkdir(), hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "net", "tie_word_embeddings": false}')
+    model = Net()
+    with HotLoadEmulator(str(bucket), replicas=1, api_key="k") as emu:
+        cfg = HotloadConfig(bucket_url=str(bucket), hotload_api_url=emu.url, account_id="a", model_id="m",
+                            deployment_id="d", api_key="k", hf_config_dir=str(hf), poll_interval_s=0.02)
+        with HotloadCallback(model, cfg) as hot:
+            for step in range(3):
+                with torch.no_grad():
+                    model.layers[0].weight.add_(0.01)
+                hot.step(step)
+                hot.wait()
+            assert hot.walks == 1
+            model.layers[1].weight = nn.Parameter(torch.randn(16, 16))
+            hot.step(3)
+            hot.wait()
+            assert hot.walks == 2
+            assert _served(emu) == [(hot.metrics[-1].identity, _expected(model))]
+    assert all(m.ok for m in hot.metrics) and hot.metrics[-1].kind == "delta"
+
+
+def test_async_copy_waits_at_the_next_optimizer_step(tmp_path: Path) -> None:
+    """With attach() the CPU copy runs on a helper thread; the optimizer's pre-step hook waits for it, so a
+    slow copy never sees the next step's weights, and its wait is counted as blocking."""
+    bucket, hf = tmp_path / "bucket", tmp_path / "hf"
+    bucket.mkdir(), hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "net", "tie_word_embeddings": false}')
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf), busy_policy="wait")
+    hot = HotloadCallback(model, cfg)
+    stager = hot.engine.stager
+    copy = stager._copy_host
+
+    def slow_copy(*a: object) -> None:
+        time.sleep(0.2)  # still copying when the next optimizer step arrives
+        copy(*a)  # type: ignore[arg-type]
+
+    stager._copy_host = slow_copy  # type: ignore[method-assign]
+    hot.attach(opt)
+    states = []
+    for _ in range(3):
+        model(torch.randint(0, 40, (2, 8))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        states.append(_expected(model))
+    hot.close()
+    assert [m.kind for m in hot.metrics] == ["full", "delta", "delta"]
+    rebuilt = rebuild_accepted(bucket, hot.metrics)
+    for m, want in zip(hot.metrics, states):
+        assert {k: t.sha256() for k, t in rebuilt[m.identity].items()} == want
+    # the first two copies were waited for at the next optimizer step (~0.2 s each)
+    assert all(m.blocking_ms > 100 for m in hot.metrics[:2])

@@ -18,6 +18,8 @@ from fsdp_hotload.arc import (Box, ChecksumError, FormatError, MismatchError, Ra
                               encode_delta_file, get_codec, load_file, read_delta_info, save_file)
 from fsdp_hotload.arc.adler import chunk_parts, combine, global_elements, update_parts
 from fsdp_hotload.arc.boxes import check_tiling, gather
+from fsdp_hotload.arc.codecs import ArcV2
+from fsdp_hotload.arc.dense import DenseDelta, add_parts, run_tables
 from fsdp_hotload.arc.stio import parse_header
 
 TORCH_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
@@ -130,6 +132,40 @@ def test_chunked_round_trip_and_checksum_parts(codec: str, tiling: tuple[tuple[i
     blob = build_delta_file([td], parent_identity="p")
     out = apply_delta_file({"w": parent}, blob)
     assert bytes(out["w"].data) == bytes(new.data)
+
+
+@settings(max_examples=60, deadline=None)
+@given(tiling=tilings(), dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.uint8, torch.int64]),
+       density=st.sampled_from([0.0, 0.05, 0.5, 1.0]), block=st.sampled_from([8, 16, 64, 1 << 17]),
+       seed=st.integers(0, 2**31))
+def test_one_pass_host_delta(tiling: tuple[tuple[int, ...], str, list[Box]], dtype: torch.dtype, density: float,
+                             block: int, seed: int) -> None:
+    """The trainer's host path: one pass per chunk gives the same arc_v2 payload bytes as the diff path, the
+    changed count, and Adler-32 shares that combine into the new tensor's checksum, for boxes whose runs cross
+    block boundaries."""
+    shape, space, boxes = tiling
+    rng = np.random.default_rng(seed)
+    parent = RawTensor.from_any(_random_tensor(rng, dtype, shape))
+    new = RawTensor.from_any(_mutate(rng, parent.to_torch(), density))
+    size = parent.to_torch().element_size()
+    sp = (parent.numel,) if space == "flat" else shape
+    total = parent.nbytes
+    codec = ArcV2()
+    parts = []
+    for box in boxes:
+        old_c = np.ascontiguousarray(gather(parent.data, box, sp, size))
+        new_c = np.ascontiguousarray(gather(new.data, box, sp, size))
+        scan = DenseDelta(old_c, new_c, size, run_tables(box.runs(sp), size), total, block_bytes=block)
+        payload = codec.encode_xor_blocks(scan.blocks(), old_c.size)
+        diff = element_diff(old_c, new_c, size)
+        assert zstandard.decompress(payload) == zstandard.decompress(codec.encode(diff))
+        out = np.empty_like(old_c)
+        codec.decode(payload, old_c, size, out)
+        assert bytes(out) == bytes(new_c)
+        assert scan.changed == diff.changed
+        parts.append(add_parts(chunk_parts(old_c, box, sp, size, total), scan.parts_delta))
+        assert parts[-1] == chunk_parts(new_c, box, sp, size, total)
+    assert combine(parts, total) == zlib.adler32(bytes(new.data))
 
 
 def test_tiling_errors() -> None:

@@ -8,14 +8,8 @@ from torch import nn
 
 from fsdp_hotload.arc.boxes import Box
 from fsdp_hotload.arc.dtypes import RawTensor
-from fsdp_hotload.fsdp import (
-    ChunkMeta,
-    OwnershipError,
-    check_ownership,
-    full_tensor_specs,
-    gather_full_state,
-    local_chunks,
-)
+from fsdp_hotload.fsdp import ChunkMeta, OwnershipError, full_tensor_specs, local_chunks
+from fsdp_hotload.fsdp_verify import check_ownership, gather_full_state
 from fsdp_hotload.naming import clean_name, plan_names
 from tests.dist_util import SCRIPTS, run_torchrun
 

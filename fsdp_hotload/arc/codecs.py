@@ -17,11 +17,12 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import numpy as np
 import zstandard
 
+from .dense import BLOCK_BYTES
 from .dtypes import UINT_BY_SIZE
 from .errors import FormatError
 from .kernels import diff_positions, scatter_xor
@@ -130,25 +131,46 @@ def zstd_decompress_exact(payload: bytes, size: int, what: str = "payload") -> b
 class ArcV2:
     """``arc_v2``: XOR of the raw little-endian bytes against the parent, as one zstd frame per chunk.
 
-    The dense XOR buffer is rebuilt on the host from the sparse diff (zeros plus the changed elements), which
-    zstd then squeezes; an unchanged chunk costs a few bytes. The frame records its content size.
+    The frame records its content size. It is compressed as a stream of XOR blocks, so no chunk-sized buffer
+    is ever allocated: :meth:`encode_xor_blocks` takes blocks straight from a one-pass host scan
+    (:class:`~fsdp_hotload.arc.dense.DenseDelta`), and :meth:`encode` rebuilds them from a sparse diff (the
+    device path: zeros plus the changed elements). An unchanged chunk costs a few bytes.
     """
 
     name = "arc_v2"
+    block_bytes = BLOCK_BYTES
 
     def __init__(self, level: int = 1) -> None:  # level 3 gains nothing on XOR data and is ~10% slower
         self.level = level
 
+    def encode_xor_blocks(self, blocks: Iterable[Any], nbytes: int) -> bytes:
+        """One frame from XOR blocks that add up to ``nbytes`` (each consumed before the next is produced)."""
+        cobj = zstandard.ZstdCompressor(level=self.level, write_content_size=True).compressobj(size=nbytes)
+        out = [cobj.compress(blk) for blk in blocks]
+        out.append(cobj.flush())
+        return b"".join(out)
+
     def encode(self, diff: ElementDiff) -> bytes:
         diff.check()
-        xor = np.zeros(diff.n, dtype=UINT_BY_SIZE[diff.itemsize])
-        scatter_xor(xor, diff.idx, diff.old, diff.new)
-        cctx = zstandard.ZstdCompressor(level=self.level, write_content_size=True)
-        return cctx.compress(xor.view(np.uint8).data)
+        return self.encode_xor_blocks(_xor_blocks_from_diff(diff, self.block_bytes), diff.n * diff.itemsize)
 
     def decode(self, payload: bytes, parent: np.ndarray, itemsize: int, out: np.ndarray) -> None:
         raw = zstd_decompress_exact(payload, parent.size, "arc_v2 payload")
         np.bitwise_xor(parent, np.frombuffer(raw, dtype=np.uint8), out=out)
+
+
+def _xor_blocks_from_diff(diff: ElementDiff, block_bytes: int) -> Iterator[memoryview]:
+    per = max(block_bytes // diff.itemsize, 1)
+    buf = np.empty(min(per, max(diff.n, 1)), dtype=UINT_BY_SIZE[diff.itemsize])
+    bounds = np.searchsorted(diff.idx, np.arange(0, diff.n + per, per, dtype=np.int64))
+    for k, s in enumerate(range(0, diff.n, per)):
+        e = min(diff.n, s + per)
+        blk = buf[:e - s]
+        blk[:] = 0
+        lo, hi = int(bounds[k]), int(bounds[k + 1])
+        if hi > lo:
+            scatter_xor(blk, diff.idx[lo:hi] - s, diff.old[lo:hi], diff.new[lo:hi])
+        yield blk.view(np.uint8).data
 
 
 register_codec("arc_v2", ArcV2)

@@ -5,7 +5,8 @@ free on every rank, else skip or wait per ``busy_policy``), copies the local chu
 returns. A background thread then runs one snapshot at a time:
 
 1. kind (full/delta, from the Cadence) and identity;
-2. diff against the cache and encode (delta) or take the raw bytes (full), per chunk;
+2. diff against the cache and encode (delta: on the host one pass per chunk for arc_v2, on a device the diff
+   first) or take the raw bytes (full), per chunk;
 3. route pieces to file owners over the side group, assemble and upload each owned file, hint it;
 4. rank 0 writes the manifests and the commit marker, signals every deployment and waits until all replicas
    serve the snapshot;
@@ -31,14 +32,16 @@ import queue
 import secrets
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from ..arc.adler import chunk_parts, global_elements, update_parts
 from ..arc.codecs import get_codec
+from ..arc.dense import BLOCK_BYTES, DenseDelta, add_parts, run_tables
 from ..arc.dtypes import numel
 from ..config import HotloadConfig
 from ..identity import new_identity
@@ -134,6 +137,8 @@ class Publisher:
         self.metrics = MetricsSink(config.metrics_path if self.rank == 0 else None)
         self._aux = hf_aux_files(config.hf_config_dir) if self.rank == 0 else {}
         self._cache_parts: list[tuple[int, int]] = [(0, 0)] * len(self.chunks)
+        self._runs: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(self.chunks)  # per chunk, lazily
+        self._scratch: np.ndarray | None = None  # the XOR block buffer of the one-pass host delta
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -141,20 +146,25 @@ class Publisher:
         self._idle = threading.Condition()
         self._skipped = 0
         self._agreed_busy: Callable[[], int] | None = None
+        self._copying: _Job | None = None  # the job whose host copy runs on the stager's helper thread
         self.latest_step = -1
         self.closed = False
 
     # ================================================================== main thread
     def publish(self, step: int,
-                sources: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]] | None = None) -> bool:
+                sources: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]] | None = None, *,
+                background_copy: bool = False) -> bool:
         """Stage the current weights for publishing; returns True if a snapshot was started.
 
         ``sources`` (or a function returning them, called only on steps that publish) replaces the chunks'
-        own source tensors. With several ranks and the skip policy, ranks agree on "every rank has a free
+        own source tensors. With ``background_copy`` a host copy runs on a helper thread and the caller must
+        call :meth:`fence` before it next changes the sources (the callback does so before the next optimizer
+        step). With several ranks and the skip policy, ranks agree on "every rank has a free
         slot" with an asynchronous reduction started at one publish step and read at the next, so the trainer
         never waits on the other ranks here; the price is that back-to-back publishes are two steps apart.
         """
         t0 = time.perf_counter()
+        self.fence()
         self.raise_if_failed()
         if self.closed:
             raise RuntimeError("publisher is closed")
@@ -172,12 +182,13 @@ class Publisher:
             buf = None if busy else self.stager.acquire(wait=True)
         if buf is not None:
             srcs = sources() if callable(sources) else sources
-            event = self.stager.stage(buf, srcs)
-            blocking_ms = (time.perf_counter() - t0) * 1e3
+            event = self.stager.stage(buf, srcs, background=background_copy)
+            job = _Job(step, buf, event, (time.perf_counter() - t0) * 1e3, self._skipped, t0)
             with self._idle:
                 self._pending += 1
             self._ensure_thread()
-            self._queue.put(_Job(step, buf, event, blocking_ms, self._skipped, t0))
+            self._queue.put(job)
+            self._copying = job if isinstance(event, Future) else None  # a CUDA event needs no fence
             self._skipped = 0
         else:
             self._skipped += 1
@@ -185,8 +196,22 @@ class Publisher:
             self._agreed_busy = self.ctrl.allreduce_max_async(int(self.stager.free_slots() == 0))
         return buf is not None
 
+    def fence(self) -> float:
+        """Wait until the last staged copy has read its sources; returns seconds waited (added to that
+        publish's ``blocking_ms``). Cheap when nothing is copying. A copy's error is not raised here: the
+        publisher thread reports it, and the next ``publish`` raises it."""
+        job, self._copying = self._copying, None
+        if job is None:
+            return 0.0
+        t0 = time.perf_counter()
+        job.event.exception()  # waits without raising
+        waited = time.perf_counter() - t0
+        job.blocking_ms += waited * 1e3
+        return waited
+
     def wait(self, timeout: float | None = None) -> None:
         """Block until every started snapshot has finished (accepted or failed)."""
+        self.fence()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
             while self._pending:
@@ -212,6 +237,7 @@ class Publisher:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
+        self.stager.close()
         if self.signaller is not None:
             self.signaller.close()
         if raise_errors:
@@ -247,7 +273,7 @@ class Publisher:
         kind = self.cadence.next_kind()
         parent = self.cadence.accepted
         identity = new_identity(job.step, prefix=self.config.identity_prefix, session=self.session)
-        st = _RankStatus(self.rank, blocking_ms=job.blocking_ms)
+        st = _RankStatus(self.rank)
         outgoing: list[list[Piece]] = [[] for _ in range(self.world)]
         new_parts: list[tuple[int, int]] = []
         try:
@@ -264,6 +290,7 @@ class Publisher:
                 self._write_owned(identity, kind, parent, [loads(b) or [] for b in incoming], st)
             except Exception as exc:  # noqa: BLE001
                 st.error = f"rank {self.rank}: upload failed: {exc!r}"
+        st.blocking_ms = job.blocking_ms  # read late: a background copy's fence adds its wait to it
         statuses = self.comm.gather(st)
         outcome = self._finish(job, identity, kind, parent, statuses) if self.rank == 0 else None
         outcome = self.comm.broadcast(outcome)
@@ -282,14 +309,22 @@ class Publisher:
     def _encode(self, buf: torch.Tensor, kind: str, outgoing: list[list[Piece]], st: _RankStatus
                 ) -> list[tuple[int, int]]:
         parts: list[tuple[int, int]] = []
+        cache = self.stager.cache
+        # Host buffers and a codec that compresses the dense XOR: one pass per chunk (DenseDelta). Otherwise
+        # (a device, or a codec that needs positions) the diff runs first and only the changes reach the host.
+        dense = (kind == "delta" and cache is not None and buf.device.type == "cpu" and cache.device.type == "cpu"
+                 and hasattr(self.codec, "encode_xor_blocks"))
         t0 = time.perf_counter()
-        diffs = self.stager.diff(buf) if kind == "delta" else None
+        diffs = self.stager.diff(buf) if kind == "delta" and not dense else None
         st.diff_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         for i, (c, s) in enumerate(zip(self.chunks, self.stager.slices)):
             space = (numel(c.shape),) if c.space == "flat" else tuple(c.shape)
             total = s.itemsize * numel(c.shape)
-            if diffs is not None:
+            if dense:
+                assert cache is not None
+                payload, p = self._dense_delta(i, space, total, cache, buf, st)
+            elif diffs is not None:
                 d = diffs[i]
                 payload = self.codec.encode(d)
                 p = update_parts(self._cache_parts[i], global_elements(d.idx, c.box, space), d.old, d.new,
@@ -304,8 +339,24 @@ class Publisher:
             if s.numel:
                 owner = self.owners[self.plan.file_of(c.name)]
                 outgoing[owner].append(Piece(c.name, c.space, tuple(c.box.start), tuple(c.box.length), payload, p))
-        st.encode_s = time.perf_counter() - t0
+        st.encode_s = time.perf_counter() - t0 - (st.diff_s if dense else 0.0)
         return parts
+
+    def _dense_delta(self, i: int, space: tuple[int, ...], total: int, cache: torch.Tensor, buf: torch.Tensor,
+                     st: _RankStatus) -> tuple[bytes, tuple[int, int]]:
+        """Chunk ``i`` of a host delta in one pass: payload and Adler-32 shares (counts go to ``st``)."""
+        s = self.stager.slices[i]
+        if self._scratch is None:
+            self._scratch = np.empty(BLOCK_BYTES, dtype=np.uint8)
+        tables = self._runs[i]
+        if tables is None:
+            tables = self._runs[i] = run_tables(self.chunks[i].box.runs(space), s.itemsize)
+        scan = DenseDelta(self.stager.host_bytes(cache, s), self.stager.host_bytes(buf, s), s.itemsize, tables,
+                          total, scratch=self._scratch)
+        payload = self.codec.encode_xor_blocks(scan.blocks(), s.nbytes)  # type: ignore[attr-defined]
+        st.changed += scan.changed
+        st.diff_s += scan.scan_s
+        return payload, add_parts(self._cache_parts[i], scan.parts_delta)
 
     def _write_owned(self, identity: str, kind: str, parent: str | None, incoming: list[list[Piece]],
                      st: _RankStatus) -> None:

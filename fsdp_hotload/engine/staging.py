@@ -3,14 +3,15 @@
 Each rank's chunks are packed into one flat byte buffer per slot (offsets aligned to 8 bytes), in the snapshot
 dtype, on the chunks' own device. ``stage`` copies (and casts) every chunk's source into a free slot; on CUDA it
 does so on a side stream and makes the training stream wait for that copy on the device, so the host returns
-at once and the next optimizer step cannot overwrite a parameter before it has been copied. The cache is one
+at once and the next optimizer step cannot overwrite a parameter before it has been copied. On the CPU it can
+hand the copy to a helper thread (``background=True``); the caller then fences before the next update. The cache is one
 more buffer with the same layout holding the bytes of the last accepted snapshot; after an accepted publish the
 slot and the cache swap roles (no copy).
 
 Example::
 
     st = Stager(chunks, slots=1)
-    slot = st.acquire(); st.stage(slot)        # main thread
+    slot = st.acquire(wait=True); st.stage(slot)   # main thread
     diffs = st.diff(slot)                      # background: ElementDiff per chunk (only changes reach the host)
     st.promote(slot)                           # background, after every deployment accepted the snapshot
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
@@ -84,6 +86,7 @@ class Stager:
         self.cache_on = cache_on
         self.cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._copier: ThreadPoolExecutor | None = None  # host copies off the trainer's thread (``background``)
 
     def _alloc(self, device: torch.device) -> torch.Tensor:
         pin = device.type == "cpu" and torch.cuda.is_available()
@@ -105,8 +108,14 @@ class Stager:
     def view(self, buf: torch.Tensor, s: Slice) -> torch.Tensor:
         return buf[s.offset:s.offset + s.nbytes].view(s.torch_dtype)
 
-    def stage(self, buf: torch.Tensor, sources: Sequence[torch.Tensor] | None = None) -> Any:
-        """Copy every chunk's source into ``buf`` (casting to the snapshot dtype). Returns a completion event."""
+    def stage(self, buf: torch.Tensor, sources: Sequence[torch.Tensor] | None = None, *,
+              background: bool = False) -> Any:
+        """Copy every chunk's source into ``buf`` (casting to the snapshot dtype). Returns a completion event.
+
+        On CUDA the copy runs on a side stream. On the CPU it runs here, or with ``background`` on a helper
+        thread, returning a Future: the caller must then keep the sources unchanged until it is done (the
+        callback waits for it before the next optimizer step).
+        """
         srcs = [c.source for c in self.chunks] if sources is None else list(sources)
         if self.cuda:
             assert self._stream is not None
@@ -118,9 +127,16 @@ class Stager:
                 event.record(self._stream)
             main.wait_event(event)  # the next optimizer step waits for the copy on the device, not on the host
             return event
-        with torch.no_grad():
-            _copy_all([self.view(buf, s) for s in self.slices], [src.detach().reshape(-1) for src in srcs])
+        if background:
+            if self._copier is None:
+                self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotload-stage")
+            return self._copier.submit(self._copy_host, buf, srcs)
+        self._copy_host(buf, srcs)
         return None
+
+    def _copy_host(self, buf: torch.Tensor, srcs: Sequence[torch.Tensor]) -> None:
+        with torch.no_grad():  # thread-local: set here, on whichever thread copies
+            _copy_all([self.view(buf, s) for s in self.slices], [src.detach().reshape(-1) for src in srcs])
 
     # ------------------------------------------------------------------ background thread
     def host_bytes(self, buf: torch.Tensor, s: Slice) -> np.ndarray:
@@ -166,10 +182,18 @@ class Stager:
             self._cond.notify_all()
 
     def wait_event(self, event: Any) -> float:
+        """Wait until a staged copy is complete (re-raising a host copy's error); returns seconds waited."""
         t0 = time.perf_counter()
-        if event is not None:
+        if isinstance(event, Future):
+            event.result()
+        elif event is not None:
             event.synchronize()
         return time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+            self._copier = None
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

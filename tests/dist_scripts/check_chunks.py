@@ -21,7 +21,8 @@ from torch import nn
 
 from fsdp_hotload.arc.boxes import scatter
 from fsdp_hotload.arc.dtypes import RawTensor, itemsize, numel, torch_name
-from fsdp_hotload.fsdp import check_ownership, full_tensor_specs, gather_full_state, local_chunks, verify_ownership
+from fsdp_hotload.fsdp import full_tensor_specs, local_chunks
+from fsdp_hotload.fsdp_verify import check_ownership, gather_full_state, verify_ownership
 from tests.dist_util import finish
 
 VOCAB, DIM, HID = 11, 6, 5

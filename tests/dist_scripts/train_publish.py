@@ -19,10 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fsdp_hotload import HotloadCallback, HotloadConfig  # noqa: E402
 from fsdp_hotload.arc.dtypes import RawTensor  # noqa: E402
-from fsdp_hotload.fsdp import gather_full_state  # noqa: E402
+from fsdp_hotload.fsdp_verify import gather_full_state  # noqa: E402
 from fsdp_hotload.storage import Storage  # noqa: E402
 from tests.dist_scripts.check_chunks import IDS, fsdp1, fsdp2  # noqa: E402
 from tests.dist_util import finish  # noqa: E402
+from tests.snapshots import rebuild_accepted  # noqa: E402
 from tests.s3_fixture import FaultyFileSystem  # noqa: E402
 
 
@@ -48,6 +49,7 @@ def main() -> None:
     p.add_argument("--busy-policy", default="wait", choices=["wait", "skip"])
     p.add_argument("--no-wait", action="store_true", help="do not wait for each publish (exercise skipping)")
     p.add_argument("--restart-at", type=int, default=-1, help="close the callback and make a new one here")
+    p.add_argument("--attach", action="store_true", help="publish from the optimizer hooks (async CPU copy)")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -60,6 +62,8 @@ def main() -> None:
     faulty = FaultyFileSystem(fsspec.filesystem("file"))
     storage = Storage(args.bucket, fs=faulty, max_attempts=2, base_backoff_s=0.001, max_backoff_s=0.002)
     cb = HotloadCallback(model, cfg, storage=storage)
+    if args.attach:
+        cb.attach(opt)
     expected: dict[str, dict[str, str]] = {}
     by_step: dict[int, dict[str, str]] = {}
     records = []
@@ -67,13 +71,16 @@ def main() -> None:
         if step == args.restart_at:
             cb.close()
             cb = HotloadCallback(model, cfg, storage=storage)
+            if args.attach:
+                cb.attach(opt)
         loss = model(IDS).float().pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
         if step == args.fail_step and rank == args.fail_rank:
             faulty.arm(1000, match=".safetensors")  # every weight upload of this rank fails, retries too
-        cb.step(step)
+        if not args.attach:
+            cb.step(step)
         if not args.no_wait:
             cb.wait()
         if step == args.fail_step and rank == args.fail_rank:
@@ -91,14 +98,19 @@ def main() -> None:
                             "tensors": sorted(reps[0][1])})
     cb.close()
     if rank == 0 and args.no_wait:
-        # Publishes overlapped training: check each accepted snapshot was a real step, and the final state.
+        # Publishes overlapped training: every accepted snapshot, rebuilt from the bucket, must be exactly the
+        # state after its step, and the fleet must serve the last one.
         reps = served(args.url)
         last = cb.metrics[-1]
+        rebuilt = {identity: {k: t.sha256() for k, t in tensors.items()}
+                   for identity, tensors in rebuild_accepted(args.bucket, cb.metrics).items()}
         records = [{"step": m.step, "kind": m.kind, "ok": m.ok, "identity": m.identity,
-                    "skipped_before": m.skipped_before} for m in cb.metrics]
+                    "skipped_before": m.skipped_before, "blocking_ms": m.blocking_ms,
+                    "rebuilt_exact": rebuilt.get(m.identity) == by_step[m.step]} for m in cb.metrics]
         records[-1].update(serves_current=all(i == last.identity for i, _ in reps),
                            bit_exact=all(shas == by_step[last.step] for _, shas in reps))
     if rank == 0:
+        records.append({"walks": cb.walks})
         Path(args.out).write_text(json.dumps(records, indent=1))
     dist.barrier()
     finish()
