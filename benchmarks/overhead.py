@@ -216,6 +216,9 @@ def analyse(res: dict[str, Any]) -> dict[str, Any]:
         # CPU seconds per step: the job's processes (all threads) and the emulator (launcher process)
         job_cpu = [sum(x["cpu_s"] for x in recs) for recs in steps]
         row["job_cpu"] = statistics.fmean(job_cpu) if job_cpu else float("nan")
+        roles = sorted({k for recs in steps for x in recs for k in x.get("threads", {})})
+        row["thread_cpu"] = {k: statistics.fmean([sum(x.get("threads", {}).get(k, 0.0) for x in recs)
+                                                  for recs in steps]) for k in roles} if steps else {}
         emu = res.get("emulator_cpu") or []
         emu_cpu = [cpu_between(emu, *recs[0]["wall"]) for recs in steps]
         row["emu_cpu"] = statistics.fmean(emu_cpu) if emu_cpu and emu else float("nan")
@@ -280,6 +283,15 @@ def report(res: dict[str, Any], a: dict[str, Any]) -> str:
         lines.append(f"| {v} | {r['n']} | {_ms(r['median'])} | {_ms(r['p90'])} | "
                      f"{r.get('ratio_median', 1.0):.3f} | {r.get('ratio_mean', 1.0):.3f} | {rr or '-'} | "
                      f"{r['job_cpu']:.3f} / {emu:.3f} / {others:.3f} | {busy:.0%} |")
+    roles = ["main", "publisher", "stage", "py-other", "native+exited"]
+    if any(r.get("thread_cpu") for r in vs.values()):
+        lines += ["", "CPU ms per step by thread (both ranks; main = the training loop, publisher = the engine's "
+                  "thread, stage = the copy helper, native+exited = gloo threads and upload threads that "
+                  "finished within the step):", "", "| variant | " + " | ".join(roles) + " |",
+                  "|---|" + "---|" * len(roles)]
+        for v, r in vs.items():
+            tc = r.get("thread_cpu", {})
+            lines.append(f"| {v} | " + " | ".join(f"{1e3 * tc.get(k, 0.0):.1f}" for k in roles) + " |")
     pubs = [v for v in vs if v != "baseline"]
     if pubs:
         hook = ("the optimizer's post-step hook (attach), plus the pre-step wait for its background copy at "

@@ -19,6 +19,7 @@ import os
 import re
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -54,6 +55,23 @@ def build_model(args: argparse.Namespace) -> nn.Module:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds so far of each live Python thread, summed by role: ``main`` (the trainer), ``publisher``,
+    ``stage`` (the copy helper) and ``py-other``. Native threads (gloo) and threads that already exited are
+    what the process used beyond these."""
+    out: dict[str, float] = {}
+    main = threading.main_thread()
+    for th in threading.enumerate():
+        try:
+            used = time.clock_gettime(time.pthread_getcpuclockid(th.ident))  # type: ignore[arg-type]
+        except (OSError, TypeError, AttributeError):
+            continue
+        role = ("main" if th is main else "publisher" if th.name.startswith("hotload-publisher")
+                else "stage" if th.name.startswith("hotload-stage") else "py-other")
+        out[role] = out.get(role, 0.0) + used
+    return out
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -214,6 +232,7 @@ def main() -> None:
             cb.attach(opt, first_step=step)
         for i in range(n):
             ids = batches[step % len(batches)]
+            th0 = thread_cpu()
             w0, c0 = time.time(), time.process_time()
             t0 = time.perf_counter()
             logits = model(ids[:, :-1])
@@ -224,11 +243,15 @@ def main() -> None:
             if cb is not None and args.hook == "step":
                 cb.step(step)
             t2 = time.perf_counter()
+            cpu_s = time.process_time() - c0
+            th1 = thread_cpu()
+            threads = {k: th1[k] - th0.get(k, 0.0) for k in th1}
+            threads["native+exited"] = max(cpu_s - sum(threads.values()), 0.0)
             parts, started = probes[variant].take() if cb is not None else ({}, False)
             hook_s = parts.get("publish", 0.0) + parts.get("fence", 0.0)
             records.append({"variant": variant, "round": rnd, "i": i, "step": step, "step_s": t2 - t0,
                             "hook_s": hook_s, "started": started,
-                            "parts": parts, "rss": rss_bytes(), "cpu_s": time.process_time() - c0,
+                            "parts": parts, "rss": rss_bytes(), "cpu_s": cpu_s, "threads": threads,
                             "wall": (w0, time.time())})
             step += 1
         if cb is not None:
