@@ -136,6 +136,7 @@ class Publisher:
             Signaller.from_config(config) if (self.rank == 0 or config.send_hints) else None)
         self.metrics = MetricsSink(config.metrics_path if self.rank == 0 else None)
         self._aux = hf_aux_files(config.hf_config_dir) if self.rank == 0 else {}
+        self._manifests: dict[str, bytes] = {}
         self._cache_parts: list[tuple[int, int]] = [(0, 0)] * len(self.chunks)
         self._runs: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(self.chunks)  # per chunk, lazily
         self._scratch: np.ndarray | None = None  # the XOR block buffer of the one-pass host delta
@@ -314,6 +315,8 @@ class Publisher:
         # (a device, or a codec that needs positions) the diff runs first and only the changes reach the host.
         dense = (kind == "delta" and cache is not None and buf.device.type == "cpu" and cache.device.type == "cpu"
                  and hasattr(self.codec, "encode_xor_blocks"))
+        old_views = self.stager.host_views(cache) if dense and cache is not None else []
+        new_views = self.stager.host_views(buf) if dense else []
         t0 = time.perf_counter()
         diffs = self.stager.diff(buf) if kind == "delta" and not dense else None
         st.diff_s = time.perf_counter() - t0
@@ -322,8 +325,7 @@ class Publisher:
             space = (numel(c.shape),) if c.space == "flat" else tuple(c.shape)
             total = s.itemsize * numel(c.shape)
             if dense:
-                assert cache is not None
-                payload, p = self._dense_delta(i, space, total, cache, buf, st)
+                payload, p = self._dense_delta(i, space, total, old_views[i], new_views[i], st)
             elif diffs is not None:
                 d = diffs[i]
                 payload = self.codec.encode(d)
@@ -342,7 +344,7 @@ class Publisher:
         st.encode_s = time.perf_counter() - t0 - (st.diff_s if dense else 0.0)
         return parts
 
-    def _dense_delta(self, i: int, space: tuple[int, ...], total: int, cache: torch.Tensor, buf: torch.Tensor,
+    def _dense_delta(self, i: int, space: tuple[int, ...], total: int, old: np.ndarray, new: np.ndarray,
                      st: _RankStatus) -> tuple[bytes, tuple[int, int]]:
         """Chunk ``i`` of a host delta in one pass: payload and Adler-32 shares (counts go to ``st``)."""
         s = self.stager.slices[i]
@@ -351,8 +353,7 @@ class Publisher:
         tables = self._runs[i]
         if tables is None:
             tables = self._runs[i] = run_tables(self.chunks[i].box.runs(space), s.itemsize)
-        scan = DenseDelta(self.stager.host_bytes(cache, s), self.stager.host_bytes(buf, s), s.itemsize, tables,
-                          total, scratch=self._scratch)
+        scan = DenseDelta(old, new, s.itemsize, tables, total, scratch=self._scratch)
         payload = self.codec.encode_xor_blocks(scan.blocks(), s.nbytes)  # type: ignore[attr-defined]
         st.changed += scan.changed
         st.diff_s += scan.scan_s
@@ -433,9 +434,10 @@ class Publisher:
     def _write_manifests(self, identity: str, kind: str, parent: str | None, files: dict[str, int]) -> None:
         from ..retention import CommitInfo, write_commit_marker
 
-        items = dict(self._aux)
-        items["model.safetensors.index.json"] = self.plan.to_index_json()
-        items["model.weight.spec.json"] = self.plan.to_spec_json()
+        if not self._manifests:  # the plan never changes: serialise it once
+            self._manifests = {"model.safetensors.index.json": self.plan.to_index_json(),
+                               "model.weight.spec.json": self.plan.to_spec_json()}
+        items = {**self._aux, **self._manifests}
         self.storage.put_many({f"{identity}/{k}": v for k, v in items.items()})
         sizes = {**files, **{k: len(v) for k, v in items.items()}}
         write_commit_marker(self.storage, CommitInfo(identity=identity, kind=kind,

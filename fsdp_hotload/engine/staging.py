@@ -87,6 +87,7 @@ class Stager:
         self.cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._copier: ThreadPoolExecutor | None = None  # host copies off the trainer's thread (``background``)
+        self._views: dict[int, list[np.ndarray]] = {}  # host_views by buffer address
 
     def _alloc(self, device: torch.device) -> torch.Tensor:
         pin = device.type == "cpu" and torch.cuda.is_available()
@@ -143,6 +144,15 @@ class Stager:
         """A chunk's staged bytes on the host (a view when the buffer is on the CPU)."""
         piece = buf[s.offset:s.offset + s.nbytes]
         return piece.cpu().numpy() if piece.device.type != "cpu" else piece.numpy()
+
+    def host_views(self, buf: torch.Tensor) -> list[np.ndarray]:
+        """Every chunk's bytes of a CPU buffer (slot or cache) as numpy views, made once per buffer: the
+        buffers live as long as the stager and only swap roles."""
+        views = self._views.get(buf.data_ptr())
+        if views is None:
+            flat = buf.numpy()
+            views = self._views[buf.data_ptr()] = [flat[s.offset:s.offset + s.nbytes] for s in self.slices]
+        return views
 
     def diff(self, buf: torch.Tensor) -> list[ElementDiff]:
         """Per-chunk changes of ``buf`` against the cache. On CUDA only positions and values cross to the host."""
