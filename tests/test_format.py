@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from fsdp_hotload.arc import (Box, ChecksumError, FormatError, MismatchError, RawTensor, TensorDelta,
                               apply_delta_file, apply_tensor, build_delta_file, codec_names, element_diff,
                               encode_delta_file, get_codec, load_file, read_delta_info, save_file)
-from fsdp_hotload.arc.adler import chunk_parts, combine, global_elements, update_parts
+from fsdp_hotload.arc.adler import add_parts, chunk_parts, combine, global_elements, update_parts
 from fsdp_hotload.arc.boxes import check_tiling, gather
 from fsdp_hotload.arc.codecs import ArcV2
-from fsdp_hotload.arc.dense import DenseDelta, add_parts, run_tables
+from fsdp_hotload.arc.dense import DenseDelta, run_tables
 from fsdp_hotload.arc.stio import parse_header
 
 TORCH_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,

@@ -47,6 +47,11 @@ def chunk_parts(chunk: np.ndarray, box: Box, space: Sequence[int], itemsize: int
     return a, b
 
 
+def add_parts(parts: tuple[int, int], delta: tuple[int, int]) -> tuple[int, int]:
+    """Shares after a change whose own share delta is ``delta`` (e.g. ``DenseDelta.parts_delta``)."""
+    return (parts[0] + delta[0]) % MOD, (parts[1] + delta[1]) % MOD
+
+
 def combine(parts: Iterable[tuple[int, int]], total: int) -> int:
     """Adler-32 of a ``total``-byte tensor from the shares of chunks that tile it."""
     a = b = 0

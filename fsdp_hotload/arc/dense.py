@@ -8,9 +8,9 @@ changed positions at all. Pure numpy/numba; no torch.
 
 Example::
 
-    scan = DenseDelta(parent_bytes, new_bytes, itemsize=2, runs=[(0, n)], total=2 * n)
+    scan = DenseDelta(parent_bytes, new_bytes, 2, run_tables([(0, n)], 2), total=2 * n)
     payload = ArcV2().encode_xor_blocks(scan.blocks(), len(new_bytes))
-    shares = add_parts(parent_shares, scan.parts_delta)   # == chunk_parts(new_bytes, ...)
+    shares = add_parts(parent_shares, scan.parts_delta)   # adler.add_parts; == chunk_parts(new_bytes, ...)
     scan.changed                                          # changed elements
 """
 from __future__ import annotations
@@ -80,8 +80,3 @@ class DenseDelta:
             self.scan_s += time.perf_counter() - t0
             yield out.data
         self.parts_delta = (da, db)
-
-
-def add_parts(parts: tuple[int, int], delta: tuple[int, int]) -> tuple[int, int]:
-    """Adler-32 shares after a change whose share delta is ``delta``."""
-    return (parts[0] + delta[0]) % MOD, (parts[1] + delta[1]) % MOD

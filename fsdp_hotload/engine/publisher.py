@@ -39,9 +39,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..arc.adler import chunk_parts, global_elements, update_parts
+from ..arc.adler import add_parts, chunk_parts, global_elements, update_parts
 from ..arc.codecs import get_codec
-from ..arc.dense import BLOCK_BYTES, DenseDelta, add_parts, run_tables
+from ..arc.dense import BLOCK_BYTES, DenseDelta, run_tables
 from ..arc.dtypes import numel
 from ..config import HotloadConfig
 from ..identity import new_identity
