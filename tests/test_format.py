@@ -21,6 +21,9 @@ from fsdp_hotload.arc.boxes import check_tiling, gather
 from fsdp_hotload.arc.codecs import ArcV2
 from fsdp_hotload.arc.dense import DenseDelta, run_tables
 from fsdp_hotload.arc.stio import parse_header
+from fsdp_hotload.arc.zstd_seq import sequence_encoder
+
+ENCODERS = ["stream"] + (["sequences"] if sequence_encoder() is not None else [])  # arc_v2 writers
 
 TORCH_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
                 torch.int32, torch.int64, torch.bool]
@@ -137,9 +140,9 @@ def test_chunked_round_trip_and_checksum_parts(codec: str, tiling: tuple[tuple[i
 @settings(max_examples=60, deadline=None)
 @given(tiling=tilings(), dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.uint8, torch.int64]),
        density=st.sampled_from([0.0, 0.05, 0.5, 1.0]), block=st.sampled_from([8, 16, 64, 1 << 17]),
-       seed=st.integers(0, 2**31))
+       encoder=st.sampled_from(ENCODERS), seed=st.integers(0, 2**31))
 def test_one_pass_host_delta(tiling: tuple[tuple[int, ...], str, list[Box]], dtype: torch.dtype, density: float,
-                             block: int, seed: int) -> None:
+                             block: int, encoder: str, seed: int) -> None:
     """The trainer's host path: one pass per chunk gives the same arc_v2 payload bytes as the diff path, the
     changed count, and Adler-32 shares that combine into the new tensor's checksum, for boxes whose runs cross
     block boundaries."""
@@ -150,7 +153,7 @@ def test_one_pass_host_delta(tiling: tuple[tuple[int, ...], str, list[Box]], dty
     size = parent.to_torch().element_size()
     sp = (parent.numel,) if space == "flat" else shape
     total = parent.nbytes
-    codec = ArcV2()
+    codec = ArcV2(encoder=encoder)
     parts = []
     for box in boxes:
         old_c = np.ascontiguousarray(gather(parent.data, box, sp, size))

@@ -16,6 +16,7 @@ Example::
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Protocol
 
@@ -26,6 +27,7 @@ from .dense import BLOCK_BYTES
 from .dtypes import UINT_BY_SIZE
 from .errors import FormatError
 from .kernels import diff_positions, scatter_xor
+from .zstd_seq import sequence_encoder, unavailable_reason
 
 
 @dataclass(frozen=True)
@@ -131,20 +133,35 @@ def zstd_decompress_exact(payload: bytes, size: int, what: str = "payload") -> b
 class ArcV2:
     """``arc_v2``: XOR of the raw little-endian bytes against the parent, as one zstd frame per chunk.
 
-    The frame records its content size. It is compressed as a stream of XOR blocks, so no chunk-sized buffer
-    is ever allocated: :meth:`encode_xor_blocks` takes blocks straight from a one-pass host scan
+    The frame records its content size. It is built from a stream of XOR blocks, so no chunk-sized buffer is
+    ever allocated: :meth:`encode_xor_blocks` takes blocks straight from a one-pass host scan
     (:class:`~fsdp_hotload.arc.dense.DenseDelta`), and :meth:`encode` rebuilds them from a sparse diff (the
     device path: zeros plus the changed elements). An unchanged chunk costs a few bytes.
+
+    Two encoders write the frame: ``sequences`` (zero runs found by a numba kernel, entropy-coded by libzstd;
+    smaller and cheaper, see :mod:`~fsdp_hotload.arc.zstd_seq`) where the system's libzstd allows it, else
+    ``stream`` (python-zstandard's level-1 compressor). Both decode to the same bytes with any zstd decoder.
+    ``encoder="auto"`` (the default) takes the first available; ``HOTLOAD_ARC_ENCODER`` overrides the default.
     """
 
     name = "arc_v2"
     block_bytes = BLOCK_BYTES
 
-    def __init__(self, level: int = 1) -> None:  # level 3 gains nothing on XOR data and is ~10% slower
+    def __init__(self, level: int = 1, encoder: str | None = None) -> None:
+        # level 3 gains nothing on XOR data and is ~10% slower
         self.level = level
+        choice = encoder or os.environ.get("HOTLOAD_ARC_ENCODER", "auto")
+        if choice not in ("auto", "sequences", "stream"):
+            raise FormatError(f"arc_v2 encoder {choice!r}: expected auto, sequences or stream")
+        self._seq = sequence_encoder(level) if choice != "stream" else None
+        if choice == "sequences" and self._seq is None:
+            raise FormatError(f"arc_v2 encoder 'sequences' is unavailable: {unavailable_reason()}")
+        self.encoder = "sequences" if self._seq is not None else "stream"
 
     def encode_xor_blocks(self, blocks: Iterable[Any], nbytes: int) -> bytes:
         """One frame from XOR blocks that add up to ``nbytes`` (each consumed before the next is produced)."""
+        if self._seq is not None:
+            return self._seq.encode(blocks, nbytes)
         cobj = zstandard.ZstdCompressor(level=self.level, write_content_size=True).compressobj(size=nbytes)
         out = [cobj.compress(blk) for blk in blocks]
         out.append(cobj.flush())

@@ -82,3 +82,71 @@ def xor_adler_block(a: np.ndarray, b: np.ndarray, out: np.ndarray, lpos: int, ru
         db = (db + ((total - g) % mod) * (sd % mod) - spd) % mod
         i = end
     return da, db, r
+
+
+
+def zero_run_table(min_run: int) -> np.ndarray:
+    """Per 8-bit mask of a word's nonzero bytes: first and last nonzero byte, and the start and length of the zero
+    run between them if it is longer than ``min_run`` (at most one fits in eight bytes), else length 0."""
+    table = np.zeros((256, 4), dtype=np.int64)
+    for m in range(1, 256):
+        pos = [t for t in range(8) if m >> t & 1]
+        table[m, 0], table[m, 1] = pos[0], pos[-1]
+        for a, b in zip(pos, pos[1:]):
+            if b - a - 1 > min_run:
+                table[m, 2], table[m, 3] = a + 1, b - a - 1
+    return table
+
+
+@njit(**_JIT)
+def _emit(seqs: np.ndarray, k: int, lit_start: int, zero_at: int, zeros: int) -> int:
+    # Literals up to and including the run's first zero byte, then a match at offset 1 that repeats it.
+    seqs[k, 0] = 1
+    seqs[k, 1] = zero_at + 1 - lit_start
+    seqs[k, 2] = zeros - 1
+    seqs[k, 3] = 0
+    return k + 1
+
+
+@njit(**_JIT)
+def zero_run_sequences(x: np.ndarray, words: np.ndarray, seqs: np.ndarray, min_run: int, table: np.ndarray) -> int:
+    """zstd sequences for a mostly-zero block ``x``: every run of more than ``min_run`` zero bytes becomes one
+    match at offset 1; everything else is literals. Returns how many rows of ``seqs`` (``ZSTD_Sequence``:
+    offset, literal length, match length, rep) were written; the block's trailing literals are implicit.
+
+    ``words`` is ``x[:len(x) // 8 * 8]`` viewed as little-endian uint64 and ``table`` is
+    ``zero_run_table(min_run)``: zero words are skipped eight bytes at a time and a nonzero word costs one table
+    lookup. Every literal run is at least one byte long, so offset 1 is always the first repeat code and the
+    decoder's repeat history never changes: blocks encoded separately can share one frame.
+    """
+    n = x.size
+    lo7 = np.uint64(0x7F7F7F7F7F7F7F7F)
+    high = np.uint64(0x8080808080808080)
+    gather = np.uint64(0x0102040810204080)  # moves bit 8j to bit 56 + j
+    k = 0
+    lit_start = 0
+    prev = -1  # last nonzero byte
+    for q in range(words.size):
+        v = words[q]
+        if v == 0:
+            continue
+        nonzero = (((v & lo7) + lo7) | v) & high  # 0x80 in every nonzero byte
+        m = np.int64(((nonzero >> np.uint64(7)) * gather) >> np.uint64(56))
+        base = q * 8
+        p = base + table[m, 0]
+        if p - prev - 1 > min_run:
+            k = _emit(seqs, k, lit_start, prev + 1, p - prev - 1)
+            lit_start = p
+        if table[m, 3]:
+            k = _emit(seqs, k, lit_start, base + table[m, 2], table[m, 3])
+            lit_start = base + table[m, 2] + table[m, 3]
+        prev = base + table[m, 1]
+    for p in range(words.size * 8, n):
+        if x[p] != 0:
+            if p - prev - 1 > min_run:
+                k = _emit(seqs, k, lit_start, prev + 1, p - prev - 1)
+                lit_start = p
+            prev = p
+    if n - prev - 1 > min_run:
+        k = _emit(seqs, k, lit_start, prev + 1, n - prev - 1)
+    return k

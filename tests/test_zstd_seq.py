@@ -1,0 +1,198 @@
+"""The arc_v2 sequence encoder: zero-run sequences entropy-coded by libzstd, stitched into one zstd frame.
+
+Every frame is decoded by python-zstandard (its own bundled libzstd, one-shot and streaming) and compared byte for
+byte with the XOR it was built from.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fsdp_hotload.arc import zstd_seq
+from fsdp_hotload.arc.codecs import ArcV2
+from fsdp_hotload.arc.errors import FormatError
+from fsdp_hotload.arc.kernels import zero_run_sequences, zero_run_table
+
+ROOT = Path(__file__).resolve().parents[1]
+ENC = zstd_seq.sequence_encoder()
+needs_libzstd = pytest.mark.skipif(ENC is None, reason=f"sequence encoder unavailable: {zstd_seq.unavailable_reason()}")
+
+
+def _sparse_bytes(rng: np.random.Generator, n: int, density: float) -> np.ndarray:
+    x = np.zeros(n, dtype=np.uint8)
+    hits = rng.random(n) < density
+    x[hits] = rng.integers(1, 256, size=int(hits.sum()), dtype=np.uint8)
+    return x
+
+
+def _split(x: np.ndarray, cuts: list[int]) -> list[np.ndarray]:
+    edges = sorted({0, x.size, *(c % (x.size + 1) for c in cuts)})
+    return [x[a:b] for a, b in zip(edges, edges[1:])]
+
+
+def _decode_both_ways(frame: bytes, n: int) -> bytes:
+    params = zstandard.get_frame_parameters(frame)
+    assert params.content_size == n and not params.has_checksum
+    one_shot = zstandard.ZstdDecompressor().decompress(frame, max_output_size=max(n, 1))
+    streamed = zstandard.ZstdDecompressor().stream_reader(frame).read(n + 1)
+    assert one_shot == streamed
+    return one_shot
+
+
+def _replay(x: np.ndarray, seqs: np.ndarray, k: int) -> bytes:
+    """Rebuild a block from its sequences the way a zstd decoder would (literals, then an offset-1 copy)."""
+    out = bytearray()
+    pos = 0
+    for off, lit, match, _ in seqs[:k]:
+        assert off == 1 and lit >= 1
+        out += x[pos:pos + lit].tobytes()
+        for _ in range(match):
+            out.append(out[-1])
+        pos += lit + match
+    return bytes(out + x[pos:].tobytes())
+
+
+@given(n=st.integers(0, 3000), density=st.sampled_from([0.0, 0.01, 0.1, 0.5, 1.0]), min_run=st.integers(3, 9),
+       seed=st.integers(0, 2**31))
+@settings(max_examples=150, deadline=None)
+def test_zero_run_sequences_replay_to_the_block(n: int, density: float, min_run: int, seed: int) -> None:
+    x = _sparse_bytes(np.random.default_rng(seed), n, density)
+    seqs = np.zeros((n // (min_run + 1) + 2, 4), dtype=np.uint32)
+    k = zero_run_sequences(x, x[:n // 8 * 8].view(np.uint64), seqs, min_run, zero_run_table(min_run))
+    assert _replay(x, seqs, k) == x.tobytes()
+    assert all(m >= min_run for m in seqs[:k, 2])
+    # every zero run longer than min_run became one match: no run that long is left in the literals
+    lits = np.ones(n, dtype=bool)
+    pos = 0
+    for _, lit, match, _ in seqs[:k]:
+        pos += int(lit)
+        lits[pos:pos + int(match)] = False
+        pos += int(match)
+    zero_lit = np.flatnonzero(~lits | (x != 0))  # positions that break a literal zero run
+    gaps = np.diff(np.concatenate([[-1], zero_lit, [n]])) - 1
+    assert gaps.max(initial=0) <= min_run
+
+
+@needs_libzstd
+@given(n=st.integers(0, 3 * zstd_seq.MAX_BLOCK + 50), density=st.sampled_from([0.0, 0.003, 0.03, 0.3, 1.0]),
+       cuts=st.lists(st.integers(0, 1 << 20), max_size=4), seed=st.integers(0, 2**31))
+@settings(max_examples=40, deadline=None)
+def test_frame_decodes_to_the_xor(n: int, density: float, cuts: list[int], seed: int) -> None:
+    """Any block split (unaligned, larger than a zstd block, empty chunk) gives one frame of the exact bytes."""
+    x = _sparse_bytes(np.random.default_rng(seed), n, density)
+    frame = ENC.encode([b.data for b in _split(x, cuts)], n)  # type: ignore[union-attr]
+    assert _decode_both_ways(frame, n) == x.tobytes()
+
+
+@needs_libzstd
+def test_rl_like_xor_is_smaller_than_the_stream_encoder() -> None:
+    """bf16 steps at RL learning rates: the sequence frame decodes to the same bytes and is smaller."""
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal(1 << 20) * 0.02).astype(np.float32)
+    step = np.sign(rng.standard_normal(w.size)).astype(np.float32) * 6e-7
+
+    def bf16(v: np.ndarray) -> np.ndarray:
+        return (v.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+
+    old, new = bf16(w), bf16(w + step)
+    x = old ^ new
+    assert 0.005 < np.count_nonzero(x.view(np.uint16)) / w.size < 0.05
+    seq = ArcV2(encoder="sequences").encode_xor_blocks([x.data], x.size)
+    stream = ArcV2(encoder="stream").encode_xor_blocks([x.data], x.size)
+    assert _decode_both_ways(seq, x.size) == _decode_both_ways(stream, x.size) == x.tobytes()
+    assert len(seq) < 0.85 * len(stream)
+
+
+@needs_libzstd
+def test_split_blocks_fall_back_to_raw_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """If libzstd ever answers one block with several, that block is stored raw and the frame stays exact."""
+    calls = []
+    real = zstd_seq._last_block_at
+
+    def every_other(frame: np.ndarray, start: int, end: int) -> int:
+        calls.append(start)
+        return real(frame, start, end) + (len(calls) % 2)
+
+    monkeypatch.setattr(zstd_seq, "_last_block_at", every_other)
+    x = _sparse_bytes(np.random.default_rng(3), 5 * zstd_seq.MAX_BLOCK + 7, 0.02)
+    frame = ENC.encode([x.data], x.size)  # type: ignore[union-attr]
+    assert len(calls) == 6
+    assert _decode_both_ways(frame, x.size) == x.tobytes()
+
+
+@needs_libzstd
+def test_threads_encode_concurrently() -> None:
+    rng = np.random.default_rng(5)
+    xs = [_sparse_bytes(rng, 2 * zstd_seq.MAX_BLOCK + 99 * i, 0.01 * (i + 1)) for i in range(6)]
+    frames: dict[int, bytes] = {}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(5):
+                frames[i] = ENC.encode([xs[i].data], xs[i].size)  # type: ignore[union-attr]
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for i, x in enumerate(xs):
+        assert _decode_both_ways(frames[i], x.size) == x.tobytes()
+
+
+def test_block_sizes_must_add_up() -> None:
+    enc = ENC or pytest.skip("sequence encoder unavailable")
+    with pytest.raises(FormatError, match="add up to 10 bytes, 11 announced"):
+        enc.encode([bytes(10)], 11)
+
+
+def test_encoder_choice_is_validated() -> None:
+    with pytest.raises(FormatError, match="encoder 'zip'"):
+        ArcV2(encoder="zip")
+    assert ArcV2(encoder="stream").encoder == "stream"
+    assert ArcV2().encoder == ("sequences" if ENC is not None else "stream")
+
+
+def _probe(env: dict[str, str], code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **env}, text=True,
+                          capture_output=True, timeout=120)
+
+
+def test_missing_library_falls_back_to_the_stream_encoder() -> None:
+    code = ("from fsdp_hotload.arc.codecs import ArcV2; from fsdp_hotload.arc import zstd_seq\n"
+            "print(ArcV2().encoder, '|', zstd_seq.unavailable_reason())\n"
+            "ArcV2(encoder='sequences')\n")
+    r = _probe({"HOTLOAD_LIBZSTD": "/nonexistent/libzstd.so.1", "HOTLOAD_ARC_ENCODER": "auto"}, code)
+    first = r.stdout.strip()
+    assert first.startswith("stream | libzstd not loadable"), r.stdout + r.stderr
+    assert "HOTLOAD_LIBZSTD" in first
+    assert "arc_v2 encoder 'sequences' is unavailable: libzstd not loadable" in r.stderr
+    r = _probe({"HOTLOAD_ARC_ENCODER": "stream"}, "from fsdp_hotload.arc.codecs import ArcV2; print(ArcV2().encoder)")
+    assert r.stdout.strip() == "stream", r.stderr
+
+
+@pytest.mark.parametrize("n", [0, 1, 255, 256, 65791, 65792, 1 << 17, (1 << 17) + 1, (1 << 32) + 5])
+def test_frame_header_matches_libzstd_layout(n: int) -> None:
+    """Up to one window the header is byte for byte libzstd's own (single segment); beyond, it declares the
+    128 KB window every block fits in."""
+    header = zstd_seq.frame_header(n)
+    ours = zstandard.get_frame_parameters(header + b"\x01\x00\x00")
+    assert ours.content_size == n and not ours.has_checksum and ours.dict_id == 0
+    if n <= 1 << 17:
+        ref = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(bytes(n))
+        assert ref[:len(header)] == header
+    else:
+        assert ours.window_size == 1 << 17
