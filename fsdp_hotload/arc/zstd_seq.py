@@ -137,6 +137,8 @@ class _ThreadState:
         self.seqs = np.empty((MAX_BLOCK // (MIN_RUN + 1) + 2, 4), dtype=np.uint32)  # ZSTD_Sequence rows
         self.dst = np.empty(MAX_BLOCK + (MAX_BLOCK >> 7) + 512, dtype=np.uint8)
         self.aligned = np.empty(MAX_BLOCK, dtype=np.uint8)
+        self.seqs_ptr, self.dst_ptr, self.aligned_ptr = self.seqs.ctypes.data, self.dst.ctypes.data, \
+            self.aligned.ctypes.data
 
     def check(self, rc: int, what: str) -> int:
         if self.lib.ZSTD_isError(rc):
@@ -181,12 +183,14 @@ class SequenceEncoder:
         return bytes(out)
 
     def _append(self, st: _ThreadState, x: np.ndarray, out: bytearray) -> int:
-        if x.ctypes.data % 8:
+        ptr = x.ctypes.data
+        if ptr % 8:
             st.aligned[:x.size] = x
             x = st.aligned[:x.size]
+            ptr = st.aligned_ptr
         k = zero_run_sequences(x, x[:x.size // 8 * 8].view(np.uint64), st.seqs, MIN_RUN, _TABLE)
-        rc = st.check(self.lib.ZSTD_compressSequences(st.cctx, st.dst.ctypes.data, st.dst.size, st.seqs.ctypes.data,
-                                                      k, x.ctypes.data, x.size), "compressing sequences")
+        rc = st.check(self.lib.ZSTD_compressSequences(st.cctx, st.dst_ptr, st.dst.size, st.seqs_ptr, k, ptr, x.size),
+                      "compressing sequences")
         frame = st.dst[:rc]
         head = _header_size(frame)
         at = len(out)
