@@ -22,11 +22,10 @@ def machine() -> str:
         pass
     return (f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, torch {torch.__version__}, "
             f"numba {numba.__version__}, numpy {np.__version__}, zstandard {zstandard.__version__} "
-            f"(libzstd {'.'.join(map(str, zstandard.ZSTD_VERSION))}); arc_v2 encoder: {_arc_encoder()}")
+            f"(libzstd {'.'.join(map(str, zstandard.ZSTD_VERSION))}); arc_v2 encoder {_arc_encoder()}")
 
 
 def _arc_encoder() -> str:
-    from fsdp_hotload.arc import zstd_seq
+    from fsdp_hotload.arc.codecs import ArcV2
 
-    return ("sequences via " if zstd_seq.sequence_encoder() is not None else "stream; sequences unavailable: ") + \
-        zstd_seq.unavailable_reason()
+    return ArcV2().encoder_info

@@ -24,7 +24,7 @@ from fsdp_hotload.arc.kernels import zero_run_sequences, zero_run_table
 
 ROOT = Path(__file__).resolve().parents[1]
 ENC = zstd_seq.sequence_encoder()
-needs_libzstd = pytest.mark.skipif(ENC is None, reason=f"sequence encoder unavailable: {zstd_seq.unavailable_reason()}")
+needs_libzstd = pytest.mark.skipif(ENC is None, reason=f"sequence encoder unavailable: {zstd_seq.encoder_status()}")
 
 
 def _sparse_bytes(rng: np.random.Generator, n: int, density: float) -> np.ndarray:
@@ -173,15 +173,17 @@ def _probe(env: dict[str, str], code: str) -> subprocess.CompletedProcess[str]:
 
 def test_missing_library_falls_back_to_the_stream_encoder() -> None:
     code = ("from fsdp_hotload.arc.codecs import ArcV2; from fsdp_hotload.arc import zstd_seq\n"
-            "print(ArcV2().encoder, '|', zstd_seq.unavailable_reason())\n"
+            "print(ArcV2().encoder, '|', zstd_seq.encoder_status(), '|', ArcV2().encoder_info)\n"
             "ArcV2(encoder='sequences')\n")
     r = _probe({"HOTLOAD_LIBZSTD": "/nonexistent/libzstd.so.1", "HOTLOAD_ARC_ENCODER": "auto"}, code)
     first = r.stdout.strip()
     assert first.startswith("stream | libzstd not loadable"), r.stdout + r.stderr
     assert "HOTLOAD_LIBZSTD" in first
+    assert first.split(" | ")[2].startswith("stream (sequence encoder unavailable: libzstd not loadable")
     assert "arc_v2 encoder 'sequences' is unavailable: libzstd not loadable" in r.stderr
-    r = _probe({"HOTLOAD_ARC_ENCODER": "stream"}, "from fsdp_hotload.arc.codecs import ArcV2; print(ArcV2().encoder)")
-    assert r.stdout.strip() == "stream", r.stderr
+    r = _probe({"HOTLOAD_ARC_ENCODER": "stream"},
+               "from fsdp_hotload.arc.codecs import ArcV2; print(ArcV2().encoder_info)")
+    assert r.stdout.strip() == "stream (chosen)", r.stderr
 
 
 @pytest.mark.parametrize("n", [0, 1, 255, 256, 65791, 65792, 1 << 17, (1 << 17) + 1, (1 << 32) + 5])

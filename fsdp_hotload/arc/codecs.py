@@ -27,7 +27,7 @@ from .dense import BLOCK_BYTES
 from .dtypes import UINT_BY_SIZE
 from .errors import FormatError
 from .kernels import diff_positions, scatter_xor
-from .zstd_seq import sequence_encoder, unavailable_reason
+from .zstd_seq import encoder_status, sequence_encoder
 
 
 @dataclass(frozen=True)
@@ -155,8 +155,14 @@ class ArcV2:
             raise FormatError(f"arc_v2 encoder {choice!r}: expected auto, sequences or stream")
         self._seq = sequence_encoder(level) if choice != "stream" else None
         if choice == "sequences" and self._seq is None:
-            raise FormatError(f"arc_v2 encoder 'sequences' is unavailable: {unavailable_reason()}")
+            raise FormatError(f"arc_v2 encoder 'sequences' is unavailable: {encoder_status()}")
         self.encoder = "sequences" if self._seq is not None else "stream"
+        if self._seq is not None:
+            self.encoder_info = f"sequences via {encoder_status()}"
+        elif choice == "stream":
+            self.encoder_info = "stream (chosen)"
+        else:
+            self.encoder_info = f"stream (sequence encoder unavailable: {encoder_status()})"
 
     def encode_xor_blocks(self, blocks: Iterable[Any], nbytes: int) -> bytes:
         """One frame from XOR blocks that add up to ``nbytes`` (each consumed before the next is produced)."""

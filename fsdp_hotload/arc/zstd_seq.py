@@ -15,8 +15,9 @@ and a block that opens a frame never refers to the previous block's entropy tabl
 
 libzstd comes from the system (``libzstd.so.1``, or ``HOTLOAD_LIBZSTD=/path/to/libzstd.so``); the sequence API
 is libzstd's experimental one, so it is used only from version 1.5.0 on and after a round-trip self-test at
-load. Otherwise :func:`sequence_encoder` returns ``None`` with the reason in :func:`unavailable_reason`, and the
-codec keeps to the streaming path. ``HOTLOAD_ARC_ENCODER=stream`` forces that path.
+load. Otherwise :func:`sequence_encoder` returns ``None`` with the reason in :func:`encoder_status`, and the
+codec keeps to the streaming path. ``HOTLOAD_ARC_ENCODER=stream`` makes :class:`~fsdp_hotload.arc.codecs.ArcV2`
+keep to it anyway.
 
 Example::
 
@@ -223,14 +224,12 @@ def _self_test(enc: SequenceEncoder) -> str:
 
 
 def sequence_encoder(level: int = 1) -> SequenceEncoder | None:
-    """The process's sequence encoder, or ``None`` (the reason is in :func:`unavailable_reason`)."""
+    """The process's sequence encoder, or ``None`` (the reason is in :func:`encoder_status`)."""
     global _ENCODER, _REASON, _LOADED
     with _LOCK:
         if not _LOADED:
             _LOADED = True
-            if os.environ.get("HOTLOAD_ARC_ENCODER", "auto") == "stream":
-                _REASON = "HOTLOAD_ARC_ENCODER=stream"
-            elif sys.byteorder != "little":
+            if sys.byteorder != "little":
                 _REASON = "the zero-run kernel reads little-endian words"
             else:
                 lib, _REASON = _load_libzstd()
@@ -238,8 +237,8 @@ def sequence_encoder(level: int = 1) -> SequenceEncoder | None:
                     enc = SequenceEncoder(lib)
                     try:
                         failed = _self_test(enc)
-                    except FormatError as exc:
-                        failed = str(exc)
+                    except Exception as exc:  # noqa: BLE001 - any failure means: use the stream encoder
+                        failed = f"self-test failed: {exc!r}"
                     if failed:
                         _REASON = f"{_REASON}: {failed}"
                     else:
@@ -249,7 +248,7 @@ def sequence_encoder(level: int = 1) -> SequenceEncoder | None:
     return _ENCODER if level == _ENCODER.level else SequenceEncoder(_ENCODER.lib, level)
 
 
-def unavailable_reason() -> str:
-    """Why :func:`sequence_encoder` returned ``None``; on success, which library it uses."""
+def encoder_status() -> str:
+    """Which library the sequence encoder uses, or why :func:`sequence_encoder` returns ``None``."""
     sequence_encoder()
     return _REASON

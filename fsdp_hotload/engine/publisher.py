@@ -41,7 +41,6 @@ import torch
 
 from ..arc.adler import add_parts, chunk_parts, global_elements, update_parts
 from ..arc.codecs import get_codec
-from ..arc.zstd_seq import unavailable_reason
 from ..arc.dense import BLOCK_BYTES, DenseDelta, run_tables
 from ..arc.dtypes import numel
 from ..config import HotloadConfig
@@ -129,8 +128,8 @@ class Publisher:
                                           max_concurrency=config.upload_concurrency)
         self.stager = Stager(self.chunks, slots=config.max_inflight, cache_on=config.cache_on)
         self.codec = get_codec(config.codec)
-        if self.rank == 0 and getattr(self.codec, "encoder", None):
-            log.info("%s encoder: %s (%s)", self.codec.name, self.codec.encoder, unavailable_reason())
+        if self.rank == 0 and hasattr(self.codec, "encoder_info"):
+            log.info("%s encoder: %s", self.codec.name, self.codec.encoder_info)
         self.cadence = Cadence(config.full_every, config.max_chain_length)
         # Identities must agree on every rank (rank 0 picks the suffix) and never repeat across publisher
         # instances, even within one process (a restarted publisher must not reuse an identity).
