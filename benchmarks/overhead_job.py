@@ -97,28 +97,35 @@ class HookProbe:
     model when storage changed), ``busy`` (the skip policy's cross-rank busy check, which also absorbs the
     ranks' skew), ``acquire`` (waiting for a free slot: the whole wait of ``busy_policy="wait"``), ``stage``
     (the copy, or handing it to the helper thread). ``fence`` is the wait for a background copy at the next
-    optimizer step (``attach``), outside the hook but also on the trainer's thread.
+    optimizer step (``attach``), outside the hook but also on the trainer's thread; ``agree`` is the start of
+    the busy check in ``attach``'s pre-step hook (counted only there, not when ``publish`` calls it).
     """
 
-    PARTS = ("publish", "sources", "busy", "acquire", "stage", "fence")
+    PARTS = ("publish", "sources", "busy", "acquire", "stage", "fence", "agree")
 
     def __init__(self, cb: HotloadCallback) -> None:
         eng = cb.engine
         self.t: dict[str, float] = {}
         self.started = False
+        self.in_publish = False
         for part, obj, attr in (("publish", cb, "_publish"), ("sources", cb, "_sources"),
                                 ("busy", eng.ctrl, "allreduce_max_async"), ("acquire", eng.stager, "acquire"),
-                                ("stage", eng.stager, "stage"), ("fence", cb, "fence")):
+                                ("stage", eng.stager, "stage"), ("fence", cb, "fence"), ("agree", eng, "agree")):
             setattr(obj, attr, self._wrap(part, getattr(obj, attr)))
         self.take()
 
     def _wrap(self, part: str, fn: Any) -> Any:
         def timed(*a: Any, **kw: Any) -> Any:
+            if part == "agree" and self.in_publish:
+                return fn(*a, **kw)
             t0 = time.perf_counter()
+            self.in_publish = self.in_publish or part == "publish"
             try:
                 out = fn(*a, **kw)
             finally:
                 self.t[part] += time.perf_counter() - t0
+                if part == "publish":
+                    self.in_publish = False
             if part == "publish":
                 self.started = self.started or bool(out)
             # The async busy check returns a function read at the next publish step: time that read too.
@@ -248,7 +255,7 @@ def main() -> None:
             threads = {k: th1[k] - th0.get(k, 0.0) for k in th1}
             threads["native+exited"] = max(cpu_s - sum(threads.values()), 0.0)
             parts, started = probes[variant].take() if cb is not None else ({}, False)
-            hook_s = parts.get("publish", 0.0) + parts.get("fence", 0.0)
+            hook_s = parts.get("publish", 0.0) + parts.get("fence", 0.0) + parts.get("agree", 0.0)
             records.append({"variant": variant, "round": rnd, "i": i, "step": step, "step_s": t2 - t0,
                             "hook_s": hook_s, "started": started,
                             "parts": parts, "rss": rss_bytes(), "cpu_s": cpu_s, "threads": threads,

@@ -114,6 +114,10 @@ class HotloadCallback:
         next forward and backward run, and a step pre-hook makes the next ``optimizer.step()`` wait for it,
         so the trainer's thread blocks only if the copy is not done by then. The optimizer must own every
         published parameter, and nothing else may modify them in place between two optimizer steps.
+
+        With several ranks and ``busy_policy="skip"``, the pre-step hook also starts the ranks' agreement on
+        whether the previous snapshot has finished, a forward and backward later than ``step()`` can: a
+        publisher that keeps up publishes every step (``step()`` publishes at most every second step).
         """
         self.detach()
         if first_step is not None:
@@ -122,17 +126,20 @@ class HotloadCallback:
 
         def pre(*_: Any) -> None:
             self.fence()
+            self.engine.agree(self._step)
 
         def post(*_: Any) -> None:
             self._publish(None, background_copy=background)
 
         self._hooks = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+        self.engine.early_agreement = True
 
     def detach(self) -> None:
         """Remove the optimizer hooks of :meth:`attach` (waiting for a copy still reading the weights)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self.engine.early_agreement = False
         self.fence()
 
     def fence(self) -> float:

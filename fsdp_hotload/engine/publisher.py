@@ -149,6 +149,7 @@ class Publisher:
         self._idle = threading.Condition()
         self._skipped = 0
         self._agreed_busy: Callable[[], int] | None = None
+        self.early_agreement = False  # set while a caller starts each agreement with agree() (see there)
         self._copying: _Job | None = None  # the job whose host copy runs on the stager's helper thread
         self.latest_step = -1
         self.closed = False
@@ -162,9 +163,12 @@ class Publisher:
         ``sources`` (or a function returning them, called only on steps that publish) replaces the chunks'
         own source tensors. With ``background_copy`` a host copy runs on a helper thread and the caller must
         call :meth:`fence` before it next changes the sources (the callback does so before the next optimizer
-        step). With several ranks and the skip policy, ranks agree on "every rank has a free
-        slot" with an asynchronous reduction started at one publish step and read at the next, so the trainer
-        never waits on the other ranks here; the price is that back-to-back publishes are two steps apart.
+        step). With several ranks and the skip policy, ranks agree on "every rank has a free slot" with an
+        asynchronous reduction, so the trainer never waits on the other ranks here. By default it starts at the
+        end of one publish step and is read at the next, when the snapshot just staged is certainly still
+        busy: back-to-back publishes are then two steps apart. A caller that can run code on every rank
+        earlier in the step starts it there with :meth:`agree` (``early_agreement``), and publishes can
+        follow every step.
         """
         t0 = time.perf_counter()
         self.fence()
@@ -180,7 +184,10 @@ class Publisher:
             if self.world == 1:
                 busy = self.stager.free_slots() == 0
             else:
+                if self._agreed_busy is None and self.early_agreement:
+                    self.agree(step)  # agree() was not called for this step: agree now (waits for the others)
                 busy = bool(self._agreed_busy()) if self._agreed_busy is not None else False
+                self._agreed_busy = None
             # Agreed free means this rank's slot is free too: only this thread takes slots.
             buf = None if busy else self.stager.acquire(wait=True)
         if buf is not None:
@@ -195,9 +202,22 @@ class Publisher:
             self._skipped = 0
         else:
             self._skipped += 1
-        if self.config.busy_policy == "skip" and self.world > 1:
-            self._agreed_busy = self.ctrl.allreduce_max_async(int(self.stager.free_slots() == 0))
+        if not self.early_agreement:
+            self.agree(step + self.config.publish_every)
         return buf is not None
+
+    def agree(self, step: int) -> None:
+        """Start the skip policy's cross-rank "every slot free?" reduction for the publish at ``step``.
+
+        Why: the later it starts, the likelier the previous snapshot has finished, so the fewer steps are
+        skipped. With ``early_agreement`` set, call it on every rank at the same point of each step before
+        :meth:`publish` (the callback does so in the optimizer's pre-step hook, after forward and backward);
+        the reduction runs while the optimizer steps and is read by ``publish``. A no-op unless ranks must
+        agree, ``step`` publishes, and no reduction is pending.
+        """
+        if (self.config.busy_policy == "skip" and self.world > 1 and self._agreed_busy is None
+                and step % self.config.publish_every == 0):
+            self._agreed_busy = self.ctrl.allreduce_max_async(int(self.stager.free_slots() == 0))
 
     def fence(self) -> float:
         """Wait until the last staged copy has read its sources; returns seconds waited (added to that

@@ -91,7 +91,7 @@ def main() -> None:
             m = cb.metrics[-1]
             expected[m.identity] = {k: RawTensor.from_any(v).sha256() for k, v in full.items()}
             reps = served(args.url)
-            records.append({"step": step, "kind": m.kind, "ok": m.ok, "identity": m.identity,
+            records.append({"step": step, "published_step": m.step, "kind": m.kind, "ok": m.ok, "identity": m.identity,
                             "ratio": m.ratio, "changed": m.changed_fraction,
                             "serves_current": all(i == m.identity for i, _ in reps),
                             "bit_exact": all(expected.get(i) == shas for i, shas in reps),
