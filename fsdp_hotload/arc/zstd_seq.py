@@ -52,11 +52,19 @@ _C_BLOCK_SPLITTER = 1010  # ZSTD_c_experimentalParam13: useBlockSplitter (1.5.1+
 
 
 def _load_libzstd() -> tuple[Any, str]:
-    name = os.environ.get("HOTLOAD_LIBZSTD") or ctypes.util.find_library("zstd") or "libzstd.so.1"
-    try:
-        lib = ctypes.CDLL(name)  # CDLL: every call releases the GIL
-    except OSError as exc:
-        return None, f"libzstd not loadable ({exc}); install libzstd1 or set HOTLOAD_LIBZSTD"
+    lib, name, error = None, "", "not found"
+    # The usual soname first (no subprocess); ctypes.util.find_library runs ldconfig or a compiler to search.
+    for find in ([lambda: os.environ["HOTLOAD_LIBZSTD"]] if os.environ.get("HOTLOAD_LIBZSTD")
+                 else [lambda: "libzstd.so.1", lambda: ctypes.util.find_library("zstd")]):
+        name = find() or ""
+        try:
+            lib = ctypes.CDLL(name) if name else None  # CDLL: every call releases the GIL
+        except OSError as exc:
+            error = str(exc)
+        if lib is not None:
+            break
+    if lib is None:
+        return None, f"libzstd not loadable ({error}); install libzstd1 or set HOTLOAD_LIBZSTD"
     try:
         lib.ZSTD_versionNumber.restype = ctypes.c_uint
         version = int(lib.ZSTD_versionNumber())
