@@ -55,11 +55,54 @@ def build_model(args: argparse.Namespace) -> nn.Module:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def thread_cpu() -> dict[str, float]:
-    """CPU seconds so far of each live Python thread, summed by role: ``main`` (the trainer), ``publisher``,
-    ``stage`` (the copy helper) and ``py-other``. Native threads (gloo) and threads that already exited are
-    what the process used beyond these."""
-    out: dict[str, float] = {}
+class PublisherProfile:
+    """cProfile of every publish (``Publisher._run``) from now on, timed by the running thread's CPU clock.
+
+    Why CPU time: a publish spends most of its wall time waiting for the other rank or for upload threads; what
+    the trainer pays for is the CPU the publisher burns beside it."""
+
+    def __init__(self) -> None:
+        import cProfile
+
+        from fsdp_hotload.engine.publisher import Publisher
+
+        self.prof = cProfile.Profile(time.thread_time)  # one publish runs at a time (phases end with cb.wait())
+        self.publishes = 0
+        orig = Publisher._run
+        prof = self
+
+        def run(pub: Any, job: Any) -> Any:
+            prof.publishes += 1
+            prof.prof.enable()
+            try:
+                return orig(pub, job)
+            finally:
+                prof.prof.disable()
+
+        Publisher._run = run  # type: ignore[method-assign,assignment]
+
+    def save(self, folder: Path, rank: int) -> None:
+        import io
+        import pstats
+
+        folder.mkdir(parents=True, exist_ok=True)
+        self.prof.dump_stats(str(folder / f"publisher-rank{rank}.pstats"))
+        text = io.StringIO()
+        stats = pstats.Stats(self.prof, stream=text)
+        text.write(f"rank {rank}: {self.publishes} publishes, publisher-thread CPU s in total (cProfile adds its "
+                   "own overhead)\n")
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(40)
+        (folder / f"publisher-rank{rank}.txt").write_text(text.getvalue())
+
+
+def thread_cpu() -> dict[int, tuple[str, float]]:
+    """Role and CPU seconds so far of each live thread (by native id). Roles: ``main`` (the trainer), ``publisher``, ``stage``
+    (the copy helper), ``upload`` (the publisher's file writers), ``py-other``, ``gloo`` (the native threads of
+    every gloo group: the trainer's and the publisher's side groups) and ``native-other``. A step's share of a
+    thread is its CPU now minus its CPU at the step's start; threads that exited within the step are what the
+    process used beyond the live ones."""
+    out: dict[int, tuple[str, float]] = {}
     main = threading.main_thread()
     for th in threading.enumerate():
         try:
@@ -67,8 +110,24 @@ def thread_cpu() -> dict[str, float]:
         except (OSError, TypeError, AttributeError):
             continue
         role = ("main" if th is main else "publisher" if th.name.startswith("hotload-publisher")
-                else "stage" if th.name.startswith("hotload-stage") else "py-other")
-        out[role] = out.get(role, 0.0) + used
+                else "stage" if th.name.startswith("hotload-stage")
+                else "upload" if th.name.startswith(("hotload-upload", "hotload-storage")) else "py-other")
+        out[th.native_id] = (role, used)  # type: ignore[index]
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        if int(tid) in out:
+            continue
+        try:  # schedstat: nanoseconds on CPU (the tick-based stat file is too coarse for one step)
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                used = int(f.read().split()[0]) / 1e9
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except (OSError, ValueError, IndexError):
+            continue
+        out[int(tid)] = ("gloo" if "gloo" in comm else "native-other", used)
     return out
 
 
@@ -199,6 +258,8 @@ def main() -> None:
                    help="sys.setswitchinterval for the job (seconds; default: Python's 0.005)")
     p.add_argument("--hook", choices=["attach", "step"], default="attach",
                    help="publish from the optimizer hooks (async CPU copy) or call cb.step() after optimizer.step()")
+    p.add_argument("--profile-dir", default=None,
+                   help="write a cProfile of each rank's publisher thread (CPU time, timed rounds only) here")
     args = p.parse_args()
 
     if args.switch_interval is not None:
@@ -252,8 +313,10 @@ def main() -> None:
             t2 = time.perf_counter()
             cpu_s = time.process_time() - c0
             th1 = thread_cpu()
-            threads = {k: th1[k] - th0.get(k, 0.0) for k in th1}
-            threads["native+exited"] = max(cpu_s - sum(threads.values()), 0.0)
+            threads: dict[str, float] = {}
+            for tid, (role, used) in th1.items():
+                threads[role] = threads.get(role, 0.0) + used - th0.get(tid, (role, 0.0))[1]
+            threads["exited"] = max(cpu_s - sum(threads.values()), 0.0)
             parts, started = probes[variant].take() if cb is not None else ({}, False)
             hook_s = parts.get("publish", 0.0) + parts.get("fence", 0.0) + parts.get("agree", 0.0)
             records.append({"variant": variant, "round": rnd, "i": i, "step": step, "step_s": t2 - t0,
@@ -268,12 +331,15 @@ def main() -> None:
     t_start = time.perf_counter()
     for v in variants:  # warm-up: allocator, first full snapshots, numba JIT (compiled on first use)
         run_phase(v, args.warmup, -1)
+    profiler = PublisherProfile() if args.profile_dir else None
     for rnd in range(args.rounds):
         order = variants[rnd % len(variants):] + variants[:rnd % len(variants)]
         for v in order:
             run_phase(v, args.phase_steps, rnd)
     t_train = time.perf_counter() - t_start
 
+    if profiler is not None:
+        profiler.save(Path(args.profile_dir), rank)
     any_cb = next(iter(callbacks.values()), None)
     copies = bare_copies(model, any_cb, args.copy_reps) if any_cb is not None else {}
     stagers = {v: {"nbytes": cb.engine.stager.nbytes, "max_inflight": cb.config.max_inflight,

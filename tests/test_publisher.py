@@ -266,3 +266,29 @@ def test_publisher_threads_run_at_lower_priority() -> None:
     t.join()
     assert seen == {"publisher": max(before, 10), "worker": max(before, 10)}
     assert nice() == before
+
+
+def test_upload_threads_live_as_long_as_the_publisher(tmp_path: Path) -> None:
+    """File writers are started once by the publisher thread (so they share its nice value), reused by every
+    publish, and gone after close()."""
+    import threading
+
+    def writers() -> dict[int, int]:
+        return {t.native_id: os.getpriority(os.PRIO_PROCESS, t.native_id)  # type: ignore[misc]
+                for t in threading.enumerate() if t.name.startswith("hotload-upload")}
+
+    model = make_model()
+    cfg = config(str(tmp_path / "bucket"), None, tmp_path, upload_concurrency=2, full_every=2)
+    pub = TensorPublisher(model, cfg)
+    seen = []
+    for step in range(4):  # full, delta, full, delta: several weight files each, on 2 writers
+        train_step(model, step)
+        pub.publish(step, model)
+        pub.wait()
+        seen.append(writers())
+    assert [m.kind for m in pub.metrics] == ["full", "delta", "full", "delta"] and all(m.ok for m in pub.metrics)
+    assert pub.metrics[0].files >= 2 and len(seen[0]) == 2
+    assert all(s == seen[0] for s in seen)
+    assert all(nice >= cfg.background_nice for nice in seen[0].values())
+    pub.close()
+    assert writers() == {}

@@ -32,7 +32,7 @@ import queue
 import secrets
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -151,6 +151,7 @@ class Publisher:
         self._agreed_busy: Callable[[], int] | None = None
         self.early_agreement = False  # set while a caller starts each agreement with agree() (see there)
         self._copying: _Job | None = None  # the job whose host copy runs on the stager's helper thread
+        self._uploads: ThreadPoolExecutor | None = None  # file writers, started by (and as nice as) the publisher
         self.latest_step = -1
         self.closed = False
 
@@ -260,6 +261,8 @@ class Publisher:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
+        if self._uploads is not None:
+            self._uploads.shutdown()
         self.stager.close()
         if self.signaller is not None:
             self.signaller.close()
@@ -403,8 +406,12 @@ class Publisher:
                 self.signaller.hint(identity, filename, parent if kind == "delta" else None)
             return filename, len(blob)
 
-        with ThreadPoolExecutor(max_workers=self.config.upload_concurrency) as pool:
-            st.files = dict(pool.map(write, sorted(by_file)))
+        if self._uploads is None:  # one pool for the publisher's life: no thread start-up per publish
+            self._uploads = ThreadPoolExecutor(max_workers=self.config.upload_concurrency,
+                                               thread_name_prefix=f"hotload-upload-{self.rank}")
+        futures = [self._uploads.submit(write, f) for f in sorted(by_file)]
+        wait(futures)  # every write has ended before the snapshot's outcome is decided, failed or not
+        st.files = dict(f.result() for f in futures)
         st.upload_s = time.perf_counter() - t0
         after = self.storage.stats.snapshot()
         st.throttled = int(after.get("throttled", 0) - before.get("throttled", 0))
