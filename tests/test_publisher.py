@@ -292,3 +292,13 @@ def test_upload_threads_live_as_long_as_the_publisher(tmp_path: Path) -> None:
     assert all(nice >= cfg.background_nice for nice in seen[0].values())
     pub.close()
     assert writers() == {}
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_side_group_collectives_carry_small_and_large_objects(nproc: int) -> None:
+    """The publisher's gather/broadcast use one fixed-size collective and fall back to a second transfer for
+    objects that do not fit; see dist_scripts/check_comm.py."""
+    from tests.dist_util import SCRIPTS, run_torchrun
+
+    result = run_torchrun(str(SCRIPTS / "check_comm.py"), nproc, [])
+    assert f"comm ok on {nproc} ranks" in result.stdout
