@@ -97,11 +97,11 @@ class PublisherProfile:
 
 
 def thread_cpu() -> dict[int, tuple[str, float]]:
-    """Role and CPU seconds so far of each live thread (by native id). Roles: ``main`` (the trainer), ``publisher``, ``stage``
-    (the copy helper), ``upload`` (the publisher's file writers), ``py-other``, ``gloo`` (the native threads of
-    every gloo group: the trainer's and the publisher's side groups) and ``native-other``. A step's share of a
-    thread is its CPU now minus its CPU at the step's start; threads that exited within the step are what the
-    process used beyond the live ones."""
+    """Role and CPU seconds so far of each live thread, by native id. Roles: ``main`` (the trainer),
+    ``publisher``, ``stage`` (the copy helper), ``upload`` (the publisher's file writers), ``py-other``, ``gloo``
+    (the native threads of every gloo group: the trainer's and the publisher's side groups) and ``native-other``.
+    A step's share of a thread is its CPU now minus its CPU at the step's start; threads that exited within the
+    step are what the process used beyond the live ones."""
     out: dict[int, tuple[str, float]] = {}
     main = threading.main_thread()
     for th in threading.enumerate():

@@ -111,47 +111,34 @@ class GlooComm:
         to point after it. torch's ``gather_object`` needs two collectives, each ~0.5 ms of CPU per rank here."""
         import torch
 
-        dist = self._dist
-        blob = dumps(obj)
-        buf = _framed(blob)
-        root = self._global[0]
+        dist, root = self._dist, self._global[0]
         if self.rank != 0:
-            dist.gather(buf, None, dst=root, group=self.group)
+            blob = dumps(obj)
+            dist.gather(_framed(blob), None, dst=root, group=self.group)
             if len(blob) > _INLINE:
                 dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst=root, group=self.group)
             return None
         bufs = [torch.empty(_INLINE + 8, dtype=torch.uint8) for _ in range(self.world)]
-        dist.gather(buf, bufs, dst=root, group=self.group)
-        out: list[Any] = [obj] + [None] * (self.world - 1)
+        dist.gather(torch.empty(_INLINE + 8, dtype=torch.uint8), bufs, dst=root, group=self.group)
+        out: list[Any] = [obj]
         for r in range(1, self.world):
-            n = int.from_bytes(bufs[r][:8].numpy().tobytes(), "little")
-            if n > _INLINE:
-                big = torch.empty(n, dtype=torch.uint8)
-                dist.recv(big, src=self._global[r], group=self.group)
-                out[r] = loads(big.numpy().tobytes())
-            else:
-                out[r] = loads(bufs[r][8:8 + n].numpy().tobytes())
+            out.append(_unframed(bufs[r], lambda big, r=r: dist.recv(big, src=self._global[r], group=self.group)))
         return out
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's object in one fixed-size broadcast, plus a second one only when it does not fit."""
         import torch
 
-        dist = self._dist
-        root = self._global[0]
-        blob = dumps(obj) if self.rank == 0 else b""
-        buf = _framed(blob) if self.rank == 0 else torch.empty(_INLINE + 8, dtype=torch.uint8)
-        dist.broadcast(buf, src=root, group=self.group)
+        dist, root = self._dist, self._global[0]
         if self.rank == 0:
+            blob = dumps(obj)
+            dist.broadcast(_framed(blob), src=root, group=self.group)
             if len(blob) > _INLINE:
                 dist.broadcast(torch.frombuffer(bytearray(blob), dtype=torch.uint8), src=root, group=self.group)
             return obj
-        n = int.from_bytes(buf[:8].numpy().tobytes(), "little")
-        if n > _INLINE:
-            big = torch.empty(n, dtype=torch.uint8)
-            dist.broadcast(big, src=root, group=self.group)
-            return loads(big.numpy().tobytes())
-        return loads(buf[8:8 + n].numpy().tobytes())
+        buf = torch.empty(_INLINE + 8, dtype=torch.uint8)
+        dist.broadcast(buf, src=root, group=self.group)
+        return _unframed(buf, lambda big: dist.broadcast(big, src=root, group=self.group))
 
     def allreduce_max_async(self, value: int) -> "Callable[[], int]":
         import torch
@@ -175,10 +162,21 @@ def _framed(blob: bytes) -> Any:
 
     buf = torch.zeros(_INLINE + 8, dtype=torch.uint8)
     buf[:8] = torch.frombuffer(bytearray(len(blob).to_bytes(8, "little")), dtype=torch.uint8)
-    if len(blob) <= _INLINE:
-        if blob:
-            buf[8:8 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    if 0 < len(blob) <= _INLINE:
+        buf[8:8 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     return buf
+
+
+def _unframed(buf: Any, receive_big: Callable[[Any], Any]) -> Any:
+    """The object in a :func:`_framed` buffer, or (too big to fit) the one ``receive_big`` fills in after it."""
+    import torch
+
+    n = int.from_bytes(buf[:8].numpy().tobytes(), "little")
+    if n <= _INLINE:
+        return loads(buf[8:8 + n].numpy().tobytes())
+    big = torch.empty(n, dtype=torch.uint8)
+    receive_big(big)
+    return loads(big.numpy().tobytes())
 
 
 def dumps(obj: Any) -> bytes:
