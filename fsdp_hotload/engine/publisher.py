@@ -142,7 +142,9 @@ class Publisher:
         self._cache_parts: list[tuple[int, int]] = [(0, 0)] * len(self.chunks)
         self._runs: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(self.chunks)  # per chunk, lazily
         self._scratch: np.ndarray | None = None  # the XOR block buffer of the one-pass host delta
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        # A job is queued only after it took a staging slot, so slots bound the queue; the bound says so (+1: the
+        # stop sentinel).
+        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=config.max_inflight + 1)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._pending = 0
