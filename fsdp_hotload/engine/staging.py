@@ -4,9 +4,9 @@ Each rank's chunks are packed into one flat byte buffer per slot (offsets aligne
 dtype, on the chunks' own device. ``stage`` copies (and casts) every chunk's source into a free slot; on CUDA it
 does so on a side stream and makes the training stream wait for that copy on the device, so the host returns
 at once and the next optimizer step cannot overwrite a parameter before it has been copied. On the CPU it can
-hand the copy to a helper thread (``background=True``); the caller then fences before the next update. The cache is one
-more buffer with the same layout holding the bytes of the last accepted snapshot; after an accepted publish the
-slot and the cache swap roles (no copy).
+hand the copy to a helper thread (``background=True``); the caller then fences before the next update. The
+cache is one more buffer with the same layout holding the bytes of the last accepted snapshot; after an accepted
+publish the slot and the cache swap roles (no copy).
 
 Example::
 
