@@ -166,6 +166,10 @@ def test_one_pass_host_delta(tiling: tuple[tuple[int, ...], str, list[Box]], dty
         codec.decode(payload, old_c, size, out)
         assert bytes(out) == bytes(new_c)
         assert scan.changed == diff.changed
+        # what the publisher calls: the same XOR, count and share delta (one compiled call with libzstd)
+        one, changed, delta = codec.encode_delta(old_c, new_c, size, run_tables(box.runs(sp), size), total)
+        assert zstandard.decompress(one) == zstandard.decompress(payload)
+        assert (changed, delta) == (diff.changed, scan.parts_delta)
         parts.append(add_parts(chunk_parts(old_c, box, sp, size, total), scan.parts_delta))
         assert parts[-1] == chunk_parts(new_c, box, sp, size, total)
     assert combine(parts, total) == zlib.adler32(bytes(new.data))

@@ -17,8 +17,9 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fsdp_hotload.arc import zstd_seq
+from fsdp_hotload.arc import seq_delta, zstd_seq
 from fsdp_hotload.arc.codecs import ArcV2
+from fsdp_hotload.arc.dense import run_tables
 from fsdp_hotload.arc.errors import FormatError
 from fsdp_hotload.arc.kernels import zero_run_sequences, zero_run_table
 
@@ -153,6 +154,48 @@ def test_threads_encode_concurrently() -> None:
         assert _decode_both_ways(frames[i], x.size) == x.tobytes()
 
 
+@needs_libzstd
+@given(n_items=st.integers(0, (3 * zstd_seq.MAX_BLOCK + 50) // 8), itemsize=st.sampled_from([1, 2, 4, 8]),
+       density=st.sampled_from([0.0, 0.003, 0.03, 0.3, 1.0]), shift=st.integers(0, 7), seed=st.integers(0, 2**31))
+@settings(max_examples=40, deadline=None)
+def test_one_call_writes_the_block_paths_frame(n_items: int, itemsize: int, density: float, shift: int,
+                                               seed: int) -> None:
+    """The compiled per-chunk call gives the block path's frame byte for byte, its changed count and Adler-32
+    share delta, for any element size and for chunks that start off an 8-byte boundary."""
+    rng = np.random.default_rng(seed)
+    n = n_items * itemsize
+    room = np.zeros(2 * (n + 8), dtype=np.uint8)
+    parent = room[shift:shift + n]
+    parent[:] = rng.integers(0, 256, size=n, dtype=np.uint8)
+    new = room[n + 8 + (7 - shift):n + 8 + (7 - shift) + n]
+    new[:] = parent ^ _sparse_bytes(rng, n, density)
+    runs = [(3 * i, min(5, n_items - i)) for i in range(0, n_items, 5)]  # runs spread over a larger tensor
+    tables = run_tables(runs, itemsize)
+    total = (3 * n_items + 5) * itemsize
+    block = zstd_seq.SequenceEncoder(ENC.lib).encode_delta(parent, new, itemsize, tables, total)  # type: ignore
+    one = zstd_seq.SequenceEncoder(ENC.lib, one_call=True).encode_delta(  # type: ignore[union-attr]
+        parent, new, itemsize, tables, total)
+    assert one == block
+    assert _decode_both_ways(one[0], n) == (parent ^ new).tobytes()
+    assert one[1] == int(np.count_nonzero((parent ^ new).reshape(-1, itemsize).any(axis=1))) if n else one[1] == 0
+
+
+def test_single_block_reads_libzstd_frames() -> None:
+    """The compiled frame check: a one-block frame gives its block's offset, several blocks -1, and a frame with a
+    checksum, a reserved block type or a truncated block -2."""
+    one = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(bytes(1000))
+    head = 7  # magic, descriptor (single segment), 2-byte content size
+    assert seq_delta._single_block(np.frombuffer(one, dtype=np.uint8), len(one)) == head
+    two = bytearray(one[:head]) + b"\x08\x00\x00\x01\x01\x00\x00"  # raw block of one byte, then an empty last one
+    assert seq_delta._single_block(np.frombuffer(bytes(two), dtype=np.uint8), len(two)) == -1
+    checksum = zstandard.ZstdCompressor(level=1, write_checksum=True).compress(bytes(1000))
+    assert seq_delta._single_block(np.frombuffer(checksum, dtype=np.uint8), len(checksum)) == -2
+    reserved = bytearray(one)
+    reserved[head] |= 0x06
+    assert seq_delta._single_block(np.frombuffer(bytes(reserved), dtype=np.uint8), len(reserved)) == -2
+    assert seq_delta._single_block(np.frombuffer(one, dtype=np.uint8), len(one) - 1) == -2
+
+
 def test_block_sizes_must_add_up() -> None:
     enc = ENC or pytest.skip("sequence encoder unavailable")
     with pytest.raises(FormatError, match="add up to 10 bytes, 11 announced"):
@@ -184,6 +227,15 @@ def test_missing_library_falls_back_to_the_stream_encoder() -> None:
     r = _probe({"HOTLOAD_ARC_ENCODER": "stream"},
                "from fsdp_hotload.arc.codecs import ArcV2; print(ArcV2().encoder_info)")
     assert r.stdout.strip() == "stream (chosen)", r.stderr
+
+
+@needs_libzstd
+def test_one_call_can_be_turned_off() -> None:
+    code = "from fsdp_hotload.arc import zstd_seq; print(zstd_seq.encoder_status(), zstd_seq.sequence_encoder().one_call)"
+    r = _probe({"HOTLOAD_ARC_ONE_CALL": "0"}, code)
+    assert r.stdout.strip().endswith("; block by block (HOTLOAD_ARC_ONE_CALL=0) False"), r.stdout + r.stderr
+    r = _probe({}, code)
+    assert r.stdout.strip().endswith("; one call per chunk True"), r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("n", [0, 1, 255, 256, 65791, 65792, 1 << 17, (1 << 17) + 1, (1 << 32) + 5])

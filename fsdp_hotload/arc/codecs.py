@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol
 import numpy as np
 import zstandard
 
-from .dense import BLOCK_BYTES
+from .dense import BLOCK_BYTES, DenseDelta
 from .dtypes import UINT_BY_SIZE
 from .errors import FormatError
 from .kernels import diff_positions, scatter_xor
@@ -172,6 +172,16 @@ class ArcV2:
         out = [cobj.compress(blk) for blk in blocks]
         out.append(cobj.flush())
         return b"".join(out)
+
+    def encode_delta(self, parent: np.ndarray, new: np.ndarray, itemsize: int,
+                     tables: tuple[np.ndarray, np.ndarray], total: int) -> tuple[bytes, int, tuple[int, int]]:
+        """A host chunk's payload straight from its parent and new bytes (flat uint8), with its changed elements
+        and Adler-32 share delta; ``tables`` and ``total`` as for :class:`~fsdp_hotload.arc.dense.DenseDelta`.
+        The sequence encoder does it in one GIL-free call (:mod:`~fsdp_hotload.arc.seq_delta`)."""
+        if self._seq is not None:
+            return self._seq.encode_delta(parent, new, itemsize, tables, total)
+        scan = DenseDelta(parent, new, itemsize, tables, total)
+        return self.encode_xor_blocks(scan.blocks(), parent.size), scan.changed, scan.parts_delta
 
     def encode(self, diff: ElementDiff) -> bytes:
         diff.check()

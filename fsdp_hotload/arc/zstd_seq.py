@@ -37,6 +37,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from . import seq_delta
+from .dense import DenseDelta, run_tables
 from .errors import FormatError
 from .kernels import zero_run_sequences, zero_run_table
 
@@ -146,6 +148,7 @@ class _ThreadState:
         self.seqs = np.empty((MAX_BLOCK // (MIN_RUN + 1) + 2, 4), dtype=np.uint32)  # ZSTD_Sequence rows
         self.dst = np.empty(MAX_BLOCK + (MAX_BLOCK >> 7) + 512, dtype=np.uint8)
         self.aligned = np.empty(MAX_BLOCK, dtype=np.uint8)
+        self.xor = np.empty(MAX_BLOCK, dtype=np.uint8)  # encode_delta's XOR block (8-byte aligned)
         self.seqs_ptr, self.dst_ptr, self.aligned_ptr = self.seqs.ctypes.data, self.dst.ctypes.data, \
             self.aligned.ctypes.data
 
@@ -158,9 +161,10 @@ class _ThreadState:
 class SequenceEncoder:
     """Encodes XOR blocks into one zstd frame through ``ZSTD_compressSequences`` (see the module docstring)."""
 
-    def __init__(self, lib: Any, level: int = 1) -> None:
+    def __init__(self, lib: Any, level: int = 1, one_call: bool = False) -> None:
         self.lib = lib
         self.level = level
+        self.one_call = one_call  # encode_delta runs in one compiled call (seq_delta) rather than block by block
         self._local = threading.local()
 
     def _state(self) -> _ThreadState:
@@ -190,6 +194,34 @@ class SequenceEncoder:
         if last is None:  # empty chunk: one empty raw block
             out += b"\x01\x00\x00"
         return bytes(out)
+
+    def encode_delta(self, parent: np.ndarray, new: np.ndarray, itemsize: int,
+                     tables: tuple[np.ndarray, np.ndarray], total: int) -> tuple[bytes, int, tuple[int, int]]:
+        """The frame of ``parent ^ new`` (flat uint8 chunks), its changed elements and Adler-32 share delta.
+
+        ``tables`` and ``total`` are as for :class:`~fsdp_hotload.arc.dense.DenseDelta`, whose block path this
+        replaces when ``one_call`` is set (same frame bytes, one GIL-free call per chunk).
+        """
+        if not self.one_call:
+            scan = DenseDelta(parent, new, itemsize, tables, total, scratch=self._state().xor)
+            frame = self.encode(scan.blocks(), parent.size)
+            return frame, scan.changed, scan.parts_delta
+        if parent.shape != new.shape or parent.dtype != np.uint8 or new.dtype != np.uint8 or parent.ndim != 1:
+            raise FormatError("encode_delta needs two flat uint8 arrays of equal length")
+        st = self._state()
+        n = parent.size
+        head = frame_header(n)
+        out = np.empty(len(head) + n + 3 * (n // MAX_BLOCK + 1), dtype=np.uint8)
+        out[:len(head)] = np.frombuffer(head, dtype=np.uint8)
+        end, status, changed, da, db = seq_delta.encode_chunk(
+            np.ascontiguousarray(parent), np.ascontiguousarray(new), itemsize, tables[0], tables[1], total, st.xor,
+            st.seqs, st.dst, st.cctx, _TABLE, MIN_RUN, out, len(head))
+        if status == seq_delta.ZSTD_FAILED:
+            st.check(int(end) & 0xFFFFFFFFFFFFFFFF, "compressing sequences")
+        if status:
+            raise FormatError("libzstd wrote a frame with a checksum, dictionary id, reserved block, truncation or "
+                              "a block larger than its input")
+        return out[:end].tobytes(), int(changed), (int(da), int(db))
 
     def _append(self, st: _ThreadState, x: np.ndarray, out: bytearray) -> int:
         ptr = x.ctypes.data
@@ -251,9 +283,36 @@ def sequence_encoder(level: int = 1) -> SequenceEncoder | None:
                         _REASON = f"{_REASON}: {failed}"
                     else:
                         _ENCODER = enc
+                        _REASON += _enable_one_call(enc)
     if _ENCODER is None:
         return None
-    return _ENCODER if level == _ENCODER.level else SequenceEncoder(_ENCODER.lib, level)
+    if level == _ENCODER.level:
+        return _ENCODER
+    return SequenceEncoder(_ENCODER.lib, level, one_call=_ENCODER.one_call)
+
+
+def _enable_one_call(enc: SequenceEncoder) -> str:
+    """Switch ``enc`` to one compiled call per delta chunk if its frames match the block path's; say which."""
+    if os.environ.get("HOTLOAD_ARC_ONE_CALL", "1") == "0":
+        return "; block by block (HOTLOAD_ARC_ONE_CALL=0)"
+    rng = np.random.default_rng(11)
+    parent = rng.integers(0, 256, size=2 * MAX_BLOCK + 4098, dtype=np.uint8)
+    new = parent.copy()
+    hits = rng.integers(0, new.size, size=new.size // 50)
+    new[hits] ^= rng.integers(1, 256, size=hits.size, dtype=np.uint8)
+    tables = run_tables([(0, new.size // 2)], 2)
+    try:
+        seq_delta.expose_library(enc.lib._name)
+        want = enc.encode_delta(parent, new, 2, tables, new.size)
+        enc.one_call = True
+        got = enc.encode_delta(parent, new, 2, tables, new.size)
+    except Exception as exc:  # noqa: BLE001 - any failure means: keep the block path
+        enc.one_call = False
+        return f"; block by block (one call per chunk failed: {exc!r})"
+    if got != want:
+        enc.one_call = False
+        return "; block by block (one call per chunk differs from it)"
+    return "; one call per chunk"
 
 
 def encoder_status() -> str:

@@ -41,7 +41,7 @@ import torch
 
 from ..arc.adler import add_parts, chunk_parts, global_elements, update_parts
 from ..arc.codecs import get_codec
-from ..arc.dense import BLOCK_BYTES, DenseDelta, run_tables
+from ..arc.dense import run_tables
 from ..arc.dtypes import numel
 from ..config import HotloadConfig
 from ..identity import new_identity
@@ -141,7 +141,6 @@ class Publisher:
         self._manifests: dict[str, bytes] = {}
         self._cache_parts: list[tuple[int, int]] = [(0, 0)] * len(self.chunks)
         self._runs: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(self.chunks)  # per chunk, lazily
-        self._scratch: np.ndarray | None = None  # the XOR block buffer of the one-pass host delta
         # A job is queued only after it took a staging slot, so slots bound the queue; the bound says so (+1: the
         # stop sentinel).
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=config.max_inflight + 1)
@@ -338,10 +337,11 @@ class Publisher:
                 ) -> list[tuple[int, int]]:
         parts: list[tuple[int, int]] = []
         cache = self.stager.cache
-        # Host buffers and a codec that compresses the dense XOR: one pass per chunk (DenseDelta). Otherwise
-        # (a device, or a codec that needs positions) the diff runs first and only the changes reach the host.
+        # Host buffers and a codec that compresses the dense XOR: one pass per chunk, scan and encode together
+        # (diff_s stays 0). Otherwise (a device, or a codec that needs positions) the diff runs first and only
+        # the changes reach the host.
         dense = (kind == "delta" and cache is not None and buf.device.type == "cpu" and cache.device.type == "cpu"
-                 and hasattr(self.codec, "encode_xor_blocks"))
+                 and hasattr(self.codec, "encode_delta"))
         old_views = self.stager.host_views(cache) if dense and cache is not None else []
         new_views = self.stager.host_views(buf) if dense else []
         t0 = time.perf_counter()
@@ -368,23 +368,19 @@ class Publisher:
             if s.numel:
                 owner = self.owners[self.plan.file_of(c.name)]
                 outgoing[owner].append(Piece(c.name, c.space, tuple(c.box.start), tuple(c.box.length), payload, p))
-        st.encode_s = time.perf_counter() - t0 - (st.diff_s if dense else 0.0)
+        st.encode_s = time.perf_counter() - t0
         return parts
 
     def _dense_delta(self, i: int, space: tuple[int, ...], total: int, old: np.ndarray, new: np.ndarray,
                      st: _RankStatus) -> tuple[bytes, tuple[int, int]]:
         """Chunk ``i`` of a host delta in one pass: payload and Adler-32 shares (counts go to ``st``)."""
         s = self.stager.slices[i]
-        if self._scratch is None:
-            self._scratch = np.empty(BLOCK_BYTES, dtype=np.uint8)
         tables = self._runs[i]
         if tables is None:
             tables = self._runs[i] = run_tables(self.chunks[i].box.runs(space), s.itemsize)
-        scan = DenseDelta(old, new, s.itemsize, tables, total, scratch=self._scratch)
-        payload = self.codec.encode_xor_blocks(scan.blocks(), s.nbytes)  # type: ignore[attr-defined]
-        st.changed += scan.changed
-        st.diff_s += scan.scan_s
-        return payload, add_parts(self._cache_parts[i], scan.parts_delta)
+        payload, changed, delta = self.codec.encode_delta(old, new, s.itemsize, tables, total)  # type: ignore
+        st.changed += changed
+        return payload, add_parts(self._cache_parts[i], delta)
 
     def _write_owned(self, identity: str, kind: str, parent: str | None, incoming: list[list[Piece]],
                      st: _RankStatus) -> None:

@@ -1,0 +1,149 @@
+"""A host delta chunk in one compiled call: XOR, changed count, Adler-32 share delta, zero runs and libzstd.
+
+Why: the trainer's host path (:class:`~fsdp_hotload.arc.dense.DenseDelta` feeding
+:class:`~fsdp_hotload.arc.zstd_seq.SequenceEncoder`) went back to Python for every 128 KB block: a generator
+step, slices, a count, two numba dispatches, a ctypes call and frame parsing. A 22 MB shard is ~170 blocks, and
+on a 2-core trainer profiled publishing every step that glue was about a quarter of the publisher's encode CPU,
+and every step of it took the GIL the trainer needs. Here one ``nogil`` numba call walks a whole chunk and calls
+``ZSTD_compressSequences`` itself (an external symbol of the system libzstd, resolved by name, so the compiled
+code can still be cached on disk). The frame it writes is byte for byte the one the block path writes.
+
+Only :mod:`~fsdp_hotload.arc.zstd_seq` calls into this module, after libzstd loaded and passed its self-test; it
+makes the library's symbols visible to compiled code first (:func:`expose_library`).
+
+Example::
+
+    frame_len, status, changed, da, db = encode_chunk(parent, new, 2, lstart, goff, total, scratch, seqs, dst,
+                                                      cctx, table, 4, out, header_len)
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, types
+
+from .kernels import xor_adler_block, zero_run_sequences
+
+_MOD = 65521
+MAX_BLOCK = 1 << 17
+# Pointers travel as uintp: the same register and width as a C pointer on the 64-bit ABIs numba targets.
+_compress_sequences = types.ExternalFunction(
+    "ZSTD_compressSequences",
+    types.uintp(types.uintp, types.uintp, types.uintp, types.uintp, types.uintp, types.uintp, types.uintp))
+_is_error = types.ExternalFunction("ZSTD_isError", types.uint32(types.uintp))
+
+# status codes of encode_chunk (0 = ok)
+ZSTD_FAILED = 1  # libzstd returned an error code (returned in place of the frame length)
+BAD_FRAME = 2  # a frame this module does not expect (checksum, dictionary, reserved, truncated or oversized)
+
+
+def expose_library(name: str) -> None:
+    """Make libzstd's symbols resolvable by compiled code (``name`` as ``ctypes.CDLL`` loaded it)."""
+    from llvmlite import binding
+
+    binding.load_library_permanently(name)
+
+
+@njit(nogil=True, cache=True)
+def _count_items(x: np.ndarray, itemsize: int) -> int:
+    c = 0
+    if itemsize == 2:
+        v2 = x.view(np.uint16)
+        for i in range(v2.size):
+            c += v2[i] != 0
+    elif itemsize == 4:
+        v4 = x.view(np.uint32)
+        for i in range(v4.size):
+            c += v4[i] != 0
+    elif itemsize == 8:
+        v8 = x.view(np.uint64)
+        for i in range(v8.size):
+            c += v8[i] != 0
+    else:
+        for i in range(x.size):
+            c += x[i] != 0
+    return c
+
+
+@njit(nogil=True, cache=True)
+def _single_block(frame: np.ndarray, end: int) -> int:
+    """Where a one-block zstd frame's block starts, -1 if it holds several blocks, -2 if it is not as expected."""
+    fhd = np.int64(frame[4])
+    if fhd & 0x07:  # checksum or dictionary id
+        return -2
+    single = (fhd >> 5) & 1
+    fcs = fhd >> 6
+    fcs_bytes = 1 if fcs == 0 and single else (0 if fcs == 0 else (2 if fcs == 1 else (4 if fcs == 2 else 8)))
+    head = 5 + (0 if single else 1) + fcs_bytes
+    if head + 3 > end:
+        return -2
+    b0 = np.int64(frame[head])
+    size = (b0 | np.int64(frame[head + 1]) << 8 | np.int64(frame[head + 2]) << 16) >> 3
+    kind = (b0 >> 1) & 3
+    if kind == 3:
+        return -2
+    nxt = head + 3 + (1 if kind == 1 else size)
+    if b0 & 1:
+        return head if nxt == end else -2
+    return -1 if nxt < end else -2
+
+
+@njit(nogil=True, cache=True)
+def encode_chunk(parent: np.ndarray, new: np.ndarray, itemsize: int, run_lstart: np.ndarray, run_goff: np.ndarray,
+                 total: int, scratch: np.ndarray, seqs: np.ndarray, dst: np.ndarray, cctx: int, table: np.ndarray,
+                 min_run: int, out: np.ndarray, header_len: int) -> tuple[int, int, int, int, int]:
+    """The blocks of one arc_v2 frame for ``parent ^ new``, appended to ``out[:header_len]`` (the frame header).
+
+    Returns ``(frame_len, status, changed, da, db)``: the frame's length in ``out``, 0 or an error status (then
+    ``frame_len`` is libzstd's error code for ``ZSTD_FAILED``), the changed elements of ``itemsize`` bytes, and
+    the chunk's Adler-32 share delta (see :func:`~fsdp_hotload.arc.kernels.xor_adler_block` for the run
+    tables). ``out`` needs ``header_len + n + 3 * (n // MAX_BLOCK + 1)`` bytes; ``scratch`` one block of 8-byte
+    aligned bytes; ``seqs`` and ``dst`` as :class:`~fsdp_hotload.arc.zstd_seq.SequenceEncoder` sizes them.
+    """
+    n = parent.size
+    pos = header_len
+    last = -1
+    changed = 0
+    da = np.int64(0)
+    db = np.int64(0)
+    r = 0
+    cctx_p = np.uintp(cctx)
+    dst_p = dst.ctypes.data
+    seqs_p = seqs.ctypes.data
+    for s in range(0, n, MAX_BLOCK):
+        e = min(n, s + MAX_BLOCK)
+        m = e - s
+        x = scratch[:m]
+        a, b, r = xor_adler_block(parent[s:e], new[s:e], x, s, run_lstart, run_goff, r, total)
+        da = (da + a) % _MOD
+        db = (db + b) % _MOD
+        changed += _count_items(x, itemsize)
+        k = zero_run_sequences(x, x[:m // 8 * 8].view(np.uint64), seqs, min_run, table)
+        rc = _compress_sequences(cctx_p, dst_p, np.uintp(dst.size), seqs_p, np.uintp(k), x.ctypes.data,
+                                 np.uintp(m))
+        if _is_error(rc):
+            return np.int64(rc), ZSTD_FAILED, changed, da, db
+        head = _single_block(dst, np.int64(rc))
+        if head == -2:
+            return pos, BAD_FRAME, changed, da, db
+        if last >= 0:
+            out[last] &= 0xFE  # the previous block is no longer the frame's last
+        last = pos
+        if head >= 0:
+            length = np.int64(rc) - head
+            if pos + length > out.size:  # a compressed block larger than the raw one: never written by libzstd
+                return pos, BAD_FRAME, changed, da, db
+            out[pos:pos + length] = dst[head:head + length]
+            pos += length
+        else:  # libzstd split it: store the block raw, which leaves the decoder's state untouched
+            h = (m << 3) | 1
+            out[pos] = h & 0xFF
+            out[pos + 1] = (h >> 8) & 0xFF
+            out[pos + 2] = (h >> 16) & 0xFF
+            out[pos + 3:pos + 3 + m] = x
+            pos += 3 + m
+    if last < 0:  # empty chunk: one empty raw block
+        out[pos] = 1
+        out[pos + 1] = 0
+        out[pos + 2] = 0
+        pos += 3
+    return pos, 0, changed, da, db
