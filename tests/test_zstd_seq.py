@@ -162,6 +162,7 @@ def test_one_call_writes_the_block_paths_frame(n_items: int, itemsize: int, dens
                                                seed: int) -> None:
     """The compiled per-chunk call gives the block path's frame byte for byte, its changed count and Adler-32
     share delta, for any element size and for chunks that start off an 8-byte boundary."""
+    assert zstd_seq.one_call_status() == (True, "one call per chunk")  # also makes libzstd visible to numba
     rng = np.random.default_rng(seed)
     n = n_items * itemsize
     room = np.zeros(2 * (n + 8), dtype=np.uint8)
@@ -231,11 +232,16 @@ def test_missing_library_falls_back_to_the_stream_encoder() -> None:
 
 @needs_libzstd
 def test_one_call_can_be_turned_off() -> None:
-    code = "from fsdp_hotload.arc import zstd_seq; print(zstd_seq.encoder_status(), zstd_seq.sequence_encoder().one_call)"
+    """Decided at the first delta, not when the encoder is built; the environment can turn it off."""
+    code = ("from fsdp_hotload.arc import zstd_seq; from fsdp_hotload.arc.dense import run_tables; import numpy as np\n"
+            "enc = zstd_seq.sequence_encoder(); print(enc.one_call, zstd_seq._ONE_CALL)\n"
+            "x = np.zeros(64, np.uint8); enc.encode_delta(x, x, 2, run_tables([(0, 32)], 2), 64)\n"
+            "print(enc.one_call, zstd_seq.one_call_status())")
     r = _probe({"HOTLOAD_ARC_ONE_CALL": "0"}, code)
-    assert r.stdout.strip().endswith("; block by block (HOTLOAD_ARC_ONE_CALL=0) False"), r.stdout + r.stderr
+    assert r.stdout.split("\n")[:2] == ["None None", "False (False, 'block by block (HOTLOAD_ARC_ONE_CALL=0)')"], \
+        r.stdout + r.stderr
     r = _probe({}, code)
-    assert r.stdout.strip().endswith("; one call per chunk True"), r.stdout + r.stderr
+    assert r.stdout.split("\n")[:2] == ["None None", "True (True, 'one call per chunk')"], r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("n", [0, 1, 255, 256, 65791, 65792, 1 << 17, (1 << 17) + 1, (1 << 32) + 5])

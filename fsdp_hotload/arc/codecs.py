@@ -27,7 +27,7 @@ from .dense import BLOCK_BYTES, DenseDelta
 from .dtypes import UINT_BY_SIZE
 from .errors import FormatError
 from .kernels import diff_positions, scatter_xor
-from .zstd_seq import encoder_status, sequence_encoder
+from .zstd_seq import encoder_status, one_call_status, sequence_encoder
 
 
 @dataclass(frozen=True)
@@ -182,6 +182,10 @@ class ArcV2:
             return self._seq.encode_delta(parent, new, itemsize, tables, total)
         scan = DenseDelta(parent, new, itemsize, tables, total)
         return self.encode_xor_blocks(scan.blocks(), parent.size), scan.changed, scan.parts_delta
+
+    def delta_path(self) -> str:
+        """How :meth:`encode_delta` works in this process (decided, and compiled, at the first call to it)."""
+        return one_call_status()[1] if self._seq is not None else "block by block (stream encoder)"
 
     def encode(self, diff: ElementDiff) -> bytes:
         diff.check()

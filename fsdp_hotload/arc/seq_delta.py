@@ -2,14 +2,14 @@
 
 Why: the trainer's host path (:class:`~fsdp_hotload.arc.dense.DenseDelta` feeding
 :class:`~fsdp_hotload.arc.zstd_seq.SequenceEncoder`) went back to Python for every 128 KB block: a generator
-step, slices, a count, two numba dispatches, a ctypes call and frame parsing. A 22 MB shard is ~170 blocks, and
-on a 2-core trainer profiled publishing every step that glue was about a quarter of the publisher's encode CPU,
-and every step of it took the GIL the trainer needs. Here one ``nogil`` numba call walks a whole chunk and calls
+step, slices, a count, two numba dispatches, a ctypes call and frame parsing, each retaking the GIL the trainer
+needs. A 22 MB shard is ~170 blocks. Here one ``nogil`` numba call walks a whole chunk and calls
 ``ZSTD_compressSequences`` itself (an external symbol of the system libzstd, resolved by name, so the compiled
-code can still be cached on disk). The frame it writes is byte for byte the one the block path writes.
+code can still be cached on disk). The frame it writes is byte for byte the one the block path writes. In the
+2-rank CPU benchmark the encode of a delta took 27-35 ms instead of 44-48 (``benchmarks/RESULTS.md``).
 
 Only :mod:`~fsdp_hotload.arc.zstd_seq` calls into this module, after libzstd loaded and passed its self-test; it
-makes the library's symbols visible to compiled code first (:func:`expose_library`).
+makes the library's symbols visible to compiled code first, and checks they are its own (:func:`expose_library`).
 
 Example::
 
@@ -17,6 +17,8 @@ Example::
                                                       cctx, table, 4, out, header_len)
 """
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 from numba import njit, types
@@ -36,11 +38,22 @@ ZSTD_FAILED = 1  # libzstd returned an error code (returned in place of the fram
 BAD_FRAME = 2  # a frame this module does not expect (checksum, dictionary, reserved, truncated or oversized)
 
 
-def expose_library(name: str) -> None:
-    """Make libzstd's symbols resolvable by compiled code (``name`` as ``ctypes.CDLL`` loaded it)."""
+def expose_library(lib: Any) -> str:
+    """Make libzstd's symbols resolvable by compiled code (``lib``: the ``ctypes.CDLL`` that ``zstd_seq`` checked).
+
+    Returns "" when the symbols compiled code will call are that library's own, else why not (another libzstd
+    loaded into the process first would win the lookup by name)."""
+    import ctypes
+
     from llvmlite import binding
 
-    binding.load_library_permanently(name)
+    binding.load_library_permanently(lib._name)
+    for sym in ("ZSTD_compressSequences", "ZSTD_isError"):
+        ours = ctypes.cast(getattr(lib, sym), ctypes.c_void_p).value
+        found = binding.address_of_symbol(sym)
+        if found != ours:
+            return f"{sym} resolves to {found!r}, not {lib._name}'s {ours!r}"
+    return ""
 
 
 @njit(nogil=True, cache=True)

@@ -161,10 +161,11 @@ class _ThreadState:
 class SequenceEncoder:
     """Encodes XOR blocks into one zstd frame through ``ZSTD_compressSequences`` (see the module docstring)."""
 
-    def __init__(self, lib: Any, level: int = 1, one_call: bool = False) -> None:
+    def __init__(self, lib: Any, level: int = 1, one_call: bool | None = None) -> None:
         self.lib = lib
         self.level = level
-        self.one_call = one_call  # encode_delta runs in one compiled call (seq_delta) rather than block by block
+        # encode_delta in one compiled call (seq_delta) or block by block; None: as one_call_status() decides
+        self.one_call = one_call
         self._local = threading.local()
 
     def _state(self) -> _ThreadState:
@@ -202,6 +203,8 @@ class SequenceEncoder:
         ``tables`` and ``total`` are as for :class:`~fsdp_hotload.arc.dense.DenseDelta`, whose block path this
         replaces when ``one_call`` is set (same frame bytes, one GIL-free call per chunk).
         """
+        if self.one_call is None:
+            self.one_call = one_call_status()[0]
         if not self.one_call:
             scan = DenseDelta(parent, new, itemsize, tables, total, scratch=self._state().xor)
             frame = self.encode(scan.blocks(), parent.size)
@@ -283,18 +286,38 @@ def sequence_encoder(level: int = 1) -> SequenceEncoder | None:
                         _REASON = f"{_REASON}: {failed}"
                     else:
                         _ENCODER = enc
-                        _REASON += _enable_one_call(enc)
     if _ENCODER is None:
         return None
     if level == _ENCODER.level:
         return _ENCODER
-    return SequenceEncoder(_ENCODER.lib, level, one_call=_ENCODER.one_call)
+    return SequenceEncoder(_ENCODER.lib, level)
 
 
-def _enable_one_call(enc: SequenceEncoder) -> str:
-    """Switch ``enc`` to one compiled call per delta chunk if its frames match the block path's; say which."""
-    if os.environ.get("HOTLOAD_ARC_ONE_CALL", "1") == "0":
-        return "; block by block (HOTLOAD_ARC_ONE_CALL=0)"
+_ONE_CALL: bool | None = None  # decided once per process, at the first delta (see one_call_status)
+_ONE_CALL_REASON = ""
+
+
+def one_call_status() -> tuple[bool, str]:
+    """Whether delta chunks are encoded in one compiled call (:mod:`~fsdp_hotload.arc.seq_delta`), and why not.
+
+    Decided once, at the first use: the first call compiles the kernel (seconds without numba's disk cache), so
+    it happens on the publisher's thread at its first delta, not where the codec is built. The kernel is used
+    only if its frame equals the block path's on a sample. ``HOTLOAD_ARC_ONE_CALL=0`` turns it off.
+    """
+    global _ONE_CALL, _ONE_CALL_REASON
+    enc = sequence_encoder()
+    with _LOCK:
+        if _ONE_CALL is None:
+            if enc is None:
+                _ONE_CALL, _ONE_CALL_REASON = False, "block by block (no sequence encoder)"
+            elif os.environ.get("HOTLOAD_ARC_ONE_CALL", "1") == "0":
+                _ONE_CALL, _ONE_CALL_REASON = False, "block by block (HOTLOAD_ARC_ONE_CALL=0)"
+            else:
+                _ONE_CALL, _ONE_CALL_REASON = _try_one_call(enc.lib)
+    return _ONE_CALL, _ONE_CALL_REASON
+
+
+def _try_one_call(lib: Any) -> tuple[bool, str]:
     rng = np.random.default_rng(11)
     parent = rng.integers(0, 256, size=2 * MAX_BLOCK + 4098, dtype=np.uint8)
     new = parent.copy()
@@ -302,17 +325,16 @@ def _enable_one_call(enc: SequenceEncoder) -> str:
     new[hits] ^= rng.integers(1, 256, size=hits.size, dtype=np.uint8)
     tables = run_tables([(0, new.size // 2)], 2)
     try:
-        seq_delta.expose_library(enc.lib._name)
-        want = enc.encode_delta(parent, new, 2, tables, new.size)
-        enc.one_call = True
-        got = enc.encode_delta(parent, new, 2, tables, new.size)
+        clash = seq_delta.expose_library(lib)
+        if clash:
+            return False, f"block by block ({clash})"
+        want = SequenceEncoder(lib, one_call=False).encode_delta(parent, new, 2, tables, new.size)
+        got = SequenceEncoder(lib, one_call=True).encode_delta(parent, new, 2, tables, new.size)
     except Exception as exc:  # noqa: BLE001 - any failure means: keep the block path
-        enc.one_call = False
-        return f"; block by block (one call per chunk failed: {exc!r})"
+        return False, f"block by block (one call per chunk failed: {exc!r})"
     if got != want:
-        enc.one_call = False
-        return "; block by block (one call per chunk differs from it)"
-    return "; one call per chunk"
+        return False, "block by block (one call per chunk differs from it)"
+    return True, "one call per chunk"
 
 
 def encoder_status() -> str:

@@ -141,6 +141,7 @@ class Publisher:
         self._manifests: dict[str, bytes] = {}
         self._cache_parts: list[tuple[int, int]] = [(0, 0)] * len(self.chunks)
         self._runs: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(self.chunks)  # per chunk, lazily
+        self._said_delta_path = False  # rank 0 logs how host deltas are encoded, once
         # A job is queued only after it took a staging slot, so slots bound the queue; the bound says so (+1: the
         # stop sentinel).
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=config.max_inflight + 1)
@@ -342,6 +343,9 @@ class Publisher:
         # the changes reach the host.
         dense = (kind == "delta" and cache is not None and buf.device.type == "cpu" and cache.device.type == "cpu"
                  and hasattr(self.codec, "encode_delta"))
+        if dense and self.rank == 0 and not self._said_delta_path and hasattr(self.codec, "delta_path"):
+            self._said_delta_path = True
+            log.info("%s host deltas: %s", self.codec.name, self.codec.delta_path())
         old_views = self.stager.host_views(cache) if dense and cache is not None else []
         new_views = self.stager.host_views(buf) if dense else []
         t0 = time.perf_counter()
