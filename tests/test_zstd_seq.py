@@ -244,6 +244,19 @@ def test_one_call_can_be_turned_off() -> None:
     assert r.stdout.split("\n")[:2] == ["None None", "True (True, 'one call per chunk')"], r.stdout + r.stderr
 
 
+@needs_libzstd
+def test_one_call_asked_for_directly_makes_libzstd_visible_first() -> None:
+    """An encoder built with ``one_call=True`` before anything decided it still links the compiled code to
+    libzstd before calling it (an unresolved symbol would be a jump to address 0)."""
+    code = ("from fsdp_hotload.arc import zstd_seq; from fsdp_hotload.arc.dense import run_tables; import numpy as np\n"
+            "enc = zstd_seq.SequenceEncoder(zstd_seq.sequence_encoder().lib, one_call=True)\n"
+            "a = np.zeros(1 << 18, np.uint8); b = a.copy(); b[::97] = 3\n"
+            "frame, changed, _ = enc.encode_delta(a, b, 2, run_tables([(0, 1 << 17)], 2), 1 << 18)\n"
+            "import zstandard; assert zstandard.decompress(frame) == (a ^ b).tobytes(); print(changed)")
+    r = _probe({}, code)
+    assert r.returncode == 0 and r.stdout.strip() == str(len(range(0, 1 << 18, 97))), r.stdout + r.stderr
+
+
 @pytest.mark.parametrize("n", [0, 1, 255, 256, 65791, 65792, 1 << 17, (1 << 17) + 1, (1 << 32) + 5])
 def test_frame_header_matches_libzstd_layout(n: int) -> None:
     """Up to one window the header is byte for byte libzstd's own (single segment); beyond, it declares the

@@ -47,13 +47,18 @@ def expose_library(lib: Any) -> str:
 
     from llvmlite import binding
 
+    global exposed
     binding.load_library_permanently(lib._name)
     for sym in ("ZSTD_compressSequences", "ZSTD_isError"):
         ours = ctypes.cast(getattr(lib, sym), ctypes.c_void_p).value
         found = binding.address_of_symbol(sym)
         if found != ours:
             return f"{sym} resolves to {found!r}, not {lib._name}'s {ours!r}"
+    exposed = True
     return ""
+
+
+exposed = False  # set by expose_library: until then encode_chunk's calls into libzstd would jump to address 0
 
 
 @njit(nogil=True, cache=True)

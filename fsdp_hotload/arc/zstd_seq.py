@@ -205,6 +205,10 @@ class SequenceEncoder:
         """
         if self.one_call is None:
             self.one_call = one_call_status()[0]
+        elif self.one_call and not seq_delta.exposed:
+            ok, why = one_call_status()
+            if not ok:
+                raise FormatError(f"one call per chunk is unavailable: {why}")
         if not self.one_call:
             scan = DenseDelta(parent, new, itemsize, tables, total, scratch=self._state().xor)
             frame = self.encode(scan.blocks(), parent.size)
