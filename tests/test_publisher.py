@@ -294,6 +294,41 @@ def test_upload_threads_live_as_long_as_the_publisher(tmp_path: Path) -> None:
     assert writers() == {}
 
 
+def test_codec_kernels_warm_up_beside_the_trainer(tmp_path: Path) -> None:
+    """A new publisher loads (or compiles) the delta kernels on a thread of its own at construction, so the first
+    delta is not seconds slower than the rest; the thread is gone after close(). Run in a fresh process: nothing
+    has loaded the kernels or decided the delta path there yet."""
+    import subprocess
+    import sys
+
+    cfg = config(str(tmp_path / "bucket"), None, tmp_path)
+    code = f"""
+import threading, time, torch
+from fsdp_hotload.arc import zstd_seq
+from fsdp_hotload.config import HotloadConfig
+from fsdp_hotload.publish import TensorPublisher
+assert zstd_seq._ONE_CALL is None
+model = {{"model.norm.weight": torch.ones(64), "model.layers.0.mlp.up_proj.weight": torch.zeros(160, 64)}}
+pub = TensorPublisher(model, HotloadConfig.model_validate_json({cfg.model_dump_json()!r}))
+warm = [t for t in threading.enumerate() if t.name.startswith("hotload-warmup")]
+assert len(warm) == 1, warm
+warm[0].join(120)
+decided = zstd_seq._ONE_CALL
+pub.close()
+print(decided, [t.name for t in threading.enumerate() if t.name.startswith("hotload-")])
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], text=True,
+                       capture_output=True, timeout=300)
+    want = "False" if os.environ.get("HOTLOAD_ARC_ONE_CALL") == "0" or zstd_seq_unavailable() else "True"
+    assert r.returncode == 0 and r.stdout.strip() == f"{want} []", r.stdout + r.stderr
+
+
+def zstd_seq_unavailable() -> bool:
+    from fsdp_hotload.arc.zstd_seq import sequence_encoder
+
+    return sequence_encoder() is None
+
+
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_side_group_collectives_carry_small_and_large_objects(nproc: int) -> None:
     """The publisher's gather/broadcast use one fixed-size collective and fall back to a second transfer for

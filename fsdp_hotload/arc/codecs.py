@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol
 import numpy as np
 import zstandard
 
-from .dense import BLOCK_BYTES, DenseDelta
+from .dense import BLOCK_BYTES, DenseDelta, run_tables
 from .dtypes import UINT_BY_SIZE
 from .errors import FormatError
 from .kernels import diff_positions, scatter_xor
@@ -182,6 +182,11 @@ class ArcV2:
             return self._seq.encode_delta(parent, new, itemsize, tables, total)
         scan = DenseDelta(parent, new, itemsize, tables, total)
         return self.encode_xor_blocks(scan.blocks(), parent.size), scan.changed, scan.parts_delta
+
+    def warm_up(self) -> None:
+        """Load, or compile on a cold numba cache, everything :meth:`encode_delta` runs, and decide its path."""
+        x = np.zeros(64, dtype=np.uint8)
+        self.encode_delta(x, x, 2, run_tables([(0, 32)], 2), x.size)
 
     def delta_path(self) -> str:
         """How :meth:`encode_delta` works in this process (decided, and compiled, at the first call to it)."""

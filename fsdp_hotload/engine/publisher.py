@@ -130,6 +130,7 @@ class Publisher:
         self.codec = get_codec(config.codec)
         if self.rank == 0 and hasattr(self.codec, "encoder_info"):
             log.info("%s encoder: %s", self.codec.name, self.codec.encoder_info)
+        self._warm_up = self._start_warm_up()
         self.cadence = Cadence(config.full_every, config.max_chain_length)
         # Identities must agree on every rank (rank 0 picks the suffix) and never repeat across publisher
         # instances, even within one process (a restarted publisher must not reuse an identity).
@@ -265,11 +266,32 @@ class Publisher:
             self._thread.join()
         if self._uploads is not None:
             self._uploads.shutdown()
+        if self._warm_up is not None:
+            self._warm_up.join()
         self.stager.close()
         if self.signaller is not None:
             self.signaller.close()
         if raise_errors:
             self.raise_if_failed()
+
+    def _start_warm_up(self) -> threading.Thread | None:
+        """Load (or compile) the codec's kernels now, beside the trainer's set-up, rather than in the first delta,
+        which would otherwise take seconds longer than the rest (and, with the skip policy, skip steps)."""
+        warm = getattr(self.codec, "warm_up", None)
+        if warm is None:
+            return None
+
+        def run() -> None:
+            lower_thread_priority(self.config.background_nice)
+            try:
+                warm()
+            except Exception:  # noqa: BLE001 - the first delta loads them anyway and raises there if it must
+                log.warning("hotload: warming up the %s codec failed; the first delta will retry", self.codec.name,
+                            exc_info=True)
+
+        thread = threading.Thread(target=run, name=f"hotload-warmup-{self.rank}", daemon=True)
+        thread.start()
+        return thread
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
