@@ -303,7 +303,7 @@ def test_codec_kernels_warm_up_beside_the_trainer(tmp_path: Path) -> None:
 
     cfg = config(str(tmp_path / "bucket"), None, tmp_path)
     code = f"""
-import threading, time, torch
+import threading, torch
 from fsdp_hotload.arc import zstd_seq
 from fsdp_hotload.config import HotloadConfig
 from fsdp_hotload.publish import TensorPublisher

@@ -189,7 +189,7 @@ class ArcV2:
         self.encode_delta(x, x, 2, run_tables([(0, 32)], 2), x.size)
 
     def delta_path(self) -> str:
-        """How :meth:`encode_delta` works in this process (decided, and compiled, at the first call to it)."""
+        """How :meth:`encode_delta` works in this process (decided, and compiled, when first needed)."""
         return one_call_status()[1] if self._seq is not None else "block by block (stream encoder)"
 
     def encode(self, diff: ElementDiff) -> bytes:

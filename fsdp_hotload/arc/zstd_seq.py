@@ -304,9 +304,10 @@ _ONE_CALL_REASON = ""
 def one_call_status() -> tuple[bool, str]:
     """Whether delta chunks are encoded in one compiled call (:mod:`~fsdp_hotload.arc.seq_delta`), and why not.
 
-    Decided once, at the first use: the first call compiles the kernel (seconds without numba's disk cache), so
-    it happens on the publisher's thread at its first delta, not where the codec is built. The kernel is used
-    only if its frame equals the block path's on a sample. ``HOTLOAD_ARC_ONE_CALL=0`` turns it off.
+    Decided once, at the first use: that call loads the kernel, or compiles it (seconds without numba's disk
+    cache), so it is not made where the codec is built but by the publisher's warm-up thread (``ArcV2.warm_up``)
+    or the first delta. The kernel is used only if its frame equals the block path's on a sample.
+    ``HOTLOAD_ARC_ONE_CALL=0`` turns it off.
     """
     global _ONE_CALL, _ONE_CALL_REASON
     enc = sequence_encoder()
