@@ -117,13 +117,13 @@ def test_rl_like_xor_is_smaller_than_the_stream_encoder() -> None:
 def test_split_blocks_fall_back_to_raw_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """If libzstd ever answers one block with several, that block is stored raw and the frame stays exact."""
     calls = []
-    real = zstd_seq._last_block_at
+    real = seq_delta._single_block
 
-    def every_other(frame: np.ndarray, start: int, end: int) -> int:
-        calls.append(start)
-        return real(frame, start, end) + (len(calls) % 2)
+    def every_other(frame: np.ndarray, end: int) -> int:
+        calls.append(end)
+        return -1 if len(calls) % 2 else real(frame, end)  # -1: several blocks
 
-    monkeypatch.setattr(zstd_seq, "_last_block_at", every_other)
+    monkeypatch.setattr(seq_delta, "_single_block", every_other)
     x = _sparse_bytes(np.random.default_rng(3), 5 * zstd_seq.MAX_BLOCK + 7, 0.02)
     frame = ENC.encode([x.data], x.size)  # type: ignore[union-attr]
     assert len(calls) == 6

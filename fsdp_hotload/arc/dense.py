@@ -15,7 +15,6 @@ Example::
 """
 from __future__ import annotations
 
-import time
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -45,7 +44,7 @@ class DenseDelta:
     """The XOR of two equal-length byte chunks, block by block, with its changed count and Adler-32 delta.
 
     ``blocks()`` yields views of one reused buffer: consume each before asking for the next (a streaming
-    compressor does). ``changed``, ``parts_delta`` and ``scan_s`` are complete once the iterator is exhausted.
+    compressor does). ``changed`` and ``parts_delta`` are complete once the iterator is exhausted.
     """
 
     def __init__(self, parent: np.ndarray, new: np.ndarray, itemsize: int, tables: tuple[np.ndarray, np.ndarray],
@@ -62,7 +61,6 @@ class DenseDelta:
             min(block_bytes, max(parent.size, 8)), dtype=np.uint8)
         self.changed = 0
         self.parts_delta = (0, 0)
-        self.scan_s = 0.0
 
     def blocks(self) -> Iterator[memoryview]:
         n, step = self.parent.size, self.block_bytes
@@ -71,12 +69,10 @@ class DenseDelta:
         r = 0
         for s in range(0, n, step):
             e = min(n, s + step)
-            t0 = time.perf_counter()
             out = self.scratch[:e - s]
             a, b, r = xor_adler_block(self.parent[s:e], self.new[s:e], out, s, self.run_lstart, self.run_goff, r,
                                       self.total)
             self.changed += int(np.count_nonzero(out.view(uint)))
             da, db = (da + int(a)) % MOD, (db + int(b)) % MOD
-            self.scan_s += time.perf_counter() - t0
             yield out.data
         self.parts_delta = (da, db)

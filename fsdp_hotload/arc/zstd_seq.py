@@ -105,31 +105,8 @@ def frame_header(nbytes: int) -> bytes:
     return magic + bytes([0xC0]) + window + nbytes.to_bytes(8, "little")
 
 
-def _header_size(frame: np.ndarray) -> int:
-    fhd = int(frame[4])
-    single = (fhd >> 5) & 1
-    if fhd & 0x04 or fhd & 0x03:
-        raise FormatError("libzstd wrote a frame with a checksum or dictionary id")
-    return 5 + (0 if single else 1) + ((1 if single else 0), 2, 4, 8)[fhd >> 6]
-
-
-def _last_block_at(frame: np.ndarray, start: int, end: int) -> int:
-    """Offset of the frame's last block header (the frame's blocks span ``[start, end)``)."""
-    off = start
-    while True:
-        if off + 3 > end:
-            raise FormatError("libzstd wrote a truncated frame")
-        b0 = int(frame[off])
-        size = (b0 | int(frame[off + 1]) << 8 | int(frame[off + 2]) << 16) >> 3
-        kind = (b0 >> 1) & 3
-        if kind == 3:
-            raise FormatError("libzstd wrote a reserved block type")
-        nxt = off + 3 + (1 if kind == 1 else size)
-        if b0 & 1:
-            if nxt != end:
-                raise FormatError("libzstd wrote bytes after the last block")
-            return off
-        off = nxt
+_BAD_FRAME = ("libzstd wrote a frame with a checksum, dictionary id, reserved block, truncation or a block larger "
+              "than its input")
 
 
 class _ThreadState:
@@ -226,8 +203,7 @@ class SequenceEncoder:
         if status == seq_delta.ZSTD_FAILED:
             st.check(int(end) & 0xFFFFFFFFFFFFFFFF, "compressing sequences")
         if status:
-            raise FormatError("libzstd wrote a frame with a checksum, dictionary id, reserved block, truncation or "
-                              "a block larger than its input")
+            raise FormatError(_BAD_FRAME)
         return out[:end].tobytes(), int(changed), (int(da), int(db))
 
     def _append(self, st: _ThreadState, x: np.ndarray, out: bytearray) -> int:
@@ -239,11 +215,12 @@ class SequenceEncoder:
         k = zero_run_sequences(x, x[:x.size // 8 * 8].view(np.uint64), st.seqs, MIN_RUN, _TABLE)
         rc = st.check(self.lib.ZSTD_compressSequences(st.cctx, st.dst_ptr, st.dst.size, st.seqs_ptr, k, ptr, x.size),
                       "compressing sequences")
-        frame = st.dst[:rc]
-        head = _header_size(frame)
+        head = seq_delta._single_block(st.dst, rc)
+        if head == -2:
+            raise FormatError(_BAD_FRAME)
         at = len(out)
-        if _last_block_at(frame, head, rc) == head:
-            out += frame[head:rc].data
+        if head >= 0:
+            out += st.dst[head:rc].data
         else:  # libzstd split it: store the block raw instead, which leaves the decoder's state untouched
             out += ((x.size << 3) | 1).to_bytes(3, "little")
             out += x.data
