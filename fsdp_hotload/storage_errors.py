@@ -1,0 +1,169 @@
+"""Why a storage call failed, and what to do about it: retry soon, back off longer, or give up at once.
+
+Object stores fail in ways that need different answers. A dropped connection deserves a quick retry; an S3
+``SlowDown`` means the prefix is over its request rate, and retrying fast only makes it worse; a permission error
+will not fix itself. :func:`classify_error` decides from the exception and its cause chain, without importing
+botocore or any HTTP client, and :func:`backoff_delay` spaces the retries. :class:`~fsdp_hotload.storage.Storage`
+uses both; they are plain functions so they can be tested (and reused) without a backend.
+
+Example::
+
+    if classify_error(exc).retryable:
+        time.sleep(backoff_delay(attempt, base_s=0.2, cap_s=10.0, u=random.random()))
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import socket
+from enum import Enum
+from typing import Iterator
+
+__all__ = ["StorageError", "MissingBackendError", "ErrorClass", "classify_error", "backoff_delay",
+           "backend_install_hint"]
+
+
+class StorageError(Exception):
+    """An operation failed for good: retries ran out, or the error was one that retrying cannot fix.
+
+    ``uri`` is the object or prefix, ``op`` the operation, ``attempts`` how many tries were made, ``cause`` the
+    last underlying exception (also chained as ``__cause__``).
+    """
+
+    def __init__(self, message: str, *, uri: str = "", op: str = "", attempts: int = 0,
+                 cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.uri = uri
+        self.op = op
+        self.attempts = attempts
+        self.cause = cause
+
+
+class MissingBackendError(StorageError, ImportError):
+    """The root URI needs an optional package (s3fs, gcsfs) that is not installed; the message says what to install."""
+
+
+_BACKEND_PACKAGES = {"s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs")}
+
+
+def backend_install_hint(protocol: str) -> str | None:
+    """The install hint for an optional backend, e.g. ``"s3:// needs s3fs: pip install 'hotload[s3]'"``; None if
+    the protocol needs no optional package of ours."""
+    entry = _BACKEND_PACKAGES.get(protocol.lower())
+    if entry is None:
+        return None
+    module, extra = entry
+    return f"{protocol}:// needs {module}: pip install 'hotload[{extra}]'"
+
+
+class ErrorClass(Enum):
+    """What to do about a failed storage call."""
+
+    THROTTLE = "throttle"    # the service asks us to slow down: retry after the long backoff
+    TRANSIENT = "transient"  # network trouble, timeouts, 5xx: retry after the short backoff
+    NOT_FOUND = "not_found"  # the object does not exist: tell the caller, never retry
+    FATAL = "fatal"          # permissions, auth, bad requests, bugs: retrying cannot help
+
+    @property
+    def retryable(self) -> bool:
+        return self in (ErrorClass.THROTTLE, ErrorClass.TRANSIENT)
+
+
+_THROTTLE_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
+    "RequestThrottled", "RequestThrottledException", "ServiceUnavailable", "503", "429"})
+_THROTTLE_TEXT = ("slowdown", "slow down", "reduce your request rate", "too many requests", "rate exceeded")
+_TRANSIENT_CODES = frozenset({"InternalError", "RequestTimeout", "RequestTimeoutException", "BadDigest",
+                              "IncompleteBody", "XAmzContentSHA256Mismatch", "OperationAborted", "500", "502", "504"})
+_AUTH_CODES = frozenset({
+    "AccessDenied", "AccountProblem", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+    "ExpiredToken", "InvalidToken", "InvalidSecurity", "NotSignedUp", "RequestTimeTooSkewed", "401", "403"})
+_NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NotFound", "404"})
+# Matched by class name anywhere in the MRO, so botocore, aiohttp, urllib3 and requests need not be imported.
+_TRANSIENT_CLASS_NAMES = frozenset({
+    "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
+    "HTTPClientError", "ProxyConnectionError", "IncompleteRead", "ResponseStreamingError", "ClientPayloadError",
+    "ServerDisconnectedError", "ClientConnectionError", "ServerTimeoutError", "RemoteDisconnected", "ProtocolError",
+    "ChunkedEncodingError", "ReadTimeout", "ConnectTimeout", "FSTimeoutError", "TransportError"})
+_AUTH_CLASS_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+                               "RefreshError", "DefaultCredentialsError", "Forbidden", "Unauthorized"})
+_TRANSIENT_ERRNOS = frozenset(getattr(errno, name) for name in (
+    "ECONNRESET", "ECONNABORTED", "ECONNREFUSED", "ETIMEDOUT", "EPIPE", "EHOSTUNREACH", "ENETUNREACH", "ENETDOWN",
+    "ENETRESET", "EAGAIN", "EBUSY", "EREMOTEIO") if hasattr(errno, name))
+
+
+def _exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """The exception and its explicit causes (s3fs raises an OSError ``from`` the botocore ClientError).
+    Implicit contexts are not followed: an error raised while handling a dropped connection is not transient."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen and len(seen) < 16:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__
+
+
+def _code_and_status(exc: BaseException) -> tuple[str | None, int | None]:
+    """Service error code and HTTP status, from botocore's ``response`` dict or an HTTP client's attributes."""
+    code: str | None = None
+    status: int | None = None
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        err = response.get("Error") or {}
+        code = str(err["Code"]) if isinstance(err, dict) and err.get("Code") is not None else None
+        meta = response.get("ResponseMetadata") or {}
+        if isinstance(meta, dict) and isinstance(meta.get("HTTPStatusCode"), int):
+            status = meta["HTTPStatusCode"]
+    elif response is not None and isinstance(getattr(response, "status_code", None), int):
+        status = response.status_code
+    if status is None:
+        for attr in ("status_code", "status", "code"):
+            value = getattr(exc, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and 400 <= value <= 599:
+                status = value
+                break
+    return code, status
+
+
+def classify_error(exc: BaseException) -> ErrorClass:
+    """Decide whether a failed storage call should be retried, and with which backoff.
+
+    Pure function of the exception and its cause chain. Throttling wins over everything (an S3 SlowDown arrives
+    as an ``OSError(EBUSY)`` whose cause is the ClientError), then not-found, then permission/auth errors, then
+    connection errors, timeouts and 5xx. Anything unrecognised is FATAL: retrying a bug only hides it.
+    """
+    found: set[ErrorClass] = set()
+    for e in _exception_chain(exc):
+        code, status = _code_and_status(e)
+        names = {klass.__name__ for klass in type(e).__mro__}
+        try:
+            text = str(e).lower()
+        except Exception:  # noqa: BLE001 - a broken __str__ must not break classification
+            text = ""
+        if code in _THROTTLE_CODES or status in (429, 503) or any(t in text for t in _THROTTLE_TEXT):
+            found.add(ErrorClass.THROTTLE)
+        elif isinstance(e, FileNotFoundError) or code in _NOT_FOUND_CODES or status == 404:
+            found.add(ErrorClass.NOT_FOUND)
+        elif (isinstance(e, PermissionError) or code in _AUTH_CODES or status in (401, 403)
+              or names & _AUTH_CLASS_NAMES):
+            found.add(ErrorClass.FATAL)
+        elif (isinstance(e, (ConnectionError, TimeoutError, socket.timeout, asyncio.TimeoutError))
+              or names & _TRANSIENT_CLASS_NAMES or code in _TRANSIENT_CODES
+              or status in (408, 500, 502, 504)
+              or (isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS)):
+            found.add(ErrorClass.TRANSIENT)
+    for cls in (ErrorClass.THROTTLE, ErrorClass.NOT_FOUND, ErrorClass.FATAL, ErrorClass.TRANSIENT):
+        if cls in found:
+            return cls
+    return ErrorClass.FATAL
+
+
+def backoff_delay(attempt: int, base_s: float, cap_s: float, u: float) -> float:
+    """Full-jitter exponential backoff: ``u * min(cap, base * 2**(attempt-1))`` for ``u`` uniform in [0, 1).
+
+    Full jitter (rather than a fixed schedule) spreads the retries of many ranks hitting the same throttled
+    prefix, so they do not come back in lockstep.
+    """
+    if attempt < 1:
+        raise ValueError(f"attempt must be >= 1, got {attempt}")
+    return max(0.0, min(1.0, u)) * min(cap_s, base_s * 2.0 ** (attempt - 1))
