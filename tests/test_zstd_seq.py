@@ -180,6 +180,10 @@ def test_one_call_writes_the_block_paths_frame(n_items: int, itemsize: int, dens
     assert one == block
     assert _decode_both_ways(one[0], n) == (parent ^ new).tobytes()
     assert one[1] == int(np.count_nonzero((parent ^ new).reshape(-1, itemsize).any(axis=1))) if n else one[1] == 0
+    # the share delta from its definition: a byte at tensor position g changing by d adds d to A, (total - g) * d to B
+    g = np.concatenate([np.arange(off * itemsize, (off + c) * itemsize) for off, c in runs] or [np.zeros(0, int)])
+    d = new.astype(np.int64) - parent.astype(np.int64)
+    assert one[2] == (int(d.sum()) % 65521, int(((total - g) * d).sum()) % 65521)
 
 
 def test_single_block_reads_libzstd_frames() -> None:

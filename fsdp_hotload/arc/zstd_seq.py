@@ -199,7 +199,7 @@ class SequenceEncoder:
         out[:len(head)] = np.frombuffer(head, dtype=np.uint8)
         end, status, changed, da, db = seq_delta.encode_chunk(
             np.ascontiguousarray(parent), np.ascontiguousarray(new), itemsize, tables[0], tables[1], total, st.xor,
-            st.seqs, st.dst, st.cctx, _TABLE, MIN_RUN, out, len(head))
+            st.seqs, st.dst, st.cctx, _TABLE, seq_delta.lane_table(itemsize), MIN_RUN, out, len(head))
         if status == seq_delta.ZSTD_FAILED:
             st.check(int(end) & 0xFFFFFFFFFFFFFFFF, "compressing sequences")
         if status:
