@@ -62,7 +62,7 @@ def xor_adler_block(a: np.ndarray, b: np.ndarray, out: np.ndarray, lpos: int, ru
 
     Why two passes: the XOR is one vectorised sweep, and the share deltas then only visit the 8-byte words of
     the XOR that are nonzero (a few percent between RL steps). Folding them into the sweep as per-byte int64
-    arithmetic made this the most expensive loop of a delta publish (~8x the XOR alone).
+    arithmetic made this the most expensive loop of a delta publish (~10x the XOR alone).
     """
     mod = 65521
     n = a.size

@@ -80,7 +80,8 @@ def _scan_block(a: np.ndarray, b: np.ndarray, x: np.ndarray, lpos: int, run_lsta
     zero-run sequences (``kernels.zero_run_sequences``). Returns ``(sequences, changed, da, db, r)``.
 
     Why: between RL steps ~95% of the XOR's words are zero, so the cost is the branch on each word and the work
-    on the few that are not; doing it once instead of three times took a 22 MB shard's encode from ~14 to ~9 ms.
+    on the few that are not. With the share delta's arithmetic on every byte and two more passes, a 22 MB bf16
+    shard with 1.3% of its elements changed took 23 ms to encode on an Intel Xeon core; this walk takes 9.
     ``x`` must be 8-byte aligned (the thread's scratch block); ``lanes`` is :func:`lane_table` of ``itemsize``.
     """
     n = a.size
