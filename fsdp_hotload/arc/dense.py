@@ -21,8 +21,9 @@ import numpy as np
 
 from .adler import MOD
 from .errors import FormatError
-from .kernels import xor_adler_block
+from .kernels import LANES, NO_SEQUENCES, scan_block
 
+_NO_TABLE = np.zeros((256, 4), dtype=np.int64)  # scan_block's zero-run table, unused without sequences
 BLOCK_BYTES = 1 << 17  # two inputs and the XOR stay in a core's L2 next to the compressor's window
 
 
@@ -64,15 +65,15 @@ class DenseDelta:
 
     def blocks(self) -> Iterator[memoryview]:
         n, step = self.parent.size, self.block_bytes
-        uint = np.dtype(f"u{self.itemsize}")
         da = db = 0
         r = 0
         for s in range(0, n, step):
             e = min(n, s + step)
             out = self.scratch[:e - s]
-            a, b, r = xor_adler_block(self.parent[s:e], self.new[s:e], out, s, self.run_lstart, self.run_goff, r,
-                                      self.total)
-            self.changed += int(np.count_nonzero(out.view(uint)))
+            _, changed, a, b, r = scan_block(self.parent[s:e], self.new[s:e], out, s, self.run_lstart, self.run_goff,
+                                             r, self.total, self.itemsize, LANES[self.itemsize], NO_SEQUENCES, 0,
+                                             _NO_TABLE)
+            self.changed += int(changed)
             da, db = (da + int(a)) % MOD, (db + int(b)) % MOD
             yield out.data
         self.parts_delta = (da, db)

@@ -14,17 +14,16 @@ makes the library's symbols visible to compiled code first, and checks they are 
 Example::
 
     frame_len, status, changed, da, db = encode_chunk(parent, new, 2, lstart, goff, total, scratch, seqs, dst,
-                                                      cctx, table, lane_table(2), 4, out, header_len)
+                                                      cctx, table, LANES[2], 4, out, header_len)
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
 from numba import njit, types
 
-from .kernels import emit_zero_run, xor_into
+from .kernels import scan_block
 
 _MOD = 65521
 MAX_BLOCK = 1 << 17
@@ -62,114 +61,6 @@ def expose_library(lib: Any) -> str:
 exposed = False  # set by expose_library: until then encode_chunk's calls into libzstd would jump to address 0
 
 
-@lru_cache(maxsize=None)
-def lane_table(itemsize: int) -> np.ndarray:
-    """Per 8-bit mask of a word's nonzero bytes: how many of its elements of ``itemsize`` bytes are nonzero."""
-    t = np.zeros(256, dtype=np.int64)
-    for m in range(256):
-        t[m] = sum(1 for lane in range(0, 8, itemsize) if (m >> lane) & ((1 << itemsize) - 1))
-    return t
-
-
-@njit(nogil=True, cache=True)
-def _scan_block(a: np.ndarray, b: np.ndarray, x: np.ndarray, lpos: int, run_lstart: np.ndarray,
-                run_goff: np.ndarray, r: int, total: int, itemsize: int, lanes: np.ndarray, seqs: np.ndarray,
-                min_run: int, table: np.ndarray) -> tuple[int, int, int, int, int]:
-    """``x = a ^ b`` and, in one walk over its nonzero words, what the block path computes in three:
-    the changed elements (``_count_items``), the Adler-32 share delta (``kernels.xor_adler_block``) and the
-    zero-run sequences (``kernels.zero_run_sequences``). Returns ``(sequences, changed, da, db, r)``.
-
-    Why: between RL steps ~95% of the XOR's words are zero, so the cost is the branch on each word and the work
-    on the few that are not. With the share delta's arithmetic on every byte and two more passes, a 22 MB bf16
-    shard with 1.3% of its elements changed took 23 ms to encode on an Intel Xeon core; this walk takes 9.
-    ``x`` must be 8-byte aligned (the thread's scratch block); ``lanes`` is :func:`lane_table` of ``itemsize``.
-    """
-    n = a.size
-    xor_into(a, b, x)
-    lo7 = np.uint64(0x7F7F7F7F7F7F7F7F)
-    high = np.uint64(0x8080808080808080)
-    gather = np.uint64(0x0102040810204080)  # moves bit 8j to bit 56 + j
-    k = 0
-    lit_start = 0
-    prev = -1  # last nonzero byte
-    changed = 0
-    da = np.int64(0)
-    db = np.int64(0)
-    sd = np.int64(0)  # sums over the changed bytes of run r: d, and p * d with p the byte's offset in the block
-    spd = np.int64(0)
-    last = run_lstart.size - 1
-    nxt = run_lstart[r + 1] - lpos if r < last else n  # where run r + 1 starts, in block offsets
-    words = x[:n // 8 * 8].view(np.uint64)
-    for q in range(words.size):
-        v = words[q]
-        if v == 0:
-            continue
-        nonzero = (((v & lo7) + lo7) | v) & high  # 0x80 in every nonzero byte
-        m = np.int64(((nonzero >> np.uint64(7)) * gather) >> np.uint64(56))
-        base = q * 8
-        changed += lanes[m]
-        if base + 8 <= nxt:  # the whole word in run r: no branch per byte (an unchanged byte adds d = 0)
-            for p in range(base, base + 8):
-                d = np.int64(b[p]) - np.int64(a[p])
-                sd += d
-                spd += np.int64(p) * d
-        else:
-            for p in range(base, base + 8):
-                if x[p] == 0:
-                    continue
-                while p >= nxt:
-                    g0 = run_goff[r] + lpos - run_lstart[r]  # tensor byte of block offset 0, on run r's line
-                    da = (da + sd) % _MOD
-                    db = (db + ((total - g0) % _MOD) * (sd % _MOD) - spd) % _MOD
-                    sd = np.int64(0)
-                    spd = np.int64(0)
-                    r += 1
-                    nxt = run_lstart[r + 1] - lpos if r < last else n
-                d = np.int64(b[p]) - np.int64(a[p])
-                sd += d
-                spd += np.int64(p) * d
-        p = base + table[m, 0]
-        if p - prev - 1 > min_run:
-            k = emit_zero_run(seqs, k, lit_start, prev + 1, p - prev - 1)
-            lit_start = p
-        if table[m, 3]:
-            k = emit_zero_run(seqs, k, lit_start, base + table[m, 2], table[m, 3])
-            lit_start = base + table[m, 2] + table[m, 3]
-        prev = base + table[m, 1]
-    tail = words.size * 8
-    for p in range(tail, n, itemsize):  # itemsize divides 8, so the tail holds whole elements
-        nz = False
-        for t in range(p, p + itemsize):
-            nz |= x[t] != 0
-        changed += nz
-    for p in range(tail, n):
-        if x[p] == 0:
-            continue
-        while p >= nxt:
-            g0 = run_goff[r] + lpos - run_lstart[r]
-            da = (da + sd) % _MOD
-            db = (db + ((total - g0) % _MOD) * (sd % _MOD) - spd) % _MOD
-            sd = np.int64(0)
-            spd = np.int64(0)
-            r += 1
-            nxt = run_lstart[r + 1] - lpos if r < last else n
-        d = np.int64(b[p]) - np.int64(a[p])
-        sd += d
-        spd += np.int64(p) * d
-        if p - prev - 1 > min_run:
-            k = emit_zero_run(seqs, k, lit_start, prev + 1, p - prev - 1)
-            lit_start = p
-        prev = p
-    if n - prev - 1 > min_run:
-        k = emit_zero_run(seqs, k, lit_start, prev + 1, n - prev - 1)
-    g0 = run_goff[r] + lpos - run_lstart[r]
-    da = (da + sd) % _MOD
-    db = (db + ((total - g0) % _MOD) * (sd % _MOD) - spd) % _MOD
-    while r < last and run_lstart[r + 1] <= lpos + n - 1:
-        r += 1
-    return k, changed, da, db, r
-
-
 @njit(nogil=True, cache=True)
 def _single_block(frame: np.ndarray, end: int) -> int:
     """Where a one-block zstd frame's block starts, -1 if it holds several blocks, -2 if it is not as expected."""
@@ -201,8 +92,8 @@ def encode_chunk(parent: np.ndarray, new: np.ndarray, itemsize: int, run_lstart:
 
     Returns ``(frame_len, status, changed, da, db)``: the frame's length in ``out``, 0 or an error status (then
     ``frame_len`` is libzstd's error code for ``ZSTD_FAILED``), the changed elements of ``itemsize`` bytes, and
-    the chunk's Adler-32 share delta (see :func:`~fsdp_hotload.arc.kernels.xor_adler_block` for the run
-    tables). ``out`` needs ``header_len + n + 3 * (n // MAX_BLOCK + 1)`` bytes; ``scratch`` one block of 8-byte
+    the chunk's Adler-32 share delta (see :func:`~fsdp_hotload.arc.kernels.scan_block` for the run
+    tables; ``lanes`` is ``kernels.LANES[itemsize]``). ``out`` needs ``header_len + n + 3 * (n // MAX_BLOCK + 1)`` bytes; ``scratch`` one block of 8-byte
     aligned bytes; ``seqs`` and ``dst`` as :class:`~fsdp_hotload.arc.zstd_seq.SequenceEncoder` sizes them.
     """
     n = parent.size
@@ -219,8 +110,8 @@ def encode_chunk(parent: np.ndarray, new: np.ndarray, itemsize: int, run_lstart:
         e = min(n, s + MAX_BLOCK)
         m = e - s
         x = scratch[:m]
-        k, c, a, b, r = _scan_block(parent[s:e], new[s:e], x, s, run_lstart, run_goff, r, total, itemsize, lanes,
-                                    seqs, min_run, table)
+        k, c, a, b, r = scan_block(parent[s:e], new[s:e], x, s, run_lstart, run_goff, r, total, itemsize, lanes,
+                                   seqs, min_run, table)
         da = (da + a) % _MOD
         db = (db + b) % _MOD
         changed += c

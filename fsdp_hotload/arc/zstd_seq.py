@@ -40,7 +40,7 @@ import numpy as np
 from . import seq_delta
 from .dense import DenseDelta, run_tables
 from .errors import FormatError
-from .kernels import zero_run_sequences, zero_run_table
+from .kernels import LANES, zero_run_sequences, zero_run_table
 
 MAX_BLOCK = 1 << 17  # zstd's largest block
 MIN_RUN = 4  # shorter zero runs stay literals: a sequence costs more than a few Huffman-coded zeros
@@ -199,7 +199,7 @@ class SequenceEncoder:
         out[:len(head)] = np.frombuffer(head, dtype=np.uint8)
         end, status, changed, da, db = seq_delta.encode_chunk(
             np.ascontiguousarray(parent), np.ascontiguousarray(new), itemsize, tables[0], tables[1], total, st.xor,
-            st.seqs, st.dst, st.cctx, _TABLE, seq_delta.lane_table(itemsize), MIN_RUN, out, len(head))
+            st.seqs, st.dst, st.cctx, _TABLE, LANES[itemsize], MIN_RUN, out, len(head))
         if status == seq_delta.ZSTD_FAILED:
             st.check(int(end) & 0xFFFFFFFFFFFFFFFF, "compressing sequences")
         if status:
