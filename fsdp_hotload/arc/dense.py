@@ -21,9 +21,8 @@ import numpy as np
 
 from .adler import MOD
 from .errors import FormatError
-from .kernels import LANES, NO_SEQUENCES, scan_block
+from .kernels import LANES, NO_SEQUENCES, NO_TABLE, scan_block
 
-_NO_TABLE = np.zeros((256, 4), dtype=np.int64)  # scan_block's zero-run table, unused without sequences
 BLOCK_BYTES = 1 << 17  # two inputs and the XOR stay in a core's L2 next to the compressor's window
 
 
@@ -72,7 +71,7 @@ class DenseDelta:
             out = self.scratch[:e - s]
             _, changed, a, b, r = scan_block(self.parent[s:e], self.new[s:e], out, s, self.run_lstart, self.run_goff,
                                              r, self.total, self.itemsize, LANES[self.itemsize], NO_SEQUENCES, 0,
-                                             _NO_TABLE)
+                                             NO_TABLE)
             self.changed += int(changed)
             da, db = (da + int(a)) % MOD, (db + int(b)) % MOD
             yield out.data

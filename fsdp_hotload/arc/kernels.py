@@ -95,6 +95,7 @@ def lane_table(itemsize: int) -> np.ndarray:
 
 LANES = {size: lane_table(size) for size in (1, 2, 4, 8)}  # scan_block's ``lanes`` per element size
 NO_SEQUENCES = np.zeros((0, 4), dtype=np.uint32)  # scan_block's ``seqs`` when only the XOR, count and shares count
+NO_TABLE = np.zeros((256, 4), dtype=np.int64)  # scan_block's zero-run table without sequences (never read)
 
 
 @njit(**_JIT)

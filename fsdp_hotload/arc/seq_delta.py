@@ -92,9 +92,10 @@ def encode_chunk(parent: np.ndarray, new: np.ndarray, itemsize: int, run_lstart:
 
     Returns ``(frame_len, status, changed, da, db)``: the frame's length in ``out``, 0 or an error status (then
     ``frame_len`` is libzstd's error code for ``ZSTD_FAILED``), the changed elements of ``itemsize`` bytes, and
-    the chunk's Adler-32 share delta (see :func:`~fsdp_hotload.arc.kernels.scan_block` for the run
-    tables; ``lanes`` is ``kernels.LANES[itemsize]``). ``out`` needs ``header_len + n + 3 * (n // MAX_BLOCK + 1)`` bytes; ``scratch`` one block of 8-byte
-    aligned bytes; ``seqs`` and ``dst`` as :class:`~fsdp_hotload.arc.zstd_seq.SequenceEncoder` sizes them.
+    the chunk's Adler-32 share delta (see :func:`~fsdp_hotload.arc.kernels.scan_block` for the run tables;
+    ``lanes`` is ``kernels.LANES[itemsize]``). ``out`` needs ``header_len + n + 3 * (n // MAX_BLOCK + 1)`` bytes;
+    ``scratch`` one block of 8-byte aligned bytes; ``seqs`` and ``dst`` as
+    :class:`~fsdp_hotload.arc.zstd_seq.SequenceEncoder` sizes them.
     """
     n = parent.size
     pos = header_len
