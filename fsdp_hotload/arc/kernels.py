@@ -45,7 +45,7 @@ def scatter_xor(dst: np.ndarray, idx: np.ndarray, old: np.ndarray, new: np.ndarr
 
 
 @njit(**_JIT)
-def xor_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+def _xor_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     # Separate function over whole arrays so the loop vectorizes (indices start at 0, no offsets).
     for p in range(a.size):
         out[p] = a[p] ^ b[p]
@@ -85,7 +85,7 @@ def _share_bytes(a: np.ndarray, b: np.ndarray, x: np.ndarray, p0: int, p1: int, 
     return da, db, sd, spd, r, nxt
 
 
-def lane_table(itemsize: int) -> np.ndarray:
+def _lane_table(itemsize: int) -> np.ndarray:
     """Per 8-bit mask of a word's nonzero bytes: how many of its elements of ``itemsize`` bytes are nonzero."""
     t = np.zeros(256, dtype=np.int64)
     for m in range(256):
@@ -93,7 +93,7 @@ def lane_table(itemsize: int) -> np.ndarray:
     return t
 
 
-LANES = {size: lane_table(size) for size in (1, 2, 4, 8)}  # scan_block's ``lanes`` per element size
+LANES = {size: _lane_table(size) for size in (1, 2, 4, 8)}  # scan_block's ``lanes`` per element size
 NO_SEQUENCES = np.zeros((0, 4), dtype=np.uint32)  # scan_block's ``seqs`` when only the XOR, count and shares count
 NO_TABLE = np.zeros((256, 4), dtype=np.int64)  # scan_block's zero-run table without sequences (never read)
 
@@ -120,7 +120,7 @@ def scan_block(a: np.ndarray, b: np.ndarray, x: np.ndarray, lpos: int, run_lstar
     nonzero word, the zero-run walk alone took 1.6x as long (5.2 against 3.2 ms on that shard).
     """
     n = a.size
-    xor_into(a, b, x)
+    _xor_into(a, b, x)
     runs = seqs.shape[0] > 0
     k = 0
     lit_start = 0
@@ -133,7 +133,7 @@ def scan_block(a: np.ndarray, b: np.ndarray, x: np.ndarray, lpos: int, run_lstar
         v = words[q]
         if v == 0:
             continue
-        m = nonzero_bytes(v)
+        m = _nonzero_bytes(v)
         base = q * 8
         changed += lanes[m]
         if base + 8 <= nxt:  # the whole word in run r: no branch per byte (an unchanged byte adds d = 0)
@@ -147,10 +147,10 @@ def scan_block(a: np.ndarray, b: np.ndarray, x: np.ndarray, lpos: int, run_lstar
         if runs:
             p = base + table[m, 0]
             if p - prev - 1 > min_run:
-                k = emit_zero_run(seqs, k, lit_start, prev + 1, p - prev - 1)
+                k = _emit(seqs, k, lit_start, prev + 1, p - prev - 1)
                 lit_start = p
             if table[m, 3]:
-                k = emit_zero_run(seqs, k, lit_start, base + table[m, 2], table[m, 3])
+                k = _emit(seqs, k, lit_start, base + table[m, 2], table[m, 3])
                 lit_start = base + table[m, 2] + table[m, 3]
             prev = base + table[m, 1]
     tail = words.size * 8
@@ -183,7 +183,7 @@ def zero_run_table(min_run: int) -> np.ndarray:
 
 
 @njit(**_JIT)
-def emit_zero_run(seqs: np.ndarray, k: int, lit_start: int, zero_at: int, zeros: int) -> int:
+def _emit(seqs: np.ndarray, k: int, lit_start: int, zero_at: int, zeros: int) -> int:
     # Literals up to and including the run's first zero byte, then a match at offset 1 that repeats it.
     seqs[k, 0] = 1
     seqs[k, 1] = zero_at + 1 - lit_start
@@ -193,7 +193,7 @@ def emit_zero_run(seqs: np.ndarray, k: int, lit_start: int, zero_at: int, zeros:
 
 
 @njit(**_JIT)
-def nonzero_bytes(v: np.uint64) -> int:
+def _nonzero_bytes(v: np.uint64) -> int:
     """8-bit mask of the nonzero bytes of a little-endian word."""
     lo7 = np.uint64(0x7F7F7F7F7F7F7F7F)
     nonzero = (((v & lo7) + lo7) | v) & np.uint64(0x8080808080808080)  # 0x80 in every nonzero byte
@@ -208,11 +208,11 @@ def _zero_run_end(x: np.ndarray, start: int, seqs: np.ndarray, k: int, lit_start
     for p in range(start, n):
         if x[p] != 0:
             if p - prev - 1 > min_run:
-                k = emit_zero_run(seqs, k, lit_start, prev + 1, p - prev - 1)
+                k = _emit(seqs, k, lit_start, prev + 1, p - prev - 1)
                 lit_start = p
             prev = p
     if n - prev - 1 > min_run:
-        k = emit_zero_run(seqs, k, lit_start, prev + 1, n - prev - 1)
+        k = _emit(seqs, k, lit_start, prev + 1, n - prev - 1)
     return k
 
 
@@ -235,14 +235,14 @@ def zero_run_sequences(x: np.ndarray, words: np.ndarray, seqs: np.ndarray, min_r
         v = words[q]
         if v == 0:
             continue
-        m = nonzero_bytes(v)
+        m = _nonzero_bytes(v)
         base = q * 8
         p = base + table[m, 0]
         if p - prev - 1 > min_run:
-            k = emit_zero_run(seqs, k, lit_start, prev + 1, p - prev - 1)
+            k = _emit(seqs, k, lit_start, prev + 1, p - prev - 1)
             lit_start = p
         if table[m, 3]:
-            k = emit_zero_run(seqs, k, lit_start, base + table[m, 2], table[m, 3])
+            k = _emit(seqs, k, lit_start, base + table[m, 2], table[m, 3])
             lit_start = base + table[m, 2] + table[m, 3]
         prev = base + table[m, 1]
     return _zero_run_end(x, words.size * 8, seqs, k, lit_start, prev, min_run)
