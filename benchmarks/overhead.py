@@ -414,12 +414,12 @@ def report(res: dict[str, Any], a: dict[str, Any]) -> str:
             if base is not None and g == g:
                 # The cost is fixed per publish (it scales with parameters per rank, not tokens): this says how
                 # long a step must be on this machine for that cost to fit the target.
-                extra = (g - 1) * base["median"]
-                span = (f" ({1e3 * (lo - 1) * base['median']:.0f} to {1e3 * (hi - 1) * base['median']:.0f})"
-                        if hi == hi else "")
-                lines.append(f"  {v}: that is {1e3 * extra:.0f} ms per step{span} on a {1e3 * base['median']:.0f} "
-                             f"ms baseline step; at that cost per publish, {TARGET_STEP_OVERHEAD:.0%} needs steps of "
-                             f"about {max(extra, 0.0) / TARGET_STEP_OVERHEAD:.2f} s on this machine")
+                step = base["median"]
+                extra = (g - 1) * step
+                span = f" ({1e3 * (lo - 1) * step:.0f} to {1e3 * (hi - 1) * step:.0f})" if hi == hi else ""
+                lines.append(f"  {v}: that is {1e3 * extra:.0f} ms per step{span} on a {1e3 * step:.0f} ms baseline "
+                             f"step; at that cost per publish, {TARGET_STEP_OVERHEAD:.0%} needs steps of about "
+                             f"{max(extra, 0.0) / TARGET_STEP_OVERHEAD:.2f} s on this machine")
         r = vs[every_step[0]]
         blk = r["hook_staged_med"] / c["bare_copy_s"]
         mem = max(s["nbytes"] * (s["max_inflight"] + 1) for s in r["stager"]) / shard

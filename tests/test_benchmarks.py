@@ -28,8 +28,9 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
 
 def test_overhead_benchmark_publishes_and_reports(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
-    proc = _run([str(BENCH / "overhead.py"), "--variants", "baseline,wait,skip_nosignal", "--rounds", "1", "--phase-steps", "4",
-                 "--layers", "1", "--dim", "64", "--hidden", "128", "--vocab", "256", "--json", str(out)], 300)
+    proc = _run([str(BENCH / "overhead.py"), "--variants", "baseline,wait,skip_nosignal", "--rounds", "1",
+                 "--phase-steps", "4", "--layers", "1", "--dim", "64", "--hidden", "128", "--vocab", "256",
+                 "--json", str(out)], 300)
     variants = json.loads(out.read_text())["analysis"]["variants"]
     assert set(variants) == {"baseline", "wait", "skip_nosignal"}
     wait = variants["wait"]
