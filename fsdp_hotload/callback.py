@@ -35,15 +35,22 @@ log = logging.getLogger("fsdp_hotload")
 
 def hf_tie_word_embeddings(hf_config_dir: str | None) -> bool | None:
     """``tie_word_embeddings`` from the HF config.json, so snapshots name tied weights the way the receiver's
-    model class expects (None when there is no config or it does not say)."""
+    model class expects (None when there is no config or it does not say). Multimodal configs keep the language
+    model's setting under ``text_config``, read when the top level does not say."""
     if not hf_config_dir:
         return None
     path = os.path.join(hf_config_dir, "config.json")
     try:
         with open(path) as f:
-            value = json.load(f).get("tie_word_embeddings")
-    except (OSError, json.JSONDecodeError, AttributeError):
+            config = json.load(f)
+    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
         return None
+    if not isinstance(config, dict):
+        return None
+    value = config.get("tie_word_embeddings")
+    text_config = config.get("text_config")
+    if not isinstance(value, bool) and isinstance(text_config, dict):
+        value = text_config.get("tie_word_embeddings")
     return value if isinstance(value, bool) else None
 
 
@@ -64,7 +71,8 @@ class HotloadCallback:
         comm: Comm
         ctrl: Comm
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            comm, ctrl = GlooComm.create(), GlooComm.create()  # background thread / main thread
+            timeout = config.side_group_timeout_s  # background thread / main thread:
+            comm, ctrl = GlooComm.create(timeout), GlooComm.create(timeout)
         else:
             comm = ctrl = LocalComm()
         self._fingerprint = storage_fingerprint(model)

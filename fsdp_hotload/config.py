@@ -2,7 +2,8 @@
 
 Every field is validated when the config is built, so a typo fails at startup with the field's name rather than
 hours later in a background thread. Fields can also come from ``HOTLOAD_<FIELD>`` environment variables
-(JSON for lists and dicts), which is how launchers usually pass settings to every rank.
+(JSON for lists and dicts, see :func:`parse_setting`), which is how launchers usually pass settings to every rank;
+an unknown ``HOTLOAD_*`` variable (a misspelt field) is an error too.
 
 Example::
 
@@ -13,13 +14,18 @@ Example::
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
-from typing import Any, Literal
+import types
+from typing import Any, Callable, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 ENV_PREFIX = "HOTLOAD_"
+# HOTLOAD_* variables the package reads that are not config fields (codec switches read by arc/zstd_seq.py and
+# arc/codecs.py); from_env accepts these and rejects every other unknown HOTLOAD_* variable.
+NON_CONFIG_ENV: frozenset[str] = frozenset({"HOTLOAD_ARC_ENCODER", "HOTLOAD_ARC_ONE_CALL", "HOTLOAD_LIBZSTD"})
 
 
 class HotloadConfig(BaseModel):
@@ -49,6 +55,9 @@ class HotloadConfig(BaseModel):
     api_key: SecretStr | None = Field(None, description="defaults to $FIREWORKS_API_KEY; never logged")
     ready_timeout_s: float = Field(600.0, gt=0, description="how long to wait for every replica to serve a snapshot")
     poll_interval_s: float = Field(2.0, gt=0, description="status poll interval while waiting for readiness")
+    collective_timeout_s: float | None = Field(None, gt=0, description="timeout of the publisher's side gloo "
+                                               "groups, where ranks wait while the others upload and rank 0 "
+                                               "signals and waits for readiness; None = ready_timeout_s + 3600")
     send_hints: bool = Field(True, description="send a per-file hint as each file becomes durable")
     reset_prompt_cache: Literal["all", "new_session", "none"] | None = None
     # --- what and when
@@ -57,7 +66,8 @@ class HotloadConfig(BaseModel):
     publish_every: int = Field(1, ge=1, description="publish every K trainer steps")
     codec: str = Field("arc_v2", description="delta codec: arc_v2 (Fireworks wire format) or arc_sparse_v1 "
                                              "(higher ratio, for receivers running our decoder)")
-    snapshot_dtype: str = Field("bfloat16", description="dtype of floating tensors in snapshots")
+    snapshot_dtype: str = Field("bfloat16", description="dtype of floating tensors in snapshots (a floating "
+                                                        "dtype; integer and bool tensors keep their own)")
     identity_prefix: str = Field("step", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,40}$")
     # --- how
     max_inflight: int = Field(1, ge=1, le=8, description="snapshots staged or publishing at once (each costs "
@@ -87,14 +97,20 @@ class HotloadConfig(BaseModel):
 
     @field_validator("snapshot_dtype")
     @classmethod
-    def _known_dtype(cls, v: str) -> str:
-        from .arc.dtypes import code_from_name, torch_name
+    def _floating_dtype(cls, v: str) -> str:
+        """Floating dtypes only: casting weights to an integer dtype would truncate them without any error."""
+        from .arc.dtypes import DTYPES, FLOAT_CODES, code_from_name, torch_name
         from .arc.errors import FormatError
 
         try:
-            return torch_name(code_from_name(v))
-        except FormatError as exc:
-            raise ValueError(str(exc)) from None
+            code: str | None = code_from_name(v)
+        except FormatError:
+            code = None
+        if code not in FLOAT_CODES:
+            accepted = ", ".join(torch_name(c) for c in DTYPES if c in FLOAT_CODES)
+            raise ValueError(f"snapshot_dtype {v!r} is not a floating dtype; accepted: {accepted} "
+                             "(or their safetensors codes, e.g. BF16)")
+        return torch_name(code)
 
     @field_validator("bucket_url")
     @classmethod
@@ -115,6 +131,11 @@ class HotloadConfig(BaseModel):
         return self
 
     @property
+    def side_group_timeout_s(self) -> float:
+        """The side groups' timeout: long enough for the slowest rank's upload plus every replica's readiness."""
+        return self.collective_timeout_s or self.ready_timeout_s + 3600.0
+
+    @property
     def deployments(self) -> list[str]:
         if self.deployment_id is None:
             return []
@@ -127,26 +148,81 @@ class HotloadConfig(BaseModel):
 
     @classmethod
     def from_env(cls, prefix: str = ENV_PREFIX, **overrides: Any) -> "HotloadConfig":
-        """Build from ``<prefix><FIELD>`` variables (upper case); explicit ``overrides`` win."""
+        """Build from ``<prefix><FIELD>`` variables (upper case); explicit ``overrides`` win.
+
+        Every other ``<prefix>*`` variable (for a non-empty prefix), except :data:`NON_CONFIG_ENV`, raises
+        ValueError: a misspelt setting would otherwise be ignored in silence. Errors name the variables, not only
+        the fields.
+        """
+        variables = {prefix + name.upper(): name for name in cls.model_fields}
+        unknown = sorted(k for k in os.environ if prefix and k.startswith(prefix) and k not in variables
+                         and k not in NON_CONFIG_ENV)
+        if unknown:
+            raise ValueError(_unknown_env_message(unknown, [*variables, *sorted(NON_CONFIG_ENV)], prefix))
         values: dict[str, Any] = {}
-        for name, field in cls.model_fields.items():
-            raw = os.environ.get(prefix + name.upper())
-            if raw is None:
+        for var, name in variables.items():
+            raw = os.environ.get(var)
+            if raw is None or name in overrides:
                 continue
-            values[name] = _parse_env(raw, field.annotation)
+            try:
+                values[name] = parse_setting(raw, cls.model_fields[name].annotation)
+            except ValueError as exc:
+                raise ValueError(f"invalid hotload setting {var}: {exc}") from None
+        env_fields = set(values)
         values.update(overrides)
         try:
             return cls(**values)
         except ValidationError as exc:
-            raise ValueError(f"invalid hotload settings from {prefix}* environment variables:\n{exc}") from None
+            names = error_names(exc, lambda f: prefix + f.upper() if f in env_fields else f)
+            raise ValueError(f"invalid hotload settings from {prefix}* environment variables "
+                             f"({names or 'see below'}):\n{exc}") from None
 
 
-def _parse_env(raw: str, annotation: Any) -> Any:
-    """Env strings to values: JSON for containers/booleans/numbers where it parses, else the string itself."""
-    text = raw.strip()
-    if text[:1] in "[{" or text in ("true", "false", "null"):
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError:
-            return raw
-    return raw
+def _union_members(annotation: Any) -> tuple[Any, ...]:
+    if get_origin(annotation) in (Union, types.UnionType):
+        return get_args(annotation)
+    return (annotation,)
+
+
+def _no_json_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def parse_setting(text: str, annotation: Any) -> Any:
+    """A field's value from the text of an environment variable or a ``--hotload-*`` flag (one rule for both).
+
+    JSON is decoded only where the field's type needs it: for list and dict fields, and for text starting with
+    ``[``, ``{`` or ``"`` (a list of deployments, a quoted string). Other text stays the string it is, so an id
+    such as ``12345`` or ``true`` reaches a string field unchanged; pydantic converts numbers and booleans when
+    it validates. ``null`` is None where the field accepts None. Raises ValueError for bad JSON in a list or
+    dict field.
+    """
+    members = _union_members(annotation)
+    stripped = text.strip()
+    if stripped == "null" and type(None) in members:
+        return None
+    json_only = all(m in (list, dict) or get_origin(m) in (list, dict) for m in members if m is not type(None))
+    if not json_only and stripped[:1] not in ("[", "{", '"'):
+        return text
+    try:
+        return json.loads(stripped, parse_constant=_no_json_constant)
+    except ValueError as exc:
+        if json_only:
+            raise ValueError(f"not valid JSON ({exc})") from None
+        return text
+
+
+def error_names(exc: ValidationError, name: Callable[[str], str]) -> str:
+    """The fields a validation error is about, each once (a union fails once per member), spelt ``name(field)``."""
+    return ", ".join(dict.fromkeys(name(str(e["loc"][0])) for e in exc.errors() if e.get("loc")))
+
+
+def _unknown_env_message(unknown: list[str], known: list[str], prefix: str) -> str:
+    suffixes = {k[len(prefix):]: k for k in known if k.startswith(prefix)}
+    parts = []
+    for var in unknown:
+        close = difflib.get_close_matches(var[len(prefix):], suffixes, n=1)
+        parts.append(f"{var} (did you mean {suffixes[close[0]]}?)" if close else var)
+    return (f"unknown environment variable{'s' if len(parts) > 1 else ''} {', '.join(parts)}: {prefix}* "
+            f"variables must name a HotloadConfig field ({prefix}<FIELD>) or be one of "
+            f"{', '.join(sorted(NON_CONFIG_ENV))}")

@@ -38,6 +38,25 @@ def test_forty_steps_bit_exact(tmp_path: Path, nproc: int, mode: str) -> None:
     assert "model.embed_tokens.weight" in recs[-1]["tensors"] and "lm_head.weight" not in recs[-1]["tensors"]
 
 
+def test_a_side_group_timeout_stops_publishing_and_training_goes_on(tmp_path: Path) -> None:
+    """Rank 1 waits for the outcome longer than collective_timeout_s (the replicas load slowly): the group breaks,
+    both ranks end the snapshot and stop publishing instead of hanging, and every training step still runs."""
+    (tmp_path / "bucket").mkdir()
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "tiny", "tie_word_embeddings": true}')
+    out = tmp_path / "result"
+    with HotLoadEmulator(str(tmp_path / "bucket"), replicas=1, api_key="test-key", load_delay_s=6) as emu:
+        run_torchrun(str(SCRIPTS / "side_group_timeout.py"), 2,
+                     ["--bucket", str(tmp_path / "bucket"), "--url", emu.url, "--hf-dir", str(hf), "--out", str(out),
+                      "--timeout", "2"], timeout=120)
+    for rank in range(2):
+        res = json.loads(Path(f"{out}.{rank}").read_text())
+        assert res["started"] == [True, False, False, False], res
+        assert res["stopped"], res
+        assert res["metrics"] == [], res  # the broken snapshot has no outcome: nobody recorded it as served
+
+
 def test_one_rank_upload_failure_is_never_served(tmp_path: Path) -> None:
     recs, _ = run_job(tmp_path, 2, "fsdp2", "--steps", "6", "--fail-step", "2", "--fail-rank", "1")
     assert [(r["kind"], r["ok"]) for r in recs] == [("full", True), ("delta", True), ("delta", False),

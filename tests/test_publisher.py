@@ -223,6 +223,56 @@ def test_several_deployments_follow_one_chain(tmp_path: Path) -> None:
                                                     ("full", True), ("delta", True)]
 
 
+def test_bookkeeping_errors_after_a_served_snapshot_keep_the_chain(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """The metrics file turning unwritable, or retention meeting an unreadable marker, happen after the fleet
+    serves a snapshot: they are logged, the snapshot stands, and later deltas still carry every change (the
+    cache must not be handed out again as a free slot)."""
+    bucket = str(tmp_path / "bucket")
+    metrics = tmp_path / "metrics.jsonl"
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, full_every=100, keep_last=2, metrics_path=str(metrics))
+        with TensorPublisher(model, cfg) as pub:
+            for step in range(6):
+                train_step(model, step)
+                if step == 1:
+                    metrics.unlink()
+                    metrics.mkdir()  # appending to the metrics file now fails
+                if step == 3:
+                    metrics.rmdir()
+                    bad = Path(bucket) / "step-000999-0badf00d"
+                    bad.mkdir()
+                    (bad / "hotload.commit.json").write_text("{not json")  # retention cannot read this marker
+                pub.publish(step, model)
+                pub.wait()
+                assert served(emu)[0] == (pub.metrics[-1].identity, expected_sha(model))
+    assert [(m.kind, m.ok) for m in pub.metrics] == [("full", True)] + [("delta", True)] * 5
+    assert all(m.changed_fraction for m in pub.metrics[1:])
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("could not record the metrics" in t for t in messages)
+    assert any("retention after" in t for t in messages)
+
+
+def test_a_failed_copy_gives_its_slot_back(tmp_path: Path) -> None:
+    """A source that raises while staging reaches the caller, and its slot is free again: with one slot and the
+    wait policy, a leaked slot would block the next publish for ever."""
+    model = make_model()
+    cfg = config(str(tmp_path / "bucket"), None, tmp_path, busy_policy="wait", max_inflight=1)
+    with TensorPublisher(model, cfg) as pub:
+        pub.publish(0, model)
+
+        def broken() -> list[torch.Tensor]:
+            raise RuntimeError("parameter storage was freed")
+
+        with pytest.raises(RuntimeError, match="storage was freed"):
+            pub.engine.publish(1, broken)
+        train_step(model, 2)
+        assert pub.publish(2, model)
+        pub.wait(timeout=30)
+    assert [(m.step, m.kind, m.ok) for m in pub.metrics] == [(0, "full", True), (2, "delta", True)]
+
+
 def test_config_errors_name_the_field(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="full_every"):
         HotloadConfig(bucket_url=str(tmp_path), full_every=0)

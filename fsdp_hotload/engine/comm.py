@@ -70,13 +70,21 @@ class GlooComm:
             range(self.world))
 
     @classmethod
-    def create(cls) -> "GlooComm":
-        """A new gloo group over all ranks (collective; call on every rank in the same order)."""
+    def create(cls, timeout_s: float | None = None) -> "GlooComm":
+        """A new gloo group over all ranks (collective; call on every rank in the same order).
+
+        ``timeout_s`` bounds each collective. Why set it: a new group does not take the timeout given to
+        ``init_process_group`` (it gets torch's default, 30 minutes), and a rank waits in a collective while
+        rank 0 signals and waits for every replica, which may legitimately take longer.
+        """
+        import datetime
+
         import torch.distributed as dist
 
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised; call init_process_group first")
-        return cls(dist.new_group(backend="gloo"))
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        return cls(dist.new_group(backend="gloo", timeout=timeout))
 
     def exchange(self, outgoing: Sequence[bytes]) -> list[bytes]:
         import torch

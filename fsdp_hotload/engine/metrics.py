@@ -49,10 +49,12 @@ class PublishMetrics:
 
 
 class MetricsSink:
-    """Appends JSON lines to ``path`` (if given) and keeps them in memory; thread-safe."""
+    """Appends JSON lines to ``path`` (if given) and keeps the last ``keep`` in memory (a job that publishes for
+    weeks must not grow without bound); thread-safe."""
 
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, keep: int = 4096) -> None:
         self.path = path
+        self.keep = keep
         self.records: list[PublishMetrics] = []
         self._lock = threading.Lock()
         if path:
@@ -61,6 +63,8 @@ class MetricsSink:
     def emit(self, m: PublishMetrics) -> None:
         with self._lock:
             self.records.append(m)
+            if len(self.records) > self.keep:
+                del self.records[0]
             if self.path:
                 with open(self.path, "a") as f:
                     f.write(m.line() + "\n")

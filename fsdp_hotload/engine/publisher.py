@@ -15,7 +15,9 @@ returns. A background thread then runs one snapshot at a time:
 
 Every rank runs every collective of a publish even when its own part failed, so one rank's error ends that
 snapshot (nobody signals it) instead of hanging the others. Errors are stored and raised on the next
-``publish`` call (or logged, with ``keep_training_on_error``).
+``publish`` call (or logged, with ``keep_training_on_error``). A collective that itself fails (a side-group
+timeout, a dead peer) leaves the group unusable: that error is raised once, and publishing stops for the rest of
+the job while the rank keeps answering the skip policy's agreement (always "busy"), so no rank waits on it.
 
 Example::
 
@@ -81,6 +83,7 @@ class _Job:
     blocking_ms: float
     skipped_before: int
     t_hook: float
+    settled: bool = False  # the outcome was applied to the stager and cadence (the slot is no longer ours)
 
 
 @dataclass
@@ -93,6 +96,7 @@ class _Outcome:
 @dataclass
 class _RankStatus:
     rank: int
+    kind: str = ""
     error: str | None = None
     files: dict[str, int] = field(default_factory=dict)
     changed: int = 0
@@ -147,7 +151,9 @@ class Publisher:
         # stop sentinel).
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=config.max_inflight + 1)
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # the first unraised background error (under _error_lock)
+        self._error_lock = threading.Lock()
+        self._broken: BaseException | None = None  # a collective failed: the side group is unusable
         self._pending = 0
         self._idle = threading.Condition()
         self._skipped = 0
@@ -182,11 +188,13 @@ class Publisher:
         self.latest_step = step
         if step % self.config.publish_every:
             return False
-        if self.config.busy_policy == "wait":
+        if self._broken is not None and self.config.busy_policy == "wait":
+            buf = None
+        elif self.config.busy_policy == "wait":
             buf = self.stager.acquire(wait=True)
         else:
             if self.world == 1:
-                busy = self.stager.free_slots() == 0
+                busy = self._busy()
             else:
                 if self._agreed_busy is None and self.early_agreement:
                     self.agree(step)  # agree() was not called for this step: agree now (waits for the others)
@@ -195,8 +203,12 @@ class Publisher:
             # Agreed free means this rank's slot is free too: only this thread takes slots.
             buf = None if busy else self.stager.acquire(wait=True)
         if buf is not None:
-            srcs = sources() if callable(sources) else sources
-            event = self.stager.stage(buf, srcs, background=background_copy)
+            try:
+                srcs = sources() if callable(sources) else sources
+                event = self.stager.stage(buf, srcs, background=background_copy)
+            except BaseException:
+                self.stager.release(buf)  # the slot stays usable; the caller sees the error
+                raise
             job = _Job(step, buf, event, (time.perf_counter() - t0) * 1e3, self._skipped, t0)
             with self._idle:
                 self._pending += 1
@@ -221,7 +233,16 @@ class Publisher:
         """
         if (self.config.busy_policy == "skip" and self.world > 1 and self._agreed_busy is None
                 and step % self.config.publish_every == 0):
-            self._agreed_busy = self.ctrl.allreduce_max_async(int(self.stager.free_slots() == 0))
+            self._agreed_busy = self.ctrl.allreduce_max_async(int(self._busy()))
+
+    @property
+    def stopped(self) -> str | None:
+        """Why publishing stopped for good (a collective on the side group failed), or None while it runs."""
+        return None if self._broken is None else repr(self._broken)
+
+    def _busy(self) -> bool:
+        """This rank's vote: no free slot, or publishing has stopped for good (see the module docstring)."""
+        return self._broken is not None or self.stager.free_slots() == 0
 
     def fence(self) -> float:
         """Wait until the last staged copy has read its sources; returns seconds waited (added to that
@@ -248,7 +269,8 @@ class Publisher:
                 self._idle.wait(left)
 
     def raise_if_failed(self) -> None:
-        err, self._error = self._error, None
+        with self._error_lock:
+            err, self._error = self._error, None
         if err is not None:
             if self.config.keep_training_on_error:
                 log.warning("hotload: publish failed (training goes on, next publish is full): %s", err)
@@ -299,6 +321,14 @@ class Publisher:
             self._thread.start()
 
     # ================================================================== background thread
+    def _store_error(self, exc: BaseException) -> None:
+        """Keep the first unraised error for the trainer's thread; later ones before it is raised are logged."""
+        with self._error_lock:
+            if self._error is None:
+                self._error = exc
+                return
+        log.error("hotload: another publish failed before the previous error was raised: %s", exc)
+
     def _loop(self) -> None:
         lower_thread_priority(self.config.background_nice)  # threads this one starts inherit it
         while True:
@@ -306,14 +336,23 @@ class Publisher:
             if job is None:
                 return
             try:
+                if self._broken is not None:  # queued before the failure was seen (wait policy): drop it
+                    raise PublishError(f"publishing stopped after a collective failed: {self._broken!r}")
                 outcome = self._run(job)
                 if not outcome.ok:
-                    self._error = PublishError(outcome.error or "publish failed")
-            except BaseException as exc:  # a collective itself failed: the group is unusable from here on
-                log.exception("hotload: publisher thread failed")
-                self._error = exc
-                self.cadence.on_failure()
-                self.stager.release(job.buf)
+                    self._store_error(PublishError(outcome.error or "publish failed"))
+            except BaseException as exc:
+                if job.settled:  # only the bookkeeping after the outcome failed: the outcome stands
+                    log.exception("hotload: publisher thread failed after step %d's outcome", job.step)
+                else:  # a collective itself failed: the group is unusable from here on
+                    if self._broken is None:
+                        self._broken = exc
+                        log.error("hotload: a collective on the publisher's side group failed (%r); publishing "
+                                  "stops for the rest of this job, training goes on. If it timed out, raise "
+                                  "collective_timeout_s (now %.0f s).", exc, self.config.side_group_timeout_s)
+                    self.cadence.on_failure()
+                    self.stager.release(job.buf)
+                self._store_error(exc)
             finally:
                 with self._idle:
                     self._pending -= 1
@@ -323,7 +362,7 @@ class Publisher:
         kind = self.cadence.next_kind()
         parent = self.cadence.accepted
         identity = new_identity(job.step, prefix=self.config.identity_prefix, session=self.session)
-        st = _RankStatus(self.rank)
+        st = _RankStatus(self.rank, kind)
         outgoing: list[list[Piece]] = [[] for _ in range(self.world)]
         new_parts: list[tuple[int, int]] = []
         try:
@@ -344,6 +383,9 @@ class Publisher:
         statuses = self.comm.gather(st)
         outcome = self._finish(job, identity, kind, parent, statuses) if self.rank == 0 else None
         outcome = self.comm.broadcast(outcome)
+        # Settle first, and nothing after it may change the slot or the chain: the buffer is now the cache (or
+        # free), so a later error must not release it again.
+        job.settled = True
         if outcome.ok:
             self.stager.promote(job.buf)
             self._cache_parts = new_parts
@@ -353,7 +395,10 @@ class Publisher:
             self.cadence.on_failure()
         if self.rank == 0 and outcome.metrics is not None:
             outcome.metrics.staleness_steps = max(self.latest_step - job.step, 0)
-            self.metrics.emit(outcome.metrics)
+            try:
+                self.metrics.emit(outcome.metrics)
+            except Exception as exc:  # noqa: BLE001 - a metrics file problem must not fail a served snapshot
+                log.warning("hotload: could not record the metrics of %s: %s", identity, exc)
         return outcome
 
     def _encode(self, buf: torch.Tensor, kind: str, outgoing: list[list[Piece]], st: _RankStatus
@@ -463,6 +508,9 @@ class Publisher:
         if m.upload_s > 0:
             m.upload_mb_s = m.bytes_written / 1e6 / m.upload_s
         errors = [s.error for s in statuses if s.error]
+        kinds = {s.kind for s in statuses}
+        if len(kinds) > 1:  # cannot happen while every rank saw every outcome; never publish a mixed snapshot
+            errors.append(f"ranks disagree on the snapshot kind: {sorted(kinds)}")
         if not errors and set(files) != set(self.plan.files):
             errors.append(f"files missing after upload: {sorted(set(self.plan.files) - set(files))}")
         try:
@@ -474,13 +522,16 @@ class Publisher:
                 ready_s = self.signaller.signal_and_wait(identity, parent if kind == "delta" else None)
                 m.signal_s = time.perf_counter() - t0 - ready_s
                 m.ready_s = ready_s
-            if self.config.keep_last:
-                from ..retention import apply_retention
-
-                apply_retention(self.storage, self.config.keep_last, protected={identity})
             m.ok = True
         except Exception as exc:  # noqa: BLE001 - any failure ends this chain; the next publish is full
             m.error = str(exc)  # served identities only change on success; the next publish is full
+        if m.ok and self.config.keep_last:
+            from ..retention import apply_retention
+
+            try:  # the snapshot is served: a cleanup problem is reported, and retried at the next publish
+                apply_retention(self.storage, self.config.keep_last, protected={identity})
+            except Exception as exc:  # noqa: BLE001
+                log.warning("hotload: retention after %s failed (retried at the next publish): %s", identity, exc)
         m.total_s = time.perf_counter() - job.t_hook
         return _Outcome(m.ok, m.error, m)
 
