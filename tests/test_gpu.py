@@ -54,20 +54,80 @@ def test_device_diff_matches_host_diff(cache_on: str) -> None:
     assert sum(d.changed for d in diffs) > 0
 
 
-def test_staging_copy_is_ordered_before_next_update() -> None:
-    """The training stream waits for the staging copy, so an in-place update right after stage() cannot leak in."""
+def _staged_bytes(cs: list[WholeChunk]) -> torch.Tensor:
+    return torch.cat([c.source.detach().to(torch.bfloat16 if c.dtype == "BF16" else torch.int64)
+                      .reshape(-1).view(torch.uint8) for c in cs]).cpu()
+
+
+def test_staging_copy_is_ordered_after_the_last_update() -> None:
+    """The side stream waits for the training stream: an update still queued there (behind a long kernel) when
+    stage() is called is in the copy."""
     cs = chunks("cuda")
     st = Stager(cs, slots=1)
-    want = torch.cat([c.source.detach().to(torch.bfloat16 if c.dtype == "BF16" else torch.int64)
-                      .reshape(-1).view(torch.uint8) for c in cs])
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the training stream
+    with torch.no_grad():
+        cs[0].source.mul_(3.0)
     buf = st.acquire(wait=False)
     assert buf is not None
+    st.wait_event(st.stage(buf))
+    want = _staged_bytes(cs)
+    got = torch.cat([buf[s.offset:s.offset + s.nbytes] for s in st.slices])
+    assert torch.equal(got.cpu(), want)
+
+
+def test_staging_copy_is_ordered_before_next_update() -> None:
+    """The training stream waits for the staging copy: an in-place update queued right after stage() cannot leak
+    in, even when the copy itself starts late (held back here by a long kernel on the side stream)."""
+    cs = chunks("cuda")
+    st = Stager(cs, slots=1)
+    want = _staged_bytes(cs)
+    buf = st.acquire(wait=False)
+    assert buf is not None
+    with torch.cuda.stream(st._stream):
+        torch.cuda._sleep(200_000_000)
     event = st.stage(buf)
     with torch.no_grad():
         cs[0].source.mul_(3.0)  # queued on the training stream after the copy
     st.wait_event(event)
     got = torch.cat([buf[s.offset:s.offset + s.nbytes] for s in st.slices])
-    assert torch.equal(got.cpu(), want.cpu())
+    assert torch.equal(got.cpu(), want)
+
+
+def test_staging_keeps_nan_payloads_on_the_device() -> None:
+    """A bf16 -> bf16 staging copy moves bits, so NaN payloads are not rewritten by a float round trip."""
+    bits = torch.tensor([0x7FC1, 0xFFA5 - 0x10000, 0x7F81, -0x8000, 0x3F80], dtype=torch.int16)
+    c = WholeChunk("n", (5,), "BF16", "flat", Box.flat(0, 5), bits.view(torch.bfloat16).cuda())
+    st = Stager([c], slots=1)
+    buf = st.acquire(wait=False)
+    assert buf is not None
+    st.wait_event(st.stage(buf))
+    assert torch.equal(st.view(buf, st.slices[0]).view(torch.int16).cpu(), bits)
+
+
+@pytest.mark.parametrize("cache_on", ["device", "host"])
+def test_device_diff_memory_is_bounded_when_everything_changes(cache_on: str) -> None:
+    """A full-rank update changes nearly every value; the diff's device temporaries stay below the chunk's own
+    size (they are bounded per block), instead of several times it."""
+    n = 1 << 26  # 64 Mi bf16 values: 128 MiB
+    src = torch.randn(n, device="cuda")
+    c = WholeChunk("big", (n,), "BF16", "flat", Box.flat(0, n), src)
+    st = Stager([c], slots=1, cache_on=cache_on)
+    buf = st.acquire(wait=False)
+    assert buf is not None
+    st.wait_event(st.stage(buf))
+    st.promote(buf)
+    with torch.no_grad():
+        src.add_(1.0)
+    buf = st.acquire(wait=False)
+    assert buf is not None
+    st.wait_event(st.stage(buf))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    (d,) = st.diff(buf)
+    extra = torch.cuda.max_memory_allocated() - base
+    assert d.changed > 0.9 * n
+    assert extra < 2 * n * 0.5, f"diff temporaries {extra / 2**20:.0f} MiB for a {2 * n / 2**20:.0f} MiB chunk"
 
 
 def test_attached_callback_on_cuda_round_trips(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -1,5 +1,5 @@
 """The device diff's arithmetic, run on CPU tensors: CI has no GPU, so the torch code that a CUDA trainer runs
-(`_device_diff`: signed views, `nonzero`, gathers) is checked here against the host diff, element for element.
+(`device_diff`: signed views, `nonzero`, gathers) is checked here against the host diff, element for element.
 The CUDA-only parts (side stream, events, pinned copies) are in `test_gpu.py`."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from fsdp_hotload.arc.codecs import element_diff
-from fsdp_hotload.engine.staging import Stager, _device_diff
+from fsdp_hotload.engine.staging import Stager, device_diff
 from tests.test_gpu import chunks
 
 
@@ -32,10 +32,26 @@ def test_device_diff_arithmetic_matches_the_host_diff_on_cpu() -> None:
         if not s.numel:
             continue
         new, old = buf[s.offset:s.offset + s.nbytes], st.cache[s.offset:s.offset + s.nbytes]
-        got = _device_diff(new, old, s)
         want = element_diff(old.numpy(), new.numpy(), s.itemsize)
-        assert got.n == want.n and np.array_equal(got.idx, want.idx)
-        assert got.old.dtype == want.old.dtype and np.array_equal(got.old, want.old)
-        assert np.array_equal(got.new, want.new)
+        for block in (3, 64, 1 << 22):  # blocks that split runs of changes, and one block per chunk
+            got = device_diff(new, old, s, block=block)
+            assert got.n == want.n and np.array_equal(got.idx, want.idx)
+            assert got.old.dtype == want.old.dtype and np.array_equal(got.old, want.old)
+            assert np.array_equal(got.new, want.new)
         changed += got.changed
     assert changed == len(range(0, 257 * 33, 7)) + 1 + 2  # every 7th float, one sign flip, two int64s
+
+
+def test_staging_keeps_nan_payloads_of_uncast_floats() -> None:
+    """A copy without a cast moves the bits: NaN payloads and signed zeros arrive as the trainer holds them."""
+    from dataclasses import replace
+
+    cs = chunks("cpu")
+    bits = torch.tensor([0x7FC1, 0xFFA5 - 0x10000, 0x7F81, -0x8000, 0x3F80], dtype=torch.int16)  # NaNs, -0.0, 1.0
+    src = bits.view(torch.bfloat16)
+    c = replace(cs[1], shape=(5,), box=type(cs[1].box).flat(0, 5), source=src)
+    st = Stager([c], slots=1)
+    buf = st.acquire(wait=False)
+    assert buf is not None and st.slices[0].torch_dtype == torch.bfloat16
+    st.wait_event(st.stage(buf))
+    assert torch.equal(st.view(buf, st.slices[0]).view(torch.int16), bits)

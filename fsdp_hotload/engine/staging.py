@@ -3,7 +3,10 @@
 Each rank's chunks are packed into one flat byte buffer per slot (offsets aligned to 8 bytes), in the snapshot
 dtype, on the chunks' own device. ``stage`` copies (and casts) every chunk's source into a free slot; on CUDA it
 does so on a side stream and makes the training stream wait for that copy on the device, so the host returns
-at once and the next optimizer step cannot overwrite a parameter before it has been copied. On the CPU it can
+at once and the next optimizer step cannot overwrite a parameter before it has been copied. The publisher's own
+device work (the diff, reading a full snapshot, filling a host cache) runs on a second stream of its own, so it
+never queues behind, or holds up, the training stream; the diff walks each chunk in blocks of ``DIFF_BLOCK``
+elements, so its temporaries stay below ~60 MB however many values changed. On the CPU it can
 hand the copy to a helper thread (``background=True``); the caller then fences before the next update. The
 cache is one more buffer with the same layout holding the bytes of the last accepted snapshot; after an accepted
 publish the slot and the cache swap roles (no copy).
@@ -17,11 +20,12 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, ContextManager, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -30,6 +34,7 @@ from ..arc.codecs import ElementDiff, element_diff
 from ..arc.dtypes import UINT_BY_SIZE, itemsize, torch_name
 
 _SIGNED = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+DIFF_BLOCK = 1 << 22  # elements per device-diff step: mask + int64 positions + old/new values of at most this many
 
 
 class ChunkLike(Protocol):
@@ -85,7 +90,8 @@ class Stager:
         self.cache: torch.Tensor | None = None  # bytes of the last accepted snapshot
         self.cache_on = cache_on
         self.cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._stream = torch.cuda.Stream(self.device) if self.cuda else None  # the trainer's staging copies
+        self._work = torch.cuda.Stream(self.device) if self.cuda else None  # the publisher's device work
         self._copier: ThreadPoolExecutor | None = None  # host copies off the trainer's thread (``background``)
         self._views: dict[int, list[np.ndarray]] = {}  # host_views by buffer address
 
@@ -140,10 +146,19 @@ class Stager:
             _copy_all([self.view(buf, s) for s in self.slices], [src.detach().reshape(-1) for src in srcs])
 
     # ------------------------------------------------------------------ background thread
+    def _on_work_stream(self) -> ContextManager[Any]:
+        """Device work of the publisher thread goes to its own stream (a new thread's current stream is the
+        default one, which training uses). Every such piece of work ends in a host copy, which waits for it, so
+        nothing it reads can be staged into again before it is done."""
+        return torch.cuda.stream(self._work) if self._work is not None else contextlib.nullcontext()
+
     def host_bytes(self, buf: torch.Tensor, s: Slice) -> np.ndarray:
         """A chunk's staged bytes on the host (a view when the buffer is on the CPU)."""
         piece = buf[s.offset:s.offset + s.nbytes]
-        return piece.cpu().numpy() if piece.device.type != "cpu" else piece.numpy()
+        if piece.device.type == "cpu":
+            return piece.numpy()
+        with self._on_work_stream():
+            return piece.cpu().numpy()
 
     def host_views(self, buf: torch.Tensor) -> list[np.ndarray]:
         """Every chunk's bytes of a CPU buffer (slot or cache) as numpy views, made once per buffer: the
@@ -167,22 +182,28 @@ class Stager:
             new = buf[s.offset:s.offset + s.nbytes]
             old = self.cache[s.offset:s.offset + s.nbytes]
             if new.device.type == "cuda":
-                out.append(_device_diff(new, old.to(new.device, non_blocking=True), s))
+                with self._on_work_stream():
+                    out.append(device_diff(new, old, s))
             else:
                 out.append(element_diff(old.numpy(), new.numpy(), s.itemsize))
         return out
 
     def promote(self, buf: torch.Tensor) -> None:
-        """``buf`` holds the newly accepted snapshot: it becomes the cache, the old cache a free slot."""
+        """``buf`` holds the newly accepted snapshot: it becomes the cache, the old cache a free slot.
+
+        Only the publisher thread reads or writes the cache, so a host cache is filled outside the slot lock:
+        the trainer's thread takes that lock on every publish step and must not wait for a device-to-host copy.
+        """
+        if self.cache_on == "host" and buf.device.type != "cpu":
+            if self.cache is None:
+                self.cache = self._alloc(torch.device("cpu"))
+            with self._on_work_stream():
+                self.cache.copy_(buf)  # synchronous: done before the slot is handed back
+            self.release(buf)
+            return
         with self._cond:
-            if self.cache_on == "host" and buf.device.type != "cpu":
-                if self.cache is None:
-                    self.cache = self._alloc(torch.device("cpu"))
-                self.cache.copy_(buf)
-                self._free.append(buf)
-            else:
-                old, self.cache = self.cache, buf
-                self._free.append(old if old is not None else self._alloc(self.device))
+            old, self.cache = self.cache, buf
+            self._free.append(old if old is not None else self._alloc(self.device))
             self._cond.notify_all()
 
     def release(self, buf: torch.Tensor) -> None:
@@ -208,9 +229,15 @@ class Stager:
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """All chunk copies (with casts) in one call where torch offers it: one call means one GIL release, so a busy
-    publisher thread cannot make the trainer wait to retake the GIL between chunks."""
+    publisher thread cannot make the trainer wait to retake the GIL between chunks. Copies without a cast move
+    integers of the same width: a floating copy may go through float on a device and rewrite NaN payloads, and
+    the snapshot must hold the trainer's exact bytes."""
     if not dst:
         return
+    for i, (d, s) in enumerate(zip(dst, src)):
+        if d.dtype == s.dtype and d.is_floating_point():
+            bits = _SIGNED[d.element_size()]
+            dst[i], src[i] = d.view(bits), s.view(bits)
     foreach = getattr(torch, "_foreach_copy_", None)
     if foreach is not None:
         foreach(dst, src)
@@ -219,12 +246,29 @@ def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
             d.copy_(s, non_blocking=True)
 
 
-def _device_diff(new: torch.Tensor, old: torch.Tensor, s: Slice) -> ElementDiff:
-    """Compare on the device; copy only the changed positions and their old/new values to the host."""
+def device_diff(new: torch.Tensor, old: torch.Tensor, s: Slice, block: int = DIFF_BLOCK) -> ElementDiff:
+    """Compare ``new`` (bytes on its device) with ``old`` (the cache's bytes, on that device or in host memory)
+    and copy only the changed positions and their old/new values to the host.
+
+    Why in blocks: a mask, int64 positions and both values of a whole chunk would cost several times the chunk
+    when most values change (a full-rank update), beside a training step that needs that memory. Per block they
+    are bounded by ``block`` elements; a host cache is brought over one block at a time as well.
+    """
     a = new.view(_SIGNED[s.itemsize])
     b = old.view(_SIGNED[s.itemsize])
-    idx = torch.nonzero(a != b).reshape(-1)
     u = UINT_BY_SIZE[s.itemsize]
-    return ElementDiff(s.numel, s.itemsize, idx.cpu().numpy().astype(np.int64),
-                       b[idx].cpu().numpy().view(u), a[idx].cpu().numpy().view(u))
+    idx_parts, old_parts, new_parts = [], [], []
+    for start in range(0, s.numel, block):
+        na = a[start:start + block]
+        nb = b[start:start + block].to(na.device, non_blocking=True)  # a pinned host cache: queued, in order
+        idx = torch.nonzero(na != nb).reshape(-1)
+        if idx.numel():
+            old_parts.append(nb[idx].cpu().numpy().view(u))
+            new_parts.append(na[idx].cpu().numpy().view(u))
+            idx_parts.append(idx.cpu().numpy().astype(np.int64) + start)
+    if not idx_parts:
+        empty = np.empty(0, dtype=u)
+        return ElementDiff(s.numel, s.itemsize, np.empty(0, np.int64), empty, empty.copy())
+    return ElementDiff(s.numel, s.itemsize, np.concatenate(idx_parts), np.concatenate(old_parts),
+                       np.concatenate(new_parts))
 
