@@ -33,13 +33,12 @@ import torch
 from torch import nn
 
 from .arc.boxes import Box
-from .arc.dtypes import code_from_name, numel
+from .arc.dtypes import FLOAT_CODES, code_from_name, numel
 from .arc.errors import ArcError
 from .naming import Rename, clean_name, plan_names
 
 FLAT = "flat"
 SHAPE = "shape"
-_FLOAT_CODES = frozenset({"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"})
 
 TensorSpec = tuple[str, tuple[int, ...], str]
 
@@ -430,7 +429,7 @@ def _snapshot_code(snapshot_dtype: str) -> str:
         code = code_from_name(snapshot_dtype)
     except ArcError:
         raise ValueError(f"snapshot_dtype {snapshot_dtype!r} is not a known dtype") from None
-    if code not in _FLOAT_CODES:
+    if code not in FLOAT_CODES:
         raise ValueError(f"snapshot_dtype {snapshot_dtype!r} is not a floating dtype")
     return code
 

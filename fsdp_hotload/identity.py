@@ -19,6 +19,8 @@ import threading
 MAX_IDENTITY_LEN = 128
 
 _SEGMENT_CHARS = re.compile(r"[A-Za-z0-9._-]+")
+# Device names Windows reserves in every folder, also with an extension ("nul.txt" opens the NUL device).
+_WINDOWS_DEVICES = frozenset({"CON", "PRN", "AUX", "NUL", *(f"{p}{d}" for p in ("COM", "LPT") for d in range(10))})
 _session_lock = threading.Lock()
 _session: tuple[int, str] | None = None  # (pid that made it, 8 hex digits)
 
@@ -44,6 +46,16 @@ def _segment_problem(value: object, max_len: int = MAX_IDENTITY_LEN) -> str | No
     return None
 
 
+def _windows_problem(value: str) -> str | None:
+    """What makes a name Windows cannot store as a folder of that exact name (None if nothing)."""
+    if value.endswith("."):
+        return "must not end with '.' (Windows drops trailing dots)"
+    device = value.split(".", 1)[0].upper()
+    if device in _WINDOWS_DEVICES:
+        return f"must not be the Windows device name {device}, with or without an extension"
+    return None
+
+
 def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
@@ -54,9 +66,12 @@ def validate_identity(identity: str, *, what: str = "identity") -> str:
 
     The identity becomes ``<bucket>/<identity>/`` on every storage backend and on Windows receivers, so it must
     be one path segment that no backend interprets: non-empty, at most 128 characters of ``[A-Za-z0-9._-]``,
-    not starting with ``.`` (hidden files, ``.``, ``..``).
+    not starting with ``.`` (hidden files, ``.``, ``..``), not ending with ``.`` and not a Windows device name
+    (``CON``, ``PRN``, ``AUX``, ``NUL``, ``COM0``-``COM9``, ``LPT0``-``LPT9``, also as in ``nul.txt``).
     """
     problem = _segment_problem(identity)
+    if problem is None:
+        problem = _windows_problem(identity)
     if problem is not None:
         raise ValueError(f"{what} {_short(identity)}: {problem}")
     return identity

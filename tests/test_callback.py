@@ -1,14 +1,18 @@
 """HotloadCallback on a plain (unsharded) module in one process, driven by the optimizer hook."""
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
 from fsdp_hotload import HotloadCallback, HotloadConfig
 from fsdp_hotload.arc.dtypes import RawTensor
+from fsdp_hotload.callback import hf_tie_word_embeddings
 from fsdp_hotload.emulator import HotLoadEmulator
 from tests.snapshots import rebuild_accepted
 
@@ -126,3 +130,17 @@ def test_async_copy_waits_at_the_next_optimizer_step(tmp_path: Path) -> None:
         assert {k: t.sha256() for k, t in rebuilt[m.identity].items()} == want
     # the first two copies were waited for at the next optimizer step (~0.2 s each)
     assert all(m.blocking_ms > 100 for m in hot.metrics[:2])
+
+
+@pytest.mark.parametrize("config, tied", [
+    ({"tie_word_embeddings": False}, False),
+    ({"model_type": "llava", "text_config": {"tie_word_embeddings": True}}, True),  # multimodal: nested only
+    ({"tie_word_embeddings": False, "text_config": {"tie_word_embeddings": True}}, False),
+    ({"text_config": {"model_type": "llama"}}, None),
+    ({"text_config": "llama"}, None),
+    ([1, 2], None),
+])
+def test_tie_word_embeddings_from_config_json(config: Any, tied: bool | None, tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert hf_tie_word_embeddings(str(tmp_path)) is tied
+    assert hf_tie_word_embeddings(str(tmp_path / "missing")) is None

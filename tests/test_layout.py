@@ -461,7 +461,15 @@ def test_check_same_layout_names_a_moved_tensor() -> None:
 # ---------------------------------------------------------------------------------------------- identities
 
 
-@pytest.mark.parametrize("good", ["step-000040-a1b2c3d4", "a", "x" * 128, "run_1.step-2", "A.B..C", "-x"])
+WINDOWS_DEVICES = {"CON", "PRN", "AUX", "NUL", *(f"{p}{d}" for p in ("COM", "LPT") for d in range(10))}
+
+
+def _windows_device(value: str) -> bool:
+    return value.split(".")[0].upper() in WINDOWS_DEVICES
+
+
+@pytest.mark.parametrize("good", ["step-000040-a1b2c3d4", "a", "x" * 128, "run_1.step-2", "A.B..C", "-x", "con-1",
+                                  "console", "COM10", "x.nul", "aux_0"])
 def test_validate_identity_accepts(good: str) -> None:
     assert validate_identity(good) == good
 
@@ -481,6 +489,14 @@ def test_validate_identity_accepts(good: str) -> None:
         ("stép", "may only use"),
         ("a:b", "may only use"),
         (None, "must be a string"),
+        ("step-1.", "must not end with '.'"),
+        ("a..", "must not end with '.'"),
+        ("CON", "Windows device name CON"),
+        ("nul", "Windows device name NUL"),
+        ("Aux.txt", "Windows device name AUX"),
+        ("prn.tar.gz", "Windows device name PRN"),
+        ("com1", "Windows device name COM1"),
+        ("LPT9.step-1", "Windows device name LPT9"),
     ],
 )
 def test_validate_identity_rejects(bad: object, rule: str) -> None:
@@ -498,6 +514,8 @@ def _is_single_safe_segment(value: str) -> bool:
         and ntpath.basename(ntpath.normpath(ntpath.join("C:\\b", value))) == value
         and value not in (".", "..")
         and not value.startswith(".")
+        and not value.endswith(".")
+        and not _windows_device(value)
         and value.isascii()
         and value.isprintable()
         and "%" not in value
@@ -505,7 +523,8 @@ def _is_single_safe_segment(value: str) -> bool:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.one_of(st.text(), st.text(alphabet="./\\-_aZ9 \x00é:"), st.from_regex(r"[A-Za-z0-9._-]{1,130}")))
+@given(st.one_of(st.text(), st.text(alphabet="./\\-_aZ9 \x00é:"), st.from_regex(r"[A-Za-z0-9._-]{1,130}"),
+                 st.from_regex(r"(?i)(con|prn|aux|nul|com\d|lpt\d)(\.[a-z0-9.]{0,5})?", fullmatch=True)))
 def test_anything_validate_identity_accepts_is_one_safe_path_segment(value: str) -> None:
     try:
         validate_identity(value)
@@ -515,7 +534,8 @@ def test_anything_validate_identity_accepts_is_one_safe_path_segment(value: str)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.from_regex(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}", fullmatch=True))
+@given(st.from_regex(r"[A-Za-z0-9_-]([A-Za-z0-9._-]{0,126}[A-Za-z0-9_-])?", fullmatch=True)
+       .filter(lambda v: not _windows_device(v)))
 def test_every_well_formed_identity_is_accepted(value: str) -> None:
     assert validate_identity(value) == value
 

@@ -1,7 +1,14 @@
-"""The --hotload-* flags come from HotloadConfig: every field has a flag, values round-trip, errors name flags."""
+"""The --hotload-* flags come from HotloadConfig: every field has a flag, values round-trip, errors name flags.
+
+Flags and ``HOTLOAD_*`` environment variables share one text rule, and the config's own checks (floating
+snapshot dtypes, no unknown variables) hold for both.
+"""
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,7 +39,105 @@ def test_round_trip() -> None:
     assert config_from_args(parser().parse_args([])) is None
 
 
+def _flags_of(cfg: HotloadConfig) -> list[str]:
+    """The command line that sets every non-None field of ``cfg``: plain text, JSON for lists and dicts."""
+    argv: list[str] = []
+    for name in HotloadConfig.model_fields:
+        value = getattr(cfg, name)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            argv.append(flag_name(name) if value else f"--no-{flag_name(name)[2:]}")
+            continue
+        value = value.get_secret_value() if hasattr(value, "get_secret_value") else value
+        argv += [flag_name(name), json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+    return argv
+
+
+@pytest.mark.parametrize("deployment_id", ["12345", "true", "1e3", "NaN", "dep-1", ["12345", "b"]])
+def test_every_field_round_trips_through_its_flag(deployment_id: Any, tmp_path: Path) -> None:
+    cfg = HotloadConfig(
+        bucket_url="s3://b/p", storage_options={"endpoint_url": "http://x", "n": 3}, upload_concurrency=3,
+        max_file_bytes=123456, keep_last=4, hf_config_dir=str(tmp_path), hotload_api_url="https://api.fireworks.ai",
+        account_id="007", model_id="false", deployment_id=deployment_id, api_key="12", ready_timeout_s=5.5,
+        poll_interval_s=0.5, collective_timeout_s=90, send_hints=False, reset_prompt_cache="none", full_every=3,
+        max_chain_length=2, publish_every=2, codec="arc_sparse_v1", snapshot_dtype="float16", identity_prefix="run1",
+        max_inflight=2, busy_policy="wait", background_nice=0, async_copy=False, cache_on="host",
+        keep_training_on_error=True, metrics_path="/tmp/m.jsonl")
+    back = config_from_args(parser().parse_args(_flags_of(cfg)))
+    assert back is not None
+    assert back.model_dump() == cfg.model_dump()
+    assert back.resolved_api_key() == "12"
+
+
+@pytest.mark.parametrize("text, value", [
+    ("12345", "12345"), ("true", "true"), ("Infinity", "Infinity"), ('"007"', "007"), ('["a", "b"]', ["a", "b"]),
+    ("null", None)])
+def test_flags_and_env_read_a_value_alike(text: str, value: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = config_from_args(parser().parse_args(["--hotload-bucket-url", "/tmp/b", "--hotload-deployment-id", text]))
+    assert cfg is not None and cfg.deployment_id == value
+    monkeypatch.setenv("HOTLOAD_BUCKET_URL", "/tmp/b")
+    monkeypatch.setenv("HOTLOAD_DEPLOYMENT_ID", text)
+    assert HotloadConfig.from_env().deployment_id == value
+
+
 def test_bad_value_names_the_flag() -> None:
     args = parser().parse_args(["--hotload-bucket-url", "/tmp/b", "--hotload-busy-policy", "sometimes"])
     with pytest.raises(SystemExit, match="--hotload-busy-policy"):
         config_from_args(args)
+
+
+def test_a_union_field_is_named_once() -> None:
+    args = parser().parse_args(["--hotload-bucket-url", "/tmp/b", "--hotload-deployment-id", "[1, 2]"])
+    with pytest.raises(SystemExit, match=r"^invalid hotload flags \(--hotload-deployment-id\):"):
+        config_from_args(args)
+
+
+def test_bad_json_in_a_dict_flag_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--hotload-storage-options", "{endpoint: x}"])
+    assert "--hotload-storage-options: not valid JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", ["int8", "I32", "uint8", "bool", "torch.int64", "float128"])
+def test_snapshot_dtype_must_be_floating(dtype: str) -> None:
+    with pytest.raises(ValueError, match=r"snapshot_dtype .* not a floating dtype; accepted: .*bfloat16"):
+        HotloadConfig(bucket_url="/tmp/b", snapshot_dtype=dtype)
+    args = parser().parse_args(["--hotload-bucket-url", "/tmp/b", "--hotload-snapshot-dtype", dtype])
+    with pytest.raises(SystemExit, match="--hotload-snapshot-dtype"):
+        config_from_args(args)
+
+
+@pytest.mark.parametrize("dtype, name", [("BF16", "bfloat16"), ("torch.float32", "float32"),
+                                         ("F8_E4M3", "float8_e4m3fn"), ("float16", "float16")])
+def test_floating_snapshot_dtypes_are_normalised(dtype: str, name: str) -> None:
+    assert HotloadConfig(bucket_url="/tmp/b", snapshot_dtype=dtype).snapshot_dtype == name
+
+
+def test_misspelt_env_variable_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOTLOAD_BUCKET_URL", "/tmp/b")
+    monkeypatch.setenv("HOTLOAD_FULL_EVRY", "5")
+    with pytest.raises(ValueError, match=r"HOTLOAD_FULL_EVRY \(did you mean HOTLOAD_FULL_EVERY\?\)"):
+        HotloadConfig.from_env()
+    monkeypatch.delenv("HOTLOAD_FULL_EVRY")
+    monkeypatch.setenv("HOTLOAD_ZZZ", "1")
+    with pytest.raises(ValueError, match=r"unknown environment variable HOTLOAD_ZZZ: "):
+        HotloadConfig.from_env()
+
+
+def test_the_packages_own_switches_are_not_config_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOTLOAD_BUCKET_URL", "/tmp/b")
+    for name, value in {"HOTLOAD_LIBZSTD": "/x.so", "HOTLOAD_ARC_ENCODER": "auto", "HOTLOAD_ARC_ONE_CALL": "0"}.items():
+        monkeypatch.setenv(name, value)
+    assert HotloadConfig.from_env().bucket_url == "/tmp/b"
+
+
+def test_env_errors_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOTLOAD_BUCKET_URL", "/tmp/b")
+    monkeypatch.setenv("HOTLOAD_FULL_EVERY", "0")
+    with pytest.raises(ValueError, match=r"\(HOTLOAD_FULL_EVERY\)"):
+        HotloadConfig.from_env()
+    assert HotloadConfig.from_env(full_every=3).full_every == 3  # an override wins over a bad variable
+    monkeypatch.setenv("HOTLOAD_STORAGE_OPTIONS", "{endpoint: x}")
+    with pytest.raises(ValueError, match="HOTLOAD_STORAGE_OPTIONS: not valid JSON"):
+        HotloadConfig.from_env(full_every=3)

@@ -39,6 +39,8 @@ DTYPES: dict[str, tuple[int, str, str | None]] = {
     "U64": (8, "uint64", "uint64"),
     "F64": (8, "float64", "float64"),
 }
+# The floating codes: the dtypes a snapshot may cast floating tensors to (integer and bool tensors keep theirs).
+FLOAT_CODES: frozenset[str] = frozenset({"F8_E4M3", "F8_E5M2", "F16", "BF16", "F32", "F64"})
 _TORCH_TO_CODE = {v[1]: k for k, v in DTYPES.items()}
 _NUMPY_TO_CODE = {v[2]: k for k, v in DTYPES.items() if v[2] is not None}
 UINT_BY_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
