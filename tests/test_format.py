@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,13 +16,15 @@ from hypothesis import strategies as st
 
 from fsdp_hotload.arc import (Box, ChecksumError, FormatError, MismatchError, RawTensor, TensorDelta,
                               apply_delta_file, apply_tensor, build_delta_file, codec_names, element_diff,
-                              encode_delta_file, get_codec, load_file, read_delta_info, save_file)
+                              encode_delta_file, get_codec, is_delta_file, load_file, read_delta_info, save_file)
 from fsdp_hotload.arc.adler import add_parts, chunk_parts, combine, global_elements, update_parts
+from fsdp_hotload.arc import boxes as boxes_mod
 from fsdp_hotload.arc.boxes import check_tiling, gather
-from fsdp_hotload.arc.codecs import ArcV2
+from fsdp_hotload.arc.codecs import ArcV2, zstd_decompress_exact, zstd_window_limit
 from fsdp_hotload.arc.dense import DenseDelta, run_tables
-from fsdp_hotload.arc.stio import parse_header
-from fsdp_hotload.arc.zstd_seq import sequence_encoder
+from fsdp_hotload.arc.folder import verify_paths, weight_files
+from fsdp_hotload.arc.stio import build_header, parse_header
+from fsdp_hotload.arc.zstd_seq import SequenceEncoder, sequence_encoder
 
 ENCODERS = ["stream"] + (["sequences"] if sequence_encoder() is not None else [])  # arc_v2 writers
 
@@ -330,9 +333,13 @@ def test_decompression_bomb_is_bounded() -> None:
     td = TensorDelta("w", "U8", (16,), zlib.adler32(bytes(16)), "arc_v2", "flat", [(Box.flat(0, 16), bomb)])
     with pytest.raises(FormatError, match="declares 10000000 bytes"):
         apply_delta_file(parent, build_delta_file([td], parent_identity="p"))
-    stream = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(10**6))
+    stream = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(17))
     td.chunks = [(Box.flat(0, 16), stream)]
     with pytest.raises(FormatError, match="decompresses to 17 bytes"):
+        apply_delta_file(parent, build_delta_file([td], parent_identity="p"))
+    stream = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(10**6))
+    td.chunks = [(Box.flat(0, 16), stream)]
+    with pytest.raises(FormatError, match="longer than 16 bytes"):
         apply_delta_file(parent, build_delta_file([td], parent_identity="p"))
 
 
@@ -353,3 +360,191 @@ def test_header_bounds() -> None:
     bad = save_file({"a": RawTensor.from_any(np.zeros(2, np.float32))})
     with pytest.raises(FormatError, match="data section"):
         parse_header(bad + b"x")
+
+
+def _brute_tiling(boxes: list[Box], space: tuple[int, ...]) -> str:
+    """The tiling rule by definition: in range, as many elements as the space, no two non-empty boxes overlap."""
+    if any(len(b.start) != len(space) or any(s + n > d for s, n, d in zip(b.start, b.length, space)) for b in boxes):
+        return "exceeds"
+    if sum(b.numel for b in boxes) != int(np.prod(space)):
+        return "cover"
+    live = [b for b in boxes if b.numel]
+    for i, a in enumerate(live):
+        for b in live[i + 1:]:
+            if all(sa < sb + nb and sb < sa + na for sa, na, sb, nb in zip(a.start, a.length, b.start, b.length)):
+                return "overlap"
+    return "ok"
+
+
+@st.composite
+def guillotine_tilings(draw: st.DrawFn) -> tuple[tuple[int, ...], list[Box]]:
+    """A box cut recursively along random dimensions (every dimension can be split), then maybe one box nudged."""
+    shape = tuple(draw(st.lists(st.integers(1, 5), min_size=2, max_size=4)))
+    todo, done = [((0,) * len(shape), shape)], []
+    while todo:
+        start, length = todo.pop()
+        k = draw(st.integers(0, len(shape) - 1))
+        if len(done) + len(todo) > 12 or length[k] < 2 or not draw(st.booleans()):
+            done.append(Box(start, length))
+            continue
+        c = draw(st.integers(1, length[k] - 1))
+        todo.append((start, length[:k] + (c,) + length[k + 1:]))
+        todo.append((start[:k] + (start[k] + c,) + start[k + 1:], length[:k] + (length[k] - c,) + length[k + 1:]))
+    if draw(st.booleans()):
+        i, k = draw(st.integers(0, len(done) - 1)), draw(st.integers(0, len(shape) - 1))
+        b = done[i]
+        start = b.start[:k] + (max(0, b.start[k] + draw(st.integers(-2, 2))),) + b.start[k + 1:]
+        done[i] = Box(start, b.length)
+    if draw(st.booleans()):
+        done.append(Box(tuple(draw(st.integers(0, d)) for d in shape[:-1]) + (0,), (1,) * (len(shape) - 1) + (0,)))
+    return shape, draw(st.permutations(done))
+
+
+@settings(max_examples=200, deadline=None)
+@given(tiling=guillotine_tilings(), painted=st.booleans())
+def test_tiling_check_agrees_with_its_definition(tiling: tuple[tuple[int, ...], list[Box]], painted: bool) -> None:
+    """Corner counting (and, for tables past its bound, marking elements) accepts exactly the exact tilings."""
+    shape, boxes = tiling
+    want = _brute_tiling(boxes, shape)
+    bound = boxes_mod.MAX_TILING_WORK
+    boxes_mod.MAX_TILING_WORK = int(np.prod(shape)) if painted else bound
+    try:
+        if want == "ok":
+            check_tiling(boxes, shape)
+        else:
+            with pytest.raises(FormatError, match=want):
+                check_tiling(boxes, shape)
+    finally:
+        boxes_mod.MAX_TILING_WORK = bound
+
+
+def _chunk_table_file(shape: list[int], boxes: list[Box]) -> bytes:
+    """A delta file header whose one tensor has the given chunks (empty payloads: only the table is read)."""
+    table = {"a": {"dtype": "U8", "shape": shape, "adler32": 1, "codec": "arc_v2", "space": "shape",
+                   "chunks": [{**b.to_json(), "offset": 0, "size": 0} for b in boxes]}}
+    meta = {"format": "hotload-arc", "format_version": "1", "kind": "delta", "previous_snapshot_identity": "p",
+            "compression_format": "arc_v2", "checksum_format": "alder32",
+            "arc_tensors": json.dumps(table, separators=(",", ":"))}
+    return build_header([("a", "U8", (0,), 0)], meta)
+
+
+def test_many_chunk_tables_are_read_and_checked() -> None:
+    """Tens of thousands of chunks split along two dimensions (rows cut at a different column each): the exact
+    tiling is read, and a chunk moved onto its neighbour is named."""
+    n = 12_000
+    boxes = []
+    for r in range(n):
+        c = r % (n - 1) + 1
+        boxes += [Box((r, 0), (1, c)), Box((r, c), (1, n - c))]
+    info = read_delta_info(_chunk_table_file([n, n], boxes), filename="f")
+    assert len(info.tensors["a"].chunks) == 2 * n
+    boxes[2 * 7 + 1] = Box((7, 6), (1, n - 8))  # row 7: [0, 8) and now [6, n - 2), so one element is left out
+    with pytest.raises(FormatError, match=r"chunks \{'start': \[7, 0\], 'length': \[1, 8\]\} and "
+                                          r"\{'start': \[7, 6\].* overlap") as info_:
+        read_delta_info(_chunk_table_file([n, n], boxes), filename="f")
+    assert "tensor 'a'" in str(info_.value)
+
+
+def test_chunk_tables_past_the_check_bound_are_refused() -> None:
+    """The tiling check's memory is bounded, and the error says by what."""
+    # 21 chunks cutting 20 dimensions in half one after the other, over 10^4 elements each: exact, but 2^20
+    # corners per chunk and 10^10 elements are past what the check builds.
+    d = 20
+    deep = [Box((0,) * i + (1,) + (0,) * (d - i), (1,) * (i + 1) + (2,) * (d - i - 1) + (10_000,)) for i in range(d)]
+    deep.append(Box((0,) * (d + 1), (1,) * d + (10_000,)))
+    with pytest.raises(FormatError, match=r"21 chunks split 20 dimensions .* handles up to \d+ box corners") as info:
+        read_delta_info(_chunk_table_file([2] * d + [10_000], deep), filename="f")
+    assert f"up to {boxes_mod.MAX_TILING_WORK} " in str(info.value)
+    assert _brute_tiling(deep, (2,) * d + (10_000,)) == "ok"
+
+
+@pytest.mark.parametrize("where", ["header", "arc_tensors"])
+@pytest.mark.parametrize("bad", ["[" * 100_000 + "]" * 100_000, '{"a":' + "9" * 5_000 + "}"])
+def test_hostile_json_is_a_format_error(tmp_path: Path, where: str, bad: str) -> None:
+    """JSON the decoder gives up on (nesting past the recursion limit, integers past Python's digit limit) is a
+    format error naming the file wherever it sits, so verification reports it instead of crashing."""
+    parent, blob = _golden_delta()
+    if where == "header":
+        text = bad.encode()
+        blob = len(text).to_bytes(8, "little") + text
+    else:
+        blob = _corrupt_header(blob, lambda d: d["__metadata__"].update(arc_tensors=bad))
+    assert not is_delta_file(blob) if where == "header" else is_delta_file(blob)
+    with pytest.raises(FormatError, match="not JSON") as info:
+        apply_delta_file(parent, blob, filename="model-1.safetensors")
+    assert "model-1.safetensors" in str(info.value)
+    (tmp_path / "p.safetensors").write_bytes(save_file(parent))
+    (tmp_path / "d.safetensors").write_bytes(blob)
+    with pytest.raises(FormatError, match="not JSON"):
+        verify_paths(str(tmp_path / "p.safetensors"), str(tmp_path / "d.safetensors"))
+    (tmp_path / "snap").mkdir()
+    (tmp_path / "snap" / "model.safetensors.index.json").write_text(bad)
+    with pytest.raises(FormatError, match="index is not JSON"):
+        weight_files(str(tmp_path / "snap"))
+
+
+def test_arc_v2_payload_is_one_frame_and_nothing_else() -> None:
+    """A second frame, a skippable frame or stray bytes after the frame are refused, whether the frame declares
+    its size, does not, or declares 0 bytes; a truncated frame is refused too."""
+    n = 1000
+    sized = zstandard.ZstdCompressor().compress(bytes(n))
+    unsized = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(n))
+    empty = zstandard.ZstdCompressor().compress(b"")
+    skippable = b"\x50\x2a\x4d\x18" + (2).to_bytes(4, "little") + b"ab"
+    for frame, size in [(sized, n), (unsized, n), (empty, 0)]:
+        assert zstd_decompress_exact(frame, size) == bytes(size)
+        for extra in (b"x", frame, skippable):
+            with pytest.raises(FormatError, match="bytes after its zstd frame"):
+                zstd_decompress_exact(frame + extra, size)
+        with pytest.raises(FormatError, match="truncated|corrupt"):
+            zstd_decompress_exact(frame[:-1], size)
+    with pytest.raises(FormatError, match="not a zstd frame"):
+        zstd_decompress_exact(skippable + sized, n)
+    zstd_decompress_exact(zstandard.ZstdCompressor(write_content_size=False).compress(b""), 0)
+
+
+def test_arc_v2_window_is_bounded_by_the_chunk() -> None:
+    """A frame may not make the decoder reserve a window larger than the chunk or 8 MiB (libzstd alone would
+    reserve up to 128 MiB for a one-byte chunk). A streaming encoder at levels 1-19 that did not know the size
+    declares at most 8 MiB: such frames decode."""
+    cobj = zstandard.ZstdCompressor(level=19, write_content_size=False).compressobj()
+    streamed = cobj.compress(b"\x01") + cobj.flush()  # size unknown to the encoder: the level's window (8 MiB)
+    assert zstandard.get_frame_parameters(streamed).window_size == 1 << 23
+    assert zstd_decompress_exact(streamed, 1) == b"\x01"
+    params = zstandard.ZstdCompressionParameters.from_level(22, window_log=27, write_content_size=0)
+    cobj = zstandard.ZstdCompressor(compression_params=params).compressobj()
+    huge = cobj.compress(b"\x01") + cobj.flush()  # a 128 MiB window for one byte
+    assert zstandard.get_frame_parameters(huge).window_size == 1 << 27
+    with pytest.raises(FormatError, match="window"):
+        zstd_decompress_exact(huge, 1)
+    assert zstd_window_limit(0) == zstd_window_limit(1) == 1 << 23 and zstd_window_limit((1 << 23) + 1) == 1 << 24
+    for n in (0, 1, 1000, 1025, 3000, 1 << 17, (1 << 17) + 1, 700_000):
+        data = bytes(range(256)) * (n // 256) + bytes(n % 256)
+        for frame in (zstandard.ZstdCompressor(write_content_size=False).compress(data),
+                      zstandard.ZstdCompressor(level=19).compress(data)):
+            assert zstandard.get_frame_parameters(frame).window_size <= zstd_window_limit(n)
+            assert zstd_decompress_exact(frame, n) == data
+
+
+@pytest.mark.parametrize("encoder", ENCODERS)
+@pytest.mark.parametrize("n", [0, 1, 1000, 1 << 17, (1 << 17) + 1, 3 * (1 << 17) + 5, 600_000])
+def test_our_frames_declare_their_size_and_a_bounded_window(encoder: str, n: int) -> None:
+    """Every arc_v2 writer (streaming, sequences block by block and in one call) declares the content size and a
+    window within the decoder's bound, and decodes through it."""
+    rng = np.random.default_rng(n)
+    parent = rng.integers(0, 256, size=n, dtype=np.uint8)
+    new = parent.copy()
+    new[::97] ^= 1
+    codec = ArcV2(encoder=encoder)
+    tables = run_tables([(0, n)] if n else [], 1)
+    frames = [codec.encode(element_diff(parent, new, 1)), codec.encode_delta(parent, new, 1, tables, n)[0]]
+    if encoder == "sequences":
+        for one_call in (False, True):
+            enc = SequenceEncoder(sequence_encoder().lib, one_call=one_call)  # type: ignore[union-attr]
+            frames.append(enc.encode_delta(parent, new, 1, tables, n)[0])
+    for frame in frames:
+        params = zstandard.get_frame_parameters(frame)
+        assert params.content_size == n and params.window_size <= zstd_window_limit(n)
+        out = np.empty(n, dtype=np.uint8)
+        codec.decode(frame, parent, 1, out)
+        assert (out == new).all()

@@ -87,24 +87,110 @@ def check_box_in(box: Box, space: Sequence[int]) -> None:
             raise FormatError(f"box {box.to_json()} exceeds shape {list(space)}")
 
 
+# Most integers the tiling check of a multi-dimensional chunk table may build (box corners times dimensions, or
+# painted elements). Chunk tables are untrusted, so this bounds the check's memory and time; real tables stay far
+# below it (a tensor split along two of its dimensions fits with up to a million chunks).
+MAX_TILING_WORK = 1 << 23
+
+
 def check_tiling(boxes: Sequence[Box], space: Sequence[int]) -> None:
-    """Raise FormatError unless ``boxes`` cover ``space`` exactly once (no overlap, no gap)."""
+    """Raise FormatError unless ``boxes`` cover ``space`` exactly once (no overlap, no gap).
+
+    Every box must lie inside ``space`` and the boxes' element counts must add up to the space's; then they tile it
+    exactly unless two non-empty boxes overlap. That last test is near-linear in the number of boxes (they come
+    from an untrusted header): a sort when the boxes are split along one dimension only, else a corner count.
+    """
     total = numel(tuple(space))
     for b in boxes:
         check_box_in(b, space)
-    if sum(b.numel for b in boxes) != total:
-        raise FormatError(f"chunks cover {sum(b.numel for b in boxes)} elements of a {total}-element tensor")
-    live = [b for b in boxes if b.numel]
-    if len(space) == 1:
-        live.sort(key=lambda b: b.start[0])
-        for a, b in zip(live, live[1:]):
-            if a.start[0] + a.length[0] > b.start[0]:
-                raise FormatError(f"chunks {a.to_json()} and {b.to_json()} overlap")
+    sizes = [b.numel for b in boxes]
+    if sum(sizes) != total:
+        raise FormatError(f"chunks cover {sum(sizes)} elements of a {total}-element tensor")
+    live = [b for b, n in zip(boxes, sizes) if n]
+    # Dimensions that every non-empty box spans fully do not decide anything: leave them out.
+    split = [k for k in range(len(space)) if any(b.start[k] or b.length[k] != space[k] for b in live)]
+    if len(split) <= 1:
+        if split:
+            _check_slabs(live, split[0])
+        return  # with no split dimension, the element count leaves room for one non-empty box only
+    work = (len(live) << len(split)) * len(split)
+    if work <= MAX_TILING_WORK:
+        _check_corners(live, space, split)
+    elif total <= MAX_TILING_WORK:
+        _check_painted(live, space)
+    else:
+        raise FormatError(f"{len(live)} chunks split {len(split)} dimensions of a {total}-element tensor: the "
+                          f"tiling check handles up to {MAX_TILING_WORK} box corners times dimensions "
+                          f"({work} here) or elements")
+
+
+def _overlap(a: Box, b: Box) -> FormatError:
+    return FormatError(f"chunks {a.to_json()} and {b.to_json()} overlap")
+
+
+def _check_slabs(live: list[Box], k: int) -> None:
+    """Boxes that differ in dimension ``k`` only overlap when their ranges along ``k`` do."""
+    live = sorted(live, key=lambda b: b.start[k])
+    for a, b in zip(live, live[1:]):
+        if a.start[k] + a.length[k] > b.start[k]:
+            raise _overlap(a, b)
+
+
+def _check_corners(live: list[Box], space: Sequence[int], split: list[int]) -> None:
+    """Whether the boxes' indicator functions add up to the space's, by their signed corners.
+
+    The indicator of a box is a signed sum of the orthants at its 2^d corners, and distinct orthants are linearly
+    independent, so the boxes cover every element exactly once iff their corners, together with the space's with
+    the opposite signs, cancel. Sorting the corners makes this O(n 2^d log n). Where they do not cancel, the
+    first corner left over (in C order) is an element that is covered twice or not at all.
+    """
+    d = len(split)
+    ext = [int(space[k]) for k in split]
+    lo = [[b.start[k] for k in split] for b in live]
+    hi = [[b.start[k] + b.length[k] for k in split] for b in live]
+    values: list[list[int]] | None = None
+    if max(ext) >= 2**62:  # a parseable but absurd shape: compare coordinates by rank, which keeps their order
+        values = [sorted({0, ext[j], *(r[j] for r in lo), *(r[j] for r in hi)}) for j in range(d)]
+        ranks = [{v: i for i, v in enumerate(vs)} for vs in values]
+        lo = [[ranks[j][v] for j, v in enumerate(r)] for r in lo]
+        hi = [[ranks[j][v] for j, v in enumerate(r)] for r in hi]
+        ext = [ranks[j][v] for j, v in enumerate(ext)]
+    lo_a = np.array(lo, dtype=np.int64).reshape(-1, d)
+    hi_a = np.array(hi, dtype=np.int64).reshape(-1, d)
+    pick = ((np.arange(1 << d)[:, None] >> np.arange(d)) & 1).astype(bool)  # (2^d, d): take hi in these dims
+    sign = np.where(pick.sum(axis=1) % 2, -1, 1).astype(np.int64)
+    corners = np.concatenate([np.where(pick, hi_a[:, None, :], lo_a[:, None, :]).reshape(-1, d),
+                              np.where(pick, np.array(ext, dtype=np.int64), 0)])
+    signs = np.concatenate([np.tile(sign, len(live)), -sign])
+    order = np.lexsort(corners.T[::-1])
+    corners, signs = corners[order], signs[order]
+    first = np.ones(len(corners), dtype=bool)
+    first[1:] = (corners[1:] != corners[:-1]).any(axis=1)
+    heads = np.flatnonzero(first)
+    left = np.flatnonzero(np.add.reduceat(signs, heads))
+    if not left.size:
         return
-    for i, a in enumerate(live):
-        for b in live[i + 1:]:
-            if all(sa < sb + nb and sb < sa + na for sa, na, sb, nb in zip(a.start, a.length, b.start, b.length)):
-                raise FormatError(f"chunks {a.to_json()} and {b.to_json()} overlap")
+    point = corners[heads[left[0]]]
+    inside = np.flatnonzero(((lo_a <= point) & (point < hi_a)).all(axis=1))
+    if inside.size >= 2:
+        raise _overlap(live[inside[0]], live[inside[1]])
+    where = [int(v) if values is None else values[j][int(v)] for j, v in enumerate(point)]
+    full = [0] * len(space)
+    for k, v in zip(split, where):
+        full[k] = v
+    raise FormatError(f"chunks overlap: they hold as many elements as the tensor but leave {full} uncovered")
+
+
+def _check_painted(live: list[Box], space: Sequence[int]) -> None:
+    """Mark each box's elements in a map of the tensor (for tables with many corners but few elements)."""
+    seen = np.zeros(tuple(int(s) for s in space), dtype=bool)
+    for i, b in enumerate(live):
+        view = seen[tuple(slice(s, s + n) for s, n in zip(b.start, b.length))]
+        if view.any():
+            point = tuple(int(v) + s for v, s in zip(np.unravel_index(int(view.argmax()), view.shape), b.start))
+            other = next(a for a in live[:i] if all(s <= p < s + n for s, n, p in zip(a.start, a.length, point)))
+            raise _overlap(other, b)
+        view[...] = True
 
 
 def gather(full: np.ndarray, box: Box, space: Sequence[int], itemsize: int) -> np.ndarray:

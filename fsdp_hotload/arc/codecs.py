@@ -103,12 +103,30 @@ def codec_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def zstd_decompress_exact(payload: bytes, size: int, what: str = "payload") -> bytes:
-    """Decompress a single zstd frame whose content must be exactly ``size`` bytes.
+ZSTD_WINDOW_FLOOR = 1 << 23  # 8 MiB: the largest window of zstd levels 1-19 (levels 20-22 and --long go higher)
 
-    The frame header's declared size is checked before anything is allocated, so a hostile header cannot make
-    us allocate more than the tensor we expect.
+
+def zstd_window_limit(size: int) -> int:
+    """The largest window a frame of ``size`` content bytes may declare: ``size`` rounded up to a power of two, and
+    never less than 8 MiB.
+
+    The decoder reserves the declared window before it sees any content, and libzstd alone would accept up to
+    128 MiB for a one-byte chunk. A frame never needs more than its content, but an encoder that streams without
+    knowing the size declares its level's window (up to 8 MiB for levels 1-19); such frames are valid arc_v2
+    payloads from other writers, so the bound never goes below that.
     """
+    return min(max(1 << max(size - 1, 0).bit_length(), ZSTD_WINDOW_FLOOR), 1 << zstandard.WINDOWLOG_MAX)
+
+
+def zstd_decompress_exact(payload: bytes, size: int, what: str = "payload") -> bytes:
+    """Decompress a payload that must be exactly one zstd frame whose content is exactly ``size`` bytes.
+
+    The frame header's declared size and window are checked before anything is allocated, so a hostile header
+    cannot make us allocate or reserve more than the chunk we expect. Nothing may follow the frame: not a second
+    frame, not padding.
+    """
+    if bytes(payload[:4]) != zstandard.FRAME_HEADER:
+        raise FormatError(f"{what} is not a zstd frame (no frame magic)")
     try:
         params = zstandard.get_frame_parameters(payload)
     except zstandard.ZstdError as exc:
@@ -116,15 +134,40 @@ def zstd_decompress_exact(payload: bytes, size: int, what: str = "payload") -> b
     declared = params.content_size
     if declared not in (size, zstandard.CONTENTSIZE_UNKNOWN):
         raise FormatError(f"{what} declares {declared} bytes, {size} expected")
+    limit = zstd_window_limit(size)
+    if params.window_size > limit:
+        raise FormatError(f"{what} declares a {params.window_size}-byte window, more than its {size} bytes need "
+                          f"(at most {limit})")
+    dctx = zstandard.ZstdDecompressor(max_window_size=limit)
+    if declared == size and size:
+        try:
+            return _exact(dctx.decompress(payload, allow_extra_data=False), size, what)
+        except zstandard.ZstdError as exc:
+            try:  # decoding it again, with bytes after the frame allowed, tells those apart from a bad frame
+                _exact(dctx.decompress(payload), size, what)
+            except zstandard.ZstdError:
+                raise FormatError(f"{what} is corrupt: {exc}") from None
+            raise FormatError(f"{what} has bytes after its zstd frame (a payload is exactly one frame)") from None
     try:
-        dctx = zstandard.ZstdDecompressor()
-        if declared == size:
-            out = dctx.decompress(payload, max_output_size=size)
-        else:
-            reader = dctx.stream_reader(payload, read_across_frames=False)
-            out = reader.read(size + 1)
+        if declared != 0:
+            # No content size: a buffer of size + 1 bounds the output and tells a frame one byte too long.
+            _exact(dctx.decompress(payload, max_output_size=size + 1), size, what)
+        # The frame now decodes to `size` bytes (libzstd holds a frame to its declared size, here 0), so streaming
+        # it is bounded too, and shows where it ends: decompress() returns b"" for a frame that declares 0 bytes
+        # without reading it, and does not look for bytes after a frame without a content size.
+        dobj = dctx.decompressobj(read_across_frames=False)
+        out = dobj.decompress(payload)
     except zstandard.ZstdError as exc:
-        raise FormatError(f"{what} is corrupt: {exc}") from None
+        raise FormatError(f"{what} is corrupt, truncated or longer than {size} bytes: {exc}") from None
+    if not dobj.eof:
+        raise FormatError(f"{what} is a truncated zstd frame")
+    if dobj.unused_data:
+        raise FormatError(f"{what} has bytes after its zstd frame ({len(dobj.unused_data)}; a payload is exactly "
+                          "one frame)")
+    return _exact(out, size, what)
+
+
+def _exact(out: bytes, size: int, what: str) -> bytes:
     if len(out) != size:
         raise FormatError(f"{what} decompresses to {len(out)} bytes, {size} expected")
     return out

@@ -24,7 +24,7 @@ from .boxes import Box, check_tiling, gather, scatter
 from .codecs import element_diff, get_codec
 from .dtypes import RawTensor, itemsize, numel
 from .errors import ArcError, ChecksumError, FormatError, MismatchError
-from .stio import Header, build_header, parse_header
+from .stio import Header, build_header, parse_header, parse_json
 
 FORMAT_NAME = "hotload-arc"
 FORMAT_VERSION = "1"
@@ -145,10 +145,7 @@ def read_delta_info(data: bytes | memoryview, *, filename: str = "<bytes>") -> D
         raise FormatError(f"format_version {meta.get(K_VERSION)!r} is not supported (want {FORMAT_VERSION})", **where)
     if meta.get(K_KIND) != "delta" or meta.get(K_CHECKSUM) != CHECKSUM_FORMAT or not meta.get(K_PARENT):
         raise FormatError("metadata needs kind=delta, checksum_format=alder32 and previous_snapshot_identity", **where)
-    try:
-        table = json.loads(meta.get(K_TENSORS, ""))
-    except json.JSONDecodeError as exc:
-        raise FormatError(f"arc_tensors is not JSON: {exc}", **where) from None
+    table = parse_json(meta.get(K_TENSORS, ""), "arc_tensors", file=filename)
     if not isinstance(table, dict):
         raise FormatError("arc_tensors is not an object", **where)
     if set(table) != set(header.entries):

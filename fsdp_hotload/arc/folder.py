@@ -13,7 +13,6 @@ Example::
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from typing import Callable, Iterator
 from .container import apply_delta_file, encode_delta_file, is_delta_file, read_delta_info
 from .dtypes import RawTensor, itemsize, numel
 from .errors import ArcError, FormatError
-from .stio import load_file, parse_header, write_file
+from .stio import load_file, parse_header, parse_json, write_file
 from .vendor import vendor_encoder
 
 INDEX = "model.safetensors.index.json"
@@ -34,15 +33,14 @@ def weight_files(folder: str) -> list[str]:
     index = os.path.join(folder, INDEX)
     if os.path.exists(index):
         with open(index, "rb") as f:
-            try:
-                wm = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise FormatError(f"bad index: {exc!r}", file=index) from None
-        names = sorted(set(wm.values()))
-        for n in names:
+            doc = parse_json(f.read(), "index", file=index)
+        wm = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(wm, dict):
+            raise FormatError("bad index: no weight_map object", file=index)
+        for n in wm.values():
             if not isinstance(n, str) or "/" in n or n.startswith("."):
                 raise FormatError(f"unsafe file name {n!r} in weight_map", file=index)
-        return names
+        return sorted(set(wm.values()))
     return sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import BinaryIO, Mapping, Sequence
+from typing import Any, BinaryIO, Mapping, Sequence
 
 import numpy as np
 
@@ -47,6 +47,20 @@ class Header:
     data_start: int  # offset of the data section inside the file
 
 
+def parse_json(text: bytes | str, what: str, *, file: str | None = None) -> Any:
+    """``json.loads`` of untrusted text (bytes must be UTF-8), where every failure is a FormatError naming ``what``.
+
+    Besides malformed JSON, the decoder raises RecursionError on deeply nested arrays or objects and a plain
+    ValueError on an integer longer than Python's digit limit; callers only expect format errors.
+    """
+    try:
+        return json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
+    except RecursionError:
+        raise FormatError(f"{what} is not JSON we read: nested too deeply", file=file) from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, the integer digit limit
+        raise FormatError(f"{what} is not JSON: {exc}", file=file) from None
+
+
 def parse_header(data: bytes | memoryview, *, filename: str = "<bytes>", total_size: int | None = None) -> Header:
     """Parse and check a safetensors header. ``data`` needs only the header bytes when ``total_size`` is given."""
     size = len(data) if total_size is None else total_size
@@ -55,10 +69,7 @@ def parse_header(data: bytes | memoryview, *, filename: str = "<bytes>", total_s
     hlen = int.from_bytes(bytes(data[:8]), "little")
     if hlen > MAX_HEADER_BYTES or 8 + hlen > size or 8 + hlen > len(data):
         raise FormatError(f"header length {hlen} exceeds the file ({size} bytes)", file=filename)
-    try:
-        raw = json.loads(bytes(data[8:8 + hlen]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"header is not JSON: {exc}", file=filename) from None
+    raw = parse_json(bytes(data[8:8 + hlen]), "header", file=filename)
     if not isinstance(raw, dict):
         raise FormatError("header is not a JSON object", file=filename)
     meta = raw.pop("__metadata__", None) or {}
