@@ -172,6 +172,38 @@ class _Secret:
     __str__ = __repr__
 
 
+def _describe_char(c: str) -> str:
+    if c in "\r\n":
+        return "a line break"
+    if c.isspace():
+        return "whitespace"
+    if ord(c) < 0x20 or ord(c) == 0x7F:
+        return "a control character"
+    return "a non-ASCII character"
+
+
+def _clean_api_key(value: object, source: str) -> str:
+    """The key as it goes into the ``Authorization`` header.
+
+    Keys read from secret files often end in a newline, so surrounding whitespace is stripped. Anything left
+    outside printable ASCII cannot be sent in a header (``http.client`` would raise an error quoting the whole
+    header, key included) and is most likely a paste or encoding accident, so it is refused here with a message
+    that names where the key came from and never shows it.
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"the Fireworks API key from {source} must be a string, not {type(value).__name__}")
+    key = value.strip()
+    if not key:
+        raise ValueError(f"the Fireworks API key from {source} is empty: set {API_KEY_ENV} (or pass api_key=)")
+    for i, c in enumerate(key):
+        if not "\x21" <= c <= "\x7e":
+            raise ValueError(
+                f"the Fireworks API key from {source} contains {_describe_char(c)} at position {i} (of {len(key)}); "
+                "an API key must be printable ASCII without spaces (the key is not shown)"
+            )
+    return key
+
+
 def _segment(value: str, what: str) -> str:
     if not isinstance(value, str) or not value or "/" in value:
         raise ValueError(f"{what} must be a non-empty name without '/', got {value!r}")
@@ -273,10 +305,13 @@ class HotLoadClient:
         backoff_initial_s: float = 1.0,
         backoff_max_s: float = 30.0,
     ) -> None:
-        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        env_key = os.environ.get(API_KEY_ENV)
+        key = api_key if api_key is not None else env_key
         if not key:
             raise ValueError(f"no Fireworks API key: set {API_KEY_ENV} (or pass api_key=)")
-        self._api_key = _Secret(key)
+        # Callers often resolve the environment variable themselves and pass it on: name it in that case too.
+        source = f"${API_KEY_ENV}" if api_key is None or api_key == env_key else "the api_key field"
+        self._api_key = _Secret(_clean_api_key(key, source))
         self.deployment_name, self.account_id, self.deployment_id = _deployment_name(account_id, deployment_id)
         self.model_name = _model_name(self.account_id, model_id)
         self.base_url = self._check_url(base_url, allow_insecure, "base_url")
@@ -321,8 +356,11 @@ class HotLoadClient:
     # --------------------------------------------------------------------------------------------- transport
 
     def _redact(self, text: str) -> str:
+        """``text`` with the key removed, also in the escaped forms ``repr`` of a str or bytes gives it."""
         key = self._api_key.get()
-        return text.replace(key, "<redacted>") if key else text
+        for form in {key, repr(key)[1:-1], repr(key.encode())[2:-1]}:
+            text = text.replace(form, "<redacted>")
+        return text
 
     def headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """Headers of every hot-load request; caller ``additional_headers`` override the defaults."""
@@ -382,15 +420,19 @@ class HotLoadClient:
             status: int | None = None
             data = b""
             retry_after: float | None = None
+            unsendable: str | None = None
+            hint: str | None = None
             try:
                 status, rheaders, data = self._send_once(base, method, path, payload, headers, timeout)
             except ssl.SSLCertVerificationError as exc:
-                raise HotLoadError(
-                    self._redact(f"{what}: TLS certificate verification failed: {exc}"),
-                    hint="check the base_url host name and the system CA certificates",
-                ) from None
+                unsendable = f"{what}: TLS certificate verification failed: {exc}"
+                hint = "check the base_url host name and the system CA certificates"
             except (OSError, http.client.HTTPException) as exc:
                 failure = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # noqa: BLE001 - e.g. ValueError/UnicodeError for a bad header value
+                # Not transient, so not retried. The text may quote a header, the Authorization one included.
+                unsendable = f"{what}: the request could not be sent: {type(exc).__name__}: {exc}"
+                hint = "check additional_headers and the API key (printable ASCII only)"
             else:
                 if 200 <= status < 300:
                     return self._parse_json(what, data)
@@ -398,6 +440,10 @@ class HotLoadClient:
                     raise self._http_error(what, status, data, attempt)
                 failure = f"HTTP {status}: {extract_server_message(data)}"
                 retry_after = _retry_after(rheaders)
+            if unsendable is not None:
+                # Raised outside the except block so the original exception (whose text may hold the key) is
+                # not chained as __context__.
+                raise HotLoadError(self._redact(unsendable), hint=hint)
             delay = min(self.backoff_initial_s * (2 ** (attempt - 1)), self.backoff_max_s)
             if retry_after is not None:
                 delay = max(delay, min(retry_after, self.backoff_max_s))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -173,13 +174,46 @@ def read_commit_marker(storage: Storage, identity: str) -> CommitInfo | None:
     return info
 
 
+def _is_identity(name: str) -> bool:
+    try:
+        validate_identity(name)
+    except ValueError:
+        return False
+    return True
+
+
+_foreign_lock = threading.Lock()
+_foreign_logged: set[str] = set()
+
+
+def _snapshot_dirs(storage: Storage) -> list[str]:
+    """The directories under the root whose names could be snapshot identities.
+
+    The root may be shared with other tools (``my logs``, ``.trash``, ``date=2024``); a name no publisher could
+    have written is not ours, so it is skipped (never read, never deleted) instead of failing every retention
+    pass. Each such name is logged once per process.
+    """
+    ours: list[str] = []
+    for name in storage.list_dirs():
+        if _is_identity(name):
+            ours.append(name)
+            continue
+        uri = storage.uri(name)
+        with _foreign_lock:
+            if uri in _foreign_logged:
+                continue
+            _foreign_logged.add(uri)
+        logger.info("ignoring %s: its name is not a snapshot identity, so it is not a snapshot", uri)
+    return ours
+
+
 def list_committed(storage: Storage, *, strict: bool = True) -> list[CommitInfo]:
     """Every committed snapshot under the root, oldest first (by ``created_at``, then identity).
 
     A malformed marker raises (``strict``, the default: retention must not act on a bucket it cannot read), or
-    is logged and skipped.
+    is logged and skipped. Directories whose names are not identities are not snapshots and are skipped.
     """
-    dirs = storage.list_dirs()
+    dirs = _snapshot_dirs(storage)
     if not dirs:
         return []
 
@@ -243,7 +277,8 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
     than the newest committed snapshot. It is off because an upload in flight looks exactly like an abandoned
     one: at a full-snapshot step a delta may be committed while the full one is still uploading, and another
     trainer or rank may be mid-publish. Only turn it on when no publisher can be writing under this root. Its
-    age test compares the store's file times with the trainer's ``created_at`` clock.
+    age test compares the store's file times with the trainer's ``created_at`` clock. Directories whose names
+    are not identities are never touched.
     """
     protected = frozenset(protected)
     committed = list_committed(storage)
@@ -257,7 +292,7 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
         logger.info("retention: deleted snapshot %s", storage.uri(identity))
     if delete_incomplete and committed:
         newest = committed[-1].created_at
-        for identity in storage.list_dirs():
+        for identity in _snapshot_dirs(storage):
             if identity in by_id or identity in protected:
                 continue
             times = [f.mtime for f in storage.list_info(identity).values()]

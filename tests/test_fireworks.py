@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 from collections import deque
@@ -187,6 +188,69 @@ def test_key_is_redacted_in_repr_and_errors(server: tuple[str, Scripted]) -> Non
     assert KEY not in str(err) and KEY not in (err.server_message or "")
     assert "invalid key <redacted>" in str(err)
     assert "FIREWORKS_API_KEY" in str(err)  # the "what to do" hint
+
+
+def test_key_with_surrounding_whitespace_is_stripped(monkeypatch: pytest.MonkeyPatch,
+                                                     server: tuple[str, Scripted]) -> None:
+    url, script = server
+    make_client(url, api_key=KEY + "\n").signal("s1")           # as read from a secrets file
+    monkeypatch.setenv("FIREWORKS_API_KEY", f"  {KEY}\r\n")
+    make_client(url, api_key=None).signal("s2")
+    assert [r["headers"]["authorization"] for r in script.requests] == [f"Bearer {KEY}"] * 2
+
+
+@pytest.mark.parametrize("bad,what", [
+    (f"{KEY}\nX-Injected: 1", "line break"),
+    (f"{KEY[:6]}\r{KEY[6:]}", "line break"),
+    (f"{KEY[:6]}\x7f{KEY[6:]}", "control character"),
+    (f"{KEY[:6]}\x1b{KEY[6:]}", "control character"),
+    (f"{KEY[:6]} {KEY[6:]}", "whitespace"),
+    (f"{KEY[:6]}\u00e9{KEY[6:]}", "non-ASCII"),
+])
+def test_key_that_cannot_be_a_header_is_refused_without_showing_it(
+        monkeypatch: pytest.MonkeyPatch, server: tuple[str, Scripted], bad: str, what: str) -> None:
+    url, script = server
+    with pytest.raises(ValueError, match=what) as info:
+        make_client(url, api_key=bad)
+    msg = str(info.value)
+    assert "api_key" in msg and KEY[:6] not in msg and KEY[6:] not in msg and "X-Injected" not in msg
+    monkeypatch.setenv("FIREWORKS_API_KEY", bad)
+    with pytest.raises(ValueError, match=what) as info:
+        make_client(url, api_key=None)
+    msg = str(info.value)
+    assert "$FIREWORKS_API_KEY" in msg and KEY[:6] not in msg and KEY[6:] not in msg
+    assert script.requests == []
+
+
+def test_key_never_reaches_exceptions_or_logs(server: tuple[str, Scripted], caplog: pytest.LogCaptureFixture) -> None:
+    url, script = server
+    caplog.set_level(logging.DEBUG)
+    # A header http.client refuses to send (it raises ValueError quoting the header value): a caller's
+    # Authorization override that carries the key with a line break.
+    client = make_client(url, additional_headers={"Authorization": f"Bearer {KEY}\n"})
+    with pytest.raises(HotLoadError) as info:
+        client.signal("s1")
+    err = info.value
+    assert "could not be sent" in str(err) and "ValueError" in str(err) and err.status_code is None
+    assert err.__cause__ is None and err.__context__ is None  # the unredacted original is not chained
+    assert script.requests == []  # not retried: resending cannot fix it
+    errors: list[BaseException] = [err]
+
+    # The server echoes the key while failing: retried (logged), then given up on.
+    script.default = (503, {"error": {"message": f"overloaded, key {KEY}"}}, {})
+    with pytest.raises(HotLoadError) as info:
+        make_client(url, retry_budget_s=0.1).signal("s1")
+    errors.append(info.value)
+    # Transient poll failures are logged and polled through until the wait times out.
+    with pytest.raises(HotLoadTimeout) as info:
+        make_client(url, retry_budget_s=0).wait_ready("s1", timeout_s=0.2)
+    errors.append(info.value)
+
+    for exc in errors:
+        assert KEY not in str(exc) and KEY not in repr(exc) and KEY not in (getattr(exc, "server_message", "") or "")
+    assert any("failed" in r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+    for record in caplog.records:
+        assert KEY not in record.getMessage() and KEY not in (record.exc_text or "")
 
 
 # ------------------------------------------------------------------------------------------------ retries

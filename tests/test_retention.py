@@ -218,3 +218,29 @@ def test_apply_retention_on_s3(s3_server: S3Server) -> None:
     _publish(st, CommitInfo("C", "full", None, files, 3.0))
     assert apply_retention(st, keep_last=1) == ["B", "A"]
     assert st.list_dirs() == ["C"] and st.list("A") == [] and st.list("B") == []
+
+
+def test_foreign_directories_under_the_root_are_left_alone(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    st = Storage(str(tmp_path))
+    files = {"model-00000.safetensors": {"size": 4}}
+    for s in [CommitInfo("A", "full", None, files, 10.0), CommitInfo("B", "delta", "A", files, 20.0),
+              CommitInfo("C", "full", None, files, 30.0)]:
+        _publish(st, s)
+    foreign = ["my logs", ".trash", "date=2024", "x" * 129]
+    old = time.time() - 10_000
+    for name in foreign:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "data.txt").write_text("not a snapshot")
+        os.utime(tmp_path / name / "data.txt", (old, old))
+    assert set(foreign) <= set(st.list_dirs())
+
+    caplog.set_level("INFO", logger="fsdp_hotload.retention")
+    for strict in (True, False):
+        assert [c.identity for c in list_committed(st, strict=strict)] == ["A", "B", "C"]
+    assert apply_retention(st, keep_last=1, delete_incomplete=True) == ["B", "A"]
+    assert [c.identity for c in list_committed(st)] == ["C"]
+    assert sorted(st.list_dirs()) == sorted(["C", *foreign])
+    for name in foreign:
+        assert (tmp_path / name / "data.txt").read_text() == "not a snapshot"
+    ignored = [r.getMessage() for r in caplog.records if "not a snapshot identity" in r.getMessage()]
+    assert len(ignored) == len(foreign)  # once per directory, not once per pass
