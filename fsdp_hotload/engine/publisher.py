@@ -188,10 +188,8 @@ class Publisher:
         self.latest_step = step
         if step % self.config.publish_every:
             return False
-        if self._broken is not None and self.config.busy_policy == "wait":
-            buf = None
-        elif self.config.busy_policy == "wait":
-            buf = self.stager.acquire(wait=True)
+        if self.config.busy_policy == "wait":
+            buf = None if self._broken is not None else self.stager.acquire(wait=True)
         else:
             if self.world == 1:
                 busy = self._busy()
