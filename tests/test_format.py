@@ -362,6 +362,18 @@ def test_header_bounds() -> None:
         parse_header(bad + b"x")
 
 
+@pytest.mark.parametrize("meta", [[], 0, "", False, ["a"], {"k": 1}])
+def test_metadata_that_is_not_a_string_map_is_rejected(meta: object) -> None:
+    doc = json.dumps({"__metadata__": meta}).encode()
+    with pytest.raises(FormatError, match="__metadata__ must map strings to strings"):
+        parse_header(len(doc).to_bytes(8, "little") + doc)
+
+
+def test_null_or_absent_metadata_is_none() -> None:
+    for doc in (b'{"__metadata__": null}', b"{}"):
+        assert parse_header(len(doc).to_bytes(8, "little") + doc).metadata == {}
+
+
 def _brute_tiling(boxes: list[Box], space: tuple[int, ...]) -> str:
     """The tiling rule by definition: in range, as many elements as the space, no two non-empty boxes overlap."""
     if any(len(b.start) != len(space) or any(s + n > d for s, n, d in zip(b.start, b.length, space)) for b in boxes):

@@ -72,7 +72,8 @@ def parse_header(data: bytes | memoryview, *, filename: str = "<bytes>", total_s
     raw = parse_json(bytes(data[8:8 + hlen]), "header", file=filename)
     if not isinstance(raw, dict):
         raise FormatError("header is not a JSON object", file=filename)
-    meta = raw.pop("__metadata__", None) or {}
+    meta = raw.pop("__metadata__", None)  # absent or null: none; [], 0 or "" are not a mapping
+    meta = {} if meta is None else meta
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise FormatError("__metadata__ must map strings to strings", file=filename)
     entries: list[Entry] = []
