@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -243,6 +244,16 @@ def _ancestors_closure(roots: Iterable[str], by_id: dict[str, CommitInfo]) -> se
     return keep
 
 
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _looks_like_ours(identity: str, files: dict[str, Any]) -> bool:
+    """Whether a directory without a marker could be a publisher's unfinished snapshot: flat (the publisher never
+    writes below ``<identity>/``) and holding at least one HF shard file. Anything else is left alone."""
+    names = [path[len(identity) + 1:] for path in files]
+    return bool(names) and all("/" not in n for n in names) and any(_SHARD_NAME.fullmatch(n) for n in names)
+
+
 def plan_retention(snapshots: list[CommitInfo], keep_last: int, protected: set[str] | frozenset[str]) -> list[str]:
     """Identities to delete (oldest first), given the committed snapshots. Pure; nothing is touched.
 
@@ -278,7 +289,9 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
     one: at a full-snapshot step a delta may be committed while the full one is still uploading, and another
     trainer or rank may be mid-publish. Only turn it on when no publisher can be writing under this root. Its
     age test compares the store's file times with the trainer's ``created_at`` clock. Directories whose names
-    are not identities are never touched.
+    are not identities are never touched, nor are those that do not look like a publisher's: a snapshot is flat
+    and holds HF shard files (``model-00001-of-00004.safetensors``), so a nested tree or a folder of other files
+    stays.
     """
     protected = frozenset(protected)
     committed = list_committed(storage)
@@ -295,8 +308,11 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
         for identity in _snapshot_dirs(storage):
             if identity in by_id or identity in protected:
                 continue
-            times = [f.mtime for f in storage.list_info(identity).values()]
-            if not times or any(t is None for t in times):
+            infos = storage.list_info(identity)
+            if not _looks_like_ours(identity, infos):
+                continue  # a name that could be an identity, but contents no publisher writes: not ours
+            times = [f.mtime for f in infos.values()]
+            if any(t is None for t in times):
                 continue  # empty, or the backend gives no times: its age is unknown, keep it
             if max(t for t in times if t is not None) < newest:
                 storage.delete_prefix(identity)

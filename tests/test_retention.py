@@ -197,17 +197,24 @@ def test_apply_retention_on_local_storage(tmp_path: Path) -> None:
     for s in [CommitInfo("A", "full", None, files, now - 50), CommitInfo("B", "delta", "A", files, now - 40),
               CommitInfo("C", "full", None, files, now - 30), CommitInfo("D", "delta", "C", files, now - 20)]:
         _publish(st, s)
-    st.put_bytes("stale/model-00000.safetensors", b"half")   # abandoned long ago
-    os.utime(tmp_path / "stale" / "model-00000.safetensors", (now - 1000, now - 1000))
-    st.put_bytes("inflight/model-00000.safetensors", b"half")  # being written right now
+    shard = "model-00001-of-00002.safetensors"
+    st.put_bytes(f"stale/{shard}", b"half")   # abandoned long ago
+    os.utime(tmp_path / "stale" / shard, (now - 1000, now - 1000))
+    st.put_bytes(f"inflight/{shard}", b"half")  # being written right now
+    # Old, markerless, named like identities, but not laid out like a snapshot: never deleted.
+    for path in ("notes/readme.txt", "base-model/model.safetensors", f"nested/sub/{shard}"):
+        st.put_bytes(path, b"user data")
+        os.utime(tmp_path / path, (now - 1000, now - 1000))
 
     assert apply_retention(st, keep_last=1, protected={"B"}) == []  # B is served: B and A stay; D needs C
     assert apply_retention(st, keep_last=1) == ["B", "A"]  # children first
-    assert st.list_dirs() == ["C", "D", "inflight", "stale"]
+    user_dirs = ["base-model", "nested", "notes"]
+    assert st.list_dirs() == sorted(["C", "D", "inflight", "stale", *user_dirs])
     assert [c.identity for c in list_committed(st)] == ["C", "D"]
 
     assert apply_retention(st, keep_last=1, delete_incomplete=True) == ["stale"]
-    assert st.list_dirs() == ["C", "D", "inflight"]
+    assert st.list_dirs() == sorted(["C", "D", "inflight", *user_dirs])
+    assert st.get_bytes("base-model/model.safetensors") == b"user data"
 
 
 def test_apply_retention_on_s3(s3_server: S3Server) -> None:
