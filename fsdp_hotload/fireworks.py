@@ -26,7 +26,6 @@ import ipaddress
 import json
 import logging
 import os
-import re
 import ssl
 import time
 import urllib.parse
@@ -55,6 +54,7 @@ from .fireworks_models import (
     validate_filename,
     validate_identity,
 )
+from .fireworks_names import API_KEY_ENV, Secret, clean_api_key, deployment_name, model_name
 
 log = logging.getLogger(__name__)
 
@@ -83,14 +83,11 @@ __all__ = [
     "validate_identity",
 ]
 
-API_KEY_ENV = "FIREWORKS_API_KEY"
 DEFAULT_BASE_URL = "https://api.fireworks.ai"
 SOURCE_URL_HEADER = "x-fireworks-hot-load-source-url"
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # Statuses that will not change by polling again: waiting would only hide a configuration error.
 _FATAL_POLL_STATUS = frozenset({400, 401, 403, 404})
-_MODEL_RE = re.compile(r"accounts/([^/]+)/models/([^/]+)")
-_DEPLOYMENT_RE = re.compile(r"accounts/([^/]+)/deployments/([^/]+)")
 
 _HINTS: dict[int, str] = {
     400: "the server rejected the request: check the identity and incremental_snapshot_metadata "
@@ -140,7 +137,7 @@ class DeploymentTarget(BaseModel):
 
     @property
     def deployment_name(self) -> str:
-        return _deployment_name(self.account_id, self.deployment_id)[0]
+        return deployment_name(self.account_id, self.deployment_id)[0]
 
     def client(self, **kwargs: Any) -> "HotLoadClient":
         return HotLoadClient(
@@ -153,83 +150,6 @@ class DeploymentTarget(BaseModel):
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-
-
-class _Secret:
-    """Holds the API key; its repr never shows it."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, value: str) -> None:
-        self._value = value
-
-    def get(self) -> str:
-        return self._value
-
-    def __repr__(self) -> str:
-        return "<redacted>"
-
-    __str__ = __repr__
-
-
-def _describe_char(c: str) -> str:
-    if c in "\r\n":
-        return "a line break"
-    if c.isspace():
-        return "whitespace"
-    if ord(c) < 0x20 or ord(c) == 0x7F:
-        return "a control character"
-    return "a non-ASCII character"
-
-
-def _clean_api_key(value: object, source: str) -> str:
-    """The key as it goes into the ``Authorization`` header.
-
-    Keys read from secret files often end in a newline, so surrounding whitespace is stripped. Anything left
-    outside printable ASCII cannot be sent in a header (``http.client`` would raise an error quoting the whole
-    header, key included) and is most likely a paste or encoding accident, so it is refused here with a message
-    that names where the key came from and never shows it.
-    """
-    if not isinstance(value, str):
-        raise TypeError(f"the Fireworks API key from {source} must be a string, not {type(value).__name__}")
-    key = value.strip()
-    if not key:
-        raise ValueError(f"the Fireworks API key from {source} is empty: set {API_KEY_ENV} (or pass api_key=)")
-    for i, c in enumerate(key):
-        if not "\x21" <= c <= "\x7e":
-            raise ValueError(
-                f"the Fireworks API key from {source} contains {_describe_char(c)} at position {i} (of {len(key)}); "
-                "an API key must be printable ASCII without spaces (the key is not shown)"
-            )
-    return key
-
-
-def _segment(value: str, what: str) -> str:
-    if not isinstance(value, str) or not value or "/" in value:
-        raise ValueError(f"{what} must be a non-empty name without '/', got {value!r}")
-    return value
-
-
-def _deployment_name(account_id: str, deployment_id: str) -> tuple[str, str, str]:
-    """(resource name, account, deployment); ``deployment_id`` may already be ``accounts/<a>/deployments/<d>``."""
-    account = _segment(account_id.removeprefix("accounts/"), "account_id")
-    if deployment_id.startswith("accounts/"):
-        m = _DEPLOYMENT_RE.fullmatch(deployment_id)
-        if not m:
-            raise ValueError(f"deployment_id {deployment_id!r} must be a name or 'accounts/<acct>/deployments/<id>'")
-        if m.group(1) != account:
-            raise ValueError(f"deployment_id {deployment_id!r} belongs to account {m.group(1)!r}, not {account!r}")
-        return deployment_id, account, m.group(2)
-    dep = _segment(deployment_id, "deployment_id")
-    return f"accounts/{account}/deployments/{dep}", account, dep
-
-
-def _model_name(account: str, model_id: str) -> str:
-    if model_id.startswith("accounts/"):
-        if not _MODEL_RE.fullmatch(model_id):
-            raise ValueError(f"model_id {model_id!r} must be a name or 'accounts/<acct>/models/<model>'")
-        return model_id
-    return f"accounts/{account}/models/{_segment(model_id, 'model_id')}"
 
 
 def _is_loopback(host: str) -> bool:
@@ -311,9 +231,9 @@ class HotLoadClient:
             raise ValueError(f"no Fireworks API key: set {API_KEY_ENV} (or pass api_key=)")
         # Callers often resolve the environment variable themselves and pass it on: name it in that case too.
         source = f"${API_KEY_ENV}" if api_key is None or api_key == env_key else "the api_key field"
-        self._api_key = _Secret(_clean_api_key(key, source))
-        self.deployment_name, self.account_id, self.deployment_id = _deployment_name(account_id, deployment_id)
-        self.model_name = _model_name(self.account_id, model_id)
+        self._api_key = Secret(clean_api_key(key, source))
+        self.deployment_name, self.account_id, self.deployment_id = deployment_name(account_id, deployment_id)
+        self.model_name = model_name(self.account_id, model_id)
         self.base_url = self._check_url(base_url, allow_insecure, "base_url")
         self.control_plane_url = self._check_url(control_plane_url or base_url, allow_insecure, "control_plane_url")
         for name, value in (("timeout_s", timeout_s), ("poll_interval_s", poll_interval_s)):

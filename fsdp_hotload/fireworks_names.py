@@ -1,0 +1,98 @@
+"""Fireworks resource names and the API key, as the hot-load client builds and checks them.
+
+Kept apart from the HTTP client so the rules that turn user input into a request (which account, which
+deployment, which key) read on their own and are tested directly.
+
+Example::
+
+    deployment_name("acme", "rl-rollouts")   # ('accounts/acme/deployments/rl-rollouts', 'acme', 'rl-rollouts')
+    model_name("acme", "qwen3-8b")           # 'accounts/acme/models/qwen3-8b'
+    key = Secret(clean_api_key(os.environ["FIREWORKS_API_KEY"], "FIREWORKS_API_KEY"))
+    repr(key)                                # '<redacted>'
+"""
+from __future__ import annotations
+
+import re
+
+__all__ = ["API_KEY_ENV", "Secret", "clean_api_key", "deployment_name", "model_name"]
+
+API_KEY_ENV = "FIREWORKS_API_KEY"
+_MODEL_RE = re.compile(r"accounts/([^/]+)/models/([^/]+)")
+_DEPLOYMENT_RE = re.compile(r"accounts/([^/]+)/deployments/([^/]+)")
+
+
+class Secret:
+    """Holds the API key; its repr never shows it."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def get(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "<redacted>"
+
+    __str__ = __repr__
+
+
+def _describe_char(c: str) -> str:
+    if c in "\r\n":
+        return "a line break"
+    if c.isspace():
+        return "whitespace"
+    if ord(c) < 0x20 or ord(c) == 0x7F:
+        return "a control character"
+    return "a non-ASCII character"
+
+
+def clean_api_key(value: object, source: str) -> str:
+    """The key as it goes into the ``Authorization`` header.
+
+    Keys read from secret files often end in a newline, so surrounding whitespace is stripped. Anything left
+    outside printable ASCII cannot be sent in a header (``http.client`` would raise an error quoting the whole
+    header, key included) and is most likely a paste or encoding accident, so it is refused here with a message
+    that names where the key came from and never shows it.
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"the Fireworks API key from {source} must be a string, not {type(value).__name__}")
+    key = value.strip()
+    if not key:
+        raise ValueError(f"the Fireworks API key from {source} is empty: set {API_KEY_ENV} (or pass api_key=)")
+    for i, c in enumerate(key):
+        if not "\x21" <= c <= "\x7e":
+            raise ValueError(
+                f"the Fireworks API key from {source} contains {_describe_char(c)} at position {i} (of {len(key)}); "
+                "an API key must be printable ASCII without spaces (the key is not shown)"
+            )
+    return key
+
+
+def _segment(value: str, what: str) -> str:
+    if not isinstance(value, str) or not value or "/" in value:
+        raise ValueError(f"{what} must be a non-empty name without '/', got {value!r}")
+    return value
+
+
+def deployment_name(account_id: str, deployment_id: str) -> tuple[str, str, str]:
+    """(resource name, account, deployment); ``deployment_id`` may already be ``accounts/<a>/deployments/<d>``."""
+    account = _segment(account_id.removeprefix("accounts/"), "account_id")
+    if deployment_id.startswith("accounts/"):
+        m = _DEPLOYMENT_RE.fullmatch(deployment_id)
+        if not m:
+            raise ValueError(f"deployment_id {deployment_id!r} must be a name or 'accounts/<acct>/deployments/<id>'")
+        if m.group(1) != account:
+            raise ValueError(f"deployment_id {deployment_id!r} belongs to account {m.group(1)!r}, not {account!r}")
+        return deployment_id, account, m.group(2)
+    dep = _segment(deployment_id, "deployment_id")
+    return f"accounts/{account}/deployments/{dep}", account, dep
+
+
+def model_name(account: str, model_id: str) -> str:
+    if model_id.startswith("accounts/"):
+        if not _MODEL_RE.fullmatch(model_id):
+            raise ValueError(f"model_id {model_id!r} must be a name or 'accounts/<acct>/models/<model>'")
+        return model_id
+    return f"accounts/{account}/models/{_segment(model_id, 'model_id')}"
