@@ -57,6 +57,21 @@ def test_a_side_group_timeout_stops_publishing_and_training_goes_on(tmp_path: Pa
         assert res["metrics"] == [], res  # the broken snapshot has no outcome: nobody recorded it as served
 
 
+def test_ranks_that_staged_different_steps_commit_nothing(tmp_path: Path) -> None:
+    """Rank 1 skips a step (as after an error caught on that rank alone): every snapshot that would pair two
+    different steps fails on rank 0's check, and nothing but the first, consistent snapshot is committed."""
+    bucket, hf, out = tmp_path / "bucket", tmp_path / "hf", tmp_path / "result"
+    bucket.mkdir(), hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "tiny", "tie_word_embeddings": true}')
+    run_torchrun(str(SCRIPTS / "mismatched_steps.py"), 2,
+                 ["--bucket", str(bucket), "--hf-dir", str(hf), "--out", str(out)], timeout=120)
+    metrics = json.loads(Path(f"{out}.0").read_text())["metrics"]
+    assert [(step, ok) for step, ok, _ in metrics] == [(0, True), (1, False), (2, False), (3, False)], metrics
+    assert all("ranks staged different steps" in error for _, ok, error in metrics[1:]), metrics
+    committed = sorted(p.parent.name for p in bucket.glob("*/hotload.commit.json"))
+    assert len(committed) == 1 and committed[0].startswith("step-000000-"), committed
+
+
 def test_one_rank_upload_failure_is_never_served(tmp_path: Path) -> None:
     recs, _ = run_job(tmp_path, 2, "fsdp2", "--steps", "6", "--fail-step", "2", "--fail-rank", "1")
     assert [(r["kind"], r["ok"]) for r in recs] == [("full", True), ("delta", True), ("delta", False),

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +156,57 @@ def test_failed_upload_is_never_signalled_and_next_is_full(tmp_path: Path) -> No
         pub.close()
         assert pub.metrics[-1].kind == "full" and pub.metrics[-1].ok
         assert served(emu)[0][1] == expected_sha(model)
+
+
+def test_with_the_wait_policy_an_error_is_raised_by_the_publish_that_waited_for_it(tmp_path: Path) -> None:
+    """The publish that waits for a slot raises the error of the snapshot that held it, instead of staging and
+    raising one publish later. Ranks wait for the same snapshot, so they all raise at the same step: a rank
+    that staged where another raised would pair two different steps in one snapshot."""
+    bucket = str(tmp_path / "bucket")
+    faulty = FaultyFileSystem(fsspec.filesystem("file"), exc_factory=lambda: PermissionError("denied"),
+                              delay_s=0.1)
+    storage = Storage(bucket, fs=faulty, max_attempts=1)
+    model = make_model()
+    pub = TensorPublisher(model, config(bucket, None, tmp_path, busy_policy="wait"), storage=storage)
+    pub.publish(0, model)
+    pub.wait()
+    faulty.arm(1, match="model-00002")
+    train_step(model, 1)
+    pub.publish(1, model)  # its upload fails (slowly) in the background
+    train_step(model, 2)
+    with pytest.raises(PublishError, match="upload failed"):
+        pub.publish(2, model)  # waits for the slot, then raises rather than staging step 2
+    assert pub.engine.stager.free_slots() == 1  # the slot it waited for is given back
+    pub.wait()
+    assert [m.step for m in pub.metrics] == [0, 1]
+    pub.publish(3, model)
+    pub.close()
+    assert [(m.step, m.kind, m.ok) for m in pub.metrics] == [(0, "full", True), (1, "delta", False), (3, "full", True)]
+
+
+def test_exiting_without_close_says_what_was_dropped(tmp_path: Path) -> None:
+    """The publisher's threads are daemons, so a script that never calls close() loses its last snapshot at
+    exit: that must be said, not silent."""
+    script = f"""
+import sys, fsspec, torch
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+from fsdp_hotload.config import HotloadConfig
+from fsdp_hotload.publish import TensorPublisher
+from fsdp_hotload.storage import Storage
+from tests.s3_fixture import FaultyFileSystem
+model = {{"w": torch.randn(64, 64)}}
+storage = Storage(sys.argv[1], fs=FaultyFileSystem(fsspec.filesystem("file"), delay_s=2.0))
+pub = TensorPublisher(model, HotloadConfig(bucket_url=sys.argv[1]), storage=storage)
+pub.publish(0, model)
+if sys.argv[2] == "close":
+    pub.close()
+"""
+    for how in ("exit", "close"):
+        res = subprocess.run([sys.executable, "-c", script, str(tmp_path / how), how], capture_output=True,
+                             text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        warned = "1 snapshot(s) still publishing on rank 0 and close() never called" in res.stderr
+        assert warned == (how == "exit"), res.stderr
 
 
 def test_throttling_is_retried_and_counted(tmp_path: Path) -> None:

@@ -28,12 +28,14 @@ Example::
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
 import secrets
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -57,6 +59,19 @@ from .signal import Signaller
 from .staging import ChunkLike, Stager
 
 log = logging.getLogger("fsdp_hotload")
+
+_open_publishers: "weakref.WeakSet[Publisher]" = weakref.WeakSet()
+
+
+@atexit.register
+def _warn_unclosed() -> None:
+    """The publisher's threads are daemons (an exiting trainer must not hang on a remote fleet), so a process
+    that ends without ``close()`` drops what is still in flight: say so instead of losing it silently."""
+    for pub in list(_open_publishers):
+        if not pub.closed and pub._pending:
+            log.warning("hotload: exiting with %d snapshot(s) still publishing on rank %d and close() never called: "
+                        "they are dropped and the fleet keeps its last snapshot; call close() (or use `with`) to "
+                        "wait for them", pub._pending, pub.rank)
 
 
 def lower_thread_priority(nice: int) -> None:
@@ -97,6 +112,7 @@ class _Outcome:
 class _RankStatus:
     rank: int
     kind: str = ""
+    identity: str = ""  # ranks pair snapshots by queue order: a rank that staged another step must not mix in
     error: str | None = None
     files: dict[str, int] = field(default_factory=dict)
     changed: int = 0
@@ -163,6 +179,7 @@ class Publisher:
         self._uploads: ThreadPoolExecutor | None = None  # file writers, started by (and as nice as) the publisher
         self.latest_step = -1
         self.closed = False
+        _open_publishers.add(self)
 
     # ================================================================== main thread
     def publish(self, step: int,
@@ -185,6 +202,13 @@ class Publisher:
         self.raise_if_failed()
         if self.closed:
             raise RuntimeError("publisher is closed")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        if step <= self.latest_step:
+            raise ValueError(
+                f"step {step} does not follow step {self.latest_step}: steps must increase, since they name the "
+                "snapshots (a step seen twice would overwrite a published one); pass a global step counter, not "
+                "the step within an epoch")
         self.latest_step = step
         if step % self.config.publish_every:
             return False
@@ -201,6 +225,11 @@ class Publisher:
             # Agreed free means this rank's slot is free too: only this thread takes slots.
             buf = None if busy else self.stager.acquire(wait=True)
         if buf is not None:
+            try:  # the previous snapshot has ended on this rank, and its error (stored before its slot was
+                self.raise_if_failed()  # freed) is raised at this same step on every rank
+            except BaseException:
+                self.stager.release(buf)
+                raise
             try:
                 srcs = sources() if callable(sources) else sources
                 event = self.stager.stage(buf, srcs, background=background_copy)
@@ -336,21 +365,20 @@ class Publisher:
             try:
                 if self._broken is not None:  # queued before the failure was seen (wait policy): drop it
                     raise PublishError(f"publishing stopped after a collective failed: {self._broken!r}")
-                outcome = self._run(job)
-                if not outcome.ok:
-                    self._store_error(PublishError(outcome.error or "publish failed"))
+                self._run(job)  # a failed outcome stores its error itself, before freeing the slot
             except BaseException as exc:
                 if job.settled:  # only the bookkeeping after the outcome failed: the outcome stands
                     log.exception("hotload: publisher thread failed after step %d's outcome", job.step)
+                    self._store_error(exc)
                 else:  # a collective itself failed: the group is unusable from here on
                     if self._broken is None:
                         self._broken = exc
                         log.error("hotload: a collective on the publisher's side group failed (%r); publishing "
                                   "stops for the rest of this job, training goes on. If it timed out, raise "
                                   "collective_timeout_s (now %.0f s).", exc, self.config.side_group_timeout_s)
+                    self._store_error(exc)  # before the slot is free: see publish()
                     self.cadence.on_failure()
                     self.stager.release(job.buf)
-                self._store_error(exc)
             finally:
                 with self._idle:
                     self._pending -= 1
@@ -360,7 +388,7 @@ class Publisher:
         kind = self.cadence.next_kind()
         parent = self.cadence.accepted
         identity = new_identity(job.step, prefix=self.config.identity_prefix, session=self.session)
-        st = _RankStatus(self.rank, kind)
+        st = _RankStatus(self.rank, kind, identity)
         outgoing: list[list[Piece]] = [[] for _ in range(self.world)]
         new_parts: list[tuple[int, int]] = []
         try:
@@ -389,6 +417,7 @@ class Publisher:
             self._cache_parts = new_parts
             self.cadence.on_success(identity, kind)
         else:
+            self._store_error(PublishError(outcome.error or "publish failed"))  # before the slot is free
             self.stager.release(job.buf)
             self.cadence.on_failure()
         if self.rank == 0 and outcome.metrics is not None:
@@ -509,6 +538,10 @@ class Publisher:
         kinds = {s.kind for s in statuses}
         if len(kinds) > 1:  # cannot happen while every rank saw every outcome; never publish a mixed snapshot
             errors.append(f"ranks disagree on the snapshot kind: {sorted(kinds)}")
+        identities = {s.identity for s in statuses}
+        if len(identities) > 1:  # a rank staged a different step (an error raised and caught on one rank only)
+            errors.append(f"ranks staged different steps ({', '.join(sorted(identities))}); a snapshot must hold "
+                          "one step: call publish/step with the same steps on every rank")
         if not errors and set(files) != set(self.plan.files):
             errors.append(f"files missing after upload: {sorted(set(self.plan.files) - set(files))}")
         try:
