@@ -9,10 +9,10 @@ Example::
 
     cfg = HotloadConfig.from_env()                      # or HotloadConfig(bucket_url=..., ...)
     with HotloadCallback(model, cfg) as hot:
-        for step, batch in enumerate(loader):
+        for step, batch in enumerate(loader, start=resumed_step):   # a global step: it names the snapshot
             loss = model(batch).loss; loss.backward(); optimizer.step(); optimizer.zero_grad()
             hot.step(step)
-    # or: hot.attach(optimizer) to publish from optimizer.register_step_post_hook
+    # or: hot.attach(optimizer, first_step=resumed_step) to publish from the optimizer's step hooks
 """
 from __future__ import annotations
 
@@ -82,6 +82,7 @@ class HotloadCallback:
         self.engine = Publisher(chunks, specs, config, comm=comm, ctrl=ctrl, **engine_kwargs)
         self._layout = [(c.name, c.box) for c in chunks]
         self._views = [c.source for c in chunks]
+        self._buffer_idx = self._buffer_chunks(chunks)
         self._step = 0
         self._hooks: list[Any] = []
 
@@ -96,7 +97,25 @@ class HotloadCallback:
         step = self._step if step is None else int(step)
         self._step = step + 1
         # views are built only on steps that publish
-        return self.engine.publish(step, self._sources, background_copy=background_copy)
+        # only a host copy runs beside the next forward; a device copy is ordered before it on the device
+        overlaps = background_copy and not self.engine.stager.cuda
+        sources = self._background_sources if overlaps else self._sources
+        return self.engine.publish(step, sources, background_copy=background_copy)
+
+    def _buffer_chunks(self, chunks: list[Any]) -> list[int]:
+        """Chunks that read a module buffer. Forward passes update buffers (BatchNorm running statistics, step
+        counters) in place, so a copy that overlaps the next forward would read them half updated."""
+        ptrs = {b.untyped_storage().data_ptr() for b in self.model.buffers() if b.numel()}
+        return [i for i, c in enumerate(chunks)
+                if c.source.numel() and c.source.untyped_storage().data_ptr() in ptrs]
+
+    def _background_sources(self) -> list[torch.Tensor]:
+        """The sources for a copy that overlaps the next forward: buffers are cloned now (they are small),
+        parameters are read later (only the optimizer changes them, and its pre-step hook waits for the copy)."""
+        views = list(self._sources())
+        for i in self._buffer_idx:
+            views[i] = views[i].detach().clone()
+        return views
 
     def _sources(self) -> list[torch.Tensor]:
         # The views stay valid while every parameter and buffer is the same object on the same memory; a
@@ -109,37 +128,57 @@ class HotloadCallback:
                 raise RuntimeError("the model's sharding changed since HotloadCallback was created; "
                                    "create a new one")
             self._views, self._fingerprint = [c.source for c in chunks], fingerprint
+            self._buffer_idx = self._buffer_chunks(chunks)
         return self._views
 
-    def attach(self, optimizer: torch.optim.Optimizer, *, first_step: int | None = None) -> None:
-        """Publish from ``optimizer.register_step_post_hook``.
+    def attach(self, *optimizers: torch.optim.Optimizer, first_step: int | None = None) -> None:
+        """Publish from the optimizers' step hooks (``register_step_pre_hook`` / ``register_step_post_hook``).
+
+        Pass every optimizer that updates the model (e.g. Muon for matrices and AdamW for the rest): a snapshot
+        is taken once all of them have stepped since the last one, so it never mixes two steps. Calling
+        ``attach`` again replaces the earlier optimizers (after an optimizer is re-created, say).
 
         Steps are counted from ``first_step`` (pass the resumed step when training restarts from a
         checkpoint, so identities carry the real step), else from where ``step()`` or an earlier attach left
-        off (0 at first).
+        off (0 at first). Only steps the optimizers take count: a step a ``GradScaler`` skips (inf gradients)
+        does not, so identities then lag the trainer's step; call ``step(global_step)`` instead where that matters.
 
         With ``config.async_copy`` (the default) a CPU copy of the shard runs on a helper thread while the
         next forward and backward run, and a step pre-hook makes the next ``optimizer.step()`` wait for it,
         so the trainer's thread blocks only if the copy is not done by then. The optimizer must own every
-        published parameter, and nothing else may modify them in place between two optimizer steps.
+        published parameter, and nothing else may modify them in place between two optimizer steps; buffers,
+        which forward passes update, are cloned at the hook instead.
 
         With several ranks and ``busy_policy="skip"``, the pre-step hook also starts the ranks' agreement on
         whether the previous snapshot has finished, a forward and backward later than ``step()`` can: a
         publisher that keeps up publishes every step (``step()`` publishes at most every second step).
         """
+        if not optimizers:
+            raise TypeError("attach() needs at least one optimizer")
+        if len({id(o) for o in optimizers}) != len(optimizers):
+            raise ValueError("attach() was given the same optimizer twice")
+        if self.engine.closed:
+            raise RuntimeError("HotloadCallback is closed: create a new one to publish again")
         self.detach()
         if first_step is not None:
             self._step = int(first_step)
         background = self.config.async_copy
+        stepped: set[int] = set()
 
         def pre(*_: Any) -> None:
             self.fence()
-            self.engine.agree(self._step)
+            self.engine.agree(self._step)  # a no-op while one is pending (several optimizers)
 
-        def post(*_: Any) -> None:
-            self._publish(None, background_copy=background)
+        def post_of(i: int) -> Callable[..., None]:
+            def post(*_: Any) -> None:
+                stepped.add(i)
+                if len(stepped) == len(optimizers):
+                    stepped.clear()
+                    self._publish(None, background_copy=background)
+            return post
 
-        self._hooks = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+        for i, opt in enumerate(optimizers):
+            self._hooks += [opt.register_step_pre_hook(pre), opt.register_step_post_hook(post_of(i))]
         self.engine.early_agreement = True
 
     def detach(self) -> None:

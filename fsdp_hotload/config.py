@@ -117,7 +117,13 @@ class HotloadConfig(BaseModel):
     def _bucket(cls, v: str) -> str:
         if not v.strip():
             raise ValueError("bucket_url must not be empty")
-        return v.rstrip("/")
+        return os.path.expanduser(v).rstrip("/") if v.startswith("~") else v.rstrip("/")
+
+    @field_validator("hf_config_dir", "metrics_path")
+    @classmethod
+    def _home(cls, v: str | None) -> str | None:
+        """``~`` is expanded as a shell would (a YAML file or a quoted variable leaves it as it is)."""
+        return os.path.expanduser(v) if v else v
 
     @model_validator(mode="after")
     def _signalling_complete(self) -> "HotloadConfig":

@@ -144,3 +144,102 @@ def test_tie_word_embeddings_from_config_json(config: Any, tied: bool | None, tm
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert hf_tie_word_embeddings(str(tmp_path)) is tied
     assert hf_tie_word_embeddings(str(tmp_path / "missing")) is None
+
+
+def _setup(tmp_path: Path) -> tuple[Path, Path]:
+    bucket, hf = tmp_path / "bucket", tmp_path / "hf"
+    bucket.mkdir(), hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "net", "tie_word_embeddings": false}')
+    return bucket, hf
+
+
+def _slow_copies(hot: HotloadCallback, seconds: float) -> None:
+    stager = hot.engine.stager
+    copy = stager._copy_host
+
+    def slow_copy(*a: object) -> None:
+        time.sleep(seconds)  # still copying while the next forward runs
+        copy(*a)  # type: ignore[arg-type]
+
+    stager._copy_host = slow_copy  # type: ignore[method-assign]
+
+
+def test_buffers_a_forward_changes_are_published_as_they_were_at_the_step(tmp_path: Path) -> None:
+    """The background copy overlaps the next forward, which updates buffers in place (running statistics,
+    counters): those are taken at the hook, so a snapshot never holds the next forward's buffer values."""
+    bucket, hf = _setup(tmp_path)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hot = HotloadCallback(model, HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf), busy_policy="wait"))
+    _slow_copies(hot, 0.2)
+    hot.attach(opt)
+    states = []
+    for _ in range(3):
+        model(torch.randint(0, 40, (2, 8))).sum().backward()
+        model.steps += 1
+        opt.step()
+        states.append(_expected(model))
+        model.steps += 100  # the next forward's buffer update, while the copy is still running
+        opt.zero_grad()
+    hot.close()
+    rebuilt = rebuild_accepted(bucket, hot.metrics)
+    assert len(hot.metrics) == 3
+    for m, want in zip(hot.metrics, states):
+        assert {k: t.sha256() for k, t in rebuilt[m.identity].items()} == want
+
+
+def test_attach_to_several_optimizers_publishes_once_all_have_stepped(tmp_path: Path) -> None:
+    """Muon-style training: two optimizers over disjoint parameters. One snapshot per training step, taken
+    after both stepped, whatever their order."""
+    bucket, hf = _setup(tmp_path)
+    model = Net()
+    mats = [p for n, p in model.named_parameters() if n.startswith("layers.") and p.ndim == 2]
+    rest = [p for n, p in model.named_parameters() if not (n.startswith("layers.") and p.ndim == 2)]
+    opt_a, opt_b = torch.optim.SGD(mats, lr=0.1), torch.optim.AdamW(rest, lr=0.1)
+    hot = HotloadCallback(model, HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf), busy_policy="wait"))
+    _slow_copies(hot, 0.05)
+    hot.attach(opt_a, opt_b)
+    states = []
+    for i in range(4):
+        model(torch.randint(0, 40, (2, 8))).sum().backward()
+        first, second = (opt_a, opt_b) if i % 2 else (opt_b, opt_a)
+        first.step()
+        second.step()
+        first.zero_grad(), second.zero_grad()
+        states.append(_expected(model))
+    hot.close()
+    assert [m.step for m in hot.metrics] == [0, 1, 2, 3]
+    rebuilt = rebuild_accepted(bucket, hot.metrics)
+    for m, want in zip(hot.metrics, states):
+        assert {k: t.sha256() for k, t in rebuilt[m.identity].items()} == want
+    with pytest.raises(ValueError, match="same optimizer twice"):
+        HotloadCallback(model, HotloadConfig(bucket_url=str(bucket))).attach(opt_a, opt_a)
+    with pytest.raises(RuntimeError, match="closed"):
+        hot.attach(opt_a)
+
+
+def test_a_step_seen_twice_is_refused_and_nothing_is_overwritten(tmp_path: Path) -> None:
+    """Steps name the snapshots: a loop that restarts its step count each epoch would rewrite published
+    snapshots (and the one the fleet serves). The repeated step is refused before anything is written."""
+    bucket, hf = _setup(tmp_path)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with HotloadCallback(model, HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf),
+                                              busy_policy="wait")) as hot:
+        for step in range(3):
+            model(torch.randint(0, 40, (2, 8))).sum().backward()
+            opt.step()
+            hot.step(step)
+        hot.wait()
+        before = {p: p.read_bytes() for p in bucket.rglob("*") if p.is_file()}
+        opt.step()
+        with pytest.raises(ValueError, match="step 0 does not follow step 2"):
+            hot.step(0)  # epoch 2 of `for step, batch in enumerate(loader)`
+        hot.attach(opt, first_step=2)
+        with pytest.raises(ValueError, match="step 2 does not follow step 2"):
+            opt.step()
+        hot.detach()
+        hot.wait()
+        assert {p: p.read_bytes() for p in bucket.rglob("*") if p.is_file()} == before
+        hot.step(3)
+    assert [m.step for m in hot.metrics] == [0, 1, 2, 3] and all(m.ok for m in hot.metrics)

@@ -141,3 +141,15 @@ def test_env_errors_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOTLOAD_STORAGE_OPTIONS", "{endpoint: x}")
     with pytest.raises(ValueError, match="HOTLOAD_STORAGE_OPTIONS: not valid JSON"):
         HotloadConfig.from_env(full_every=3)
+
+
+def test_home_is_expanded_in_local_paths(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A quoted variable or a YAML file passes ``~`` through; a folder literally named ``~`` is never meant."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("HOTLOAD_BUCKET_URL", "~/bucket/")
+    monkeypatch.setenv("HOTLOAD_METRICS_PATH", "~/m.jsonl")
+    monkeypatch.setenv("HOTLOAD_HF_CONFIG_DIR", "~/hf")
+    cfg = HotloadConfig.from_env()
+    assert (cfg.bucket_url, cfg.metrics_path, cfg.hf_config_dir) == (
+        f"{tmp_path}/bucket", f"{tmp_path}/m.jsonl", f"{tmp_path}/hf")
+    assert HotloadConfig(bucket_url="s3://b/~x").bucket_url == "s3://b/~x"
