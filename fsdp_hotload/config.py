@@ -47,7 +47,7 @@ class HotloadConfig(BaseModel):
     # --- who gets signalled
     hotload_api_url: str | None = Field(None, description="hot-load API base URL (e.g. https://api.fireworks.ai);"
                                                           " None publishes to storage without signalling")
-    account_id: str | None = None
+    account_id: str | None = Field(None, description="Fireworks account (required when signalling)")
     model_id: str | None = Field(None, description="model served by the deployment(s): 'name' or "
                                                    "'accounts/<a>/models/<m>'")
     deployment_id: str | list[str] | None = Field(None, description="one deployment or a list (several pools "
@@ -59,7 +59,8 @@ class HotloadConfig(BaseModel):
                                                "groups, where ranks wait while the others upload and rank 0 "
                                                "signals and waits for readiness; None = ready_timeout_s + 3600")
     send_hints: bool = Field(True, description="send a per-file hint as each file becomes durable")
-    reset_prompt_cache: Literal["all", "new_session", "none"] | None = None
+    reset_prompt_cache: Literal["all", "new_session", "none"] | None = Field(
+        None, description="prompt-cache reset the fleet applies with each new snapshot (sent with every signal)")
     # --- what and when
     full_every: int = Field(20, ge=1, description="a full snapshot every N publishes (first one is always full)")
     max_chain_length: int | None = Field(None, ge=1, description="force a full snapshot after this many deltas")
@@ -68,7 +69,8 @@ class HotloadConfig(BaseModel):
                                              "(higher ratio, for receivers running our decoder)")
     snapshot_dtype: str = Field("bfloat16", description="dtype of floating tensors in snapshots (a floating "
                                                         "dtype; integer and bool tensors keep their own)")
-    identity_prefix: str = Field("step", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,40}$")
+    identity_prefix: str = Field("step", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,40}$",
+                                 description="first part of every snapshot identity (<prefix>-<step>-<session>)")
     # --- how
     max_inflight: int = Field(1, ge=1, le=8, description="snapshots staged or publishing at once (each costs "
                                                          "one bf16 copy of the local shard)")
