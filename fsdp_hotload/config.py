@@ -17,12 +17,15 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import types
 from typing import Any, Callable, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 ENV_PREFIX = "HOTLOAD_"
+MAX_TIMEOUT_S = 30 * 24 * 3600.0  # a finite bound: gloo takes timeouts as integer milliseconds
+_SECRET_OPTION = re.compile(r"secret|token|password|passwd|credential|(^|_)key$", re.IGNORECASE)
 # HOTLOAD_* variables the package reads that are not config fields (codec switches read by arc/zstd_seq.py and
 # arc/codecs.py); from_env accepts these and rejects every other unknown HOTLOAD_* variable.
 NON_CONFIG_ENV: frozenset[str] = frozenset({"HOTLOAD_ARC_ENCODER", "HOTLOAD_ARC_ONE_CALL", "HOTLOAD_LIBZSTD"})
@@ -31,7 +34,9 @@ NON_CONFIG_ENV: frozenset[str] = frozenset({"HOTLOAD_ARC_ENCODER", "HOTLOAD_ARC_
 class HotloadConfig(BaseModel):
     """Settings of one trainer's publishing to one bucket and zero or more deployments."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    # Errors never echo the input: a model-level error would print the whole dict, api_key and
+    # storage_options secrets included. Validators name the bad value themselves where it helps.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, hide_input_in_errors=True)
 
     # --- where snapshots go
     bucket_url: str = Field(description="Snapshot root: local path, file://, memory://, s3://, gs:// "
@@ -53,9 +58,11 @@ class HotloadConfig(BaseModel):
     deployment_id: str | list[str] | None = Field(None, description="one deployment or a list (several pools "
                                                                     "reading the same bucket)")
     api_key: SecretStr | None = Field(None, description="defaults to $FIREWORKS_API_KEY; never logged")
-    ready_timeout_s: float = Field(600.0, gt=0, description="how long to wait for every replica to serve a snapshot")
-    poll_interval_s: float = Field(2.0, gt=0, description="status poll interval while waiting for readiness")
-    collective_timeout_s: float | None = Field(None, gt=0, description="timeout of the publisher's side gloo "
+    ready_timeout_s: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
+                                   description="how long to wait for every replica to serve a snapshot")
+    poll_interval_s: float = Field(2.0, gt=0, le=3600, allow_inf_nan=False,
+                                   description="status poll interval while waiting for readiness")
+    collective_timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False, description="timeout of the publisher's side gloo "
                                                "groups, where ranks wait while the others upload and rank 0 "
                                                "signals and waits for readiness; None = ready_timeout_s + 3600")
     send_hints: bool = Field(True, description="send a per-file hint as each file becomes durable")
@@ -117,15 +124,22 @@ class HotloadConfig(BaseModel):
     @field_validator("bucket_url")
     @classmethod
     def _bucket(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("bucket_url must not be empty")
-        return os.path.expanduser(v).rstrip("/") if v.startswith("~") else v.rstrip("/")
+        root = (os.path.expanduser(v) if v.startswith("~") else v).rstrip("/")
+        if not root.strip() or root.endswith(":"):
+            raise ValueError(f"bucket_url {v!r} names no folder or bucket")
+        return root
 
     @field_validator("hf_config_dir", "metrics_path")
     @classmethod
     def _home(cls, v: str | None) -> str | None:
         """``~`` is expanded as a shell would (a YAML file or a quoted variable leaves it as it is)."""
         return os.path.expanduser(v) if v else v
+
+    def __repr_args__(self) -> Any:
+        """``storage_options`` may hold credentials (s3fs ``secret``, ``token``, nested ``client_kwargs``): they
+        are masked like ``api_key`` wherever the config is printed or logged."""
+        for name, value in super().__repr_args__():
+            yield name, (_masked(value) if name == "storage_options" else value)
 
     @model_validator(mode="after")
     def _signalling_complete(self) -> "HotloadConfig":
@@ -184,6 +198,15 @@ class HotloadConfig(BaseModel):
             names = error_names(exc, lambda f: prefix + f.upper() if f in env_fields else f)
             raise ValueError(f"invalid hotload settings from {prefix}* environment variables "
                              f"({names or 'see below'}):\n{exc}") from None
+
+
+def _masked(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: "**********" if isinstance(k, str) and _SECRET_OPTION.search(k) and v is not None else _masked(v)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_masked(v) for v in value)
+    return value
 
 
 def _union_members(annotation: Any) -> tuple[Any, ...]:

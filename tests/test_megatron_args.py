@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from fsdp_hotload.config import HotloadConfig
 from megatron_hotload import add_hotload_args, config_from_args, flag_name
@@ -153,3 +154,35 @@ def test_home_is_expanded_in_local_paths(monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert (cfg.bucket_url, cfg.metrics_path, cfg.hf_config_dir) == (
         f"{tmp_path}/bucket", f"{tmp_path}/m.jsonl", f"{tmp_path}/hf")
     assert HotloadConfig(bucket_url="s3://b/~x").bucket_url == "s3://b/~x"
+
+
+def test_secrets_never_reach_an_error_or_a_repr(capsys: pytest.CaptureFixture[str]) -> None:
+    """A model-level error used to print the whole input (pydantic shortens it to its ends, so whichever field came
+    last showed in clear), and the repr showed storage_options credentials beside a masked api_key."""
+    secret = dict(bucket_url="s3://b/p", hotload_api_url="https://x", api_key="fw_TOPSECRET",
+                  storage_options={"key": "AKIA", "secret": "S3_TOPSECRET",
+                                   "client_kwargs": {"aws_session_token": "TOK_TOPSECRET", "region_name": "eu"}})
+    with pytest.raises(ValidationError) as info:
+        HotloadConfig(**secret)
+    assert "account_id, model_id, deployment_id must be set" in str(info.value)
+    parser = add_hotload_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--hotload-bucket-url", "s3://b/p", "--hotload-hotload-api-url", "https://x",
+                              "--hotload-api-key", "fw_TOPSECRET",
+                              "--hotload-storage-options", json.dumps(secret["storage_options"])])
+    with pytest.raises(SystemExit) as exit_info:
+        config_from_args(args)
+    cfg = HotloadConfig(**{**secret, "hotload_api_url": None})
+    for text in (str(info.value), str(exit_info.value), repr(cfg), str(cfg)):
+        assert "TOPSECRET" not in text, text
+    assert "'region_name': 'eu'" in repr(cfg)
+    assert cfg.storage_options["secret"] == "S3_TOPSECRET"  # masked when shown, intact for the storage
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("bucket_url", "/", "names no folder or bucket"), ("bucket_url", "s3://", "names no folder or bucket"),
+    ("ready_timeout_s", float("inf"), "finite"), ("collective_timeout_s", 1e15, "less than or equal"),
+    ("poll_interval_s", float("nan"), "finite"),
+])
+def test_values_that_would_fail_later_are_refused_here(field: str, value: Any, match: str) -> None:
+    with pytest.raises(ValidationError, match=match):
+        HotloadConfig(**{"bucket_url": "b", field: value})
