@@ -16,7 +16,9 @@ its commit marker last (see :mod:`fsdp_hotload.retention`, whose names are re-ex
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib
+import inspect
 import logging
 import os
 import random
@@ -119,7 +121,42 @@ def _normalise_root(root: str) -> str:
     stripped = root.rstrip("/")
     if not stripped or stripped.endswith(":") or stripped.endswith("::"):
         raise ValueError(f"storage root {root!r} names no directory or bucket")
+    for link in stripped.split("::"):
+        protocol, path = fsspec.core.split_protocol(link)
+        # An object store keeps "a//b" as a key with an empty segment, which listings never return: every write
+        # would land where no commit check or retention pass can see it.
+        if protocol and protocol.lower() in _OBJECT_STORE_PROTOCOLS and any(
+                seg in ("", ".", "..") for seg in path.split("/")):
+            raise ValueError(f"storage root {root!r} has an empty, '.' or '..' segment after the bucket")
     return stripped
+
+
+# Options every fsspec filesystem takes through ``**storage_options`` (instance and listings caches).
+_FSSPEC_OPTIONS = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"})
+
+
+def _check_options(root: str, options: dict[str, Any]) -> None:
+    """Refuse ``storage_options`` an object-store backend does not take. s3fs accepts and ignores any keyword, so
+    ``{"endpoint": ...}`` for ``endpoint_url`` would send a MinIO user's snapshots to AWS S3 without a word."""
+    protocol, _ = fsspec.core.split_protocol(root)
+    if "::" in root or protocol is None or protocol.lower() not in _OBJECT_STORE_PROTOCOLS or not options:
+        return
+    try:
+        cls = fsspec.get_filesystem_class(protocol.lower())
+    except (ImportError, ValueError):
+        return  # the missing package is reported when the filesystem opens
+    known = set(_FSSPEC_OPTIONS)
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is not None:
+            known.update(n for n, p in inspect.signature(init).parameters.items()
+                         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "self")
+    unknown = sorted(str(k) for k in options if k not in known)
+    if unknown:
+        hints = [f"{k!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, known, n=1))
+                 else repr(k) for k in unknown]
+        raise StorageError(f"cannot open {root}: storage_options {', '.join(hints)} not accepted by "
+                           f"{cls.__module__}.{cls.__name__}", uri=root, op="open")
 
 
 def _check_relpath(relpath: str, root: str, *, allow_empty: bool = False) -> str:
@@ -203,6 +240,7 @@ class Storage:
                 except ImportError as exc:
                     raise MissingBackendError(f"cannot open {root}: {hint}", uri=root, op="open",
                                               cause=exc) from exc
+        _check_options(root, options)
         try:
             return fsspec.core.url_to_fs(root, **options)
         except ImportError as exc:
@@ -245,8 +283,10 @@ class Storage:
             attempt += 1
             try:
                 return fn()
-            except FileNotFoundError:
-                raise
+            except FileNotFoundError as exc:
+                if uri in str(exc):
+                    raise
+                raise FileNotFoundError(f"{uri}: {exc}") from exc  # s3fs's "bucket does not exist" names none
             except Exception as exc:  # noqa: BLE001 - classified below, re-raised as StorageError
                 kind = classify_error(exc)
                 if kind is ErrorClass.NOT_FOUND:

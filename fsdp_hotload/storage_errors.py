@@ -136,8 +136,12 @@ def classify_error(exc: BaseException) -> ErrorClass:
     for e in _exception_chain(exc):
         code, status = _code_and_status(e)
         names = {klass.__name__ for klass in type(e).__mro__}
+        # The throttle phrases are a last resort for errors that carry no code or status, and never read a file
+        # name: a root such as /data/slowdown/ must not turn a missing directory into minutes of retries.
         try:
-            text = str(e).lower()
+            text = ("" if code is not None or status is not None
+                    else (e.strerror or "") if isinstance(e, OSError) and (e.filename or e.filename2)
+                    else str(e)).lower()
         except Exception:  # noqa: BLE001 - a broken __str__ must not break classification
             text = ""
         if code in _THROTTLE_CODES or status in (429, 503) or any(t in text for t in _THROTTLE_TEXT):

@@ -131,6 +131,13 @@ CASES: list[tuple[str, Callable[[], BaseException], ErrorClass]] = [
     ("OSError ENOSPC", lambda: OSError(errno.ENOSPC, "disk full"), ErrorClass.FATAL),
     ("FileNotFoundError", lambda: FileNotFoundError("gone"), ErrorClass.NOT_FOUND),
     ("NoSuchKey raw", lambda: _client_error("NoSuchKey", 404), ErrorClass.NOT_FOUND),
+    # A throttle phrase in a file name is not the service asking to slow down.
+    ("ENOTDIR under a folder named slowdown", lambda: NotADirectoryError(errno.ENOTDIR, "Not a directory",
+                                                                         "/data/slowdown-file/sub"), ErrorClass.FATAL),
+    ("EACCES under a folder named slowdown", lambda: PermissionError(errno.EACCES, "Permission denied",
+                                                                     "/data/slowdown/x"), ErrorClass.FATAL),
+    ("ENOSPC under 'too many requests'", lambda: OSError(errno.ENOSPC, "No space left on device",
+                                                         "/mnt/too many requests/x"), ErrorClass.FATAL),
 ]
 
 
@@ -458,3 +465,28 @@ def test_missing_optional_backend(monkeypatch: pytest.MonkeyPatch, uri: str, mod
 def test_unknown_protocol_names_the_uri() -> None:
     with pytest.raises(StorageError, match="nosuchproto://bucket/x"):
         Storage("nosuchproto://bucket/x")
+
+
+@pytest.mark.parametrize("root", ["s3://bkt//dbl", "s3://bkt/./x", "gs://b/a/../c"])
+def test_object_store_roots_with_empty_or_dot_segments_are_refused(root: str) -> None:
+    """``s3://bkt//dbl`` wrote keys that no listing returns, so no snapshot under it could ever be committed."""
+    with pytest.raises(ValueError, match=r"empty, '\.' or '\.\.' segment"):
+        Storage(root)
+
+
+def test_a_missing_bucket_is_named_in_the_error(s3_server: S3Server) -> None:
+    st = Storage("s3://no-such-bucket-4711/run", s3_server.storage_options, max_attempts=1)
+    for op in (lambda: st.get_bytes("a"), lambda: st.put_bytes("a", b"x")):
+        with pytest.raises(FileNotFoundError, match="s3://no-such-bucket-4711/run/a: .*bucket does not exist"):
+            op()
+
+
+def test_a_misspelt_storage_option_is_refused_with_a_suggestion(s3_server: S3Server) -> None:
+    """s3fs takes any keyword, so a typo for endpoint_url would silently publish to AWS S3 instead of MinIO."""
+    options = dict(s3_server.storage_options)
+    options["endpoint"] = options.pop("endpoint_url")
+    with pytest.raises(StorageError, match="'endpoint' \\(did you mean 'endpoint_url'\\?\\) not accepted by s3fs"):
+        Storage(s3_server.unique_uri("typo"), options)
+    st = Storage(s3_server.unique_uri("ok"), {**s3_server.storage_options, "skip_instance_cache": True})
+    st.put_bytes("a", b"x")
+    assert st.get_bytes("a") == b"x"
