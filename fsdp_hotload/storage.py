@@ -188,11 +188,18 @@ class Storage:
 
     ``fs`` injects a ready filesystem (tests wrap one to inject faults); ``rng`` and ``sleep`` exist so tests can
     pin the jitter and observe the backoff without waiting for it.
+
+    On asynchronous backends (s3fs, gcsfs) each write, listing, existence check or delete gets a deadline of
+    ``call_timeout_s`` plus the time to send its bytes at ``min_upload_mb_s``; a call past it counts as a
+    transient failure and is retried. Why: an endpoint that accepts the connection and never answers held an
+    s3fs write for good (no library timeout covers its wait for ``100 Continue``). Whole-object reads have no
+    deadline, since their size is not known up front.
     """
 
     def __init__(self, root: str, storage_options: dict | None = None, *, max_attempts: int = 6,
                  base_backoff_s: float = 0.2, throttle_backoff_s: float = 1.0, max_backoff_s: float = 20.0,
                  max_concurrency: int = 8, multipart_threshold: int = 64 * 2**20,
+                 call_timeout_s: float = 120.0, min_upload_mb_s: float = 2.0,
                  fs: fsspec.AbstractFileSystem | None = None,
                  rng: random.Random | None = None, sleep: Callable[[float], None] | None = None) -> None:
         if max_attempts < 1:
@@ -203,6 +210,10 @@ class Storage:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         if multipart_threshold < 1:
             raise ValueError(f"multipart_threshold must be >= 1, got {multipart_threshold}")
+        if not (0 < call_timeout_s < float("inf")) or not (0 < min_upload_mb_s < float("inf")):
+            raise ValueError("call_timeout_s and min_upload_mb_s must be positive and finite")
+        self.call_timeout_s = call_timeout_s
+        self.min_upload_mb_s = min_upload_mb_s
         self.root = _normalise_root(root)
         self.storage_options = dict(storage_options or {})
         self.max_attempts = max_attempts
@@ -257,6 +268,12 @@ class Storage:
     def __repr__(self) -> str:
         return f"Storage({self.root!r})"
 
+    def _deadline(self, nbytes: int = 0) -> dict[str, float]:
+        """``timeout=`` for one call of an asynchronous backend (fsspec's sync wrapper takes it), else nothing."""
+        if not getattr(self._fs, "async_impl", False):
+            return {}
+        return {"timeout": self.call_timeout_s + nbytes / (self.min_upload_mb_s * 1e6)}
+
     # -- paths -------------------------------------------------------------------------------------------
 
     def uri(self, relpath: str) -> str:
@@ -295,7 +312,9 @@ class Storage:
                     self.stats.add(failures=1)
                     why = (f"after {attempt} attempts" if kind.retryable
                            else f"({kind.value} error, not retried)")
-                    raise StorageError(f"{op} {uri} failed {why}: {type(exc).__name__}: {exc}", uri=uri,
+                    detail = str(exc) or ("no reply before the call's deadline (call_timeout_s)"
+                                          if type(exc).__name__ == "FSTimeoutError" else "(no message)")
+                    raise StorageError(f"{op} {uri} failed {why}: {type(exc).__name__}: {detail}", uri=uri,
                                        op=op, attempts=attempt, cause=exc) from exc
                 throttled = kind is ErrorClass.THROTTLE
                 base = self.throttle_backoff_s if throttled else self.base_backoff_s
@@ -325,6 +344,7 @@ class Storage:
             else:
                 payload = data if isinstance(data, (bytes, bytearray)) else view.tobytes()
                 kwargs = {"chunksize": self.part_size} if self._chunked else {}
+                kwargs.update(self._deadline(nbytes))
                 self._run("put", rel, lambda: self._fs.pipe_file(path, payload, **kwargs))
         finally:
             self.stats.add(seconds=time.perf_counter() - t0)
@@ -352,7 +372,7 @@ class Storage:
                 with open(local_path, "rb") as src:
                     payload = src.read()
                 kwargs = {"chunksize": self.part_size} if self._chunked else {}
-                self._fs.pipe_file(path, payload, **kwargs)
+                self._fs.pipe_file(path, payload, **kwargs, **self._deadline(len(payload)))
 
         t0 = time.perf_counter()
         try:
@@ -441,13 +461,13 @@ class Storage:
         rel = _check_relpath(relpath, self.root)
         path = self._path(rel)
         self._fs.invalidate_cache(path)
-        return bool(self._run("exists", rel, lambda: self._fs.exists(path)))
+        return bool(self._run("exists", rel, lambda: self._fs.exists(path, **self._deadline())))
 
     def size(self, relpath: str) -> int:
         rel = _check_relpath(relpath, self.root)
         path = self._path(rel)
         self._fs.invalidate_cache(path)
-        return int(self._run("size", rel, lambda: self._fs.info(path)["size"]))
+        return int(self._run("size", rel, lambda: self._fs.info(path, **self._deadline())["size"]))
 
     def list_info(self, prefix: str = "") -> dict[str, FileInfo]:
         """Files below ``prefix`` (a directory: ``"a"`` does not match ``"ab/x"``), recursively, with sizes and
@@ -458,7 +478,7 @@ class Storage:
 
         def find() -> dict[str, Any]:
             try:
-                return self._fs.find(path, detail=True)
+                return self._fs.find(path, detail=True, **self._deadline())
             except FileNotFoundError:
                 return {}
 
@@ -483,7 +503,7 @@ class Storage:
 
         def ls() -> list[dict[str, Any]]:
             try:
-                return self._fs.ls(self._fs_root, detail=True)
+                return self._fs.ls(self._fs_root, detail=True, **self._deadline())
             except FileNotFoundError:
                 return []
 
@@ -503,7 +523,7 @@ class Storage:
 
         def rm() -> None:
             try:
-                self._fs.rm(path, recursive=True)
+                self._fs.rm(path, recursive=True, **self._deadline())
             except FileNotFoundError:
                 pass
             self._fs.invalidate_cache(path)

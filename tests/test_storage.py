@@ -8,9 +8,10 @@ import random
 import socket
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import fsspec
 import pytest
@@ -490,3 +491,24 @@ def test_a_misspelt_storage_option_is_refused_with_a_suggestion(s3_server: S3Ser
     st = Storage(s3_server.unique_uri("ok"), {**s3_server.storage_options, "skip_instance_cache": True})
     st.put_bytes("a", b"x")
     assert st.get_bytes("a") == b"x"
+
+
+def test_an_endpoint_that_never_answers_times_out_and_is_retried() -> None:
+    """A server that accepts connections and never replies held an s3fs write forever; each call now has a
+    deadline, counts as a transient failure past it, and the retries run out in bounded time."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held: list[Any] = []
+    threading.Thread(target=lambda: [held.append(server.accept()) for _ in range(64)], daemon=True).start()
+    try:
+        st = Storage("s3://bkt/p", {"endpoint_url": f"http://127.0.0.1:{server.getsockname()[1]}", "key": "k",
+                                    "secret": "s"}, max_attempts=2, base_backoff_s=0.01, call_timeout_s=1)
+        for op in (lambda: st.put_bytes("a", b"x" * 100), lambda: st.exists("a"), lambda: st.list()):
+            t0 = time.monotonic()
+            with pytest.raises(StorageError, match="after 2 attempts: FSTimeoutError: no reply before the call"):
+                op()
+            assert time.monotonic() - t0 < 30
+        assert st.stats.retries == 3
+    finally:
+        server.close()
