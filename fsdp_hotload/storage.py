@@ -484,8 +484,8 @@ class Storage:
 
         out: dict[str, FileInfo] = {}
         for name, info in self._run("list", rel, find).items():
-            if info.get("type", "file") != "file":
-                continue
+            if info.get("type", "file") != "file" or name.endswith("/"):
+                continue  # a zero-byte "folder" object (S3 console, rclone) is not a file
             child = self._rel(name)
             if child is None or os.path.basename(child).startswith(TMP_PREFIX):
                 continue

@@ -512,3 +512,15 @@ def test_an_endpoint_that_never_answers_times_out_and_is_retried() -> None:
         assert st.stats.retries == 3
     finally:
         server.close()
+
+
+def test_zero_byte_folder_objects_are_not_files(s3_server: S3Server) -> None:
+    """The S3 console, rclone and Hadoop write "folder/" marker objects; they are not files of a snapshot."""
+    uri = s3_server.unique_uri("markers")
+    bucket, prefix = uri[len("s3://"):].split("/", 1)
+    client = s3_server.client()
+    for key in ("", "step-1/", "step-1/a.bin", "empty-dir/"):
+        client.put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=b"abc" if key.endswith(".bin") else b"")
+    st = Storage(uri, s3_server.storage_options)
+    assert st.list() == ["step-1/a.bin"]
+    assert st.list("step-1") == ["step-1/a.bin"]
