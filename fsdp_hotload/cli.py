@@ -6,10 +6,14 @@ Exit codes: 0 success, 1 verification failed (checksum, parent or layout mismatc
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
+
+if TYPE_CHECKING:
+    from .retention import CommitInfo
 
 EXIT_OK, EXIT_VERIFY, EXIT_USAGE = 0, 1, 2
 
@@ -34,6 +38,39 @@ class Progress:
         sys.stderr.flush()
 
 
+def arg_int(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type`` for an integer in [lo, hi]: an out-of-range value is a one-line usage error (exit 2)
+    instead of a traceback from deep inside the command."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"{value} is out of range (must be {_range(lo, hi)})")
+        return value
+
+    return parse
+
+
+def arg_float(lo: float) -> Callable[[str], float]:
+    """An argparse ``type`` for a finite float >= lo (see :func:`arg_int`)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value < lo:
+            raise argparse.ArgumentTypeError(f"{text} is out of range (must be a finite number >= {lo:g})")
+        return value
+
+    return parse
+
+
+def _range(lo: int, hi: int | None) -> str:
+    return f">= {lo}" if hi is None else f"{lo}..{hi}"
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
@@ -53,9 +90,12 @@ def _print_table(report: object, show_status: bool) -> None:
                 f"{_human(r.stored):>10} {r.ratio:>7.1f}x")
         print(line + (f"  {r.status}" if show_status else ""))
     raw = sum(r.raw for r in report.rows)
-    stored = sum(r.stored for r in report.rows)
-    print(f"total: {len(report.rows)} tensors, {_human(raw)} raw, {_human(stored)} stored, "
-          f"ratio {raw / stored if stored else float('inf'):.1f}x")
+    payload = sum(r.stored for r in report.rows)
+    # The ratio is against the files' sizes (headers included): that is what a transfer moves.
+    on_disk = report.file_bytes
+    print(f"total: {len(report.rows)} tensors, {_human(raw)} raw, {_human(on_disk)} in {report.files} weight "
+          f"file(s) ({_human(payload)} of it tensor payload), ratio {raw / on_disk if on_disk else float('inf'):.1f}x "
+          "(raw / file bytes)")
 
 
 def _warn_if_unmarked(path: str) -> None:
@@ -69,20 +109,54 @@ def _warn_if_unmarked(path: str) -> None:
               "progress, or one that failed)", file=sys.stderr)
 
 
-def _mark_complete(folder: str, kind: str, parent: str | None) -> None:
-    """Write the commit marker into a snapshot folder the CLI produced (the folder name is its identity)."""
+def _marker_plan(folder: str, kind: str, parent: str | None) -> CommitInfo:
+    """The commit marker a snapshot folder the CLI writes will get, checked before any work is done.
+
+    The folder's name is the snapshot's identity and, for a delta, the parent identity is recorded too; a name
+    that cannot be an identity is bad usage, found up front rather than after writing a folder nobody can mark.
+    """
+    from .retention import CommitInfo
+
+    identity = os.path.basename(os.path.normpath(os.path.abspath(folder)))
+    try:
+        return CommitInfo(identity, kind, parent if kind == "delta" else None, {})
+    except ValueError as exc:
+        hint = " (a delta's parent is PARENT's folder name unless --parent-identity is given)" if kind == "delta" \
+            else ""
+        raise ValueError(f"cannot write snapshot folder {folder}: its name is the snapshot identity, and {exc}"
+                         f"{hint}") from None
+
+
+def _mark_complete(folder: str, plan: CommitInfo) -> None:
+    """Write the commit marker planned by :func:`_marker_plan`, listing the files now in the folder."""
     from .retention import COMMIT_MARKER, CommitInfo, write_commit_marker
     from .storage import Storage
 
-    root, identity = os.path.split(os.path.abspath(folder))
     files = {n: {"size": os.path.getsize(os.path.join(folder, n))} for n in sorted(os.listdir(folder))
              if n != COMMIT_MARKER and os.path.isfile(os.path.join(folder, n))}
+    info = CommitInfo(plan.identity, plan.kind, plan.parent_identity, files)
+    write_commit_marker(Storage(os.path.dirname(os.path.normpath(os.path.abspath(folder)))), info)
+
+
+def _parent_hint(parent: str, delta: str, given: str | None) -> str | None:
+    """Why a rebuild may have failed: PARENT's folder name (a snapshot folder is named by its identity) differs
+    from the parent the delta records. Only a hint, given when verification fails: a correctly rebuilt PARENT
+    may sit in a folder of any name, and then its checksums still match."""
+    from .arc.folder import inspect_path
+    from .identity import validate_identity
+
+    if given is not None or not os.path.isdir(parent):
+        return None
+    name = os.path.basename(os.path.normpath(os.path.abspath(parent)))
     try:
-        info = CommitInfo(identity, kind, parent if kind == "delta" else None, files)
-    except ValueError as exc:
-        print(f"warning: {folder} gets no {COMMIT_MARKER}: {exc}", file=sys.stderr)
-        return
-    write_commit_marker(Storage(root), info)
+        validate_identity(name)
+        recorded = inspect_path(delta).parent
+    except (ValueError, OSError):
+        return None
+    if recorded is None or recorded == name:
+        return None
+    return (f"the delta was made against {recorded!r}, PARENT is {name!r}: is PARENT the right snapshot? (if it "
+            f"holds {recorded!r} under another name, pass --parent-identity {recorded} to check that instead)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -123,26 +197,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(args_list)
     except SystemExit as exc:
         return EXIT_USAGE if exc.code else EXIT_OK
-    from .arc.errors import ArcError, FormatError
+    from .arc.errors import ArcError
     from .arc.folder import apply_paths, diff_paths, inspect_path, verify_paths
+    from .identity import validate_identity
 
     try:
         for path in [getattr(args, k) for k in ("parent", "new", "delta", "path") if hasattr(args, k)]:
             if not os.path.exists(path):
                 raise FileNotFoundError(path)
             _warn_if_unmarked(path)
+        if args.cmd in ("diff", "apply"):
+            inputs = (args.parent, args.new if args.cmd == "diff" else args.delta)
+            if not os.path.isdir(inputs[1]) and os.path.isdir(args.out):
+                raise ValueError(f"OUT {args.out} is a folder, but the inputs are files: name an output file")
+            if os.path.exists(args.out) and any(os.path.samefile(args.out, p) for p in inputs):
+                raise ValueError(f"OUT {args.out} is one of the inputs: name a new file or folder")
         if args.cmd == "diff":
+            if args.parent_identity is not None:  # recorded in every delta file, and signalled with it later
+                validate_identity(args.parent_identity, what="--parent-identity")
+            plan = _marker_plan(args.out, "delta", args.parent_identity or os.path.basename(
+                os.path.normpath(args.parent))) if os.path.isdir(args.new) else None
             n = diff_paths(args.parent, args.new, args.out, codec=args.codec, parent_identity=args.parent_identity,
                            progress=Progress("diff"), vendor_module=args.vendor_module)
-            if os.path.isdir(args.out):
-                _mark_complete(args.out, "delta", args.parent_identity or os.path.basename(
-                    os.path.normpath(args.parent)))
+            if plan is not None:
+                _mark_complete(args.out, plan)
             print(f"wrote {_human(n)} to {args.out}")
         elif args.cmd == "apply":
-            apply_paths(args.parent, args.delta, args.out, expected_parent=args.parent_identity,
-                        progress=Progress("apply"))
-            if os.path.isdir(args.out):
-                _mark_complete(args.out, "full", None)
+            plan = _marker_plan(args.out, "full", None) if os.path.isdir(args.delta) else None
+            try:
+                apply_paths(args.parent, args.delta, args.out, expected_parent=args.parent_identity,
+                            progress=Progress("apply"))
+            except ArcError:
+                hint = _parent_hint(args.parent, args.delta, args.parent_identity)
+                if hint:
+                    print(f"hint: {hint}", file=sys.stderr)
+                raise
+            if plan is not None:
+                _mark_complete(args.out, plan)
             print(f"rebuilt {args.out}: every checksum verified")
         elif args.cmd == "verify":
             report = verify_paths(args.parent, args.delta, expected_parent=args.parent_identity,
@@ -150,6 +241,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             _print_table(report, show_status=True)
             for e in report.errors:
                 print(f"error: {e}", file=sys.stderr)
+            hint = _parent_hint(args.parent, args.delta, args.parent_identity) if report.errors else None
+            if hint:
+                print(f"hint: {hint}", file=sys.stderr)
             print("verified: all checksums match" if report.ok else "verification FAILED")
             return EXIT_OK if report.ok else EXIT_VERIFY
         elif args.cmd == "inspect":
@@ -159,15 +253,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"error: no such file or folder: {exc.filename or exc}", file=sys.stderr)
         return EXIT_USAGE
-    except FormatError as exc:
-        # A header we cannot parse means unreadable input; a corrupt payload found while rebuilding fails
-        # verification. apply/verify reach payloads, inspect/diff only read headers or full files.
+    except ArcError as exc:
+        # apply/verify rebuild payloads: a corrupt payload, a checksum, parent or layout mismatch fails
+        # verification. diff and inspect only read headers or full files, so there it is unusable input.
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_VERIFY if args.cmd in ("apply", "verify") else EXIT_USAGE
-    except ArcError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_VERIFY
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # includes UnusableInputError and the marker's identity rules
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     return EXIT_OK

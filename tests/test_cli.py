@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 HOTLOAD = [sys.executable, "-m", "fsdp_hotload.cli"]
 
@@ -104,3 +105,111 @@ def test_vendor_route(snapshots: tuple[Path, Path], tmp_path: Path) -> None:
     assert set(rebuilt) == set(names)
     res = run("diff", a, b, tmp_path / "x", "--vendor-module", "no_such_vendor_module")
     assert res.returncode == 2 and "no_such_vendor_module" in res.stderr
+
+
+def _marker(folder: Path) -> Path:
+    return folder / "hotload.commit.json"
+
+
+def test_empty_or_partial_folders_never_verify(snapshots: tuple[Path, Path], tmp_path: Path) -> None:
+    """A folder with no weight files, or a delta missing one, is never 'all checksums match' nor rebuilt."""
+    a, b = snapshots
+    e1, e2 = tmp_path / "e1", tmp_path / "e2"
+    e1.mkdir(), e2.mkdir()
+    res = run("verify", e1, e2)
+    assert res.returncode == 2 and "has no weight files" in res.stderr and "all checksums match" not in res.stdout
+    res = run("inspect", e1)
+    assert res.returncode == 2 and "'" + str(e1) + "' has no weight files" in res.stderr, res.stdout + res.stderr
+    d = tmp_path / "delta"
+    assert run("diff", a, b, d).returncode == 0
+    (d / "model-00002-of-00002.safetensors").unlink()
+    (d / "model.safetensors.index.json").unlink()
+    res = run("verify", a, d)
+    assert res.returncode == 1 and "all checksums match" not in res.stdout
+    assert "weight files differ" in res.stderr and "model-00002-of-00002.safetensors" in res.stderr
+    r = tmp_path / "rebuilt"
+    res = run("apply", a, d, r)
+    assert res.returncode == 1 and "model-00002-of-00002.safetensors" in res.stderr
+    assert not _marker(r).exists()
+
+
+def test_failed_apply_or_diff_leaves_no_commit_marker(snapshots: tuple[Path, Path], tmp_path: Path) -> None:
+    """An output folder holds a marker only if this run finished it: the input's marker is never copied, and a
+    previous run's marker is removed before anything is written."""
+    a, b = snapshots
+    d, r = tmp_path / "delta", tmp_path / "step-r"
+    assert run("diff", a, b, d).returncode == 0 and _marker(d).exists()
+    assert run("apply", a, d, r).returncode == 0
+    assert json.loads(_marker(r).read_text())["identity"] == "step-r"
+    victim = d / "model-00002-of-00002.safetensors"
+    blob = bytearray(victim.read_bytes())
+    blob[-2] ^= 0xFF
+    victim.write_bytes(bytes(blob))
+    for out in (r, tmp_path / "fresh"):  # a folder marked by an earlier run, and a new one
+        res = run("apply", a, d, out)
+        assert res.returncode == 1, res.stderr
+        assert not _marker(out).exists(), out
+    # names the marker needs are checked before any work: nothing is written for bad usage
+    res = run("apply", a, d, tmp_path / "bad name")
+    assert res.returncode == 2 and "bad name" in res.stderr and not (tmp_path / "bad name").exists()
+    odd_parent = tmp_path / "parent copy"
+    shutil.copytree(a, odd_parent)
+    res = run("diff", odd_parent, b, tmp_path / "d2")
+    assert res.returncode == 2 and "--parent-identity" in res.stderr and not (tmp_path / "d2").exists()
+    res = run("diff", odd_parent, b, tmp_path / "d2", "--parent-identity", "step/a")
+    assert res.returncode == 2 and "--parent-identity 'step/a'" in res.stderr and not (tmp_path / "d2").exists()
+    res = run("diff", odd_parent, b, tmp_path / "d2", "--parent-identity", "step-a")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(_marker(tmp_path / "d2").read_text())["parent_identity"] == "step-a"
+
+
+def test_inspect_ratio_counts_the_files_on_disk(snapshots: tuple[Path, Path], tmp_path: Path) -> None:
+    """The total ratio is raw tensor bytes over the weight files' sizes (what a transfer moves), not over the
+    tensor payloads alone, which leave out every file's header."""
+    a, b = snapshots
+    d = tmp_path / "delta"
+    assert run("diff", a, b, d).returncode == 0
+    res = run("inspect", d)
+    assert res.returncode == 0, res.stderr
+    total = res.stdout.strip().splitlines()[-1]
+    raw = sum(t.numel() * t.element_size() for p in b.glob("*.safetensors") for t in load_file(str(p)).values())
+    on_disk = sum(p.stat().st_size for p in d.glob("*.safetensors"))
+    ratio = float(total.split("ratio ")[1].split("x")[0])
+    assert ratio == pytest.approx(raw / on_disk, abs=0.051), total
+    assert "in 2 weight file(s)" in total
+
+
+def test_wrong_parent_folder_is_named(snapshots: tuple[Path, Path], tmp_path: Path) -> None:
+    """PARENT's folder name is its identity: when a delta recorded against another parent fails to verify, the
+    error says which parent it wanted. A right PARENT in a folder of another name still verifies."""
+    a, b = snapshots
+    d = tmp_path / "delta"
+    assert run("diff", a, b, d).returncode == 0
+    for cmd in (("verify", b, d), ("apply", b, d, tmp_path / "out")):
+        res = run(*cmd)
+        assert res.returncode == 1, res.stderr
+        assert "the delta was made against 'step-a', PARENT is 'step-b'" in res.stderr, res.stderr
+    renamed = tmp_path / "step-copy"
+    shutil.copytree(a, renamed)
+    assert run("verify", renamed, d).returncode == 0
+    assert run("verify", renamed, d, "--parent-identity", "step-a").returncode == 0
+    res = run("verify", renamed, d, "--parent-identity", "step-x")
+    assert res.returncode == 1 and "step-x" in res.stderr
+
+
+def test_unusable_input_exits_2(snapshots: tuple[Path, Path], tmp_path: Path) -> None:
+    a, b = snapshots
+    first = a / "model-00001-of-00002.safetensors"
+    res = run("verify", a, b / "model-00001-of-00002.safetensors")
+    assert res.returncode == 2 and "both be files or both be folders" in res.stderr
+    res = run("diff", first, b / "model-00002-of-00002.safetensors", tmp_path / "x.safetensors")
+    assert res.returncode == 2 and "tensor sets differ" in res.stderr
+    assert "model-00002-of-00002.safetensors" in res.stderr
+    d = tmp_path / "delta"
+    assert run("diff", a, b, d).returncode == 0
+    res = run("diff", a, d, tmp_path / "d2")  # NEW is a delta folder
+    assert res.returncode == 2 and "NEW is a hotload delta" in res.stderr
+    assert str(d / "model-00001-of-00002.safetensors") in res.stderr
+    res = run("diff", first, d / "model-00001-of-00002.safetensors", tmp_path / "x.safetensors")
+    assert res.returncode == 2 and "NEW is a hotload delta (made against 'step-a')" in res.stderr
+    assert "Traceback" not in res.stderr

@@ -13,19 +13,30 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 from .container import apply_delta_file, encode_delta_file, is_delta_file, read_delta_info
 from .dtypes import RawTensor, itemsize, numel
-from .errors import ArcError, FormatError
+from .errors import ArcError, FormatError, MismatchError
 from .stio import load_file, parse_header, parse_json, write_file
 from .vendor import vendor_encoder
 
 INDEX = "model.safetensors.index.json"
+# retention.COMMIT_MARKER, spelled out so the byte-format package does not import the storage layer. The marker
+# vouches for one snapshot's files, so it is never carried from an input folder into an output folder.
+COMMIT_MARKER = "hotload.commit.json"
 Progress = Callable[[int, int, str], None]
+
+
+class UnusableInputError(ValueError):
+    """The paths cannot be compared at all (a folder without weight files, a file paired with a folder, a delta
+    where a full snapshot is needed): bad usage rather than a corrupt or mismatched snapshot, which is why it is
+    not an ArcError and the CLI answers it with its usage exit code."""
 
 
 def weight_files(folder: str) -> list[str]:
@@ -49,22 +60,62 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-def _pairs(a: str, b: str) -> Iterator[tuple[str, str, str]]:
-    """(name, path in a, path in b) for each weight file; a and b are both files or both folders."""
+def _required_weight_files(folder: str, role: str) -> list[str]:
+    """weight_files(), where an empty set is an error: with no weight file there is nothing to rebuild or verify,
+    and an empty folder must not pass as a verified snapshot."""
+    names = weight_files(folder)
+    if not names:
+        raise UnusableInputError(f"{role + ' ' if role else ''}folder {folder!r} has no weight files (no {INDEX} "
+                                 "naming any, and no *.safetensors file)")
+    return names
+
+
+def _pairs(a: str, b: str, roles: tuple[str, str]) -> list[tuple[str, str, str]]:
+    """(name, path in a, path in b) for each weight file; a and b are both files or both folders.
+
+    For folders the weight-file sets of both sides must be the same (each from its index when it has one): a
+    delta folder missing a file must not verify, nor rebuild into a snapshot missing that file.
+    """
     if os.path.isdir(a) != os.path.isdir(b):
-        raise FormatError(f"{a!r} and {b!r} must both be files or both be folders")
+        raise UnusableInputError(f"{roles[0]} {a!r} and {roles[1]} {b!r} must both be files or both be folders")
     if not os.path.isdir(a):
-        yield os.path.basename(b), a, b
-        return
-    names_b = weight_files(b)
-    for n in names_b:
-        yield n, os.path.join(a, n), os.path.join(b, n)
+        return [(os.path.basename(b), a, b)]
+    names_a, names_b = _required_weight_files(a, roles[0]), _required_weight_files(b, roles[1])
+    if names_a != names_b:
+        only_a, only_b = sorted(set(names_a) - set(names_b)), sorted(set(names_b) - set(names_a))
+        raise MismatchError(f"weight files differ from {roles[0]} {a!r}: only in {roles[0]}: {only_a}, only in "
+                            f"{roles[1]}: {only_b}", file=b)
+    pairs = [(n, os.path.join(a, n), os.path.join(b, n)) for n in names_b]
+    for _, pa, pb in pairs:
+        for path in (pa, pb):
+            if not os.path.isfile(path):  # checked up front, so nothing is written for a partial folder
+                raise FileNotFoundError(errno.ENOENT, "weight file named by the folder's index is missing", path)
+    return pairs
+
+
+def _full_blob(path: str, role: str) -> bytes:
+    """The bytes of a weight file that must be a full snapshot's, refusing a delta with a message that says so
+    (encoding or applying against a delta's U8 payload entries fails later with a puzzling tensor mismatch)."""
+    data = _read(path)
+    if is_delta_file(data):
+        parent = read_delta_info(data, filename=path).parent_identity
+        raise UnusableInputError(f"{path!r}: {role} is a hotload delta (made against {parent!r}), not a full "
+                                 "snapshot; rebuild it first with 'hotload apply'")
+    return data
+
+
+def _reset_output(out: str) -> None:
+    """Create an output folder and drop a commit marker left in it by an earlier run: until the caller marks the
+    new content complete, nothing in the folder may claim to be a complete snapshot."""
+    os.makedirs(out, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(out, COMMIT_MARKER))
 
 
 def _copy_aux(src: str, dst: str) -> None:
     for n in sorted(os.listdir(src)):
         p = os.path.join(src, n)
-        if os.path.isfile(p) and not n.endswith(".safetensors"):
+        if os.path.isfile(p) and not n.endswith(".safetensors") and n != COMMIT_MARKER:
             shutil.copyfile(p, os.path.join(dst, n))
 
 
@@ -77,18 +128,22 @@ def diff_paths(parent: str, new: str, out: str, *, codec: str = "arc_v2", parent
     """
     ident = parent_identity or os.path.basename(os.path.normpath(parent))
     vendor = vendor_encoder(vendor_module) if vendor_module else None
-    pairs = list(_pairs(parent, new))
+    pairs = _pairs(parent, new, ("PARENT", "NEW"))
     if os.path.isdir(new):
-        os.makedirs(out, exist_ok=True)
+        _reset_output(out)
         _copy_aux(new, out)
     total = 0
     for i, (name, pa, pb) in enumerate(pairs):
         dst = os.path.join(out, name) if os.path.isdir(new) else out
+        parent_blob, new_blob = _full_blob(pa, "PARENT"), _full_blob(pb, "NEW")
         if vendor is not None:
             vendor(pa, pb, dst)
         else:
-            blob = encode_delta_file(load_file(_read(pa), filename=pa), load_file(_read(pb), filename=pb),
-                                     parent_identity=ident, codec=codec)
+            try:
+                blob = encode_delta_file(load_file(parent_blob, filename=pa), load_file(new_blob, filename=pb),
+                                         parent_identity=ident, codec=codec)
+            except ArcError as exc:
+                raise exc.at(file=pb) from None
             with open(dst, "wb") as f:
                 f.write(blob)
         total += os.path.getsize(dst)
@@ -100,13 +155,13 @@ def diff_paths(parent: str, new: str, out: str, *, codec: str = "arc_v2", parent
 def apply_paths(parent: str, delta: str, out: str | None, *, expected_parent: str | None = None,
                 progress: Progress | None = None) -> dict[str, dict[str, RawTensor]]:
     """Rebuild ``delta`` on ``parent``; write the full snapshot to ``out`` unless it is None (verify only)."""
-    pairs = list(_pairs(parent, delta))
+    pairs = _pairs(parent, delta, ("PARENT", "DELTA"))
     if out is not None and os.path.isdir(delta):
-        os.makedirs(out, exist_ok=True)
+        _reset_output(out)
         _copy_aux(delta, out)
     result: dict[str, dict[str, RawTensor]] = {}
     for i, (name, pa, pd) in enumerate(pairs):
-        parent_blob = _read(pa)
+        parent_blob = _full_blob(pa, "PARENT")
         rebuilt = apply_delta_file(load_file(parent_blob, filename=pa), _read(pd), filename=pd,
                                    expected_parent=expected_parent)
         result[name] = rebuilt
@@ -127,7 +182,7 @@ class TensorRow:
     dtype: str
     shape: tuple[int, ...]
     codec: str
-    stored: int  # bytes on disk for this tensor
+    stored: int  # payload bytes stored for this tensor (the file's header is counted in Report.file_bytes)
     raw: int  # bytes of the tensor itself
     status: str = ""
 
@@ -142,6 +197,8 @@ class Report:
     parent: str | None
     rows: list[TensorRow] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    files: int = 0  # weight files read
+    file_bytes: int = 0  # their sizes on disk: payloads plus headers, what a transfer actually moves
 
     @property
     def ok(self) -> bool:
@@ -151,10 +208,12 @@ class Report:
 def inspect_path(path: str) -> Report:
     """Kind, parent, codecs and per-tensor sizes of a delta or full file/folder (headers only)."""
     files = [(os.path.basename(path), path)] if not os.path.isdir(path) else [
-        (n, os.path.join(path, n)) for n in weight_files(path)]
+        (n, os.path.join(path, n)) for n in _required_weight_files(path, "")]
     report: Report | None = None
+    file_bytes = 0
     for name, p in files:
         data = _read(p)
+        file_bytes += len(data)
         if is_delta_file(data):
             info = read_delta_info(data, filename=p)
             report = report or Report("delta", info.parent_identity)
@@ -166,21 +225,24 @@ def inspect_path(path: str) -> Report:
             report = report or Report("full", None)
             for e in header.entries.values():
                 report.rows.append(TensorRow(name, e.name, e.dtype, e.shape, "raw", e.nbytes, e.nbytes))
-    return report or Report("full", None)
+    report = report or Report("full", None)
+    report.files, report.file_bytes = len(files), file_bytes
+    return report
 
 
 def verify_paths(parent: str, delta: str, *, expected_parent: str | None = None,
                  progress: Progress | None = None) -> Report:
-    """Rebuild in memory and check every checksum; failures are collected per file, not raised."""
+    """Rebuild in memory and check every checksum; failures are collected per file, not raised (a layout that
+    cannot be checked at all, such as differing weight-file sets, raises)."""
+    pairs = _pairs(parent, delta, ("PARENT", "DELTA"))
     report = inspect_path(delta)
     by_file: dict[str, list[TensorRow]] = {}
     for r in report.rows:
         by_file.setdefault(r.file, []).append(r)
-    pairs = list(_pairs(parent, delta))
     for i, (name, pa, pd) in enumerate(pairs):
         bad: str | None = None
         try:
-            apply_delta_file(load_file(_read(pa), filename=pa), _read(pd), filename=pd,
+            apply_delta_file(load_file(_full_blob(pa, "PARENT"), filename=pa), _read(pd), filename=pd,
                              expected_parent=expected_parent)
         except ArcError as exc:
             report.errors.append(str(exc))
