@@ -29,6 +29,10 @@ from torch import nn
 
 VOCAB, DIM, FFN, HEADS, LAYERS = 512, 128, 344, 4, 4
 API_KEY = "demo-key"
+DESCRIPTION = ("Run the whole loop on one machine, offline: a local hot-load emulator (2 replicas) and a small "
+               "FSDP2 training job on CPU that publishes every step; every replica is checked against the "
+               "trainer's weights after each publish.")
+RESULT_FILES = ("metrics.jsonl", "demo_result.json")  # what the demo writes into --workdir besides bucket/, hf/
 
 
 class Attention(nn.Module):
@@ -161,7 +165,7 @@ def job(args: argparse.Namespace) -> None:
     if rank == 0:
         sent = sum(r["bytes"] for r in rows)
         full_every_step = sum(r["raw"] for r in rows)
-        verified = all(r["verified"] for r in rows)
+        verified = bool(rows) and all(r["verified"] for r in rows)
         print(f"\n{len(rows)} publishes: {sum(r['kind'] == 'full' for r in rows)} full, "
               f"{sum(r['kind'] == 'delta' for r in rows)} delta; sent {sent / 1e6:.2f} MB vs "
               f"{full_every_step / 1e6:.2f} MB for a full snapshot every step "
@@ -182,12 +186,21 @@ def _exit_cleanly() -> None:
 
 
 def run_demo_cli(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hotload demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--full-every", type=int, default=10)
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--codec", default="arc_v2")
-    p.add_argument("--lr", type=float, default=3e-6, help="RL-like learning rate (few bf16 values change)")
+    from .arc import codec_names
+    from .cli import arg_float, arg_int
+
+    # Every value is range-checked here, in the launcher: a bad one found inside torchrun would print a
+    # traceback per rank, and --steps 0 would "verify" nothing and report success.
+    p = argparse.ArgumentParser(prog="hotload demo", description=DESCRIPTION)
+    p.add_argument("--steps", type=arg_int(1), default=30, help="training steps, one publish each (default: "
+                   "%(default)s)")
+    p.add_argument("--full-every", type=arg_int(1), default=10, metavar="N",
+                   help="a full snapshot every N publishes, deltas in between (default: %(default)s)")
+    p.add_argument("--nproc", type=arg_int(1), default=2, help="training ranks (default: %(default)s)")
+    p.add_argument("--codec", choices=codec_names(), default="arc_v2",
+                   help="delta codec (default: %(default)s)")
+    p.add_argument("--lr", type=arg_float(0), default=3e-6,
+                   help="RL-like learning rate, so few bf16 values change per step (default: %(default)s)")
     p.add_argument("--workdir", default=None, help="keep the bucket and metrics here (default: a temp dir)")
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--bucket", help=argparse.SUPPRESS)
@@ -203,6 +216,9 @@ def run_demo_cli(argv: list[str] | None = None) -> int:
     bucket, hf = os.path.join(workdir, "bucket"), os.path.join(workdir, "hf")
     shutil.rmtree(bucket, ignore_errors=True)
     os.makedirs(bucket), os.makedirs(hf, exist_ok=True)
+    for name in RESULT_FILES:  # a re-run in the same --workdir must not append to, or report, the last run's
+        if os.path.isfile(os.path.join(workdir, name)):
+            os.remove(os.path.join(workdir, name))
     with open(os.path.join(hf, "config.json"), "w") as f:
         json.dump({"model_type": "llama", "vocab_size": VOCAB, "hidden_size": DIM, "intermediate_size": FFN,
                    "num_hidden_layers": LAYERS, "tie_word_embeddings": False}, f)
@@ -211,8 +227,6 @@ def run_demo_cli(argv: list[str] | None = None) -> int:
     print(f"hotload demo: {args.nproc}-rank FSDP2 job on CPU, {args.steps} steps, full every {args.full_every}, "
           f"codec {args.codec}; bucket {bucket}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCH_CPP_LOG_LEVEL="ERROR")
-    from .arc import codec_names
-
     # Our emulator stands in for a receiver running our decoder, so it accepts every codec we write.
     with HotLoadEmulator(bucket, replicas=2, api_key=API_KEY, compression_formats=codec_names()) as emu:
         print(f"emulator: {emu.url} (2 replicas rebuild and verify every snapshot from the bucket)\n", flush=True)

@@ -1,8 +1,8 @@
 """A local Fireworks hot-load emulator: a real HTTP server on loopback with replicas that really load snapshots.
 
 It exists so the whole publish → signal → load loop runs offline, in tests and in the demo, against the same
-HTTP protocol the real service speaks (``hotload-protocol.md``): same paths, headers, body schema (unknown
-fields rejected, pydantic-style), ledger rules, status shape. Replicas download each snapshot from the bucket
+HTTP protocol the real service speaks, as Fireworks describes it publicly: same paths, headers, body schema
+(unknown fields rejected, pydantic-style), ledger rules, status shape. Replicas download each snapshot from the bucket
 through the storage layer, rebuild deltas with the reference decoder (which verifies every tensor's Adler-32),
 check the result against the index and weight spec, and only then swap. Faults can be injected to exercise the
 trainer's recovery paths.
@@ -11,9 +11,13 @@ Endpoints (all answer JSON; errors are ``{"error": {"message": ...}}``):
 
 * ``POST/GET /hot_load/v1/models/hot_load`` — signal / status, routed by the ``fireworks-deployment`` header
 * ``POST /hot_load/v1/models/hot_load/hint`` — per-file hint (recorded, not acted on)
-* ``DELETE|GET /v1/accounts/<a>/deployments/<d>/ledger`` — reset / read the ledger (oldest row first)
+* ``DELETE|GET /v1/accounts/<a>/deployments/<d>/ledger`` — reset / read the ledger (oldest row first); GET of a
+  deployment no request has named yet is 404, DELETE of one is a no-op (neither creates it)
 * ``GET /v1/accounts`` — account lookup, as the Fireworks SDK does it before building headers
 * ``GET /emulator/v1/state`` — every deployment's replicas (identity + per-tensor sha256) and ledger
+
+Request bodies need a Content-Length (chunked bodies get 411) and must arrive in full within
+``request_timeout_s`` (else 400 or 408); HEAD, OPTIONS and other methods get a JSON 405/501 like every error.
 
 Example::
 
@@ -88,7 +92,8 @@ class HotLoadEmulator:
 
     Deployments are created on first use, keyed by the ``fireworks-deployment`` header; each has ``replicas``
     replicas with their own loader thread. ``base_config`` (optional) is the base model's ``config.json``:
-    when given, every snapshot's config is compared with it as the real service does.
+    when given, every snapshot's config is compared with it as the real service does. ``request_timeout_s`` bounds
+    how long one connection may take to send its request, so a stalled client cannot hold a handler thread.
 
     Example::
 
@@ -112,9 +117,13 @@ class HotLoadEmulator:
         account_id: str = "emulator",
         compression_formats: Sequence[str] = ("arc_v2",),
         base_config: dict[str, Any] | None = None,
+        request_timeout_s: float = 30.0,
     ) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
+        if not request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
+        self.request_timeout_s = float(request_timeout_s)
         self.bucket = bucket
         self.storage_options = dict(storage_options or {})
         self.host = host
@@ -142,10 +151,9 @@ class HotLoadEmulator:
     def start(self) -> "HotLoadEmulator":
         if self._server is not None:
             return self
-        server_cls = _Server6 if ":" in self.host else ThreadingHTTPServer
+        server_cls = _Server6 if ":" in self.host else _Server
         server = server_cls((self.host, self.port), _Handler)
-        server.daemon_threads = True
-        server.emulator = self  # type: ignore[attr-defined]
+        server.emulator = self
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="hotload-emulator-http", daemon=True)
@@ -233,6 +241,12 @@ class HotLoadEmulator:
             storage = self._storage
         return storage.get_bytes(relpath)
 
+    def _existing(self, key: str) -> Deployment | None:
+        """The deployment if a request has named it; the ledger endpoints use this so that reading or resetting an
+        unknown deployment does not create one (each costs a thread per replica)."""
+        with self._lock:
+            return self._deployments.get(key)
+
     def _deployment(self, key: str, model: str | None) -> Deployment:
         with self._lock:
             dep = self._deployments.get(key)
@@ -269,7 +283,9 @@ class HotLoadEmulator:
     def _json_body(body: bytes) -> dict[str, Any]:
         try:
             obj = json.loads(body)
-        except ValueError as exc:
+        except RecursionError:  # the decoder recurses per nesting level: a client's input, not our bug
+            raise _HttpError(400, "request body is not valid JSON: nested too deeply") from None
+        except ValueError as exc:  # malformed JSON, not UTF-8, an integer over Python's digit limit
             raise _HttpError(400, f"request body is not valid JSON: {exc}") from None
         if not isinstance(obj, dict):
             raise _HttpError(400, "request body must be a JSON object")
@@ -280,6 +296,8 @@ class HotLoadEmulator:
         path = urllib.parse.urlsplit(target).path.rstrip("/") or "/"
         try:
             self._check_auth(headers)
+            if method in ("HEAD", "OPTIONS"):
+                raise _HttpError(405, f"{method} is not allowed on {path}; the emulator answers GET, POST and DELETE")
             if path == HOT_LOAD_PATH:
                 if method == "POST":
                     return self._signal(headers, body)
@@ -293,11 +311,15 @@ class HotLoadEmulator:
             m = _LEDGER_RE.fullmatch(path)
             if m:
                 key = f"accounts/{m.group(1)}/deployments/{m.group(2)}"
+                dep = self._existing(key)
                 if method == "DELETE":
-                    self._deployment(key, None).reset_ledger()
+                    if dep is not None:  # an unknown deployment has an empty ledger already
+                        dep.reset_ledger()
                     return 200, {}
                 if method == "GET":
-                    return 200, {"ledger": self._deployment(key, None).ledger_rows()}
+                    if dep is None:
+                        raise _HttpError(404, f"no deployment {key!r}: no hot-load request has named it yet")
+                    return 200, {"ledger": dep.ledger_rows()}
                 raise _HttpError(405, f"{method} is not allowed on {path}")
             if path == "/v1/accounts" and method == "GET":
                 return 200, {"accounts": [{"name": f"accounts/{self.account_id}"}]}
@@ -337,24 +359,64 @@ class HotLoadEmulator:
         return 200, {"status": "ok"}
 
 
-class _Server6(ThreadingHTTPServer):
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    emulator: HotLoadEmulator
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up or stalls is its own problem: log it, never print a traceback."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.debug("emulator: connection from %s ended early: %r", client_address, exc)
+            return
+        super().handle_error(request, client_address)
+
+
+class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
 class _Handler(BaseHTTPRequestHandler):
     server_version = "hotload-emulator/1"
     protocol_version = "HTTP/1.0"
+    server: _Server
 
-    def _dispatch(self, method: str) -> None:
-        emu: HotLoadEmulator = self.server.emulator  # type: ignore[attr-defined]
+    def setup(self) -> None:
+        self.timeout = self.server.emulator.request_timeout_s  # applied to the socket by StreamRequestHandler
+        super().setup()
+
+    def _read_body(self) -> bytes | None:
+        """Exactly Content-Length bytes of body, or None after answering the error (a truncated body must not be
+        taken for a whole one)."""
+        if self.headers.get("Transfer-Encoding"):
+            self._send(411, {"error": {"message": "Transfer-Encoding is not supported: send the body with a "
+                                                  "Content-Length", "code": 411}})
+            return None
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
             length = -1
         if length < 0 or length > MAX_BODY:
-            self._send(413 if length > MAX_BODY else 400, {"error": {"message": "bad or oversized Content-Length"}})
+            code = 413 if length > MAX_BODY else 400
+            self._send(code, {"error": {"message": "bad or oversized Content-Length", "code": code}})
+            return None
+        try:
+            body = self.rfile.read(length) if length else b""
+        except TimeoutError:
+            self._send(408, {"error": {"message": f"request body not received within {self.timeout:g}s",
+                                       "code": 408}})
+            return None
+        if len(body) != length:
+            self._send(400, {"error": {"message": f"request body ended after {len(body)} of the {length} bytes its "
+                                                  "Content-Length announced", "code": 400}})
+            return None
+        return body
+
+    def _dispatch(self, method: str) -> None:
+        emu = self.server.emulator
+        body = self._read_body()
+        if body is None:
             return
-        body = self.rfile.read(length) if length else b""
         try:
             status, payload = emu.handle(method, self.path, self.headers, body)
         except Exception as exc:  # a bug in the emulator: answer 500 and keep it for stop()/check()
@@ -364,11 +426,21 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, payload: Any) -> None:
         data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(data)
+        except (ConnectionError, TimeoutError) as exc:  # the client left; nobody is there to answer
+            log.debug("emulator: %s left before the response was sent: %r", self.address_string(), exc)
+        self.close_connection = True
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own errors (malformed request, unsupported method) in the JSON shape of every answer."""
+        text = message or self.responses.get(code, ("error",))[0]
+        self._send(code, {"error": {"message": text, "code": code}})
 
     def do_GET(self) -> None:  # noqa: N802 (http.server naming)
         self._dispatch("GET")
@@ -385,24 +457,69 @@ class _Handler(BaseHTTPRequestHandler):
     def do_PATCH(self) -> None:  # noqa: N802
         self._dispatch("PATCH")
 
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._dispatch("HEAD")
+
+    def do_OPTIONS(self) -> None:  # noqa: N802
+        self._dispatch("OPTIONS")
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         log.debug("emulator %s - %s", self.address_string(), format % args)
 
 
+def _compression_formats(text: str) -> tuple[str, ...]:
+    """``--compression-formats``: a comma list of codecs our decoder reads (the replicas rebuild with it)."""
+    from .arc import codec_names
+
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in codec_names()]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a comma list of {', '.join(codec_names())}")
+    return names
+
+
+def _bucket_problem(bucket: str, options: dict[str, Any] | None) -> str | None:
+    """Why ``bucket`` cannot be served, found at startup rather than as a load error on the first signal: an
+    unknown scheme, a missing backend, or a local folder that does not exist. Remote buckets are not contacted."""
+    import fsspec.core
+
+    from .storage import Storage, StorageError
+
+    try:
+        storage = Storage(bucket, options)
+    except (StorageError, ValueError) as exc:
+        return str(exc)
+    protocol, _ = fsspec.core.split_protocol(storage.root)
+    if protocol in (None, "file") and not storage.fs.isdir(storage.root):
+        return f"{storage.root} is not a folder"
+    return None
+
+
 def run_emulator_cli(args: list[str] | None = None) -> int:
     """``hotload emulate``: serve until Ctrl-C; prints the URL to point HotLoadClient at."""
+    from .cli import arg_float, arg_int
+
     p = argparse.ArgumentParser(prog="hotload emulate", description="Run a local Fireworks hot-load emulator.")
     p.add_argument("--bucket", required=True, help="bucket prefix URI holding <identity>/ snapshot folders")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=arg_int(0, 65535), default=0, help="TCP port; 0 (the default) picks a free one")
+    p.add_argument("--replicas", type=arg_int(1), default=2, help="replicas per deployment (default: %(default)s)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no auth)")
-    p.add_argument("--load-delay", type=float, default=0.0, help="extra seconds per load")
+    p.add_argument("--load-delay", type=arg_float(0), default=0.0, metavar="SECONDS",
+                   help="extra seconds per load (default: %(default)s)")
+    p.add_argument("--compression-formats", type=_compression_formats, default="arc_v2", metavar="LIST",
+                   help="comma list of the compression_format values delta signals may name (default: "
+                        "%(default)s; add arc_sparse_v1 to load our sparse deltas)")
     p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for s3:// buckets")
     ns = p.parse_args(args)
     opts = {"endpoint_url": ns.endpoint_url} if ns.endpoint_url else None
+    problem = _bucket_problem(ns.bucket, opts)
+    if problem is not None:
+        print(f"hotload emulate: error: --bucket {ns.bucket}: {problem}", file=sys.stderr)
+        return 2
     emu = HotLoadEmulator(ns.bucket, storage_options=opts, host=ns.host, port=ns.port, replicas=ns.replicas,
-                          api_key=ns.api_key, load_delay_s=ns.load_delay)
+                          api_key=ns.api_key, load_delay_s=ns.load_delay,
+                          compression_formats=ns.compression_formats)
     try:
         emu.start()
     except OSError as exc:

@@ -12,8 +12,9 @@ Example::
 
     settings = EmulatorSettings(get_bytes=Storage(bucket).get_bytes)
     dep = Deployment("accounts/a/deployments/d", "accounts/a/models/m", replicas=2, settings=settings)
-    code, body = dep.signal(HotLoadRequest(identity="step-1"))
-    ...
+    dep.signal(HotLoadRequest(identity="step-1"))  # {'status': 'ok'}; raises SignalRejected(status, message)
+    while dep.status()["replicas"][0]["loading_state"]["stage"] not in ("done", "error"):
+        time.sleep(0.01)
     dep.shutdown()
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Client for the Fireworks hot-load API: signal a snapshot, send per-file hints, poll until it is served.
 
-The wire protocol is described in ``hotload-protocol.md``; this module is the trainer's side of it. The
+The wire protocol is the one Fireworks documents publicly; this module is the trainer's side of it. The
 request/response models and error types live in :mod:`fsdp_hotload.fireworks_models` (shared with the local
 emulator, so both sides validate the same schema) and are re-exported here.
 

@@ -8,12 +8,16 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+DEMO = [sys.executable, "-m", "fsdp_hotload.cli", "demo"]
 
 
+@pytest.mark.slow
 def test_demo_publishes_and_verifies(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "fsdp_hotload.cli", "demo", "--steps", "7", "--full-every", "3",
-                           "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    # A previous run's results in the same --workdir are replaced, never appended to.
+    (tmp_path / "metrics.jsonl").write_text('{"stale": true}\n' * 3)
+    (tmp_path / "demo_result.json").write_text('{"verified": true, "rows": []}')
+    proc = subprocess.run([*DEMO, "--steps", "7", "--full-every", "3", "--workdir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "demo_result.json").read_text())
     assert result["verified"]
@@ -22,3 +26,25 @@ def test_demo_publishes_and_verifies(tmp_path: Path) -> None:
     assert "every replica verified bit-exact: yes" in proc.stdout
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 7 and all(m["ok"] for m in metrics)
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--codec", "foo"], "--codec"),
+    (["--full-every", "0"], "--full-every"),
+    (["--nproc", "0"], "--nproc"),
+    (["--steps", "0"], "--steps"),
+])
+def test_bad_options_fail_before_the_job_starts(tmp_path: Path, args: list[str], flag: str) -> None:
+    """Checked by the launcher: one usage line, no torchrun, nothing written (--steps 0 would verify nothing)."""
+    workdir = tmp_path / "work"
+    proc = subprocess.run([*DEMO, *args, "--workdir", str(workdir)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"hotload demo: error: argument {flag}:")
+    assert not workdir.exists() and "verified" not in proc.stdout
+
+
+def test_help_describes_every_option() -> None:
+    proc = subprocess.run([*DEMO, "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "``" not in proc.stdout
+    for text in ("(default: 30)", "(default: 10)", "(default: 2)", "(default: arc_v2)"):
+        assert text in proc.stdout, text

@@ -5,14 +5,17 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import fsdp_hotload.emulator_state as emulator_state
 from fsdp_hotload.emulator import HotLoadEmulator
 from fsdp_hotload.fireworks import HotLoadClient, HotLoadError, HotLoadStatus, HotLoadTimeout
 from tests.emulator_fixture import (  # the emulator and s3_server fixtures come from tests/conftest.py
@@ -51,6 +54,28 @@ def raw(emu: HotLoadEmulator, method: str, path: str, body: Any = None, *, heade
         return resp.status, json.loads(resp.read() or b"null")
     finally:
         conn.close()
+
+
+def exchange(emu: HotLoadEmulator, method: str, path: str, body: bytes = b"", *, headers: dict[str, str],
+             half_close: bool = True) -> tuple[int, dict[str, str], Any]:
+    """Send a hand-written request (any headers, any body, however short) over a socket; returns the status, the
+    response headers and the JSON body. ``half_close`` ends the client's side after sending, as a client that
+    gave up on its body does."""
+    host, port = emu.url.removeprefix("http://").rsplit(":", 1)
+    h = {"Authorization": f"Bearer {EMULATOR_API_KEY}", "fireworks-model": "accounts/acct/models/m",
+         "fireworks-deployment": DEP, **headers}
+    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\n" + "".join(f"{k}: {v}\r\n" for k, v in h.items()) + "\r\n"
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head.encode() + body)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    status_line, _, rest = data.partition(b"\r\n")
+    head_bytes, _, payload = rest.partition(b"\r\n\r\n")
+    resp_headers = dict(line.split(": ", 1) for line in head_bytes.decode().split("\r\n") if ": " in line)
+    return int(status_line.split()[1]), resp_headers, json.loads(payload) if payload else None
 
 
 def served(emu: HotLoadEmulator) -> list[tuple[str | None, dict[str, str]]]:
@@ -393,3 +418,70 @@ def test_cli_serves_until_interrupted(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ------------------------------------------------------------------------------------------------ hostile clients
+
+
+def test_deeply_nested_json_is_a_400_not_an_internal_error(emulator: HotLoadEmulator) -> None:
+    deep = b"[" * 100_000 + b"]" * 100_000
+    code, _, body = exchange(emulator, "POST", "/hot_load/v1/models/hot_load", deep,
+                             headers={"Content-Length": str(len(deep))})
+    assert code == 400 and "not valid JSON" in body["error"]["message"]
+    emulator.check()  # nothing was recorded as an emulator bug
+
+
+def test_request_body_must_arrive_whole(emulator: HotLoadEmulator) -> None:
+    """A truncated body is not taken for the whole request, and a chunked one needs a Content-Length."""
+    code, _, body = exchange(emulator, "GET", "/emulator/v1/state", b"{}", headers={"Content-Length": "10"})
+    assert code == 400 and "2 of the 10 bytes" in body["error"]["message"]
+    chunked = b'10\r\n{"identity":"zz"}\r\n0\r\n\r\n'
+    code, _, body = exchange(emulator, "POST", "/hot_load/v1/models/hot_load", chunked,
+                             headers={"Transfer-Encoding": "chunked"})
+    assert code == 411 and "Content-Length" in body["error"]["message"]
+    assert emulator.state()["deployments"] == {}  # the chunked signal was not acted on
+    emulator.check()
+
+
+def test_stalled_request_times_out(tmp_path: Path) -> None:
+    """A client that stops sending mid-body does not hold its handler thread forever."""
+    with HotLoadEmulator(str(tmp_path), replicas=1, api_key=EMULATOR_API_KEY, request_timeout_s=0.5) as emu:
+        started = time.monotonic()
+        code, _, body = exchange(emu, "GET", "/emulator/v1/state", b"{}", headers={"Content-Length": "10"},
+                                 half_close=False)
+        assert code == 408 and "0.5s" in body["error"]["message"] and time.monotonic() - started < 5
+
+
+def test_ledger_of_an_unknown_deployment_creates_nothing(emulator: HotLoadEmulator) -> None:
+    for i in range(3):
+        code, body = raw(emulator, "GET", f"/v1/accounts/acct/deployments/ghost-{i}/ledger")
+        assert code == 404 and f"ghost-{i}" in body["error"]["message"]
+        assert raw(emulator, "DELETE", f"/v1/accounts/acct/deployments/ghost-{i}/ledger") == (200, {})
+    assert emulator.state()["deployments"] == {}
+    load_full(emulator, client_for(emulator), "step-1")
+    code, body = raw(emulator, "GET", "/v1/accounts/acct/deployments/dep/ledger")
+    assert code == 200 and [r["identity"] for r in body["ledger"]] == ["step-1"]
+
+
+def test_other_methods_get_json_errors(emulator: HotLoadEmulator) -> None:
+    for method, want in (("HEAD", 405), ("OPTIONS", 405), ("TRACE", 501)):
+        code, headers, body = exchange(emulator, method, "/hot_load/v1/models/hot_load", headers={})
+        assert code == want and headers["Content-Type"] == "application/json", method
+        if method == "HEAD":
+            assert body is None  # a HEAD answer has no body, only its length
+        else:
+            assert body["error"]["code"] == want and method in body["error"]["message"]
+
+
+def test_emulator_state_docstring_example_runs(tmp_path: Path) -> None:
+    from fsdp_hotload.fireworks_models import HotLoadRequest
+    from fsdp_hotload.storage import Storage
+
+    model = tiny_model(0)
+    write_full_snapshot(tmp_path, "step-1", model)
+    example = textwrap.dedent(emulator_state.__doc__.split("Example::", 1)[1])
+    scope = {"EmulatorSettings": emulator_state.EmulatorSettings, "Deployment": emulator_state.Deployment,
+             "HotLoadRequest": HotLoadRequest, "Storage": Storage, "time": time, "bucket": str(tmp_path)}
+    exec(compile(example, "emulator_state docstring", "exec"), scope)
+    rep = scope["dep"].replicas[0]
+    assert rep.current == "step-1" and {n: t["sha256"] for n, t in rep.summary.items()} == sha256_map(model)

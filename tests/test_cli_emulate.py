@@ -1,0 +1,108 @@
+"""``hotload emulate`` as a real subprocess: option checks, the bucket check, codecs, clients that hang up."""
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fsdp_hotload.fireworks import HotLoadClient
+from tests.emulator_fixture import (
+    EMULATOR_API_KEY,
+    perturb,
+    sha256_map,
+    tiny_model,
+    write_delta_snapshot,
+    write_full_snapshot,
+)
+
+HOTLOAD = [sys.executable, "-m", "fsdp_hotload.cli"]
+
+
+@contextlib.contextmanager
+def serving(*args: str) -> Iterator[tuple[str, int, list[str]]]:
+    """Run ``hotload emulate`` until the block ends, then Ctrl-C it; yields (host, port, stderr lines), the
+    stderr list filled once the process has exited."""
+    proc = subprocess.Popen([*HOTLOAD, "emulate", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    err: list[str] = []
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "listening on" in line, line
+        url = line.split("listening on ")[1].split()[0]
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        yield host, int(port), err
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=20)
+        err.extend(stderr.splitlines())
+        assert proc.returncode == 0, stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--replicas", "0"], "--replicas"),
+    (["--port", "99999"], "--port"),
+    (["--load-delay", "-1"], "--load-delay"),
+    (["--compression-formats", "zstd"], "--compression-formats"),
+])
+def test_bad_options_are_one_line_usage_errors(tmp_path: Path, args: list[str], flag: str) -> None:
+    res = subprocess.run([*HOTLOAD, "emulate", "--bucket", str(tmp_path), *args], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith(f"hotload emulate: error: argument {flag}:")
+
+
+@pytest.mark.parametrize("bucket, reason", [("missing-folder", "is not a folder"), ("nosuch://b/p", "nosuch")])
+def test_unusable_bucket_fails_at_startup(tmp_path: Path, bucket: str, reason: str) -> None:
+    uri = str(tmp_path / bucket) if "://" not in bucket else bucket
+    res = subprocess.run([*HOTLOAD, "emulate", "--bucket", uri], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    (line,) = res.stderr.strip().splitlines()
+    assert line.startswith("hotload emulate: error: --bucket") and reason in line
+
+
+def test_compression_formats_admits_sparse_deltas(tmp_path: Path) -> None:
+    m1 = tiny_model(0)
+    m2 = perturb(m1, seed=1)
+    write_full_snapshot(tmp_path, "step-1", m1)
+    write_delta_snapshot(tmp_path, "step-2", "step-1", m1, m2, codec="arc_sparse_v1")
+    with serving("--bucket", str(tmp_path), "--replicas", "1", "--api-key", EMULATOR_API_KEY,
+                 "--compression-formats", "arc_v2,arc_sparse_v1") as (host, port, _):
+        client = HotLoadClient(f"http://{host}:{port}", account_id="acct", model_id="m", deployment_id="dep",
+                               api_key=EMULATOR_API_KEY, poll_interval_s=0.02)
+        client.signal("step-1")
+        client.wait_ready("step-1", timeout_s=30)
+        client.signal("step-2", previous_identity="step-1", compression_format="arc_sparse_v1")
+        client.wait_ready("step-2", timeout_s=30)
+        req = urllib.request.Request(f"http://{host}:{port}/emulator/v1/state",
+                                     headers={"Authorization": f"Bearer {EMULATOR_API_KEY}"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            (dep,) = json.load(resp)["deployments"].values()
+    assert {n: t["sha256"] for n, t in dep["replicas"][0]["tensors"].items()} == sha256_map(m2)
+
+
+def test_clients_that_hang_up_print_no_traceback(tmp_path: Path) -> None:
+    """Clients that leave before the answer (a short body then close, or a reset) are the client's problem."""
+    with serving("--bucket", str(tmp_path), "--replicas", "1") as (host, port, err):
+        for _ in range(5):
+            with socket.create_connection((host, port), timeout=10) as sock:  # 2 of 10 body bytes, then close
+                sock.sendall(b"POST /hot_load/v1/models/hot_load HTTP/1.0\r\nContent-Length: 10\r\n\r\n{}")
+            with socket.create_connection((host, port), timeout=10) as sock:  # whole request, then a reset
+                sock.sendall(b"GET /v1/accounts HTTP/1.0\r\n\r\n")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        with socket.create_connection((host, port), timeout=10) as sock:  # still serving
+            sock.sendall(b"GET /v1/accounts HTTP/1.0\r\n\r\n")
+            assert sock.recv(100).startswith(b"HTTP/1.0 200")
+    assert not [line for line in err if "Traceback" in line or "Error" in line], "\n".join(err)
