@@ -440,3 +440,15 @@ def test_side_group_collectives_carry_small_and_large_objects(nproc: int) -> Non
 
     result = run_torchrun(str(SCRIPTS / "check_comm.py"), nproc, [])
     assert f"comm ok on {nproc} ranks" in result.stdout
+
+
+def test_steps_are_non_negative_integers_of_any_integer_type(tmp_path: Path) -> None:
+    import numpy as np
+
+    model = make_model()
+    with TensorPublisher(model, config(str(tmp_path / "bucket"), None, tmp_path)) as pub:
+        assert pub.publish(np.int64(0), model)
+        for bad in (True, 1.5, -1, "3"):
+            with pytest.raises(ValueError, match=f"non-negative integer, got {bad!r}"):
+                pub.publish(bad, model)  # type: ignore[arg-type]
+        pub.publish(np.int32(1), model)

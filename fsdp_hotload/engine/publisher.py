@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import operator
 import os
 import queue
 import secrets
@@ -202,8 +203,13 @@ class Publisher:
         self.raise_if_failed()
         if self.closed:
             raise RuntimeError("publisher is closed")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        given = step
+        try:  # any integer type (numpy too); not a bool or a float
+            step = operator.index(step) if not isinstance(step, bool) else -1
+        except TypeError:
+            step = -1
+        if step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {given!r}")
         if step <= self.latest_step:
             raise ValueError(
                 f"step {step} does not follow step {self.latest_step}: steps must increase, since they name the "
