@@ -389,26 +389,23 @@ class _Handler(BaseHTTPRequestHandler):
         """Exactly Content-Length bytes of body, or None after answering the error (a truncated body must not be
         taken for a whole one)."""
         if self.headers.get("Transfer-Encoding"):
-            self._send(411, {"error": {"message": "Transfer-Encoding is not supported: send the body with a "
-                                                  "Content-Length", "code": 411}})
+            self.send_error(411, "Transfer-Encoding is not supported: send the body with a Content-Length")
             return None
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
             length = -1
         if length < 0 or length > MAX_BODY:
-            code = 413 if length > MAX_BODY else 400
-            self._send(code, {"error": {"message": "bad or oversized Content-Length", "code": code}})
+            self.send_error(413 if length > MAX_BODY else 400, "bad or oversized Content-Length")
             return None
         try:
             body = self.rfile.read(length) if length else b""
         except TimeoutError:
-            self._send(408, {"error": {"message": f"request body not received within {self.timeout:g}s",
-                                       "code": 408}})
+            self.send_error(408, f"request body not received within {self.timeout:g}s")
             return None
         if len(body) != length:
-            self._send(400, {"error": {"message": f"request body ended after {len(body)} of the {length} bytes its "
-                                                  "Content-Length announced", "code": 400}})
+            self.send_error(400, f"request body ended after {len(body)} of the {length} bytes its Content-Length "
+                                 "announced")
             return None
         return body
 
