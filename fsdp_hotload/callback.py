@@ -75,11 +75,16 @@ class HotloadCallback:
             comm, ctrl = GlooComm.create(timeout), GlooComm.create(timeout)
         else:
             comm = ctrl = LocalComm()
-        self._fingerprint = storage_fingerprint(model)
-        chunks = local_chunks(model, **self._chunk_kwargs)
-        self.walks = 1  # model walks for chunk views (the first here; again only when storage changed)
-        specs = [TensorSpec(n, tuple(s), d) for n, s, d in full_tensor_specs(model, **self._chunk_kwargs)]
-        self.engine = Publisher(chunks, specs, config, comm=comm, ctrl=ctrl, **engine_kwargs)
+        self._comms = [comm, ctrl]
+        try:
+            self._fingerprint = storage_fingerprint(model)
+            chunks = local_chunks(model, **self._chunk_kwargs)
+            self.walks = 1  # model walks for chunk views (the first here; again only when storage changed)
+            specs = [TensorSpec(n, tuple(s), d) for n, s, d in full_tensor_specs(model, **self._chunk_kwargs)]
+            self.engine = Publisher(chunks, specs, config, comm=comm, ctrl=ctrl, **engine_kwargs)
+        except BaseException:
+            self._close_comms()
+            raise
         self._layout = [(c.name, c.box) for c in chunks]
         self._views = [c.source for c in chunks]
         self._buffer_idx = self._buffer_chunks(chunks)
@@ -198,8 +203,21 @@ class HotloadCallback:
         self.engine.wait(timeout)
 
     def close(self, *, raise_errors: bool = True) -> None:
+        """Flush and wait for in-flight snapshots, stop the background threads, and free the side groups."""
         self.detach()
-        self.engine.close(raise_errors=raise_errors)
+        try:
+            self.engine.close(raise_errors=raise_errors)
+        finally:
+            if self.engine.closed:
+                self._close_comms()
+
+    def _close_comms(self) -> None:
+        comms, self._comms = self._comms, []
+        for comm in comms:
+            try:
+                comm.close()
+            except Exception:  # noqa: BLE001 - a group that cannot be destroyed must not hide the real outcome
+                log.warning("hotload: could not destroy a side process group", exc_info=True)
 
     @property
     def metrics(self) -> list[PublishMetrics]:

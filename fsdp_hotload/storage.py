@@ -28,11 +28,12 @@ import uuid
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields
 from datetime import datetime
-from typing import Any, BinaryIO, Callable, TypeVar
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, TypeVar
 
 import fsspec
 import fsspec.core
 
+from .storage_s3 import DeadlineCalls, abort_open_uploads, owned_retries
 from .storage_errors import (_BACKEND_PACKAGES, ErrorClass, MissingBackendError,  # noqa: F401 (re-exported)
                              StorageError, backend_install_hint, backoff_delay, classify_error)
 
@@ -252,8 +253,12 @@ class Storage:
                     raise MissingBackendError(f"cannot open {root}: {hint}", uri=root, op="open",
                                               cause=exc) from exc
         _check_options(root, options)
+        options, own_retries = owned_retries(root, options)
         try:
-            return fsspec.core.url_to_fs(root, **options)
+            fs, fs_root = fsspec.core.url_to_fs(root, **options)
+            if own_retries and isinstance(getattr(fs, "retries", None), int):
+                fs.retries = 1  # s3fs's own loop, under ours and botocore's, multiplied every attempt
+            return fs, fs_root
         except ImportError as exc:
             raise MissingBackendError(f"cannot open {root}: missing backend package ({exc})", uri=root,
                                       op="open", cause=exc) from exc
@@ -300,14 +305,12 @@ class Storage:
             attempt += 1
             try:
                 return fn()
-            except FileNotFoundError as exc:
-                if uri in str(exc):
-                    raise
-                raise FileNotFoundError(f"{uri}: {exc}") from exc  # s3fs's "bucket does not exist" names none
             except Exception as exc:  # noqa: BLE001 - classified below, re-raised as StorageError
                 kind = classify_error(exc)
                 if kind is ErrorClass.NOT_FOUND:
-                    raise FileNotFoundError(f"{uri}: {exc}") from exc
+                    if isinstance(exc, FileNotFoundError) and uri in str(exc):
+                        raise
+                    raise FileNotFoundError(f"{uri}: {exc}") from exc  # s3fs's "bucket does not exist" names none
                 if not kind.retryable or attempt >= self.max_attempts:
                     self.stats.add(failures=1)
                     why = (f"after {attempt} attempts" if kind.retryable
@@ -340,12 +343,14 @@ class Storage:
                 self._run("put", rel, lambda: self._local_atomic_write(path, lambda f: f.write(view)))
             elif self._object_store and nbytes > self.multipart_threshold and not isinstance(data, bytes):
                 # Large buffer views: stream in parts rather than copy the whole buffer into one bytes object.
-                self._run("put", rel, lambda: self._stream_write(path, view))
+                step = self.part_size
+                self._run("put", rel, lambda: self._stream_write(
+                    path, (view[off:off + step] for off in range(0, nbytes, step))))
             else:
                 payload = data if isinstance(data, (bytes, bytearray)) else view.tobytes()
                 kwargs = {"chunksize": self.part_size} if self._chunked else {}
                 kwargs.update(self._deadline(nbytes))
-                self._run("put", rel, lambda: self._fs.pipe_file(path, payload, **kwargs))
+                self._run("put", rel, lambda: self._pipe_file(path, payload, kwargs))
         finally:
             self.stats.add(seconds=time.perf_counter() - t0)
         self.stats.add(puts=1, bytes_put=nbytes)
@@ -358,16 +363,20 @@ class Storage:
         size = os.path.getsize(local_path)
         path = self._path(rel)
 
-        def copy_into(dst: BinaryIO) -> None:
+        def blocks(size: int) -> Iterator[bytes]:
             with open(local_path, "rb") as src:
-                while block := src.read(_COPY_BLOCK):
-                    dst.write(block)
+                while block := src.read(size):
+                    yield block
+
+        def copy_into(dst: BinaryIO) -> None:
+            for block in blocks(_COPY_BLOCK):
+                dst.write(block)
 
         def upload() -> None:
             if self._local:
                 self._local_atomic_write(path, copy_into)
             elif size > self.multipart_threshold and self._object_store:
-                self._fs.put_file(local_path, path, chunksize=self.part_size)
+                self._stream_write(path, blocks(self.part_size))
             else:
                 with open(local_path, "rb") as src:
                     payload = src.read()
@@ -411,6 +420,17 @@ class Storage:
                            f"first: {first}", uri=self.uri(rel), op="put_many",
                            attempts=getattr(first, "attempts", 0), cause=first) from first
 
+    def _pipe_file(self, path: str, payload: bytes | bytearray, kwargs: dict[str, Any]) -> None:
+        """One ``pipe_file``; on S3, a call cut off by its deadline also aborts the key's open multipart uploads.
+        Why: the deadline cancels s3fs's upload, whose own abort runs only on ``Exception``, so every timed-out
+        attempt left a billed, unlisted upload behind."""
+        try:
+            self._fs.pipe_file(path, payload, **kwargs)
+        except Exception as exc:
+            if self._chunked and type(exc).__name__ == "FSTimeoutError":
+                abort_open_uploads(self._fs, path, self._deadline())
+            raise
+
     def _local_atomic_write(self, path: str, write: Callable[[BinaryIO], Any]) -> None:
         """Write to a hidden temp name in the same directory, fsync, then rename over the target."""
         parent = os.path.dirname(path)
@@ -434,12 +454,15 @@ class Storage:
             finally:
                 os.close(dir_fd)
 
-    def _stream_write(self, path: str, view: memoryview) -> None:
-        """Write a large buffer to an object store part by part; on failure abort, never commit a partial object."""
+    def _stream_write(self, path: str, blocks: Iterable[bytes | memoryview]) -> None:
+        """Write a large object to an object store part by part; on failure abort, never commit a partial object.
+        On S3 every request of the upload has a deadline (see :class:`~fsdp_hotload.storage_s3.DeadlineCalls`)."""
         f = self._fs.open(path, "wb", block_size=self.part_size)
+        if self._chunked and getattr(self._fs, "async_impl", False) and hasattr(self._fs, "call_s3"):
+            f.fs = DeadlineCalls(f.fs, self._deadline)
         try:
-            for off in range(0, view.nbytes, self.part_size):
-                f.write(view[off:off + self.part_size])
+            for block in blocks:
+                f.write(block)
             f.close()
         except BaseException:
             with contextlib.suppress(Exception):

@@ -79,6 +79,9 @@ _AUTH_CODES = frozenset({
     "AccessDenied", "AccountProblem", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch",
     "ExpiredToken", "InvalidToken", "InvalidSecurity", "NotSignedUp", "RequestTimeTooSkewed", "401", "403"})
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NotFound", "404"})
+# A multipart upload whose id the store no longer knows (aborted by a lifecycle rule, or a retried complete):
+# HTTP 404, which s3fs turns into FileNotFoundError, yet the object is fine to write again from the start.
+_LOST_UPLOAD_CODES = frozenset({"NoSuchUpload"})
 # Matched by class name anywhere in the MRO, so botocore, aiohttp, urllib3 and requests need not be imported.
 _TRANSIENT_CLASS_NAMES = frozenset({
     "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
@@ -130,7 +133,8 @@ def classify_error(exc: BaseException) -> ErrorClass:
 
     Pure function of the exception and its cause chain. Throttling wins over everything (an S3 SlowDown arrives
     as an ``OSError(EBUSY)`` whose cause is the ClientError), then not-found, then permission/auth errors, then
-    connection errors, timeouts and 5xx. Anything unrecognised is FATAL: retrying a bug only hides it.
+    connection errors, timeouts and 5xx. A lost multipart upload (``NoSuchUpload``) is TRANSIENT although it
+    arrives as a 404: the write starts over. Anything unrecognised is FATAL: retrying a bug only hides it.
     """
     found: set[ErrorClass] = set()
     for e in _exception_chain(exc):
@@ -144,6 +148,8 @@ def classify_error(exc: BaseException) -> ErrorClass:
                     else str(e)).lower()
         except Exception:  # noqa: BLE001 - a broken __str__ must not break classification
             text = ""
+        if code in _LOST_UPLOAD_CODES:
+            return ErrorClass.TRANSIENT
         if code in _THROTTLE_CODES or status in (429, 503) or any(t in text for t in _THROTTLE_TEXT):
             found.add(ErrorClass.THROTTLE)
         elif isinstance(e, FileNotFoundError) or code in _NOT_FOUND_CODES or status == 404:

@@ -16,6 +16,7 @@ so retry paths run against real I/O::
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -112,6 +113,13 @@ def slowdown_error(translated: bool = True) -> Exception:
 def access_denied_error(translated: bool = True) -> Exception:
     """A botocore ClientError AccessDenied (HTTP 403), by default as s3fs surfaces it (a PermissionError)."""
     return _client_error("AccessDenied", "Access Denied", 403, "PutObject", translated)
+
+
+def no_such_upload_error(translated: bool = True) -> Exception:
+    """What S3 answers when a multipart upload's id is gone (HTTP 404, code NoSuchUpload), by default as s3fs
+    surfaces it (a FileNotFoundError caused by that ClientError)."""
+    return _client_error("NoSuchUpload", "The specified upload does not exist.", 404, "CompleteMultipartUpload",
+                         translated)
 
 
 def _client_error(code: str, message: str, status: int, op: str, translated: bool) -> Exception:
@@ -268,3 +276,64 @@ class _FailingWriteFile:
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._inner, name, value)
+
+
+class StallingProxy:
+    """A TCP proxy in front of a real server that stops forwarding a connection once a request on it contains
+    ``stall_on`` (e.g. ``b"partNumber="``: S3 part uploads), so that request never gets an answer: a link that
+    dies in the middle of a multipart upload, after the upload was created.
+
+    Example::
+
+        with StallingProxy(s3_server.endpoint_url, b"partNumber=") as proxy:
+            options = {**s3_server.storage_options, "endpoint_url": proxy.url}
+    """
+
+    def __init__(self, upstream_url: str, stall_on: bytes) -> None:
+        import socket
+        from urllib.parse import urlsplit
+
+        target = urlsplit(upstream_url)
+        self._upstream = (target.hostname or "127.0.0.1", target.port or 80)
+        self._stall_on = stall_on
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.stalled = 0
+        self._sockets: list[Any] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self._upstream)
+            self._sockets += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, src: Any, dst: Any, check: bool) -> None:
+        tail = b""
+        try:
+            while data := src.recv(65536):
+                if check and self._stall_on in tail + data:
+                    self.stalled += 1
+                    while src.recv(65536):  # swallow the rest; never answer
+                        pass
+                    return
+                tail = data[-len(self._stall_on):]
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def __enter__(self) -> "StallingProxy":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._listener.close()
+        for sock in self._sockets:
+            with contextlib.suppress(OSError):
+                sock.close()

@@ -12,8 +12,9 @@ from tests.dist_util import SCRIPTS, run_torchrun
 pytestmark = pytest.mark.slow
 
 
-def run_job(tmp_path: Path, nproc: int, mode: str, *extra: str) -> tuple[list[dict], int]:
-    """Runs the job; returns rank 0's records and how often its callback walked the model for chunk views."""
+def run_job(tmp_path: Path, nproc: int, mode: str, *extra: str) -> tuple[list[dict], dict]:
+    """Runs the job; returns rank 0's records and its summary: how often its callback walked the model for chunk
+    views (``walks``), and its open file descriptors before the first callback and after the last close."""
     bucket = tmp_path / "bucket"
     bucket.mkdir()
     out = tmp_path / "records.json"
@@ -25,14 +26,14 @@ def run_job(tmp_path: Path, nproc: int, mode: str, *extra: str) -> tuple[list[di
                      ["--mode", mode, "--bucket", str(bucket), "--url", emu.url, "--out", str(out), "--hf-dir", str(hf), *extra],
                      timeout=300)
     *recs, tail = json.loads(out.read_text())
-    return recs, tail["walks"]
+    return recs, tail
 
 
 @pytest.mark.parametrize("nproc,mode", [(2, "fsdp2"), (4, "fsdp2"), (2, "fsdp1"), (4, "fsdp1-orig")])
 def test_forty_steps_bit_exact(tmp_path: Path, nproc: int, mode: str) -> None:
-    recs, walks = run_job(tmp_path, nproc, mode, "--steps", "40", "--full-every", "10")
+    recs, tail = run_job(tmp_path, nproc, mode, "--steps", "40", "--full-every", "10")
     assert [r["kind"] for r in recs] == (["full"] + ["delta"] * 9) * 4
-    assert walks == 1  # chunk views taken once stay valid: the framework keeps its storage across steps
+    assert tail["walks"] == 1  # chunk views taken once stay valid: the framework keeps its storage across steps
     assert all(r["ok"] and r["serves_current"] and r["bit_exact"] for r in recs), recs
     # config.json says tie_word_embeddings: the shared weight is published once, under the embedding's name
     assert "model.embed_tokens.weight" in recs[-1]["tensors"] and "lm_head.weight" not in recs[-1]["tensors"]
@@ -82,9 +83,11 @@ def test_one_rank_upload_failure_is_never_served(tmp_path: Path) -> None:
 
 
 def test_restarted_trainer_starts_with_full(tmp_path: Path) -> None:
-    recs, _ = run_job(tmp_path, 2, "fsdp2", "--steps", "5", "--restart-at", "3")
+    recs, tail = run_job(tmp_path, 2, "fsdp2", "--steps", "5", "--restart-at", "3")
     assert [r["kind"] for r in recs] == ["full", "delta", "delta", "full", "delta"]
     assert all(r["ok"] and r["bit_exact"] for r in recs)
+    # Both callbacks' side groups (gloo sockets and threads) are gone once each is closed.
+    assert tail["fds_after"] <= tail["fds_before"], tail
 
 
 def test_skip_policy_overlaps_training(tmp_path: Path) -> None:
@@ -93,14 +96,14 @@ def test_skip_policy_overlaps_training(tmp_path: Path) -> None:
     hang the side group), every publish succeeds, every accepted snapshot rebuilt from the bucket is exactly
     the state after its step (a copy racing the next optimizer step would break this), and the fleet ends on
     the last one."""
-    recs, walks = run_job(tmp_path, 2, "fsdp2", "--steps", "12", "--busy-policy", "skip", "--no-wait", "--attach")
+    recs, tail = run_job(tmp_path, 2, "fsdp2", "--steps", "12", "--busy-policy", "skip", "--no-wait", "--attach")
     assert recs and all(r["ok"] for r in recs) and recs[0]["kind"] == "full"
     assert len(recs) >= 3 and any(r["kind"] == "delta" for r in recs)
     assert all(r["rebuilt_exact"] for r in recs), recs
     steps = [r["step"] for r in recs]
     assert steps == sorted(steps) and len(set(steps)) == len(steps)
     assert recs[-1]["serves_current"] and recs[-1]["bit_exact"]
-    assert walks == 1
+    assert tail["walks"] == 1
 
 
 def test_attach_publishes_every_step_when_the_publisher_keeps_up(tmp_path: Path) -> None:

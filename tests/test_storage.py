@@ -26,7 +26,8 @@ from fsdp_hotload.storage import (
     backoff_delay,
     classify_error,
 )
-from tests.s3_fixture import FaultyFileSystem, S3Server, access_denied_error, slowdown_error
+from tests.s3_fixture import (FaultyFileSystem, S3Server, StallingProxy, access_denied_error,
+                               no_such_upload_error, slowdown_error)
 
 # The s3_server fixture comes from tests/conftest.py (tests.s3_fixture).
 
@@ -132,6 +133,9 @@ CASES: list[tuple[str, Callable[[], BaseException], ErrorClass]] = [
     ("OSError ENOSPC", lambda: OSError(errno.ENOSPC, "disk full"), ErrorClass.FATAL),
     ("FileNotFoundError", lambda: FileNotFoundError("gone"), ErrorClass.NOT_FOUND),
     ("NoSuchKey raw", lambda: _client_error("NoSuchKey", 404), ErrorClass.NOT_FOUND),
+    # A lost multipart upload is a 404 too, but writing the object again from the start fixes it.
+    ("NoSuchUpload translated by s3fs", lambda: no_such_upload_error(), ErrorClass.TRANSIENT),
+    ("NoSuchUpload raw", lambda: no_such_upload_error(translated=False), ErrorClass.TRANSIENT),
     # A throttle phrase in a file name is not the service asking to slow down.
     ("ENOTDIR under a folder named slowdown", lambda: NotADirectoryError(errno.ENOTDIR, "Not a directory",
                                                                          "/data/slowdown-file/sub"), ErrorClass.FATAL),
@@ -493,7 +497,7 @@ def test_a_misspelt_storage_option_is_refused_with_a_suggestion(s3_server: S3Ser
     assert st.get_bytes("a") == b"x"
 
 
-def test_an_endpoint_that_never_answers_times_out_and_is_retried() -> None:
+def test_an_endpoint_that_never_answers_times_out_and_is_retried(tmp_path: Path) -> None:
     """A server that accepts connections and never replies held an s3fs write forever; each call now has a
     deadline, counts as a transient failure past it, and the retries run out in bounded time."""
     server = socket.socket()
@@ -503,13 +507,19 @@ def test_an_endpoint_that_never_answers_times_out_and_is_retried() -> None:
     threading.Thread(target=lambda: [held.append(server.accept()) for _ in range(64)], daemon=True).start()
     try:
         st = Storage("s3://bkt/p", {"endpoint_url": f"http://127.0.0.1:{server.getsockname()[1]}", "key": "k",
-                                    "secret": "s"}, max_attempts=2, base_backoff_s=0.01, call_timeout_s=1)
-        for op in (lambda: st.put_bytes("a", b"x" * 100), lambda: st.exists("a"), lambda: st.list()):
+                                    "secret": "s"}, max_attempts=2, base_backoff_s=0.01, call_timeout_s=1,
+                     multipart_threshold=5 * MiB)
+        big = tmp_path / "big.bin"
+        big.write_bytes(b"y" * (6 * MiB))
+        ops = (lambda: st.put_bytes("a", b"x" * 100), lambda: st.exists("a"), lambda: st.list(),
+               lambda: st.put_bytes("big", memoryview(bytearray(6 * MiB))),  # multipart, streamed
+               lambda: st.put_file("big", str(big)))  # multipart, from a file
+        for op in ops:
             t0 = time.monotonic()
             with pytest.raises(StorageError, match="after 2 attempts: FSTimeoutError: no reply before the call"):
                 op()
             assert time.monotonic() - t0 < 30
-        assert st.stats.retries == 3
+        assert st.stats.retries == len(ops)
     finally:
         server.close()
 
@@ -524,3 +534,69 @@ def test_zero_byte_folder_objects_are_not_files(s3_server: S3Server) -> None:
     st = Storage(uri, s3_server.storage_options)
     assert st.list() == ["step-1/a.bin"]
     assert st.list("step-1") == ["step-1/a.bin"]
+
+
+def test_a_lost_multipart_upload_is_written_again(s3_server: S3Server) -> None:
+    """NoSuchUpload (the upload id was aborted under us) is a 404 that a fresh upload of the object fixes."""
+    uri = s3_server.unique_uri("nosuchupload")
+    inner, _ = fsspec.core.url_to_fs(uri, **s3_server.storage_options)
+    faulty = FaultyFileSystem(inner, fail_puts=1, exc_factory=no_such_upload_error)
+    st = Storage(uri, fs=faulty, base_backoff_s=0.0001)
+    st.put_bytes("snap/a.bin", b"payload")
+    assert st.get_bytes("snap/a.bin") == b"payload" and st.stats.retries == 1 and faulty.failures_raised == 1
+
+
+def _count_requests(storage_options: dict[str, Any], max_attempts: int) -> int:
+    """Connections a failing put makes to a server that hangs up on every request."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    accepted = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            accepted.append(1)
+            conn.recv(65536)
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        options = {"endpoint_url": f"http://127.0.0.1:{server.getsockname()[1]}", "key": "k", "secret": "s",
+                   "skip_instance_cache": True, **storage_options}
+        st = Storage("s3://bkt/p", options, max_attempts=max_attempts, base_backoff_s=0.001)
+        with pytest.raises(StorageError, match=f"after {max_attempts} attempts"):
+            st.put_bytes("a", b"x")
+        return len(accepted)
+    finally:
+        server.close()
+
+
+def test_s3_retries_are_owned_by_storage_not_stacked_under_it() -> None:
+    """botocore (5 tries in legacy mode) and s3fs (5 around each) used to multiply under every Storage attempt.
+    Now botocore keeps two tries and s3fs's loop is off, unless the user configures botocore's retries."""
+    one = _count_requests({}, max_attempts=1)
+    assert 2 <= one <= 4  # two botocore tries; aiohttp may resend an idempotent PUT once on a hang-up
+    assert _count_requests({}, max_attempts=3) == 3 * one  # Storage's loop is the only multiplier
+    same_botocore = {"config_kwargs": {"retries": {"mode": "standard", "total_max_attempts": 2}}}
+    assert _count_requests(same_botocore, max_attempts=1) == 5 * one  # user-configured: s3fs's loop stays on
+
+
+def test_a_multipart_put_cut_off_by_its_deadline_leaves_no_open_upload(s3_server: S3Server) -> None:
+    """The deadline cancels s3fs's multipart upload, whose own abort then never runs: each timed-out attempt left
+    a billed upload that no listing shows. Both large-put paths (bytes, streamed views) now abort theirs."""
+    with StallingProxy(s3_server.endpoint_url, b"partNumber=") as proxy:
+        uri = s3_server.unique_uri("cutoff")
+        st = Storage(uri, {**s3_server.storage_options, "endpoint_url": proxy.url, "skip_instance_cache": True},
+                     multipart_threshold=10 * MiB, call_timeout_s=1, min_upload_mb_s=1e6, max_attempts=2,
+                     base_backoff_s=0.001)
+        data = os.urandom(12 * MiB)
+        for name, payload in (("bytes.bin", data), ("view.bin", memoryview(bytearray(data)))):
+            with pytest.raises(StorageError, match="after 2 attempts: FSTimeoutError"):
+                st.put_bytes(name, payload)
+        assert proxy.stalled >= 4  # the uploads were created, then their parts never answered
+        assert _open_uploads(s3_server, st) == []
+        assert st.list() == []

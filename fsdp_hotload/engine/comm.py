@@ -36,6 +36,10 @@ class Comm(Protocol):
         """Start a max-reduction; the returned function waits for and returns the result."""
         ...
 
+    def close(self) -> None:
+        """Release what the collectives hold (the group); called once, after the last collective."""
+        ...
+
 
 class LocalComm:
     """The single-process case: every collective is the identity."""
@@ -54,6 +58,9 @@ class LocalComm:
 
     def allreduce_max_async(self, value: int) -> "Callable[[], int]":
         return lambda: value
+
+    def close(self) -> None:
+        pass
 
 
 class GlooComm:
@@ -85,6 +92,13 @@ class GlooComm:
             raise RuntimeError("torch.distributed is not initialised; call init_process_group first")
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         return cls(dist.new_group(backend="gloo", timeout=timeout))
+
+    def close(self) -> None:
+        """Destroy the group (local, not a collective). Why: each group holds gloo's threads and a socket per
+        peer, so a job that makes a new callback after every resharding would otherwise leak them."""
+        group, self.group = self.group, None
+        if group is not None and self._dist.is_initialized():
+            self._dist.destroy_process_group(group)
 
     def exchange(self, outgoing: Sequence[bytes]) -> list[bytes]:
         import torch

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import urllib.request
 from pathlib import Path
@@ -59,6 +60,10 @@ def main() -> None:
     cfg = HotloadConfig(bucket_url=args.bucket, hotload_api_url=args.url, account_id="acct", model_id="tiny",
                         deployment_id="dep", api_key="test-key", hf_config_dir=args.hf_dir, full_every=args.full_every, poll_interval_s=0.02,
                         ready_timeout_s=60, keep_training_on_error=True, busy_policy=args.busy_policy)
+    def open_fds() -> int:  # gloo groups hold sockets: a callback that leaks its side groups shows here
+        return len(os.listdir("/proc/self/fd"))
+
+    fds_before = open_fds()
     faulty = FaultyFileSystem(fsspec.filesystem("file"))
     storage = Storage(args.bucket, fs=faulty, max_attempts=2, base_backoff_s=0.001, max_backoff_s=0.002)
     cb = HotloadCallback(model, cfg, storage=storage)
@@ -109,8 +114,9 @@ def main() -> None:
                     "rebuilt_exact": rebuilt.get(m.identity) == by_step[m.step]} for m in cb.metrics]
         records[-1].update(serves_current=all(i == last.identity for i, _ in reps),
                            bit_exact=all(shas == by_step[last.step] for _, shas in reps))
+    fds_after = open_fds()
     if rank == 0:
-        records.append({"walks": cb.walks})
+        records.append({"walks": cb.walks, "fds_before": fds_before, "fds_after": fds_after})
         Path(args.out).write_text(json.dumps(records, indent=1))
     dist.barrier()
     finish()

@@ -1,0 +1,68 @@
+"""S3 specifics of :class:`~fsdp_hotload.storage.Storage`: who retries, and deadlines on every request.
+
+Kept apart so the generic storage layer stays backend-neutral. Everything here works on an s3fs filesystem
+through its public ``call_s3``/``split_path`` methods and fsspec's sync ``timeout=`` argument.
+
+Example::
+
+    options, owned = owned_retries("s3://bucket/run", {"endpoint_url": "http://127.0.0.1:9000"})
+    # options["config_kwargs"]["retries"] == {"mode": "standard", "total_max_attempts": 2}
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import fsspec.core
+
+__all__ = ["owned_retries", "DeadlineCalls", "abort_open_uploads"]
+
+logger = logging.getLogger("fsdp_hotload.storage")
+
+
+def owned_retries(root: str, options: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """On S3, Storage's loop owns retries unless ``config_kwargs`` sets botocore's ``retries``.
+
+    Why: botocore (5 tries in its legacy mode), s3fs (5 more around each) and Storage's own attempts multiplied
+    to 150 requests against a throttled prefix, and a refused connection took ~40 s to report. Botocore keeps a
+    second try (standard mode), so one dropped part of a large upload does not restart the whole object.
+    """
+    protocol, _ = fsspec.core.split_protocol(root)
+    if "::" in root or (protocol or "").lower() not in ("s3", "s3a"):
+        return options, False
+    config = dict(options.get("config_kwargs") or {})
+    if "retries" in config:
+        return options, False
+    config["retries"] = {"mode": "standard", "total_max_attempts": 2}
+    return {**options, "config_kwargs": config}, True
+
+
+class DeadlineCalls:
+    """Stands in for an s3fs filesystem inside one open S3 file, so each request the file sends (create, part,
+    complete, abort) gets the same per-call deadline as Storage's other calls; everything else is delegated."""
+
+    def __init__(self, fs: Any, deadline: Callable[[int], dict[str, float]]) -> None:
+        self._fs = fs
+        self._deadline_for = deadline
+
+    def call_s3(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        body = kwargs.get("Body")
+        nbytes = memoryview(body).nbytes if isinstance(body, (bytes, bytearray, memoryview)) else 0
+        return self._fs.call_s3(method, *args, **self._deadline_for(nbytes), **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
+
+
+def abort_open_uploads(fs: Any, path: str, deadline: dict[str, float]) -> None:
+    """Best effort: abort every open multipart upload of exactly this key (each file has one writer)."""
+    try:
+        bucket, key, _ = fs.split_path(path)
+        listing = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key, **deadline)
+        for upload in listing.get("Uploads", []):
+            if upload.get("Key") == key:
+                fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload["UploadId"],
+                           **deadline)
+    except Exception as exc:  # noqa: BLE001 - the put's own error is what the caller needs to see
+        logger.warning("could not abort open multipart uploads of %s: %s", path, exc)
+
