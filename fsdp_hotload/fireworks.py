@@ -101,7 +101,8 @@ _HINTS: dict[int, str] = {
     "hot-load enabled",
     408: "the server timed out reading the request: check the network path and retry",
     409: "conflict: every snapshot needs a new identity; publish under a fresh identity",
-    429: "rate limited and the retry budget is spent: signal and poll less often, or raise retry_budget_s",
+    429: "rate limited and the retry budget is spent: signal and poll less often, or raise retry_budget_s "
+         "(HotloadConfig: ready_timeout_s, capped at 300 s)",
     500: "server error and the retry budget is spent: check the deployment's status; publish a full snapshot "
     "once it is healthy",
 }
@@ -375,7 +376,7 @@ class HotLoadClient:
                         f"{what}: no answer after {attempt} attempt(s) over {time.monotonic() - start:.1f}s: {failure}"
                     ),
                     hint="check that base_url is reachable from this host (proxy, firewall, DNS); "
-                    "raise retry_budget_s for flaky networks",
+                    "raise retry_budget_s for flaky networks (HotloadConfig: ready_timeout_s, capped at 300 s)",
                 )
             log.warning("%s failed (%s); retry %d in %.1fs", what, self._redact(failure), attempt, delay)
             time.sleep(delay)
@@ -455,8 +456,9 @@ class HotLoadClient:
         return result if isinstance(result, dict) else {"response": result}
 
     def hint(self, identity: str, filename: str, *, previous_identity: str | None = None,
-             compression_format: str = "arc_v2") -> None:
-        """Tell replicas that one file of ``identity`` is durable, so they can start fetching it early."""
+             compression_format: str = "arc_v2", deadline: float | None = None) -> None:
+        """Tell replicas that one file of ``identity`` is durable, so they can start fetching it early.
+        ``deadline`` (a ``time.monotonic()`` value) bounds the call, retries included."""
         meta = None
         if previous_identity is not None:
             validate_identity(previous_identity, field="previous_identity")
@@ -466,7 +468,7 @@ class HotLoadClient:
             snapshot=HintSnapshot(identity=validate_identity(identity), incremental_snapshot_metadata=meta),
             filename=validate_filename(filename),
         )
-        self._request("POST", HINT_PATH, req.to_body())
+        self._request("POST", HINT_PATH, req.to_body(), deadline=deadline)
 
     def status(self, *, deadline: float | None = None) -> HotLoadStatus:
         """One status poll."""

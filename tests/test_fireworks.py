@@ -5,6 +5,7 @@ import json
 import logging
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -421,3 +422,40 @@ def test_models_forbid_extras_and_drop_none() -> None:
     target = DeploymentTarget(account_id="a", model_id="m", deployment_id="d", base_url="http://127.0.0.1:1")
     assert target.deployment_name == "accounts/a/deployments/d"
     assert target.client(api_key="k").model_name == "accounts/a/models/m"
+
+
+def test_hints_are_bounded_and_stop_for_a_snapshot_after_one_fails(server: tuple[str, Scripted]) -> None:
+    """Hints are best effort: with the API answering 503, each used to retry for the client's whole budget, once
+    per file, holding the upload workers (and close()) for minutes. Now one hint takes at most the signaller's
+    deadline, and after it fails that snapshot's other files send none; the next snapshot tries again."""
+    from fsdp_hotload.engine.signal import Signaller
+
+    url, script = server
+    script.default = (503, {"error": "down"}, {})
+    sig = Signaller([make_client(url, retry_budget_s=300)], ready_timeout_s=0.3)
+    t0 = time.monotonic()
+    for name in ("model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+                 "model-00003-of-00003.safetensors"):
+        sig.hint("step-000001-aaaaaaaa", name, None)
+    assert time.monotonic() - t0 < 5  # one bounded hint, not three budgets of 300 s
+    first = len(script.requests)
+    assert first >= 2 and {r["body"]["filename"] for r in script.requests} == {"model-00001-of-00003.safetensors"}
+    sig.hint("step-000002-aaaaaaaa", "model-00001-of-00003.safetensors", "step-000001-aaaaaaaa")
+    assert len(script.requests) > first
+    sig.close()
+
+
+def test_signaller_retry_budget_follows_ready_timeout(tmp_path: Any) -> None:
+    from fsdp_hotload import HotloadConfig
+    from fsdp_hotload.engine.signal import Signaller
+
+    def budget(ready_timeout_s: float) -> float:
+        cfg = HotloadConfig(bucket_url=str(tmp_path), hotload_api_url="http://127.0.0.1:1", account_id="a",
+                            model_id="m", deployment_id="d", api_key=KEY, ready_timeout_s=ready_timeout_s,
+                            hf_config_dir=str(tmp_path))
+        sig = Signaller.from_config(cfg)
+        assert sig is not None
+        sig.close()
+        return sig.clients[0].retry_budget_s
+
+    assert budget(5) == 5 and budget(3600) == 300

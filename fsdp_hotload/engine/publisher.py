@@ -37,7 +37,7 @@ import secrets
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -57,6 +57,7 @@ from .cadence import Cadence
 from .comm import Comm, LocalComm, dumps, loads
 from .metrics import MetricsSink, PublishMetrics
 from .signal import Signaller
+from .pool import DaemonPool
 from .staging import ChunkLike, Stager
 
 log = logging.getLogger("fsdp_hotload")
@@ -177,7 +178,7 @@ class Publisher:
         self._agreed_busy: Callable[[], int] | None = None
         self.early_agreement = False  # set while a caller starts each agreement with agree() (see there)
         self._copying: _Job | None = None  # the job whose host copy runs on the stager's helper thread
-        self._uploads: ThreadPoolExecutor | None = None  # file writers, started by (and as nice as) the publisher
+        self._uploads: DaemonPool | None = None  # file writers, started by (and as nice as) the publisher
         self.latest_step = -1
         self.closed = False
         _open_publishers.add(self)
@@ -509,8 +510,7 @@ class Publisher:
             return filename, len(blob)
 
         if self._uploads is None:  # one pool for the publisher's life: no thread start-up per publish
-            self._uploads = ThreadPoolExecutor(max_workers=self.config.upload_concurrency,
-                                               thread_name_prefix=f"hotload-upload-{self.rank}")
+            self._uploads = DaemonPool(self.config.upload_concurrency, f"hotload-upload-{self.rank}")
         futures = [self._uploads.submit(write, f) for f in sorted(by_file)]
         wait(futures)  # every write has ended before the snapshot's outcome is decided, failed or not
         st.files = dict(f.result() for f in futures)

@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from ..config import HotloadConfig
+from .pool import DaemonPool
 
 log = logging.getLogger("fsdp_hotload")
+
+#: The most one hint may take, retries included (and never more than ``ready_timeout_s``).
+HINT_DEADLINE_S = 10.0
+#: The longest a signal retries transient failures; shorter when ``ready_timeout_s`` is.
+SIGNAL_RETRY_BUDGET_S = 300.0
 
 
 class Signaller:
@@ -30,7 +35,8 @@ class Signaller:
         self.ready_timeout_s = ready_timeout_s
         self.reset_prompt_cache = reset_prompt_cache
         self.served: dict[str, str | None] = {c.deployment_name: None for c in self.clients}
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)), thread_name_prefix="hotload-signal")
+        self._pool = DaemonPool(max(1, len(self.clients)), "hotload-signal")
+        self._hints_failed: dict[str, str] = {}  # deployment -> the identity whose hints stopped after a failure
 
     @classmethod
     def from_config(cls, cfg: HotloadConfig) -> "Signaller | None":
@@ -41,17 +47,26 @@ class Signaller:
         assert cfg.account_id and cfg.model_id
         clients = [HotLoadClient(cfg.hotload_api_url, account_id=cfg.account_id, model_id=cfg.model_id,
                                  deployment_id=d, api_key=cfg.resolved_api_key(),
-                                 poll_interval_s=cfg.poll_interval_s) for d in cfg.deployments]
+                                 poll_interval_s=cfg.poll_interval_s,
+                                 retry_budget_s=min(SIGNAL_RETRY_BUDGET_S, cfg.ready_timeout_s))
+                   for d in cfg.deployments]
         return cls(clients, ready_timeout_s=cfg.ready_timeout_s, reset_prompt_cache=cfg.reset_prompt_cache,
                    compression_format=cfg.codec)
 
     def hint(self, identity: str, filename: str, previous: str | None) -> None:
-        """Best effort: a lost hint only delays the replicas' prefetch, never correctness."""
+        """Best effort: a lost hint only delays the replicas' prefetch, never correctness. So each hint gets at
+        most ``HINT_DEADLINE_S`` (retries included), and after one fails, that deployment gets no more hints for
+        this snapshot: an unreachable API used to hold every file's upload worker for the full retry budget."""
         for c in self.clients:
+            if self._hints_failed.get(c.deployment_name) == identity:
+                continue
             try:
-                c.hint(identity, filename, previous_identity=previous, compression_format=self.compression_format)
+                c.hint(identity, filename, previous_identity=previous, compression_format=self.compression_format,
+                       deadline=time.monotonic() + min(HINT_DEADLINE_S, self.ready_timeout_s))
             except Exception as exc:  # noqa: BLE001
-                log.warning("hotload: hint for %s/%s to %s failed: %s", identity, filename, c.deployment_name, exc)
+                self._hints_failed[c.deployment_name] = identity
+                log.warning("hotload: hint for %s/%s to %s failed (no more hints for this snapshot): %s",
+                            identity, filename, c.deployment_name, exc)
 
     def signal_and_wait(self, identity: str, previous: str | None) -> float:
         """Signal every deployment, then wait for all; returns seconds spent waiting for readiness."""
@@ -76,4 +91,4 @@ class Signaller:
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown()
