@@ -453,3 +453,40 @@ def test_steps_are_non_negative_integers_of_any_integer_type(tmp_path: Path) -> 
             with pytest.raises(ValueError, match=f"non-negative integer, got {bad!r}"):
                 pub.publish(bad, model)  # type: ignore[arg-type]
         pub.publish(np.int32(1), model)
+
+
+def test_close_from_another_thread_never_strands_a_started_publish(tmp_path: Path) -> None:
+    """A publish that passed the closed check could queue its snapshot behind close()'s stop marker: close()
+    returned, the snapshot never ran, and its staging slot stayed taken. Every publish that returned True must
+    now finish before close() returns, and later ones raise."""
+    import threading
+
+    for trial in range(3):
+        model = make_model()
+        pub = TensorPublisher(model, config(str(tmp_path / f"b{trial}"), None, tmp_path, busy_policy="wait"))
+        started = int(pub.publish(0, model))
+        closer = threading.Timer(0.02, pub.close)
+        closer.start()
+        with pytest.raises(RuntimeError, match="publisher is closed"):
+            for step in range(1, 100_000):
+                train_step(model, step)
+                started += pub.publish(step, model)
+        closer.join()
+        eng = pub.engine
+        assert eng.closed and eng._pending == 0 and eng.stager.free_slots() == eng.config.max_inflight
+        assert started >= 1 and len(pub.metrics) == started and all(m.ok for m in pub.metrics)
+
+
+def test_closing_on_an_exception_path_logs_the_stored_error(tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """``with`` on an exception closes with raise_errors=False so the training error wins; a publish error
+    stored by then used to vanish without a word."""
+    model = make_model()
+    faulty = FaultyFileSystem(fsspec.filesystem("file"), fail_puts=100)
+    storage = Storage(str(tmp_path / "bucket"), fs=faulty, max_attempts=1)
+    pub = TensorPublisher(model, config(str(tmp_path / "bucket"), None, tmp_path), storage=storage)
+    pub.publish(0, model)
+    pub.wait()
+    with caplog.at_level("WARNING", logger="fsdp_hotload"):
+        pub.close(raise_errors=False)
+    assert any("a publish failed before close" in r.getMessage() for r in caplog.records), caplog.text

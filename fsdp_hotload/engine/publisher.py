@@ -181,6 +181,10 @@ class Publisher:
         self._uploads: DaemonPool | None = None  # file writers, started by (and as nice as) the publisher
         self.latest_step = -1
         self.closed = False
+        # publish() and close() may run on different threads: a publish that had passed the closed check could
+        # queue its snapshot behind close()'s stop marker, where nothing ever runs it (and its slot stays taken).
+        self._api_lock = threading.RLock()
+        self._closing = False
         _open_publishers.add(self)
 
     # ================================================================== main thread
@@ -199,11 +203,16 @@ class Publisher:
         earlier in the step starts it there with :meth:`agree` (``early_agreement``), and publishes can
         follow every step.
         """
+        with self._api_lock:
+            return self._publish(step, sources, background_copy)
+
+    def _publish(self, step: int, sources: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]] | None,
+                 background_copy: bool) -> bool:
         t0 = time.perf_counter()
+        if self._closing:
+            raise RuntimeError("publisher is closed")
         self.fence()
         self.raise_if_failed()
-        if self.closed:
-            raise RuntimeError("publisher is closed")
         given = step
         try:  # any integer type (numpy too); not a bool or a float
             step = operator.index(step) if not isinstance(step, bool) else -1
@@ -312,9 +321,12 @@ class Publisher:
                 raise PublishError(str(err)) from err
 
     def close(self, *, raise_errors: bool = True) -> None:
-        """Finish in-flight snapshots, stop the thread, and raise a stored error."""
-        if self.closed:
-            return
+        """Finish in-flight snapshots, stop the thread, and raise a stored error. From another thread, it waits
+        for a publish() under way; later ones raise."""
+        with self._api_lock:
+            if self.closed:
+                return
+            self._closing = True
         self.wait()
         self.closed = True
         if self._thread is not None:
@@ -329,6 +341,11 @@ class Publisher:
             self.signaller.close()
         if raise_errors:
             self.raise_if_failed()
+            return
+        with self._error_lock:  # closing on an exception path: the caller's error wins, this one is still told
+            err, self._error = self._error, None
+        if err is not None:
+            log.warning("hotload: a publish failed before close (not raised: closing on another error): %s", err)
 
     def _start_warm_up(self) -> threading.Thread | None:
         """Load (or compile) the codec's kernels now, beside the trainer's set-up, rather than in the first delta,
