@@ -490,3 +490,25 @@ def test_closing_on_an_exception_path_logs_the_stored_error(tmp_path: Path,
     with caplog.at_level("WARNING", logger="fsdp_hotload"):
         pub.close(raise_errors=False)
     assert any("a publish failed before close" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_full_snapshot_files_carry_the_format_metadata_hf_loaders_expect(tmp_path: Path) -> None:
+    """transformers before 4.48.2 reads ``metadata.get("format")`` unguarded: files without ``__metadata__``
+    failed to load there. safetensors' own reader must see {"format": "pt"} and the trainer's bytes."""
+    from safetensors import safe_open
+
+    model = make_model()
+    pub = TensorPublisher(model, config(str(tmp_path / "bucket"), None, tmp_path))
+    pub.publish(0, model)
+    pub.close()
+    files = sorted((tmp_path / "bucket").glob("*/model-*.safetensors"))
+    assert files
+    seen = set()
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            for name in f.keys():
+                want = model[name].to(torch.bfloat16) if model[name].is_floating_point() else model[name]
+                assert torch.equal(f.get_tensor(name).view(torch.uint8), want.contiguous().view(torch.uint8))
+                seen.add(name)
+    assert seen == set(model)

@@ -22,6 +22,10 @@ from ..arc.boxes import Box, check_tiling, scatter
 from ..arc.container import TensorDelta, build_delta_file
 from ..arc.dtypes import RawTensor, numel
 from ..arc.stio import write_file
+
+#: The ``__metadata__`` of a full snapshot's files, as Hugging Face's own writer sets it. Why: transformers
+#: before 4.48.2 reads ``metadata.get("format")`` unguarded and fails to load a file without it.
+FULL_FILE_METADATA = {"format": "pt"}
 from ..layout import ShardPlan
 
 
@@ -85,7 +89,7 @@ def assemble_full_file(plan: ShardPlan, filename: str, pieces: list[Piece]) -> b
             scatter(buf, np.frombuffer(p.data, dtype=np.uint8), p.box, sshape, size)
         tensors[name] = RawTensor(spec.dtype, spec.shape, buf)
     out = io.BytesIO()
-    write_file(out, tensors)
+    write_file(out, tensors, FULL_FILE_METADATA)
     return out.getvalue()
 
 
