@@ -148,6 +148,7 @@ def test_failed_upload_is_never_signalled_and_next_is_full(tmp_path: Path) -> No
         assert not failed.ok and "model-00002" in (failed.error or "")
         assert [i for i, _ in served(emu)] == [first]  # never signalled
         assert not storage.exists(f"{failed.identity}/hotload.commit.json")
+        assert storage.list(failed.identity) == []  # the files that did upload are gone too
         with pytest.raises(PublishError, match="upload failed"):
             pub.publish(2, model)  # the stored error surfaces on the next call
         train_step(model, 2)

@@ -1,4 +1,4 @@
-"""A fixed pool of daemon worker threads that hands back standard futures.
+"""Background threads: a fixed pool of daemon workers that hands back standard futures, and a lower priority.
 
 Why not ``ThreadPoolExecutor``: Python joins its workers when the interpreter exits, so a trainer that ends
 with a publish still in flight (no ``close()``, or Ctrl-C inside it) waited for that publish's uploads, hints and
@@ -14,12 +14,15 @@ Example::
 """
 from __future__ import annotations
 
+import logging
+import os
 import queue
 import threading
 from concurrent.futures import Future
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("fsdp_hotload")
 _Task = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
 
@@ -60,3 +63,15 @@ class DaemonPool:
             self._tasks.put(None)
         for t in self._threads:
             t.join()
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Raise the calling thread's nice value (Linux: per thread; other systems: no-op). Encoding and uploading
+    then take CPU the trainer leaves idle instead of competing with it."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
+    except OSError as exc:  # e.g. a sandbox that forbids it: publishing still works, at normal priority
+        log.debug("hotload: cannot lower publisher thread priority: %s", exc)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import atexit
 import logging
 import operator
-import os
 import queue
 import secrets
 import threading
@@ -57,7 +56,7 @@ from .cadence import Cadence
 from .comm import Comm, LocalComm, dumps, loads
 from .metrics import MetricsSink, PublishMetrics
 from .signal import Signaller
-from .pool import DaemonPool
+from .pool import DaemonPool, lower_thread_priority
 from .staging import ChunkLike, Stager
 
 log = logging.getLogger("fsdp_hotload")
@@ -74,18 +73,6 @@ def _warn_unclosed() -> None:
             log.warning("hotload: exiting with %d snapshot(s) still publishing on rank %d and close() never called: "
                         "they are dropped and the fleet keeps its last snapshot; call close() (or use `with`) to "
                         "wait for them", pub._pending, pub.rank)
-
-
-def lower_thread_priority(nice: int) -> None:
-    """Raise the calling thread's nice value (Linux: per thread; other systems: no-op). Encoding and uploading
-    then take CPU the trainer leaves idle instead of competing with it."""
-    if nice <= 0 or not hasattr(os, "setpriority"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
-    except OSError as exc:  # e.g. a sandbox that forbids it: publishing still works, at normal priority
-        log.debug("hotload: cannot lower publisher thread priority: %s", exc)
 
 
 class PublishError(RuntimeError):
@@ -567,10 +554,12 @@ class Publisher:
                           "one step: call publish/step with the same steps on every rank")
         if not errors and set(files) != set(self.plan.files):
             errors.append(f"files missing after upload: {sorted(set(self.plan.files) - set(files))}")
+        committed = False
         try:
             if errors:
                 raise PublishError("; ".join(errors))
             self._write_manifests(identity, kind, parent, files)
+            committed = True
             if self.signaller is not None:
                 t0 = time.perf_counter()
                 ready_s = self.signaller.signal_and_wait(identity, parent if kind == "delta" else None)
@@ -579,6 +568,8 @@ class Publisher:
             m.ok = True
         except Exception as exc:  # noqa: BLE001 - any failure ends this chain; the next publish is full
             m.error = str(exc)  # served identities only change on success; the next publish is full
+            if not committed:  # every rank's writes have ended (gathered): nothing will read this folder
+                self._discard(identity)
         if m.ok and self.config.keep_last:
             from ..retention import apply_retention
 
@@ -588,6 +579,14 @@ class Publisher:
                 log.warning("hotload: retention after %s failed (retried at the next publish): %s", identity, exc)
         m.total_s = time.perf_counter() - job.t_hook
         return _Outcome(m.ok, m.error, m)
+
+    def _discard(self, identity: str) -> None:
+        """Delete an uncommitted snapshot's files. Why: retention skips folders without a commit marker, so each
+        failed publish used to leave most of a snapshot in the bucket for good."""
+        try:
+            self.storage.delete_prefix(identity)
+        except Exception as exc:  # noqa: BLE001 - best effort; `hotload` retention can sweep it later
+            log.warning("hotload: could not delete the files of failed snapshot %s: %s", identity, exc)
 
     def _write_manifests(self, identity: str, kind: str, parent: str | None, files: dict[str, int]) -> None:
         from ..retention import CommitInfo, write_commit_marker
