@@ -196,9 +196,10 @@ class _PlainSource(_Source):
         return self.tensor.dtype
 
     def pieces(self, name: str) -> list[tuple[str, Box, torch.Tensor]]:
+        view = _view_1d(self.tensor, name)  # checked on every rank, so all of them raise, not only the owner
         if _global_rank() != 0 or self.tensor.numel() == 0:
             return []
-        return [(FLAT, Box.flat(0, self.tensor.numel()), _view_1d(self.tensor, name))]
+        return [(FLAT, Box.flat(0, self.tensor.numel()), view)]
 
 
 class _DTensorSource(_Source):
@@ -295,15 +296,15 @@ class _Fsdp1Source(_Source):
         return True
 
     def pieces(self, name: str) -> list[tuple[str, Box, torch.Tensor]]:
-        info = self.flat._shard_param_infos[self.index]
-        if not info.in_shard or not info.numel_in_shard or not self._owner():
-            return []
-        contiguities = getattr(self.flat, "_contiguities", None)
+        contiguities = getattr(self.flat, "_contiguities", None)  # the same on every rank: all of them raise
         if contiguities is not None and not contiguities[self.index]:
             raise NotImplementedError(
                 f"tensor {name!r} was not contiguous when FSDP flattened it, so its flat range is in memory "
                 "order, not C order; make the parameter contiguous before wrapping"
             )
+        info = self.flat._shard_param_infos[self.index]
+        if not info.in_shard or not info.numel_in_shard or not self._owner():
+            return []
         start, n = int(info.intra_param_start_idx), int(info.numel_in_shard)
         if int(info.intra_param_end_idx) - start + 1 != n or start + n > int(self.flat._numels[self.index]):
             raise RuntimeError(f"tensor {name!r}: inconsistent FSDP shard metadata {info}")

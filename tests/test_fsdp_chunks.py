@@ -1,6 +1,9 @@
 """The FSDP adapter's view of a model: names, chunks, ownership. Multi-rank cases run real torchrun jobs."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -214,3 +217,10 @@ def test_fsdp_chunks_rebuild_gathered_state(nproc: int) -> None:
     result = run_torchrun(str(SCRIPTS / "check_chunks.py"), nproc, [])
     for rank in range(nproc):
         assert f"RANK {rank} OK " in result.stdout, result.stdout
+
+
+def test_a_non_contiguous_tensor_is_refused_on_every_rank(tmp_path: Path) -> None:
+    run_torchrun(str(SCRIPTS / "noncontiguous.py"), 2, ["--out", str(tmp_path)])
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for label in ("replicated", "fsdp1"):
+        assert all("'0.weight'" in r[label] and "contiguous" in r[label] for r in results), results
