@@ -49,7 +49,8 @@ from ..arc.dense import run_tables
 from ..arc.dtypes import numel
 from ..config import HotloadConfig
 from ..identity import new_identity
-from ..layout import ShardPlan, TensorSpec, hf_aux_files, plan_shards
+from ..hf_config import snapshot_files
+from ..layout import ShardPlan, TensorSpec, plan_shards
 from ..storage import Storage
 from .assemble import Piece, assemble_delta_file, assemble_full_file, assign_owners
 from .cadence import Cadence
@@ -147,7 +148,7 @@ class Publisher:
         self.signaller = signaller if signaller is not None else (
             Signaller.from_config(config) if (self.rank == 0 or config.send_hints) else None)
         self.metrics = MetricsSink(config.metrics_path if self.rank == 0 else None)
-        self._aux = hf_aux_files(config.hf_config_dir) if self.rank == 0 else {}
+        self._aux = snapshot_files(config.hf_config_dir, [s.dtype for s in specs]) if self.rank == 0 else {}
         self._manifests: dict[str, bytes] = {}
         self._cache_parts: list[tuple[int, int]] = [(0, 0)] * len(self.chunks)
         self._runs: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(self.chunks)  # per chunk, lazily

@@ -1,0 +1,52 @@
+"""The base model's files as a snapshot carries them, with ``config.json`` made to describe the weights published.
+
+A snapshot's ``config.json`` comes from ``hf_config_dir``. Why it may need one change: the bases of many large
+models (DeepSeek-V3/R1, Kimi-K2, Qwen3-*-FP8, gpt-oss) ship pre-quantized, so their ``config.json`` has a
+``quantization_config``; a trainer publishes 16-bit weights with no scale tensors. A server reading that config
+builds quantized layers and finds nothing to fill them (Fireworks rejects a snapshot whose ``quantization_config``
+has no dequantisable tensors), so the key is left out unless some published tensor is itself quantized.
+
+Example::
+
+    aux = snapshot_files("/models/base", [spec.dtype for spec in plan.specs.values()])
+    # aux["config.json"]: the base config, minus an fp8 quantization_config when every tensor is bf16
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Iterable
+
+from .layout import hf_aux_files
+
+__all__ = ["snapshot_files", "without_unbacked_quantization"]
+
+log = logging.getLogger("fsdp_hotload")
+
+# safetensors dtype codes narrower than 16 bits: weights stored quantized (fp8/fp6/fp4, int8, packed bytes).
+_QUANTIZED_PREFIXES = ("F8", "F6", "F4", "I8", "U8", "I4", "U4")
+
+
+def snapshot_files(hf_config_dir: str | os.PathLike[str] | None, dtypes: Iterable[str]) -> dict[str, bytes]:
+    """:func:`~fsdp_hotload.layout.hf_aux_files`, then :func:`without_unbacked_quantization`."""
+    return without_unbacked_quantization(hf_aux_files(hf_config_dir), dtypes)
+
+
+def without_unbacked_quantization(files: dict[str, bytes], dtypes: Iterable[str]) -> dict[str, bytes]:
+    """``files`` with ``quantization_config`` removed from ``config.json`` when none of ``dtypes`` (safetensors
+    codes of the published tensors) is quantized; unchanged otherwise, byte for byte."""
+    raw = files.get("config.json")
+    if raw is None:
+        return files
+    config = json.loads(raw)
+    if not isinstance(config, dict) or "quantization_config" not in config:
+        return files
+    if any(str(d).upper().startswith(_QUANTIZED_PREFIXES) for d in dtypes):
+        return files
+    quant = config.pop("quantization_config")
+    method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+    log.warning("hotload: the base config.json has a quantization_config (quant_method %s), but every published "
+                "tensor is 16 bits or wider; the snapshots' config.json leaves it out, since a server would "
+                "otherwise expect quantized weights and their scales", method)
+    return {**files, "config.json": (json.dumps(config, indent=2) + "\n").encode()}

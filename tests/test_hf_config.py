@@ -1,0 +1,41 @@
+"""config.json as snapshots carry it: a base model's quantization_config only when quantized tensors back it."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp_hotload import HotloadConfig
+from fsdp_hotload.hf_config import without_unbacked_quantization
+from fsdp_hotload.publish import TensorPublisher
+
+FP8_BASE = {"model_type": "deepseek_v3", "hidden_size": 64, "torch_dtype": "bfloat16",
+            "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}
+
+
+def test_a_quantization_config_without_quantized_tensors_is_left_out(caplog: pytest.LogCaptureFixture) -> None:
+    files = {"config.json": json.dumps(FP8_BASE).encode(), "tokenizer.json": b"{}"}
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        out = without_unbacked_quantization(files, ["BF16", "F32"])
+    assert json.loads(out["config.json"]) == {k: v for k, v in FP8_BASE.items() if k != "quantization_config"}
+    assert out["tokenizer.json"] == b"{}" and "quant_method fp8" in caplog.text
+    for quantized in (["BF16", "F8_E4M3"], ["U8", "BF16"]):  # fp8 weights, packed mxfp4 blocks: kept as is
+        assert without_unbacked_quantization(files, quantized) is files
+    plain = {"config.json": b'{"model_type": "llama"}\n'}
+    assert without_unbacked_quantization(plain, ["BF16"]) is plain
+
+
+def test_published_snapshot_config_drops_an_unbacked_fp8_quantization_config(tmp_path: Path) -> None:
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(FP8_BASE))
+    model = {"model.layers.0.mlp.up_proj.weight": torch.randn(8, 4), "model.norm.weight": torch.ones(4)}
+    pub = TensorPublisher(model, HotloadConfig(bucket_url=str(tmp_path / "bucket"), hf_config_dir=str(hf)))
+    pub.publish(0, model)
+    pub.close()
+    (written,) = (tmp_path / "bucket").glob("*/config.json")
+    config = json.loads(written.read_text())
+    assert "quantization_config" not in config and config["model_type"] == "deepseek_v3"
