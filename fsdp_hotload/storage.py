@@ -33,9 +33,9 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator, TypeVar
 import fsspec
 import fsspec.core
 
-from .storage_s3 import DeadlineCalls, abort_open_uploads, owned_retries
 from .storage_errors import (_BACKEND_PACKAGES, ErrorClass, MissingBackendError,  # noqa: F401 (re-exported)
                              StorageError, backend_install_hint, backoff_delay, classify_error)
+from .storage_s3 import DeadlineCalls, abort_open_uploads, owned_retries
 
 __all__ = ["Storage", "StorageStats", "StorageError", "MissingBackendError", "FileInfo", "ErrorClass",
            "classify_error", "backoff_delay", "backend_install_hint", "TMP_PREFIX", "COMMIT_MARKER", "CommitInfo",
@@ -363,9 +363,9 @@ class Storage:
         size = os.path.getsize(local_path)
         path = self._path(rel)
 
-        def blocks(size: int) -> Iterator[bytes]:
+        def blocks(block_size: int) -> Iterator[bytes]:
             with open(local_path, "rb") as src:
-                while block := src.read(size):
+                while block := src.read(block_size):
                     yield block
 
         def copy_into(dst: BinaryIO) -> None:

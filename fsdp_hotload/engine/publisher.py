@@ -56,8 +56,8 @@ from .assemble import Piece, assemble_delta_file, assemble_full_file, assign_own
 from .cadence import Cadence
 from .comm import Comm, LocalComm, dumps, loads
 from .metrics import MetricsSink, PublishMetrics
-from .signal import Signaller
 from .pool import DaemonPool, lower_thread_priority
+from .signal import Signaller
 from .staging import ChunkLike, Stager
 
 log = logging.getLogger("fsdp_hotload")
