@@ -94,6 +94,9 @@ class HotLoadEmulator:
     replicas with their own loader thread. ``base_config`` (optional) is the base model's ``config.json``:
     when given, every snapshot's config is compared with it as the real service does. ``request_timeout_s`` bounds
     how long one connection may take to send its request, so a stalled client cannot hold a handler thread.
+    ``history_limit`` caps the ledger rows and hints each deployment keeps for reading (oldest dropped), so an
+    emulator that runs for days stays bounded; identity reuse and delta parents are still checked against every
+    identity signalled since the last ledger reset.
 
     Example::
 
@@ -118,9 +121,12 @@ class HotLoadEmulator:
         compression_formats: Sequence[str] = ("arc_v2",),
         base_config: dict[str, Any] | None = None,
         request_timeout_s: float = 30.0,
+        history_limit: int = 10_000,
     ) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
+        if history_limit < 1:
+            raise ValueError(f"history_limit must be >= 1, got {history_limit}")
         if not request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
         self.request_timeout_s = float(request_timeout_s)
@@ -139,7 +145,7 @@ class HotLoadEmulator:
         self.settings = EmulatorSettings(
             get_bytes=self._get_bytes, load_delay_s=float(load_delay_s),
             compression_formats=tuple(compression_formats), base_config=base_config,
-            record_error=self._record_error)
+            record_error=self._record_error, history_limit=int(history_limit))
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -508,6 +514,8 @@ def run_emulator_cli(args: list[str] | None = None) -> int:
                    help="comma list of the compression_format values delta signals may name (default: "
                         "%(default)s; add arc_sparse_v1 to load our sparse deltas)")
     p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for s3:// buckets")
+    p.add_argument("--history-limit", type=arg_int(1), default=10_000, metavar="N",
+                   help="ledger rows and hints kept per deployment for reading (default: %(default)s)")
     ns = p.parse_args(args)
     opts = {"endpoint_url": ns.endpoint_url} if ns.endpoint_url else None
     problem = _bucket_problem(ns.bucket, opts)
@@ -516,7 +524,7 @@ def run_emulator_cli(args: list[str] | None = None) -> int:
         return 2
     emu = HotLoadEmulator(ns.bucket, storage_options=opts, host=ns.host, port=ns.port, replicas=ns.replicas,
                           api_key=ns.api_key, load_delay_s=ns.load_delay,
-                          compression_formats=ns.compression_formats)
+                          compression_formats=ns.compression_formats, history_limit=ns.history_limit)
     try:
         emu.start()
     except OSError as exc:

@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,9 @@ class EmulatorSettings:
     base_config: dict[str, Any] | None = None
     fail_counts: dict[int, int] = field(default_factory=dict)  # replica index -> loads left to fail
     record_error: Callable[[BaseException], None] = lambda exc: None
+    # Rows and hints kept per deployment for reading (oldest dropped first), so a long-running emulator's memory
+    # stays bounded; identity reuse and delta parents are still checked against every identity ever signalled.
+    history_limit: int = 10_000
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take_failure(self, replica: int) -> bool:
@@ -371,8 +375,9 @@ class Deployment:
         self.settings = settings
         self.lock = threading.RLock()
         self.generation = 0
-        self.ledger: list[LedgerRow] = []
-        self.hints: list[dict[str, Any]] = []
+        self.ledger: deque[LedgerRow] = deque(maxlen=settings.history_limit)
+        self.hints: deque[dict[str, Any]] = deque(maxlen=settings.history_limit)
+        self.signalled: set[str] = set()  # every identity since the last reset (a few bytes each)
         self.replicas = [Replica(i, self) for i in range(replicas)]
 
     def check_model(self, model: str) -> None:
@@ -394,7 +399,7 @@ class Deployment:
                     return {"status": "ok"}  # a retried signal: the load is already under way or done
                 raise SignalRejected(409, f"identity {identity!r} was just signalled with different "
                                           "incremental_snapshot_metadata; use a new identity")
-            if any(r.identity == identity for r in self.ledger):
+            if identity in self.signalled:
                 raise SignalRejected(409, f"identity {identity!r} was already used on deployment {self.key!r}; "
                                           "every snapshot needs a new identity")
             if meta is not None:
@@ -404,11 +409,11 @@ class Deployment:
                 if meta.checksum_format != CHECKSUM_FORMAT:
                     raise SignalRejected(400, f"checksum_format {meta.checksum_format!r} is not supported "
                                               f"(supported: {CHECKSUM_FORMAT})")
-                if not self.ledger:
+                if not self.signalled:
                     raise SignalRejected(400, f"delta snapshot {identity!r} names previous_snapshot_identity "
                                               f"{previous!r}, but the ledger is empty (new deployment or ledger "
                                               "reset): signal a full snapshot first")
-                if all(r.identity != previous for r in self.ledger):
+                if previous not in self.signalled:
                     raise SignalRejected(400, f"previous_snapshot_identity {previous!r} is not in the ledger of "
                                               f"{self.key!r}")
                 served = [r.current for r in self.replicas]
@@ -424,6 +429,7 @@ class Deployment:
                 per_replica=[{"replica": i, "stage": "pending", "ready_at": None, "error": None}
                              for i in range(len(self.replicas))])
             self.ledger.append(row)
+            self.signalled.add(identity)
             for rep in self.replicas:
                 if not rep.busy:
                     rep.stage, rep.target, rep.error = "pending", identity, None
@@ -440,6 +446,7 @@ class Deployment:
             self.generation += 1
             self.ledger.clear()
             self.hints.clear()
+            self.signalled.clear()
             for rep in self.replicas:
                 rep.forget()
 

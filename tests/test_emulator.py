@@ -362,6 +362,28 @@ def test_hint_is_recorded(emulator: HotLoadEmulator) -> None:
     assert [(h["identity"], h["filename"]) for h in hints] == [("step-1", "model-00001.safetensors")]
 
 
+def test_history_is_bounded_but_identities_are_never_forgotten(tmp_path: Path) -> None:
+    """A long-running emulator keeps only the newest ledger rows and hints; an identity whose row was dropped is
+    still refused when reused, and a delta on the served snapshot is still accepted."""
+    with HotLoadEmulator(str(tmp_path), replicas=1, api_key=EMULATOR_API_KEY, history_limit=3) as emu:
+        client = client_for(emu)
+        for i in range(5):
+            model = load_full(emu, client, f"step-{i}", seed=i)
+            client.hint(f"step-{i}", "model-00001.safetensors")
+        state = emu.state()["deployments"][DEP]
+        assert [r["identity"] for r in state["ledger"]] == ["step-2", "step-3", "step-4"]
+        assert [h["identity"] for h in state["hints"]] == ["step-2", "step-3", "step-4"]
+        with pytest.raises(HotLoadError) as info:
+            client.signal("step-0")
+        assert info.value.status_code == 409
+        write_delta_snapshot(emu.bucket, "step-5", "step-4", model, perturb(model, seed=5))
+        client.signal("step-5", previous_identity="step-4")
+        client.wait_ready("step-5", timeout_s=30)
+        assert [r["identity"] for r in emu.state()["deployments"][DEP]["ledger"]] == ["step-3", "step-4", "step-5"]
+    with pytest.raises(ValueError, match="history_limit"):
+        HotLoadEmulator(str(tmp_path), history_limit=0)
+
+
 def test_base_config_comparison(tmp_path: Path) -> None:
     base = dict(CONFIG, hidden_size=16)
     with HotLoadEmulator(str(tmp_path), replicas=1, api_key=EMULATOR_API_KEY, base_config=base) as emu:
