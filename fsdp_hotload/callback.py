@@ -24,11 +24,13 @@ from typing import Any, Callable
 import torch
 
 from .config import HotloadConfig
+from .dtype_policy import DtypePolicy
 from .engine.comm import Comm, GlooComm, LocalComm
 from .engine.metrics import PublishMetrics
 from .engine.publisher import Publisher
-from .fsdp import full_tensor_specs, local_chunks, storage_fingerprint
+from .fsdp import full_tensor_specs, local_chunks, source_dtypes, storage_fingerprint
 from .layout import TensorSpec
+from .naming import adapter_note
 
 log = logging.getLogger("fsdp_hotload")
 
@@ -66,8 +68,9 @@ class HotloadCallback:
         self.config = config
         if tie_word_embeddings is None:
             tie_word_embeddings = hf_tie_word_embeddings(config.hf_config_dir)
-        self._chunk_kwargs: dict[str, Any] = dict(snapshot_dtype=config.snapshot_dtype, rename=rename,
-                                  tie_word_embeddings=tie_word_embeddings, include_buffers=include_buffers)
+        self._chunk_kwargs: dict[str, Any] = dict(
+            snapshot_dtype=config.snapshot_dtype, dtype_overrides=config.dtype_overrides, rename=rename,
+            tie_word_embeddings=tie_word_embeddings, include_buffers=include_buffers)
         comm: Comm
         ctrl: Comm
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -85,6 +88,8 @@ class HotloadCallback:
         except BaseException:
             self._close_comms()
             raise
+        if self.engine.rank == 0:
+            self._warn_about_model()
         self._layout = [(c.name, c.box) for c in chunks]
         self._views = [c.source for c in chunks]
         self._buffer_idx = self._buffer_chunks(chunks)
@@ -106,6 +111,17 @@ class HotloadCallback:
         overlaps = background_copy and not self.engine.stager.cuda
         sources = self._background_sources if overlaps else self._sources
         return self.engine.publish(step, sources, background_copy=background_copy)
+
+    def _warn_about_model(self) -> None:
+        """Said once, on rank 0: settings under which the fleet would serve something other than the trained
+        policy without any error (a lossy dtype cast, a glob that matches nothing, unmerged LoRA adapters)."""
+        kw = {k: v for k, v in self._chunk_kwargs.items() if k not in ("snapshot_dtype", "dtype_overrides")}
+        policy = DtypePolicy.of(self.config.snapshot_dtype, self.config.dtype_overrides)
+        notes = [*policy.notes(source_dtypes(self.model, **kw)),
+                 adapter_note(n for n, _ in self.model.named_parameters())]
+        for note in notes:
+            if note:
+                log.warning("hotload: %s", note)
 
     def _buffer_chunks(self, chunks: list[Any]) -> list[int]:
         """Chunks that read a module buffer. Forward passes update buffers (BatchNorm running statistics, step

@@ -76,6 +76,10 @@ class HotloadConfig(BaseModel):
                                              "(higher ratio, for receivers running our decoder)")
     snapshot_dtype: str = Field("bfloat16", description="dtype of floating tensors in snapshots (a floating "
                                                         "dtype; integer and bool tensors keep their own)")
+    dtype_overrides: dict[str, str] = Field(
+        default_factory=dict, description="per-tensor dtypes: {glob on the published name: floating dtype or "
+        "'keep' (the trainer's own dtype)}; the first matching glob wins, e.g. {'*.e_score_correction_bias': "
+        "'keep'} keeps an fp32 router bias in fp32")
     identity_prefix: str = Field("step", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,40}$",
                                  description="first part of every snapshot identity (<prefix>-<step>-<session>)")
     # --- how
@@ -108,18 +112,19 @@ class HotloadConfig(BaseModel):
     @classmethod
     def _floating_dtype(cls, v: str) -> str:
         """Floating dtypes only: casting weights to an integer dtype would truncate them without any error."""
-        from .arc.dtypes import DTYPES, FLOAT_CODES, code_from_name, torch_name
-        from .arc.errors import FormatError
+        from .arc.dtypes import torch_name
+        from .dtype_policy import float_code
 
-        try:
-            code: str | None = code_from_name(v)
-        except FormatError:
-            code = None
-        if code not in FLOAT_CODES:
-            accepted = ", ".join(torch_name(c) for c in DTYPES if c in FLOAT_CODES)
-            raise ValueError(f"snapshot_dtype {v!r} is not a floating dtype; accepted: {accepted} "
-                             "(or their safetensors codes, e.g. BF16)")
-        return torch_name(code)
+        return torch_name(float_code(v, "snapshot_dtype"))
+
+    @field_validator("dtype_overrides")
+    @classmethod
+    def _override_dtypes(cls, v: dict[str, str]) -> dict[str, str]:
+        from .dtype_policy import override_dtype
+
+        if any(not pattern.strip() for pattern in v):
+            raise ValueError("dtype_overrides has an empty glob")
+        return {pattern: override_dtype(pattern, dtype) for pattern, dtype in v.items()}
 
     @field_validator("bucket_url")
     @classmethod

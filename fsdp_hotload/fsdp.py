@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
 
 from .arc.boxes import Box
-from .arc.dtypes import FLOAT_CODES, code_from_name, numel
-from .arc.errors import ArcError
+from .arc.dtypes import numel
+from .dtype_policy import DtypePolicy
 from .naming import Rename, clean_name, plan_names
 
 FLAT = "flat"
@@ -425,27 +425,6 @@ def _plan(
     return out
 
 
-def _snapshot_code(snapshot_dtype: str) -> str:
-    try:
-        code = code_from_name(snapshot_dtype)
-    except ArcError:
-        raise ValueError(f"snapshot_dtype {snapshot_dtype!r} is not a known dtype") from None
-    if code not in FLOAT_CODES:
-        raise ValueError(f"snapshot_dtype {snapshot_dtype!r} is not a floating dtype")
-    return code
-
-
-def _published_dtype(dtype: torch.dtype, snapshot_code: str, name: str) -> str:
-    if dtype.is_floating_point:
-        return snapshot_code
-    if dtype.is_complex:
-        raise ValueError(f"tensor {name!r} is complex ({dtype}); safetensors snapshots cannot hold it")
-    try:
-        return code_from_name(str(dtype))
-    except ArcError:
-        raise ValueError(f"tensor {name!r} has dtype {dtype}, which snapshots cannot hold") from None
-
-
 # ------------------------------------------------------------------------------------------------- public API
 
 
@@ -453,6 +432,7 @@ def local_chunks(
     model: nn.Module,
     *,
     snapshot_dtype: str = "BF16",
+    dtype_overrides: Mapping[str, str] | None = None,
     rename: Rename | None = None,
     tie_word_embeddings: bool | None = None,
     include_buffers: bool = True,
@@ -467,10 +447,10 @@ def local_chunks(
     with CPU offload, which pins a new copy: take the chunks after the first forward there). Loading a state
     dict or moving the model replaces storages; take the chunks again after that.
     """
-    code = _snapshot_code(snapshot_dtype)
+    policy = DtypePolicy.of(snapshot_dtype, dtype_overrides)
     chunks: list[LocalChunk] = []
     for name, src, _paths in _plan(model, rename, tie_word_embeddings, include_buffers):
-        shape, dtype = src.shape(), _published_dtype(src.dtype(), code, name)
+        shape, dtype = src.shape(), policy.code(name, src.dtype())
         for space, box, view in src.pieces(name):
             chunks.append(LocalChunk(name, shape, dtype, space, box, view))
     return chunks
@@ -510,13 +490,25 @@ def full_tensor_specs(
     model: nn.Module,
     *,
     snapshot_dtype: str = "BF16",
+    dtype_overrides: Mapping[str, str] | None = None,
     rename: Rename | None = None,
     tie_word_embeddings: bool | None = None,
     include_buffers: bool = True,
 ) -> list[TensorSpec]:
     """``(name, full shape, dtype code)`` of every published tensor, the same list on every rank."""
-    code = _snapshot_code(snapshot_dtype)
+    policy = DtypePolicy.of(snapshot_dtype, dtype_overrides)
     return [
-        (name, src.shape(), _published_dtype(src.dtype(), code, name))
+        (name, src.shape(), policy.code(name, src.dtype()))
         for name, src, _paths in _plan(model, rename, tie_word_embeddings, include_buffers)
     ]
+
+
+def source_dtypes(
+    model: nn.Module,
+    *,
+    rename: Rename | None = None,
+    tie_word_embeddings: bool | None = None,
+    include_buffers: bool = True,
+) -> dict[str, torch.dtype]:
+    """The trainer's dtype of every published tensor (FSDP's sharded parameters: the masters), by name."""
+    return {name: src.dtype() for name, src, _paths in _plan(model, rename, tie_word_embeddings, include_buffers)}

@@ -11,7 +11,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -19,8 +19,9 @@ from torch import nn
 from .arc.boxes import Box, check_tiling
 from .arc.dtypes import torch_name
 from .arc.errors import FormatError
+from .dtype_policy import DtypePolicy
 from .fsdp import (FLAT, SHAPE, OwnershipError, Rename, TensorSpec, _ChunkLike, _dtensor_type, _fsdp1_type,
-                   _fsdp2_type, _plan, _snapshot_code, full_tensor_specs, local_chunks, space_shape)
+                   _fsdp2_type, _plan, full_tensor_specs, local_chunks, space_shape)
 from .naming import clean_name
 
 
@@ -36,6 +37,7 @@ def gather_full_state(
     model: nn.Module,
     *,
     snapshot_dtype: str = "BF16",
+    dtype_overrides: Mapping[str, str] | None = None,
     rename: Rename | None = None,
     tie_word_embeddings: bool | None = None,
     include_buffers: bool = True,
@@ -46,7 +48,7 @@ def gather_full_state(
     independent reference that published chunks are compared against bit for bit. Collective: every rank of
     the model's process groups must call it.
     """
-    code = _snapshot_code(snapshot_dtype)
+    policy = DtypePolicy.of(snapshot_dtype, dtype_overrides)
     if _is_distributed(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -62,7 +64,7 @@ def gather_full_state(
             raise KeyError(f"tensor {name!r} (path {paths[0]!r}) is missing from the framework's state dict")
         t = found.detach().to("cpu")
         if t.is_floating_point():
-            t = t.to(getattr(torch, torch_name(code)))
+            t = t.to(getattr(torch, torch_name(policy.code(name, src.dtype()))))
         out[name] = t.contiguous()
     return out
 
@@ -109,6 +111,7 @@ def verify_ownership(
     *,
     group: Any = None,
     snapshot_dtype: str = "BF16",
+    dtype_overrides: Mapping[str, str] | None = None,
     rename: Rename | None = None,
     tie_word_embeddings: bool | None = None,
     include_buffers: bool = True,
@@ -120,7 +123,7 @@ def verify_ownership(
     """
     import torch.distributed as dist
 
-    kw: dict[str, Any] = dict(snapshot_dtype=snapshot_dtype, rename=rename,
+    kw: dict[str, Any] = dict(snapshot_dtype=snapshot_dtype, dtype_overrides=dtype_overrides, rename=rename,
                               tie_word_embeddings=tie_word_embeddings, include_buffers=include_buffers)
     specs = full_tensor_specs(model, **kw)
     gathered: list[Any] = [None] * dist.get_world_size(group)

@@ -13,7 +13,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Hashable, Iterable, Sequence
 
 # Attribute names that wrappers insert between a module and the module they wrap. They are stripped wherever
 # they appear: no HF model uses them as real submodule names.
@@ -36,6 +36,10 @@ TIED_OUTPUT_SUFFIX = "lm_head.weight"
 
 Rename = Callable[[str], "str | None"]
 
+# Parameter-name segments of unmerged low-rank adapters (peft's LoRA and its DoRA magnitudes).
+ADAPTER_SEGMENTS: frozenset[str] = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B",
+                                              "lora_magnitude_vector"})
+
 
 def clean_name(name: str) -> str:
     """Strip wrapper segments from a parameter/buffer path, leaving the name the unwrapped model would use.
@@ -48,6 +52,22 @@ def clean_name(name: str) -> str:
     if not parts or any(p == "" for p in parts):
         raise ValueError(f"tensor path {name!r} has no name left after stripping wrapper segments")
     return ".".join(parts)
+
+
+def adapter_note(paths: Iterable[str]) -> str | None:
+    """A warning when the model holds unmerged LoRA adapters (None otherwise).
+
+    Why: the fleet serves the base architecture, whose checkpoint has no adapter tensors, and the policy is
+    W + B·A·scale, which no single published tensor holds. Publishing the adapters fails the fleet's load;
+    dropping them with ``rename`` publishes the base model without the update, which loads and is silently
+    wrong. Adapters must be merged into the weights that are published (see the README).
+    """
+    found = [p for p in paths if ADAPTER_SEGMENTS.intersection(p.split("."))]
+    if not found:
+        return None
+    return (f"the model holds {len(found)} unmerged LoRA adapter tensor(s) (e.g. {found[0]!r}): the fleet serves "
+            "merged weights, so publish a merged state dict (merge_and_unload, or W + B@A*scale per step through "
+            "TensorPublisher) rather than the adapters or the base weights alone")
 
 
 def is_tied_output(name: str) -> bool:

@@ -14,6 +14,7 @@ Example::
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -21,11 +22,13 @@ import numpy as np
 import torch
 
 from .arc.boxes import Box
-from .arc.dtypes import code_from_name
 from .config import HotloadConfig
+from .dtype_policy import DtypePolicy
 from .engine.metrics import PublishMetrics
 from .engine.publisher import Publisher
 from .layout import TensorSpec
+
+log = logging.getLogger("fsdp_hotload")
 
 
 @dataclass(frozen=True)
@@ -46,22 +49,20 @@ def _as_torch(value: Any) -> torch.Tensor:
     raise TypeError(f"expected a torch tensor or numpy array, got {type(value).__name__}")
 
 
-def snapshot_code(t: torch.Tensor, snapshot_dtype: str) -> str:
-    """Floating tensors are published in the snapshot dtype; others keep their own."""
-    return code_from_name(snapshot_dtype) if t.is_floating_point() else code_from_name(str(t.dtype))
-
-
 class TensorPublisher:
     """Publishes a fixed set of named tensors (same names, shapes and dtypes at every step)."""
 
     def __init__(self, tensors: Mapping[str, Any], config: HotloadConfig, **engine_kwargs: Any) -> None:
         self.names = list(tensors)
         self.chunks = []
+        policy = DtypePolicy.of(config.snapshot_dtype, config.dtype_overrides)
         for name in self.names:
             t = _as_torch(tensors[name])
             n = t.numel()
-            self.chunks.append(WholeChunk(name, tuple(t.shape), snapshot_code(t, config.snapshot_dtype), "flat",
+            self.chunks.append(WholeChunk(name, tuple(t.shape), policy.code(name, t.dtype), "flat",
                                           Box.flat(0, n), t.reshape(-1)))
+        for note in policy.notes({c.name: c.source.dtype for c in self.chunks}):
+            log.warning("hotload: %s", note)
         specs = [TensorSpec(c.name, c.shape, c.dtype) for c in self.chunks]
         self.engine = Publisher(self.chunks, specs, config, **engine_kwargs)
 

@@ -243,3 +243,34 @@ def test_a_step_seen_twice_is_refused_and_nothing_is_overwritten(tmp_path: Path)
         assert {p: p.read_bytes() for p in bucket.rglob("*") if p.is_file()} == before
         hot.step(3)
     assert [m.step for m in hot.metrics] == [0, 1, 2, 3] and all(m.ok for m in hot.metrics)
+
+
+def test_an_fp16_model_published_as_bf16_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The callback names tensors whose trainer dtype is cast to another narrow format, and globs that match
+    nothing; with the matching snapshot_dtype there is nothing to say."""
+    model = Net().half()
+    with caplog.at_level("WARNING", logger="fsdp_hotload"):
+        HotloadCallback(model, HotloadConfig(bucket_url=str(tmp_path / "a"), dtype_overrides={"nope.*": "keep"})).close()
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "6 float16 tensor(s) ('embed_tokens.weight' and 5 more) are published as bfloat16" in text, text
+    assert "dtype_overrides glob 'nope.*' matches no floating tensor" in text, text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fsdp_hotload"):
+        HotloadCallback(model, HotloadConfig(bucket_url=str(tmp_path / "b"), snapshot_dtype="float16")).close()
+    assert not [r for r in caplog.records if "dtype" in r.getMessage()], caplog.records
+
+
+def test_unmerged_lora_adapters_are_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """peft-style adapters: dropping them with rename would publish the base weights without the update."""
+    model = Net()
+    model.layers[0].lora_A = nn.ModuleDict({"default": nn.Linear(16, 2, bias=False)})
+    model.layers[0].lora_B = nn.ModuleDict({"default": nn.Linear(2, 16, bias=False)})
+    drop = lambda n: None if ".lora_" in n else n  # noqa: E731
+    with caplog.at_level("WARNING", logger="fsdp_hotload"):
+        HotloadCallback(model, HotloadConfig(bucket_url=str(tmp_path / "a")), rename=drop).close()
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "2 unmerged LoRA adapter tensor(s) (e.g. 'layers.0.lora_A.default.weight')" in text, text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fsdp_hotload"):
+        HotloadCallback(Net(), HotloadConfig(bucket_url=str(tmp_path / "b"))).close()
+    assert not [r for r in caplog.records if "LoRA" in r.getMessage()], caplog.records

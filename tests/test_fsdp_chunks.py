@@ -124,7 +124,7 @@ def test_plain_module_tie_rename_buffers_and_dtype() -> None:
     assert [c.name for c in renamed] == ["m.scale", "m.positions", "m.mask", "m.embed_tokens.weight", "lm_head.weight"]
     with pytest.raises(ValueError, match="not a floating dtype"):
         local_chunks(model, snapshot_dtype="I32")
-    with pytest.raises(ValueError, match="not a known dtype"):
+    with pytest.raises(ValueError, match="snapshot_dtype 'float7' is not a floating dtype; accepted: .*bfloat16"):
         full_tensor_specs(model, snapshot_dtype="float7")
 
 
@@ -137,6 +137,27 @@ def test_gather_full_state_plain_matches_state_dict_in_snapshot_dtype() -> None:
         want = state[name].to(torch.bfloat16) if state[name].is_floating_point() else state[name]
         assert t.dtype == want.dtype and t.device.type == "cpu" and t.shape == want.shape
         assert np.array_equal(RawTensor.from_any(t).data, RawTensor.from_any(want).data), name
+
+
+def test_dtype_overrides_first_matching_glob_wins() -> None:
+    """Globs match published names in order; "keep" is the trainer's dtype; integer and bool tensors never change.
+    Chunks, specs and the gathered reference all agree."""
+    model = Tied()
+    overrides = {"model.proj.*": "keep", "model.*": "float16", "model.positions": "float32", "lm_*": "F32"}
+    specs = {n: d for n, _, d in full_tensor_specs(model, dtype_overrides=overrides)}
+    assert specs == {"model.scale": "F16", "model.embed_tokens.weight": "F16", "model.proj.weight": "BF16",
+                     "model.proj.bias": "BF16", "model.empty": "F16", "model.positions": "I32", "model.mask": "BOOL",
+                     "lm_head.weight": "F32"}, specs
+    assert {c.name: c.dtype for c in local_chunks(model, dtype_overrides=overrides)} == {
+        n: d for n, d in specs.items() if n != "model.empty"}  # chunks are never empty
+    full = gather_full_state(model, dtype_overrides=overrides)
+    state = model.state_dict()
+    for name, t in full.items():
+        want = state[name].to(t.dtype)
+        assert RawTensor.from_any(t).dtype == specs[name], name
+        assert np.array_equal(RawTensor.from_any(t).data, RawTensor.from_any(want).data), name
+    with pytest.raises(ValueError, match=r"dtype_overrides\['model.\*'\] 'int8' is not a floating dtype"):
+        full_tensor_specs(model, dtype_overrides={"model.*": "int8"})
 
 
 def test_wrappers_do_not_change_names() -> None:

@@ -114,3 +114,17 @@ def test_attach_publishes_every_step_when_the_publisher_keeps_up(tmp_path: Path)
     assert [r["published_step"] for r in recs] == list(range(6)), recs
     assert all(r["ok"] and r["serves_current"] and r["bit_exact"] for r in recs)
     assert [r["kind"] for r in recs][:2] == ["full", "delta"]
+
+
+def test_dtype_overrides_publish_chosen_tensors_in_their_own_dtype(tmp_path: Path) -> None:
+    """Per-tensor dtypes through fulls and deltas: lin1 keeps its fp32 master, the bf16 ``proj`` weight is
+    published widened to fp32, the rest as bf16; every replica serves the gathered state cast the same way."""
+    overrides = '{"*.lin1.*": "keep", "*.proj.weight": "float32"}'
+    recs, _ = run_job(tmp_path, 2, "fsdp2", "--steps", "6", "--full-every", "3", "--dtype-overrides", overrides)
+    assert [r["kind"] for r in recs] == ["full", "delta", "delta"] * 2
+    assert all(r["ok"] and r["serves_current"] and r["bit_exact"] for r in recs), recs
+    dtypes = recs[-1]["dtypes"]
+    wide = sorted(n for n, d in dtypes.items() if d == "float32")
+    assert wide and all(".lin1." in n or n.endswith(".proj.weight") for n in wide), dtypes
+    assert any(n.endswith(".proj.weight") for n in wide) and any(".lin1." in n for n in wide), dtypes
+    assert all(d in ("bfloat16", "int64") for n, d in dtypes.items() if n not in wide), dtypes

@@ -63,6 +63,7 @@ def test_every_field_round_trips_through_its_flag(deployment_id: Any, tmp_path: 
         account_id="007", model_id="false", deployment_id=deployment_id, api_key="12", ready_timeout_s=5.5,
         poll_interval_s=0.5, collective_timeout_s=90, send_hints=False, reset_prompt_cache="none", full_every=3,
         max_chain_length=2, publish_every=2, codec="arc_sparse_v1", snapshot_dtype="float16", identity_prefix="run1",
+        dtype_overrides={"*.e_score_correction_bias": "keep", "*.norm.weight": "F32"},
         max_inflight=2, busy_policy="wait", background_nice=0, async_copy=False, cache_on="host",
         keep_training_on_error=True, metrics_path="/tmp/m.jsonl")
     back = config_from_args(parser().parse_args(_flags_of(cfg)))
@@ -113,6 +114,20 @@ def test_snapshot_dtype_must_be_floating(dtype: str) -> None:
                                          ("F8_E4M3", "float8_e4m3fn"), ("float16", "float16")])
 def test_floating_snapshot_dtypes_are_normalised(dtype: str, name: str) -> None:
     assert HotloadConfig(bucket_url="/tmp/b", snapshot_dtype=dtype).snapshot_dtype == name
+
+
+def test_dtype_overrides_are_normalised_and_a_bad_one_names_its_glob(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOTLOAD_BUCKET_URL", "/tmp/b")
+    monkeypatch.setenv("HOTLOAD_DTYPE_OVERRIDES", '{"*.gate.e_score_correction_bias": "KEEP", "*.norm*": "F32"}')
+    cfg = HotloadConfig.from_env()
+    assert cfg.dtype_overrides == {"*.gate.e_score_correction_bias": "keep", "*.norm*": "float32"}
+    assert list(cfg.dtype_overrides) == ["*.gate.e_score_correction_bias", "*.norm*"]  # order is the rule order
+    args = parser().parse_args(["--hotload-bucket-url", "/tmp/b", "--hotload-dtype-overrides", '{"*.bias": "int32"}'])
+    with pytest.raises(SystemExit, match=r"--hotload-dtype-overrides(.|\n)*dtype_overrides\['\*.bias'\] 'int32' is "
+                                         r"not a floating dtype; accepted: .*bfloat16.*, or 'keep'"):
+        config_from_args(args)
+    with pytest.raises(ValueError, match="empty glob"):
+        HotloadConfig(bucket_url="/tmp/b", dtype_overrides={" ": "bfloat16"})
 
 
 def test_misspelt_env_variable_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:

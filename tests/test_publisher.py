@@ -347,6 +347,25 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
         del os.environ["HOTLOAD_BUCKET_URL"], os.environ["HOTLOAD_DEPLOYMENT_ID"]
 
 
+def test_lossy_casts_and_unused_dtype_globs_are_warned(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An fp16 model under the default bf16 snapshot dtype would lose mantissa bits in silence, and a misspelt
+    glob would leave its tensors in the default dtype: both are said at construction. fp32 masters cast to bf16
+    (the expected path) and tensors an override keeps as trained are not."""
+    tensors = {"a.weight": torch.randn(4, dtype=torch.float16), "b.weight": torch.randn(4, dtype=torch.float16),
+               "kept.weight": torch.randn(4, dtype=torch.float16), "master.weight": torch.randn(4)}
+    cfg = config(str(tmp_path / "bucket"), None, tmp_path, dtype_overrides={"kept.*": "keep", "*.e_score_bias": "keep"})
+    with caplog.at_level("WARNING", logger="fsdp_hotload"), TensorPublisher(tensors, cfg) as pub:
+        assert pub.publish(0)
+        pub.wait(timeout=30)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "dtype_overrides glob '*.e_score_bias' matches no floating tensor" in text
+    assert "2 float16 tensor(s) ('a.weight' and 1 more) are published as bfloat16" in text
+    assert "kept.weight" not in text and "master.weight" not in text
+    spec = json.loads(next((tmp_path / "bucket").glob("*/model.weight.spec.json")).read_text())["tensor_map"]
+    assert {n: v["dtype"] for n, v in spec.items()} == {
+        "a.weight": "bfloat16", "b.weight": "bfloat16", "kept.weight": "float16", "master.weight": "bfloat16"}
+
+
 def test_publisher_threads_run_at_lower_priority() -> None:
     """Encoding and upload threads inherit the publisher thread's nice value; the trainer's thread keeps its own."""
     import threading

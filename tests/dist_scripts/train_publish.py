@@ -36,6 +36,14 @@ def served(url: str) -> list[tuple[str | None, dict[str, str]]]:
     return [(r["identity"], {k: t["sha256"] for k, t in r["tensors"].items()}) for r in dep["replicas"]]
 
 
+def served_dtypes(url: str) -> dict[str, str]:
+    """The first replica's tensor dtypes (torch names), as the emulator decoded them from the snapshot."""
+    req = urllib.request.Request(f"{url}/emulator/v1/state", headers={"Authorization": "Bearer test-key"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        (dep,) = json.load(resp)["deployments"].values()
+    return {k: t["dtype"] for k, t in dep["replicas"][0]["tensors"].items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["fsdp2", "fsdp1", "fsdp1-orig"], required=True)
@@ -51,6 +59,7 @@ def main() -> None:
     p.add_argument("--no-wait", action="store_true", help="do not wait for each publish (exercise skipping)")
     p.add_argument("--restart-at", type=int, default=-1, help="close the callback and make a new one here")
     p.add_argument("--attach", action="store_true", help="publish from the optimizer hooks (async CPU copy)")
+    p.add_argument("--dtype-overrides", default="{}", help="HotloadConfig.dtype_overrides, as JSON")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -59,7 +68,8 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = HotloadConfig(bucket_url=args.bucket, hotload_api_url=args.url, account_id="acct", model_id="tiny",
                         deployment_id="dep", api_key="test-key", hf_config_dir=args.hf_dir, full_every=args.full_every, poll_interval_s=0.02,
-                        ready_timeout_s=60, keep_training_on_error=True, busy_policy=args.busy_policy)
+                        ready_timeout_s=60, keep_training_on_error=True, busy_policy=args.busy_policy,
+                        dtype_overrides=json.loads(args.dtype_overrides))
     def open_fds() -> int:  # gloo groups hold sockets: a callback that leaks its side groups shows here
         return len(os.listdir("/proc/self/fd"))
 
@@ -90,7 +100,8 @@ def main() -> None:
             cb.wait()
         if step == args.fail_step and rank == args.fail_rank:
             faulty.arm(0)
-        full = gather_full_state(model, tie_word_embeddings=True)  # as the job's config.json says
+        # as the job's config.json says, in the dtypes the config asks for
+        full = gather_full_state(model, tie_word_embeddings=True, dtype_overrides=cfg.dtype_overrides)
         by_step[step] = {k: RawTensor.from_any(v).sha256() for k, v in full.items()} if rank == 0 else {}
         if rank == 0 and not args.no_wait:
             m = cb.metrics[-1]
@@ -100,7 +111,7 @@ def main() -> None:
                             "ratio": m.ratio, "changed": m.changed_fraction,
                             "serves_current": all(i == m.identity for i, _ in reps),
                             "bit_exact": all(expected.get(i) == shas for i, shas in reps),
-                            "tensors": sorted(reps[0][1])})
+                            "tensors": sorted(reps[0][1]), "dtypes": served_dtypes(args.url)})
     cb.close()
     if rank == 0 and args.no_wait:
         # Publishes overlapped training: every accepted snapshot, rebuilt from the bucket, must be exactly the

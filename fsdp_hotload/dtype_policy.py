@@ -1,0 +1,110 @@
+"""Which dtype each published tensor has in a snapshot.
+
+Why per tensor: one ``snapshot_dtype`` (bf16) suits the matrices, but some checkpoints keep a few floating
+tensors in fp32 on purpose (DeepSeek-V3 stores its MoE router bias, ``mlp.gate.e_score_correction_bias``, in
+fp32), and rounding those to bf16 changes the policy the fleet serves (here: which experts a token reaches).
+``dtype_overrides`` maps globs on the published (Hugging Face) name to a dtype, or to ``"keep"`` for the
+trainer's own dtype. The first matching glob wins; tensors no glob matches get ``snapshot_dtype``. Integer and
+bool tensors always keep their dtype.
+
+Example::
+
+    policy = DtypePolicy.of("bfloat16", {"*.e_score_correction_bias": "keep", "*.norm.weight": "float32"})
+    policy.code("model.layers.3.mlp.gate.e_score_correction_bias", torch.float32)   # "F32"
+    policy.code("model.layers.3.mlp.gate.weight", torch.float32)                    # "BF16"
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from .arc.dtypes import DTYPES, FLOAT_CODES, code_from_name, itemsize, torch_name
+from .arc.errors import ArcError
+
+KEEP = "keep"
+# Masters are kept wide on purpose, and publishing them narrower is the expected mixed-precision path; a cast
+# from any other floating dtype to one no wider is a change of format the user may not know about.
+_MASTER_CODES = frozenset({"F32", "F64"})
+
+
+def float_code(name: str, what: str) -> str:
+    """The safetensors code of a floating dtype name (``bfloat16``, ``BF16``, ...); ValueError names ``what``."""
+    try:
+        code: str | None = code_from_name(name)
+    except ArcError:
+        code = None
+    if code is None or code not in FLOAT_CODES:
+        accepted = ", ".join(torch_name(c) for c in DTYPES if c in FLOAT_CODES)
+        raise ValueError(f"{what} {name!r} is not a floating dtype; accepted: {accepted} "
+                         "(or their safetensors codes, e.g. BF16)")
+    return code
+
+
+def override_dtype(pattern: str, value: str) -> str:
+    """A ``dtype_overrides`` value normalised to its torch name, or ``"keep"``; ValueError names the glob."""
+    if value.strip().lower() == KEEP:
+        return KEEP
+    try:
+        return torch_name(float_code(value, f"dtype_overrides[{pattern!r}]"))
+    except ValueError as exc:
+        raise ValueError(f"{exc}, or 'keep' for the trainer's own dtype") from None
+
+
+@dataclass(frozen=True)
+class DtypePolicy:
+    """``snapshot_dtype`` plus the ordered ``(glob, dtype code or "keep")`` overrides."""
+
+    default: str
+    overrides: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(cls, snapshot_dtype: str, overrides: Mapping[str, str] | None = None) -> "DtypePolicy":
+        """From the config's ``snapshot_dtype`` and ``dtype_overrides``; ValueError names a bad value."""
+        default = float_code(snapshot_dtype, "snapshot_dtype")
+        pairs = []
+        for pattern, value in (overrides or {}).items():
+            if not pattern:
+                raise ValueError("dtype_overrides has an empty glob")
+            kept = override_dtype(pattern, value)
+            pairs.append((pattern, KEEP if kept == KEEP else code_from_name(kept)))
+        return cls(default, tuple(pairs))
+
+    def code(self, name: str, dtype: torch.dtype) -> str:
+        """The published dtype code of tensor ``name`` whose trainer dtype is ``dtype``.
+
+        Raises ValueError for dtypes a safetensors snapshot cannot hold (complex, or unknown to the format)."""
+        if dtype.is_complex:
+            raise ValueError(f"tensor {name!r} is complex ({dtype}); safetensors snapshots cannot hold it")
+        try:
+            source = code_from_name(str(dtype))
+        except ArcError:
+            raise ValueError(f"tensor {name!r} has dtype {dtype}, which snapshots cannot hold") from None
+        if not dtype.is_floating_point:
+            return source
+        target = next((c for p, c in self.overrides if fnmatch.fnmatchcase(name, p)), self.default)
+        return source if target == KEEP else target
+
+    def notes(self, sources: Mapping[str, torch.dtype]) -> list[str]:
+        """Warnings about a model's tensors under this policy: globs that match no floating tensor (a typo
+        would otherwise publish the wrong dtype in silence), and casts between two narrow formats (an fp16
+        trainer published as bf16 loses 3 mantissa bits; bf16 published as fp16 turns values above 65504
+        into inf)."""
+        out = []
+        floating = [n for n, d in sources.items() if d.is_floating_point]
+        for pattern, _ in self.overrides:
+            if not any(fnmatch.fnmatchcase(n, pattern) for n in floating):
+                out.append(f"dtype_overrides glob {pattern!r} matches no floating tensor of the model")
+        narrowed: dict[tuple[str, str], list[str]] = {}
+        for name in floating:
+            source, target = code_from_name(str(sources[name])), self.code(name, sources[name])
+            if source != target and source not in _MASTER_CODES and itemsize(target) <= itemsize(source):
+                narrowed.setdefault((source, target), []).append(name)
+        for (source, target), names in narrowed.items():
+            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+            out.append(f"{len(names)} {torch_name(source)} tensor(s) ({names[0]!r}{more}) are published as "
+                       f"{torch_name(target)}, a lossy change of format; set snapshot_dtype={torch_name(source)!r} "
+                       "(or a dtype_overrides entry) to publish them as trained")
+        return out
