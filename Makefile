@@ -2,12 +2,15 @@
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
+# Extra pip arguments for torch, e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu" where the
+# default index would serve the CUDA build.
+TORCH_PIP_ARGS ?=
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	# The CPU build of torch first, so nothing pulls CUDA wheels.
-	$(VENV)/bin/pip install -q torch==2.13.0
+	# torch first, pinned, so the project's dependencies never pull another (CUDA) build.
+	$(VENV)/bin/pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(VENV)/bin/pip install -q -e '.[dev,s3]'
 	touch $@
 

@@ -57,7 +57,14 @@ def hf_tie_word_embeddings(hf_config_dir: str | None) -> bool | None:
 
 
 class HotloadCallback:
-    """Publishes a (possibly sharded) model's weights every ``config.publish_every`` steps."""
+    """Publishes a (possibly sharded) model's weights every ``config.publish_every`` steps.
+
+    Example::
+
+        with HotloadCallback(model, HotloadConfig.from_env()) as hot:   # FSDP2, FSDP1 or a plain module
+            hot.attach(optimizer, first_step=resumed_step)              # or hot.step(step) after optimizer.step()
+            train()
+    """
 
     def __init__(self, model: torch.nn.Module, config: HotloadConfig, *,
                  rename: Callable[[str], str | None] | None = None, tie_word_embeddings: bool | None = None,

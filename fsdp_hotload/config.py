@@ -32,7 +32,15 @@ NON_CONFIG_ENV: frozenset[str] = frozenset({"HOTLOAD_ARC_ENCODER", "HOTLOAD_ARC_
 
 
 class HotloadConfig(BaseModel):
-    """Settings of one trainer's publishing to one bucket and zero or more deployments."""
+    """Settings of one trainer's publishing to one bucket and zero or more deployments.
+
+    Example::
+
+        cfg = HotloadConfig(bucket_url="s3://rl-bucket/acct/acct-dep", hotload_api_url="https://api.fireworks.ai",
+                            account_id="acct", model_id="qwen3-8b", deployment_id="dep",
+                            hf_config_dir="/models/qwen3-8b", full_every=20)
+        cfg = HotloadConfig.from_env(full_every=10)      # HOTLOAD_* variables; keyword arguments win
+    """
 
     # Errors never echo the input: a model-level error would print the whole dict, api_key and
     # storage_options secrets included. Validators name the bad value themselves where it helps.

@@ -6,7 +6,8 @@ after any failure), storage, manifests, commit marker and signalling as the FSDP
 Example::
 
     cfg = HotloadConfig(bucket_url="s3://bucket/prefix", hotload_api_url="https://api.fireworks.ai",
-                        account_id="acct", model_id="m", deployment_id="d", full_every=10)
+                        account_id="acct", model_id="m", deployment_id="d", hf_config_dir="/models/m",
+                        full_every=10)
     with TensorPublisher(model.state_dict(), cfg) as pub:
         for step in range(100):
             train_step()
@@ -50,7 +51,13 @@ def _as_torch(value: Any) -> torch.Tensor:
 
 
 class TensorPublisher:
-    """Publishes a fixed set of named tensors (same names, shapes and dtypes at every step)."""
+    """Publishes a fixed set of named tensors (same names, shapes and dtypes at every step).
+
+    Example::
+
+        with TensorPublisher(state_dict, cfg) as pub:      # the names, shapes and dtypes of every publish
+            pub.publish(step, gathered_state_dict)         # returns once staged; uploads run in the background
+    """
 
     def __init__(self, tensors: Mapping[str, Any], config: HotloadConfig, **engine_kwargs: Any) -> None:
         self.names = list(tensors)

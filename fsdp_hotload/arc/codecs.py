@@ -185,6 +185,14 @@ class ArcV2:
     smaller and cheaper, see :mod:`~fsdp_hotload.arc.zstd_seq`) where the system's libzstd allows it, else
     ``stream`` (python-zstandard's level-1 compressor). Both decode to the same bytes with any zstd decoder.
     ``encoder="auto"`` (the default) takes the first available; ``HOTLOAD_ARC_ENCODER`` overrides the default.
+
+    Example::
+
+        codec = ArcV2()
+        parent, new = old_bf16.view(np.uint8), new_bf16.view(np.uint8)   # one chunk's bytes, same length
+        payload = codec.encode_xor_blocks([np.bitwise_xor(parent, new)], parent.size)
+        out = np.empty_like(parent)
+        codec.decode(payload, parent, 2, out)                            # out equals new, byte for byte
     """
 
     name = "arc_v2"

@@ -71,7 +71,7 @@ def _load_libzstd() -> tuple[Any, str]:
         lib.ZSTD_versionNumber.restype = ctypes.c_uint
         version = int(lib.ZSTD_versionNumber())
         if not 10500 <= version < 20000:
-            return None, f"{name} is libzstd {version}; the sequence API needs 1.5.x"
+            return None, f"{name} is libzstd {version}; the sequence API needs 1.5 or a newer 1.x"
         lib.ZSTD_createCCtx.restype = ctypes.c_void_p
         lib.ZSTD_freeCCtx.argtypes = [ctypes.c_void_p]
         lib.ZSTD_CCtx_setParameter.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
