@@ -5,6 +5,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,14 +14,18 @@ import fsspec
 import pytest
 import torch
 
+from fsdp_hotload.arc.boxes import Box
 from fsdp_hotload.arc.dtypes import RawTensor
 from fsdp_hotload.config import HotloadConfig
 from fsdp_hotload.emulator import HotLoadEmulator
 from fsdp_hotload.engine import PublishError
-from fsdp_hotload.publish import TensorPublisher
+from fsdp_hotload.engine.publisher import Publisher
+from fsdp_hotload.layout import TensorSpec
+from fsdp_hotload.publish import TensorPublisher, WholeChunk
 from fsdp_hotload.retention import read_commit_marker
 from fsdp_hotload.storage import Storage
 from tests.s3_fixture import FaultyFileSystem, slowdown_error
+from tests.thread_comm import Meeting, ThreadComm
 
 API_KEY = "test-key"
 
@@ -211,6 +217,28 @@ if sys.argv[2] == "close":
         assert warned == (how == "exit"), res.stderr
 
 
+def test_exit_waits_for_the_codec_warm_up(tmp_path: Path) -> None:
+    """A script that ends while the codec's kernels are still loading must wait for them: a daemon thread inside
+    torch or numba native code at interpreter shutdown aborted the process (status 134, "terminate called
+    without an active exception") in about one exit in six. The warm-up here takes 1 s and leaves a mark."""
+    mark = tmp_path / "warmed"
+    script = f"""
+import sys, time, torch
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+from fsdp_hotload.arc import codecs
+from fsdp_hotload.config import HotloadConfig
+from fsdp_hotload.publish import TensorPublisher
+def slow_warm_up(self):
+    time.sleep(1.0)
+    open({str(mark)!r}, "w").close()
+codecs.ArcV2.warm_up = slow_warm_up
+TensorPublisher({{"w": torch.randn(8)}}, HotloadConfig(bucket_url={str(tmp_path / "bucket")!r}))
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert mark.exists()
+
+
 def test_throttling_is_retried_and_counted(tmp_path: Path) -> None:
     bucket = str(tmp_path / "bucket")
     faulty = FaultyFileSystem(fsspec.filesystem("file"), fail_puts=2, exc_factory=slowdown_error,
@@ -368,8 +396,6 @@ def test_lossy_casts_and_unused_dtype_globs_are_warned(tmp_path: Path, caplog: p
 
 def test_publisher_threads_run_at_lower_priority() -> None:
     """Encoding and upload threads inherit the publisher thread's nice value; the trainer's thread keeps its own."""
-    import threading
-
     from fsdp_hotload.engine.publisher import lower_thread_priority
 
     seen: dict[str, int] = {}
@@ -395,7 +421,6 @@ def test_publisher_threads_run_at_lower_priority() -> None:
 def test_upload_threads_live_as_long_as_the_publisher(tmp_path: Path) -> None:
     """File writers are started once by the publisher thread (so they share its nice value), reused by every
     publish, and gone after close()."""
-    import threading
 
     def writers() -> dict[int, int]:
         return {t.native_id: os.getpriority(os.PRIO_PROCESS, t.native_id)  # type: ignore[misc]
@@ -479,7 +504,6 @@ def test_close_from_another_thread_never_strands_a_started_publish(tmp_path: Pat
     """A publish that passed the closed check could queue its snapshot behind close()'s stop marker: close()
     returned, the snapshot never ran, and its staging slot stayed taken. Every publish that returned True must
     now finish before close() returns, and later ones raise."""
-    import threading
 
     for trial in range(3):
         model = make_model()
@@ -532,3 +556,55 @@ def test_full_snapshot_files_carry_the_format_metadata_hf_loaders_expect(tmp_pat
                 assert torch.equal(f.get_tensor(name).view(torch.uint8), want.contiguous().view(torch.uint8))
                 seen.add(name)
     assert seen == set(model)
+
+
+@pytest.mark.parametrize("policy, inflight", [("wait", 2), ("skip", 2), ("skip", 3)])
+def test_with_several_ranks_an_error_is_raised_at_the_same_step_on_every_rank(
+        tmp_path: Path, policy: str, inflight: int) -> None:
+    """Two ranks (threads, own storage each) with spare slots; step 3's uploads fail and rank 1 hears of it 0.15 s
+    late, more than a step. Both ranks must raise at the same step: a rank that raised while the other staged
+    would pair different steps in every later snapshot, and with the skip policy their agreements would drift
+    apart until close() hung."""
+    bucket = str(tmp_path / "bucket")
+    names, n = ["a", "b"], 4096
+    tensors = [torch.zeros(n), torch.zeros(n)]
+    specs = [TensorSpec(name, (n,), "BF16") for name in names]
+    cfg = HotloadConfig(bucket_url=bucket, busy_policy=policy, max_inflight=inflight, full_every=100)
+    data, ctrl = Meeting(2), Meeting(2)
+    pubs: list[Any] = [None, None]
+
+    def make(rank: int) -> None:
+        faulty = FaultyFileSystem(fsspec.filesystem("file"), delay_s=0.005)
+        faulty.arm(100, match="step-000003-")
+        chunk = WholeChunk(names[rank], (n,), "BF16", "flat", Box.flat(0, n), tensors[rank])
+        pubs[rank] = Publisher([chunk], specs, cfg, storage=Storage(bucket, fs=faulty, max_attempts=1),
+                               comm=ThreadComm(data, rank, 2, outcome_delay_s=0.15 if rank else 0.0),
+                               ctrl=ThreadComm(ctrl, rank, 2))
+
+    def run(ranks: list[threading.Thread]) -> None:
+        for t in ranks:
+            t.start()
+        for t in ranks:
+            t.join(60)
+        assert not any(t.is_alive() for t in ranks), "a rank hung"
+
+    run([threading.Thread(target=make, args=(r,)) for r in range(2)])
+    raised: dict[int, list[int]] = {0: [], 1: []}
+
+    def train(rank: int) -> None:
+        for step in range(14):
+            tensors[rank].fill_(step)
+            try:
+                pubs[rank].publish(step)
+            except PublishError:
+                raised[rank].append(step)
+            time.sleep(0.06)
+        pubs[rank].close()
+
+    run([threading.Thread(target=train, args=(r,)) for r in range(2)])
+    assert raised[0] and raised[0] == raised[1], raised
+    records = pubs[0].metrics.records
+    assert [m.ok for m in records if m.step == 3] == [False]
+    assert all(m.ok for m in records if m.step != 3), [(m.step, m.ok, m.error) for m in records]
+    after = [m.kind for m in records if m.step > 3]
+    assert after and after[0] == "full", after

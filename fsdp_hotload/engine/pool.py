@@ -1,4 +1,5 @@
-"""Background threads: a fixed pool of daemon workers that hands back standard futures, and a lower priority.
+"""Background threads: a fixed pool of daemon workers that hands back standard futures, a lower priority, and
+the slot where a background error waits for the trainer's thread.
 
 Why not ``ThreadPoolExecutor``: Python joins its workers when the interpreter exits, so a trainer that ends
 with a publish still in flight (no ``close()``, or Ctrl-C inside it) waited for that publish's uploads, hints and
@@ -14,10 +15,12 @@ Example::
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable, TypeVar
 
@@ -65,6 +68,48 @@ class DaemonPool:
             t.join()
 
 
+# Warm-up threads still running. They are daemons, so an early exit is not held by them; but a process whose
+# interpreter finalises while one is inside numba's LLVM aborts ("terminate called without an active exception",
+# status 134) instead of exiting, so exit waits for them (bounded).
+_warming: set[threading.Thread] = set()
+_warming_lock = threading.Lock()
+WARM_UP_EXIT_WAIT_S = 120.0
+
+
+def start_warm_up(fn: Callable[[], Any], *, name: str, nice: int, what: str) -> threading.Thread:
+    """Run ``fn`` (loading or compiling kernels) on a daemon thread at ``nice``; a failure is logged, since the
+    first real use loads them again and raises there if it must.
+
+    Example::
+
+        thread = start_warm_up(codec.warm_up, name="hotload-warmup-0", nice=10, what="the arc_v2 codec")
+    """
+    def run() -> None:
+        lower_thread_priority(nice)
+        try:
+            fn()
+        except Exception:  # noqa: BLE001
+            log.warning("hotload: warming up %s failed; its first use will retry", what, exc_info=True)
+        finally:
+            with _warming_lock:
+                _warming.discard(threading.current_thread())
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    with _warming_lock:
+        _warming.add(thread)
+    thread.start()
+    return thread
+
+
+@atexit.register
+def _finish_warm_ups() -> None:
+    deadline = time.monotonic() + WARM_UP_EXIT_WAIT_S
+    with _warming_lock:
+        threads = list(_warming)
+    for t in threads:
+        t.join(max(deadline - time.monotonic(), 0.0))
+
+
 def lower_thread_priority(nice: int) -> None:
     """Raise the calling thread's nice value (Linux: per thread; other systems: no-op). Encoding and uploading
     then take CPU the trainer leaves idle instead of competing with it."""
@@ -75,3 +120,41 @@ def lower_thread_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
     except OSError as exc:  # e.g. a sandbox that forbids it: publishing still works, at normal priority
         log.debug("hotload: cannot lower publisher thread priority: %s", exc)
+
+
+class StoredError:
+    """The first background error not yet raised on the trainer's thread, with the job it came from.
+
+    Why the job: with several ranks the trainer raises an error only at a step every rank reaches with the same
+    knowledge (see ``Publisher.publish``), which ``due`` tells from the job's position. Errors that come while
+    one waits are logged, never dropped in silence.
+
+    Example::
+
+        errors = StoredError()
+        errors.store(exc, seq=job.seq)             # background thread
+        if errors.due(staged - max_inflight):      # trainer's thread
+            raise PublishError(str(errors.take()))
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._exc: BaseException | None = None
+        self._seq = 0
+
+    def store(self, exc: BaseException, seq: int) -> None:
+        with self._lock:
+            if self._exc is None:
+                self._exc, self._seq = exc, seq
+                return
+        log.error("hotload: another publish failed before the previous error was raised: %s", exc)
+
+    def due(self, seq: int) -> bool:
+        """An error is waiting, from job ``seq`` or an earlier one."""
+        with self._lock:
+            return self._exc is not None and self._seq <= seq
+
+    def take(self) -> BaseException | None:
+        with self._lock:
+            exc, self._exc = self._exc, None
+        return exc

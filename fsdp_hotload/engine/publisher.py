@@ -15,7 +15,8 @@ returns. A background thread then runs one snapshot at a time:
 
 Every rank runs every collective of a publish even when its own part failed, so one rank's error ends that
 snapshot (nobody signals it) instead of hanging the others. Errors are stored and raised on the next
-``publish`` call (or logged, with ``keep_training_on_error``). A collective that itself fails (a side-group
+``publish`` call (or logged, with ``keep_training_on_error``); with several ranks, on the first one that would
+take the failed snapshot's slot, the same step on every rank. A collective that itself fails (a side-group
 timeout, a dead peer) leaves the group unusable: that error is raised once, and publishing stops for the rest of
 the job while the rank keeps answering the skip policy's agreement (always "busy"), so no rank waits on it.
 
@@ -56,7 +57,7 @@ from .assemble import Piece, assemble_delta_file, assemble_full_file, assign_own
 from .cadence import Cadence
 from .comm import Comm, LocalComm, dumps, loads
 from .metrics import MetricsSink, PublishMetrics
-from .pool import DaemonPool, lower_thread_priority
+from .pool import DaemonPool, StoredError, lower_thread_priority, start_warm_up
 from .signal import Signaller
 from .staging import ChunkLike, Stager
 
@@ -88,6 +89,7 @@ class _Job:
     blocking_ms: float
     skipped_before: int
     t_hook: float
+    seq: int = 0  # this rank's count of jobs staged before it; equal on every rank for the same snapshot
     settled: bool = False  # the outcome was applied to the stager and cadence (the slot is no longer ours)
 
 
@@ -157,8 +159,8 @@ class Publisher:
         # stop sentinel).
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=config.max_inflight + 1)
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None  # the first unraised background error (under _error_lock)
-        self._error_lock = threading.Lock()
+        self._errors = StoredError()
+        self._staged = 0  # jobs staged so far (the next job's seq)
         self._broken: BaseException | None = None  # a collective failed: the side group is unusable
         self._pending = 0
         self._idle = threading.Condition()
@@ -200,7 +202,8 @@ class Publisher:
         if self._closing:
             raise RuntimeError("publisher is closed")
         self.fence()
-        self.raise_if_failed()
+        if self.world == 1 or self.config.keep_training_on_error:  # with several ranks an error waits, see below
+            self.raise_if_failed()
         given = step
         try:  # any integer type (numpy too); not a bool or a float
             step = operator.index(step) if not isinstance(step, bool) else -1
@@ -228,19 +231,23 @@ class Publisher:
                 self._agreed_busy = None
             # Agreed free means this rank's slot is free too: only this thread takes slots.
             buf = None if busy else self.stager.acquire(wait=True)
+        raise_now = False
+        if buf is not None and self._errors.due(self._staged - self.config.max_inflight):
+            # Slots free in job order, so holding one means the job max_inflight places back has ended here; its
+            # error (stored before its slot was freed) is known now on every rank, and every rank stages the same
+            # jobs. Raised here and never earlier, it ends the same step on every rank: a rank that raised a step
+            # before the others would pair different steps in every later snapshot.
+            self.stager.release(buf)
+            buf, raise_now = None, True
         if buf is not None:
-            try:  # the previous snapshot has ended on this rank, and its error (stored before its slot was
-                self.raise_if_failed()  # freed) is raised at this same step on every rank
-            except BaseException:
-                self.stager.release(buf)
-                raise
             try:
                 srcs = sources() if callable(sources) else sources
                 event = self.stager.stage(buf, srcs, background=background_copy)
             except BaseException:
                 self.stager.release(buf)  # the slot stays usable; the caller sees the error
                 raise
-            job = _Job(step, buf, event, (time.perf_counter() - t0) * 1e3, self._skipped, t0)
+            job = _Job(step, buf, event, (time.perf_counter() - t0) * 1e3, self._skipped, t0, self._staged)
+            self._staged += 1
             with self._idle:
                 self._pending += 1
             self._ensure_thread()
@@ -251,6 +258,8 @@ class Publisher:
             self._skipped += 1
         if not self.early_agreement:
             self.agree(step + self.config.publish_every)
+        if raise_now or self._broken is not None:  # after the agreement's turn, which every rank must take
+            self.raise_if_failed()
         return buf is not None
 
     def agree(self, step: int) -> None:
@@ -300,8 +309,7 @@ class Publisher:
                 self._idle.wait(left)
 
     def raise_if_failed(self) -> None:
-        with self._error_lock:
-            err, self._error = self._error, None
+        err = self._errors.take()
         if err is not None:
             if self.config.keep_training_on_error:
                 log.warning("hotload: publish failed (training goes on, next publish is full): %s", err)
@@ -330,8 +338,7 @@ class Publisher:
         if raise_errors:
             self.raise_if_failed()
             return
-        with self._error_lock:  # closing on an exception path: the caller's error wins, this one is still told
-            err, self._error = self._error, None
+        err = self._errors.take()  # closing on an exception path: the caller's error wins, this one is still told
         if err is not None:
             log.warning("hotload: a publish failed before close (not raised: closing on another error): %s", err)
 
@@ -341,18 +348,8 @@ class Publisher:
         warm = getattr(self.codec, "warm_up", None)
         if warm is None:
             return None
-
-        def run() -> None:
-            lower_thread_priority(self.config.background_nice)
-            try:
-                warm()
-            except Exception:  # noqa: BLE001 - the first delta loads them anyway and raises there if it must
-                log.warning("hotload: warming up the %s codec failed; the first delta will retry", self.codec.name,
-                            exc_info=True)
-
-        thread = threading.Thread(target=run, name=f"hotload-warmup-{self.rank}", daemon=True)
-        thread.start()
-        return thread
+        return start_warm_up(warm, name=f"hotload-warmup-{self.rank}", nice=self.config.background_nice,
+                             what=f"the {self.codec.name} codec")
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
@@ -360,14 +357,6 @@ class Publisher:
             self._thread.start()
 
     # ================================================================== background thread
-    def _store_error(self, exc: BaseException) -> None:
-        """Keep the first unraised error for the trainer's thread; later ones before it is raised are logged."""
-        with self._error_lock:
-            if self._error is None:
-                self._error = exc
-                return
-        log.error("hotload: another publish failed before the previous error was raised: %s", exc)
-
     def _loop(self) -> None:
         lower_thread_priority(self.config.background_nice)  # threads this one starts inherit it
         while True:
@@ -381,14 +370,14 @@ class Publisher:
             except BaseException as exc:
                 if job.settled:  # only the bookkeeping after the outcome failed: the outcome stands
                     log.exception("hotload: publisher thread failed after step %d's outcome", job.step)
-                    self._store_error(exc)
+                    self._errors.store(exc, job.seq)
                 else:  # a collective itself failed: the group is unusable from here on
                     if self._broken is None:
                         self._broken = exc
                         log.error("hotload: a collective on the publisher's side group failed (%r); publishing "
                                   "stops for the rest of this job, training goes on. If it timed out, raise "
                                   "collective_timeout_s (now %.0f s).", exc, self.config.side_group_timeout_s)
-                    self._store_error(exc)  # before the slot is free: see publish()
+                    self._errors.store(exc, job.seq)  # before the slot is free: see publish()
                     self.cadence.on_failure()
                     self.stager.release(job.buf)
             finally:
@@ -429,7 +418,7 @@ class Publisher:
             self._cache_parts = new_parts
             self.cadence.on_success(identity, kind)
         else:
-            self._store_error(PublishError(outcome.error or "publish failed"))  # before the slot is free
+            self._errors.store(PublishError(outcome.error or "publish failed"), job.seq)  # before the slot is free
             self.stager.release(job.buf)
             self.cadence.on_failure()
         if self.rank == 0 and outcome.metrics is not None:

@@ -1,0 +1,70 @@
+"""Ranks as threads of one process, for engine tests that need several ranks and control over their timing.
+
+A :class:`ThreadComm` has the engine's ``Comm`` interface; every collective meets at a :class:`Meeting` shared by
+the ranks' comms of one group. ``outcome_delay_s`` makes one rank receive a failed snapshot's outcome late, the
+network or scheduling jitter that real ranks see, which torchrun jobs cannot produce on demand.
+
+Example::
+
+    meeting = Meeting(world=2)
+    comms = [ThreadComm(meeting, rank, 2) for rank in range(2)]
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+
+class Meeting:
+    """Where the ranks of one group exchange values, collective by collective (numbered per rank)."""
+
+    def __init__(self, world: int, timeout_s: float = 60.0) -> None:
+        self.world, self.timeout_s = world, timeout_s
+        self._cond = threading.Condition()
+        self._values: dict[int, dict[int, Any]] = {}
+
+    def put(self, n: int, rank: int, value: Any) -> None:
+        with self._cond:
+            self._values.setdefault(n, {})[rank] = value
+            self._cond.notify_all()
+
+    def get(self, n: int) -> dict[int, Any]:
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(self._values.get(n, {})) == self.world, self.timeout_s):
+                raise TimeoutError(f"collective {n}: only ranks {sorted(self._values.get(n, {}))} arrived")
+            return dict(self._values[n])
+
+
+class ThreadComm:
+    def __init__(self, meeting: Meeting, rank: int, world: int, *, outcome_delay_s: float = 0.0) -> None:
+        self.meeting, self.rank, self.world, self.outcome_delay_s = meeting, rank, world, outcome_delay_s
+        self._n = 0
+
+    def _meet(self, value: Any) -> dict[int, Any]:
+        self._n += 1
+        self.meeting.put(self._n, self.rank, value)
+        return self.meeting.get(self._n)
+
+    def exchange(self, outgoing: Sequence[bytes]) -> list[bytes]:
+        values = self._meet(list(outgoing))
+        return [values[src][self.rank] for src in range(self.world)]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        values = self._meet(obj)
+        return [values[r] for r in range(self.world)] if self.rank == 0 else None
+
+    def broadcast(self, obj: Any) -> Any:
+        value = self._meet(obj)[0]
+        if getattr(value, "ok", True) is False:
+            time.sleep(self.outcome_delay_s)
+        return value
+
+    def allreduce_max_async(self, value: int) -> Callable[[], int]:
+        self._n += 1
+        n = self._n
+        self.meeting.put(n, self.rank, value)
+        return lambda: max(self.meeting.get(n).values())
+
+    def close(self) -> None:
+        pass
