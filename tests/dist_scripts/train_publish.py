@@ -28,20 +28,22 @@ from tests.snapshots import rebuild_accepted  # noqa: E402
 from tests.s3_fixture import FaultyFileSystem  # noqa: E402
 
 
-def served(url: str) -> list[tuple[str | None, dict[str, str]]]:
+def deployment_state(url: str) -> dict:
+    """The one deployment's state from the emulator: replicas with their identity and tensors."""
     req = urllib.request.Request(f"{url}/emulator/v1/state", headers={"Authorization": "Bearer test-key"})
     with urllib.request.urlopen(req, timeout=30) as resp:
-        deps = json.load(resp)["deployments"]
-    (dep,) = deps.values()
-    return [(r["identity"], {k: t["sha256"] for k, t in r["tensors"].items()}) for r in dep["replicas"]]
+        (dep,) = json.load(resp)["deployments"].values()
+    return dep
+
+
+def served(url: str) -> list[tuple[str | None, dict[str, str]]]:
+    return [(r["identity"], {k: t["sha256"] for k, t in r["tensors"].items()})
+            for r in deployment_state(url)["replicas"]]
 
 
 def served_dtypes(url: str) -> dict[str, str]:
     """The first replica's tensor dtypes (torch names), as the emulator decoded them from the snapshot."""
-    req = urllib.request.Request(f"{url}/emulator/v1/state", headers={"Authorization": "Bearer test-key"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        (dep,) = json.load(resp)["deployments"].values()
-    return {k: t["dtype"] for k, t in dep["replicas"][0]["tensors"].items()}
+    return {k: t["dtype"] for k, t in deployment_state(url)["replicas"][0]["tensors"].items()}
 
 
 def main() -> None:
