@@ -226,10 +226,11 @@ class HotloadCallback:
         self.engine.wait(timeout)
 
     def close(self, *, raise_errors: bool = True) -> None:
-        """Flush and wait for in-flight snapshots, stop the background threads, and free the side groups."""
+        """Publish the newest step if it was skipped (``config.publish_on_close``), wait for in-flight snapshots,
+        stop the background threads, and free the side groups. Call it on the training thread of every rank."""
         self.detach()
         try:
-            self.engine.close(raise_errors=raise_errors)
+            self.engine.close(raise_errors=raise_errors, sources=self._sources)
         finally:
             if self.engine.closed:
                 self._close_comms()

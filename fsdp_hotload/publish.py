@@ -75,23 +75,39 @@ class TensorPublisher:
 
     def publish(self, step: int, tensors: Mapping[str, Any] | None = None) -> bool:
         """Stage ``tensors`` (or the ones given at construction) and publish them in the background."""
-        sources = None
-        if tensors is not None:
-            missing = [n for n in self.names if n not in tensors]
-            if missing or len(tensors) != len(self.names):
-                raise KeyError(f"publish needs exactly the tensors given at construction; missing {missing[:5]}, "
-                               f"unexpected {sorted(set(tensors) - set(self.names))[:5]}")
-            sources = [_as_torch(tensors[n]).reshape(-1) for n in self.names]
-            for c, s in zip(self.chunks, sources):
-                if s.numel() != c.box.numel:
-                    raise ValueError(f"tensor {c.name!r} changed size: {s.numel()} elements, {c.box.numel} before")
-        return self.engine.publish(step, sources)
+        return self.engine.publish(step, self._sources(tensors))
+
+    def _sources(self, tensors: Mapping[str, Any] | None) -> list[torch.Tensor] | None:
+        """Flat views of ``tensors`` in construction order; None when they are the construction tensors
+        themselves (the same memory), which ``close`` can then read again to publish a skipped newest step."""
+        if tensors is None:
+            return None
+        missing = [n for n in self.names if n not in tensors]
+        if missing or len(tensors) != len(self.names):
+            raise KeyError(f"publish needs exactly the tensors given at construction; missing {missing[:5]}, "
+                           f"unexpected {sorted(set(tensors) - set(self.names))[:5]}")
+        sources = [_as_torch(tensors[n]).reshape(-1) for n in self.names]
+        for c, s in zip(self.chunks, sources):
+            if s.numel() != c.box.numel:
+                raise ValueError(f"tensor {c.name!r} changed size: {s.numel()} elements, {c.box.numel} before")
+        if all(s.data_ptr() == c.source.data_ptr() and s.dtype == c.source.dtype and s.device == c.source.device
+               for c, s in zip(self.chunks, sources)):
+            return None
+        return sources
 
     def wait(self, timeout: float | None = None) -> None:
         self.engine.wait(timeout)
 
-    def close(self, *, raise_errors: bool = True) -> None:
-        self.engine.close(raise_errors=raise_errors)
+    def close(self, tensors: Mapping[str, Any] | None = None, *, raise_errors: bool = True) -> None:
+        """Wait for in-flight snapshots and stop. With ``config.publish_on_close``, a newest step that was not
+        published is published first: from ``tensors`` when given, else from the construction tensors if
+        ``publish`` read those (otherwise it is skipped, with a warning)."""
+        try:
+            sources = self._sources(tensors) if raise_errors else None
+        except Exception:
+            self.engine.close(raise_errors=False)  # the threads still stop; the caller sees what was wrong
+            raise
+        self.engine.close(raise_errors=raise_errors, sources=sources)
 
     @property
     def metrics(self) -> list[PublishMetrics]:

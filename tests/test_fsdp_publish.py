@@ -95,13 +95,14 @@ def test_skip_policy_overlaps_training(tmp_path: Path) -> None:
     shard overlaps the next forward/backward, ranks agree on skipping without blocking (a disagreement would
     hang the side group), every publish succeeds, every accepted snapshot rebuilt from the bucket is exactly
     the state after its step (a copy racing the next optimizer step would break this), and the fleet ends on
-    the last one."""
-    recs, tail = run_job(tmp_path, 2, "fsdp2", "--steps", "12", "--busy-policy", "skip", "--no-wait", "--attach")
+    the last step, odd, which ``close`` publishes (publishing every second step)."""
+    recs, tail = run_job(tmp_path, 2, "fsdp2", "--steps", "12", "--busy-policy", "skip", "--no-wait", "--attach",
+                         "--publish-every", "2")
     assert recs and all(r["ok"] for r in recs) and recs[0]["kind"] == "full"
     assert len(recs) >= 3 and any(r["kind"] == "delta" for r in recs)
     assert all(r["rebuilt_exact"] for r in recs), recs
     steps = [r["step"] for r in recs]
-    assert steps == sorted(steps) and len(set(steps)) == len(steps)
+    assert steps == sorted(steps) and len(set(steps)) == len(steps) and steps[-1] == 11
     assert recs[-1]["serves_current"] and recs[-1]["bit_exact"]
     assert tail["walks"] == 1
 

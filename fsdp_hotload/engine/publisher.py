@@ -38,7 +38,6 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future, wait
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -56,7 +55,8 @@ from ..storage import Storage
 from .assemble import Piece, assemble_delta_file, assemble_full_file, assign_owners
 from .cadence import Cadence
 from .comm import Comm, LocalComm, dumps, loads
-from .metrics import MetricsSink, PublishMetrics
+from .jobs import Job, Outcome, PublishError, RankStatus, summarize
+from .metrics import MetricsSink
 from .pool import DaemonPool, StoredError, lower_thread_priority, start_warm_up
 from .signal import Signaller
 from .staging import ChunkLike, Stager
@@ -75,47 +75,6 @@ def _warn_unclosed() -> None:
             log.warning("hotload: exiting with %d snapshot(s) still publishing on rank %d and close() never called: "
                         "they are dropped and the fleet keeps its last snapshot; call close() (or use `with`) to "
                         "wait for them", pub._pending, pub.rank)
-
-
-class PublishError(RuntimeError):
-    """A snapshot could not be published; the next publish will be a full snapshot."""
-
-
-@dataclass
-class _Job:
-    step: int
-    buf: torch.Tensor
-    event: Any
-    blocking_ms: float
-    skipped_before: int
-    t_hook: float
-    seq: int = 0  # this rank's count of jobs staged before it; equal on every rank for the same snapshot
-    settled: bool = False  # the outcome was applied to the stager and cadence (the slot is no longer ours)
-
-
-@dataclass
-class _Outcome:
-    ok: bool
-    error: str | None = None
-    metrics: PublishMetrics | None = None
-
-
-@dataclass
-class _RankStatus:
-    rank: int
-    kind: str = ""
-    identity: str = ""  # ranks pair snapshots by queue order: a rank that staged another step must not mix in
-    error: str | None = None
-    files: dict[str, int] = field(default_factory=dict)
-    changed: int = 0
-    elements: int = 0
-    diff_s: float = 0.0
-    encode_s: float = 0.0
-    route_s: float = 0.0
-    upload_s: float = 0.0
-    blocking_ms: float = 0.0
-    throttled: int = 0
-    retries: int = 0
 
 
 class Publisher:
@@ -157,7 +116,7 @@ class Publisher:
         self._said_delta_path = False  # rank 0 logs how host deltas are encoded, once
         # A job is queued only after it took a staging slot, so slots bound the queue; the bound says so (+1: the
         # stop sentinel).
-        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=config.max_inflight + 1)
+        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=config.max_inflight + 1)
         self._thread: threading.Thread | None = None
         self._errors = StoredError()
         self._staged = 0  # jobs staged so far (the next job's seq)
@@ -167,9 +126,12 @@ class Publisher:
         self._skipped = 0
         self._agreed_busy: Callable[[], int] | None = None
         self.early_agreement = False  # set while a caller starts each agreement with agree() (see there)
-        self._copying: _Job | None = None  # the job whose host copy runs on the stager's helper thread
+        self._copying: Job | None = None  # the job whose host copy runs on the stager's helper thread
         self._uploads: DaemonPool | None = None  # file writers, started by (and as nice as) the publisher
         self.latest_step = -1
+        self._last_staged = -1  # the newest step staged (publish_final publishes latest_step when it is newer)
+        self._stepping_thread: int | None = None  # the thread of the newest publish(): the one training
+        self._given_sources = False  # the newest publish() brought its own sources (close must be given them)
         self.closed = False
         # publish() and close() may run on different threads: a publish that had passed the closed check could
         # queue its snapshot behind close()'s stop marker, where nothing ever runs it (and its slot stays taken).
@@ -217,6 +179,8 @@ class Publisher:
                 "snapshots (a step seen twice would overwrite a published one); pass a global step counter, not "
                 "the step within an epoch")
         self.latest_step = step
+        self._stepping_thread = threading.get_ident()
+        self._given_sources = sources is not None and not callable(sources)
         if step % self.config.publish_every:
             return False
         if self.config.busy_policy == "wait":
@@ -240,20 +204,7 @@ class Publisher:
             self.stager.release(buf)
             buf, raise_now = None, True
         if buf is not None:
-            try:
-                srcs = sources() if callable(sources) else sources
-                event = self.stager.stage(buf, srcs, background=background_copy)
-            except BaseException:
-                self.stager.release(buf)  # the slot stays usable; the caller sees the error
-                raise
-            job = _Job(step, buf, event, (time.perf_counter() - t0) * 1e3, self._skipped, t0, self._staged)
-            self._staged += 1
-            with self._idle:
-                self._pending += 1
-            self._ensure_thread()
-            self._queue.put(job)
-            self._copying = job if isinstance(event, Future) else None  # a CUDA event needs no fence
-            self._skipped = 0
+            self._start(step, buf, sources, background_copy, t0)
         else:
             self._skipped += 1
         if not self.early_agreement:
@@ -261,6 +212,77 @@ class Publisher:
         if raise_now or self._broken is not None:  # after the agreement's turn, which every rank must take
             self.raise_if_failed()
         return buf is not None
+
+    def _start(self, step: int, buf: torch.Tensor,
+               sources: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]] | None,
+               background_copy: bool, t0: float) -> None:
+        """Copy the sources into the slot ``buf`` and queue the snapshot for the background thread."""
+        try:
+            srcs = sources() if callable(sources) else sources
+            event = self.stager.stage(buf, srcs, background=background_copy)
+        except BaseException:
+            self.stager.release(buf)  # the slot stays usable; the caller sees the error
+            raise
+        job = Job(step, buf, event, (time.perf_counter() - t0) * 1e3, self._skipped, t0, self._staged)
+        self._staged += 1
+        self._last_staged = step
+        with self._idle:
+            self._pending += 1
+        self._ensure_thread()
+        self._queue.put(job)
+        self._copying = job if isinstance(event, Future) else None  # a CUDA event needs no fence
+        self._skipped = 0
+
+    def publish_final(self, sources: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]] | None = None
+                      ) -> bool:
+        """At the end of training, publish the newest step if it was not published (skipped while busy, or
+        between ``publish_every`` steps), so the fleet ends on the final weights; True if a snapshot started.
+
+        A trainer that ends on a skipped step would otherwise leave the fleet a few steps behind for good. It waits for the snapshots in flight, so every rank knows every outcome, then the ranks vote and
+        publish only if none objects: after a failure that ``close`` will raise, once publishing has stopped,
+        when called on another thread than the training steps (the weights may be changing), or when the
+        newest ``publish`` brought its own sources and these are not given again. Every rank must call it
+        (``close`` does, with ``config.publish_on_close``)."""
+        with self._api_lock:
+            if self._closing:
+                raise RuntimeError("publisher is closed")
+            self.wait()
+            if self._agreed_busy is not None:  # an agreement for a step that never came: read it, it pairs
+                self._agreed_busy()
+                self._agreed_busy = None
+            if self.config.keep_training_on_error:
+                self.raise_if_failed()  # logs it
+            wanted = self.latest_step > self._last_staged
+            why = self._final_objection(sources) if wanted else None
+            if self.world > 1:  # one vote: every rank publishes, or none does
+                vetoed = self.ctrl.allreduce_max_async(int(not wanted or why is not None))()
+                if vetoed and wanted and why is None:
+                    why = "another rank cannot publish it"
+                wanted = wanted and not vetoed
+            if why is not None:
+                log.warning("hotload: the newest step %d is not published at close: %s (the last snapshot sent: "
+                            "step %d)", self.latest_step, why, self._last_staged)
+            if not wanted or why is not None:
+                return False
+            if self.rank == 0:
+                log.info("hotload: publishing step %d at close (the newest published before it: step %d)",
+                         self.latest_step, self._last_staged)
+            t0 = time.perf_counter()  # blocking_ms: the copy, as for any publish (not the wait for the others)
+            buf = self.stager.acquire(wait=True)
+            assert buf is not None
+            self._start(self.latest_step, buf, sources, False, t0)
+            return True
+
+    def _final_objection(self, sources: object) -> str | None:
+        if self._broken is not None:
+            return "publishing stopped after a collective failed"
+        if self._errors.due(self._staged):
+            return "an earlier publish failed (raised by close)"
+        if threading.get_ident() != self._stepping_thread:
+            return "close() runs on another thread than the training steps, whose weights may be changing"
+        if self._given_sources and sources is None:
+            return "publish() was given its tensors, and close() was not given them again"
+        return None
 
     def agree(self, step: int) -> None:
         """Start the skip policy's cross-rank "every slot free?" reduction for the publish at ``step``.
@@ -316,12 +338,21 @@ class Publisher:
             else:
                 raise PublishError(str(err)) from err
 
-    def close(self, *, raise_errors: bool = True) -> None:
-        """Finish in-flight snapshots, stop the thread, and raise a stored error. From another thread, it waits
-        for a publish() under way; later ones raise."""
+    def close(self, *, raise_errors: bool = True,
+              sources: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]] | None = None) -> None:
+        """Publish the newest step if it was not (``config.publish_on_close``; ``sources`` as in :meth:`publish`;
+        see :meth:`publish_final`), finish in-flight snapshots, stop the thread, and raise a stored error. From
+        another thread, it waits for a publish() under way; later ones raise. ``raise_errors=False`` (closing
+        on an exception) publishes nothing more: the weights may be half updated."""
+        final_error: Exception | None = None
         with self._api_lock:
             if self.closed:
                 return
+            if raise_errors and self.config.publish_on_close and not self._closing:
+                try:
+                    self.publish_final(sources)
+                except Exception as exc:  # noqa: BLE001 - raised once the threads are stopped
+                    final_error = exc
             self._closing = True
         self.wait()
         self.closed = True
@@ -337,6 +368,8 @@ class Publisher:
             self.signaller.close()
         if raise_errors:
             self.raise_if_failed()
+            if final_error is not None:
+                raise final_error
             return
         err = self._errors.take()  # closing on an exception path: the caller's error wins, this one is still told
         if err is not None:
@@ -385,11 +418,11 @@ class Publisher:
                     self._pending -= 1
                     self._idle.notify_all()
 
-    def _run(self, job: _Job) -> _Outcome:
+    def _run(self, job: Job) -> Outcome:
         kind = self.cadence.next_kind()
         parent = self.cadence.accepted
         identity = new_identity(job.step, prefix=self.config.identity_prefix, session=self.session)
-        st = _RankStatus(self.rank, kind, identity)
+        st = RankStatus(self.rank, kind, identity)
         outgoing: list[list[Piece]] = [[] for _ in range(self.world)]
         new_parts: list[tuple[int, int]] = []
         try:
@@ -429,7 +462,7 @@ class Publisher:
                 log.warning("hotload: could not record the metrics of %s: %s", identity, exc)
         return outcome
 
-    def _encode(self, buf: torch.Tensor, kind: str, outgoing: list[list[Piece]], st: _RankStatus
+    def _encode(self, buf: torch.Tensor, kind: str, outgoing: list[list[Piece]], st: RankStatus
                 ) -> list[tuple[int, int]]:
         parts: list[tuple[int, int]] = []
         cache = self.stager.cache
@@ -471,7 +504,7 @@ class Publisher:
         return parts
 
     def _dense_delta(self, i: int, space: tuple[int, ...], total: int, old: np.ndarray, new: np.ndarray,
-                     st: _RankStatus) -> tuple[bytes, tuple[int, int]]:
+                     st: RankStatus) -> tuple[bytes, tuple[int, int]]:
         """Chunk ``i`` of a host delta in one pass: payload and Adler-32 shares (counts go to ``st``)."""
         s = self.stager.slices[i]
         tables = self._runs[i]
@@ -482,7 +515,7 @@ class Publisher:
         return payload, add_parts(self._cache_parts[i], delta)
 
     def _write_owned(self, identity: str, kind: str, parent: str | None, incoming: list[list[Piece]],
-                     st: _RankStatus) -> None:
+                     st: RankStatus) -> None:
         by_file: dict[str, list[Piece]] = {f: [] for f, r in self.owners.items() if r == self.rank}
         for pieces in incoming:
             for p in pieces:
@@ -513,35 +546,11 @@ class Publisher:
         st.throttled = int(after.get("throttled", 0) - before.get("throttled", 0))
         st.retries = int(after.get("retries", 0) - before.get("retries", 0))
 
-    def _finish(self, job: _Job, identity: str, kind: str, parent: str | None,
-                statuses: list[_RankStatus] | None) -> _Outcome:
+    def _finish(self, job: Job, identity: str, kind: str, parent: str | None,
+                statuses: list[RankStatus] | None) -> Outcome:
         """Rank 0: manifests, commit marker, signal, wait. Nothing is signalled unless every file is durable."""
         assert statuses is not None
-        raw = self.plan.total_size
-        m = PublishMetrics(step=job.step, identity=identity, kind=kind, raw_bytes=raw,
-                           skipped_before=job.skipped_before)
-        files = {f: n for s in statuses for f, n in s.files.items()}
-        m.files = len(files)
-        m.bytes_written = sum(files.values())
-        m.ratio = raw / m.bytes_written if m.bytes_written else None
-        m.blocking_ms = max(s.blocking_ms for s in statuses)
-        for k in ("diff_s", "encode_s", "route_s", "upload_s"):
-            setattr(m, k, max(getattr(s, k) for s in statuses))
-        m.throttled = sum(s.throttled for s in statuses)
-        m.retries = sum(s.retries for s in statuses)
-        elements = sum(s.elements for s in statuses)
-        if kind == "delta" and elements:
-            m.changed_fraction = sum(s.changed for s in statuses) / elements
-        if m.upload_s > 0:
-            m.upload_mb_s = m.bytes_written / 1e6 / m.upload_s
-        errors = [s.error for s in statuses if s.error]
-        kinds = {s.kind for s in statuses}
-        if len(kinds) > 1:  # cannot happen while every rank saw every outcome; never publish a mixed snapshot
-            errors.append(f"ranks disagree on the snapshot kind: {sorted(kinds)}")
-        identities = {s.identity for s in statuses}
-        if len(identities) > 1:  # a rank staged a different step (an error raised and caught on one rank only)
-            errors.append(f"ranks staged different steps ({', '.join(sorted(identities))}); a snapshot must hold "
-                          "one step: call publish/step with the same steps on every rank")
+        m, files, errors = summarize(job, identity, kind, statuses, self.plan.total_size)
         if not errors and set(files) != set(self.plan.files):
             errors.append(f"files missing after upload: {sorted(set(self.plan.files) - set(files))}")
         committed = False
@@ -568,7 +577,7 @@ class Publisher:
             except Exception as exc:  # noqa: BLE001
                 log.warning("hotload: retention after %s failed (retried at the next publish): %s", identity, exc)
         m.total_s = time.perf_counter() - job.t_hook
-        return _Outcome(m.ok, m.error, m)
+        return Outcome(m.ok, m.error, m)
 
     def _discard(self, identity: str) -> None:
         """Delete an uncommitted snapshot's files. Why: retention skips folders without a commit marker, so each

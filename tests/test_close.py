@@ -1,0 +1,183 @@
+"""close() at the end of training: the newest step reaches the fleet even when the cadence or a busy publisher
+skipped it, bit for bit, and never from weights that may be changing or half updated."""
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fsdp_hotload.arc.boxes import Box
+from fsdp_hotload.arc.dtypes import RawTensor
+from fsdp_hotload.config import HotloadConfig
+from fsdp_hotload.emulator import HotLoadEmulator
+from fsdp_hotload.engine.publisher import Publisher
+from fsdp_hotload.layout import TensorSpec
+from fsdp_hotload.publish import TensorPublisher, WholeChunk
+from tests.snapshots import rebuild_accepted
+from tests.test_publisher import API_KEY, config, expected_sha, make_model, served, train_step
+from tests.thread_comm import Meeting, ThreadComm
+
+
+def assert_fleet_serves(emu: HotLoadEmulator, identity: str, shas: dict[str, str]) -> None:
+    for served_identity, served_shas in served(emu):
+        assert served_identity == identity
+        assert served_shas == shas, "a replica serves other bytes than the trainer's"
+
+
+@pytest.mark.parametrize("on_close", [True, False])
+def test_close_publishes_the_newest_step_left_between_publish_every_steps(tmp_path: Path, on_close: bool) -> None:
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=2, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, publish_every=3, busy_policy="wait", publish_on_close=on_close)
+        with TensorPublisher(model, cfg) as pub:
+            for step in range(8):
+                train_step(model, step)
+                pub.publish(step, model)  # the construction tensors: close can read them again
+                if step == 6:
+                    at_six = expected_sha(model)
+        steps = [m.step for m in pub.metrics]
+        assert all(m.ok for m in pub.metrics)
+        if on_close:
+            assert steps == [0, 3, 6, 7] and pub.metrics[-1].kind == "delta"
+            assert_fleet_serves(emu, pub.metrics[-1].identity, expected_sha(model))
+        else:
+            assert steps == [0, 3, 6]
+            assert_fleet_serves(emu, pub.metrics[-1].identity, at_six)
+
+
+def test_close_publishes_a_step_the_busy_publisher_skipped(tmp_path: Path) -> None:
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY, load_delay_s=0.3) as emu:
+        with TensorPublisher(model, config(bucket, emu, tmp_path, busy_policy="skip")) as pub:
+            started = []
+            for step in range(4):
+                train_step(model, step)
+                started.append(pub.publish(step, model))
+        assert started[0] and not started[-1], started  # step 3 came while step 0 was still loading
+        assert pub.metrics[-1].step == 3 and pub.metrics[-1].skipped_before >= 1
+        assert all(m.ok for m in pub.metrics)
+        assert_fleet_serves(emu, pub.metrics[-1].identity, expected_sha(model))
+
+
+def test_closing_on_an_exception_publishes_nothing_more(tmp_path: Path) -> None:
+    """The weights may be half updated when an exception leaves the ``with`` block."""
+    model = make_model()
+    cfg = config(str(tmp_path / "bucket"), None, tmp_path, publish_every=3, busy_policy="wait")
+    with pytest.raises(RuntimeError, match="diverged"):
+        with TensorPublisher(model, cfg) as pub:
+            for step in range(5):
+                train_step(model, step)
+                pub.publish(step, model)
+            raise RuntimeError("loss diverged")
+    assert [m.step for m in pub.metrics] == [0, 3]
+
+
+def test_tensors_given_to_publish_must_be_given_to_close(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A gathered copy passed to publish() may be freed or reused once it returns: close() publishes the newest
+    step only from tensors it is given, and says why when it is not."""
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, publish_every=2, busy_policy="wait")
+        pub = TensorPublisher(model, cfg)
+        for step in range(4):
+            train_step(model, step)
+            pub.publish(step, {k: v.clone() for k, v in model.items()})
+        with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+            pub.close()
+        assert [m.step for m in pub.metrics] == [0, 2]
+        assert "step 3 is not published at close: publish() was given its tensors" in caplog.text
+
+        pub = TensorPublisher(model, cfg)
+        for step in range(4, 8):
+            train_step(model, step)
+            pub.publish(step, {k: v.clone() for k, v in model.items()})
+        pub.close({k: v.clone() for k, v in model.items()})
+        assert [m.step for m in pub.metrics] == [4, 6, 7] and all(m.ok for m in pub.metrics)
+        assert_fleet_serves(emu, pub.metrics[-1].identity, expected_sha(model))
+
+
+def test_close_from_another_thread_publishes_nothing_more(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The training thread may still be changing the weights."""
+    model = make_model()
+    pub = TensorPublisher(model, config(str(tmp_path / "bucket"), None, tmp_path, publish_every=3, busy_policy="wait"))
+    for step in range(5):
+        train_step(model, step)
+        pub.publish(step, model)
+    closer = threading.Thread(target=pub.close)
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        closer.start()
+        closer.join(60)
+    assert pub.engine.closed and [m.step for m in pub.metrics] == [0, 3]
+    assert "another thread than the training steps" in caplog.text
+
+
+@pytest.mark.parametrize("objector", [None, 1])
+def test_ranks_vote_on_the_newest_step_at_close(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                objector: int | None) -> None:
+    """Two ranks (threads): both publish the skipped newest step, rebuilt bit-exact from the bucket, or, when one
+    rank cannot (its publish() was given tensors that close() was not), neither does and nothing hangs."""
+    bucket = str(tmp_path / "bucket")
+    names, n = ["a", "b"], 4096
+    tensors = [torch.zeros(n), torch.zeros(n)]
+    specs = [TensorSpec(name, (n,), "F32") for name in names]
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "llama"}')
+    cfg = HotloadConfig(bucket_url=bucket, hf_config_dir=str(hf), snapshot_dtype="float32", publish_every=3,
+                        busy_policy="skip", full_every=100)
+    data, ctrl = Meeting(2), Meeting(2)
+    pubs: list[Any] = [None, None]
+    failures: list[BaseException] = []
+
+    def make(rank: int) -> None:
+        chunk = WholeChunk(names[rank], (n,), "F32", "flat", Box.flat(0, n), tensors[rank])
+        pubs[rank] = Publisher([chunk], specs, cfg, comm=ThreadComm(data, rank, 2), ctrl=ThreadComm(ctrl, rank, 2))
+
+    def train(rank: int) -> None:
+        try:
+            for step in range(5):
+                tensors[rank].fill_(step + 0.5 * rank)
+                pubs[rank].publish(step, [tensors[rank]] if rank == objector else None)
+                pubs[rank].wait()
+            pubs[rank].close()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    for target in (make, train):
+        ranks = [threading.Thread(target=target, args=(r,)) for r in range(2)]
+        with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+            for t in ranks:
+                t.start()
+            for t in ranks:
+                t.join(60)
+        assert not any(t.is_alive() for t in ranks), "a rank hung"
+    assert not failures, failures
+    records = pubs[0].metrics.records
+    assert all(m.ok for m in records)
+    # Step 3 is skipped: without early agreement its vote was cast as step 0 took the only slot.
+    if objector is None:
+        assert [m.step for m in records] == [0, 4] and records[-1].skipped_before == 1
+        rebuilt = rebuild_accepted(bucket, records)[records[-1].identity]
+        want = {name: RawTensor.from_any(t).sha256() for name, t in zip(names, tensors)}
+        assert {k: t.sha256() for k, t in rebuilt.items()} == want
+    else:
+        assert [m.step for m in records] == [0]
+        assert "step 4 is not published at close: another rank cannot publish it" in caplog.text
+        assert "close() was not given them again" in caplog.text
+
+
+def test_close_adds_nothing_when_the_newest_step_was_published(tmp_path: Path) -> None:
+    model = make_model()
+    pub = TensorPublisher(model, config(str(tmp_path / "bucket"), None, tmp_path, busy_policy="wait"))
+    for step in range(3):
+        train_step(model, step)
+        pub.publish(step, model)
+    pub.close()
+    assert [m.step for m in pub.metrics] == [0, 1, 2]
