@@ -90,8 +90,8 @@ class TensorPublisher:
         for c, s in zip(self.chunks, sources):
             if s.numel() != c.box.numel:
                 raise ValueError(f"tensor {c.name!r} changed size: {s.numel()} elements, {c.box.numel} before")
-        if all(s.data_ptr() == c.source.data_ptr() and s.dtype == c.source.dtype and s.device == c.source.device
-               for c, s in zip(self.chunks, sources)):
+        if all(s.data_ptr() == c.source.data_ptr() and s.stride() == c.source.stride() and s.dtype == c.source.dtype
+               and s.device == c.source.device for c, s in zip(self.chunks, sources)):
             return None
         return sources
 

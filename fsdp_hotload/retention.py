@@ -157,6 +157,18 @@ def write_commit_marker(storage: Storage, info: CommitInfo, *, verify: bool = Tr
     storage.put_bytes(path, json.dumps(info.to_json(), indent=1, sort_keys=True).encode())
 
 
+def commit_snapshot(storage: Storage, identity: str, kind: str, parent: str | None, weight_files: dict[str, int],
+                    small_files: dict[str, bytes]) -> None:
+    """Write a snapshot's small files (configs, tokenizer, index and spec), then its commit marker over them and
+    the weight files already uploaded (name: bytes). Why in this order: the marker is what readers wait for."""
+    storage.put_many({f"{identity}/{k}": v for k, v in small_files.items()})
+    sizes = {**weight_files, **{k: len(v) for k, v in small_files.items()}}
+    write_commit_marker(storage, CommitInfo(identity=identity, kind=kind,
+                                            parent_identity=parent if kind == "delta" else None,
+                                            files={k: {"size": n} for k, n in sizes.items()},
+                                            created_at=time.time()))
+
+
 def read_commit_marker(storage: Storage, identity: str) -> CommitInfo | None:
     """The snapshot's marker, or None when it has none (incomplete, or still uploading)."""
     path = _marker_path(identity)

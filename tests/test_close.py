@@ -65,17 +65,59 @@ def test_close_publishes_a_step_the_busy_publisher_skipped(tmp_path: Path) -> No
         assert_fleet_serves(emu, pub.metrics[-1].identity, expected_sha(model))
 
 
-def test_closing_on_an_exception_publishes_nothing_more(tmp_path: Path) -> None:
-    """The weights may be half updated when an exception leaves the ``with`` block."""
+@pytest.mark.parametrize("how", ["with", "finally"])
+def test_closing_on_an_exception_publishes_nothing_more(tmp_path: Path, how: str) -> None:
+    """The weights may be half updated when an exception leaves the ``with`` block, or while one propagates
+    through a ``finally`` that calls close()."""
     model = make_model()
     cfg = config(str(tmp_path / "bucket"), None, tmp_path, publish_every=3, busy_policy="wait")
+
+    def train(pub: TensorPublisher) -> None:
+        for step in range(5):
+            train_step(model, step)
+            pub.publish(step, model)
+        raise RuntimeError("loss diverged")
+
     with pytest.raises(RuntimeError, match="diverged"):
-        with TensorPublisher(model, cfg) as pub:
-            for step in range(5):
-                train_step(model, step)
-                pub.publish(step, model)
-            raise RuntimeError("loss diverged")
-    assert [m.step for m in pub.metrics] == [0, 3]
+        if how == "with":
+            with TensorPublisher(model, cfg) as pub:
+                train(pub)
+        else:
+            pub = TensorPublisher(model, cfg)
+            try:
+                train(pub)
+            finally:
+                pub.close()
+    assert pub.engine.closed and [m.step for m in pub.metrics] == [0, 3]
+
+
+def test_a_view_at_the_same_address_is_not_taken_for_the_construction_tensor(tmp_path: Path) -> None:
+    """A row and a column of one matrix start at the same address: publish() must copy the row it was given."""
+    bucket = str(tmp_path / "bucket")
+    w = torch.arange(16, dtype=torch.float32).reshape(4, 4)
+    pub = TensorPublisher({"w": w[:, 0]}, config(bucket, None, tmp_path, snapshot_dtype="float32"))
+    pub.publish(0, {"w": w[0, :]})
+    pub.close()
+    rebuilt = rebuild_accepted(bucket, pub.metrics)[pub.metrics[0].identity]
+    assert rebuilt["w"].sha256() == RawTensor.from_any(w[0, :].contiguous()).sha256()
+
+
+def test_close_calls_the_function_publish_was_given(tmp_path: Path) -> None:
+    """A function passed as the sources is called again at close, never replaced by the chunks' own tensors."""
+    bucket = str(tmp_path / "bucket")
+    n = 1024
+    placeholder, live = torch.zeros(n), torch.zeros(n)
+    cfg = config(bucket, None, tmp_path, snapshot_dtype="float32", publish_every=2, busy_policy="wait")
+    chunk = WholeChunk("w", (n,), "F32", "flat", Box.flat(0, n), placeholder)
+    pub = Publisher([chunk], [TensorSpec("w", (n,), "F32")], cfg)
+    for step in range(4):
+        live.fill_(step + 1)
+        pub.publish(step, lambda: [live])
+    pub.close()
+    records = pub.metrics.records
+    assert [m.step for m in records] == [0, 2, 3]
+    rebuilt = rebuild_accepted(bucket, records)[records[-1].identity]
+    assert rebuilt["w"].sha256() == RawTensor.from_any(live).sha256()
 
 
 def test_tensors_given_to_publish_must_be_given_to_close(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

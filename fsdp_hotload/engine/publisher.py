@@ -19,6 +19,7 @@ snapshot (nobody signals it) instead of hanging the others. Errors are stored an
 take the failed snapshot's slot, the same step on every rank. A collective that itself fails (a side-group
 timeout, a dead peer) leaves the group unusable: that error is raised once, and publishing stops for the rest of
 the job while the rank keeps answering the skip policy's agreement (always "busy"), so no rank waits on it.
+``close()`` first publishes the newest step if it was skipped (``publish_final``), so the fleet ends on it.
 
 Example::
 
@@ -34,6 +35,7 @@ import logging
 import operator
 import queue
 import secrets
+import sys
 import threading
 import time
 import weakref
@@ -64,6 +66,7 @@ from .staging import ChunkLike, Stager
 log = logging.getLogger("fsdp_hotload")
 
 _open_publishers: "weakref.WeakSet[Publisher]" = weakref.WeakSet()
+Sources = Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]]  # in chunk order, or a function of them
 
 
 @atexit.register
@@ -131,7 +134,8 @@ class Publisher:
         self.latest_step = -1
         self._last_staged = -1  # the newest step staged (publish_final publishes latest_step when it is newer)
         self._stepping_thread: int | None = None  # the thread of the newest publish(): the one training
-        self._given_sources = False  # the newest publish() brought its own sources (close must be given them)
+        self._given_sources = False  # the newest publish() brought its own tensors (close must be given them)
+        self._sources_fn: Callable[[], Sequence[torch.Tensor]] | None = None  # or a function, which close reuses
         self.closed = False
         # publish() and close() may run on different threads: a publish that had passed the closed check could
         # queue its snapshot behind close()'s stop marker, where nothing ever runs it (and its slot stays taken).
@@ -140,9 +144,7 @@ class Publisher:
         _open_publishers.add(self)
 
     # ================================================================== main thread
-    def publish(self, step: int,
-                sources: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]] | None = None, *,
-                background_copy: bool = False) -> bool:
+    def publish(self, step: int, sources: Sources | None = None, *, background_copy: bool = False) -> bool:
         """Stage the current weights for publishing; returns True if a snapshot was started.
 
         ``sources`` (or a function returning them, called only on steps that publish) replaces the chunks'
@@ -158,8 +160,7 @@ class Publisher:
         with self._api_lock:
             return self._publish(step, sources, background_copy)
 
-    def _publish(self, step: int, sources: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]] | None,
-                 background_copy: bool) -> bool:
+    def _publish(self, step: int, sources: Sources | None, background_copy: bool) -> bool:
         t0 = time.perf_counter()
         if self._closing:
             raise RuntimeError("publisher is closed")
@@ -181,6 +182,7 @@ class Publisher:
         self.latest_step = step
         self._stepping_thread = threading.get_ident()
         self._given_sources = sources is not None and not callable(sources)
+        self._sources_fn = sources if callable(sources) else None
         if step % self.config.publish_every:
             return False
         if self.config.busy_policy == "wait":
@@ -213,9 +215,8 @@ class Publisher:
             self.raise_if_failed()
         return buf is not None
 
-    def _start(self, step: int, buf: torch.Tensor,
-               sources: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]] | None,
-               background_copy: bool, t0: float) -> None:
+    def _start(self, step: int, buf: torch.Tensor, sources: Sources | None, background_copy: bool, t0: float
+               ) -> None:
         """Copy the sources into the slot ``buf`` and queue the snapshot for the background thread."""
         try:
             srcs = sources() if callable(sources) else sources
@@ -233,16 +234,15 @@ class Publisher:
         self._copying = job if isinstance(event, Future) else None  # a CUDA event needs no fence
         self._skipped = 0
 
-    def publish_final(self, sources: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]] | None = None
-                      ) -> bool:
-        """At the end of training, publish the newest step if it was not published (skipped while busy, or
-        between ``publish_every`` steps), so the fleet ends on the final weights; True if a snapshot started.
+    def publish_final(self, sources: Sources | None = None) -> bool:
+        """At the end of training, publish the newest step if it was skipped (while busy, or between
+        ``publish_every`` steps), so the fleet ends on the final weights; True if a snapshot started.
 
-        A trainer that ends on a skipped step would otherwise leave the fleet a few steps behind for good. It waits for the snapshots in flight, so every rank knows every outcome, then the ranks vote and
-        publish only if none objects: after a failure that ``close`` will raise, once publishing has stopped,
-        when called on another thread than the training steps (the weights may be changing), or when the
-        newest ``publish`` brought its own sources and these are not given again. Every rank must call it
-        (``close`` does, with ``config.publish_on_close``)."""
+        It waits for the snapshots in flight, so every rank knows every outcome; then the ranks vote, and none
+        publishes if one objects: after a failure that ``close`` will raise, once publishing has stopped, on
+        another thread than the training steps (the weights may be changing), or when the newest ``publish``
+        brought its own tensors and they are not given again (a function given there is called again). Every
+        rank must call it (``close`` does, with ``config.publish_on_close``, unless it closes on an exception)."""
         with self._api_lock:
             if self._closing:
                 raise RuntimeError("publisher is closed")
@@ -252,13 +252,12 @@ class Publisher:
                 self._agreed_busy = None
             if self.config.keep_training_on_error:
                 self.raise_if_failed()  # logs it
+            sources = self._sources_fn if sources is None else sources
             wanted = self.latest_step > self._last_staged
             why = self._final_objection(sources) if wanted else None
-            if self.world > 1:  # one vote: every rank publishes, or none does
-                vetoed = self.ctrl.allreduce_max_async(int(not wanted or why is not None))()
-                if vetoed and wanted and why is None:
-                    why = "another rank cannot publish it"
-                wanted = wanted and not vetoed
+            if self.world > 1 and self.ctrl.allreduce_max_async(int(not wanted or why is not None))():
+                why = why or ("another rank cannot publish it" if wanted else None)  # one vote: all ranks, or none
+                wanted = False
             if why is not None:
                 log.warning("hotload: the newest step %d is not published at close: %s (the last snapshot sent: "
                             "step %d)", self.latest_step, why, self._last_staged)
@@ -338,17 +337,20 @@ class Publisher:
             else:
                 raise PublishError(str(err)) from err
 
-    def close(self, *, raise_errors: bool = True,
-              sources: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]] | None = None) -> None:
-        """Publish the newest step if it was not (``config.publish_on_close``; ``sources`` as in :meth:`publish`;
-        see :meth:`publish_final`), finish in-flight snapshots, stop the thread, and raise a stored error. From
-        another thread, it waits for a publish() under way; later ones raise. ``raise_errors=False`` (closing
-        on an exception) publishes nothing more: the weights may be half updated."""
+    def close(self, *, raise_errors: bool = True, sources: Sources | None = None) -> None:
+        """Publish a skipped newest step (:meth:`publish_final`), finish in-flight snapshots, stop the thread, and
+        raise a stored error. From another thread, it waits for a publish() under way; later ones raise. Closing
+        on an exception (``raise_errors=False``, or while one propagates) publishes nothing more and does not
+        vote: the weights may be half updated."""
         final_error: Exception | None = None
         with self._api_lock:
             if self.closed:
                 return
-            if raise_errors and self.config.publish_on_close and not self._closing:
+            final = raise_errors and self.config.publish_on_close and not self._closing
+            if final and sys.exc_info()[1] is not None and self.latest_step > self._last_staged:
+                log.warning("hotload: closing while an exception propagates: the newest step %d is not published",
+                            self.latest_step)
+            if final and sys.exc_info()[1] is None:
                 try:
                     self.publish_final(sources)
                 except Exception as exc:  # noqa: BLE001 - raised once the threads are stopped
@@ -367,6 +369,8 @@ class Publisher:
         if self.signaller is not None:
             self.signaller.close()
         if raise_errors:
+            if final_error is not None and self._errors.due(self._staged) and not self.config.keep_training_on_error:
+                log.error("hotload: publishing the newest step at close failed: %r", final_error)  # raised: the other
             self.raise_if_failed()
             if final_error is not None:
                 raise final_error
@@ -588,15 +592,9 @@ class Publisher:
             log.warning("hotload: could not delete the files of failed snapshot %s: %s", identity, exc)
 
     def _write_manifests(self, identity: str, kind: str, parent: str | None, files: dict[str, int]) -> None:
-        from ..retention import CommitInfo, write_commit_marker
+        from ..retention import commit_snapshot
 
         if not self._manifests:  # the plan never changes: serialise it once
             self._manifests = {"model.safetensors.index.json": self.plan.to_index_json(),
                                "model.weight.spec.json": self.plan.to_spec_json()}
-        items = {**self._aux, **self._manifests}
-        self.storage.put_many({f"{identity}/{k}": v for k, v in items.items()})
-        sizes = {**files, **{k: len(v) for k, v in items.items()}}
-        write_commit_marker(self.storage, CommitInfo(identity=identity, kind=kind,
-                                                     parent_identity=parent if kind == "delta" else None,
-                                                     files={k: {"size": n} for k, n in sizes.items()},
-                                                     created_at=time.time()))
+        commit_snapshot(self.storage, identity, kind, parent, files, {**self._aux, **self._manifests})
