@@ -50,16 +50,19 @@ def test_close_publishes_the_newest_step_left_between_publish_every_steps(tmp_pa
             assert_fleet_serves(emu, pub.metrics[-1].identity, at_six)
 
 
-def test_close_publishes_a_step_the_busy_publisher_skipped(tmp_path: Path) -> None:
+def test_close_publishes_a_step_the_busy_publisher_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     bucket = str(tmp_path / "bucket")
     model = make_model()
     with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY, load_delay_s=0.3) as emu:
-        with TensorPublisher(model, config(bucket, emu, tmp_path, busy_policy="skip")) as pub:
-            started = []
-            for step in range(4):
-                train_step(model, step)
-                started.append(pub.publish(step, model))
+        with caplog.at_level(logging.INFO, logger="fsdp_hotload"):
+            with TensorPublisher(model, config(bucket, emu, tmp_path, busy_policy="skip")) as pub:
+                started = []
+                for step in range(4):
+                    train_step(model, step)
+                    started.append(pub.publish(step, model))
         assert started[0] and not started[-1], started  # step 3 came while step 0 was still loading
+        assert "close() waits for 1 snapshot(s) in flight" in caplog.text
+        assert "publishing step 3 at close (the newest published before it: step 0)" in caplog.text
         assert pub.metrics[-1].step == 3 and pub.metrics[-1].skipped_before >= 1
         assert all(m.ok for m in pub.metrics)
         assert_fleet_serves(emu, pub.metrics[-1].identity, expected_sha(model))

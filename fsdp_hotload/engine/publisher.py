@@ -152,11 +152,9 @@ class Publisher:
         call :meth:`fence` before it next changes the sources (the callback does so before the next optimizer
         step). With several ranks and the skip policy, ranks agree on "every rank has a free slot" with an
         asynchronous reduction, so the trainer never waits on the other ranks here. By default it starts at the
-        end of one publish step and is read at the next, when the snapshot just staged is certainly still
-        busy: back-to-back publishes are then two steps apart. A caller that can run code on every rank
-        earlier in the step starts it there with :meth:`agree` (``early_agreement``), and publishes can
-        follow every step.
-        """
+        end of one publish step and is read at the next, when the snapshot just staged is certainly still busy:
+        back-to-back publishes are then two steps apart. A caller that can run code on every rank earlier in the
+        step starts it there with :meth:`agree` (``early_agreement``), and publishes can follow every step."""
         with self._api_lock:
             return self._publish(step, sources, background_copy)
 
@@ -346,6 +344,8 @@ class Publisher:
         with self._api_lock:
             if self.closed:
                 return
+            if self._pending and self.rank == 0:  # readiness can take minutes: say what close() waits for
+                log.info("hotload: close() waits for %d snapshot(s) in flight", self._pending)
             final = raise_errors and self.config.publish_on_close and not self._closing
             if final and sys.exc_info()[1] is not None and self.latest_step > self._last_staged:
                 log.warning("hotload: closing while an exception propagates: the newest step %d is not published",
