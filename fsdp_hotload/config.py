@@ -103,9 +103,9 @@ class HotloadConfig(BaseModel):
                              "thread and let the next optimizer.step() wait for it, instead of copying on the "
                              "trainer's thread (CUDA always copies on a side stream)")
     cache_on: Literal["device", "host"] = Field("device", description="where the previous snapshot's bytes live")
-    publish_on_close: bool = Field(True, description="close() publishes the newest step when it was not published "
-                                   "(skipped while busy, or between publish_every steps), so the fleet ends on the "
-                                   "final weights; not when closing on an error")
+    publish_on_close: bool = Field(True, description="close() publishes the newest step when it was skipped (while "
+                                   "busy, or between publish_every steps), so the fleet ends on the final weights; "
+                                   "not when closing on an error")
     keep_training_on_error: bool = Field(False, description="log background errors instead of raising them on "
                                                             "the next step")
     metrics_path: str | None = Field(None, description="append one JSON line per publish here (rank 0)")

@@ -99,9 +99,9 @@ class TensorPublisher:
         self.engine.wait(timeout)
 
     def close(self, tensors: Mapping[str, Any] | None = None, *, raise_errors: bool = True) -> None:
-        """Wait for in-flight snapshots and stop. With ``config.publish_on_close``, a newest step that was not
-        published is published first: from ``tensors`` when given, else from the construction tensors if
-        ``publish`` read those (otherwise it is skipped, with a warning)."""
+        """Wait for in-flight snapshots and stop. With ``config.publish_on_close``, a skipped newest step is
+        published first: from ``tensors`` when given, else from the construction tensors if ``publish`` read
+        those (otherwise it is left out, with a warning)."""
         try:
             sources = self._sources(tensors) if raise_errors else None
         except Exception:
