@@ -169,6 +169,15 @@ def commit_snapshot(storage: Storage, identity: str, kind: str, parent: str | No
                                             created_at=time.time()))
 
 
+def discard_snapshot(storage: Storage, identity: str) -> None:
+    """Delete an uncommitted snapshot's files, best effort. Why: retention skips folders without a commit marker,
+    so each failed publish would otherwise leave most of a snapshot in the bucket for good."""
+    try:
+        storage.delete_prefix(identity)
+    except Exception as exc:  # noqa: BLE001 - `hotload` retention can sweep it later
+        logger.warning("hotload: could not delete the files of failed snapshot %s: %s", identity, exc)
+
+
 def read_commit_marker(storage: Storage, identity: str) -> CommitInfo | None:
     """The snapshot's marker, or None when it has none (incomplete, or still uploading)."""
     path = _marker_path(identity)

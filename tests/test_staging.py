@@ -4,6 +4,7 @@ The CUDA-only parts (side stream, events, pinned copies) are in `test_gpu.py`.""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from fsdp_hotload.arc.codecs import element_diff
@@ -55,3 +56,28 @@ def test_staging_keeps_nan_payloads_of_uncast_floats() -> None:
     assert buf is not None and st.slices[0].torch_dtype == torch.bfloat16
     st.wait_event(st.stage(buf))
     assert torch.equal(st.view(buf, st.slices[0]).view(torch.int16), bits)
+
+
+def test_all_staging_memory_is_taken_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slots and cache are allocated when the Stager is built (the callback's construction), so a shortage fails
+    before training starts, not on the publisher's thread at the first accepted snapshot; promotions only swap
+    buffers, and the slot count stays ``slots``."""
+    allocated: list[int] = []
+    alloc = Stager._alloc
+
+    def counting(self: Stager, device: torch.device) -> torch.Tensor:
+        buf = alloc(self, device)
+        allocated.append(buf.data_ptr())
+        return buf
+
+    monkeypatch.setattr(Stager, "_alloc", counting)
+    st = Stager(chunks("cpu"), slots=2)
+    assert len(allocated) == 3 and st.free_slots() == 2
+    for _ in range(4):
+        buf = st.acquire(wait=False)
+        assert buf is not None
+        st.wait_event(st.stage(buf))
+        st.promote(buf)
+        assert st.free_slots() == 2 and st.cache is not None
+    assert len(allocated) == 3
+    assert {st.cache.data_ptr(), *(b.data_ptr() for b in st._free)} == set(allocated)

@@ -16,9 +16,10 @@ returns. A background thread then runs one snapshot at a time:
 Every rank runs every collective of a publish even when its own part failed, so one rank's error ends that
 snapshot (nobody signals it) instead of hanging the others. Errors are stored and raised on the next
 ``publish`` call (or logged, with ``keep_training_on_error``); with several ranks, on the first one that would
-take the failed snapshot's slot, the same step on every rank. A collective that itself fails (a side-group
-timeout, a dead peer) leaves the group unusable: that error is raised once, and publishing stops for the rest of
-the job while the rank keeps answering the skip policy's agreement (always "busy"), so no rank waits on it.
+take the failed snapshot's slot, the same step on every rank (a rank's own failure after an outcome fails the
+next snapshot on every rank). A collective that itself fails (a side-group timeout, a dead peer) leaves the
+group unusable: that error is raised once, and publishing stops for the rest of the job while the rank keeps
+answering the skip policy's agreement (always "busy"), so no rank waits on it.
 ``close()`` first publishes the newest step if it was skipped (``publish_final``), so the fleet ends on it.
 
 Example::
@@ -104,7 +105,11 @@ class Publisher:
         self.codec = get_codec(config.codec)
         if self.rank == 0 and hasattr(self.codec, "encoder_info"):
             log.info("%s encoder: %s", self.codec.name, self.codec.encoder_info)
-        self._warm_up = self._start_warm_up()
+        # The codec's kernels load (or compile) now, beside the trainer's set-up: in the first delta they would
+        # make it seconds longer than the rest (and, with the skip policy, skip steps).
+        warm = getattr(self.codec, "warm_up", None)
+        self._warm_up = None if warm is None else start_warm_up(
+            warm, name=f"hotload-warmup-{self.rank}", nice=config.background_nice, what=f"the {self.codec.name} codec")
         self.cadence = Cadence(config.full_every, config.max_chain_length)
         # Identities must agree on every rank (rank 0 picks the suffix) and never repeat across publisher
         # instances, even within one process (a restarted publisher must not reuse an identity).
@@ -124,6 +129,7 @@ class Publisher:
         self._errors = StoredError()
         self._staged = 0  # jobs staged so far (the next job's seq)
         self._broken: BaseException | None = None  # a collective failed: the side group is unusable
+        self._carried: BaseException | None = None  # a rank-local error after an outcome, for the next snapshot
         self._pending = 0
         self._idle = threading.Condition()
         self._skipped = 0
@@ -273,7 +279,7 @@ class Publisher:
     def _final_objection(self, sources: object) -> str | None:
         if self._broken is not None:
             return "publishing stopped after a collective failed"
-        if self._errors.due(self._staged):
+        if self._errors.due(self._staged) or self._carried is not None:
             return "an earlier publish failed (raised by close)"
         if threading.get_ident() != self._stepping_thread:
             return "close() runs on another thread than the training steps, whose weights may be changing"
@@ -361,6 +367,8 @@ class Publisher:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
+        if self._carried is not None:  # no later snapshot carried it
+            self._errors.store(self._carried, self._staged)
         if self._uploads is not None:
             self._uploads.shutdown()
         if self._warm_up is not None:
@@ -379,15 +387,6 @@ class Publisher:
         if err is not None:
             log.warning("hotload: a publish failed before close (not raised: closing on another error): %s", err)
 
-    def _start_warm_up(self) -> threading.Thread | None:
-        """Load (or compile) the codec's kernels now, beside the trainer's set-up, rather than in the first delta,
-        which would otherwise take seconds longer than the rest (and, with the skip policy, skip steps)."""
-        warm = getattr(self.codec, "warm_up", None)
-        if warm is None:
-            return None
-        return start_warm_up(warm, name=f"hotload-warmup-{self.rank}", nice=self.config.background_nice,
-                             what=f"the {self.codec.name} codec")
-
     def _ensure_thread(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=f"hotload-publisher-{self.rank}", daemon=True)
@@ -405,9 +404,10 @@ class Publisher:
                     raise PublishError(f"publishing stopped after a collective failed: {self._broken!r}")
                 self._run(job)  # a failed outcome stores its error itself, before freeing the slot
             except BaseException as exc:
-                if job.settled:  # only the bookkeeping after the outcome failed: the outcome stands
+                if job.settled:  # only the bookkeeping after the outcome failed (on this rank): the outcome stands
                     log.exception("hotload: publisher thread failed after step %d's outcome", job.step)
-                    self._errors.store(exc, job.seq)
+                    self._carried = self._carried or exc  # the next snapshot fails on every rank, and raises it
+                    self.cadence.on_failure()
                 else:  # a collective itself failed: the group is unusable from here on
                     if self._broken is None:
                         self._broken = exc
@@ -429,9 +429,13 @@ class Publisher:
         st = RankStatus(self.rank, kind, identity)
         outgoing: list[list[Piece]] = [[] for _ in range(self.world)]
         new_parts: list[tuple[int, int]] = []
+        carried, self._carried = self._carried, None
         try:
             self.stager.wait_event(job.event)
-            new_parts = self._encode(job.buf, kind, outgoing, st)
+            if carried is not None:  # raised here, not on this rank alone, so that every rank raises at one step
+                st.error = f"rank {self.rank}: the bookkeeping after the previous snapshot failed: {carried!r}"
+            else:
+                new_parts = self._encode(job.buf, kind, outgoing, st)
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which ends this snapshot
             st.error = f"rank {self.rank}: encode failed: {exc!r}"
             outgoing = [[] for _ in range(self.world)]
@@ -572,7 +576,9 @@ class Publisher:
         except Exception as exc:  # noqa: BLE001 - any failure ends this chain; the next publish is full
             m.error = str(exc)  # served identities only change on success; the next publish is full
             if not committed:  # every rank's writes have ended (gathered): nothing will read this folder
-                self._discard(identity)
+                from ..retention import discard_snapshot
+
+                discard_snapshot(self.storage, identity)
         if m.ok and self.config.keep_last:
             from ..retention import apply_retention
 
@@ -582,14 +588,6 @@ class Publisher:
                 log.warning("hotload: retention after %s failed (retried at the next publish): %s", identity, exc)
         m.total_s = time.perf_counter() - job.t_hook
         return Outcome(m.ok, m.error, m)
-
-    def _discard(self, identity: str) -> None:
-        """Delete an uncommitted snapshot's files. Why: retention skips folders without a commit marker, so each
-        failed publish used to leave most of a snapshot in the bucket for good."""
-        try:
-            self.storage.delete_prefix(identity)
-        except Exception as exc:  # noqa: BLE001 - best effort; `hotload` retention can sweep it later
-            log.warning("hotload: could not delete the files of failed snapshot %s: %s", identity, exc)
 
     def _write_manifests(self, identity: str, kind: str, parent: str | None, files: dict[str, int]) -> None:
         from ..retention import commit_snapshot

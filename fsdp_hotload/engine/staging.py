@@ -90,6 +90,10 @@ class Stager:
         self.cache: torch.Tensor | None = None  # bytes of the last accepted snapshot
         self.cache_on = cache_on
         self.cuda = self.device.type == "cuda"
+        # The cache's memory is taken now, not at the first accepted publish: memory that runs out then would fail
+        # on the publisher's thread a step into training, on one rank; here it fails before training starts.
+        self._spare: torch.Tensor | None = self._alloc(
+            torch.device("cpu") if cache_on == "host" and self.device.type != "cpu" else self.device)
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None  # the trainer's staging copies
         self._work = torch.cuda.Stream(self.device) if self.cuda else None  # the publisher's device work
         self._copier: ThreadPoolExecutor | None = None  # host copies off the trainer's thread (``background``)
@@ -195,15 +199,19 @@ class Stager:
         the trainer's thread takes that lock on every publish step and must not wait for a device-to-host copy.
         """
         if self.cache_on == "host" and buf.device.type != "cpu":
-            if self.cache is None:
-                self.cache = self._alloc(torch.device("cpu"))
-            with self._on_work_stream():
-                self.cache.copy_(buf)  # synchronous: done before the slot is handed back
-            self.release(buf)
+            try:
+                if self.cache is None:
+                    self.cache, self._spare = self._spare if self._spare is not None else self._alloc(
+                        torch.device("cpu")), None
+                with self._on_work_stream():
+                    self.cache.copy_(buf)  # synchronous: done before the slot is handed back
+            finally:  # the slot is never lost, even if the copy failed (the next publish is then full)
+                self.release(buf)
             return
         with self._cond:
+            spare, self._spare = self._spare, None
             old, self.cache = self.cache, buf
-            self._free.append(old if old is not None else self._alloc(self.device))
+            self._free.append(old if old is not None else spare if spare is not None else self._alloc(self.device))
             self._cond.notify_all()
 
     def release(self, buf: torch.Tensor) -> None:

@@ -1,0 +1,93 @@
+"""A failure on one rank only must end the same snapshot, and raise at the same step, on every rank: a rank that
+raises alone stops staging a step the others stage, and from then on every snapshot pairs two different steps."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fsdp_hotload.arc.boxes import Box
+from fsdp_hotload.arc.dtypes import RawTensor
+from fsdp_hotload.config import HotloadConfig
+from fsdp_hotload.engine import PublishError
+from fsdp_hotload.engine.publisher import Publisher
+from fsdp_hotload.layout import TensorSpec
+from fsdp_hotload.publish import WholeChunk
+from tests.snapshots import rebuild_accepted
+from tests.thread_comm import Meeting, ThreadComm
+
+
+def test_bookkeeping_failing_on_one_rank_fails_the_next_snapshot_on_every_rank(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Rank 1's bookkeeping after step 0's (accepted) outcome fails. Step 1's snapshot then fails on both ranks,
+    both raise at step 2 (the publish that takes step 1's slot), step 3 is full, and the fleet's bytes, rebuilt
+    from the bucket, are the trainer's at every accepted step."""
+    bucket = str(tmp_path / "bucket")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "llama"}')
+    names, n = ["a", "b"], 4096
+    tensors = [torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)]
+    specs = [TensorSpec(name, (n,), "BF16") for name in names]
+    cfg = HotloadConfig(bucket_url=bucket, hf_config_dir=str(hf), busy_policy="wait", max_inflight=1,
+                        full_every=100)
+    data, ctrl = Meeting(2), Meeting(2)
+    pubs: list[Any] = [None, None]
+    raised: dict[int, list[int]] = {0: [], 1: []}
+    expected: dict[int, dict[str, str]] = {}
+    failures: list[BaseException] = []
+
+    def make(rank: int) -> None:
+        chunk = WholeChunk(names[rank], (n,), "BF16", "flat", Box.flat(0, n), tensors[rank])
+        pubs[rank] = Publisher([chunk], specs, cfg, comm=ThreadComm(data, rank, 2), ctrl=ThreadComm(ctrl, rank, 2))
+        if rank == 1:
+            stager, promote = pubs[rank].stager, pubs[rank].stager.promote
+            calls = []
+
+            def failing_promote(buf: torch.Tensor) -> None:
+                promote(buf)
+                calls.append(buf)
+                if len(calls) == 1:
+                    raise RuntimeError("injected: bookkeeping after the outcome")
+
+            stager.promote = failing_promote
+
+    def train(rank: int) -> None:
+        try:
+            for step in range(6):
+                torch.manual_seed(step * 10 + rank)
+                idx = torch.randint(0, n, (64,))
+                tensors[rank][idx] = torch.randn(64, dtype=torch.bfloat16)
+                if rank == 0:
+                    expected[step] = {}
+                try:
+                    pubs[rank].publish(step)
+                except PublishError:
+                    raised[rank].append(step)
+                pubs[rank].wait()
+                expected.setdefault(step, {})[names[rank]] = RawTensor.from_any(tensors[rank]).sha256()
+            pubs[rank].close()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    for target in (make, train):
+        ranks = [threading.Thread(target=target, args=(r,)) for r in range(2)]
+        for t in ranks:
+            t.start()
+        for t in ranks:
+            t.join(90)
+        assert not any(t.is_alive() for t in ranks), "a rank hung"
+    assert not failures, failures
+    assert raised == {0: [2], 1: [2]}, raised
+    records = pubs[0].metrics.records
+    assert [(m.step, m.kind, m.ok) for m in records] == [
+        (0, "full", True), (1, "delta", False), (3, "full", True), (4, "delta", True), (5, "delta", True)]
+    assert "rank 1: the bookkeeping after the previous snapshot failed" in (records[1].error or "")
+    assert "injected: bookkeeping after the outcome" in caplog.text
+    rebuilt = rebuild_accepted(bucket, records)
+    for m in records:
+        if m.ok:
+            assert {k: t.sha256() for k, t in rebuilt[m.identity].items()} == expected[m.step], m.step
