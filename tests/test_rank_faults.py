@@ -13,6 +13,7 @@ from fsdp_hotload.arc.boxes import Box
 from fsdp_hotload.arc.dtypes import RawTensor
 from fsdp_hotload.config import HotloadConfig
 from fsdp_hotload.engine import PublishError
+from fsdp_hotload.engine.jobs import Job, RankStatus, summarize
 from fsdp_hotload.engine.publisher import Publisher
 from fsdp_hotload.layout import TensorSpec
 from fsdp_hotload.publish import WholeChunk
@@ -91,3 +92,21 @@ def test_bookkeeping_failing_on_one_rank_fails_the_next_snapshot_on_every_rank(
     for m in records:
         if m.ok:
             assert {k: t.sha256() for k, t in rebuilt[m.identity].items()} == expected[m.step], m.step
+
+
+@pytest.mark.parametrize("field, values, message", [
+    ("kind", ["delta", "full"], "disagree on the snapshot kind"),
+    ("parent", ["step-000001-aa", "step-000000-aa"], "deltas have different parents"),
+    ("identity", ["step-000002-aa", "step-000003-aa"], "ranks staged different steps"),
+])
+def test_a_snapshot_whose_ranks_disagree_is_never_committed(field: str, values: list[str], message: str) -> None:
+    """Rank 0 checks every rank's report before it writes the commit marker: pieces of two kinds, two parents or
+    two steps would make a snapshot that rebuilds to bytes no trainer ever held, with valid checksums."""
+    job = Job(2, torch.empty(0), None, blocking_ms=0.0, skipped_before=0, t_hook=0.0)
+    statuses = [RankStatus(r, "delta", "step-000002-aa", "step-000001-aa", files={f"f{r}": 10}) for r in range(2)]
+    _, files, errors = summarize(job, "step-000002-aa", "delta", statuses, raw_bytes=40)
+    assert errors == [] and files == {"f0": 10, "f1": 10}
+    for status, value in zip(statuses, values):
+        setattr(status, field, value)
+    _, _, errors = summarize(job, "step-000002-aa", "delta", statuses, raw_bytes=40)
+    assert len(errors) == 1 and message in errors[0], errors

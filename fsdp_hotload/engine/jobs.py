@@ -44,6 +44,7 @@ class RankStatus:
     rank: int
     kind: str = ""
     identity: str = ""  # ranks pair snapshots by queue order: a rank that staged another step must not mix in
+    parent: str | None = None  # the snapshot this rank's delta is against
     error: str | None = None
     files: dict[str, int] = field(default_factory=dict)
     changed: int = 0
@@ -81,6 +82,9 @@ def summarize(job: Job, identity: str, kind: str, statuses: list[RankStatus], ra
     kinds = {s.kind for s in statuses}
     if len(kinds) > 1:  # cannot happen while every rank saw every outcome; never publish a mixed snapshot
         errors.append(f"ranks disagree on the snapshot kind: {sorted(kinds)}")
+    parents = {s.parent for s in statuses if s.kind == "delta"}
+    if len(parents) > 1:  # likewise: pieces against different bases must never be committed as one delta
+        errors.append(f"ranks' deltas have different parents: {sorted(map(str, parents))}")
     identities = {s.identity for s in statuses}
     if len(identities) > 1:  # a rank staged a different step (an error raised and caught on one rank only)
         errors.append(f"ranks staged different steps ({', '.join(sorted(identities))}); a snapshot must hold "

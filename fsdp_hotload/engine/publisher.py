@@ -426,7 +426,7 @@ class Publisher:
         kind = self.cadence.next_kind()
         parent = self.cadence.accepted
         identity = new_identity(job.step, prefix=self.config.identity_prefix, session=self.session)
-        st = RankStatus(self.rank, kind, identity)
+        st = RankStatus(self.rank, kind, identity, parent)
         outgoing: list[list[Piece]] = [[] for _ in range(self.world)]
         new_parts: list[tuple[int, int]] = []
         carried, self._carried = self._carried, None
