@@ -40,6 +40,7 @@ from .fireworks_models import (
     IDENTITY_MAX_LEN,
     HintRequest,
     HintSnapshot,
+    HotLoadBodyError,
     HotLoadError,
     HotLoadRequest,
     HotLoadResponseError,
@@ -66,6 +67,7 @@ __all__ = [
     "IDENTITY_MAX_LEN",
     "HintRequest",
     "HintSnapshot",
+    "HotLoadBodyError",
     "HotLoadClient",
     "HotLoadError",
     "HotLoadRequest",
@@ -180,6 +182,14 @@ def extract_server_message(body: bytes) -> str:
     return json.dumps(obj)[:500]
 
 
+class _Headers(dict):  # type: ignore[type-arg]
+    """Request headers whose repr names the keys only: tracebacks that record locals (Sentry, rich, pytest
+    --showlocals) and debuggers print the dict that holds ``Authorization: Bearer <key>``."""
+
+    def __repr__(self) -> str:
+        return f"<headers {sorted(self)}, values hidden>"
+
+
 def _retry_after(headers: Mapping[str, str]) -> float | None:
     value = headers.get("retry-after")
     if value is None:
@@ -285,15 +295,16 @@ class HotLoadClient:
 
     def headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """Headers of every hot-load request; caller ``additional_headers`` override the defaults."""
-        h = {
+        h: dict[str, str] = _Headers({
             "Authorization": f"Bearer {self._api_key.get()}",
             "fireworks-model": self.model_name,
             "fireworks-deployment": self.deployment_name,
             "Content-Type": "application/json",
-        }
+        })
         h.update(extra or {})
         lowered = {k.lower() for k in self.additional_headers}
-        h = {k: v for k, v in h.items() if k.lower() not in lowered}
+        for k in [k for k in h if k.lower() in lowered]:
+            del h[k]
         h.update(self.additional_headers)
         return h
 
@@ -359,7 +370,7 @@ class HotLoadClient:
                     return self._parse_json(what, data)
                 if status not in RETRYABLE_STATUS:
                     raise self._http_error(what, status, data, attempt)
-                failure = f"HTTP {status}: {extract_server_message(data)}"
+                failure = f"HTTP {status}: {extract_server_message(self._redact_body(data))}"
                 retry_after = _retry_after(rheaders)
             if unsendable is not None:
                 # Raised outside the except block so the original exception (whose text may hold the key) is
@@ -381,8 +392,12 @@ class HotLoadClient:
             log.warning("%s failed (%s); retry %d in %.1fs", what, self._redact(failure), attempt, delay)
             time.sleep(delay)
 
+    def _redact_body(self, data: bytes) -> bytes:
+        """The body with the key removed, before anything cuts it short: a key split by a cut is not found."""
+        return self._redact(data.decode("utf-8", errors="replace")).encode()
+
     def _http_error(self, what: str, status: int, data: bytes, attempts: int) -> HotLoadError:
-        message = self._redact(extract_server_message(data))
+        message = extract_server_message(self._redact_body(data))
         tries = f" after {attempts} attempts" if attempts > 1 else ""
         return HotLoadError(
             f"{what} returned HTTP {status}{tries}: {message}",
@@ -397,8 +412,8 @@ class HotLoadClient:
         try:
             return json.loads(data)
         except ValueError:
-            raise HotLoadResponseError(
-                self._redact(f"{what} returned a body that is not JSON: {data[:200]!r}"),
+            raise HotLoadBodyError(
+                f"{what} returned a body that is not JSON: {self._redact_body(data)[:200]!r}",
                 hint="check that base_url points at the Fireworks API (or a gateway that forwards it)",
             ) from None
 
@@ -478,8 +493,8 @@ class HotLoadClient:
             return HotLoadStatus.model_validate(data)
         except ValidationError as exc:
             raise HotLoadResponseError(
-                self._redact(f"{what}: unrecognized hot-load status response format: {exc.errors()[0]['msg']} "
-                             f"in {json.dumps(data)[:200]}"),
+                f"{what}: unrecognized hot-load status response format: {exc.errors()[0]['msg']} "
+                f"in {self._redact(json.dumps(data))[:200]}",
                 hint="check that base_url points at the hot-load gateway of this deployment",
             ) from None
 
@@ -502,6 +517,9 @@ class HotLoadClient:
         while True:
             try:
                 st = self.status(deadline=deadline)
+            except HotLoadBodyError as exc:  # not JSON at all (a proxy's page): the reference client polls on
+                last_error = str(exc)
+                log.warning("status poll for %r failed: %s", identity, last_error)
             except HotLoadResponseError:
                 raise
             except HotLoadError as exc:

@@ -14,9 +14,9 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator
 
 from .identity import MAX_IDENTITY_LEN as IDENTITY_MAX_LEN
 from .identity import validate_identity as _validate_identity
@@ -27,6 +27,7 @@ __all__ = [
     "IDENTITY_MAX_LEN",
     "HintRequest",
     "HintSnapshot",
+    "HotLoadBodyError",
     "HotLoadError",
     "HotLoadRequest",
     "HotLoadResponseError",
@@ -76,6 +77,11 @@ class HotLoadTimeout(HotLoadError):
 
 class HotLoadResponseError(HotLoadError):
     """The server answered 2xx with a body this client cannot read (wrong endpoint or incompatible server)."""
+
+
+class HotLoadBodyError(HotLoadResponseError):
+    """A 2xx body that is not JSON at all: a proxy's page, say. While polling it is waited through, as the
+    reference client does; only a JSON status without a ``replicas`` list ends the wait."""
 
 
 # ---------------------------------------------------------------------------------------------------- identity
@@ -176,8 +182,14 @@ class _Response(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+def _null_is(default: Callable[[], Any]) -> BeforeValidator:
+    """A JSON ``null`` reads as the field's default: servers send null for "not set", and a status poll must not
+    fail over a field the readiness test does not need."""
+    return BeforeValidator(lambda v: default() if v is None else v)
+
+
 class LoadingState(_Response):
-    stage: str = "unknown"
+    stage: Annotated[str, _null_is(lambda: "unknown")] = "unknown"
     target_snapshot_identity: Optional[str] = None
 
     @property
@@ -195,9 +207,9 @@ class LoadedAdapter(_Response):
 
 class ReplicaStatus(_Response):
     current_snapshot_identity: Optional[str] = None
-    readiness: bool = False
+    readiness: Annotated[bool, _null_is(lambda: False)] = False
     loading_state: Optional[LoadingState] = None
-    loaded_adapters: list[LoadedAdapter] = Field(default_factory=list)
+    loaded_adapters: Annotated[list[LoadedAdapter], _null_is(list)] = Field(default_factory=list)
     supports_rdma_weight_sync: Optional[bool] = None
     rdma_weight_sync_enabled: Optional[bool] = None
 

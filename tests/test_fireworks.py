@@ -395,6 +395,51 @@ def test_unrecognized_status_format(server: tuple[str, Scripted]) -> None:
         make_client(url).wait_ready("s1", timeout_s=10)
 
 
+def test_nulls_and_a_page_that_is_not_json_are_polled_through(server: tuple[str, Scripted]) -> None:
+    """Only a status without a ``replicas`` list ends the wait, as in the reference client: null fields read as
+    their defaults, and a 200 that is not JSON (a proxy's page while the gateway warms up) is polled again."""
+    url, script = server
+    replica = {"current_snapshot_identity": "s1", "readiness": True, "loaded_adapters": None,
+               "loading_state": {"stage": None, "target_snapshot_identity": "s1"}}
+    script.push(200, b"<html>upstream warming up</html>")
+    script.push(200, {"replicas": [{"current_snapshot_identity": None, "readiness": None, "loading_state": None}]})
+    script.default = (200, {"replicas": [replica, replica]}, {})
+    st = make_client(url).wait_ready("s1", timeout_s=10)
+    assert st.is_ready("s1") and st.replicas[0].stage == "unknown" and st.replicas[0].loaded_adapters == []
+    assert len(script.requests) == 3
+    script.default = (200, b"<html>still warming up</html>", {})
+    with pytest.raises(HotLoadTimeout, match="not JSON"):
+        make_client(url).wait_ready("s1", timeout_s=0.2)
+
+
+def test_the_key_is_hidden_before_an_error_text_is_cut(server: tuple[str, Scripted]) -> None:
+    """A server (or proxy) echoing the Authorization header near the point where a long error text is cut: the
+    key must be removed from the whole text first, or the part before the cut survives."""
+    url, script = server
+    for body in (b"x" * 170 + f" Authorization: Bearer {KEY}".encode(),
+                 {"detail": "y" * 455, "echo": f"Bearer {KEY}"}):
+        script.push(403, body)
+        with pytest.raises(HotLoadError) as info:
+            make_client(url).signal("s1")
+        assert KEY[:6] not in str(info.value) and "<redact" in str(info.value), str(info.value)
+    script.push(200, b"z" * 180 + f" Bearer {KEY}".encode())
+    with pytest.raises(HotLoadResponseError) as info:
+        make_client(url).signal("s1")
+    assert KEY[:6] not in str(info.value)
+
+
+def test_tracebacks_that_record_locals_do_not_show_the_key(server: tuple[str, Scripted]) -> None:
+    import traceback
+
+    url, script = server
+    script.push(403, {"error": "denied"})
+    with pytest.raises(HotLoadError) as info:
+        make_client(url).signal("s1")
+    text = "".join(traceback.TracebackException.from_exception(info.value, capture_locals=True).format())
+    assert "headers" in text and KEY not in text
+    assert script.requests[0]["headers"]["authorization"] == f"Bearer {KEY}"  # still sent, of course
+
+
 # ------------------------------------------------------------------------------------------------ models
 
 
