@@ -119,6 +119,14 @@ class HotloadConfig(BaseModel):
             raise ValueError(f"unknown codec {v!r}; known: {', '.join(codec_names())}")
         return v
 
+    @field_validator("identity_prefix")
+    @classmethod
+    def _prefix_makes_identities(cls, v: str) -> str:
+        from .identity import new_identity
+
+        new_identity(0, prefix=v, session="0" * 8)  # e.g. 'aux.run1' makes names Windows cannot store
+        return v
+
     @field_validator("snapshot_dtype")
     @classmethod
     def _floating_dtype(cls, v: str) -> str:

@@ -1,0 +1,38 @@
+"""HotloadConfig: every bad value is refused at construction, naming its field."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from fsdp_hotload.config import HotloadConfig
+
+
+def test_config_errors_name_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="full_every"):
+        HotloadConfig(bucket_url=str(tmp_path), full_every=0)
+    with pytest.raises(ValueError, match="codec"):
+        HotloadConfig(bucket_url=str(tmp_path), codec="gzip")
+    with pytest.raises(ValueError, match="account_id"):
+        HotloadConfig(bucket_url=str(tmp_path), hotload_api_url="http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="hf_config_dir"):
+        HotloadConfig(bucket_url=str(tmp_path), hotload_api_url="http://127.0.0.1:1", account_id="a",
+                      model_id="m", deployment_id="d")
+    os.environ["HOTLOAD_BUCKET_URL"] = str(tmp_path)
+    os.environ["HOTLOAD_DEPLOYMENT_ID"] = '["a", "b"]'
+    try:
+        cfg = HotloadConfig.from_env(full_every=5)
+        assert cfg.deployments == ["a", "b"] and cfg.full_every == 5
+    finally:
+        del os.environ["HOTLOAD_BUCKET_URL"], os.environ["HOTLOAD_DEPLOYMENT_ID"]
+
+
+@pytest.mark.parametrize("prefix", ["aux.run1", "NUL.x", "com1.v2"])
+def test_an_identity_prefix_that_makes_unstorable_names_is_refused(tmp_path: Path, prefix: str) -> None:
+    """Every identity would start with a Windows device name: refused here, not at the first publish, where it
+    stopped publishing for the whole job with an error that blamed the side group."""
+    with pytest.raises(ValueError, match="identity_prefix") as info:
+        HotloadConfig(bucket_url=str(tmp_path), identity_prefix=prefix)
+    assert "Windows device name" in str(info.value)
+    assert HotloadConfig(bucket_url=str(tmp_path), identity_prefix=prefix.replace(".", "-")).identity_prefix
