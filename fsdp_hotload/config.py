@@ -54,7 +54,8 @@ class HotloadConfig(BaseModel):
     upload_concurrency: int = Field(8, ge=1, le=256, description="parallel uploads per rank")
     max_file_bytes: int = Field(5 * 10**9, ge=1, description="cap on a full-snapshot weight file (bytes)")
     keep_last: int | None = Field(None, ge=1, description="retention: keep the last K committed snapshots "
-                                                          "(and every base they depend on); None keeps all")
+                                                          "(and every base they depend on), and those of another "
+                                                          "publisher live under the same root; None keeps all")
     hf_config_dir: str | None = Field(None, description="folder with config.json and tokenizer files to copy "
                                                         "into every snapshot")
     # --- who gets signalled

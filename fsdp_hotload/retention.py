@@ -42,6 +42,8 @@ __all__ = [
     "list_committed",
     "plan_retention",
     "apply_retention",
+    "live_sessions",
+    "session_of",
 ]
 
 logger = logging.getLogger(__name__)
@@ -265,6 +267,7 @@ def _ancestors_closure(roots: Iterable[str], by_id: dict[str, CommitInfo]) -> se
     return keep
 
 
+_warned_sessions: set[str] = set()  # other live sessions already named in a warning (once per process)
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
@@ -298,9 +301,30 @@ def plan_retention(snapshots: list[CommitInfo], keep_last: int, protected: set[s
     return [s.identity for s in ordered if s.identity not in keep]
 
 
+def session_of(identity: str) -> str:
+    """The session part of an identity made by :func:`~fsdp_hotload.identity.new_identity` (its last field)."""
+    return identity.rsplit("-", 1)[-1]
+
+
+def live_sessions(snapshots: Iterable[CommitInfo], session: str, since: float) -> dict[str, list[str]]:
+    """Other publishers' sessions that committed a snapshot at or after ``since`` (this one's start), with all
+    their snapshots. Why: a bucket shared by two trainers (by mistake, or two experiments under one root) must not
+    lose one trainer's served snapshots to the other's retention; a session silent since then is a finished run,
+    whose snapshots retention may delete as usual."""
+    by_session: dict[str, list[CommitInfo]] = {}
+    for snap in snapshots:
+        if session_of(snap.identity) != session:
+            by_session.setdefault(session_of(snap.identity), []).append(snap)
+    return {k: [s.identity for s in v] for k, v in by_session.items() if max(s.created_at for s in v) >= since}
+
+
 def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] = frozenset(), *,
-                    delete_incomplete: bool = False) -> list[str]:
+                    delete_incomplete: bool = False, session: str | None = None, since: float = 0.0) -> list[str]:
     """Delete the snapshots :func:`plan_retention` gives up, and return their identities (in deletion order).
+
+    With ``session`` (the caller's identity suffix) and ``since`` (when the caller started, ``time.time()``),
+    snapshots of another session that committed since then are kept with their chains, and a warning names it:
+    another publisher is live under this root.
 
     Children go before parents, and each snapshot loses its commit marker before its files, so a crash half way
     leaves no committed snapshot whose chain or files are gone.
@@ -316,6 +340,15 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
     """
     protected = frozenset(protected)
     committed = list_committed(storage)
+    if session is not None:
+        for other, identities in live_sessions(committed, session, since).items():
+            protected |= frozenset(identities)
+            if other not in _warned_sessions:
+                _warned_sessions.add(other)
+                logger.warning("hotload: another publisher (session %s, newest snapshot %s) commits snapshots under "
+                               "%s too; retention keeps them. Give each trainer its own bucket_url: two trainers "
+                               "signalling one deployment replace each other's weights and break each other's "
+                               "delta chains", other, identities[-1], storage.uri(""))
     doomed = plan_retention(committed, keep_last, protected)
     by_id = {c.identity: c for c in committed}
     deleted: list[str] = []

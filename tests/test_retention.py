@@ -251,3 +251,51 @@ def test_foreign_directories_under_the_root_are_left_alone(tmp_path: Path, caplo
         assert (tmp_path / name / "data.txt").read_text() == "not a snapshot"
     ignored = [r.getMessage() for r in caplog.records if "not a snapshot identity" in r.getMessage()]
     assert len(ignored) == len(foreign)  # once per directory, not once per pass
+
+
+def test_retention_keeps_a_live_publishers_snapshots_and_deletes_a_finished_runs(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Three publishers on one bucket, each with its own deployment and ``keep_last=2``. An earlier run's
+    snapshots (finished before the others started) go; two live trainers keep each other's chains, so what
+    every deployment serves can still be rebuilt from the bucket, bit for bit, and the warning names the other
+    session once."""
+    from fsdp_hotload.emulator import HotLoadEmulator
+    from fsdp_hotload.publish import TensorPublisher
+    from fsdp_hotload.retention import list_committed, session_of
+    from tests.snapshots import rebuild_accepted
+    from tests.test_publisher import API_KEY, config, expected_sha, make_model, train_step
+
+    bucket = str(tmp_path / "bucket")
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        def publisher(model: dict, deployment: str) -> TensorPublisher:
+            return TensorPublisher(model, config(bucket, emu, tmp_path, deployment_id=deployment, keep_last=2,
+                                                 busy_policy="wait"))
+
+        old_model = make_model(seed=3)
+        with publisher(old_model, "dep-old") as old:
+            for step in range(3):
+                train_step(old_model, step)
+                old.publish(step, old_model)
+        ma, mb = make_model(seed=1), make_model(seed=2)
+        a, b = publisher(ma, "dep-a"), publisher(mb, "dep-b")
+        with caplog.at_level("WARNING", logger="fsdp_hotload"):
+            for step in range(6):
+                for pub, model in ((a, ma), (b, mb)):
+                    if pub is b and step % 3:
+                        continue
+                    train_step(model, step)
+                    pub.publish(step, model)
+                    pub.wait()
+            a.close()
+            b.close()
+        sessions = {session_of(c.identity) for c in list_committed(Storage(bucket))}
+        assert session_of(old.metrics[-1].identity) not in sessions  # the finished run's snapshots went
+        state = emu.state()["deployments"]
+        for pub, model, dep in ((a, ma, "dep-a"), (b, mb, "dep-b")):
+            assert all(m.ok for m in pub.metrics)
+            (rep,) = state[f"accounts/{config(bucket, emu, tmp_path).account_id}/deployments/{dep}"]["replicas"]
+            assert rep["identity"] == pub.metrics[-1].identity
+            rebuilt = rebuild_accepted(bucket, pub.metrics)[pub.metrics[-1].identity]  # chain still in the bucket
+            assert {k: t.sha256() for k, t in rebuilt.items()} == expected_sha(model)
+    warnings = [r.getMessage() for r in caplog.records if "another publisher" in r.getMessage()]
+    assert len(warnings) == 2, warnings  # each live trainer names the other once

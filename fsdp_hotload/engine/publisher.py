@@ -143,6 +143,7 @@ class Publisher:
         self._given_sources = False  # the newest publish() brought its own tensors (close must be given them)
         self._sources_fn: Callable[[], Sequence[torch.Tensor]] | None = None  # or a function, which close reuses
         self.closed = False
+        self._started = time.time()  # snapshots other sessions commit after this are a live publisher's (retention)
         # publish() and close() may run on different threads: a publish that had passed the closed check could
         # queue its snapshot behind close()'s stop marker, where nothing ever runs it (and its slot stays taken).
         self._api_lock = threading.RLock()
@@ -583,7 +584,8 @@ class Publisher:
             from ..retention import apply_retention
 
             try:  # the snapshot is served: a cleanup problem is reported, and retried at the next publish
-                apply_retention(self.storage, self.config.keep_last, protected={identity})
+                apply_retention(self.storage, self.config.keep_last, protected={identity}, session=self.session,
+                                since=self._started)
             except Exception as exc:  # noqa: BLE001
                 log.warning("hotload: retention after %s failed (retried at the next publish): %s", identity, exc)
         m.total_s = time.perf_counter() - job.t_hook
