@@ -94,6 +94,8 @@ class HotLoadEmulator:
     replicas with their own loader thread. ``base_config`` (optional) is the base model's ``config.json``:
     when given, every snapshot's config is compared with it as the real service does. ``request_timeout_s`` bounds
     how long one connection may take to send its request, so a stalled client cannot hold a handler thread.
+    ``manager_delay_s`` keeps each new deployment's hot-load manager down that long after its first request: GET
+    reports no replicas and signals are refused with 503, counted in ``state()`` as ``premature_signals``.
     ``history_limit`` caps the ledger rows and hints each deployment keeps for reading (oldest dropped), so an
     emulator that runs for days stays bounded; identity reuse and delta parents are still checked against every
     identity signalled since the last ledger reset.
@@ -117,6 +119,7 @@ class HotLoadEmulator:
         replicas: int = 2,
         api_key: str | None = None,
         load_delay_s: float = 0.0,
+        manager_delay_s: float = 0.0,
         account_id: str = "emulator",
         compression_formats: Sequence[str] = ("arc_v2",),
         base_config: dict[str, Any] | None = None,
@@ -143,7 +146,7 @@ class HotLoadEmulator:
         self._reject: list[tuple[int, str]] = []
         self._deployments: dict[str, Deployment] = {}
         self.settings = EmulatorSettings(
-            get_bytes=self._get_bytes, load_delay_s=float(load_delay_s),
+            get_bytes=self._get_bytes, load_delay_s=float(load_delay_s), manager_delay_s=float(manager_delay_s),
             compression_formats=tuple(compression_formats), base_config=base_config,
             record_error=self._record_error, history_limit=int(history_limit))
         self._server: ThreadingHTTPServer | None = None
@@ -510,6 +513,8 @@ def run_emulator_cli(args: list[str] | None = None) -> int:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no auth)")
     p.add_argument("--load-delay", type=arg_float(0), default=0.0, metavar="SECONDS",
                    help="extra seconds per load (default: %(default)s)")
+    p.add_argument("--manager-delay", type=arg_float(0), default=0.0, metavar="SECONDS",
+                   help="seconds a new deployment reports no replicas and refuses signals (default: %(default)s)")
     p.add_argument("--compression-formats", type=_compression_formats, default="arc_v2", metavar="LIST",
                    help="comma list of the compression_format values delta signals may name (default: "
                         "%(default)s; add arc_sparse_v1 to load our sparse deltas)")
@@ -523,7 +528,7 @@ def run_emulator_cli(args: list[str] | None = None) -> int:
         print(f"hotload emulate: error: --bucket {ns.bucket}: {problem}", file=sys.stderr)
         return 2
     emu = HotLoadEmulator(ns.bucket, storage_options=opts, host=ns.host, port=ns.port, replicas=ns.replicas,
-                          api_key=ns.api_key, load_delay_s=ns.load_delay,
+                          api_key=ns.api_key, load_delay_s=ns.load_delay, manager_delay_s=ns.manager_delay,
                           compression_formats=ns.compression_formats, history_limit=ns.history_limit)
     try:
         emu.start()

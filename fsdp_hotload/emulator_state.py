@@ -59,6 +59,9 @@ class EmulatorSettings:
 
     get_bytes: Callable[[str], bytes]
     load_delay_s: float = 0.0
+    # Seconds after a deployment's first request before its hot-load manager is up: until then GET reports no
+    # replicas and a signal is refused (on the real service a signal that early can crash the serving container).
+    manager_delay_s: float = 0.0
     compression_formats: tuple[str, ...] = ("arc_v2",)
     base_config: dict[str, Any] | None = None
     fail_counts: dict[int, int] = field(default_factory=dict)  # replica index -> loads left to fail
@@ -379,6 +382,11 @@ class Deployment:
         self.hints: deque[dict[str, Any]] = deque(maxlen=settings.history_limit)
         self.signalled: set[str] = set()  # every identity since the last reset (a few bytes each)
         self.replicas = [Replica(i, self) for i in range(replicas)]
+        self.created = time.monotonic()
+        self.premature_signals = 0  # signals sent before the manager was up (each would risk a crash)
+
+    def manager_up(self) -> bool:
+        return time.monotonic() - self.created >= self.settings.manager_delay_s
 
     def check_model(self, model: str) -> None:
         with self.lock:
@@ -394,6 +402,10 @@ class Deployment:
         meta = req.incremental_snapshot_metadata
         previous = meta.previous_snapshot_identity if meta is not None else None
         with self.lock:
+            if not self.manager_up():
+                self.premature_signals += 1
+                raise SignalRejected(503, "the hot-load manager is not initialised yet (GET reports no replicas); "
+                                          "a signal this early can crash the serving container")
             if self.ledger and self.ledger[-1].identity == identity:
                 if self.ledger[-1].previous == previous:
                     return {"status": "ok"}  # a retried signal: the load is already under way or done
@@ -417,7 +429,12 @@ class Deployment:
                     raise SignalRejected(400, f"previous_snapshot_identity {previous!r} is not in the ledger of "
                                               f"{self.key!r}")
                 served = [r.current for r in self.replicas]
-                if any(s != previous for s in served):
+                if any(r.busy for r in self.replicas):  # "serves immediately before this load": after the queue
+                    if previous != self.ledger[-1].identity:
+                        raise SignalRejected(400, f"previous_snapshot_identity {previous!r} is not the snapshot "
+                                                  f"loaded just before this one ({self.ledger[-1].identity!r}, "
+                                                  "still loading); signal a full snapshot")
+                elif any(s != previous for s in served):
                     raise SignalRejected(400, f"previous_snapshot_identity {previous!r} is not the snapshot the "
                                               f"replicas serve ({served}); signal a full snapshot")
             row = LedgerRow(
@@ -452,7 +469,7 @@ class Deployment:
 
     def status(self) -> dict[str, Any]:
         with self.lock:
-            return {"replicas": [r.status() for r in self.replicas]}
+            return {"replicas": [r.status() for r in self.replicas] if self.manager_up() else []}
 
     def ledger_rows(self) -> list[dict[str, Any]]:
         with self.lock:
@@ -460,7 +477,8 @@ class Deployment:
 
     def inspect(self) -> dict[str, Any]:
         with self.lock:
-            return {"model": self.model, "replicas": [r.inspect() for r in self.replicas],
+            return {"model": self.model, "premature_signals": self.premature_signals,
+                    "replicas": [r.inspect() for r in self.replicas],
                     "ledger": [r.to_dict() for r in self.ledger], "hints": [dict(h) for h in self.hints]}
 
     def shutdown(self, timeout_s: float = 10.0) -> None:

@@ -498,19 +498,26 @@ class HotLoadClient:
                 hint="check that base_url points at the hot-load gateway of this deployment",
             ) from None
 
+    def wait_manager(self, *, timeout_s: float = 300.0) -> HotLoadStatus:
+        """Poll until the deployment reports a replica: its hot-load manager is up. Why: a signal sent before
+        then can crash the serving container, so the reference client waits like this before its first signal."""
+        return self.wait_ready(None, timeout_s=timeout_s)
+
     def wait_ready(
         self,
-        identity: str,
+        identity: str | None,
         *,
         timeout_s: float = 600.0,
         on_poll: Callable[[HotLoadStatus], None] | None = None,
     ) -> HotLoadStatus:
-        """Poll until every replica serves ``identity``; fail fast on an error stage for ``identity``.
+        """Poll until every replica serves ``identity`` (None: until any replica is reported); fail fast on an
+        error stage for ``identity``.
 
         Transient poll failures are logged and polled through (the load goes on server-side meanwhile);
         400/401/403/404 and unreadable responses are raised at once because waiting cannot fix them.
         """
-        validate_identity(identity)
+        if identity is not None:
+            validate_identity(identity)
         deadline = time.monotonic() + timeout_s
         last: HotLoadStatus | None = None
         last_error: str | None = None
@@ -531,7 +538,12 @@ class HotLoadClient:
                 last, last_error = st, None
                 if on_poll is not None:
                     on_poll(st)
-                failed = st.failed_replicas(identity)
+                if identity is None:
+                    if st.replicas:
+                        return st
+                    failed = []
+                else:
+                    failed = st.failed_replicas(identity)
                 if failed:
                     raise HotLoadError(
                         self._redact(f"snapshot {identity!r} failed to load on replica(s) "
@@ -539,7 +551,7 @@ class HotLoadClient:
                         hint="the deployment keeps serving its previous snapshot; read the ledger for the error, "
                         "fix the snapshot, and publish a new full snapshot (a failed load ends the delta chain)",
                     )
-                if st.is_ready(identity):
+                if identity is not None and st.is_ready(identity):
                     return st
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -547,9 +559,10 @@ class HotLoadClient:
                     state = f"no status was received (last error: {last_error})"
                 else:
                     state = last.describe() + (f" (last poll failed: {last_error})" if last_error else "")
+                waited = (f"snapshot {identity!r} was not served by every replica" if identity is not None else
+                          f"{self.deployment_name} reported no replica (its hot-load manager is not up)")
                 raise HotLoadTimeout(
-                    self._redact(f"snapshot {identity!r} was not served by every replica within {timeout_s:g}s; "
-                                 f"last state: {state}"),
+                    self._redact(f"{waited} within {timeout_s:g}s; last state: {state}"),
                     hint="loads of large snapshots take minutes: raise timeout_s, check the deployment's "
                     "replicas are up, and publish a full snapshot if the chain is stuck",
                 )

@@ -507,3 +507,45 @@ def test_emulator_state_docstring_example_runs(tmp_path: Path) -> None:
     exec(compile(example, "emulator_state docstring", "exec"), scope)
     rep = scope["dep"].replicas[0]
     assert rep.current == "step-1" and {n: t["sha256"] for n, t in rep.summary.items()} == sha256_map(model)
+
+
+def test_a_delta_must_follow_the_load_queued_before_it(emulator: HotLoadEmulator) -> None:
+    """"The snapshot the deployment serves immediately before this load": with a full load still queued, a delta
+    against the snapshot served now is refused at POST (it used to be accepted, then fail on every replica)."""
+    client = client_for(emulator)
+    m1 = load_full(emulator, client, "step-1")
+    write_full_snapshot(emulator.bucket, "step-2", perturb(m1, seed=2))
+    write_delta_snapshot(emulator.bucket, "step-3", "step-1", m1, perturb(m1, seed=3))
+    emulator.set_load_delay(600)
+    client.signal("step-2")
+    with pytest.raises(HotLoadError, match="loaded just before this one") as info:
+        client.signal("step-3", previous_identity="step-1")
+    assert info.value.status_code == 400
+    emulator.set_load_delay(0)
+    assert client.wait_ready("step-2", timeout_s=30).is_ready("step-2")
+
+
+def test_signals_wait_for_the_hot_load_manager(tmp_path: Path) -> None:
+    """A new deployment reports no replicas until its hot-load manager is up, and refuses (counts) signals until
+    then. The publisher polls first: its signal arrives once replicas are reported, never before."""
+    from fsdp_hotload.publish import TensorPublisher
+    from tests.test_publisher import API_KEY, config, expected_sha, make_model, served
+
+    bucket = str(tmp_path / "bucket")
+    with HotLoadEmulator(bucket, replicas=2, api_key=API_KEY, manager_delay_s=0.6) as emu:
+        model = make_model()
+        with TensorPublisher(model, config(bucket, emu, tmp_path)) as pub:
+            pub.publish(0, model)
+            pub.wait()
+        assert pub.metrics[-1].ok
+        assert served(emu) == [(pub.metrics[-1].identity, expected_sha(model))] * 2
+        (dep,) = emu.state()["deployments"].values()
+        assert dep["premature_signals"] == 0 and [r["identity"] for r in dep["ledger"]] == [pub.metrics[-1].identity]
+        with pytest.raises(HotLoadTimeout, match="reported no replica"):
+            HotLoadClient(emu.url, account_id="acct", model_id="m", deployment_id="other", api_key=API_KEY,
+                          poll_interval_s=0.05).wait_manager(timeout_s=0.2)
+        with pytest.raises(HotLoadError, match="not initialised") as info:  # what an early signal gets
+            HotLoadClient(emu.url, account_id="acct", model_id="m", deployment_id="late", api_key=API_KEY,
+                          retry_budget_s=0).signal("step-000000-aaaaaaaa")
+        assert info.value.status_code == 503
+        assert emu.state()["deployments"]["accounts/acct/deployments/late"]["premature_signals"] == 1

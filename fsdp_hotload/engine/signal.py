@@ -25,6 +25,8 @@ log = logging.getLogger("fsdp_hotload")
 HINT_DEADLINE_S = 10.0
 #: The longest a signal retries transient failures; shorter when ``ready_timeout_s`` is.
 SIGNAL_RETRY_BUDGET_S = 300.0
+#: The longest the first signal to a deployment waits for its hot-load manager (replicas reported).
+MANAGER_WAIT_S = 300.0
 
 
 class Signaller:
@@ -37,6 +39,7 @@ class Signaller:
         self.served: dict[str, str | None] = {c.deployment_name: None for c in self.clients}
         self._pool = DaemonPool(max(1, len(self.clients)), "hotload-signal")
         self._hints_failed: dict[str, str] = {}  # deployment -> the identity whose hints stopped after a failure
+        self._managers_up: set[str] = set()  # deployments that reported a replica (safe to signal)
 
     @classmethod
     def from_config(cls, cfg: HotloadConfig) -> "Signaller | None":
@@ -69,7 +72,14 @@ class Signaller:
                             identity, filename, c.deployment_name, exc)
 
     def signal_and_wait(self, identity: str, previous: str | None) -> float:
-        """Signal every deployment, then wait for all; returns seconds spent waiting for readiness."""
+        """Signal every deployment, then wait for all; returns seconds spent waiting for readiness. Before the
+        first signal to a deployment, wait until it reports a replica (a signal before that can crash it)."""
+        new = [c for c in self.clients if c.deployment_name not in self._managers_up]
+        if new:
+            wait_s = min(MANAGER_WAIT_S, self.ready_timeout_s)
+            for c, f in [(c, self._pool.submit(c.wait_manager, timeout_s=wait_s)) for c in new]:
+                f.result()
+                self._managers_up.add(c.deployment_name)
         for c in self.clients:
             prev = self.served[c.deployment_name] if previous is not None else None
             if previous is not None and prev != previous:
