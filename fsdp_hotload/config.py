@@ -8,8 +8,8 @@ an unknown ``HOTLOAD_*`` variable (a misspelt field) is an error too.
 Example::
 
     cfg = HotloadConfig(bucket_url="s3://rl-bucket/acct/acct-dep", hotload_api_url="https://api.fireworks.ai",
-                        account_id="acct", model_id="qwen3-8b", deployment_id="dep", full_every=20,
-                        hf_config_dir="/models/qwen3-8b")
+                        account_id="acct", model_id="accounts/fireworks/models/qwen3-8b", deployment_id="dep",
+                        full_every=20, hf_config_dir="/models/qwen3-8b")
     cfg = HotloadConfig.from_env()        # same, from HOTLOAD_BUCKET_URL, HOTLOAD_FULL_EVERY, ...
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ import json
 import os
 import re
 import types
+import urllib.parse
 from typing import Any, Callable, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
@@ -37,7 +38,7 @@ class HotloadConfig(BaseModel):
     Example::
 
         cfg = HotloadConfig(bucket_url="s3://rl-bucket/acct/acct-dep", hotload_api_url="https://api.fireworks.ai",
-                            account_id="acct", model_id="qwen3-8b", deployment_id="dep",
+                            account_id="acct", model_id="accounts/fireworks/models/qwen3-8b", deployment_id="dep",
                             hf_config_dir="/models/qwen3-8b", full_every=20)
         cfg = HotloadConfig.from_env(full_every=10)      # HOTLOAD_* variables; keyword arguments win
     """
@@ -62,11 +63,19 @@ class HotloadConfig(BaseModel):
     hotload_api_url: str | None = Field(None, description="hot-load API base URL (e.g. https://api.fireworks.ai);"
                                                           " None publishes to storage without signalling")
     account_id: str | None = Field(None, description="Fireworks account (required when signalling)")
-    model_id: str | None = Field(None, description="model served by the deployment(s): 'name' or "
-                                                   "'accounts/<a>/models/<m>'")
+    model_id: str | None = Field(None, description="model the deployment(s) serve, the fireworks-model header: "
+                                                   "'accounts/<a>/models/<m>' (a public base model is "
+                                                   "'accounts/fireworks/models/<m>'); a bare name means a model "
+                                                   "of account_id")
     deployment_id: str | list[str] | None = Field(None, description="one deployment or a list (several pools "
                                                                     "reading the same bucket)")
     api_key: SecretStr | None = Field(None, description="defaults to $FIREWORKS_API_KEY; never logged")
+    hotload_api_headers: dict[str, str] = Field(default_factory=dict, description="extra headers on every "
+                                                "hot-load request, e.g. a private gateway's secret; they override "
+                                                "the defaults, and their values are never logged")
+    hotload_api_allow_http: bool = Field(False, description="allow a plain-http hotload_api_url to a host other "
+                                         "than this one (a private gateway on a trusted network, such as "
+                                         "http://10.0.0.5:8083); the API key then travels unencrypted")
     ready_timeout_s: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
                                    description="how long to wait for every replica to serve a snapshot")
     poll_interval_s: float = Field(2.0, gt=0, le=3600, allow_inf_nan=False,
@@ -161,9 +170,12 @@ class HotloadConfig(BaseModel):
         return os.path.expanduser(v) if v else v
 
     def __repr_args__(self) -> Any:
-        """``storage_options`` may hold credentials (s3fs ``secret``, ``token``, nested ``client_kwargs``): they
-        are masked like ``api_key`` wherever the config is printed or logged."""
+        """``storage_options`` may hold credentials (s3fs ``secret``, ``token``, nested ``client_kwargs``), and
+        ``hotload_api_headers`` a gateway's secret: they are masked like ``api_key`` wherever the config is printed
+        or logged."""
         for name, value in super().__repr_args__():
+            if name == "hotload_api_headers":
+                value = {k: "**********" for k in value}
             yield name, (_masked(value) if name == "storage_options" else value)
 
     @model_validator(mode="after")
@@ -175,6 +187,13 @@ class HotloadConfig(BaseModel):
             if not self.hf_config_dir:
                 raise ValueError("hotload_api_url is set, so hf_config_dir must be set too: the deployment "
                                  "rejects snapshots without config.json and tokenizer files")
+            from .fireworks import _is_loopback
+
+            url = urllib.parse.urlsplit(self.hotload_api_url)
+            if url.scheme == "http" and not self.hotload_api_allow_http and not _is_loopback(url.hostname or ""):
+                raise ValueError(f"hotload_api_url {self.hotload_api_url!r} is plain http to another host, which "
+                                 "would send the API key unencrypted: use https, or set hotload_api_allow_http "
+                                 "for a gateway on a trusted private network")
         return self
 
     @property

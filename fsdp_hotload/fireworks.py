@@ -12,7 +12,8 @@ Only the standard library speaks HTTP here (``http.client``): the client must wo
 
 Example::
 
-    client = HotLoadClient("https://api.fireworks.ai", account_id="acme", model_id="qwen3-8b",
+    client = HotLoadClient("https://api.fireworks.ai", account_id="acme",
+                           model_id="accounts/fireworks/models/qwen3-8b",
                            deployment_id="rl-rollouts")        # key from FIREWORKS_API_KEY
     client.signal("step-00040")                                 # full snapshot
     client.wait_ready("step-00040", timeout_s=600)
@@ -127,7 +128,8 @@ class DeploymentTarget(BaseModel):
 
     Example::
 
-        target = DeploymentTarget(account_id="acme", model_id="qwen3-8b", deployment_id="rollouts-eu")
+        target = DeploymentTarget(account_id="acme", model_id="accounts/fireworks/models/qwen3-8b",
+                                  deployment_id="rollouts-eu")
         client = target.client(api_key=key)
     """
 
@@ -270,7 +272,8 @@ class HotLoadClient:
         if parts.scheme == "http" and not allow_insecure and not _is_loopback(parts.hostname):
             raise ValueError(
                 f"{field} {url!r} uses plain http to a non-loopback host, which would send the API key in clear "
-                "text; use https (or allow_insecure=True for a trusted private network)"
+                "text; use https (or allow_insecure=True, HotloadConfig.hotload_api_allow_http, for a trusted "
+                "private network)"
             )
         if parts.query or parts.fragment:
             raise ValueError(f"{field} {url!r} must not carry a query or fragment")

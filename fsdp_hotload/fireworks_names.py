@@ -6,7 +6,8 @@ deployment, which key) read on their own and are tested directly.
 Example::
 
     deployment_name("acme", "rl-rollouts")   # ('accounts/acme/deployments/rl-rollouts', 'acme', 'rl-rollouts')
-    model_name("acme", "qwen3-8b")           # 'accounts/acme/models/qwen3-8b'
+    model_name("acme", "my-sft-8b")          # 'accounts/acme/models/my-sft-8b' (a model of the account)
+    model_name("acme", "accounts/fireworks/models/qwen3-8b")   # a public base model, as given
     key = Secret(clean_api_key(os.environ["FIREWORKS_API_KEY"], "FIREWORKS_API_KEY"))
     repr(key)                                # '<redacted>'
 """

@@ -504,3 +504,27 @@ def test_signaller_retry_budget_follows_ready_timeout(tmp_path: Any) -> None:
         return sig.clients[0].retry_budget_s
 
     assert budget(5) == 5 and budget(3600) == 300
+
+
+def test_config_reaches_a_private_gateway_with_its_headers(server: tuple[str, Scripted], tmp_path: Any) -> None:
+    """A gateway secret set in the config is sent on every request (masked in the config's repr), and plain
+    http to another host needs the config's explicit consent, refused by name without it."""
+    from fsdp_hotload.config import HotloadConfig
+    from fsdp_hotload.engine.signal import Signaller
+
+    url, script = server
+    common = dict(bucket_url=str(tmp_path), account_id="acct", model_id="m", deployment_id="d", api_key=KEY,
+                  hf_config_dir=str(tmp_path), poll_interval_s=0.02)
+    with pytest.raises(ValidationError, match="hotload_api_allow_http"):
+        HotloadConfig(hotload_api_url="http://10.0.0.5:8083", **common)
+    remote = HotloadConfig(hotload_api_url="http://10.0.0.5:8083", hotload_api_allow_http=True, **common)
+    assert Signaller.from_config(remote) is not None
+    cfg = HotloadConfig(hotload_api_url=url, hotload_api_headers={"x-gateway-secret": "gw-S3CRET"}, **common)
+    assert "gw-S3CRET" not in repr(cfg) and "x-gateway-secret" in repr(cfg)
+    script.default = (200, status_body(("s1", True, "done", "s1")), {})
+    sig = Signaller.from_config(cfg)
+    assert sig is not None
+    sig.signal_and_wait("s1", None)
+    sig.close()
+    assert [r["method"] for r in script.requests] == ["GET", "POST", "GET"]  # the manager check comes first
+    assert all(r["headers"]["x-gateway-secret"] == "gw-S3CRET" for r in script.requests)

@@ -50,6 +50,7 @@ class Signaller:
         assert cfg.account_id and cfg.model_id
         clients = [HotLoadClient(cfg.hotload_api_url, account_id=cfg.account_id, model_id=cfg.model_id,
                                  deployment_id=d, api_key=cfg.resolved_api_key(),
+                                 additional_headers=cfg.hotload_api_headers, allow_insecure=cfg.hotload_api_allow_http,
                                  poll_interval_s=cfg.poll_interval_s,
                                  retry_budget_s=min(SIGNAL_RETRY_BUDGET_S, cfg.ready_timeout_s))
                    for d in cfg.deployments]
