@@ -101,10 +101,12 @@ def _print_table(report: object, show_status: bool) -> None:
 def _warn_if_unmarked(path: str) -> None:
     """Our readers treat a snapshot folder without its commit marker as possibly incomplete."""
     from .arc.folder import INDEX
-    from .retention import COMMIT_MARKER
+    from .retention import COMMIT_MARKER, SHARD_FILE
 
-    if os.path.isdir(path) and os.path.exists(os.path.join(path, INDEX)) and not os.path.exists(
-            os.path.join(path, COMMIT_MARKER)):
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, COMMIT_MARKER)):
+        return
+    names = os.listdir(path)  # an index, or shards named for one (an upload that never reached its manifests)
+    if INDEX in names or any(SHARD_FILE.fullmatch(n) for n in names):
         print(f"warning: {path} has no {COMMIT_MARKER}: the snapshot may be incomplete (an upload still in "
               "progress, or one that failed)", file=sys.stderr)
 

@@ -267,15 +267,18 @@ def _ancestors_closure(roots: Iterable[str], by_id: dict[str, CommitInfo]) -> se
     return keep
 
 
+#: How much older than a publisher's start every file of a finished run's unmarked folder must be before that
+#: publisher's retention deletes it: an upload of a run still alive writes a file at least this often.
+INCOMPLETE_GRACE_S = 600.0
 _warned_sessions: set[str] = set()  # other live sessions already named in a warning (once per process)
-_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def _looks_like_ours(identity: str, files: dict[str, Any]) -> bool:
     """Whether a directory without a marker could be a publisher's unfinished snapshot: flat (the publisher never
     writes below ``<identity>/``) and holding at least one HF shard file. Anything else is left alone."""
     names = [path[len(identity) + 1:] for path in files]
-    return bool(names) and all("/" not in n for n in names) and any(_SHARD_NAME.fullmatch(n) for n in names)
+    return bool(names) and all("/" not in n for n in names) and any(SHARD_FILE.fullmatch(n) for n in names)
 
 
 def plan_retention(snapshots: list[CommitInfo], keep_last: int, protected: set[str] | frozenset[str]) -> list[str]:
@@ -324,7 +327,8 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
 
     With ``session`` (the caller's identity suffix) and ``since`` (when the caller started, ``time.time()``),
     snapshots of another session that committed since then are kept with their chains, and a warning names it:
-    another publisher is live under this root.
+    another publisher is live under this root. Folders without a marker that a finished session left (a crash
+    mid-upload) go too, once every file in them is ``INCOMPLETE_GRACE_S`` older than ``since``.
 
     Children go before parents, and each snapshot loses its commit marker before its files, so a crash half way
     leaves no committed snapshot whose chain or files are gone.
@@ -340,8 +344,9 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
     """
     protected = frozenset(protected)
     committed = list_committed(storage)
+    live = live_sessions(committed, session, since) if session is not None else {}
     if session is not None:
-        for other, identities in live_sessions(committed, session, since).items():
+        for other, identities in live.items():
             protected |= frozenset(identities)
             if other not in _warned_sessions:
                 _warned_sessions.add(other)
@@ -357,6 +362,17 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
         storage.delete_prefix(identity)
         deleted.append(identity)
         logger.info("retention: deleted snapshot %s", storage.uri(identity))
+    if session is not None:
+        for identity in _snapshot_dirs(storage):
+            if identity in by_id or identity in protected or session_of(identity) in {session, *live}:
+                continue
+            infos = storage.list_info(identity)
+            times = [f.mtime for f in infos.values()]
+            if (_looks_like_ours(identity, infos) and times
+                    and all(t is not None and t < since - INCOMPLETE_GRACE_S for t in times)):
+                storage.delete_prefix(identity)
+                deleted.append(identity)
+                logger.info("retention: deleted %s, left incomplete by a finished run", storage.uri(identity))
     if delete_incomplete and committed:
         newest = committed[-1].created_at
         for identity in _snapshot_dirs(storage):

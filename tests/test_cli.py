@@ -53,6 +53,9 @@ def test_diff_inspect_verify_apply(snapshots: tuple[Path, Path], tmp_path: Path,
     assert res.returncode == 0 and "kind: delta  parent: step-a" in res.stdout and codec in res.stdout
     assert "warning" not in res.stderr  # the folder diff wrote is marked complete
     assert "has no hotload.commit.json" in run("inspect", a).stderr  # a folder nobody marked
+    (a / "model.safetensors.index.json").rename(tmp_path / "index.json")  # shards only: a crashed upload
+    assert "has no hotload.commit.json" in run("inspect", a).stderr
+    (tmp_path / "index.json").rename(a / "model.safetensors.index.json")
     res = run("verify", a, d, "--parent-identity", "step-a")
     assert res.returncode == 0 and "all checksums match" in res.stdout, res.stdout + res.stderr
     res = run("apply", a, d, r)

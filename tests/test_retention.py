@@ -299,3 +299,27 @@ def test_retention_keeps_a_live_publishers_snapshots_and_deletes_a_finished_runs
             assert {k: t.sha256() for k, t in rebuilt.items()} == expected_sha(model)
     warnings = [r.getMessage() for r in caplog.records if "another publisher" in r.getMessage()]
     assert len(warnings) == 2, warnings  # each live trainer names the other once
+
+
+def test_a_finished_runs_unmarked_folders_go_and_nothing_that_may_still_be_written(tmp_path: Path) -> None:
+    """A run killed mid-upload leaves a folder without a marker that nothing ever reads. The next run's retention
+    deletes it once every file is older than that run's start by the grace period; folders of its own session,
+    of a live session, with a recent file, or not laid out like a snapshot stay."""
+    from fsdp_hotload.retention import INCOMPLETE_GRACE_S
+
+    st = Storage(str(tmp_path))
+    now = time.time()
+    files = {"model-00001-of-00002.safetensors": {"size": 4}}
+    _publish(st, CommitInfo("step-000003-11111111", "full", None, files, now + 5))  # ours
+    _publish(st, CommitInfo("step-000004-22222222", "full", None, files, now + 6))  # a live publisher's
+    old = now - INCOMPLETE_GRACE_S - 60
+    unmarked = {"step-000013-deadbeef": old, "step-000014-deadbeef": now - 30, "step-000009-11111111": old,
+                "step-000009-22222222": old, "step-000020-cafecafe": old}
+    for identity, mtime in unmarked.items():
+        name = "notes.txt" if identity.endswith("cafecafe") else "model-00002-of-00002.safetensors"
+        (tmp_path / identity).mkdir()
+        (tmp_path / identity / name).write_bytes(b"part")
+        os.utime(tmp_path / identity / name, (mtime, mtime))
+    deleted = apply_retention(st, keep_last=5, session="11111111", since=now)
+    assert deleted == ["step-000013-deadbeef"]
+    assert set(st.list_dirs()) == {"step-000003-11111111", "step-000004-22222222", *unmarked} - set(deleted)
