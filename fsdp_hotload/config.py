@@ -187,10 +187,10 @@ class HotloadConfig(BaseModel):
             if not self.hf_config_dir:
                 raise ValueError("hotload_api_url is set, so hf_config_dir must be set too: the deployment "
                                  "rejects snapshots without config.json and tokenizer files")
-            from .fireworks import _is_loopback
+            from .fireworks import is_loopback
 
             url = urllib.parse.urlsplit(self.hotload_api_url)
-            if url.scheme == "http" and not self.hotload_api_allow_http and not _is_loopback(url.hostname or ""):
+            if url.scheme == "http" and not self.hotload_api_allow_http and not is_loopback(url.hostname or ""):
                 raise ValueError(f"hotload_api_url {self.hotload_api_url!r} is plain http to another host, which "
                                  "would send the API key unencrypted: use https, or set hotload_api_allow_http "
                                  "for a gateway on a trusted private network")

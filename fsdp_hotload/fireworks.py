@@ -157,7 +157,7 @@ class DeploymentTarget(BaseModel):
 # ---------------------------------------------------------------------------------------------------- helpers
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host.lower() in ("localhost", "localhost."):
         return True
     try:
@@ -269,7 +269,7 @@ class HotLoadClient:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"{field} {url!r} must be an http(s) URL with a host")
-        if parts.scheme == "http" and not allow_insecure and not _is_loopback(parts.hostname):
+        if parts.scheme == "http" and not allow_insecure and not is_loopback(parts.hostname):
             raise ValueError(
                 f"{field} {url!r} uses plain http to a non-loopback host, which would send the API key in clear "
                 "text; use https (or allow_insecure=True, HotloadConfig.hotload_api_allow_http, for a trusted "
@@ -541,12 +541,9 @@ class HotLoadClient:
                 last, last_error = st, None
                 if on_poll is not None:
                     on_poll(st)
-                if identity is None:
-                    if st.replicas:
-                        return st
-                    failed = []
-                else:
-                    failed = st.failed_replicas(identity)
+                if identity is None and st.replicas:
+                    return st
+                failed = st.failed_replicas(identity) if identity is not None else []
                 if failed:
                     raise HotLoadError(
                         self._redact(f"snapshot {identity!r} failed to load on replica(s) "

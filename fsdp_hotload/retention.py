@@ -176,7 +176,7 @@ def discard_snapshot(storage: Storage, identity: str) -> None:
     so each failed publish would otherwise leave most of a snapshot in the bucket for good."""
     try:
         storage.delete_prefix(identity)
-    except Exception as exc:  # noqa: BLE001 - `hotload` retention can sweep it later
+    except Exception as exc:  # noqa: BLE001 - a later run's retention (keep_last) sweeps it
         logger.warning("hotload: could not delete the files of failed snapshot %s: %s", identity, exc)
 
 
@@ -231,13 +231,14 @@ def _snapshot_dirs(storage: Storage) -> list[str]:
     return ours
 
 
-def list_committed(storage: Storage, *, strict: bool = True) -> list[CommitInfo]:
+def list_committed(storage: Storage, *, strict: bool = True, dirs: list[str] | None = None) -> list[CommitInfo]:
     """Every committed snapshot under the root, oldest first (by ``created_at``, then identity).
 
     A malformed marker raises (``strict``, the default: retention must not act on a bucket it cannot read), or
     is logged and skipped. Directories whose names are not identities are not snapshots and are skipped.
+    ``dirs``: the root's snapshot directories, when the caller has just listed them.
     """
-    dirs = _snapshot_dirs(storage)
+    dirs = _snapshot_dirs(storage) if dirs is None else dirs
     if not dirs:
         return []
 
@@ -343,7 +344,8 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
     stays.
     """
     protected = frozenset(protected)
-    committed = list_committed(storage)
+    dirs = _snapshot_dirs(storage)
+    committed = list_committed(storage, dirs=dirs)
     live = live_sessions(committed, session, since) if session is not None else {}
     if session is not None:
         for other, identities in live.items():
@@ -363,7 +365,7 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
         deleted.append(identity)
         logger.info("retention: deleted snapshot %s", storage.uri(identity))
     if session is not None:
-        for identity in _snapshot_dirs(storage):
+        for identity in dirs:
             if identity in by_id or identity in protected or session_of(identity) in {session, *live}:
                 continue
             infos = storage.list_info(identity)
@@ -375,8 +377,8 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
                 logger.info("retention: deleted %s, left incomplete by a finished run", storage.uri(identity))
     if delete_incomplete and committed:
         newest = committed[-1].created_at
-        for identity in _snapshot_dirs(storage):
-            if identity in by_id or identity in protected:
+        for identity in dirs:
+            if identity in by_id or identity in protected or identity in deleted:
                 continue
             infos = storage.list_info(identity)
             if not _looks_like_ours(identity, infos):

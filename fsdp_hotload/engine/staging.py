@@ -201,8 +201,8 @@ class Stager:
         if self.cache_on == "host" and buf.device.type != "cpu":
             try:
                 if self.cache is None:
-                    self.cache, self._spare = self._spare if self._spare is not None else self._alloc(
-                        torch.device("cpu")), None
+                    self.cache, self._spare = self._spare, None  # the host buffer allocated at construction
+                assert self.cache is not None
                 with self._on_work_stream():
                     self.cache.copy_(buf)  # synchronous: done before the slot is handed back
             finally:  # the slot is never lost, even if the copy failed (the next publish is then full)
@@ -211,7 +211,9 @@ class Stager:
         with self._cond:
             spare, self._spare = self._spare, None
             old, self.cache = self.cache, buf
-            self._free.append(old if old is not None else spare if spare is not None else self._alloc(self.device))
+            slot = old if old is not None else spare  # the first promotion frees the buffer allocated for the cache
+            assert slot is not None
+            self._free.append(slot)
             self._cond.notify_all()
 
     def release(self, buf: torch.Tensor) -> None:
