@@ -19,7 +19,7 @@ from fsdp_hotload.layout import TensorSpec
 from fsdp_hotload.publish import TensorPublisher, WholeChunk
 from tests.snapshots import rebuild_accepted
 from tests.test_publisher import API_KEY, config, expected_sha, make_model, served, train_step
-from tests.thread_comm import Meeting, ThreadComm
+from tests.thread_comm import Meeting, ThreadComm, run_ranks
 
 
 def assert_fleet_serves(emu: HotLoadEmulator, identity: str, shas: dict[str, str]) -> None:
@@ -195,14 +195,9 @@ def test_ranks_vote_on_the_newest_step_at_close(tmp_path: Path, caplog: pytest.L
         except BaseException as exc:  # noqa: BLE001 - reported below
             failures.append(exc)
 
-    for target in (make, train):
-        ranks = [threading.Thread(target=target, args=(r,)) for r in range(2)]
-        with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
-            for t in ranks:
-                t.start()
-            for t in ranks:
-                t.join(60)
-        assert not any(t.is_alive() for t in ranks), "a rank hung"
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        for target in (make, train):
+            run_ranks(target, 2)
     assert not failures, failures
     records = pubs[0].metrics.records
     assert all(m.ok for m in records)

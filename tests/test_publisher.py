@@ -25,7 +25,7 @@ from fsdp_hotload.publish import TensorPublisher, WholeChunk
 from fsdp_hotload.retention import read_commit_marker
 from fsdp_hotload.storage import Storage
 from tests.s3_fixture import FaultyFileSystem, slowdown_error
-from tests.thread_comm import Meeting, ThreadComm
+from tests.thread_comm import Meeting, ThreadComm, run_ranks
 
 API_KEY = "test-key"
 
@@ -562,14 +562,7 @@ def test_with_several_ranks_an_error_is_raised_at_the_same_step_on_every_rank(
                                comm=ThreadComm(data, rank, 2, outcome_delay_s=0.15 if rank else 0.0),
                                ctrl=ThreadComm(ctrl, rank, 2))
 
-    def run(ranks: list[threading.Thread]) -> None:
-        for t in ranks:
-            t.start()
-        for t in ranks:
-            t.join(60)
-        assert not any(t.is_alive() for t in ranks), "a rank hung"
-
-    run([threading.Thread(target=make, args=(r,)) for r in range(2)])
+    run_ranks(make, 2)
     raised: dict[int, list[int]] = {0: [], 1: []}
 
     def train(rank: int) -> None:
@@ -582,7 +575,7 @@ def test_with_several_ranks_an_error_is_raised_at_the_same_step_on_every_rank(
             time.sleep(0.06)
         pubs[rank].close()
 
-    run([threading.Thread(target=train, args=(r,)) for r in range(2)])
+    run_ranks(train, 2)
     assert raised[0] and raised[0] == raised[1], raised
     records = pubs[0].metrics.records
     assert [m.ok for m in records if m.step == 3] == [False]

@@ -2,7 +2,6 @@
 raises alone stops staging a step the others stage, and from then on every snapshot pairs two different steps."""
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from fsdp_hotload.engine.publisher import Publisher
 from fsdp_hotload.layout import TensorSpec
 from fsdp_hotload.publish import WholeChunk
 from tests.snapshots import rebuild_accepted
-from tests.thread_comm import Meeting, ThreadComm
+from tests.thread_comm import Meeting, ThreadComm, run_ranks
 
 
 def test_bookkeeping_failing_on_one_rank_fails_the_next_snapshot_on_every_rank(
@@ -75,12 +74,7 @@ def test_bookkeeping_failing_on_one_rank_fails_the_next_snapshot_on_every_rank(
             failures.append(exc)
 
     for target in (make, train):
-        ranks = [threading.Thread(target=target, args=(r,)) for r in range(2)]
-        for t in ranks:
-            t.start()
-        for t in ranks:
-            t.join(90)
-        assert not any(t.is_alive() for t in ranks), "a rank hung"
+        run_ranks(target, 2, timeout_s=90)
     assert not failures, failures
     assert raised == {0: [2], 1: [2]}, raised
     records = pubs[0].metrics.records

@@ -16,6 +16,16 @@ import time
 from typing import Any, Callable, Sequence
 
 
+def run_ranks(target: Callable[[int], Any], world: int, timeout_s: float = 60.0) -> None:
+    """Run ``target(rank)`` on one thread per rank and wait for all of them; a rank still running is a hang."""
+    ranks = [threading.Thread(target=target, args=(r,)) for r in range(world)]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join(timeout_s)
+    assert not any(t.is_alive() for t in ranks), "a rank hung"
+
+
 class Meeting:
     """Where the ranks of one group exchange values, collective by collective (numbered per rank)."""
 
