@@ -227,8 +227,10 @@ def run_demo_cli(argv: list[str] | None = None) -> int:
     print(f"hotload demo: {args.nproc}-rank FSDP2 job on CPU, {args.steps} steps, full every {args.full_every}, "
           f"codec {args.codec}; bucket {bucket}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCH_CPP_LOG_LEVEL="ERROR")
-    # Our emulator stands in for a receiver running our decoder, so it accepts every codec we write.
-    with HotLoadEmulator(bucket, replicas=2, api_key=API_KEY, compression_formats=codec_names()) as emu:
+    # Our emulator stands in for a receiver running our decoder, so it accepts every codec we write. Like the
+    # service, it compares each full snapshot's config.json with the base model's (the hf folder).
+    with HotLoadEmulator(bucket, replicas=2, api_key=API_KEY, compression_formats=codec_names(),
+                         base_model=hf) as emu:
         print(f"emulator: {emu.url} (2 replicas rebuild and verify every snapshot from the bucket)\n", flush=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
                "-m", "fsdp_hotload.demo", "--job", "--bucket", bucket, "--url", emu.url, "--hf-dir", hf,

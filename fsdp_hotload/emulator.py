@@ -33,6 +33,7 @@ import argparse
 import hmac
 import json
 import logging
+import os
 import re
 import socket
 import sys
@@ -44,12 +45,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from .emulator_rules import BaseModel
 from .emulator_state import Deployment, EmulatorSettings, SignalRejected
 from .fireworks_models import HINT_PATH, HOT_LOAD_PATH, HintRequest, HotLoadRequest
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HotLoadEmulator", "run_emulator_cli", "format_validation_error"]
+__all__ = ["BaseModel", "HotLoadEmulator", "run_emulator_cli", "format_validation_error"]
 
 STATE_PATH = "/emulator/v1/state"
 MAX_BODY = 1 << 20
@@ -91,8 +93,10 @@ class HotLoadEmulator:
     """Serves the hot-load protocol on loopback for snapshots stored under ``bucket``.
 
     Deployments are created on first use, keyed by the ``fireworks-deployment`` header; each has ``replicas``
-    replicas with their own loader thread. ``base_config`` (optional) is the base model's ``config.json``:
-    when given, every snapshot's config is compared with it as the real service does. ``request_timeout_s`` bounds
+    replicas with their own loader thread. ``base_model`` (optional: a Hugging Face model folder or a
+    :class:`BaseModel`) is what the deployments were created from: each full snapshot's ``config.json`` is
+    compared with its config, and its tensors with the base model's names and shapes, as the real service does
+    (§6.2); ``base_config`` alone checks the config only. Full snapshots must hold one layer per file either way. ``request_timeout_s`` bounds
     how long one connection may take to send its request, so a stalled client cannot hold a handler thread.
     ``manager_delay_s`` keeps each new deployment's hot-load manager down that long after its first request: GET
     reports no replicas and signals are refused with 503, counted in ``state()`` as ``premature_signals``.
@@ -123,6 +127,7 @@ class HotLoadEmulator:
         account_id: str = "emulator",
         compression_formats: Sequence[str] = ("arc_v2",),
         base_config: dict[str, Any] | None = None,
+        base_model: str | os.PathLike[str] | BaseModel | None = None,
         request_timeout_s: float = 30.0,
         history_limit: int = 10_000,
     ) -> None:
@@ -132,6 +137,12 @@ class HotLoadEmulator:
             raise ValueError(f"history_limit must be >= 1, got {history_limit}")
         if not request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
+        if base_model is not None and base_config is not None:
+            raise ValueError("give base_model or base_config, not both (a base model folder has its config.json)")
+        if base_model is None:
+            base = BaseModel(config=base_config)
+        else:
+            base = base_model if isinstance(base_model, BaseModel) else BaseModel.from_folder(base_model)
         self.request_timeout_s = float(request_timeout_s)
         self.bucket = bucket
         self.storage_options = dict(storage_options or {})
@@ -147,7 +158,7 @@ class HotLoadEmulator:
         self._deployments: dict[str, Deployment] = {}
         self.settings = EmulatorSettings(
             get_bytes=self._get_bytes, load_delay_s=float(load_delay_s), manager_delay_s=float(manager_delay_s),
-            compression_formats=tuple(compression_formats), base_config=base_config,
+            compression_formats=tuple(compression_formats), base=base,
             record_error=self._record_error, history_limit=int(history_limit))
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -518,6 +529,9 @@ def run_emulator_cli(args: list[str] | None = None) -> int:
     p.add_argument("--compression-formats", type=_compression_formats, default="arc_v2", metavar="LIST",
                    help="comma list of the compression_format values delta signals may name (default: "
                         "%(default)s; add arc_sparse_v1 to load our sparse deltas)")
+    p.add_argument("--base-model", default=None, metavar="DIR",
+                   help="the deployments' base model (HF folder): full snapshots must match its config.json and "
+                        "cover its tensors with the same shapes (only the safetensors headers are read)")
     p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for s3:// buckets")
     p.add_argument("--history-limit", type=arg_int(1), default=10_000, metavar="N",
                    help="ledger rows and hints kept per deployment for reading (default: %(default)s)")
@@ -527,9 +541,17 @@ def run_emulator_cli(args: list[str] | None = None) -> int:
     if problem is not None:
         print(f"hotload emulate: error: --bucket {ns.bucket}: {problem}", file=sys.stderr)
         return 2
+    base = None
+    if ns.base_model is not None:
+        try:
+            base = BaseModel.from_folder(ns.base_model)
+        except (OSError, ValueError) as exc:
+            print(f"hotload emulate: error: --base-model {ns.base_model}: {exc}", file=sys.stderr)
+            return 2
     emu = HotLoadEmulator(ns.bucket, storage_options=opts, host=ns.host, port=ns.port, replicas=ns.replicas,
                           api_key=ns.api_key, load_delay_s=ns.load_delay, manager_delay_s=ns.manager_delay,
-                          compression_formats=ns.compression_formats, history_limit=ns.history_limit)
+                          compression_formats=ns.compression_formats, history_limit=ns.history_limit,
+                          base_model=base)
     try:
         emu.start()
     except OSError as exc:

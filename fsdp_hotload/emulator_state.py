@@ -31,6 +31,7 @@ from typing import Any
 
 from .arc import (ArcError, RawTensor, apply_delta_file, code_from_name, is_delta_file, load_file, read_delta_info,
                   torch_name)
+from .emulator_rules import BaseModel, LoadError, check_config, check_full_layout
 from .fireworks_models import HotLoadRequest, validate_filename
 
 log = logging.getLogger(__name__)
@@ -39,10 +40,6 @@ INDEX_FILE = "model.safetensors.index.json"
 SPEC_FILE = "model.weight.spec.json"
 CONFIG_FILE = "config.json"
 CHECKSUM_FORMAT = "alder32"
-
-
-class LoadError(Exception):
-    """A snapshot could not be loaded; the message names the file/tensor and the reason."""
 
 
 class SignalRejected(Exception):
@@ -63,7 +60,7 @@ class EmulatorSettings:
     # replicas and a signal is refused (on the real service a signal that early can crash the serving container).
     manager_delay_s: float = 0.0
     compression_formats: tuple[str, ...] = ("arc_v2",)
-    base_config: dict[str, Any] | None = None
+    base: BaseModel = field(default_factory=BaseModel)  # what full snapshots are checked against (§6.2)
     fail_counts: dict[int, int] = field(default_factory=dict)  # replica index -> loads left to fail
     record_error: Callable[[BaseException], None] = lambda exc: None
     # Rows and hints kept per deployment for reading (oldest dropped first), so a long-running emulator's memory
@@ -96,23 +93,6 @@ def _read_json(get_bytes: Callable[[str], bytes], identity: str, name: str) -> d
     if not isinstance(obj, dict):
         raise LoadError(f"{path} must hold a JSON object")
     return obj
-
-
-def _check_config(config: dict[str, Any], base: dict[str, Any] | None, ignore: list[str], identity: str) -> None:
-    """The server compares the snapshot's config.json with the base model's; same error kinds as the docs."""
-    if base is None:
-        return
-    skip = set(ignore)
-    only_base = sorted(k for k in base if k not in config and k not in skip)
-    only_snap = sorted(k for k in config if k not in base and k not in skip)
-    if only_base:
-        raise LoadError(f"{identity}/{CONFIG_FILE}: Extra base model config options: {', '.join(only_base)}")
-    if only_snap:
-        raise LoadError(f"{identity}/{CONFIG_FILE}: Extra snapshot model config options: {', '.join(only_snap)}")
-    for k in sorted(base):
-        if k not in skip and base[k] != config[k]:
-            raise LoadError(f"{identity}/{CONFIG_FILE}: Config value mismatch for {k}: base {base[k]!r}, "
-                            f"snapshot {config[k]!r}")
 
 
 def read_layout(get_bytes: Callable[[str], bytes], identity: str) -> tuple[dict[str, str], dict[str, Any]]:
@@ -163,12 +143,18 @@ def load_snapshot(
     compression_format: str | None,
     parent: dict[str, RawTensor],
     parent_weight_map: dict[str, str] | None,
+    base_shapes: dict[str, tuple[int, ...]] | None = None,
     on_stage: Callable[[str], None] = lambda stage: None,
 ) -> tuple[dict[str, RawTensor], dict[str, str], dict[str, Any]]:
-    """Download and rebuild one snapshot; returns (tensors, weight_map, config). Raises LoadError/ArcError."""
+    """Download and rebuild one snapshot; returns (tensors, weight_map, config). Raises LoadError/ArcError.
+
+    A full snapshot's layout is checked before any shard is downloaded: one layer per file and, when
+    ``base_shapes`` is given, the base model's tensor names and shapes (a delta keeps its parent's layout)."""
     weight_map, tensor_map = read_layout(get_bytes, identity)
     config = _read_json(get_bytes, identity, CONFIG_FILE)
-    if previous is not None:
+    if previous is None:
+        check_full_layout(identity, weight_map, tensor_map, base_shapes)
+    else:
         if parent_weight_map is None:
             raise LoadError(f"delta {identity!r} needs parent {previous!r}, but this replica holds no weights")
         if weight_map != parent_weight_map:
@@ -325,8 +311,8 @@ class Replica:
             tensors, weight_map, config = load_snapshot(
                 dep.settings.get_bytes, row.identity, previous=row.previous,
                 compression_format=row.compression_format, parent=parent, parent_weight_map=parent_map,
-                on_stage=lambda s: self._set_stage(job, s))
-            _check_config(config, dep.settings.base_config, row.ignore, row.identity)
+                base_shapes=dep.settings.base.shapes, on_stage=lambda s: self._set_stage(job, s))
+            check_config(config, dep.settings.base.config, row.ignore, row.identity)
         except (LoadError, ArcError) as exc:
             self._fail(job, f"{type(exc).__name__}: {exc}")
             return

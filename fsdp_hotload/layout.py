@@ -42,7 +42,7 @@ import operator
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping, Sequence
 
 from .arc.dtypes import code_from_name, itemsize, numel, torch_name
 from .arc.errors import FormatError
@@ -523,7 +523,14 @@ def check_same_layout(parent: ShardPlan, child: ShardPlan) -> None:
 
 def check_one_layer_per_file(plan: ShardPlan) -> None:
     """Raise LayoutError if a file mixes two layers, or layer and non-layer tensors (Fireworks rule, §6.2)."""
-    for filename, names in plan.files.items():
+    check_layers_per_file(plan.files)
+
+
+def check_layers_per_file(files: Mapping[str, Sequence[str]]) -> None:
+    """:func:`check_one_layer_per_file` for a plain ``{file name: [tensor names]}`` mapping (a read index)."""
+    for filename, names in files.items():
+        if not names:
+            continue
         first = names[0]
         key = _layer_key(first)
         for name in names[1:]:

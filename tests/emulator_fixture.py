@@ -11,7 +11,7 @@ Use from tests or conftest.py::
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -59,9 +59,10 @@ def shard_of(name: str) -> str:
     return "model-00000.safetensors"
 
 
-def _write_manifests(folder: Path, tensors: Mapping[str, RawTensor]) -> dict[str, list[str]]:
+def _write_manifests(folder: Path, tensors: Mapping[str, RawTensor],
+                     file_of: Callable[[str], str] = shard_of) -> dict[str, list[str]]:
     folder.mkdir(parents=True, exist_ok=True)
-    weight_map = {n: shard_of(n) for n in sorted(tensors)}
+    weight_map = {n: file_of(n) for n in sorted(tensors)}
     index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
     spec = {"tensor_map": {n: {"shape": list(t.shape), "dtype": torch_name(t.dtype)} for n, t in tensors.items()}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
@@ -73,10 +74,11 @@ def _write_manifests(folder: Path, tensors: Mapping[str, RawTensor]) -> dict[str
     return files
 
 
-def write_full_snapshot(bucket: Path | str, identity: str, tensors: Mapping[str, RawTensor]) -> Path:
-    """``<bucket>/<identity>/`` as a full snapshot; returns the folder."""
+def write_full_snapshot(bucket: Path | str, identity: str, tensors: Mapping[str, RawTensor],
+                        file_of: Callable[[str], str] = shard_of) -> Path:
+    """``<bucket>/<identity>/`` as a full snapshot (``file_of`` maps a tensor to its file); returns the folder."""
     folder = Path(bucket) / identity
-    for fname, names in _write_manifests(folder, tensors).items():
+    for fname, names in _write_manifests(folder, tensors, file_of).items():
         (folder / fname).write_bytes(save_file({n: tensors[n] for n in names}))
     return folder
 

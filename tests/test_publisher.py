@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fsdp_hotload.arc.boxes import Box
+from fsdp_hotload.arc import save_file
 from fsdp_hotload.arc.dtypes import RawTensor
 from fsdp_hotload.config import HotloadConfig
 from fsdp_hotload.emulator import HotLoadEmulator
@@ -64,12 +65,16 @@ def served(emu: HotLoadEmulator) -> list[tuple[str | None, dict[str, str]]]:
     return [(r["identity"], {k: t["sha256"] for k, t in r["tensors"].items()}) for r in dep["replicas"]]
 
 
-def config(bucket: str, emu: HotLoadEmulator | None, tmp_path: Path, **kw: Any) -> HotloadConfig:
+def hf_dir(tmp_path: Path) -> Path:
     cfg_dir = tmp_path / "hf"
     cfg_dir.mkdir(exist_ok=True)
     (cfg_dir / "config.json").write_text('{"model_type": "llama", "hidden_size": 16}')
     (cfg_dir / "tokenizer_config.json").write_text("{}")
-    base: dict[str, Any] = dict(bucket_url=bucket, hf_config_dir=str(cfg_dir), poll_interval_s=0.02,
+    return cfg_dir
+
+
+def config(bucket: str, emu: HotLoadEmulator | None, tmp_path: Path, **kw: Any) -> HotloadConfig:
+    base: dict[str, Any] = dict(bucket_url=bucket, hf_config_dir=str(hf_dir(tmp_path)), poll_interval_s=0.02,
                                 ready_timeout_s=30, metrics_path=str(tmp_path / "metrics.jsonl"))
     if emu is not None:
         base.update(hotload_api_url=emu.url, account_id="acct", model_id="m", deployment_id="dep",
@@ -86,7 +91,10 @@ def test_thirty_publishes_served_bit_exact(backend: str, tmp_path: Path, request
     else:
         bucket, opts = str(tmp_path / "bucket"), {}
     model = make_model()
-    with HotLoadEmulator(bucket, storage_options=opts, replicas=2, api_key=API_KEY) as emu:
+    base = hf_dir(tmp_path)  # the base model's folder, as on the Hub: config, tokenizer and weights
+    (base / "model.safetensors").write_bytes(save_file({k: RawTensor.from_any(v) for k, v in model.items()}))
+    # every full snapshot must match the base model's config and tensor shapes, one layer per file
+    with HotLoadEmulator(bucket, storage_options=opts, replicas=2, api_key=API_KEY, base_model=base) as emu:
         cfg = config(bucket, emu, tmp_path, storage_options=opts, full_every=10)
         with TensorPublisher(model, cfg) as pub:
             for step in range(30):

@@ -1,0 +1,146 @@
+"""What the emulated service checks in a full snapshot against the model the deployment was created from.
+
+Fireworks validates a full (non-LoRA) snapshot against its base model (protocol §6.2): the snapshot's
+``config.json`` must match the base model's (§2.4 error kinds), its tensors must cover the base model's, and each
+``.safetensors`` file may hold the tensors of one layer only. The emulator applies the same rules when given the
+base model, so a producer that drops a tied ``lm_head``, renames a tensor, or packs two layers into one file fails
+offline in the same way it would fail on a deployment (``stage == "error"``, the deployment keeps its weights).
+
+Example::
+
+    base = BaseModel.from_folder("/models/qwen3-8b")  # config.json + the safetensors headers (no weights read)
+    emu = HotLoadEmulator("/tmp/bucket", base_model=base)
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .arc import ArcError, parse_header
+from .layout import LayoutError, check_layers_per_file
+
+log = logging.getLogger(__name__)
+
+_INDEX = "model.safetensors.index.json"
+
+
+class LoadError(Exception):
+    """A snapshot could not be loaded; the message names the file/tensor and the reason."""
+
+
+@dataclass(frozen=True)
+class BaseModel:
+    """The base model a deployment serves before any hot-load: its config and, optionally, its tensor shapes.
+
+    ``shapes`` is None when only the config is known (a folder with config and tokenizer but no weights): then
+    tensor coverage is not checked. Dtypes are not compared, because the service accepts a bf16 or quantised
+    snapshot of a model whose base weights have another dtype.
+    """
+
+    config: dict[str, Any] | None = None
+    shapes: dict[str, tuple[int, ...]] | None = None
+
+    @classmethod
+    def from_folder(cls, path: str | os.PathLike[str]) -> "BaseModel":
+        """Read ``config.json`` and the tensor names and shapes of a Hugging Face model folder.
+
+        Only the safetensors headers are read, so a folder of a large model loads in milliseconds. The files are
+        those the index names, or every ``*.safetensors`` file when there is no index. Raises ValueError naming
+        the file for a missing or malformed config, index or header, or a tensor found in two files.
+        """
+        folder = os.fspath(path)
+        config = _json_object(os.path.join(folder, "config.json"))
+        index_path = os.path.join(folder, _INDEX)
+        if os.path.isfile(index_path):
+            weight_map = _json_object(index_path).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ValueError(f"{index_path}: 'weight_map' must map tensor names to file names")
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+        if not files:
+            log.info("base model folder %s has no .safetensors files: only its config.json is checked", folder)
+            return cls(config, None)
+        shapes: dict[str, tuple[int, ...]] = {}
+        for fname in files:
+            for name, shape in _header_shapes(os.path.join(folder, fname)).items():
+                if name in shapes:
+                    raise ValueError(f"{folder}: tensor {name!r} appears in more than one .safetensors file")
+                shapes[name] = shape
+        return cls(config, shapes)
+
+
+def _json_object(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            obj = json.loads(fh.read())
+    except FileNotFoundError:
+        raise ValueError(f"{path} does not exist; a base model folder needs config.json") from None
+    except ValueError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return obj
+
+
+def _header_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        head += fh.read(int.from_bytes(head, "little") if len(head) == 8 else 0)
+    try:
+        header = parse_header(head, filename=path, total_size=size)
+    except ArcError as exc:
+        raise ValueError(f"{path}: not a safetensors file we read: {exc}") from None
+    return {name: e.shape for name, e in header.entries.items()}
+
+
+def check_config(config: dict[str, Any], base: dict[str, Any] | None, ignore: list[str], identity: str) -> None:
+    """The server compares the snapshot's config.json with the base model's; same error kinds as the docs."""
+    if base is None:
+        return
+    skip = set(ignore)
+    only_base = sorted(k for k in base if k not in config and k not in skip)
+    only_snap = sorted(k for k in config if k not in base and k not in skip)
+    if only_base:
+        raise LoadError(f"{identity}/config.json: Extra base model config options: {', '.join(only_base)}")
+    if only_snap:
+        raise LoadError(f"{identity}/config.json: Extra snapshot model config options: {', '.join(only_snap)}")
+    for k in sorted(base):
+        if k not in skip and base[k] != config[k]:
+            raise LoadError(f"{identity}/config.json: Config value mismatch for {k}: base {base[k]!r}, "
+                            f"snapshot {config[k]!r}")
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in names[:5]) + (f" (and {len(names) - 5} more)" if len(names) > 5 else "")
+
+
+def check_full_layout(identity: str, weight_map: Mapping[str, str], tensor_map: Mapping[str, Any],
+                      base_shapes: Mapping[str, tuple[int, ...]] | None) -> None:
+    """One layer per file, and (when the base model's shapes are known) the same tensor names and shapes."""
+    files: dict[str, list[str]] = {}
+    for name, fname in weight_map.items():
+        files.setdefault(fname, []).append(name)
+    try:
+        check_layers_per_file(files)
+    except LayoutError as exc:
+        raise LoadError(f"{identity}/{_INDEX}: {exc}; each .safetensors file may hold one layer's tensors") from None
+    if base_shapes is None:
+        return
+    missing = sorted(set(base_shapes) - set(weight_map))
+    if missing:
+        raise LoadError(f"{identity}/{_INDEX}: does not cover the base model: lacks {len(missing)} tensor(s): "
+                        f"{_listed(missing)}")
+    extra = sorted(set(weight_map) - set(base_shapes))
+    if extra:
+        raise LoadError(f"{identity}/{_INDEX}: names {len(extra)} tensor(s) the base model does not have: "
+                        f"{_listed(extra)}")
+    for name in sorted(weight_map):
+        if tuple(tensor_map[name]["shape"]) != tuple(base_shapes[name]):
+            raise LoadError(f"{identity}/model.weight.spec.json: tensor {name!r} has shape "
+                            f"{list(tensor_map[name]['shape'])}, the base model's is {list(base_shapes[name])}")
