@@ -68,7 +68,9 @@ class HotloadConfig(BaseModel):
                                                    "'accounts/fireworks/models/<m>'); a bare name means a model "
                                                    "of account_id")
     deployment_id: str | list[str] | None = Field(None, description="one deployment or a list (several pools "
-                                                                    "reading the same bucket)")
+                                                                    "reading the same bucket); a snapshot is signalled "
+                                                                    "to all at once and counts as served when every "
+                                                                    "one serves it")
     api_key: SecretStr | None = Field(None, description="defaults to $FIREWORKS_API_KEY; never logged")
     hotload_api_headers: dict[str, str] = Field(default_factory=dict, description="extra headers on every "
                                                 "hot-load request, e.g. a private gateway's secret; they override "

@@ -22,6 +22,7 @@ Example::
 """
 from __future__ import annotations
 
+import email.utils
 import http.client
 import ipaddress
 import json
@@ -193,13 +194,18 @@ class _Headers(dict):  # type: ignore[type-arg]
 
 
 def _retry_after(headers: Mapping[str, str]) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header: delay-seconds or an HTTP date (RFC 9110 §10.2.3)."""
     value = headers.get("retry-after")
     if value is None:
         return None
     try:
         return max(0.0, float(value))
     except ValueError:
+        pass
+    parsed = email.utils.parsedate_tz(value)
+    if parsed is None:
         return None
+    return max(0.0, email.utils.mktime_tz(parsed) - time.time())
 
 
 # ---------------------------------------------------------------------------------------------------- client
@@ -517,7 +523,8 @@ class HotLoadClient:
         error stage for ``identity``.
 
         Transient poll failures are logged and polled through (the load goes on server-side meanwhile);
-        400/401/403/404 and unreadable responses are raised at once because waiting cannot fix them.
+        400/401/403 and unreadable responses are raised at once because waiting cannot fix them, and so is a 404
+        while waiting for the manager (``identity`` None), which is how a wrong deployment or URL shows.
         """
         if identity is not None:
             validate_identity(identity)
@@ -533,7 +540,9 @@ class HotLoadClient:
             except HotLoadResponseError:
                 raise
             except HotLoadError as exc:
-                if exc.status_code in _FATAL_POLL_STATUS:
+                # A 404 once a signal was accepted is the route lagging (the reference client polls through it);
+                # before one (the manager wait) it is the misconfiguration its hint names.
+                if exc.status_code in _FATAL_POLL_STATUS and not (exc.status_code == 404 and identity is not None):
                     raise
                 last_error = str(exc)
                 log.warning("status poll for %r failed: %s", identity, last_error)

@@ -1,6 +1,7 @@
 """HotLoadClient against a real scripted HTTP server on loopback."""
 from __future__ import annotations
 
+import email.utils
 import json
 import logging
 import socket
@@ -386,6 +387,39 @@ def test_wait_ready_polls_through_transient_errors_but_not_auth(server: tuple[st
     with pytest.raises(HotLoadError) as info:
         make_client(url).wait_ready("s1", timeout_s=10)
     assert info.value.status_code == 401
+
+
+def test_404_is_polled_through_after_a_signal_but_not_before(server: tuple[str, Scripted]) -> None:
+    """Once a signal was accepted the deployment exists, so a 404 on status is a route catching up (the reference
+    client polls through it); in the manager wait before any signal it is a wrong URL or deployment."""
+    url, script = server
+    script.push(404, {"error": "no route"})
+    script.push(404, {"error": "no route"})
+    script.default = (200, status_body(("s1", True, "done", "s1")), {})
+    assert make_client(url).wait_ready("s1", timeout_s=10).is_ready("s1")
+    script.push(404, {"error": "no route"})
+    with pytest.raises(HotLoadError, match="no route") as info:
+        make_client(url).wait_manager(timeout_s=10)
+    assert info.value.status_code == 404 and "deployment_id" in (info.value.hint or "")
+    script.default = (404, {"error": "no route"}, {})
+    with pytest.raises(HotLoadTimeout, match="last error: .*404: no route"):
+        make_client(url).wait_ready("s1", timeout_s=0.3)
+
+
+def test_retry_after_in_seconds_or_as_an_http_date_is_a_floor(server: tuple[str, Scripted]) -> None:
+    url, script = server
+    client = make_client(url, backoff_max_s=5)
+    for as_date in (False, True):
+        value = email.utils.formatdate(time.time() + 2, usegmt=True) if as_date else "1"
+        script.push(503, {"error": "busy"}, {"Retry-After": value})
+        t0 = time.monotonic()
+        assert client.signal(f"s-{len(script.requests)}") == {"status": "ok"}
+        assert time.monotonic() - t0 >= 0.9, f"Retry-After {value!r} was not honoured"
+    script.push(503, {"error": "busy"}, {"Retry-After": "soon"})  # unreadable: the backoff alone applies
+    script.push(503, {"error": "busy"}, {"Retry-After": email.utils.formatdate(time.time() - 60, usegmt=True)})
+    t0 = time.monotonic()
+    assert client.signal("s-last") == {"status": "ok"}
+    assert time.monotonic() - t0 < 0.9
 
 
 def test_unrecognized_status_format(server: tuple[str, Scripted]) -> None:

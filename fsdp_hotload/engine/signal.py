@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..config import HotloadConfig
 from .pool import DaemonPool
@@ -74,32 +74,48 @@ class Signaller:
 
     def signal_and_wait(self, identity: str, previous: str | None) -> float:
         """Signal every deployment, then wait for all; returns seconds spent waiting for readiness. Before the
-        first signal to a deployment, wait until it reports a replica (a signal before that can crash it)."""
+        first signal to a deployment, wait until it reports a replica (a signal before that can crash it).
+
+        Each phase runs on every deployment at once: a signal may retry for minutes, and one deployment after
+        another, stalled signals could outlast the side group's timeout the other ranks wait under."""
         new = [c for c in self.clients if c.deployment_name not in self._managers_up]
         if new:
             wait_s = min(MANAGER_WAIT_S, self.ready_timeout_s)
-            for c, f in [(c, self._pool.submit(c.wait_manager, timeout_s=wait_s)) for c in new]:
-                f.result()
-                self._managers_up.add(c.deployment_name)
-        for c in self.clients:
-            prev = self.served[c.deployment_name] if previous is not None else None
-            if previous is not None and prev != previous:
-                raise RuntimeError(f"deployment {c.deployment_name} serves {prev!r}, not the delta's parent "
-                                   f"{previous!r}; a full snapshot is needed")
-            c.signal(identity, previous_identity=prev, reset_prompt_cache=self.reset_prompt_cache,
-                     compression_format=self.compression_format)
+            failed = self._on_each(new, lambda c: c.wait_manager(timeout_s=wait_s))
+            self._managers_up.update(c.deployment_name for c in new if c.deployment_name not in failed)
+            _raise(failed)
+        if previous is not None:  # every chain is checked before any deployment is signalled
+            for c in self.clients:
+                if self.served[c.deployment_name] != previous:
+                    raise RuntimeError(f"deployment {c.deployment_name} serves {self.served[c.deployment_name]!r}, "
+                                       f"not the delta's parent {previous!r}; a full snapshot is needed")
+        _raise(self._on_each(self.clients, lambda c: c.signal(
+            identity, previous_identity=previous, reset_prompt_cache=self.reset_prompt_cache,
+            compression_format=self.compression_format)))
         t0 = time.perf_counter()
-        futures = [self._pool.submit(c.wait_ready, identity, timeout_s=self.ready_timeout_s) for c in self.clients]
-        errors = []
-        for c, f in zip(self.clients, futures):
+        failed = self._on_each(self.clients, lambda c: c.wait_ready(identity, timeout_s=self.ready_timeout_s))
+        for c in self.clients:
+            if c.deployment_name not in failed:
+                self.served[c.deployment_name] = identity
+        _raise(failed)
+        return time.perf_counter() - t0
+
+    def _on_each(self, clients: list[Any], fn: Callable[[Any], Any]) -> dict[str, str]:
+        """Run ``fn`` on every client at once in the pool and wait for all; returns {deployment: error} of those
+        that failed."""
+        futures = [(c, self._pool.submit(fn, c)) for c in clients]
+        failed: dict[str, str] = {}
+        for c, f in futures:
             try:
                 f.result()
-                self.served[c.deployment_name] = identity
             except Exception as exc:  # noqa: BLE001 - collected: every deployment is waited for
-                errors.append(f"{c.deployment_name}: {exc}")
-        if errors:
-            raise RuntimeError("; ".join(errors))
-        return time.perf_counter() - t0
+                failed[c.deployment_name] = str(exc)
+        return failed
 
     def close(self) -> None:
         self._pool.shutdown()
+
+
+def _raise(failed: dict[str, str]) -> None:
+    if failed:
+        raise RuntimeError("; ".join(f"{name}: {error}" for name, error in failed.items()))

@@ -1,0 +1,101 @@
+"""The signaller drives several deployments at once, against a real HTTP server that sees the overlap."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from fsdp_hotload.engine.signal import Signaller
+from fsdp_hotload.fireworks import HotLoadClient
+
+DEPLOYMENTS = ("d1", "d2", "d3")
+
+
+class Fleet:
+    """Each POST is held until every deployment's POST has arrived (or 3 s pass): signals sent one after another
+    would each wait out the hold, signals sent together pass at once. ``refuse`` names deployments answered 409."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.arrived: dict[str, int] = {}  # identity -> POSTs seen
+        self.most_at_once = 0
+        self.in_flight = 0
+        self.serving: dict[str, str] = {}
+        self.refuse: set[str] = set()
+
+    def post(self, deployment: str, identity: str) -> int:
+        with self.cond:
+            self.in_flight += 1
+            self.most_at_once = max(self.most_at_once, self.in_flight)
+            self.arrived[identity] = self.arrived.get(identity, 0) + 1
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.arrived[identity] >= len(DEPLOYMENTS), timeout=3)
+            self.in_flight -= 1
+            if deployment in self.refuse:
+                return 409
+            self.serving[deployment] = identity
+            return 200
+
+
+@pytest.fixture
+def fleet() -> Iterator[tuple[str, Fleet]]:
+    state = Fleet()
+
+    class Handler(BaseHTTPRequestHandler):
+        def _reply(self, status: int, body: Any) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_POST(self) -> None:  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            deployment = self.headers["fireworks-deployment"].rsplit("/", 1)[-1]
+            status = state.post(deployment, body["identity"])
+            self._reply(status, {"status": "ok"} if status == 200 else {"error": {"message": "refused"}})
+
+        def do_GET(self) -> None:  # noqa: N802
+            current = state.serving.get(self.headers["fireworks-deployment"].rsplit("/", 1)[-1])
+            self._reply(200, {"replicas": [{"current_snapshot_identity": current, "readiness": True,
+                                            "loading_state": {"stage": "done"}}]})
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", state
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_deployments_are_signalled_at_once_and_each_failure_is_named(fleet: tuple[str, Fleet]) -> None:
+    """One deployment after another, N stalled signals take N retry budgets, which can outlast the side group's
+    timeout the other ranks wait under; at once they take one."""
+    url, state = fleet
+    clients = [HotLoadClient(url, account_id="a", model_id="m", deployment_id=d, api_key="k", poll_interval_s=0.02,
+                             retry_budget_s=5) for d in DEPLOYMENTS]
+    sig = Signaller(clients, ready_timeout_s=10)
+    try:
+        t0 = time.monotonic()
+        sig.signal_and_wait("s1", None)
+        assert state.most_at_once == len(DEPLOYMENTS) and time.monotonic() - t0 < 3
+        assert sig.served == {f"accounts/a/deployments/{d}": "s1" for d in DEPLOYMENTS}
+
+        state.refuse = {"d2"}
+        with pytest.raises(RuntimeError, match=r"^accounts/a/deployments/d2: .*refused") as info:
+            sig.signal_and_wait("s2", "s1")
+        assert "d1" not in str(info.value) and "d3" not in str(info.value)
+        assert state.serving == {"d1": "s2", "d2": "s1", "d3": "s2"}  # the others were signalled all the same
+        with pytest.raises(RuntimeError, match="serves 's1', not the delta's parent 's2'"):
+            sig.signal_and_wait("s3", "s2")  # d1 and d3 accepted s2 but were not waited for: a full is needed
+        assert state.arrived.get("s3") is None, "no deployment is signalled when any chain is broken"
+    finally:
+        sig.close()
