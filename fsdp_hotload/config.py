@@ -165,6 +165,14 @@ class HotloadConfig(BaseModel):
             raise ValueError(f"bucket_url {v!r} names no folder or bucket")
         return root
 
+    @field_validator("hotload_api_url")
+    @classmethod
+    def _url_given(cls, v: str | None) -> str | None:
+        """An unset shell variable gives '', which used to turn signalling off in silence."""
+        if v is not None and not v.strip():
+            raise ValueError("hotload_api_url is empty; leave it unset to publish without signalling")
+        return v
+
     @field_validator("hf_config_dir", "metrics_path")
     @classmethod
     def _home(cls, v: str | None) -> str | None:
@@ -178,7 +186,7 @@ class HotloadConfig(BaseModel):
         for name, value in super().__repr_args__():
             if name == "hotload_api_headers":
                 value = {k: "**********" for k in value}
-            yield name, (_masked(value) if name == "storage_options" else value)
+            yield name, (mask_secrets(value) if name == "storage_options" else value)
 
     @model_validator(mode="after")
     def _signalling_complete(self) -> "HotloadConfig":
@@ -222,6 +230,13 @@ class HotloadConfig(BaseModel):
         ValueError: a misspelt setting would otherwise be ignored in silence. Errors name the variables, not only
         the fields.
         """
+        return cls.from_env_under(overrides, prefix=prefix)
+
+    @classmethod
+    def from_env_under(cls, overrides: dict[str, Any], *, prefix: str = ENV_PREFIX,
+                       name_of: Callable[[str], str] = str, source: str = "") -> "HotloadConfig":
+        """:meth:`from_env` where ``overrides`` come from elsewhere (``source``, e.g. command-line flags) and
+        errors call a field that is not a variable ``name_of(field)``; ValueError for every problem."""
         variables = {prefix + name.upper(): name for name in cls.model_fields}
         unknown = sorted(k for k in os.environ if prefix and k.startswith(prefix) and k not in variables
                          and k not in NON_CONFIG_ENV)
@@ -241,17 +256,18 @@ class HotloadConfig(BaseModel):
         try:
             return cls(**values)
         except ValidationError as exc:
-            names = error_names(exc, lambda f: prefix + f.upper() if f in env_fields else f)
-            raise ValueError(f"invalid hotload settings from {prefix}* environment variables "
+            names = error_names(exc, lambda f: prefix + f.upper() if f in env_fields else name_of(f))
+            raise ValueError(f"invalid hotload settings from {source or prefix + '* environment variables'} "
                              f"({names or 'see below'}):\n{exc}") from None
 
 
-def _masked(value: Any) -> Any:
+def mask_secrets(value: Any) -> Any:
+    """``value`` with every credential-looking entry of a nested dict (secret, token, password, ``*key``) masked."""
     if isinstance(value, dict):
-        return {k: "**********" if isinstance(k, str) and _SECRET_OPTION.search(k) and v is not None else _masked(v)
+        return {k: "**********" if isinstance(k, str) and _SECRET_OPTION.search(k) and v is not None else mask_secrets(v)
                 for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_masked(v) for v in value)
+        return type(value)(mask_secrets(v) for v in value)
     return value
 
 
@@ -271,14 +287,17 @@ def parse_setting(text: str, annotation: Any) -> Any:
     JSON is decoded only where the field's type needs it: for list and dict fields, and for text starting with
     ``[``, ``{`` or ``"`` (a list of deployments, a quoted string). Other text stays the string it is, so an id
     such as ``12345`` or ``true`` reaches a string field unchanged; pydantic converts numbers and booleans when
-    it validates. ``null`` is None where the field accepts None. Raises ValueError for bad JSON in a list or
-    dict field.
+    it validates. ``null`` is None where the field accepts None. Raises ValueError for bad JSON, or ``null``,
+    in a list or dict field.
     """
     members = _union_members(annotation)
     stripped = text.strip()
-    if stripped == "null" and type(None) in members:
-        return None
     json_only = all(m in (list, dict) or get_origin(m) in (list, dict) for m in members if m is not type(None))
+    if stripped == "null":
+        if type(None) in members:
+            return None
+        if json_only:
+            raise ValueError("null is not a value of this field; leave it unset for its default")
     if not json_only and stripped[:1] not in ("[", "{", '"'):
         return text
     try:
@@ -290,8 +309,15 @@ def parse_setting(text: str, annotation: Any) -> Any:
 
 
 def error_names(exc: ValidationError, name: Callable[[str], str]) -> str:
-    """The fields a validation error is about, each once (a union fails once per member), spelt ``name(field)``."""
-    return ", ".join(dict.fromkeys(name(str(e["loc"][0])) for e in exc.errors() if e.get("loc")))
+    """The fields a validation error is about, each once (a union fails once per member), spelt ``name(field)``.
+    A check of several fields together has no location, so the fields its message names are taken."""
+    fields: list[str] = []
+    for e in exc.errors():
+        if e.get("loc"):
+            fields.append(str(e["loc"][0]))
+        else:
+            fields += [f for f in HotloadConfig.model_fields if re.search(rf"\b{f}\b", str(e.get("msg", "")))]
+    return ", ".join(dict.fromkeys(name(f) for f in fields))
 
 
 def _unknown_env_message(unknown: list[str], known: list[str], prefix: str) -> str:

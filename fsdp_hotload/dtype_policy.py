@@ -5,7 +5,9 @@ tensors in fp32 on purpose (DeepSeek-V3 stores its MoE router bias, ``mlp.gate.e
 fp32), and rounding those to bf16 changes the policy the fleet serves (here: which experts a token reaches).
 ``dtype_overrides`` maps globs on the published (Hugging Face) name to a dtype, or to ``"keep"`` for the
 trainer's own dtype. The first matching glob wins; tensors no glob matches get ``snapshot_dtype``. Integer and
-bool tensors always keep their dtype.
+bool tensors always keep their dtype, and so do 8-bit floats unless a glob names them: they are quantised weights,
+whose values mean something only with their scales and the config's ``quantization_config`` (which is dropped
+from snapshots without quantised tensors), so a silent cast to bf16 would publish a different model.
 
 Example::
 
@@ -84,7 +86,9 @@ class DtypePolicy:
             raise ValueError(f"tensor {name!r} has dtype {dtype}, which snapshots cannot hold") from None
         if not dtype.is_floating_point:
             return source
-        target = next((c for p, c in self.overrides if fnmatch.fnmatchcase(name, p)), self.default)
+        target = next((c for p, c in self.overrides if fnmatch.fnmatchcase(name, p)), None)
+        if target is None:
+            return source if itemsize(source) < 2 else self.default  # quantised weights keep their format
         return source if target == KEEP else target
 
     def notes(self, sources: Mapping[str, torch.dtype]) -> list[str]:
@@ -107,4 +111,11 @@ class DtypePolicy:
             out.append(f"{len(names)} {torch_name(source)} tensor(s) ({names[0]!r}{more}) are published as "
                        f"{torch_name(target)}, a lossy change of format; set snapshot_dtype={torch_name(source)!r} "
                        "(or a dtype_overrides entry) to publish them as trained")
+        quantised = [n for n in floating if itemsize(self.code(n, sources[n])) < 2]
+        scales = [n for n in floating if "scale" in n.rsplit(".", 1)[-1] and n not in quantised
+                  and self.code(n, sources[n]) != code_from_name(str(sources[n]))]
+        if quantised and scales:
+            out.append(f"{len(quantised)} 8-bit tensor(s) are published as quantised weights, but {len(scales)} "
+                       f"scale tensor(s) ({scales[0]!r}{' and more' if len(scales) > 1 else ''}) are cast to "
+                       f"another dtype; add dtype_overrides {{'*scale*': 'keep'}} to publish them as trained")
         return out

@@ -99,9 +99,9 @@ def plan_names(
     that share a tensor (tied weights, a module reachable by two paths) have equal keys. Returns
     ``(published name, index of the slot it comes from)`` in slot order.
 
-    Tied tensors follow the HF convention: with ``tie_word_embeddings=True`` a shared tensor is published
-    once, under its first name that is not an ``lm_head.weight`` (the input embedding), and the output name is
-    omitted; with False or None every name is published, each from the same data.
+    Tied tensors follow the HF convention: with ``tie_word_embeddings=True`` the ``lm_head.weight`` name of a
+    tensor shared with the input embedding is omitted (an ``lm_head`` shared with nothing is an error); every
+    other name is published, each from its tensor's data, as with False or None.
     """
     named: list[tuple[str, int]] = []
     for i, (raw, _key) in enumerate(slots):
@@ -109,33 +109,30 @@ def plan_names(
         if out is not None:
             named.append((out, i))
 
-    slots_per_key: dict[Hashable, int] = {}
-    for _raw, key in slots:
-        slots_per_key[key] = slots_per_key.get(key, 0) + 1
     by_key: dict[Hashable, list[tuple[str, int]]] = {}
     for out, i in named:
         by_key.setdefault(slots[i][1], []).append((out, i))
 
     keep: set[int] = set()
-    for key, group in by_key.items():
+    for group in by_key.values():
         # Names that point at the same tensor twice (same module under two paths, renamed alike) collapse.
         distinct: dict[str, int] = {}
         for out, i in group:
             distinct.setdefault(out, i)
-        if tie_word_embeddings and len(distinct) > 1:
+        outputs = [n for n in distinct if is_tied_output(n)]
+        if tie_word_embeddings and outputs:
+            # Only the output projection is left out (the receiver ties it to the input embedding); any other
+            # name sharing a tensor is published as it is without tying.
             inputs = [n for n in distinct if not is_tied_output(n)]
-            chosen = inputs[0] if inputs else next(iter(distinct))
-            keep.add(distinct[chosen])
+            if not inputs:
+                raise ValueError(
+                    f"tie_word_embeddings=True but {outputs[0]!r} is a tensor of its own, not shared with the "
+                    "input embedding; publishing without it would lose weights. Pass tie_word_embeddings=False "
+                    "(or None), or tie the weights in the model."
+                )
+            keep.update(distinct[n] for n in inputs)
         else:
             keep.update(distinct.values())
-        if tie_word_embeddings and slots_per_key[key] == 1:
-            (only,) = distinct
-            if is_tied_output(only):
-                raise ValueError(
-                    f"tie_word_embeddings=True but {only!r} is a tensor of its own, not shared with the input "
-                    "embedding; publishing without it would lose weights. Pass tie_word_embeddings=False (or "
-                    "None), or tie the weights in the model."
-                )
 
     result = [(out, i) for out, i in named if i in keep]
     seen: dict[str, int] = {}

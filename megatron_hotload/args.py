@@ -4,58 +4,104 @@ Each config field becomes ``--hotload-<field-with-dashes>``; booleans become ``-
 Values are read exactly like ``HOTLOAD_*`` environment variables (:func:`fsdp_hotload.config.parse_setting`):
 JSON for lists and dicts, or text starting with ``[``, ``{`` or ``"``; anything else stays a string, so
 ``--hotload-deployment-id 12345`` is the id ``"12345"``. Defaults are left to the config (flags default to None),
-so the validation and the error messages are the config's own.
+so the validation and the error messages are the config's own. ``HOTLOAD_*`` variables fill in what the flags
+leave unset.
+
+Secrets are not flags: Megatron prints every argument on rank 0 and saves them in its checkpoints, so the API
+key and the API headers come from the environment (``FIREWORKS_API_KEY`` or ``HOTLOAD_API_KEY``,
+``HOTLOAD_HOTLOAD_API_HEADERS``), and ``--hotload-storage-options`` refuses credential entries (use
+``HOTLOAD_STORAGE_OPTIONS`` or the provider's own credential chain).
 """
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+import os
+import types
+from typing import Any, Callable, Literal, Union, get_args, get_origin
 
-from pydantic import ValidationError
+from pydantic_core import PydanticUndefined
 
-from fsdp_hotload.config import HotloadConfig, error_names, parse_setting
+from fsdp_hotload.config import ENV_PREFIX, HotloadConfig, mask_secrets, parse_setting
 
 PREFIX = "hotload"
+#: Fields with no flag: their values would be printed in Megatron's argument dump and stored in checkpoints.
+SECRET_FIELDS: tuple[str, ...] = ("api_key", "hotload_api_headers")
 
 
 def flag_name(field: str) -> str:
     return f"--{PREFIX}-{field.replace('_', '-')}"
 
 
-def _converter(annotation: Any) -> Callable[[str], Any]:
+def _setting_name(field: str) -> str:
+    """How a user sets ``field`` on this path: its flag, or its variable for a secret."""
+    return ENV_PREFIX + field.upper() if field in SECRET_FIELDS else flag_name(field)
+
+
+def _converter(name: str, annotation: Any) -> Callable[[str], Any]:
     """The argparse ``type`` of a field: the config's own text rule, bad JSON reported against the flag."""
     def convert(text: str) -> Any:
         try:
-            return parse_setting(text, annotation)
+            value = parse_setting(text, annotation)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
+        if name == "storage_options" and mask_secrets(value) != value:
+            raise argparse.ArgumentTypeError(
+                "holds credentials, which Megatron would print and save in its checkpoints; pass them in "
+                f"{ENV_PREFIX}STORAGE_OPTIONS or the storage provider's own credential chain instead")
+        return value
     return convert
 
 
+def _help(name: str) -> str:
+    field = HotloadConfig.model_fields[name]
+    text = field.description or name
+    union = get_origin(field.annotation) in (Union, types.UnionType)
+    members = get_args(field.annotation) if union else (field.annotation,)
+    choices = [a for m in members if get_origin(m) is Literal for a in get_args(m)]
+    if choices:
+        text += f"; one of {', '.join(map(str, choices))}"
+    default = field.get_default(call_default_factory=True)
+    if default is not PydanticUndefined and default not in (None, {}, []):
+        text += f" (default: {default})"
+    return text.replace("%", "%%")
+
+
 def add_hotload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add one flag per HotloadConfig field (in an argument group), help text from the field description."""
-    group = parser.add_argument_group("hotload", "publish weights to a remote rollout fleet (fsdp_hotload)")
+    """Add one flag per HotloadConfig field but the secrets (in an argument group), help from the field
+    description, with its choices and default."""
+    group = parser.add_argument_group(
+        "hotload", "publish weights to a remote rollout fleet (fsdp_hotload); HOTLOAD_* variables fill in the "
+        f"flags not given, and the secrets come only from them: {', '.join(map(_setting_name, SECRET_FIELDS))}")
     for name, field in HotloadConfig.model_fields.items():
-        help_text = (field.description or name).replace("%", "%%")
+        if name in SECRET_FIELDS:
+            continue
         if field.annotation is bool:
             group.add_argument(flag_name(name), dest=f"{PREFIX}_{name}", default=None,
-                               action=argparse.BooleanOptionalAction, help=help_text)
+                               action=argparse.BooleanOptionalAction, help=_help(name))
             continue
         group.add_argument(flag_name(name), dest=f"{PREFIX}_{name}", default=None,
-                           type=_converter(field.annotation), help=help_text)
+                           type=_converter(name, field.annotation), help=_help(name))
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> HotloadConfig | None:
-    """The config from parsed flags, or None when ``--hotload-bucket-url`` is absent (publishing off).
+    """The config from parsed flags and ``HOTLOAD_*`` variables (flags win), or None when neither
+    ``--hotload-bucket-url`` nor ``HOTLOAD_BUCKET_URL`` is set (publishing off).
 
-    A flag given as ``null`` counts as not given, i.e. the field's default (None wherever ``null`` is accepted).
+    A flag given as ``null`` counts as not given: the variable's value, else the field's default. Raises
+    SystemExit naming the flags and variables at fault, and ValueError when ``args`` has no hotload flags at
+    all (the parser never had :func:`add_hotload_args`, or Megatron's ``--yaml-cfg`` replaced the arguments).
     """
+    if not hasattr(args, f"{PREFIX}_bucket_url"):
+        raise ValueError("these arguments have no --hotload-* flags: pass megatron_hotload.add_hotload_args as "
+                         "Megatron's extra_args_provider (with --yaml-cfg, set HOTLOAD_* variables and call "
+                         "HotloadConfig.from_env() instead)")
     values = {name: getattr(args, f"{PREFIX}_{name}") for name in HotloadConfig.model_fields
               if getattr(args, f"{PREFIX}_{name}", None) is not None}
-    if "bucket_url" not in values:
+    if "bucket_url" not in values and ENV_PREFIX + "BUCKET_URL" not in os.environ:
         return None
     try:
-        return HotloadConfig(**values)
-    except ValidationError as exc:
-        raise SystemExit(f"invalid hotload flags ({error_names(exc, flag_name) or 'see below'}):\n{exc}") from None
+        return HotloadConfig.from_env_under(values, name_of=_setting_name,
+                                               source=f"--{PREFIX}-* flags and {ENV_PREFIX}* variables")
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None

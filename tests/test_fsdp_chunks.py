@@ -56,6 +56,13 @@ def test_plan_names_tie_rename_and_collisions() -> None:
     assert drop_norm == [("x.model.embed_tokens.weight", 0), ("x.lm_head.weight", 2)]
     with pytest.raises(ValueError, match="separate|of its own"):
         plan_names([("model.embed_tokens.weight", "E"), ("lm_head.weight", "L")], tie_word_embeddings=True)
+    # an lm_head registered twice under one name is still a tensor of its own
+    with pytest.raises(ValueError, match="of its own"):
+        plan_names([("model.embed_tokens.weight", "E"), ("lm_head.weight", "L"), ("lm_head.weight", "L")],
+                   tie_word_embeddings=True)
+    # tying leaves out lm_head only: two other modules sharing one tensor both keep their names, as untied
+    shared = [("model.embed_tokens.weight", "E"), ("a.w", "S"), ("b.w", "S"), ("lm_head.weight", "E")]
+    assert plan_names(shared, tie_word_embeddings=True) == [("model.embed_tokens.weight", 0), ("a.w", 1), ("b.w", 2)]
     with pytest.raises(ValueError, match="'w'.*'model.embed_tokens.weight'.*'model.norm.weight'"):
         plan_names(slots, rename=lambda n: "w")
     with pytest.raises(ValueError, match="non-empty str"):

@@ -39,3 +39,38 @@ def test_published_snapshot_config_drops_an_unbacked_fp8_quantization_config(tmp
     (written,) = (tmp_path / "bucket").glob("*/config.json")
     config = json.loads(written.read_text())
     assert "quantization_config" not in config and config["model_type"] == "deepseek_v3"
+
+
+def test_fp8_weights_are_published_as_fp8_with_their_quantization_config(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """8-bit floats are quantised weights: cast to bf16 by default they lost their meaning (the scales still
+    applied) and the config's quantization_config was dropped, so the fleet served a different model."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(FP8_BASE))
+    fp8 = (torch.randn(8, 4) * 4).to(torch.float8_e4m3fn)
+    model = {"model.layers.0.mlp.up_proj.weight": fp8, "model.layers.0.mlp.up_proj.weight_scale_inv":
+             torch.tensor([[0.013671875]]), "model.norm.weight": torch.ones(4)}
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        pub = TensorPublisher(model, HotloadConfig(bucket_url=str(tmp_path / "bucket"), hf_config_dir=str(hf)))
+    assert "'*scale*': 'keep'" in caplog.text  # the fp32 scale would be cast to bf16 without an override
+    pub.publish(0, model)
+    pub.close()
+    (folder,) = (tmp_path / "bucket").glob("step-*")
+    assert json.loads((folder / "config.json").read_text())["quantization_config"] == FP8_BASE["quantization_config"]
+    spec = json.loads((folder / "model.weight.spec.json").read_text())["tensor_map"]
+    assert spec["model.layers.0.mlp.up_proj.weight"]["dtype"] == "float8_e4m3fn"
+    from safetensors.torch import load_file
+
+    weights = {}
+    for f in folder.glob("*.safetensors"):
+        weights.update(load_file(str(f)))
+    assert weights["model.layers.0.mlp.up_proj.weight"].view(torch.uint8).equal(fp8.view(torch.uint8))
+    kept = TensorPublisher(model, HotloadConfig(bucket_url=str(tmp_path / "b2"), hf_config_dir=str(hf),
+                                                dtype_overrides={"*scale*": "keep", "*.up_proj.weight": "bfloat16"}))
+    kept.publish(0, model)
+    kept.close()
+    (folder,) = (tmp_path / "b2").glob("step-*")
+    spec = json.loads((folder / "model.weight.spec.json").read_text())["tensor_map"]
+    assert spec["model.layers.0.mlp.up_proj.weight_scale_inv"]["dtype"] == "float32"
+    assert spec["model.layers.0.mlp.up_proj.weight"]["dtype"] == "bfloat16"  # a glob that names them wins

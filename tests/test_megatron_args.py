@@ -15,16 +15,18 @@ from pydantic import ValidationError
 
 from fsdp_hotload.config import HotloadConfig
 from megatron_hotload import add_hotload_args, config_from_args, flag_name
+from megatron_hotload.args import SECRET_FIELDS
 
 
 def parser() -> argparse.ArgumentParser:
     return add_hotload_args(argparse.ArgumentParser())
 
 
-def test_every_field_has_a_flag() -> None:
+def test_every_field_but_the_secrets_has_a_flag() -> None:
     flags = {a for action in parser()._actions for a in action.option_strings}
     for name in HotloadConfig.model_fields:
-        assert flag_name(name) in flags, name
+        assert (flag_name(name) in flags) == (name not in SECRET_FIELDS), name
+    assert set(SECRET_FIELDS) == {"api_key", "hotload_api_headers"}
 
 
 def test_round_trip() -> None:
@@ -45,7 +47,7 @@ def _flags_of(cfg: HotloadConfig) -> list[str]:
     argv: list[str] = []
     for name in HotloadConfig.model_fields:
         value = getattr(cfg, name)
-        if value is None:
+        if value is None or name in SECRET_FIELDS:
             continue
         if isinstance(value, bool):
             argv.append(flag_name(name) if value else f"--no-{flag_name(name)[2:]}")
@@ -56,8 +58,12 @@ def _flags_of(cfg: HotloadConfig) -> list[str]:
 
 
 @pytest.mark.parametrize("deployment_id", ["12345", "true", "1e3", "NaN", "dep-1", ["12345", "b"]])
-def test_every_field_round_trips_through_its_flag(deployment_id: Any, tmp_path: Path) -> None:
-    cfg = HotloadConfig(
+def test_every_field_round_trips_through_its_flag(deployment_id: Any, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every field through its flag, the secrets through their variables."""
+    monkeypatch.setenv("HOTLOAD_API_KEY", "12")
+    monkeypatch.setenv("HOTLOAD_HOTLOAD_API_HEADERS", '{"x-gateway-secret": "s"}')
+    cfg = HotloadConfig(hotload_api_headers={"x-gateway-secret": "s"}, 
         bucket_url="s3://b/p", storage_options={"endpoint_url": "http://x", "n": 3}, upload_concurrency=3,
         max_file_bytes=123456, keep_last=4, hf_config_dir=str(tmp_path), hotload_api_url="https://api.fireworks.ai",
         account_id="007", model_id="false", deployment_id=deployment_id, api_key="12", ready_timeout_s=5.5,
@@ -91,7 +97,8 @@ def test_bad_value_names_the_flag() -> None:
 
 def test_a_union_field_is_named_once() -> None:
     args = parser().parse_args(["--hotload-bucket-url", "/tmp/b", "--hotload-deployment-id", "[1, 2]"])
-    with pytest.raises(SystemExit, match=r"^invalid hotload flags \(--hotload-deployment-id\):"):
+    with pytest.raises(SystemExit, match=r"^invalid hotload settings from --hotload-\* flags and HOTLOAD_\* "
+                                         r"variables \(--hotload-deployment-id\):"):
         config_from_args(args)
 
 
@@ -180,12 +187,15 @@ def test_secrets_never_reach_an_error_or_a_repr(capsys: pytest.CaptureFixture[st
     with pytest.raises(ValidationError) as info:
         HotloadConfig(**secret)
     assert "account_id, model_id, deployment_id must be set" in str(info.value)
-    parser = add_hotload_args(argparse.ArgumentParser())
-    args = parser.parse_args(["--hotload-bucket-url", "s3://b/p", "--hotload-hotload-api-url", "https://x",
-                              "--hotload-api-key", "fw_TOPSECRET",
-                              "--hotload-storage-options", json.dumps(secret["storage_options"])])
-    with pytest.raises(SystemExit) as exit_info:
-        config_from_args(args)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HOTLOAD_API_KEY", "fw_TOPSECRET")
+        env.setenv("HOTLOAD_STORAGE_OPTIONS", json.dumps(secret["storage_options"]))
+        args = parser().parse_args(["--hotload-bucket-url", "s3://b/p", "--hotload-hotload-api-url", "https://x"])
+        with pytest.raises(SystemExit) as exit_info:
+            config_from_args(args)
+    # a check of several fields names each field the way it is set here
+    assert ("(--hotload-hotload-api-url, --hotload-account-id, --hotload-model-id, --hotload-deployment-id)"
+            in str(exit_info.value))
     cfg = HotloadConfig(**{**secret, "hotload_api_url": None})
     for text in (str(info.value), str(exit_info.value), repr(cfg), str(cfg)):
         assert "TOPSECRET" not in text, text
@@ -201,3 +211,58 @@ def test_secrets_never_reach_an_error_or_a_repr(capsys: pytest.CaptureFixture[st
 def test_values_that_would_fail_later_are_refused_here(field: str, value: Any, match: str) -> None:
     with pytest.raises(ValidationError, match=match):
         HotloadConfig(**{"bucket_url": "b", field: value})
+
+
+def test_secrets_are_not_flags_because_megatron_prints_and_saves_its_arguments(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Megatron prints every argument on rank 0 and pickles them into each checkpoint."""
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--hotload-bucket-url", "/tmp/b", "--hotload-api-key", "fw_TOPSECRET"])
+    assert "unrecognized arguments: --hotload-api-key" in capsys.readouterr().err
+    creds = json.dumps({"endpoint_url": "http://minio:9000", "secret": "S3_TOPSECRET"})
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--hotload-storage-options", creds])
+    err = capsys.readouterr().err
+    assert "--hotload-storage-options: holds credentials" in err and "HOTLOAD_STORAGE_OPTIONS" in err
+    assert "TOPSECRET" not in err
+    assert "HOTLOAD_API_KEY, HOTLOAD_HOTLOAD_API_HEADERS" in parser().format_help()
+
+
+def test_variables_fill_in_what_the_flags_leave_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Launchers pass settings to every rank as HOTLOAD_* variables; the Megatron path used to ignore them, so
+    HOTLOAD_BUCKET_URL alone left publishing off in silence."""
+    monkeypatch.setenv("HOTLOAD_BUCKET_URL", "/tmp/b")
+    monkeypatch.setenv("HOTLOAD_FULL_EVERY", "5")
+    monkeypatch.setenv("HOTLOAD_PUBLISH_EVERY", "3")
+    cfg = config_from_args(parser().parse_args(["--hotload-publish-every", "2"]))
+    assert cfg is not None and (cfg.bucket_url, cfg.full_every, cfg.publish_every) == ("/tmp/b", 5, 2)
+    monkeypatch.setenv("HOTLOAD_FULL_EVRY", "5")
+    with pytest.raises(SystemExit, match="did you mean HOTLOAD_FULL_EVERY"):
+        config_from_args(parser().parse_args([]))
+    monkeypatch.delenv("HOTLOAD_FULL_EVRY")
+    monkeypatch.setenv("HOTLOAD_FULL_EVERY", "0")
+    with pytest.raises(SystemExit, match=r"\(HOTLOAD_FULL_EVERY\)"):
+        config_from_args(parser().parse_args([]))
+    with pytest.raises(ValueError, match="extra_args_provider"):  # e.g. a --yaml-cfg namespace
+        config_from_args(argparse.Namespace(yaml_cfg="x.yaml"))
+
+
+def test_help_shows_choices_and_defaults() -> None:
+    text = " ".join(parser().format_help().split())
+    assert "one of skip, wait (default: skip)" in text
+    assert "one of all, new_session, none" in text and "(default: 20)" in text
+
+
+def test_null_and_empty_values_are_refused_by_name(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--hotload-storage-options", "null"])
+    assert "--hotload-storage-options: null is not a value of this field" in capsys.readouterr().err
+    monkeypatch.setenv("HOTLOAD_BUCKET_URL", "/tmp/b")
+    monkeypatch.setenv("HOTLOAD_STORAGE_OPTIONS", "null")
+    with pytest.raises(ValueError, match="HOTLOAD_STORAGE_OPTIONS: null is not a value"):
+        HotloadConfig.from_env()
+    monkeypatch.delenv("HOTLOAD_STORAGE_OPTIONS")
+    monkeypatch.setenv("HOTLOAD_HOTLOAD_API_URL", "")  # an unset shell variable: signalling was silently off
+    with pytest.raises(ValueError, match=r"\(HOTLOAD_HOTLOAD_API_URL\)(.|\n)*hotload_api_url is empty"):
+        HotloadConfig.from_env()
