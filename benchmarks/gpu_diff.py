@@ -21,6 +21,8 @@ from fsdp_hotload.arc.boxes import Box  # noqa: E402
 from fsdp_hotload.engine.staging import Stager  # noqa: E402
 from fsdp_hotload.publish import WholeChunk  # noqa: E402
 
+from machine_info import machine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
 
 def timed(fn, repeat: int = 5) -> float:  # type: ignore[no-untyped-def]
     fn()
@@ -70,6 +72,7 @@ def main() -> int:
                     ("diff (device compare + pull)", diff_s)]:
         print(f"{name:<34} {s:>9.4f} {nbytes / s / 1e9:>9.1f}")
     print(f"diff / copy bandwidth: {copy_s / diff_s:.2f}")
+    print(f"machine: {machine()}")
     return 0
 
 

@@ -171,8 +171,10 @@ def _publishing_stats(res: dict[str, Any], v: str, discard: int) -> dict[str, An
     variants = [x.strip() for x in res["args"]["variants"].split(",") if x.strip()]
     row: dict[str, Any] = {}
     # hook time: per rank, on the steps where a snapshot was staged and on all steps
-    # A background copy (attach) is waited for at the next optimizer step: that fence belongs to this publish.
-    staged = [[x["hook_s"] + (nxt["parts"].get("fence", 0.0) if nxt and nxt["variant"] == v else 0.0)
+    # A background copy (attach) is waited for at the next optimizer step: that fence belongs to this publish,
+    # and the fence in this step's own record (the previous copy's) does not.
+    staged = [[x["hook_s"] - x["parts"].get("fence", 0.0)
+               + (nxt["parts"].get("fence", 0.0) if nxt and nxt["variant"] == v else 0.0)
                for x, nxt in zip(r["records"], r["records"][1:] + [None])
                if x["variant"] == v and _timed(x, discard) and x["started"]]
               for r in ranks]
@@ -194,8 +196,12 @@ def _publishing_stats(res: dict[str, Any], v: str, discard: int) -> dict[str, An
     every = int(v[len("skip_every"):]) if v.startswith("skip_every") else 1
     row["skipped"] = sum(not x["started"] for x in timed if x["step"] % every == 0)  # due, but busy
     row["steps_total"] = len(timed)
-    timed_steps = {x["step"] for x in timed}
-    ms = [m for m in res["metrics"][v] if m["step"] in timed_steps]
+    # Only publishes a timed step started: close() publishes a skipped last step after training has stopped.
+    started_steps = {x["step"] for x in timed if x["started"]}
+    ms = [m for m in res["metrics"][v] if m["step"] in started_steps]
+    # A phase ends with detach(), which waits for the last copy with no training step to hide it behind.
+    last = max((x["i"] for x in timed), default=-1)
+    phase_end = {x["step"] for x in timed if x["i"] == last}
     ok = [m for m in ms if m["ok"]]
     row["ok"], row["failed"] = len(ok), len(ms) - len(ok)
     row["errors"] = sorted({m["error"] for m in ms if not m["ok"]})[:3]
@@ -210,7 +216,7 @@ def _publishing_stats(res: dict[str, Any], v: str, discard: int) -> dict[str, An
     row["total_s"] = med([m["total_s"] for m in ok])
     row["upload_s"] = med([m["upload_s"] for m in ok])
     row["ready_s"] = med([m["ready_s"] for m in ok])
-    row["engine_blocking_ms"] = med([m["blocking_ms"] for m in ok])
+    row["engine_blocking_ms"] = med([m["blocking_ms"] for m in ok if m["step"] not in phase_end])
     row["staleness"] = med([m["staleness_steps"] for m in ok])
     raw = ok[0]["raw_bytes"] if ok else 0
     row["raw_bytes"] = raw
@@ -345,8 +351,9 @@ def report(res: dict[str, Any], a: dict[str, Any]) -> str:
                   "fingerprint; a model walk only when storage changed) / busy check (the skip policy's async "
                   "agreement, read on the main thread; absorbs rank skew) / waiting for a free slot / Stager.stage "
                   "(the copy, or handing it to the helper thread) / fence (waiting for a background copy at the next "
-                  "optimizer step). PublishMetrics.blocking_ms starts after the chunk views. Ratios use the median "
-                  "hook and the idle copies above.",
+                  "optimizer step). PublishMetrics.blocking_ms is the engine's own figure: the hook without attach's "
+                  "pre-step agreement, plus the fence (the last publish of each phase is left out: its fence is "
+                  "detach's wait). Ratios use the median hook and the idle copies above.",
                   "", "| variant | hook ms med / p90 / mean | parts ms (mean): views / busy / slot / stage / fence | "
                   "hook ms, "
                   "all steps (med) | PublishMetrics.blocking_ms (med) | hook / bare bf16 copy | hook / cast-copy | "
@@ -365,7 +372,8 @@ def report(res: dict[str, Any], a: dict[str, Any]) -> str:
                          f"{r['engine_blocking_ms']:.1f} | {x:.1f}x | {y:.2f}x | {z:.2f}x | "
                          f"{r['started']} / {r['skipped']} | {r['ok']} / {r['failed']} | {r['staleness']:.0f} |")
         lines += ["", "End-to-end latency per publish (medians; PublishMetrics: stages are the max over ranks, "
-                  "total = hook until every replica of the deployment serves the snapshot):",
+                  "total = hook until every replica of the deployment serves the snapshot; on CPU the diff is fused into "
+                  "the encode, so diff s is 0):",
                   "", "| variant | kind | n | total s | diff s | encode s | route s | upload s | signal s | ready s | "
                   "MB written | changed |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for v in pubs:
@@ -453,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     args, job_extra = p.parse_known_args(argv)  # anything else (--dim, --layers, --poll ...) goes to the job
     if args.from_json:
         res = json.loads(Path(args.from_json).read_text())["raw"]
-        print(f"(re-analysis of {args.from_json}; the machine it ran on is in the report saved with it)\n")
+        print(f"(re-analysis of {args.from_json}; machine: {res.get('machine', 'not recorded')}; command: "
+              f"{res.get('command', 'not recorded')})\n")
         print(report(res, analyse(res)))
         return 0
     rounds = args.rounds or (2 if args.quick else 6)
@@ -487,9 +496,11 @@ def main(argv: list[str] | None = None) -> int:
         res = json.loads(out.read_text())
         res["emulator_cpu"] = samples
         res["cores"] = os.cpu_count()
+        res["machine"] = machine()
+        res["command"] = " ".join(["benchmarks/overhead.py", *(argv if argv is not None else sys.argv[1:])])
         a = analyse(res)
-        print(f"\nmachine: {machine()}")
-        print(f"command: {' '.join(['benchmarks/overhead.py', *(argv if argv is not None else sys.argv[1:])])}; "
+        print(f"\nmachine: {res['machine']}")
+        print(f"command: {res['command']}; "
               f"wall {time.perf_counter() - t0:.0f} s (training phases {res['train_s']:.0f} s); load average "
               f"{load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after\n")
         print(report(res, a))

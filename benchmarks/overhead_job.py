@@ -327,6 +327,7 @@ def main() -> None:
         if cb is not None:
             cb.detach()  # no-op without attach
             cb.wait()  # outside the timed steps: the next phase starts with an idle publisher
+            probes[variant].take()  # detach's fence is not a step's: the next phase's first step starts clean
 
     t_start = time.perf_counter()
     for v in variants:  # warm-up: allocator, first full snapshots, numba JIT (compiled on first use)

@@ -54,3 +54,32 @@ def test_codec_benchmark_round_trips_every_payload() -> None:
 def test_gpu_diff_benchmark_runs_or_says_why_not() -> None:
     proc = _run([str(BENCH / "gpu_diff.py"), "--gb", "0.05"], 300)
     assert "GB/s" in proc.stdout or "no CUDA device here" in proc.stdout
+
+
+def test_overhead_analysis_charges_each_copy_wait_once_and_only_started_publishes() -> None:
+    """A step's record holds the wait for the previous step's copy; the staged hook adds the next step's wait
+    (its own copy) instead, so each wait is counted once. A publish close() makes after training is no step's."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import overhead
+    finally:
+        sys.path.remove(str(BENCH))
+
+    def rec(i: int) -> dict[str, object]:
+        return {"variant": "wait", "round": 0, "i": i, "step": 10 + i, "hook_s": 0.201, "started": True,
+                "parts": {"publish": 0.001, "fence": 0.2}, "rss": 0}
+
+    def metric(step: int) -> dict[str, object]:
+        return {"step": step, "ok": True, "kind": "delta", "error": None, "total_s": 1.0, "upload_s": 0.1,
+                "ready_s": 0.1, "encode_s": 0.1, "diff_s": 0.0, "route_s": 0.0, "signal_s": 0.0,
+                "bytes_written": 10, "raw_bytes": 100, "changed_fraction": 0.01,
+                "blocking_ms": 200.0 if step == 13 else 1.0, "staleness_steps": 0}
+
+    res = {"args": {"variants": "wait"}, "metrics": {"wait": [metric(s) for s in (10, 11, 12, 13)]},
+           "ranks": [{"records": [rec(i) for i in range(4)], "stagers": {"wait": {}}}]}
+    row = overhead._publishing_stats(res, "wait", discard=0)
+    assert row["hook_staged_med"] == pytest.approx(0.201)  # was 0.401: both waits on every step
+    assert row["ok"] == 4 and row["started"] == 4
+    assert row["engine_blocking_ms"] == 1.0  # the phase's last publish carries detach's wait
+    res["ranks"][0]["records"][3]["started"] = False  # step 13 published by close(), not by the step
+    assert overhead._publishing_stats(res, "wait", discard=0)["ok"] == 3

@@ -23,7 +23,7 @@ class PublishMetrics:
     ratio: float | None = None
     files: int = 0
     blocking_ms: float = 0.0  # trainer main thread, max over ranks
-    diff_s: float = 0.0  # max over ranks
+    diff_s: float = 0.0  # max over ranks; the device diff on CUDA (on the host it is fused into encode_s: 0)
     encode_s: float = 0.0
     route_s: float = 0.0
     upload_s: float = 0.0

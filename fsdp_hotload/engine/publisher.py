@@ -580,6 +580,7 @@ class Publisher:
                 from ..retention import discard_snapshot
 
                 discard_snapshot(self.storage, identity)
+        m.total_s = time.perf_counter() - job.t_hook  # hook to every replica ready: retention comes after
         if m.ok and self.config.keep_last:
             from ..retention import apply_retention
 
@@ -588,7 +589,6 @@ class Publisher:
                                 since=self._started)
             except Exception as exc:  # noqa: BLE001
                 log.warning("hotload: retention after %s failed (retried at the next publish): %s", identity, exc)
-        m.total_s = time.perf_counter() - job.t_hook
         return Outcome(m.ok, m.error, m)
 
     def _write_manifests(self, identity: str, kind: str, parent: str | None, files: dict[str, int]) -> None:
