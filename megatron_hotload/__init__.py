@@ -9,7 +9,7 @@ Example::
 
     parser = argparse.ArgumentParser()
     add_hotload_args(parser)                 # --hotload-bucket-url, --hotload-full-every, ...
-    cfg = config_from_args(parser.parse_args())   # None unless --hotload-bucket-url was given
+    cfg = config_from_args(parser.parse_args())   # None unless --hotload-bucket-url or HOTLOAD_BUCKET_URL is set
 """
 from __future__ import annotations
 

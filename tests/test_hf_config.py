@@ -11,6 +11,7 @@ import torch
 from fsdp_hotload import HotloadConfig
 from fsdp_hotload.hf_config import without_unbacked_quantization
 from fsdp_hotload.publish import TensorPublisher
+from tests.snapshots import rebuild_accepted
 
 FP8_BASE = {"model_type": "deepseek_v3", "hidden_size": 64, "torch_dtype": "bfloat16",
             "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}
@@ -52,20 +53,22 @@ def test_fp8_weights_are_published_as_fp8_with_their_quantization_config(tmp_pat
     model = {"model.layers.0.mlp.up_proj.weight": fp8, "model.layers.0.mlp.up_proj.weight_scale_inv":
              torch.tensor([[0.013671875]]), "model.norm.weight": torch.ones(4)}
     with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
-        pub = TensorPublisher(model, HotloadConfig(bucket_url=str(tmp_path / "bucket"), hf_config_dir=str(hf)))
+        pub = TensorPublisher(model, HotloadConfig(bucket_url=str(tmp_path / "bucket"), hf_config_dir=str(hf),
+                                                   busy_policy="wait"))
     assert "'*scale*': 'keep'" in caplog.text  # the fp32 scale would be cast to bf16 without an override
     pub.publish(0, model)
-    pub.close()
-    (folder,) = (tmp_path / "bucket").glob("step-*")
+    pub.wait()
+    folder = tmp_path / "bucket" / pub.metrics[0].identity
     assert json.loads((folder / "config.json").read_text())["quantization_config"] == FP8_BASE["quantization_config"]
     spec = json.loads((folder / "model.weight.spec.json").read_text())["tensor_map"]
     assert spec["model.layers.0.mlp.up_proj.weight"]["dtype"] == "float8_e4m3fn"
-    from safetensors.torch import load_file
-
-    weights = {}
-    for f in folder.glob("*.safetensors"):
-        weights.update(load_file(str(f)))
-    assert weights["model.layers.0.mlp.up_proj.weight"].view(torch.uint8).equal(fp8.view(torch.uint8))
+    fp8[0, :2] = torch.tensor([0.5, -3.0]).to(torch.float8_e4m3fn)  # a training step moves two fp8 values
+    pub.publish(1, model)
+    pub.close()
+    assert [m.kind for m in pub.metrics] == ["full", "delta"] and all(m.ok for m in pub.metrics)
+    served = rebuild_accepted(tmp_path / "bucket", pub.metrics)[pub.metrics[1].identity]
+    got = served["model.layers.0.mlp.up_proj.weight"]
+    assert got.dtype == "F8_E4M3" and got.data.tobytes() == fp8.view(torch.uint8).numpy().tobytes()
     kept = TensorPublisher(model, HotloadConfig(bucket_url=str(tmp_path / "b2"), hf_config_dir=str(hf),
                                                 dtype_overrides={"*scale*": "keep", "*.up_proj.weight": "bfloat16"}))
     kept.publish(0, model)
