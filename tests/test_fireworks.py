@@ -9,7 +9,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
@@ -27,6 +27,8 @@ from fsdp_hotload.fireworks import (
     IncrementalSnapshotMetadata,
     validate_identity,
 )
+
+from tests.http_fixture import serve
 
 KEY = "fw-secret-key-4f1d9a"
 TRANSPORT_HEADERS = {"host", "accept-encoding", "content-length"}
@@ -76,12 +78,8 @@ def server() -> Iterator[tuple[str, Scripted]]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}", script
-    httpd.shutdown()
-    httpd.server_close()
+    with serve(Handler) as url:
+        yield url, script
 
 
 def make_client(url: str, **kw: Any) -> HotLoadClient:

@@ -5,13 +5,14 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
 
 from fsdp_hotload.engine.signal import Signaller
 from fsdp_hotload.fireworks import HotLoadClient
+from tests.http_fixture import serve
 
 DEPLOYMENTS = ("d1", "d2", "d3")
 
@@ -68,12 +69,8 @@ def fleet() -> Iterator[tuple[str, Fleet]]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}", state
-    httpd.shutdown()
-    httpd.server_close()
+    with serve(Handler) as url:
+        yield url, state
 
 
 def test_deployments_are_signalled_at_once_and_each_failure_is_named(fleet: tuple[str, Fleet]) -> None:
