@@ -264,8 +264,8 @@ class HotloadConfig(BaseModel):
 def mask_secrets(value: Any) -> Any:
     """``value`` with every credential-looking entry of a nested dict (secret, token, password, ``*key``) masked."""
     if isinstance(value, dict):
-        return {k: "**********" if isinstance(k, str) and _SECRET_OPTION.search(k) and v is not None else mask_secrets(v)
-                for k, v in value.items()}
+        return {k: "**********" if isinstance(k, str) and _SECRET_OPTION.search(k) and v is not None
+                else mask_secrets(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(mask_secrets(v) for v in value)
     return value

@@ -45,13 +45,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .emulator_rules import BaseModel
+from .emulator_rules import BaseModelSpec
 from .emulator_state import Deployment, EmulatorSettings, SignalRejected
 from .fireworks_models import HINT_PATH, HOT_LOAD_PATH, HintRequest, HotLoadRequest
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BaseModel", "HotLoadEmulator", "run_emulator_cli", "format_validation_error"]
+__all__ = ["BaseModelSpec", "HotLoadEmulator", "run_emulator_cli", "format_validation_error"]
 
 STATE_PATH = "/emulator/v1/state"
 MAX_BODY = 1 << 20
@@ -94,10 +94,11 @@ class HotLoadEmulator:
 
     Deployments are created on first use, keyed by the ``fireworks-deployment`` header; each has ``replicas``
     replicas with their own loader thread. ``base_model`` (optional: a Hugging Face model folder or a
-    :class:`BaseModel`) is what the deployments were created from: each full snapshot's ``config.json`` is
+    :class:`BaseModelSpec`) is what the deployments were created from: each full snapshot's ``config.json`` is
     compared with its config, and its tensors with the base model's names and shapes, as the real service does
-    (§6.2); ``base_config`` alone checks the config only. Full snapshots must hold one layer per file either way. ``request_timeout_s`` bounds
-    how long one connection may take to send its request, so a stalled client cannot hold a handler thread.
+    (§6.2); ``base_config`` alone checks the config only. Full snapshots must hold one layer per file either
+    way. ``request_timeout_s`` bounds how long one connection may take to send its request, so a stalled client
+    cannot hold a handler thread.
     ``manager_delay_s`` keeps each new deployment's hot-load manager down that long after its first request: GET
     reports no replicas and signals are refused with 503, counted in ``state()`` as ``premature_signals``.
     ``history_limit`` caps the ledger rows and hints each deployment keeps for reading (oldest dropped), so an
@@ -127,7 +128,7 @@ class HotLoadEmulator:
         account_id: str = "emulator",
         compression_formats: Sequence[str] = ("arc_v2",),
         base_config: dict[str, Any] | None = None,
-        base_model: str | os.PathLike[str] | BaseModel | None = None,
+        base_model: str | os.PathLike[str] | BaseModelSpec | None = None,
         request_timeout_s: float = 30.0,
         history_limit: int = 10_000,
     ) -> None:
@@ -140,9 +141,9 @@ class HotLoadEmulator:
         if base_model is not None and base_config is not None:
             raise ValueError("give base_model or base_config, not both (a base model folder has its config.json)")
         if base_model is None:
-            base = BaseModel(config=base_config)
+            base = BaseModelSpec(config=base_config)
         else:
-            base = base_model if isinstance(base_model, BaseModel) else BaseModel.from_folder(base_model)
+            base = base_model if isinstance(base_model, BaseModelSpec) else BaseModelSpec.from_folder(base_model)
         self.request_timeout_s = float(request_timeout_s)
         self.bucket = bucket
         self.storage_options = dict(storage_options or {})
@@ -544,7 +545,7 @@ def run_emulator_cli(args: list[str] | None = None) -> int:
     base = None
     if ns.base_model is not None:
         try:
-            base = BaseModel.from_folder(ns.base_model)
+            base = BaseModelSpec.from_folder(ns.base_model)
         except (OSError, ValueError) as exc:
             print(f"hotload emulate: error: --base-model {ns.base_model}: {exc}", file=sys.stderr)
             return 2

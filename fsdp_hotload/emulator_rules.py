@@ -8,7 +8,7 @@ offline in the same way it would fail on a deployment (``stage == "error"``, the
 
 Example::
 
-    base = BaseModel.from_folder("/models/qwen3-8b")  # config.json + the safetensors headers (no weights read)
+    base = BaseModelSpec.from_folder("/models/qwen3-8b")  # config.json + the safetensors headers (no weights read)
     emu = HotLoadEmulator("/tmp/bucket", base_model=base)
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ class LoadError(Exception):
 
 
 @dataclass(frozen=True)
-class BaseModel:
+class BaseModelSpec:
     """The base model a deployment serves before any hot-load: its config and, optionally, its tensor shapes.
 
     ``shapes`` is None when only the config is known (a folder with config and tokenizer but no weights): then
@@ -45,7 +45,7 @@ class BaseModel:
     shapes: dict[str, tuple[int, ...]] | None = None
 
     @classmethod
-    def from_folder(cls, path: str | os.PathLike[str]) -> "BaseModel":
+    def from_folder(cls, path: str | os.PathLike[str]) -> "BaseModelSpec":
         """Read ``config.json`` and the tensor names and shapes of a Hugging Face model folder.
 
         Only the safetensors headers are read, so a folder of a large model loads in milliseconds. The files are

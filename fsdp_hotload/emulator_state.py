@@ -31,7 +31,7 @@ from typing import Any
 
 from .arc import (ArcError, RawTensor, apply_delta_file, code_from_name, is_delta_file, load_file, read_delta_info,
                   torch_name)
-from .emulator_rules import BaseModel, LoadError, check_config, check_full_layout
+from .emulator_rules import BaseModelSpec, LoadError, check_config, check_full_layout
 from .fireworks_models import HotLoadRequest, validate_filename
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class EmulatorSettings:
     # replicas and a signal is refused (on the real service a signal that early can crash the serving container).
     manager_delay_s: float = 0.0
     compression_formats: tuple[str, ...] = ("arc_v2",)
-    base: BaseModel = field(default_factory=BaseModel)  # what full snapshots are checked against (§6.2)
+    base: BaseModelSpec = field(default_factory=BaseModelSpec)  # what full snapshots are checked against (§6.2)
     fail_counts: dict[int, int] = field(default_factory=dict)  # replica index -> loads left to fail
     record_error: Callable[[BaseException], None] = lambda exc: None
     # Rows and hints kept per deployment for reading (oldest dropped first), so a long-running emulator's memory

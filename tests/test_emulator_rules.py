@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fsdp_hotload.arc import RawTensor, save_file
-from fsdp_hotload.emulator import BaseModel, HotLoadEmulator, run_emulator_cli
+from fsdp_hotload.emulator import BaseModelSpec, HotLoadEmulator, run_emulator_cli
 from fsdp_hotload.fireworks import HotLoadClient, HotLoadError
 from tests.emulator_fixture import CONFIG, EMULATOR_API_KEY, sha256_map, shard_of, tiny_model, write_full_snapshot
 
@@ -57,7 +57,7 @@ def test_full_snapshots_must_cover_the_base_model(tmp_path: Path, sharded: bool)
     bucket = tmp_path / "bucket"
     good = tiny_model(1)
     base = base_folder(tmp_path / "base", tiny_model(0), sharded=sharded)
-    assert BaseModel.from_folder(base).shapes == {n: t.shape for n, t in good.items()}
+    assert BaseModelSpec.from_folder(base).shapes == {n: t.shape for n, t in good.items()}
     with HotLoadEmulator(str(bucket), replicas=1, api_key=EMULATOR_API_KEY, base_model=str(base)) as emu:
         client = client_for(emu)
         write_full_snapshot(bucket, "step-1", good)
@@ -100,17 +100,17 @@ def test_full_snapshot_needs_one_layer_per_file(tmp_path: Path) -> None:
 
 def test_base_model_folder_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="config.json"):
-        BaseModel.from_folder(tmp_path)
+        BaseModelSpec.from_folder(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
-    assert BaseModel.from_folder(tmp_path) == BaseModel(CONFIG, None)  # config only: coverage not checked
+    assert BaseModelSpec.from_folder(tmp_path) == BaseModelSpec(CONFIG, None)  # config only: coverage not checked
     (tmp_path / "model-00001.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
     with pytest.raises(ValueError, match="model-00001.safetensors"):
-        BaseModel.from_folder(tmp_path)
+        BaseModelSpec.from_folder(tmp_path)
     t = tiny_model(0)
     (tmp_path / "model-00001.safetensors").write_bytes(save_file(t))
     (tmp_path / "model-00002.safetensors").write_bytes(save_file({"model.norm.weight": t["model.norm.weight"]}))
     with pytest.raises(ValueError, match="'model.norm.weight' appears in more than one"):
-        BaseModel.from_folder(tmp_path)
+        BaseModelSpec.from_folder(tmp_path)
     with pytest.raises(ValueError, match="not both"):
         HotLoadEmulator(str(tmp_path), base_model=str(tmp_path), base_config=CONFIG)
     assert run_emulator_cli(["--bucket", str(tmp_path), "--base-model", str(tmp_path / "nope")]) == 2
