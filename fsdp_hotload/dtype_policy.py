@@ -95,15 +95,15 @@ class DtypePolicy:
         """Warnings about a model's tensors under this policy: globs that match no floating tensor (a typo
         would otherwise publish the wrong dtype in silence), and casts between two narrow formats (an fp16
         trainer published as bf16 loses 3 mantissa bits; bf16 published as fp16 turns values above 65504
-        into inf)."""
+        into inf), and an FP8 model's scale tensors cast to another dtype."""
         out = []
         floating = [n for n, d in sources.items() if d.is_floating_point]
         for pattern, _ in self.overrides:
             if not any(fnmatch.fnmatchcase(n, pattern) for n in floating):
                 out.append(f"dtype_overrides glob {pattern!r} matches no floating tensor of the model")
+        codes = {n: (code_from_name(str(sources[n])), self.code(n, sources[n])) for n in floating}  # source, target
         narrowed: dict[tuple[str, str], list[str]] = {}
-        for name in floating:
-            source, target = code_from_name(str(sources[name])), self.code(name, sources[name])
+        for name, (source, target) in codes.items():
             if source != target and source not in _MASTER_CODES and itemsize(target) <= itemsize(source):
                 narrowed.setdefault((source, target), []).append(name)
         for (source, target), names in narrowed.items():
@@ -111,9 +111,9 @@ class DtypePolicy:
             out.append(f"{len(names)} {torch_name(source)} tensor(s) ({names[0]!r}{more}) are published as "
                        f"{torch_name(target)}, a lossy change of format; set snapshot_dtype={torch_name(source)!r} "
                        "(or a dtype_overrides entry) to publish them as trained")
-        quantised = [n for n in floating if itemsize(self.code(n, sources[n])) < 2]
-        scales = [n for n in floating if "scale" in n.rsplit(".", 1)[-1] and n not in quantised
-                  and self.code(n, sources[n]) != code_from_name(str(sources[n]))]
+        quantised = [n for n, (_, target) in codes.items() if itemsize(target) < 2]
+        scales = [n for n, (source, target) in codes.items()
+                  if "scale" in n.rsplit(".", 1)[-1] and source != target and itemsize(target) >= 2]
         if quantised and scales:
             out.append(f"{len(quantised)} 8-bit tensor(s) are published as quantised weights, but {len(scales)} "
                        f"scale tensor(s) ({scales[0]!r}{' and more' if len(scales) > 1 else ''}) are cast to "

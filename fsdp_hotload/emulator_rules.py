@@ -21,11 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .arc import ArcError, parse_header
-from .layout import LayoutError, check_layers_per_file
+from .layout import INDEX_FILENAME, SPEC_FILENAME, LayoutError, check_layers_per_file
 
 log = logging.getLogger(__name__)
-
-_INDEX = "model.safetensors.index.json"
 
 
 class LoadError(Exception):
@@ -54,7 +52,7 @@ class BaseModelSpec:
         """
         folder = os.fspath(path)
         config = _json_object(os.path.join(folder, "config.json"))
-        index_path = os.path.join(folder, _INDEX)
+        index_path = os.path.join(folder, INDEX_FILENAME)
         if os.path.isfile(index_path):
             weight_map = _json_object(index_path).get("weight_map")
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -129,18 +127,19 @@ def check_full_layout(identity: str, weight_map: Mapping[str, str], tensor_map: 
     try:
         check_layers_per_file(files)
     except LayoutError as exc:
-        raise LoadError(f"{identity}/{_INDEX}: {exc}; each .safetensors file may hold one layer's tensors") from None
+        raise LoadError(f"{identity}/{INDEX_FILENAME}: {exc}; each .safetensors file may hold one layer's "
+                        "tensors") from None
     if base_shapes is None:
         return
     missing = sorted(set(base_shapes) - set(weight_map))
     if missing:
-        raise LoadError(f"{identity}/{_INDEX}: does not cover the base model: lacks {len(missing)} tensor(s): "
-                        f"{_listed(missing)}")
+        raise LoadError(f"{identity}/{INDEX_FILENAME}: does not cover the base model: lacks {len(missing)} "
+                        f"tensor(s): {_listed(missing)}")
     extra = sorted(set(weight_map) - set(base_shapes))
     if extra:
-        raise LoadError(f"{identity}/{_INDEX}: names {len(extra)} tensor(s) the base model does not have: "
+        raise LoadError(f"{identity}/{INDEX_FILENAME}: names {len(extra)} tensor(s) the base model does not have: "
                         f"{_listed(extra)}")
     for name in sorted(weight_map):
         if tuple(tensor_map[name]["shape"]) != tuple(base_shapes[name]):
-            raise LoadError(f"{identity}/model.weight.spec.json: tensor {name!r} has shape "
+            raise LoadError(f"{identity}/{SPEC_FILENAME}: tensor {name!r} has shape "
                             f"{list(tensor_map[name]['shape'])}, the base model's is {list(base_shapes[name])}")
