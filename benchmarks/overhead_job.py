@@ -41,6 +41,7 @@ _VARIANT = re.compile(r"^(baseline|skip|wait|skip_nosignal|skip_every([1-9][0-9]
 
 
 def build_model(args: argparse.Namespace) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
@@ -48,9 +49,10 @@ def build_model(args: argparse.Namespace) -> nn.Module:
     # bf16 compute and gradient reduction over fp32 master weights, as RL trainers run; keeping the
     # parameters gathered between forward and backward halves gloo's (slow, loopback) all-gather traffic.
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # named: fully_shard would pick CUDA on a GPU box
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp, reshard_after_forward=False)
-    fully_shard(model, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     return model
 
 

@@ -117,6 +117,7 @@ def _served(url: str) -> list[tuple[str | None, dict[str, str]]]:
 def job(args: argparse.Namespace) -> None:
     """One rank of the demo training job (run under torchrun)."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from .arc.dtypes import RawTensor
@@ -128,9 +129,12 @@ def job(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     torch.set_num_threads(1)
     model = _model()
+    # A CPU mesh, named: without one, fully_shard picks CUDA wherever torch sees a GPU, and a one-GPU machine
+    # then fails on rank 1 ("invalid device ordinal").
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     cfg = HotloadConfig(bucket_url=args.bucket, hotload_api_url=args.url, account_id="demo", model_id="tiny-lm",
                         deployment_id="rollout", api_key=API_KEY, hf_config_dir=args.hf_dir,
