@@ -1,8 +1,10 @@
 """Device-side diff throughput against the device's own copy bandwidth (needs CUDA; prints why not otherwise).
 
-What is timed is exactly what the publisher does per rank on a GPU: ``Stager.diff`` over a staged bf16 shard
+What is timed is what the publisher does per rank on a GPU for a delta: ``Stager.diff`` over a staged bf16 shard
 against the cache (compare on the device, pull only changed positions and values to the host), reported in GB/s
-of bf16 bytes in, next to a plain device-to-device copy of the same bytes measured in the same run.
+of bf16 bytes in, next to a plain device-to-device copy of the same bytes measured in the same run; then the
+host's share of the same delta, on one core: the arc_v2 frames of those changes and the Adler-32 update.
+Device memory: the diff's peak temporaries, against the bound ``DIFF_BLOCK`` sets.
 
     python benchmarks/gpu_diff.py [--gb 2] [--changed 0.02]
 """
@@ -17,8 +19,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fsdp_hotload.arc.adler import update_parts  # noqa: E402
 from fsdp_hotload.arc.boxes import Box  # noqa: E402
-from fsdp_hotload.engine.staging import Stager  # noqa: E402
+from fsdp_hotload.arc.codecs import ArcV2  # noqa: E402
+from fsdp_hotload.engine.staging import DIFF_BLOCK, Stager  # noqa: E402
 from fsdp_hotload.publish import WholeChunk  # noqa: E402
 
 from machine_info import machine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
@@ -63,15 +67,33 @@ def main() -> int:
     diff_s = timed(lambda: st.diff(buf), repeat=3)
     dst = torch.empty_like(buf)
     copy_s = timed(lambda: dst.copy_(buf))
-    changed = sum(d.changed for d in st.diff(buf)) / sum(s.numel for s in st.slices)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    diffs = st.diff(buf)
+    peak = torch.cuda.max_memory_allocated() - base
+    changed = sum(d.changed for d in diffs) / sum(s.numel for s in st.slices)
+    codec = ArcV2()
+    codec.warm_up()
+    codec.encode(diffs[0])
+    t0 = time.perf_counter()
+    payload = sum(len(codec.encode(d)) for d in diffs)
+    encode_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for d in diffs:
+        update_parts((0, 0), d.idx, d.old, d.new, d.itemsize, d.n * d.itemsize)
+    adler_s = time.perf_counter() - t0
     nbytes = st.nbytes
     print(f"device: {torch.cuda.get_device_name()}  shard {nbytes / 1e9:.2f} GB bf16 in {args.tensors} tensors, "
           f"changed {100 * changed:.2f}%")
-    print(f"{'operation':<34} {'seconds':>9} {'GB/s':>9}")
+    print(f"{'operation':<40} {'seconds':>9} {'GB/s':>9}")
     for name, s in [("device copy (baseline)", copy_s), ("stage (cast fp32->bf16 copy)", stage_s),
-                    ("diff (device compare + pull)", diff_s)]:
-        print(f"{name:<34} {s:>9.4f} {nbytes / s / 1e9:>9.1f}")
-    print(f"diff / copy bandwidth: {copy_s / diff_s:.2f}")
+                    ("diff (device compare + pull)", diff_s), ("host: arc_v2 frames (one core)", encode_s),
+                    ("host: Adler-32 update (one core)", adler_s)]:
+        print(f"{name:<40} {s:>9.4f} {nbytes / s / 1e9:>9.1f}")
+    print(f"diff / copy bandwidth: {copy_s / diff_s:.3f}; diff peak device temporaries {peak / 2**20:.0f} MiB "
+          f"(bound {DIFF_BLOCK * 13 / 2**20:.0f} MiB for bf16); payload {payload / 1e6:.1f} MB "
+          f"({100 * payload / nbytes:.2f}% of the shard); frames by {codec.encoder_info}, {codec.delta_path()}")
     print(f"machine: {machine()}")
     return 0
 

@@ -8,7 +8,7 @@ import torch
 
 from fsdp_hotload.arc.boxes import Box
 from fsdp_hotload.arc.codecs import element_diff
-from fsdp_hotload.engine.staging import Stager
+from fsdp_hotload.engine.staging import DIFF_BLOCK, Stager
 from fsdp_hotload.publish import WholeChunk
 
 pytestmark = [pytest.mark.gpu,
@@ -128,6 +128,7 @@ def test_device_diff_memory_is_bounded_when_everything_changes(cache_on: str) ->
     extra = torch.cuda.max_memory_allocated() - base
     assert d.changed > 0.9 * n
     assert extra < 2 * n * 0.5, f"diff temporaries {extra / 2**20:.0f} MiB for a {2 * n / 2**20:.0f} MiB chunk"
+    assert extra <= DIFF_BLOCK * (9 + 2 * 2), "over the bound device_diff documents"
 
 
 def test_attached_callback_on_cuda_round_trips(tmp_path) -> None:  # type: ignore[no-untyped-def]

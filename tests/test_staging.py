@@ -28,19 +28,17 @@ def test_device_diff_arithmetic_matches_the_host_diff_on_cpu() -> None:
     assert buf is not None
     st.wait_event(st.stage(buf))
     assert st.cache is not None
-    changed = 0
-    for s in st.slices:
-        if not s.numel:
-            continue
-        new, old = buf[s.offset:s.offset + s.nbytes], st.cache[s.offset:s.offset + s.nbytes]
-        want = element_diff(old.numpy(), new.numpy(), s.itemsize)
-        for block in (3, 64, 1 << 22):  # blocks that split runs of changes, and one block per chunk
-            got = device_diff(new, old, s, block=block)
+    wants = [element_diff(st.cache[s.offset:s.offset + s.nbytes].numpy(), buf[s.offset:s.offset + s.nbytes].numpy(),
+                          s.itemsize) for s in st.slices]
+    for block in (3, 64, 1 << 22):  # blocks that split runs of changes, and one block per chunk
+        gots = device_diff(buf, st.cache, st.slices, block=block)
+        assert len(gots) == len(wants)
+        for got, want in zip(gots, wants):
+            got.check()
             assert got.n == want.n and np.array_equal(got.idx, want.idx)
             assert got.old.dtype == want.old.dtype and np.array_equal(got.old, want.old)
             assert np.array_equal(got.new, want.new)
-        changed += got.changed
-    assert changed == len(range(0, 257 * 33, 7)) + 1 + 2  # every 7th float, one sign flip, two int64s
+        assert [g.changed for g in gots] == [len(range(0, 257 * 33, 7)), 1, 0, 2]  # every 7th, a sign flip, 2 ints
 
 
 def test_staging_keeps_nan_payloads_of_uncast_floats() -> None:

@@ -186,6 +186,47 @@ def test_one_call_writes_the_block_paths_frame(n_items: int, itemsize: int, dens
     assert one[2] == (int(d.sum()) % 65521, int(((total - g) * d).sum()) % 65521)
 
 
+@needs_libzstd
+@given(n_items=st.integers(0, (3 * zstd_seq.MAX_BLOCK + 50) // 8), itemsize=st.sampled_from([1, 2, 4, 8]),
+       density=st.sampled_from([0.0, 0.003, 0.03, 0.3, 1.0]), seed=st.integers(0, 2**31))
+@settings(max_examples=30, deadline=None)
+def test_sparse_call_writes_the_block_paths_frame(n_items: int, itemsize: int, density: float, seed: int) -> None:
+    """The device diff's one-call encoder (positions and old/new values in, no chunk-sized XOR) gives the block
+    path's frame byte for byte, for every element size, and ArcV2.encode of an ElementDiff uses it."""
+    from fsdp_hotload.arc.codecs import ElementDiff
+    from fsdp_hotload.arc.dtypes import UINT_BY_SIZE
+
+    assert zstd_seq.one_call_status() == (True, "one call per chunk")
+    rng = np.random.default_rng(seed)
+    u = UINT_BY_SIZE[itemsize]
+    old = rng.integers(0, 256, size=n_items * itemsize, dtype=np.uint8).view(u)
+    new = (old.view(np.uint8) ^ _sparse_bytes(rng, n_items * itemsize, density)).view(u)
+    idx = np.flatnonzero(old != new).astype(np.int64)
+    xor = (old ^ new).view(np.uint8)
+    block = zstd_seq.SequenceEncoder(ENC.lib, one_call=False)  # type: ignore[union-attr]
+    want = block.encode([xor.data], xor.size)
+    assert block.encode_sparse(idx, old[idx], new[idx], xor.size, itemsize) is None  # block path: caller's job
+    one = zstd_seq.SequenceEncoder(ENC.lib, one_call=True)  # type: ignore[union-attr]
+    assert one.encode_sparse(idx, old[idx], new[idx], xor.size, itemsize) == want
+    assert ArcV2(encoder="sequences").encode(ElementDiff(n_items, itemsize, idx, old[idx], new[idx])) == want
+    assert _decode_both_ways(want, xor.size) == xor.tobytes()
+
+
+@needs_libzstd
+def test_sparse_call_refuses_positions_out_of_order_or_range() -> None:
+    """Positions come from a device; a wrong one must fail the chunk, not write outside the block."""
+    one = zstd_seq.SequenceEncoder(ENC.lib, one_call=True)  # type: ignore[union-attr]
+    vals = np.array([1, 2, 3], dtype=np.uint16)
+    zero = np.zeros(3, dtype=np.uint16)
+    assert one.encode_sparse(np.array([1, 5, 9], np.int64), zero, vals, 20, 2) is not None
+    for bad in ([1, 5, 5], [5, 1, 9], [1, 5, 10], [-1, 5, 9], [1, 5, 1 << 40]):
+        with pytest.raises(FormatError, match="not increasing, or fall outside"):
+            one.encode_sparse(np.array(bad, np.int64), zero, vals, 20, 2)
+    big = zstd_seq.MAX_BLOCK  # a position behind the block being written, after a block boundary
+    with pytest.raises(FormatError, match="not increasing"):
+        one.encode_sparse(np.array([big, 3, big + 1], np.int64), zero, vals, 4 * big, 2)
+
+
 def test_single_block_reads_libzstd_frames() -> None:
     """The compiled frame check: a one-block frame gives its block's offset, several blocks -1, and a frame with a
     checksum, a reserved block type or a truncated block -2."""

@@ -179,7 +179,8 @@ class ArcV2:
     The frame records its content size. It is built from a stream of XOR blocks, so no chunk-sized buffer is
     ever allocated: :meth:`encode_xor_blocks` takes blocks straight from a one-pass host scan
     (:class:`~fsdp_hotload.arc.dense.DenseDelta`), and :meth:`encode` rebuilds them from a sparse diff (the
-    device path: zeros plus the changed elements). An unchanged chunk costs a few bytes.
+    device path: zeros plus the changed elements; with the sequence encoder in one GIL-free call per chunk,
+    :func:`~fsdp_hotload.arc.seq_delta.encode_sparse_chunk`). An unchanged chunk costs a few bytes.
 
     Two encoders write the frame: ``sequences`` (zero runs found by a numba kernel, entropy-coded by libzstd;
     smaller and cheaper, see :mod:`~fsdp_hotload.arc.zstd_seq`) where the system's libzstd allows it, else
@@ -245,6 +246,10 @@ class ArcV2:
 
     def encode(self, diff: ElementDiff) -> bytes:
         diff.check()
+        if self._seq is not None:  # one GIL-free call per chunk where the sequence encoder has it
+            frame = self._seq.encode_sparse(diff.idx, diff.old, diff.new, diff.n * diff.itemsize, diff.itemsize)
+            if frame is not None:
+                return frame
         return self.encode_xor_blocks(_xor_blocks_from_diff(diff, self.block_bytes), diff.n * diff.itemsize)
 
     def decode(self, payload: bytes, parent: np.ndarray, itemsize: int, out: np.ndarray) -> None:

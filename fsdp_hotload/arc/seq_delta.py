@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from numba import njit, types
 
-from .kernels import scan_block
+from .kernels import scan_block, zero_run_sequences
 
 _MOD = 65521
 MAX_BLOCK = 1 << 17
@@ -36,6 +36,7 @@ _is_error = types.ExternalFunction("ZSTD_isError", types.uint32(types.uintp))
 # status codes of encode_chunk (0 = ok)
 ZSTD_FAILED = 1  # libzstd returned an error code (returned in place of the frame length)
 BAD_FRAME = 2  # a frame this module does not expect (checksum, dictionary, reserved, truncated or oversized)
+BAD_INPUT = 3  # encode_sparse_chunk: positions not increasing, or outside the chunk
 
 
 def expose_library(lib: Any) -> str:
@@ -105,43 +106,104 @@ def encode_chunk(parent: np.ndarray, new: np.ndarray, itemsize: int, run_lstart:
     db = np.int64(0)
     r = 0
     cctx_p = np.uintp(cctx)
-    dst_p = dst.ctypes.data
     seqs_p = seqs.ctypes.data
     for s in range(0, n, MAX_BLOCK):
         e = min(n, s + MAX_BLOCK)
-        m = e - s
-        x = scratch[:m]
+        x = scratch[:e - s]
         k, c, a, b, r = scan_block(parent[s:e], new[s:e], x, s, run_lstart, run_goff, r, total, itemsize, lanes,
                                    seqs, min_run, table)
         da = (da + a) % _MOD
         db = (db + b) % _MOD
         changed += c
-        rc = _compress_sequences(cctx_p, dst_p, np.uintp(dst.size), seqs_p, np.uintp(k), x.ctypes.data,
-                                 np.uintp(m))
-        if _is_error(rc):
-            return np.int64(rc), ZSTD_FAILED, changed, da, db
-        head = _single_block(dst, np.int64(rc))
-        if head == -2:
-            return pos, BAD_FRAME, changed, da, db
-        if last >= 0:
-            out[last] &= 0xFE  # the previous block is no longer the frame's last
-        last = pos
-        if head >= 0:
-            length = np.int64(rc) - head
-            if pos + length > out.size:  # a compressed block larger than the raw one: never written by libzstd
-                return pos, BAD_FRAME, changed, da, db
-            out[pos:pos + length] = dst[head:head + length]
-            pos += length
-        else:  # libzstd split it: store the block raw, which leaves the decoder's state untouched
-            h = (m << 3) | 1
-            out[pos] = h & 0xFF
-            out[pos + 1] = (h >> 8) & 0xFF
-            out[pos + 2] = (h >> 16) & 0xFF
-            out[pos + 3:pos + 3 + m] = x
-            pos += 3 + m
+        pos, last, status = _put_block(x, k, cctx_p, dst, seqs_p, out, pos, last)
+        if status:
+            return pos, status, changed, da, db
+    return _end_frame(out, pos, last), 0, changed, da, db
+
+
+@njit(nogil=True, cache=True)
+def encode_sparse_chunk(idx: np.ndarray, old: np.ndarray, new: np.ndarray, n: int, itemsize: int,
+                        scratch: np.ndarray, seqs: np.ndarray, dst: np.ndarray, cctx: int, table: np.ndarray,
+                        min_run: int, out: np.ndarray, header_len: int) -> tuple[int, int]:
+    """The blocks of one arc_v2 frame for an ``n``-byte chunk whose XOR is zero except at the elements ``idx``
+    (sorted, strictly increasing), which changed from ``old`` to ``new`` (unsigned ints of ``itemsize`` bytes).
+
+    The device diff's counterpart of :func:`encode_chunk`: each block's XOR is scattered into ``scratch`` (zero
+    outside the changes, cleared again after the block), so the work is one walk over zero words plus the
+    changes, with no chunk-sized buffer. Returns ``(frame_len, status)`` as :func:`encode_chunk` does, with
+    ``BAD_INPUT`` for positions that are not increasing or out of range. Buffers as for :func:`encode_chunk`.
+    """
+    pos = header_len
+    last = -1
+    cctx_p = np.uintp(cctx)
+    seqs_p = seqs.ctypes.data
+    scratch[:] = 0
+    j = 0
+    prev = -1
+    for s in range(0, n, MAX_BLOCK):
+        e = min(n, s + MAX_BLOCK)
+        x = scratch[:e - s]
+        j0 = j
+        while j < idx.size and idx[j] * itemsize < e:
+            p = idx[j] * itemsize - s
+            if idx[j] <= prev or p < 0:
+                return pos, BAD_INPUT
+            prev = idx[j]
+            v = np.uint64(old[j] ^ new[j])
+            for t in range(itemsize):
+                x[p + t] = np.uint8((v >> np.uint64(8 * t)) & np.uint64(0xFF))
+            j += 1
+        k = zero_run_sequences(x, x[:x.size // 8 * 8].view(np.uint64), seqs, min_run, table)
+        pos, last, status = _put_block(x, k, cctx_p, dst, seqs_p, out, pos, last)
+        if status:
+            return pos, status
+        for q in range(j0, j):
+            p = idx[q] * itemsize - s
+            for t in range(itemsize):
+                x[p + t] = 0
+    if j != idx.size:
+        return pos, BAD_INPUT
+    return _end_frame(out, pos, last), 0
+
+
+@njit(nogil=True, cache=True)
+def _put_block(x: np.ndarray, k: int, cctx_p: Any, dst: np.ndarray, seqs_p: Any, out: np.ndarray, pos: int,
+               last: int) -> tuple[int, int, int]:
+    """Compress block ``x`` from its ``k`` sequences and append it to ``out`` at ``pos`` (clearing the last-block
+    bit of the block at ``last``). Returns ``(pos, last, status)``; for ``ZSTD_FAILED``, ``pos`` is libzstd's
+    error code."""
+    m = x.size
+    rc = _compress_sequences(cctx_p, dst.ctypes.data, np.uintp(dst.size), seqs_p, np.uintp(k), x.ctypes.data,
+                             np.uintp(m))
+    if _is_error(rc):
+        return np.int64(rc), last, ZSTD_FAILED
+    head = _single_block(dst, np.int64(rc))
+    if head == -2:
+        return pos, last, BAD_FRAME
+    if last >= 0:
+        out[last] &= 0xFE  # the previous block is no longer the frame's last
+    last = pos
+    if head >= 0:
+        length = np.int64(rc) - head
+        if pos + length > out.size:  # a compressed block larger than the raw one: never written by libzstd
+            return pos, last, BAD_FRAME
+        out[pos:pos + length] = dst[head:head + length]
+        pos += length
+    else:  # libzstd split it: store the block raw, which leaves the decoder's state untouched
+        h = (m << 3) | 1
+        out[pos] = h & 0xFF
+        out[pos + 1] = (h >> 8) & 0xFF
+        out[pos + 2] = (h >> 16) & 0xFF
+        out[pos + 3:pos + 3 + m] = x
+        pos += 3 + m
+    return pos, last, 0
+
+
+@njit(nogil=True, cache=True)
+def _end_frame(out: np.ndarray, pos: int, last: int) -> int:
     if last < 0:  # empty chunk: one empty raw block
         out[pos] = 1
         out[pos + 1] = 0
         out[pos + 2] = 0
         pos += 3
-    return pos, 0, changed, da, db
+    return pos

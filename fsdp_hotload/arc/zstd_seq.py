@@ -180,13 +180,7 @@ class SequenceEncoder:
         ``tables`` and ``total`` are as for :class:`~fsdp_hotload.arc.dense.DenseDelta`, whose block path this
         replaces when ``one_call`` is set (same frame bytes, one GIL-free call per chunk).
         """
-        if self.one_call is None:
-            self.one_call = one_call_status()[0]
-        elif self.one_call and not seq_delta.exposed:
-            ok, why = one_call_status()
-            if not ok:
-                raise FormatError(f"one call per chunk is unavailable: {why}")
-        if not self.one_call:
+        if not self._one_call():
             scan = DenseDelta(parent, new, itemsize, tables, total, scratch=self._state().xor)
             frame = self.encode(scan.blocks(), parent.size)
             return frame, scan.changed, scan.parts_delta
@@ -205,6 +199,36 @@ class SequenceEncoder:
         if status:
             raise FormatError(_BAD_FRAME)
         return out[:end].tobytes(), int(changed), (int(da), int(db))
+
+    def _one_call(self) -> bool:
+        if self.one_call is None:
+            self.one_call = one_call_status()[0]
+        elif self.one_call and not seq_delta.exposed:
+            ok, why = one_call_status()
+            if not ok:
+                raise FormatError(f"one call per chunk is unavailable: {why}")
+        return self.one_call
+
+    def encode_sparse(self, idx: np.ndarray, old: np.ndarray, new: np.ndarray, nbytes: int, itemsize: int
+                      ) -> bytes | None:
+        """The frame of an ``nbytes`` chunk that changed only at elements ``idx`` (sorted int64) from ``old`` to
+        ``new`` (the device diff's output), in one GIL-free call; ``None`` where chunks are encoded block by
+        block (the caller then builds the XOR blocks itself). Same frame bytes as :meth:`encode` of the XOR."""
+        if not self._one_call():
+            return None
+        st = self._state()
+        head = frame_header(nbytes)
+        out = np.empty(len(head) + nbytes + 3 * (nbytes // MAX_BLOCK + 1), dtype=np.uint8)
+        out[:len(head)] = np.frombuffer(head, dtype=np.uint8)
+        end, status = seq_delta.encode_sparse_chunk(idx, old, new, nbytes, itemsize, st.xor, st.seqs, st.dst,
+                                                    st.cctx, _TABLE, MIN_RUN, out, len(head))
+        if status == seq_delta.ZSTD_FAILED:
+            st.check(int(end) & 0xFFFFFFFFFFFFFFFF, "compressing sequences")
+        if status == seq_delta.BAD_INPUT:
+            raise FormatError("sparse delta positions are not increasing, or fall outside the chunk")
+        if status:
+            raise FormatError(_BAD_FRAME)
+        return out[:end].tobytes()
 
     def _append(self, st: _ThreadState, x: np.ndarray, out: bytearray) -> int:
         ptr = x.ctypes.data
@@ -312,9 +336,13 @@ def _try_one_call(lib: Any) -> tuple[bool, str]:
             return False, f"block by block ({clash})"
         want = SequenceEncoder(lib, one_call=False).encode_delta(parent, new, 2, tables, new.size)
         got = SequenceEncoder(lib, one_call=True).encode_delta(parent, new, 2, tables, new.size)
+        # the sparse call on the same change, as the device diff hands it over
+        a, b = parent.view(np.uint16), new.view(np.uint16)
+        idx = np.flatnonzero(a != b).astype(np.int64)
+        sparse = SequenceEncoder(lib, one_call=True).encode_sparse(idx, a[idx], b[idx], new.size, 2)
     except Exception as exc:  # noqa: BLE001 - any failure means: keep the block path
         return False, f"block by block (one call per chunk failed: {exc!r})"
-    if got != want:
+    if got != want or sparse != want[0]:
         return False, "block by block (one call per chunk differs from it)"
     return True, "one call per chunk"
 
