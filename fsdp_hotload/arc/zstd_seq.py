@@ -187,18 +187,11 @@ class SequenceEncoder:
         if parent.shape != new.shape or parent.dtype != np.uint8 or new.dtype != np.uint8 or parent.ndim != 1:
             raise FormatError("encode_delta needs two flat uint8 arrays of equal length")
         st = self._state()
-        n = parent.size
-        head = frame_header(n)
-        out = np.empty(len(head) + n + 3 * (n // MAX_BLOCK + 1), dtype=np.uint8)
-        out[:len(head)] = np.frombuffer(head, dtype=np.uint8)
+        out, head_len = _frame_buffer(parent.size)
         end, status, changed, da, db = seq_delta.encode_chunk(
             np.ascontiguousarray(parent), np.ascontiguousarray(new), itemsize, tables[0], tables[1], total, st.xor,
-            st.seqs, st.dst, st.cctx, _TABLE, LANES[itemsize], MIN_RUN, out, len(head))
-        if status == seq_delta.ZSTD_FAILED:
-            st.check(int(end) & 0xFFFFFFFFFFFFFFFF, "compressing sequences")
-        if status:
-            raise FormatError(_BAD_FRAME)
-        return out[:end].tobytes(), int(changed), (int(da), int(db))
+            st.seqs, st.dst, st.cctx, _TABLE, LANES[itemsize], MIN_RUN, out, head_len)
+        return _finish(st, out, end, status), int(changed), (int(da), int(db))
 
     def _one_call(self) -> bool:
         if self.one_call is None:
@@ -217,18 +210,10 @@ class SequenceEncoder:
         if not self._one_call():
             return None
         st = self._state()
-        head = frame_header(nbytes)
-        out = np.empty(len(head) + nbytes + 3 * (nbytes // MAX_BLOCK + 1), dtype=np.uint8)
-        out[:len(head)] = np.frombuffer(head, dtype=np.uint8)
+        out, head_len = _frame_buffer(nbytes)
         end, status = seq_delta.encode_sparse_chunk(idx, old, new, nbytes, itemsize, st.xor, st.seqs, st.dst,
-                                                    st.cctx, _TABLE, MIN_RUN, out, len(head))
-        if status == seq_delta.ZSTD_FAILED:
-            st.check(int(end) & 0xFFFFFFFFFFFFFFFF, "compressing sequences")
-        if status == seq_delta.BAD_INPUT:
-            raise FormatError("sparse delta positions are not increasing, or fall outside the chunk")
-        if status:
-            raise FormatError(_BAD_FRAME)
-        return out[:end].tobytes()
+                                                    st.cctx, _TABLE, MIN_RUN, out, head_len)
+        return _finish(st, out, end, status)
 
     def _append(self, st: _ThreadState, x: np.ndarray, out: bytearray) -> int:
         ptr = x.ctypes.data
@@ -249,6 +234,25 @@ class SequenceEncoder:
             out += ((x.size << 3) | 1).to_bytes(3, "little")
             out += x.data
         return at
+
+
+def _frame_buffer(nbytes: int) -> tuple[np.ndarray, int]:
+    """Room for a one-call frame of ``nbytes`` of content (at worst every block raw), its header written."""
+    head = frame_header(nbytes)
+    out = np.empty(len(head) + nbytes + 3 * (nbytes // MAX_BLOCK + 1), dtype=np.uint8)
+    out[:len(head)] = np.frombuffer(head, dtype=np.uint8)
+    return out, len(head)
+
+
+def _finish(st: _ThreadState, out: np.ndarray, end: int, status: int) -> bytes:
+    """The frame a compiled call wrote, or its status as an error."""
+    if status == seq_delta.ZSTD_FAILED:
+        st.check(int(end) & 0xFFFFFFFFFFFFFFFF, "compressing sequences")
+    if status == seq_delta.BAD_INPUT:
+        raise FormatError("sparse delta positions are not increasing, or fall outside the chunk")
+    if status:
+        raise FormatError(_BAD_FRAME)
+    return out[:end].tobytes()
 
 
 _ENCODER: SequenceEncoder | None = None
