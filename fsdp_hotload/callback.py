@@ -38,7 +38,9 @@ log = logging.getLogger("fsdp_hotload")
 def hf_tie_word_embeddings(hf_config_dir: str | None) -> bool | None:
     """``tie_word_embeddings`` from the HF config.json, so snapshots name tied weights the way the receiver's
     model class expects (None when there is no config or it does not say). Multimodal configs keep the language
-    model's setting under ``text_config``, read when the top level does not say."""
+    model's setting under ``text_config``, read when the top level does not say. When both say and disagree,
+    the top level wins (transformers 5 ties from it; 4.x read ``get_text_config()`` first), with a warning that
+    names both: pass ``tie_word_embeddings=`` to ``HotloadCallback`` to settle it."""
     if not hf_config_dir:
         return None
     path = os.path.join(hf_config_dir, "config.json")
@@ -51,8 +53,13 @@ def hf_tie_word_embeddings(hf_config_dir: str | None) -> bool | None:
         return None
     value = config.get("tie_word_embeddings")
     text_config = config.get("text_config")
-    if not isinstance(value, bool) and isinstance(text_config, dict):
-        value = text_config.get("tie_word_embeddings")
+    nested = text_config.get("tie_word_embeddings") if isinstance(text_config, dict) else None
+    if not isinstance(value, bool):
+        value = nested
+    elif isinstance(nested, bool) and nested != value:
+        log.warning("hotload: %s says tie_word_embeddings=%s at the top level and %s under text_config; using %s "
+                    "(pass tie_word_embeddings= to HotloadCallback if the serving model reads the other)",
+                    path, value, nested, value)
     return value if isinstance(value, bool) else None
 
 

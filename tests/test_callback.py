@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,20 @@ def test_tie_word_embeddings_from_config_json(config: Any, tied: bool | None, tm
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert hf_tie_word_embeddings(str(tmp_path)) is tied
     assert hf_tie_word_embeddings(str(tmp_path / "missing")) is None
+
+
+def test_tie_word_embeddings_disagreement_is_named(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True,
+                                                       "text_config": {"tie_word_embeddings": False}}))
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        assert hf_tie_word_embeddings(str(tmp_path)) is True
+    assert "tie_word_embeddings=True at the top level and False under text_config" in caplog.text
+    caplog.clear()
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False,
+                                                       "text_config": {"tie_word_embeddings": False}}))
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        assert hf_tie_word_embeddings(str(tmp_path)) is False
+    assert "text_config" not in caplog.text
 
 
 def _setup(tmp_path: Path) -> tuple[Path, Path]:
