@@ -20,12 +20,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fsdp_hotload.arc.adler import update_parts  # noqa: E402
-from fsdp_hotload.arc.boxes import Box  # noqa: E402
 from fsdp_hotload.arc.codecs import ArcV2  # noqa: E402
-from fsdp_hotload.engine.staging import DIFF_BLOCK, Stager  # noqa: E402
-from fsdp_hotload.publish import WholeChunk  # noqa: E402
+from fsdp_hotload.engine.staging import DIFF_BLOCK  # noqa: E402
 
 from machine_info import machine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from staged_delta import staged_delta  # noqa: E402
 
 
 def timed(fn, repeat: int = 5) -> float:  # type: ignore[no-untyped-def]
@@ -49,20 +48,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_diff: no CUDA device here; nothing measured (run it on a GPU machine)")
         return 0
-    per = int(args.gb * 1e9 / 2 / args.tensors)
-    chunks = [WholeChunk(f"t{i}", (per,), "BF16", "flat", Box.flat(0, per),
-                         torch.randn(per, device="cuda", dtype=torch.float32) * 0.02) for i in range(args.tensors)]
-    st = Stager(chunks, slots=1)
-    buf = st.acquire(wait=False)
-    assert buf is not None
-    st.wait_event(st.stage(buf))
-    st.promote(buf)
-    with torch.no_grad():
-        for c in chunks:
-            mask = torch.rand(per, device="cuda") < args.changed
-            c.source.add_(mask * 1e-2)
-    buf = st.acquire(wait=False)
-    assert buf is not None
+    _, st, buf = staged_delta("cuda", args.gb, args.changed, args.tensors)
     stage_s = timed(lambda: st.wait_event(st.stage(buf)))
     diff_s = timed(lambda: st.diff(buf), repeat=3)
     dst = torch.empty_like(buf)

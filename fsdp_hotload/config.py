@@ -114,6 +114,9 @@ class HotloadConfig(BaseModel):
     async_copy: bool = Field(True, description="CPU trainers with attach(optimizer): copy the shard on a helper "
                              "thread and let the next optimizer.step() wait for it, instead of copying on the "
                              "trainer's thread (CUDA always copies on a side stream)")
+    encode_workers: int | None = Field(None, ge=1, le=64, description="threads that encode one rank's chunks at "
+                                       "once (None: 1 on a CPU trainer, whose cores train; on a GPU rank half its "
+                                       "share of the cores, at most 4)")
     cache_on: Literal["device", "host"] = Field("device", description="where the previous snapshot's bytes live")
     publish_on_close: bool = Field(True, description="close() publishes the newest step when it was skipped (while "
                                    "busy, or between publish_every steps), so the fleet ends on the final weights; "

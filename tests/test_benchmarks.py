@@ -2,8 +2,8 @@
 
 Their figures are not checked here (timings belong in ``benchmarks/RESULTS.md``, never in assertions). What is
 checked is what a broken script would get wrong: the job publishes and the emulator's replicas accept every
-snapshot, the report carries its target lines, every codec payload round-trips, and the GPU script exits
-cleanly without a GPU.
+snapshot, the report carries its target lines, every codec payload round-trips, every encode thread count
+writes the same bytes, and the GPU script exits cleanly without a GPU.
 """
 from __future__ import annotations
 
@@ -49,6 +49,14 @@ def test_codec_benchmark_round_trips_every_payload() -> None:
     # codec.py decodes every payload and raises if one differs from the trainer's bytes.
     proc = _run([str(BENCH / "codec.py"), "--quick", "--params", "200000", "--steps", "2", "--repeat", "1"], 300)
     assert "arc_v2: encode" in proc.stdout and "sparse·dense: ratio" in proc.stdout
+
+
+@pytest.mark.parametrize("path", ["dense", "sparse"])
+def test_encode_threads_benchmark_writes_the_same_bytes_on_every_thread_count(path: str) -> None:
+    proc = _run([str(BENCH / "encode_threads.py"), "--gb", "0.02", "--tensors", "8", "--workers", "1,3",
+                 "--repeat", "1", "--path", path], 300)
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip().endswith("x")]
+    assert [r[0] for r in rows] == ["1", "3"], proc.stdout  # it exits non-zero if 3 threads wrote other bytes
 
 
 def test_gpu_diff_benchmark_runs_or_says_why_not() -> None:

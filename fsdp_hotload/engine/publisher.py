@@ -43,13 +43,9 @@ import weakref
 from concurrent.futures import Future, wait
 from typing import Any, Callable, Sequence
 
-import numpy as np
 import torch
 
-from ..arc.adler import add_parts, chunk_parts, global_elements, update_parts
 from ..arc.codecs import get_codec
-from ..arc.dense import run_tables
-from ..arc.dtypes import numel
 from ..config import HotloadConfig
 from ..identity import new_identity
 from ..hf_config import snapshot_files
@@ -58,6 +54,7 @@ from ..storage import Storage
 from .assemble import Piece, assemble_delta_file, assemble_full_file, assign_owners
 from .cadence import Cadence
 from .comm import Comm, LocalComm, dumps, loads
+from .encode import ChunkEncoder, auto_workers
 from .jobs import Job, Outcome, PublishError, RankStatus, summarize
 from .metrics import MetricsSink
 from .pool import DaemonPool, StoredError, lower_thread_priority, start_warm_up
@@ -120,8 +117,9 @@ class Publisher:
         self._aux = snapshot_files(config.hf_config_dir, [s.dtype for s in specs]) if self.rank == 0 else {}
         self._manifests: dict[str, bytes] = {}
         self._cache_parts: list[tuple[int, int]] = [(0, 0)] * len(self.chunks)
-        self._runs: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(self.chunks)  # per chunk, lazily
-        self._said_delta_path = False  # rank 0 logs how host deltas are encoded, once
+        workers = config.encode_workers or auto_workers(self.stager.device)
+        self.encoder = ChunkEncoder(self.chunks, self.stager, self.codec, workers=workers,
+                                    name=f"hotload-encode-{self.rank}", verbose=self.rank == 0)
         # A job is queued only after it took a staging slot, so slots bound the queue; the bound says so (+1: the
         # stop sentinel).
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=config.max_inflight + 1)
@@ -372,6 +370,7 @@ class Publisher:
             self._errors.store(self._carried, self._staged)
         if self._uploads is not None:
             self._uploads.shutdown()
+        self.encoder.close()
         if self._warm_up is not None:
             self._warm_up.join()
         self.stager.close()
@@ -473,55 +472,17 @@ class Publisher:
 
     def _encode(self, buf: torch.Tensor, kind: str, outgoing: list[list[Piece]], st: RankStatus
                 ) -> list[tuple[int, int]]:
-        parts: list[tuple[int, int]] = []
-        cache = self.stager.cache
-        # Host buffers and a codec that compresses the dense XOR: one pass per chunk, scan and encode together
-        # (diff_s stays 0). Otherwise (a device, or a codec that needs positions) the diff runs first and only
-        # the changes reach the host.
-        dense = (kind == "delta" and cache is not None and buf.device.type == "cpu" and cache.device.type == "cpu"
-                 and hasattr(self.codec, "encode_delta"))
-        if dense and self.rank == 0 and not self._said_delta_path and hasattr(self.codec, "delta_path"):
-            self._said_delta_path = True
-            log.info("%s host deltas: %s", self.codec.name, self.codec.delta_path())
-        old_views = self.stager.host_views(cache) if dense and cache is not None else []
-        new_views = self.stager.host_views(buf) if dense else []
         t0 = time.perf_counter()
-        diffs = self.stager.diff(buf) if kind == "delta" and not dense else None
-        st.diff_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for i, (c, s) in enumerate(zip(self.chunks, self.stager.slices)):
-            space = (numel(c.shape),) if c.space == "flat" else tuple(c.shape)
-            total = s.itemsize * numel(c.shape)
-            if dense:
-                payload, p = self._dense_delta(i, space, total, old_views[i], new_views[i], st)
-            elif diffs is not None:
-                d = diffs[i]
-                payload = self.codec.encode(d)
-                p = update_parts(self._cache_parts[i], global_elements(d.idx, c.box, space), d.old, d.new,
-                                 s.itemsize, total)
-                st.changed += d.changed
-            else:
-                raw = self.stager.host_bytes(buf, s)
-                payload = raw.tobytes()
-                p = chunk_parts(raw, c.box, space, s.itemsize, total)
+        encoded, st.diff_s = self.encoder.encode(buf, kind, self._cache_parts)
+        for c, s, e in zip(self.chunks, self.stager.slices, encoded):
             st.elements += s.numel
-            parts.append(p)
+            st.changed += e.changed
             if s.numel:
                 owner = self.owners[self.plan.file_of(c.name)]
-                outgoing[owner].append(Piece(c.name, c.space, tuple(c.box.start), tuple(c.box.length), payload, p))
-        st.encode_s = time.perf_counter() - t0
-        return parts
-
-    def _dense_delta(self, i: int, space: tuple[int, ...], total: int, old: np.ndarray, new: np.ndarray,
-                     st: RankStatus) -> tuple[bytes, tuple[int, int]]:
-        """Chunk ``i`` of a host delta in one pass: payload and Adler-32 shares (counts go to ``st``)."""
-        s = self.stager.slices[i]
-        tables = self._runs[i]
-        if tables is None:
-            tables = self._runs[i] = run_tables(self.chunks[i].box.runs(space), s.itemsize)
-        payload, changed, delta = self.codec.encode_delta(old, new, s.itemsize, tables, total)  # type: ignore
-        st.changed += changed
-        return payload, add_parts(self._cache_parts[i], delta)
+                outgoing[owner].append(Piece(c.name, c.space, tuple(c.box.start), tuple(c.box.length), e.payload,
+                                             e.parts))
+        st.encode_s = time.perf_counter() - t0 - st.diff_s
+        return [e.parts for e in encoded]
 
     def _write_owned(self, identity: str, kind: str, parent: str | None, incoming: list[list[Piece]],
                      st: RankStatus) -> None:
