@@ -3,6 +3,7 @@ the Adler-32 shares match the new bytes, a failing chunk fails the encode only a
 buffers, and a publisher with encode threads round-trips bit for bit."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -151,12 +152,13 @@ def test_automatic_thread_count() -> None:
         HotloadConfig(bucket_url="/tmp/b", encode_workers=0)
 
 
-def test_a_publisher_with_encode_threads_round_trips_bit_exact(tmp_path: Path) -> None:
+def test_a_publisher_with_encode_threads_round_trips_bit_exact(tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
     model = make_model()
     bucket = tmp_path / "bucket"
     cfg = HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf_dir(tmp_path)), full_every=4, encode_workers=3)
     states = []
-    with TensorPublisher(model, cfg) as pub:
+    with caplog.at_level(logging.INFO, logger="fsdp_hotload"), TensorPublisher(model, cfg) as pub:
         assert pub.engine.encoder.workers == 3
         for step in range(8):
             train_step(model, step)
@@ -164,6 +166,7 @@ def test_a_publisher_with_encode_threads_round_trips_bit_exact(tmp_path: Path) -
             pub.wait()
             states.append(expected_sha(model))
     assert [m.kind for m in pub.metrics] == (["full"] + ["delta"] * 3) * 2
+    assert caplog.text.count("3 encode thread(s) per rank") == 1  # said once, at the first delta
     rebuilt = rebuild_accepted(bucket, pub.metrics)
     for m, want in zip(pub.metrics, states):
         assert {k: t.sha256() for k, t in rebuilt[m.identity].items()} == want

@@ -69,7 +69,7 @@ class ChunkEncoder:
         self.codec = codec
         self.workers = workers
         self._name = name
-        self._verbose = verbose  # rank 0 logs, once, how host deltas are encoded
+        self._verbose = verbose  # rank 0 logs, once, how deltas are encoded
         self._pool: DaemonPool | None = None
         self._runs: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(self.chunks)  # per chunk, lazily
         # Largest chunks first: with several threads, a big chunk started last would end the publish alone.
@@ -82,10 +82,11 @@ class ChunkEncoder:
         cache = self.stager.cache
         dense = (kind == "delta" and cache is not None and buf.device.type == "cpu" and cache.device.type == "cpu"
                  and hasattr(self.codec, "encode_delta"))
-        if dense and self._verbose and hasattr(self.codec, "delta_path"):
+        if kind == "delta" and self._verbose:
             self._verbose = False
-            log.info("%s host deltas: %s; %d encode thread(s) per rank", self.codec.name, self.codec.delta_path(),
-                     self.workers)
+            how = (self.codec.delta_path() if dense and hasattr(self.codec, "delta_path") else
+                   "one pass per chunk" if dense else f"{buf.device.type} diff, then the changes of each chunk")
+            log.info("%s deltas: %s; %d encode thread(s) per rank", self.codec.name, how, self.workers)
         old = self.stager.host_views(cache) if dense and cache is not None else None
         new = self.stager.host_views(buf) if dense else None
         t0 = time.perf_counter()
