@@ -34,6 +34,8 @@ Example::
     .venv/bin/python benchmarks/overhead.py --variants baseline,skip_nosignal --lr 1e-6 --batch 4 --seq 256
     .venv/bin/python benchmarks/overhead.py --from-json out.json            # the report again, from a saved run
     .venv/bin/python benchmarks/overhead.py --quick --profile-dir prof/    # cProfile (CPU time) of publishes
+    python benchmarks/overhead.py --device cuda --nproc 1 --variants baseline,skip_nosignal --lr 1e-6 \
+        --dim 2048 --hidden 5632 --layers 8 --vocab 32000 --batch 8 --seq 512   # a GPU trainer, one GPU per rank
 
 Why the CPU columns: on 2 shared cores the step-time ratio mixes the publisher's own cost with the emulator's
 and with other processes'; charging each step its core-seconds says which one moved it.

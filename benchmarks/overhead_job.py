@@ -45,11 +45,12 @@ def build_model(args: argparse.Namespace) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
-    model = CausalLM(args.vocab, args.dim, args.hidden, args.heads, args.layers)
+    model = CausalLM(args.vocab, args.dim, args.hidden, args.heads, args.layers).to(args.device)
     # bf16 compute and gradient reduction over fp32 master weights, as RL trainers run; keeping the
     # parameters gathered between forward and backward halves gloo's (slow, loopback) all-gather traffic.
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # named: fully_shard would pick CUDA on a GPU box
+    # named: without a mesh, fully_shard picks CUDA wherever torch sees a GPU
+    mesh = init_device_mesh(args.device.split(":")[0], (dist.get_world_size(),))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
@@ -138,13 +139,22 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def sync() -> None:
+    """Wait for the training stream's work (CUDA), so that a time covers the work and not only its launch. Only
+    that stream: the publisher's own stream (its diff, its host copies) is not the trainer's time."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
+
+
 def timed_median(fn: Any, reps: int) -> float:
     """Median seconds of ``fn()``, both ranks starting each repetition together (as staging does)."""
     times = []
     for _ in range(reps):
         dist.barrier()
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -212,7 +222,7 @@ def bare_copies(model: nn.Module, cb: HotloadCallback, reps: int) -> dict[str, f
 
         def fresh_cast() -> None:  # a new bf16 buffer filled from the fp32 shard (cast included)
             for s in srcs:
-                torch.empty(s.shape, dtype=torch.bfloat16).copy_(s)
+                torch.empty(s.shape, dtype=torch.bfloat16, device=s.device).copy_(s)
 
         def warm_cast() -> None:  # into a preallocated buffer: the floor for staging's cast-copy
             for w, s in zip(warm, srcs):
@@ -260,18 +270,24 @@ def main() -> None:
                    help="sys.setswitchinterval for the job (seconds; default: Python's 0.005)")
     p.add_argument("--hook", choices=["attach", "step"], default="attach",
                    help="publish from the optimizer hooks (async CPU copy) or call cb.step() after optimizer.step()")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="train on the CPU (gloo) or on one GPU per rank (nccl; step times then wait for the GPU)")
     p.add_argument("--profile-dir", default=None,
                    help="write a cProfile of each rank's publisher thread (CPU time, timed rounds only) here")
     args = p.parse_args()
 
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        args.device = f"cuda:{torch.cuda.current_device()}"
+    dist.init_process_group("cpu:gloo,cuda:nccl" if args.device.startswith("cuda") else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)  # fused: 5x faster than foreach on CPU
     gen = torch.Generator().manual_seed(1000 + rank)
-    batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen) for _ in range(8)]
+    batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(args.device)
+               for _ in range(8)]
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if not _VARIANT.match(v)]
@@ -312,6 +328,7 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
             if cb is not None and args.hook == "step":
                 cb.step(step)
+            sync()  # a GPU step ends when its kernels do
             t2 = time.perf_counter()
             cpu_s = time.process_time() - c0
             th1 = thread_cpu()
