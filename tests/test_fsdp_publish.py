@@ -29,6 +29,13 @@ def run_job(tmp_path: Path, nproc: int, mode: str, *extra: str) -> tuple[list[di
     return recs, tail
 
 
+def test_encode_threads_on_every_rank_stay_bit_exact(tmp_path: Path) -> None:
+    recs, tail = run_job(tmp_path, 2, "fsdp2", "--steps", "12", "--full-every", "6", "--encode-workers", "3")
+    assert tail["encode_workers"] == 3
+    assert [r["kind"] for r in recs] == (["full"] + ["delta"] * 5) * 2
+    assert all(r["ok"] and r["serves_current"] and r["bit_exact"] for r in recs), recs
+
+
 @pytest.mark.parametrize("nproc,mode", [(2, "fsdp2"), (4, "fsdp2"), (2, "fsdp1"), (4, "fsdp1-orig")])
 def test_forty_steps_bit_exact(tmp_path: Path, nproc: int, mode: str) -> None:
     recs, tail = run_job(tmp_path, nproc, mode, "--steps", "40", "--full-every", "10")

@@ -63,6 +63,7 @@ def main() -> None:
     p.add_argument("--attach", action="store_true", help="publish from the optimizer hooks (async CPU copy)")
     p.add_argument("--dtype-overrides", default="{}", help="HotloadConfig.dtype_overrides, as JSON")
     p.add_argument("--publish-every", type=int, default=1)
+    p.add_argument("--encode-workers", type=int, default=None, help="HotloadConfig.encode_workers")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -72,7 +73,8 @@ def main() -> None:
     cfg = HotloadConfig(bucket_url=args.bucket, hotload_api_url=args.url, account_id="acct", model_id="tiny",
                         deployment_id="dep", api_key="test-key", hf_config_dir=args.hf_dir, full_every=args.full_every, poll_interval_s=0.02,
                         ready_timeout_s=60, keep_training_on_error=True, busy_policy=args.busy_policy,
-                        dtype_overrides=json.loads(args.dtype_overrides), publish_every=args.publish_every)
+                        dtype_overrides=json.loads(args.dtype_overrides), publish_every=args.publish_every,
+                        encode_workers=args.encode_workers)
     def open_fds() -> int:  # gloo groups hold sockets: a callback that leaks its side groups shows here
         return len(os.listdir("/proc/self/fd"))
 
@@ -130,7 +132,8 @@ def main() -> None:
                            bit_exact=all(shas == by_step[last.step] for _, shas in reps))
     fds_after = open_fds()
     if rank == 0:
-        records.append({"walks": cb.walks, "fds_before": fds_before, "fds_after": fds_after})
+        records.append({"walks": cb.walks, "fds_before": fds_before, "fds_after": fds_after,
+                        "encode_workers": cb.engine.encoder.workers})
         Path(args.out).write_text(json.dumps(records, indent=1))
     dist.barrier()
     finish()
