@@ -69,13 +69,14 @@ def main() -> int:
             if total < best:
                 best, best_diff = total, diff_s
         enc.close()
+        got = [(bytes(e.payload), e.parts, e.changed) for e in out]
         if first is None:
-            first = out
-        elif out != first:
+            first = got
+        elif got != first:
             raise SystemExit(f"{n} threads wrote other bytes than one thread")
         rows.append((n, best, best_diff))
-    changed = sum(e.changed for e in first or []) / sum(s.numel for s in st.slices)
-    payload = sum(len(e.payload) for e in first or [])
+    changed = sum(e[2] for e in first or []) / sum(s.numel for s in st.slices)
+    payload = sum(len(e[0]) for e in first or [])
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; path: {path}")
     print(f"shard {st.nbytes / 1e9:.2f} GB bf16 in {args.tensors} tensors, changed {100 * changed:.2f}%, "
           f"payload {payload / 1e6:.1f} MB; best of {args.repeat}; {len(os.sched_getaffinity(0))} usable cores")

@@ -59,6 +59,13 @@ def test_encode_threads_benchmark_writes_the_same_bytes_on_every_thread_count(pa
     assert [r[0] for r in rows] == ["1", "3"], proc.stdout  # it exits non-zero if 3 threads wrote other bytes
 
 
+def test_full_memory_benchmark_reports_every_rank() -> None:
+    proc = _run([str(BENCH / "full_memory.py"), "--gb", "0.02", "--nproc", "2"], 300)
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["0", "1"], proc.stdout
+    assert "kinds ['full', 'delta', 'full']" in proc.stdout
+
+
 def test_gpu_diff_benchmark_runs_or_says_why_not() -> None:
     proc = _run([str(BENCH / "gpu_diff.py"), "--gb", "0.05"], 300)
     assert "GB/s" in proc.stdout or "no CUDA device here" in proc.stdout

@@ -12,7 +12,6 @@ Example::
 """
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,8 +19,8 @@ import numpy as np
 from ..arc.adler import combine
 from ..arc.boxes import Box, check_tiling, scatter
 from ..arc.container import TensorDelta, build_delta_file
-from ..arc.dtypes import RawTensor, numel
-from ..arc.stio import write_file
+from ..arc.dtypes import numel
+from ..arc.stio import build_header
 
 #: The ``__metadata__`` of a full snapshot's files, as Hugging Face's own writer sets it. Why: transformers
 #: before 4.48.2 reads ``metadata.get("format")`` unguarded and fails to load a file without it.
@@ -37,7 +36,7 @@ class Piece:
     space: str
     start: tuple[int, ...]
     length: tuple[int, ...]
-    data: bytes  # raw chunk bytes (full) or codec payload (delta)
+    data: bytes | np.ndarray  # full: the raw chunk bytes (uint8, possibly a view of the staged bytes); delta: payload
     parts: tuple[int, int] = (0, 0)  # Adler-32 shares of the new chunk bytes (delta)
 
     @property
@@ -73,24 +72,27 @@ def _pieces_by_tensor(filename: str, pieces: list[Piece]) -> dict[str, list[Piec
     return out
 
 
-def assemble_full_file(plan: ShardPlan, filename: str, pieces: list[Piece]) -> bytes:
-    """A plain HF safetensors file from raw chunk bytes (tiling checked, so no element is missing)."""
+def assemble_full_file(plan: ShardPlan, filename: str, pieces: list[Piece]) -> bytearray:
+    """A plain HF safetensors file from raw chunk bytes (tiling checked, so no element is missing), built in one
+    buffer of the file's size: the pieces land where the file holds them, with no per-tensor copy in between."""
     by_tensor = _pieces_by_tensor(filename, pieces)
-    tensors: dict[str, RawTensor] = {}
-    for name in plan.files[filename]:
-        spec = plan.specs[name]
-        ps = by_tensor.get(name, [])
+    names = plan.files[filename]
+    specs = [plan.specs[n] for n in names]
+    header = build_header([(s.name, s.dtype, s.shape, s.nbytes) for s in specs], FULL_FILE_METADATA)
+    out = bytearray(len(header) + sum(s.nbytes for s in specs))
+    out[:len(header)] = header
+    view = np.frombuffer(out, dtype=np.uint8)
+    pos = len(header)
+    for spec in specs:
+        ps = by_tensor.get(spec.name, [])
         space = ps[0].space if ps else "flat"
         sshape = _space_shape(space, spec.shape)
         check_tiling([p.box for p in ps], sshape)
-        buf = np.empty(spec.nbytes, dtype=np.uint8)
         size = spec.nbytes // max(numel(spec.shape), 1)
         for p in ps:
-            scatter(buf, np.frombuffer(p.data, dtype=np.uint8), p.box, sshape, size)
-        tensors[name] = RawTensor(spec.dtype, spec.shape, buf)
-    out = io.BytesIO()
-    write_file(out, tensors, FULL_FILE_METADATA)
-    return out.getvalue()
+            scatter(view[pos:pos + spec.nbytes], np.frombuffer(p.data, dtype=np.uint8), p.box, sshape, size)
+        pos += spec.nbytes
+    return out
 
 
 def assemble_delta_file(plan: ShardPlan, filename: str, pieces: list[Piece], *, parent_identity: str,

@@ -12,16 +12,21 @@ Example::
 """
 from __future__ import annotations
 
+import io
 import pickle
 from typing import Any, Callable, Protocol, Sequence
+
+
+Blob = Any  # bytes-like: bytes, a writable memoryview (dumps_buffer), or a numpy uint8 array (received)
 
 
 class Comm(Protocol):
     rank: int
     world: int
 
-    def exchange(self, outgoing: Sequence[bytes]) -> list[bytes]:
-        """``outgoing[d]`` goes to rank d; returns ``incoming[s]`` from rank s (own blob passed through)."""
+    def exchange(self, outgoing: Sequence[Blob]) -> list[Blob]:
+        """``outgoing[d]`` goes to rank d; returns ``incoming[s]`` from rank s (own blob passed through). Blobs
+        are bytes-like; writable ones (:func:`dumps_buffer`) are sent without a copy."""
         ...
 
     def gather(self, obj: Any) -> list[Any] | None:
@@ -47,7 +52,7 @@ class LocalComm:
     rank = 0
     world = 1
 
-    def exchange(self, outgoing: Sequence[bytes]) -> list[bytes]:
+    def exchange(self, outgoing: Sequence[Blob]) -> list[Blob]:
         return [outgoing[0]]
 
     def gather(self, obj: Any) -> list[Any]:
@@ -100,17 +105,19 @@ class GlooComm:
         if group is not None and self._dist.is_initialized():
             self._dist.destroy_process_group(group)
 
-    def exchange(self, outgoing: Sequence[bytes]) -> list[bytes]:
+    def exchange(self, outgoing: Sequence[Blob]) -> list[Blob]:
+        """Received blobs are the receive buffers themselves (numpy arrays), not copies: a full snapshot's pieces
+        are a rank's whole shard, so each copy here would cost that much host memory again."""
         import torch
 
         dist = self._dist
         if len(outgoing) != self.world:
             raise ValueError(f"exchange needs one blob per rank ({self.world}), got {len(outgoing)}")
-        sizes = torch.tensor([len(b) for b in outgoing], dtype=torch.int64)
+        sizes = torch.tensor([_nbytes(b) for b in outgoing], dtype=torch.int64)
         table = [torch.empty(self.world, dtype=torch.int64) for _ in range(self.world)]
         dist.all_gather(table, sizes, group=self.group)
-        incoming: list[bytes] = [b""] * self.world
-        incoming[self.rank] = bytes(outgoing[self.rank])
+        incoming: list[Blob] = [b""] * self.world
+        incoming[self.rank] = outgoing[self.rank]
         reqs, bufs = [], {}
         for peer in range(self.world):
             if peer == self.rank:
@@ -119,13 +126,12 @@ class GlooComm:
             if n_in:
                 bufs[peer] = torch.empty(n_in, dtype=torch.uint8)
                 reqs.append(dist.irecv(bufs[peer], src=self._global[peer], group=self.group))
-            if len(outgoing[peer]):
-                t = torch.frombuffer(bytearray(outgoing[peer]), dtype=torch.uint8)
-                reqs.append(dist.isend(t, dst=self._global[peer], group=self.group))
+            if _nbytes(outgoing[peer]):
+                reqs.append(dist.isend(_as_tensor(outgoing[peer]), dst=self._global[peer], group=self.group))
         for r in reqs:
             r.wait()
         for peer, buf in bufs.items():
-            incoming[peer] = buf.numpy().tobytes()
+            incoming[peer] = buf.numpy()
         return incoming
 
     def gather(self, obj: Any) -> list[Any] | None:
@@ -205,6 +211,28 @@ def dumps(obj: Any) -> bytes:
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def loads(blob: bytes) -> Any:
+def dumps_buffer(obj: Any) -> memoryview:
+    """``obj`` pickled into a writable buffer, which :meth:`GlooComm.exchange` sends without copying it."""
+    out = io.BytesIO()
+    pickle.Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return out.getbuffer()
+
+
+def loads(blob: Blob) -> Any:
     # Blobs come from the other ranks of the same job over the side group, never from storage.
-    return pickle.loads(blob) if blob else None
+    return pickle.loads(blob) if _nbytes(blob) else None
+
+
+def _nbytes(blob: Blob) -> int:
+    return memoryview(blob).nbytes
+
+
+def _as_tensor(blob: Blob) -> Any:
+    """A uint8 tensor over ``blob``'s bytes: shared when the buffer is writable, else a copy (torch refuses to
+    share read-only memory, e.g. ``bytes``)."""
+    import torch
+
+    view = memoryview(blob)
+    if view.readonly:
+        view = memoryview(bytearray(view))
+    return torch.frombuffer(view.cast("B") if view.format != "B" or view.ndim != 1 else view, dtype=torch.uint8)

@@ -38,7 +38,7 @@ AUTO_MAX_WORKERS = 4  # beyond this the largest chunk and the memory bus, not co
 
 @dataclass(frozen=True)
 class EncodedChunk:
-    payload: bytes
+    payload: bytes | np.ndarray  # a delta's codec payload, or a full snapshot's raw bytes (uint8)
     parts: tuple[int, int]  # this chunk's Adler-32 shares of the new bytes
     changed: int  # elements that differ from the cache (0 for a full snapshot)
 
@@ -119,8 +119,10 @@ class ChunkEncoder:
             d = diffs[i]
             parts = update_parts(cached, global_elements(d.idx, c.box, space), d.old, d.new, s.itemsize, total)
             return EncodedChunk(self.codec.encode(d), parts, int(d.changed))
+        # The staged bytes themselves (a view on a host slot, which nothing writes until this publish settles;
+        # a copy from a device): a full snapshot is the whole shard, so a copy here is that much memory more.
         raw = self.stager.host_bytes(buf, s)
-        return EncodedChunk(raw.tobytes(), chunk_parts(raw, c.box, space, s.itemsize, total), 0)
+        return EncodedChunk(raw, chunk_parts(raw, c.box, space, s.itemsize, total), 0)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -53,7 +53,7 @@ from ..layout import ShardPlan, TensorSpec, plan_shards
 from ..storage import Storage
 from .assemble import Piece, assemble_delta_file, assemble_full_file, assign_owners
 from .cadence import Cadence
-from .comm import Comm, LocalComm, dumps, loads
+from .comm import Comm, LocalComm, dumps_buffer, loads
 from .encode import ChunkEncoder, auto_workers
 from .jobs import Job, Outcome, PublishError, RankStatus, summarize
 from .metrics import MetricsSink
@@ -440,11 +440,11 @@ class Publisher:
             st.error = f"rank {self.rank}: encode failed: {exc!r}"
             outgoing = [[] for _ in range(self.world)]
         t0 = time.perf_counter()
-        incoming = self.comm.exchange([dumps(p) for p in outgoing])
+        incoming = self._route(outgoing)
         st.route_s = time.perf_counter() - t0
         if st.error is None:
             try:
-                self._write_owned(identity, kind, parent, [loads(b) or [] for b in incoming], st)
+                self._write_owned(identity, kind, parent, incoming, st)
             except Exception as exc:  # noqa: BLE001
                 st.error = f"rank {self.rank}: upload failed: {exc!r}"
         st.blocking_ms = job.blocking_ms  # read late: a background copy's fence adds its wait to it
@@ -484,23 +484,41 @@ class Publisher:
         st.encode_s = time.perf_counter() - t0 - st.diff_s
         return [e.parts for e in encoded]
 
+    def _route(self, outgoing: list[list[Piece]]) -> list[list[Piece]]:
+        """Every rank's pieces of the files this rank owns, from ``outgoing[r]``, this rank's pieces for rank r
+        (emptied here). A full snapshot's pieces are the rank's whole shard, so none is copied more than the
+        move needs: this rank's own are never pickled (on a CPU trainer they are views of the staged bytes), the
+        others' are pickled once and sent from that buffer, and each received blob goes once it is unpickled."""
+        mine = outgoing[self.rank]
+        blobs = [b"" if r == self.rank else dumps_buffer(p) for r, p in enumerate(outgoing)]
+        outgoing.clear()
+        received = self.comm.exchange(blobs)
+        del blobs
+        incoming: list[list[Piece]] = []
+        for r in range(self.world):
+            incoming.append(mine if r == self.rank else (loads(received[r]) or []))
+            received[r] = b""
+        return incoming
+
     def _write_owned(self, identity: str, kind: str, parent: str | None, incoming: list[list[Piece]],
                      st: RankStatus) -> None:
         by_file: dict[str, list[Piece]] = {f: [] for f, r in self.owners.items() if r == self.rank}
         for pieces in incoming:
             for p in pieces:
                 by_file[self.plan.file_of(p.tensor)].append(p)
+            pieces.clear()  # by_file holds them now, and lets each file's go once it is assembled
         before = self.storage.stats.snapshot()
         t0 = time.perf_counter()
 
         def write(filename: str) -> tuple[str, int]:
-            pieces = by_file[filename]
+            pieces = by_file.pop(filename)
             if kind == "full":
-                blob = assemble_full_file(self.plan, filename, pieces)
+                blob: bytes | bytearray = assemble_full_file(self.plan, filename, pieces)
             else:
                 assert parent is not None
                 blob = assemble_delta_file(self.plan, filename, pieces, parent_identity=parent,
                                            codec=self.codec.name)
+            del pieces
             self.storage.put_bytes(f"{identity}/{filename}", blob)
             if self.signaller is not None and self.config.send_hints:
                 self.signaller.hint(identity, filename, parent if kind == "delta" else None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import torch.distributed as dist
 
@@ -32,9 +33,12 @@ def main() -> None:
         outcome = {"round": round_, "error": "x" * (_INLINE + 1000 * round_) if round_ else None}
         seen = comm.broadcast(outcome if rank == 0 else None)
         assert seen == outcome, (rank, round_)
-        blobs = [bytes([rank, dst]) * (1000 * round_ + dst) for dst in range(world)]
+        blobs: list[Any] = [bytes([rank, dst]) * (1000 * round_ + dst) for dst in range(world)]
+        if round_ % 2:  # writable buffers, as the publisher sends them (shared with the send, not copied)
+            blobs = [memoryview(bytearray(b)) for b in blobs]
         incoming = comm.exchange(blobs)
-        assert incoming == [bytes([src, rank]) * (1000 * round_ + rank) for src in range(world)], (rank, round_)
+        assert [bytes(b) for b in incoming] == [bytes([src, rank]) * (1000 * round_ + rank) for src in range(world)], \
+            (rank, round_)
         assert comm.allreduce_max_async(rank * round_)() == (world - 1) * round_
     dist.barrier()
     if rank == 0:
