@@ -56,7 +56,7 @@ class ThreadComm:
         self.meeting.put(self._n, self.rank, value)
         return self.meeting.get(self._n)
 
-    def exchange(self, outgoing: Sequence[bytes]) -> list[bytes]:
+    def exchange(self, outgoing: Sequence[Any]) -> list[Any]:
         values = self._meet(list(outgoing))
         return [values[src][self.rank] for src in range(self.world)]
 
