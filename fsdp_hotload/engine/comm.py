@@ -144,7 +144,7 @@ class GlooComm:
             blob = dumps(obj)
             dist.gather(_framed(blob), None, dst=root, group=self.group)
             if len(blob) > _INLINE:
-                dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst=root, group=self.group)
+                dist.send(_as_tensor(blob), dst=root, group=self.group)
             return None
         bufs = [torch.empty(_INLINE + 8, dtype=torch.uint8) for _ in range(self.world)]
         dist.gather(torch.empty(_INLINE + 8, dtype=torch.uint8), bufs, dst=root, group=self.group)
@@ -162,7 +162,7 @@ class GlooComm:
             blob = dumps(obj)
             dist.broadcast(_framed(blob), src=root, group=self.group)
             if len(blob) > _INLINE:
-                dist.broadcast(torch.frombuffer(bytearray(blob), dtype=torch.uint8), src=root, group=self.group)
+                dist.broadcast(_as_tensor(blob), src=root, group=self.group)
             return obj
         buf = torch.empty(_INLINE + 8, dtype=torch.uint8)
         dist.broadcast(buf, src=root, group=self.group)
@@ -189,9 +189,9 @@ def _framed(blob: bytes) -> Any:
     import torch
 
     buf = torch.zeros(_INLINE + 8, dtype=torch.uint8)
-    buf[:8] = torch.frombuffer(bytearray(len(blob).to_bytes(8, "little")), dtype=torch.uint8)
+    buf[:8] = _as_tensor(len(blob).to_bytes(8, "little"))
     if 0 < len(blob) <= _INLINE:
-        buf[8:8 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        buf[8:8 + len(blob)] = _as_tensor(blob)
     return buf
 
 
