@@ -201,10 +201,10 @@ def _unframed(buf: Any, receive_big: Callable[[Any], Any]) -> Any:
 
     n = int.from_bytes(buf[:8].numpy().tobytes(), "little")
     if n <= _INLINE:
-        return loads(buf[8:8 + n].numpy().tobytes())
+        return loads(buf[8:8 + n].numpy())
     big = torch.empty(n, dtype=torch.uint8)
     receive_big(big)
-    return loads(big.numpy().tobytes())
+    return loads(big.numpy())
 
 
 def dumps(obj: Any) -> bytes:
@@ -235,4 +235,4 @@ def _as_tensor(blob: Blob) -> Any:
     view = memoryview(blob)
     if view.readonly:
         view = memoryview(bytearray(view))
-    return torch.frombuffer(view.cast("B") if view.format != "B" or view.ndim != 1 else view, dtype=torch.uint8)
+    return torch.frombuffer(view.cast("B"), dtype=torch.uint8)
