@@ -58,6 +58,7 @@ from .encode import ChunkEncoder, auto_workers
 from .jobs import Job, Outcome, PublishError, RankStatus, summarize
 from .metrics import MetricsSink
 from .pool import DaemonPool, StoredError, lower_thread_priority, start_warm_up
+from .progress import ProgressLog, PublishProgress
 from .signal import Signaller
 from .staging import ChunkLike, Stager
 
@@ -135,6 +136,9 @@ class Publisher:
         self.early_agreement = False  # set while a caller starts each agreement with agree() (see there)
         self._copying: Job | None = None  # the job whose host copy runs on the stager's helper thread
         self._uploads: DaemonPool | None = None  # file writers, started by (and as nice as) the publisher
+        self._progress = ProgressLog(config.progress_log_s if self.rank == 0 else None,
+                                     trainer_step=lambda: self.latest_step, name=f"hotload-progress-{self.rank}")
+        self._prog = PublishProgress("", "", -1, 0.0)  # the snapshot in flight, for the progress reports
         self.latest_step = -1
         self._last_staged = -1  # the newest step staged (publish_final publishes latest_step when it is newer)
         self._stepping_thread: int | None = None  # the thread of the newest publish(): the one training
@@ -376,6 +380,7 @@ class Publisher:
         self.stager.close()
         if self.signaller is not None:
             self.signaller.close()
+        self._progress.close()
         if raise_errors:
             if final_error is not None and self._errors.due(self._staged) and not self.config.keep_training_on_error:
                 log.error("hotload: publishing the newest step at close failed: %r", final_error)  # raised: the other
@@ -418,6 +423,7 @@ class Publisher:
                     self.cadence.on_failure()
                     self.stager.release(job.buf)
             finally:
+                self._progress.end()
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
@@ -430,16 +436,20 @@ class Publisher:
         outgoing: list[list[Piece]] = [[] for _ in range(self.world)]
         new_parts: list[tuple[int, int]] = []
         carried, self._carried = self._carried, None
+        prog = self._prog = self._progress.begin(identity, kind, job.step, job.t_hook)
         try:
+            prog.stage("waiting for the shard's copy")
             self.stager.wait_event(job.event)
             if carried is not None:  # raised here, not on this rank alone, so that every rank raises at one step
                 st.error = f"rank {self.rank}: the bookkeeping after the previous snapshot failed: {carried!r}"
             else:
+                prog.stage("encoding")
                 new_parts = self._encode(job.buf, kind, outgoing, st)
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which ends this snapshot
             st.error = f"rank {self.rank}: encode failed: {exc!r}"
             outgoing = [[] for _ in range(self.world)]
         t0 = time.perf_counter()
+        prog.stage("routing pieces to the ranks that write each file")
         incoming = self._route(outgoing)
         st.route_s = time.perf_counter() - t0
         if st.error is None:
@@ -448,6 +458,7 @@ class Publisher:
             except Exception as exc:  # noqa: BLE001
                 st.error = f"rank {self.rank}: upload failed: {exc!r}"
         st.blocking_ms = job.blocking_ms  # read late: a background copy's fence adds its wait to it
+        prog.stage("waiting for every rank's files")
         statuses = self.comm.gather(st)
         outcome = self._finish(job, identity, kind, parent, statuses) if self.rank == 0 else None
         outcome = self.comm.broadcast(outcome)
@@ -520,12 +531,14 @@ class Publisher:
                                            codec=self.codec.name)
             del pieces
             self.storage.put_bytes(f"{identity}/{filename}", blob)
+            self._prog.file_written(len(blob))
             if self.signaller is not None and self.config.send_hints:
                 self.signaller.hint(identity, filename, parent if kind == "delta" else None)
             return filename, len(blob)
 
         if self._uploads is None:  # one pool for the publisher's life: no thread start-up per publish
             self._uploads = DaemonPool(self.config.upload_concurrency, f"hotload-upload-{self.rank}")
+        self._prog.stage("uploading", files=len(by_file))
         futures = [self._uploads.submit(write, f) for f in sorted(by_file)]
         wait(futures)  # every write has ended before the snapshot's outcome is decided, failed or not
         st.files = dict(f.result() for f in futures)
@@ -545,11 +558,14 @@ class Publisher:
         try:
             if errors:
                 raise PublishError("; ".join(errors))
+            self._prog.stage("writing the manifests and the commit marker")
             self._write_manifests(identity, kind, parent, files)
             committed = True
             if self.signaller is not None:
                 t0 = time.perf_counter()
-                ready_s = self.signaller.signal_and_wait(identity, parent if kind == "delta" else None)
+                self._prog.stage("signalling and waiting until every replica serves it")
+                ready_s = self.signaller.signal_and_wait(identity, parent if kind == "delta" else None,
+                                                         on_poll=self._prog.polled)
                 m.signal_s = time.perf_counter() - t0 - ready_s
                 m.ready_s = ready_s
             m.ok = True
@@ -563,6 +579,7 @@ class Publisher:
         if m.ok and self.config.keep_last:
             from ..retention import apply_retention
 
+            self._prog.stage("served; applying retention (keep_last)")
             try:  # the snapshot is served: a cleanup problem is reported, and retried at the next publish
                 apply_retention(self.storage, self.config.keep_last, protected={identity}, session=self.session,
                                 since=self._started)

@@ -12,6 +12,7 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Callable, Sequence
@@ -72,9 +73,11 @@ class Signaller:
                 log.warning("hotload: hint for %s/%s to %s failed (no more hints for this snapshot): %s",
                             identity, filename, c.deployment_name, exc)
 
-    def signal_and_wait(self, identity: str, previous: str | None) -> float:
+    def signal_and_wait(self, identity: str, previous: str | None,
+                        on_poll: Callable[[str, Any], None] | None = None) -> float:
         """Signal every deployment, then wait for all; returns seconds spent waiting for readiness. Before the
         first signal to a deployment, wait until it reports a replica (a signal before that can crash it).
+        ``on_poll(deployment, status)`` sees every readiness poll's answer (progress reports).
 
         Each phase runs on every deployment at once: a signal may retry for minutes, and one deployment after
         another, stalled signals could outlast the side group's timeout the other ranks wait under."""
@@ -93,7 +96,9 @@ class Signaller:
             identity, previous_identity=previous, reset_prompt_cache=self.reset_prompt_cache,
             compression_format=self.compression_format)))
         t0 = time.perf_counter()
-        failed = self._on_each(self.clients, lambda c: c.wait_ready(identity, timeout_s=self.ready_timeout_s))
+        failed = self._on_each(self.clients, lambda c: c.wait_ready(
+            identity, timeout_s=self.ready_timeout_s,
+            on_poll=None if on_poll is None else functools.partial(on_poll, c.deployment_name)))
         for c in self.clients:
             if c.deployment_name not in failed:
                 self.served[c.deployment_name] = identity
