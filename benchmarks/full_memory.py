@@ -47,7 +47,8 @@ def job(gb: float, workdir: Path) -> None:
     (workdir / "hf" / "config.json").write_text('{"model_type": "bench"}')
     cfg = HotloadConfig(bucket_url=str(workdir / "bucket"), hf_config_dir=str(workdir / "hf"), full_every=2,
                         busy_policy="wait")
-    pub = Publisher(chunks, specs, cfg, comm=GlooComm(dist.new_group(backend="gloo")))
+    pub = Publisher(chunks, specs, cfg, comm=GlooComm(dist.new_group(backend="gloo")),
+                    ctrl=GlooComm(dist.new_group(backend="gloo")))
 
     def update(step: int) -> None:  # strided, in place: no temporaries the size of the shard
         for t in sources:

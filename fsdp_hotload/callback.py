@@ -177,6 +177,9 @@ class HotloadCallback:
         checkpoint, so identities carry the real step), else from where ``step()`` or an earlier attach left
         off (0 at first). Only steps the optimizers take count: a step a ``GradScaler`` skips (inf gradients)
         does not, so identities then lag the trainer's step; call ``step(global_step)`` instead where that matters.
+        With several optimizers and a ``GradScaler``, call ``step(global_step)`` after ``scaler.update()`` and do
+        not attach: the scaler checks each optimizer's gradients apart, and once it skips one optimizer but not
+        another, "all have stepped" falls between two optimizers' steps and every later snapshot mixes two steps.
 
         With ``config.async_copy`` (the default) a CPU copy of the shard runs on a helper thread while the
         next forward and backward run, and a step pre-hook makes the next ``optimizer.step()`` wait for it,

@@ -207,6 +207,39 @@ def _unframed(buf: Any, receive_big: Callable[[Any], Any]) -> Any:
     return loads(big.numpy())
 
 
+def exchange_objects(comm: Comm, outgoing: list[Any]) -> tuple[list[Any], str | None]:
+    """``outgoing[d]`` (picklable) goes to rank d (the list is emptied); returns what each rank sent this one
+    and this rank's error, if any.
+
+    Why the error is returned, not raised: like every collective of a snapshot, the exchange must run on every
+    rank, or the others wait for this one until the group's timeout. A rank that cannot pickle its objects (out
+    of memory, say) sends nothing, and a rank that gets nothing from a peer reports it too (None in its place).
+    Large objects are copied no more than the move needs: this rank's own is passed through, never pickled; the
+    others are pickled once into buffers gloo sends as they are; each received blob goes once it is unpickled.
+    """
+    own = outgoing[comm.rank]
+    error: str | None = None
+    try:
+        blobs: list[Blob] = [b"" if r == comm.rank else dumps_buffer(o) for r, o in enumerate(outgoing)]
+    except Exception as exc:  # noqa: BLE001
+        error = f"rank {comm.rank}: routing failed: {exc!r}"
+        blobs = [b""] * comm.world
+    outgoing.clear()
+    received = comm.exchange(blobs)
+    del blobs
+    incoming: list[Any] = []
+    for r in range(comm.world):
+        try:
+            if r != comm.rank and not _nbytes(received[r]):
+                raise RuntimeError(f"rank {r} sent nothing (its own part failed)")
+            incoming.append(own if r == comm.rank else loads(received[r]))
+        except Exception as exc:  # noqa: BLE001
+            error = error or f"rank {comm.rank}: routing failed: {exc!r}"
+            incoming.append(None)
+        received[r] = b""
+    return incoming, error
+
+
 def dumps(obj: Any) -> bytes:
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 

@@ -53,7 +53,7 @@ from ..layout import ShardPlan, TensorSpec, plan_shards
 from ..storage import Storage
 from .assemble import Piece, assemble_delta_file, assemble_full_file, assign_owners
 from .cadence import Cadence
-from .comm import Comm, LocalComm, dumps_buffer, loads
+from .comm import Comm, LocalComm, exchange_objects
 from .encode import ChunkEncoder, auto_workers
 from .jobs import Job, Outcome, PublishError, RankStatus, summarize
 from .metrics import MetricsSink
@@ -87,6 +87,9 @@ class Publisher:
                  signaller: Signaller | None = None, session: str | None = None) -> None:
         self.config = config
         self.comm: Comm = comm or LocalComm()
+        if self.comm.world > 1 and ctrl is None:  # the trainer's agreement and the publisher's thread would
+            raise ValueError("Publisher: with several ranks, pass ctrl=, a second group for the trainer thread's "
+                             "collectives (two threads must never share one group)")
         self.ctrl: Comm = ctrl or self.comm
         self.rank, self.world = self.comm.rank, self.comm.world
         self.chunks = list(chunks)
@@ -112,6 +115,7 @@ class Publisher:
         # Identities must agree on every rank (rank 0 picks the suffix) and never repeat across publisher
         # instances, even within one process (a restarted publisher must not reuse an identity).
         self.session = self.ctrl.broadcast(session or secrets.token_hex(4))
+        new_identity(0, prefix=config.identity_prefix, session=self.session)  # a bad session fails here, not later
         self.signaller = signaller if signaller is not None else (
             Signaller.from_config(config) if (self.rank == 0 or config.send_hints) else None)
         self.metrics = MetricsSink(config.metrics_path if self.rank == 0 else None)
@@ -168,10 +172,10 @@ class Publisher:
             return self._publish(step, sources, background_copy)
 
     def _publish(self, step: int, sources: Sources | None, background_copy: bool) -> bool:
-        t0 = time.perf_counter()
         if self._closing:
             raise RuntimeError("publisher is closed")
-        self.fence()
+        self.fence()  # its wait is the previous snapshot's blocking time, counted there
+        t0 = time.perf_counter()
         if self.world == 1 or self.config.keep_training_on_error:  # with several ranks an error waits, see below
             self.raise_if_failed()
         given = step
@@ -209,9 +213,12 @@ class Publisher:
             # Slots free in job order, so holding one means the job max_inflight places back has ended here; its
             # error (stored before its slot was freed) is known now on every rank, and every rank stages the same
             # jobs. Raised here and never earlier, it ends the same step on every rank: a rank that raised a step
-            # before the others would pair different steps in every later snapshot.
-            self.stager.release(buf)
-            buf, raise_now = None, True
+            # before the others would pair different steps in every later snapshot. Only logged (keep training):
+            # the step is staged all the same, as on a rank that took the error at the top of this call.
+            if not self.config.keep_training_on_error:
+                self.stager.release(buf)
+                buf = None
+            raise_now = True
         if buf is not None:
             self._start(step, buf, sources, background_copy, t0)
         else:
@@ -450,7 +457,7 @@ class Publisher:
             outgoing = [[] for _ in range(self.world)]
         t0 = time.perf_counter()
         prog.stage("routing pieces to the ranks that write each file")
-        incoming = self._route(outgoing)
+        incoming = self._route(outgoing, st)
         st.route_s = time.perf_counter() - t0
         if st.error is None:
             try:
@@ -495,21 +502,13 @@ class Publisher:
         st.encode_s = time.perf_counter() - t0 - st.diff_s
         return [e.parts for e in encoded]
 
-    def _route(self, outgoing: list[list[Piece]]) -> list[list[Piece]]:
+    def _route(self, outgoing: list[list[Piece]], st: RankStatus) -> list[list[Piece]]:
         """Every rank's pieces of the files this rank owns, from ``outgoing[r]``, this rank's pieces for rank r
-        (emptied here). A full snapshot's pieces are the rank's whole shard, so none is copied more than the
-        move needs: this rank's own are never pickled (on a CPU trainer they are views of the staged bytes), the
-        others' are pickled once and sent from that buffer, and each received blob goes once it is unpickled."""
-        mine = outgoing[self.rank]
-        blobs = [b"" if r == self.rank else dumps_buffer(p) for r, p in enumerate(outgoing)]
-        outgoing.clear()
-        received = self.comm.exchange(blobs)
-        del blobs
-        incoming: list[list[Piece]] = []
-        for r in range(self.world):
-            incoming.append(mine if r == self.rank else (loads(received[r]) or []))
-            received[r] = b""
-        return incoming
+        (emptied here). A full snapshot's pieces are the rank's whole shard: see :func:`exchange_objects` for
+        how none is copied more than the move needs. This rank's own failure there fails the snapshot."""
+        incoming, error = exchange_objects(self.comm, outgoing)
+        st.error = st.error or error
+        return [pieces or [] for pieces in incoming]
 
     def _write_owned(self, identity: str, kind: str, parent: str | None, incoming: list[list[Piece]],
                      st: RankStatus) -> None:

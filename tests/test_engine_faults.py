@@ -1,0 +1,148 @@
+"""The engine under rank-local faults: several ranks as threads (real publisher, real local storage)."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+
+import fsdp_hotload.engine.comm as comm_mod
+from fsdp_hotload.arc.boxes import Box
+from fsdp_hotload.config import HotloadConfig
+from fsdp_hotload.engine.publisher import Publisher
+from fsdp_hotload.layout import TensorSpec
+from fsdp_hotload.publish import WholeChunk
+from fsdp_hotload.retention import read_commit_marker
+from fsdp_hotload.storage import Storage
+from tests.s3_fixture import FaultyFileSystem
+from tests.thread_comm import Meeting, ThreadComm, run_ranks
+
+N = 4096
+NAMES = ["a", "b"]
+SPECS = [TensorSpec(name, (N,), "BF16") for name in NAMES]
+
+
+def two_ranks(cfg: HotloadConfig, tensors: list[torch.Tensor], *, storage: Any = None, timeout_s: float = 60.0,
+              outcome_delay_s: float = 0.0) -> list[Publisher]:
+    """Rank r publishes tensor NAMES[r] whole; both tensors sit in one file, so each rank routes to the other."""
+    data, ctrl = Meeting(2, timeout_s=timeout_s), Meeting(2, timeout_s=timeout_s)
+    pubs: list[Any] = [None, None]
+
+    def make(rank: int) -> None:
+        chunk = WholeChunk(NAMES[rank], (N,), "BF16", "flat", Box.flat(0, N), tensors[rank])
+        pubs[rank] = Publisher([chunk], SPECS, cfg, storage=storage(rank) if storage else None,
+                               comm=ThreadComm(data, rank, 2, outcome_delay_s=outcome_delay_s if rank else 0.0),
+                               ctrl=ThreadComm(ctrl, rank, 2))
+
+    run_ranks(make, 2)
+    return pubs
+
+
+def test_keep_training_on_error_keeps_every_rank_on_the_same_steps(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A rank that hears of a failed snapshot late (its outcome arrives while the other rank already took the
+    error) used to give its slot back and skip a step the other staged: every later snapshot then paired
+    different steps and failed, which this mode only logs."""
+    bucket = str(tmp_path / "bucket")
+    tensors = [torch.zeros(N), torch.zeros(N)]
+    cfg = HotloadConfig(bucket_url=bucket, busy_policy="wait", full_every=100, keep_training_on_error=True)
+
+    def storage(rank: int) -> Storage:
+        faulty = FaultyFileSystem(fsspec.filesystem("file"), delay_s=0.005)
+        faulty.arm(100, match="step-000003-")
+        return Storage(bucket, fs=faulty, max_attempts=1)
+
+    pubs = two_ranks(cfg, tensors, storage=storage, outcome_delay_s=0.15)
+    staged: dict[int, list[int]] = {0: [], 1: []}
+
+    def train(rank: int) -> None:
+        for step in range(10):
+            tensors[rank].fill_(step)
+            if pubs[rank].publish(step):
+                staged[rank].append(step)
+            time.sleep(0.06)
+        pubs[rank].close()
+
+    run_ranks(train, 2)
+    assert staged[0] == staged[1] == list(range(10)), staged
+    records = [(m.step, m.kind, m.ok) for m in pubs[0].metrics.records]
+    assert records == [(0, "full", True), (1, "delta", True), (2, "delta", True), (3, "delta", False),
+                       (4, "full", True)] + [(s, "delta", True) for s in range(5, 10)], records
+    assert any("publish failed (training goes on" in r.getMessage() for r in caplog.records)
+    storage0 = Storage(bucket)
+    final = read_commit_marker(storage0, pubs[0].metrics.records[-1].identity)
+    assert final is not None and final.kind == "delta"
+
+
+def test_a_rank_that_cannot_route_its_pieces_fails_the_snapshot_without_hanging_the_others(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pickling a full snapshot's pieces can run out of memory on one rank; that rank must still take part in
+    the snapshot's collectives, or the others wait until the side group's timeout (an hour by default)."""
+    tensors = [torch.zeros(N), torch.zeros(N)]
+    cfg = HotloadConfig(bucket_url=str(tmp_path / "bucket"), busy_policy="wait", full_every=100)
+    pubs = two_ranks(cfg, tensors, timeout_s=20.0)
+    real = comm_mod.dumps_buffer
+    failed = []
+
+    def dumps_buffer(obj: Any) -> Any:
+        if threading.current_thread().name == "hotload-publisher-1" and obj and not failed:
+            failed.append(1)
+            raise MemoryError("pickling rank 1's pieces")
+        return real(obj)
+
+    monkeypatch.setattr(comm_mod, "dumps_buffer", dumps_buffer)
+    waited: dict[int, float] = {}
+
+    def train(rank: int) -> None:
+        for step in range(4):
+            tensors[rank].fill_(step + 1)
+            t0 = time.perf_counter()
+            try:
+                pubs[rank].publish(step)
+                pubs[rank].wait()
+            except Exception as exc:  # noqa: BLE001 - step 1 raises step 0's error, on both ranks
+                assert step == 1 and "routing failed" in str(exc), exc
+            waited[rank] = max(waited.get(rank, 0.0), time.perf_counter() - t0)
+        pubs[rank].close()
+
+    run_ranks(train, 2, timeout_s=40)
+    assert failed and max(waited.values()) < 10.0, waited
+    records = [(m.step, m.kind, m.ok) for m in pubs[0].metrics.records]
+    assert records[0] == (0, "full", False) and "MemoryError" in (pubs[0].metrics.records[0].error or "")
+    assert records[1:] == [(2, "full", True), (3, "delta", True)], records  # step 1 raised, staging nothing
+    assert [p.stopped for p in pubs] == [None, None]
+
+
+def test_publisher_arguments_that_could_only_fail_later_fail_at_construction(tmp_path: Path) -> None:
+    t = torch.zeros(64)
+    chunk = WholeChunk("a", (64,), "BF16", "flat", Box.flat(0, 64), t)
+    cfg = HotloadConfig(bucket_url=str(tmp_path / "bucket"))
+    with pytest.raises(ValueError, match="session"):
+        Publisher([chunk], [TensorSpec("a", (64,), "BF16")], cfg, session="run/1")
+    with pytest.raises(ValueError, match="ctrl="):
+        Publisher([chunk], SPECS[:1], cfg, comm=ThreadComm(Meeting(2), 0, 2))
+
+
+def test_a_background_copys_wait_counts_once_in_blocking_ms(tmp_path: Path) -> None:
+    t = torch.zeros(1 << 16)
+    cfg = HotloadConfig(bucket_url=str(tmp_path / "bucket"), max_inflight=2, busy_policy="wait")
+    pub = Publisher([WholeChunk("a", (t.numel(),), "BF16", "flat", Box.flat(0, t.numel()), t)],
+                    [TensorSpec("a", (t.numel(),), "BF16")], cfg)
+    copy = pub.stager._copy_host
+    pub.stager._copy_host = lambda *a: (time.sleep(0.3), copy(*a))[1]  # type: ignore[method-assign]
+    blocked = 0.0
+    for step in range(2):
+        t0 = time.perf_counter()
+        pub.publish(step, background_copy=True)
+        blocked += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    pub.fence()
+    blocked += time.perf_counter() - t0
+    pub.close()
+    reported = [m.blocking_ms for m in pub.metrics.records]
+    assert blocked * 1e3 > 500 and reported[0] > 250 and reported[1] > 250, (blocked, reported)
+    assert sum(reported) <= blocked * 1e3 + 20, (blocked, reported)
