@@ -154,6 +154,31 @@ class HotloadConfig(BaseModel):
 
         return torch_name(float_code(v, "snapshot_dtype"))
 
+    @field_validator("snapshot_dtype")
+    @classmethod
+    def _not_eight_bits(cls, v: str) -> str:
+        """Every floating tensor (norms and embeddings too) cast to 8 bits, with no scales and no
+        quantization_config describing them, is not a model a server can load as meant."""
+        if v.startswith("float8"):
+            raise ValueError(f"snapshot_dtype {v!r} would cast every floating tensor to 8 bits without scales; use "
+                             "a 16-bit or wider dtype (8-bit weights the trainer holds keep their dtype, and "
+                             "dtype_overrides can name single tensors)")
+        return v
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_not_blank(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not v.get_secret_value().strip():  # e.g. HOTLOAD_API_KEY="" from an unset variable
+            raise ValueError("api_key is empty (set it, or leave it unset to use $FIREWORKS_API_KEY)")
+        return v
+
+    @field_validator("hotload_api_headers")
+    @classmethod
+    def _headers_sendable(cls, v: dict[str, str]) -> dict[str, str]:
+        from .fireworks_names import clean_headers
+
+        return clean_headers(v, "hotload_api_headers")
+
     @field_validator("dtype_overrides")
     @classmethod
     def _override_dtypes(cls, v: dict[str, str]) -> dict[str, str]:
@@ -203,6 +228,12 @@ class HotloadConfig(BaseModel):
             if not self.hf_config_dir:
                 raise ValueError("hotload_api_url is set, so hf_config_dir must be set too: the deployment "
                                  "rejects snapshots without config.json and tokenizer files")
+            from .fireworks_names import deployment_name
+
+            names = [deployment_name(self.account_id or "", d)[0] for d in self.deployments]
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:  # every snapshot would be signalled to it twice at once
+                raise ValueError(f"deployment_id names {', '.join(twice)} more than once")
             from .fireworks import is_loopback
 
             url = urllib.parse.urlsplit(self.hotload_api_url)

@@ -114,6 +114,20 @@ def check_config(config: dict[str, Any], base: dict[str, Any] | None, ignore: li
                             f"snapshot {config[k]!r}")
 
 
+# torch dtype names of weights stored quantized (fp8/fp6/fp4, int8, packed bytes), as tensor_map spells them
+_QUANTIZED_DTYPES = ("float8", "float6", "float4", "int8", "uint8", "int4", "uint4")
+
+
+def check_quantization(identity: str, config: dict[str, Any], tensor_map: Mapping[str, Any]) -> None:
+    """A ``quantization_config`` needs quantized tensors to dequantise: the service rejects a snapshot whose spec
+    has none (protocol notes, full snapshot contents). Only their presence is checked here, not their scales."""
+    if "quantization_config" not in config:
+        return
+    if not any(str(t.get("dtype", "")).lower().startswith(_QUANTIZED_DTYPES) for t in tensor_map.values()):
+        raise LoadError(f"{identity}/config.json: has a quantization_config, but {SPEC_FILENAME} lists no "
+                        "quantized tensor to dequantise")
+
+
 def _listed(names: list[str]) -> str:
     return ", ".join(repr(n) for n in names[:5]) + (f" (and {len(names) - 5} more)" if len(names) > 5 else "")
 

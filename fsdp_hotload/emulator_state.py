@@ -31,7 +31,7 @@ from typing import Any
 
 from .arc import (ArcError, RawTensor, apply_delta_file, code_from_name, is_delta_file, load_file, read_delta_info,
                   torch_name)
-from .emulator_rules import BaseModelSpec, LoadError, check_config, check_full_layout
+from .emulator_rules import BaseModelSpec, LoadError, check_config, check_full_layout, check_quantization
 from .fireworks_models import HotLoadRequest, validate_filename
 
 log = logging.getLogger(__name__)
@@ -152,6 +152,7 @@ def load_snapshot(
     ``base_shapes`` is given, the base model's tensor names and shapes (a delta keeps its parent's layout)."""
     weight_map, tensor_map = read_layout(get_bytes, identity)
     config = _read_json(get_bytes, identity, CONFIG_FILE)
+    check_quantization(identity, config, tensor_map)
     if previous is None:
         check_full_layout(identity, weight_map, tensor_map, base_shapes)
     else:

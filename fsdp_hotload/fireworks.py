@@ -57,7 +57,7 @@ from .fireworks_models import (
     validate_filename,
     validate_identity,
 )
-from .fireworks_names import API_KEY_ENV, Secret, clean_api_key, deployment_name, model_name
+from .fireworks_names import API_KEY_ENV, Secret, clean_api_key, clean_headers, deployment_name, model_name
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +265,7 @@ class HotLoadClient:
         self.poll_interval_s = float(poll_interval_s)
         self.backoff_initial_s = float(backoff_initial_s)
         self.backoff_max_s = float(backoff_max_s)
-        self.additional_headers = dict(additional_headers or {})
+        self.additional_headers = clean_headers(dict(additional_headers or {}), "additional_headers")
         # Older servers reject reset_prompt_cache as an unknown field; after the first such 400 we stop sending it.
         self.send_reset_prompt_cache = True
         self._ssl = ssl.create_default_context()
@@ -283,6 +283,9 @@ class HotLoadClient:
             )
         if parts.query or parts.fragment:
             raise ValueError(f"{field} {url!r} must not carry a query or fragment")
+        if parts.username is not None or parts.password is not None:  # never sent, yet printed in every error
+            raise ValueError(f"{field} must not carry credentials before its host ('user:password@'); pass a "
+                             "gateway's credentials as headers (HotloadConfig.hotload_api_headers)")
         return parts
 
     def __repr__(self) -> str:
@@ -296,10 +299,12 @@ class HotLoadClient:
     # --------------------------------------------------------------------------------------------- transport
 
     def _redact(self, text: str) -> str:
-        """``text`` with the key removed, also in the escaped forms ``repr`` of a str or bytes gives it."""
-        key = self._api_key.get()
-        for form in {key, repr(key)[1:-1], repr(key.encode())[2:-1]}:
-            text = text.replace(form, "<redacted>")
+        """``text`` with the key and the extra headers' values (a gateway's secret) removed, also in the escaped
+        forms ``repr`` of a str or bytes gives them."""
+        secrets = [self._api_key.get(), *(v for v in self.additional_headers.values() if len(v) >= 4)]
+        for secret in secrets:
+            for form in {secret, repr(secret)[1:-1], repr(secret.encode())[2:-1]}:
+                text = text.replace(form, "<redacted>")
         return text
 
     def headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -498,6 +503,8 @@ class HotLoadClient:
         """One status poll."""
         what = f"GET {urllib.parse.urlunsplit(self.base_url).rstrip('/')}{HOT_LOAD_PATH}"
         data = self._request("GET", HOT_LOAD_PATH, deadline=deadline)
+        if data == {}:  # an empty body (a proxy's, or the route still coming up): polled through like non-JSON
+            raise HotLoadBodyError(f"{what} returned an empty body")
         try:
             return HotLoadStatus.model_validate(data)
         except ValidationError as exc:

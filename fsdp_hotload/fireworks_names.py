@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["API_KEY_ENV", "Secret", "clean_api_key", "deployment_name", "model_name"]
+__all__ = ["API_KEY_ENV", "Secret", "clean_api_key", "clean_headers", "deployment_name", "model_name"]
 
 API_KEY_ENV = "FIREWORKS_API_KEY"
 _MODEL_RE = re.compile(r"accounts/([^/]+)/models/([^/]+)")
@@ -69,6 +69,33 @@ def clean_api_key(value: object, source: str) -> str:
                 "an API key must be printable ASCII without spaces (the key is not shown)"
             )
     return key
+
+
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP header name (RFC 9110 token)
+
+
+def clean_headers(headers: object, source: str) -> dict[str, str]:
+    """Extra request headers as they are sent: names checked, values stripped of surrounding whitespace.
+
+    Why: a value read from a secret file often ends in a newline, and ``http.client`` then raises an error that
+    quotes the whole header, secret included, into logs and metrics. So every value must be printable ASCII
+    (spaces and tabs inside are allowed), and a bad one is refused naming the header, never showing its value.
+    """
+    if not isinstance(headers, dict):
+        raise TypeError(f"{source} must be a dict of header name to value, not {type(headers).__name__}")
+    out: dict[str, str] = {}
+    for name, value in headers.items():
+        if not isinstance(name, str) or not _TOKEN.match(name):
+            raise ValueError(f"{source}: {name!r} is not a valid HTTP header name")
+        if not isinstance(value, str):
+            raise ValueError(f"{source}[{name!r}] must be a string, not {type(value).__name__}")
+        text = value.strip()
+        for i, c in enumerate(text):
+            if not ("\x20" <= c <= "\x7e" or c == "\t"):
+                raise ValueError(f"{source}[{name!r}] contains {_describe_char(c)} at position {i} (of {len(text)}); "
+                                 "a header value must be printable ASCII (the value is not shown)")
+        out[name] = text
+    return out
 
 
 def _segment(value: str, what: str) -> str:

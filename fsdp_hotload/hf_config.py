@@ -20,7 +20,7 @@ from typing import Iterable
 
 from .layout import hf_aux_files
 
-__all__ = ["snapshot_files", "without_unbacked_quantization"]
+__all__ = ["dropped_config_keys", "snapshot_files", "without_unbacked_quantization"]
 
 log = logging.getLogger("fsdp_hotload")
 
@@ -31,6 +31,21 @@ _QUANTIZED_PREFIXES = ("F8", "F6", "F4", "I8", "U8", "I4", "U4")
 def snapshot_files(hf_config_dir: str | os.PathLike[str] | None, dtypes: Iterable[str]) -> dict[str, bytes]:
     """:func:`~fsdp_hotload.layout.hf_aux_files`, then :func:`without_unbacked_quantization`."""
     return without_unbacked_quantization(hf_aux_files(hf_config_dir), dtypes)
+
+
+def dropped_config_keys(hf_config_dir: str | os.PathLike[str] | None, files: dict[str, bytes]) -> list[str]:
+    """Top-level keys of the base ``config.json`` that the snapshots' ``config.json`` (in ``files``) leaves out.
+
+    Why: the server compares the two configs and rejects a key present in only one ("Extra base model config
+    options"), so each signal names these in ``validation.extra_fields_ignore``."""
+    base = hf_aux_files(hf_config_dir).get("config.json")
+    ours = files.get("config.json")
+    if base is None or ours is None or base == ours:
+        return []
+    base_keys, our_keys = json.loads(base), json.loads(ours)
+    if not isinstance(base_keys, dict) or not isinstance(our_keys, dict):
+        return []
+    return sorted(set(base_keys) - set(our_keys))
 
 
 def without_unbacked_quantization(files: dict[str, bytes], dtypes: Iterable[str]) -> dict[str, bytes]:

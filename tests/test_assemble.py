@@ -1,5 +1,6 @@
-"""A full snapshot's file, assembled in one buffer from every rank's pieces, is byte for byte the file the reference
-safetensors writer makes of the whole tensors, whatever the pieces' order, boxes or buffer types."""
+"""A full snapshot's file, assembled in one buffer from every rank's pieces, is byte for byte the file our
+safetensors writer (``stio.save_file``, whose files the reference reader loads: ``test_format``) makes of the whole
+tensors, whatever the pieces' order, boxes or buffer types."""
 from __future__ import annotations
 
 import random
@@ -53,3 +54,16 @@ def test_full_file_equals_the_reference_writer() -> None:
     assert bytes(got) == want
     with pytest.raises(FormatError, match="cover"):  # a rank's piece missing: refused, never a file with a hole
         assemble_full_file(plan, filename, [p for p in pieces if p.box.numel][1:])
+
+
+def test_a_piece_of_another_length_than_its_box_is_refused() -> None:
+    """numpy would broadcast a short piece over its box and cut a long one: wrong weights, published in silence
+    (a full snapshot carries no checksum)."""
+    plan = plan_shards([TensorSpec("model.norm.weight", (4,), "BF16")])
+    (filename, _), = plan.files.items()
+    good = np.arange(8, dtype=np.uint8)
+    assert bytes(assemble_full_file(plan, filename, [Piece("model.norm.weight", "flat", (0,), (4,), good)]))[-8:] \
+        == good.tobytes()
+    for bad in (good[:1], np.arange(10, dtype=np.uint8)):
+        with pytest.raises(FormatError, match=f"a chunk of {bad.size} bytes for a box of 4 elements of 2 bytes"):
+            assemble_full_file(plan, filename, [Piece("model.norm.weight", "flat", (0,), (4,), bad)])

@@ -36,3 +36,24 @@ def test_an_identity_prefix_that_makes_unstorable_names_is_refused(tmp_path: Pat
         HotloadConfig(bucket_url=str(tmp_path), identity_prefix=prefix)
     assert "Windows device name" in str(info.value)
     assert HotloadConfig(bucket_url=str(tmp_path), identity_prefix=prefix.replace(".", "-")).identity_prefix
+
+
+def test_values_that_would_fail_or_leak_later_are_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match=r"snapshot_dtype 'float8_e4m3fn' would cast every floating tensor"):
+        HotloadConfig(bucket_url="/tmp/b", snapshot_dtype="float8_e4m3fn")
+    monkeypatch.setenv("HOTLOAD_BUCKET_URL", "/tmp/b")
+    monkeypatch.setenv("HOTLOAD_API_KEY", "")  # an unset shell variable in a launcher: would hide the real key
+    with pytest.raises(ValueError, match="api_key is empty"):
+        HotloadConfig.from_env()
+    monkeypatch.delenv("HOTLOAD_API_KEY")
+    with pytest.raises(ValueError, match=r"hotload_api_headers\['X-Token'\] contains a line break") as info:
+        HotloadConfig(bucket_url="/tmp/b", hotload_api_headers={"X-Token": "s3cr3t\nX-Evil: 1"})
+    assert "s3cr3t" not in str(info.value)
+    assert HotloadConfig(bucket_url="/tmp/b", hotload_api_headers={"X-Token": "s3cr3t\n"}).hotload_api_headers == {
+        "X-Token": "s3cr3t"}
+    signalling = dict(bucket_url="/tmp/b", hotload_api_url="https://api.example", account_id="a", model_id="m",
+                      hf_config_dir="/tmp")
+    with pytest.raises(ValueError, match="deployment_id names accounts/a/deployments/d more than once"):
+        HotloadConfig(**signalling, deployment_id=["d", "accounts/a/deployments/d"])
+    with pytest.raises(ValueError, match="belongs to account 'b'"):
+        HotloadConfig(**signalling, deployment_id=["accounts/b/deployments/d"])

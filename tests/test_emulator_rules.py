@@ -115,3 +115,20 @@ def test_base_model_folder_errors(tmp_path: Path, capsys: pytest.CaptureFixture[
         HotLoadEmulator(str(tmp_path), base_model=str(tmp_path), base_config=CONFIG)
     assert run_emulator_cli(["--bucket", str(tmp_path), "--base-model", str(tmp_path / "nope")]) == 2
     assert "--base-model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("with_base", [False, True])
+def test_a_quantization_config_needs_quantized_tensors(tmp_path: Path, with_base: bool) -> None:
+    """The service rejects a snapshot whose config.json has a quantization_config while its spec lists no
+    quantized tensor (a trainer's bf16 weights under an fp8 base's config)."""
+    qconf = {**CONFIG, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}
+    bucket = tmp_path / "bucket"
+    with HotLoadEmulator(str(bucket), replicas=1, api_key=EMULATOR_API_KEY,
+                         base_config=qconf if with_base else None) as emu:
+        folder = write_full_snapshot(bucket, "step-000001-aaaaaaaa", tiny_model())  # every tensor bf16
+        (folder / "config.json").write_text(json.dumps(qconf))
+        client = client_for(emu)
+        client.signal("step-000001-aaaaaaaa")
+        with pytest.raises(HotLoadError, match="has a quantization_config, but model.weight.spec.json lists no "
+                                               "quantized tensor"):
+            client.wait_ready("step-000001-aaaaaaaa", timeout_s=30)

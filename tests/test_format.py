@@ -560,3 +560,26 @@ def test_our_frames_declare_their_size_and_a_bounded_window(encoder: str, n: int
         out = np.empty(n, dtype=np.uint8)
         codec.decode(frame, parent, 1, out)
         assert (out == new).all()
+
+
+def test_numpy_scalars_keep_their_empty_shape() -> None:
+    old, new = np.array(3.5, dtype=np.float32), np.array(-4.25, dtype=np.float32)
+    assert RawTensor.from_any(old).shape == () and RawTensor.from_any(torch.tensor(3.5)).shape == ()
+    data = save_file({"z": old})
+    assert safetensors.numpy.load(data)["z"].shape == ()
+    delta = encode_delta_file({"z": old}, {"z": new}, parent_identity="p")
+    for parent in (load_file(data), {"z": old}):
+        got = apply_delta_file(parent, delta)["z"]
+        assert got.shape == () and got.data.tobytes() == new.tobytes()
+
+
+def test_decoding_never_reads_the_encoder_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HOTLOAD_ARC_ENCODER only concerns encoders: a typo in it must not make valid deltas fail to decode."""
+    old = np.arange(64, dtype=np.uint16)
+    new = old.copy()
+    new[5] ^= 3
+    delta = encode_delta_file({"w": old}, {"w": new}, parent_identity="p")
+    monkeypatch.setenv("HOTLOAD_ARC_ENCODER", "Stream")
+    assert apply_delta_file({"w": old}, delta)["w"].data.tobytes() == new.tobytes()
+    with pytest.raises(FormatError, match="arc_v2 encoder 'Stream'"):
+        encode_delta_file({"w": old}, {"w": new}, parent_identity="p")

@@ -77,3 +77,29 @@ def test_fp8_weights_are_published_as_fp8_with_their_quantization_config(tmp_pat
     spec = json.loads((folder / "model.weight.spec.json").read_text())["tensor_map"]
     assert spec["model.layers.0.mlp.up_proj.weight_scale_inv"]["dtype"] == "float32"
     assert spec["model.layers.0.mlp.up_proj.weight"]["dtype"] == "bfloat16"  # a glob that names them wins
+
+
+def test_an_fp8_base_trained_in_bf16_is_served_with_the_dropped_key_ignored(tmp_path: Path) -> None:
+    """The server compares the snapshot's config.json with the base's and rejects a key present in only one:
+    each signal names the quantization_config the snapshots leave out in validation.extra_fields_ignore."""
+    from fsdp_hotload.emulator import HotLoadEmulator
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(FP8_BASE))
+    bucket = str(tmp_path / "bucket")
+    model = {"model.layers.0.mlp.up_proj.weight": torch.randn(8, 4), "model.norm.weight": torch.ones(4)}
+    with HotLoadEmulator(bucket, base_config=FP8_BASE, api_key="k", replicas=1) as emu:
+        cfg = HotloadConfig(bucket_url=bucket, hf_config_dir=str(hf), hotload_api_url=emu.url, account_id="a",
+                            model_id="m", deployment_id="d", api_key="k", ready_timeout_s=20, poll_interval_s=0.02,
+                            busy_policy="wait")
+        with TensorPublisher(model, cfg) as pub:
+            for step in range(2):
+                model["model.norm.weight"][step] += 1.0
+                pub.publish(step, model)
+                pub.wait()
+    # without the ignore list the full snapshot fails: "Extra base model config options: quantization_config"
+    assert [(m.kind, m.ok, m.error) for m in pub.metrics] == [("full", True, None), ("delta", True, None)]
+    served = rebuild_accepted(tmp_path / "bucket", pub.metrics)[pub.metrics[1].identity]
+    assert served["model.norm.weight"].data.tobytes() == model["model.norm.weight"].bfloat16().view(
+        torch.int16).numpy().tobytes()

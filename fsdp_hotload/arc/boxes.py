@@ -208,7 +208,10 @@ def gather(full: np.ndarray, box: Box, space: Sequence[int], itemsize: int) -> n
 
 
 def scatter(full: np.ndarray, chunk: np.ndarray, box: Box, space: Sequence[int], itemsize: int) -> None:
-    """Write a chunk's bytes (box C order) into a tensor's flat byte array."""
+    """Write a chunk's bytes (box C order) into a tensor's flat byte array. A chunk of another length than its
+    box is refused: numpy would broadcast a short one and cut a long one, publishing wrong weights in silence."""
+    if chunk.size != box.numel * itemsize:
+        raise FormatError(f"a chunk of {chunk.size} bytes for a box of {box.numel} elements of {itemsize} bytes")
     pos = 0
     for off, n in box.runs(space):
         full[off * itemsize:(off + n) * itemsize] = chunk[pos:pos + n * itemsize]

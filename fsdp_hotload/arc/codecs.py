@@ -202,6 +202,20 @@ class ArcV2:
     def __init__(self, level: int = 1, encoder: str | None = None) -> None:
         # level 3 gains nothing on XOR data and is ~10% slower
         self.level = level
+        self._choice = encoder
+        if encoder is not None:  # an explicit choice is checked at once; the environment's when first encoding
+            self._choose()
+
+    def __getattr__(self, name: str) -> Any:
+        """The encoder is chosen when first needed: decoding never reads ``HOTLOAD_ARC_ENCODER``, so a setting
+        that only encoders care about (a typo, ``sequences`` on a host without libzstd 1.5) cannot fail it."""
+        if name in ("_seq", "encoder", "encoder_info"):
+            self._choose()
+            return object.__getattribute__(self, name)
+        raise AttributeError(name)
+
+    def _choose(self) -> None:
+        encoder, level = self._choice, self.level
         choice = encoder or os.environ.get("HOTLOAD_ARC_ENCODER", "auto")
         if choice not in ("auto", "sequences", "stream"):
             raise FormatError(f"arc_v2 encoder {choice!r}: expected auto, sequences or stream")

@@ -144,10 +144,10 @@ class RawTensor:
             code = _NUMPY_TO_CODE.get(value.dtype.name)
             if code is None:
                 raise FormatError(f"unsupported numpy dtype {value.dtype}")
-            arr = np.ascontiguousarray(value)
+            arr = np.ascontiguousarray(value)  # at least 1-d: the shape is the input's (a 0-d scalar stays [])
             if arr.dtype.byteorder == ">":
                 arr = arr.astype(arr.dtype.newbyteorder("<"))
-            return RawTensor(code, tuple(int(s) for s in arr.shape), arr.reshape(-1).view(np.uint8))
+            return RawTensor(code, tuple(int(s) for s in value.shape), arr.reshape(-1).view(np.uint8))
         mod = type(value).__module__
         if mod.startswith("torch"):
             import torch

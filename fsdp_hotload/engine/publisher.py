@@ -48,7 +48,7 @@ import torch
 from ..arc.codecs import get_codec
 from ..config import HotloadConfig
 from ..identity import new_identity
-from ..hf_config import snapshot_files
+from ..hf_config import dropped_config_keys, snapshot_files
 from ..layout import ShardPlan, TensorSpec, plan_shards
 from ..storage import Storage
 from .assemble import Piece, assemble_delta_file, assemble_full_file, assign_owners
@@ -59,7 +59,7 @@ from .jobs import Job, Outcome, PublishError, RankStatus, summarize
 from .metrics import MetricsSink
 from .pool import DaemonPool, StoredError, lower_thread_priority, start_warm_up
 from .progress import ProgressLog, PublishProgress
-from .signal import Signaller
+from .signal import Signaller, warn_if_side_group_short
 from .staging import ChunkLike, Stager
 
 log = logging.getLogger("fsdp_hotload")
@@ -120,6 +120,9 @@ class Publisher:
             Signaller.from_config(config) if (self.rank == 0 or config.send_hints) else None)
         self.metrics = MetricsSink(config.metrics_path if self.rank == 0 else None)
         self._aux = snapshot_files(config.hf_config_dir, [s.dtype for s in specs]) if self.rank == 0 else {}
+        if self.rank == 0 and self.signaller is not None:
+            self.signaller.extra_fields_ignore = dropped_config_keys(config.hf_config_dir, self._aux)
+            warn_if_side_group_short(config)
         self._manifests: dict[str, bytes] = {}
         self._cache_parts: list[tuple[int, int]] = [(0, 0)] * len(self.chunks)
         workers = config.encode_workers or auto_workers(self.stager.device)

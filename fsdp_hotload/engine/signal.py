@@ -30,6 +30,24 @@ SIGNAL_RETRY_BUDGET_S = 300.0
 MANAGER_WAIT_S = 300.0
 
 
+def longest_signal_s(cfg: HotloadConfig) -> float:
+    """The longest rank 0 may spend signalling one snapshot: the first signal's wait for the deployment's
+    manager, the signal's retries, then the readiness wait."""
+    return min(MANAGER_WAIT_S, cfg.ready_timeout_s) + min(SIGNAL_RETRY_BUDGET_S, cfg.ready_timeout_s) + \
+        cfg.ready_timeout_s
+
+
+def warn_if_side_group_short(cfg: HotloadConfig) -> None:
+    """The other ranks wait for rank 0's outcome under the side groups' timeout; when that is shorter than a
+    signal may take, a slow load breaks the group and publishing stops for the rest of the job. Allowed (a
+    short timeout can be wanted), but said at start."""
+    if cfg.hotload_api_url and cfg.side_group_timeout_s <= longest_signal_s(cfg):
+        log.warning("hotload: collective_timeout_s (%g s) is not longer than signalling may take (%g s: up to %g s "
+                    "for the deployment's hot-load manager and for the signal's retries, then ready_timeout_s): "
+                    "a load that slow makes the other ranks give up, and publishing stops for the rest of the job",
+                    cfg.side_group_timeout_s, longest_signal_s(cfg), min(MANAGER_WAIT_S, cfg.ready_timeout_s))
+
+
 class Signaller:
     def __init__(self, clients: Sequence[Any], *, ready_timeout_s: float = 600.0,
                  reset_prompt_cache: str | None = None, compression_format: str = "arc_v2") -> None:
@@ -41,6 +59,9 @@ class Signaller:
         self._pool = DaemonPool(max(1, len(self.clients)), "hotload-signal")
         self._hints_failed: dict[str, str] = {}  # deployment -> the identity whose hints stopped after a failure
         self._managers_up: set[str] = set()  # deployments that reported a replica (safe to signal)
+        # Top-level base config keys the snapshots leave out (a quantization_config without quantized weights):
+        # sent with every signal, since the server rejects a key present in only one of the two configs.
+        self.extra_fields_ignore: list[str] = []
 
     @classmethod
     def from_config(cls, cfg: HotloadConfig) -> "Signaller | None":
@@ -92,9 +113,10 @@ class Signaller:
                 if self.served[c.deployment_name] != previous:
                     raise RuntimeError(f"deployment {c.deployment_name} serves {self.served[c.deployment_name]!r}, "
                                        f"not the delta's parent {previous!r}; a full snapshot is needed")
+        validation = {"extra_fields_ignore": self.extra_fields_ignore} if self.extra_fields_ignore else None
         _raise(self._on_each(self.clients, lambda c: c.signal(
             identity, previous_identity=previous, reset_prompt_cache=self.reset_prompt_cache,
-            compression_format=self.compression_format)))
+            compression_format=self.compression_format, validation=validation)))
         t0 = time.perf_counter()
         failed = self._on_each(self.clients, lambda c: c.wait_ready(
             identity, timeout_s=self.ready_timeout_s,
