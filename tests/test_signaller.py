@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -96,3 +97,18 @@ def test_deployments_are_signalled_at_once_and_each_failure_is_named(fleet: tupl
         assert state.arrived.get("s3") is None, "no deployment is signalled when any chain is broken"
     finally:
         sig.close()
+
+
+def test_a_side_group_timeout_shorter_than_signalling_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    from fsdp_hotload.config import HotloadConfig
+    from fsdp_hotload.engine.signal import longest_signal_s, warn_if_side_group_short
+
+    base = dict(bucket_url="/tmp/b", hotload_api_url="https://api.example", account_id="a", model_id="m",
+                deployment_id="d", hf_config_dir="/tmp", ready_timeout_s=600)
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        warn_if_side_group_short(HotloadConfig(**base))  # the default: ready_timeout_s + an hour
+        assert caplog.records == []
+        short = HotloadConfig(**base, collective_timeout_s=1200)
+        assert longest_signal_s(short) == 1200
+        warn_if_side_group_short(short)
+    assert "collective_timeout_s (1200 s) is not longer than signalling may take (1200 s" in caplog.text
