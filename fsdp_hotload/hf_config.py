@@ -33,12 +33,13 @@ def snapshot_files(hf_config_dir: str | os.PathLike[str] | None, dtypes: Iterabl
     return without_unbacked_quantization(hf_aux_files(hf_config_dir), dtypes)
 
 
-def dropped_config_keys(hf_config_dir: str | os.PathLike[str] | None, files: dict[str, bytes]) -> list[str]:
-    """Top-level keys of the base ``config.json`` that the snapshots' ``config.json`` (in ``files``) leaves out.
+def dropped_config_keys(base_files: dict[str, bytes], files: dict[str, bytes]) -> list[str]:
+    """Top-level keys of the base ``config.json`` (in ``base_files``, :func:`~fsdp_hotload.layout.hf_aux_files`)
+    that the snapshots' ``config.json`` (in ``files``) leaves out.
 
     Why: the server compares the two configs and rejects a key present in only one ("Extra base model config
     options"), so each signal names these in ``validation.extra_fields_ignore``."""
-    base = hf_aux_files(hf_config_dir).get("config.json")
+    base = base_files.get("config.json")
     ours = files.get("config.json")
     if base is None or ours is None or base == ours:
         return []

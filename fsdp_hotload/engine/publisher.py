@@ -48,8 +48,8 @@ import torch
 from ..arc.codecs import get_codec
 from ..config import HotloadConfig
 from ..identity import new_identity
-from ..hf_config import dropped_config_keys, snapshot_files
-from ..layout import ShardPlan, TensorSpec, plan_shards
+from ..hf_config import dropped_config_keys, without_unbacked_quantization
+from ..layout import ShardPlan, TensorSpec, hf_aux_files, plan_shards
 from ..storage import Storage
 from .assemble import Piece, assemble_delta_file, assemble_full_file, assign_owners
 from .cadence import Cadence
@@ -119,9 +119,10 @@ class Publisher:
         self.signaller = signaller if signaller is not None else (
             Signaller.from_config(config) if (self.rank == 0 or config.send_hints) else None)
         self.metrics = MetricsSink(config.metrics_path if self.rank == 0 else None)
-        self._aux = snapshot_files(config.hf_config_dir, [s.dtype for s in specs]) if self.rank == 0 else {}
+        base_files = hf_aux_files(config.hf_config_dir) if self.rank == 0 else {}  # read once: tokenizers are big
+        self._aux = without_unbacked_quantization(base_files, [s.dtype for s in specs])
         if self.rank == 0 and self.signaller is not None:
-            self.signaller.extra_fields_ignore = dropped_config_keys(config.hf_config_dir, self._aux)
+            self.signaller.extra_fields_ignore = dropped_config_keys(base_files, self._aux)
             warn_if_side_group_short(config)
         self._manifests: dict[str, bytes] = {}
         self._cache_parts: list[tuple[int, int]] = [(0, 0)] * len(self.chunks)
