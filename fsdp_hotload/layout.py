@@ -213,7 +213,8 @@ def _entry_bytes(spec: TensorSpec, offset_digits: int) -> int:
 class ShardPlan:
     """The weight files of a snapshot and which tensors each holds, plus every tensor's spec.
 
-    ``files`` maps file name to tensor names in write order; ``weight_map`` is the inverse. A plan is checked
+    ``files`` maps file name to tensor names in index order (a file's data section puts the largest
+    item sizes first: ``arc.stio.data_order``); ``weight_map`` is the inverse. A plan is checked
     for consistency when built (every tensor in exactly one file, a spec for each, safe file names) and holds
     its own copies of the dicts. Build one with :func:`plan_shards` (new layout) or
     :meth:`from_index_and_spec` (the layout of a snapshot already in storage).
@@ -281,7 +282,7 @@ class ShardPlan:
         return _FILE_OVERHEAD + payload + sum(_entry_bytes(self.specs[n], digits) for n in self.files[filename])
 
     def to_index_json(self) -> bytes:
-        """``model.safetensors.index.json``; tensors listed file by file, in write order."""
+        """``model.safetensors.index.json``; tensors listed file by file, in plan order."""
         return _dump({"metadata": {"total_size": self.total_size}}, "weight_map", self.weight_map)
 
     def to_spec_json(self) -> bytes:

@@ -7,11 +7,13 @@ import random
 
 import numpy as np
 import pytest
+import safetensors.torch
+import torch
 
 from fsdp_hotload.arc.boxes import Box
 from fsdp_hotload.arc.dtypes import RawTensor
 from fsdp_hotload.arc.errors import FormatError
-from fsdp_hotload.arc.stio import save_file
+from fsdp_hotload.arc.stio import build_header, parse_header, save_file
 from fsdp_hotload.engine.assemble import FULL_FILE_METADATA, Piece, assemble_full_file
 from fsdp_hotload.layout import TensorSpec, plan_shards
 
@@ -67,3 +69,37 @@ def test_a_piece_of_another_length_than_its_box_is_refused() -> None:
     for bad in (good[:1], np.arange(10, dtype=np.uint8)):
         with pytest.raises(FormatError, match=f"a chunk of {bad.size} bytes for a box of 4 elements of 2 bytes"):
             assemble_full_file(plan, filename, [Piece("model.norm.weight", "flat", (0,), (4,), bad)])
+
+
+def test_mixed_dtypes_of_odd_lengths_stay_aligned() -> None:
+    """In name order a 3-element BF16 tensor would put the F32 and I64 tensors after it at offsets 6 and 26: a
+    reader that views the mapped file as typed arrays (no copy) needs each tensor at a multiple of its item size."""
+    rng = np.random.default_rng(7)
+    raw = {  # name -> (code, numpy array of the same item size)
+        "model.layers.0.a_bias": ("BF16", rng.integers(0, 2**16, (3,), dtype=np.uint16)),
+        "model.layers.0.b_scale": ("F32", rng.standard_normal(5).astype(np.float32)),
+        "model.layers.0.c_steps": ("I64", rng.integers(-9, 9, (3,), dtype=np.int64)),
+        "model.layers.0.d_mask": ("U8", rng.integers(0, 255, (7,), dtype=np.uint8)),
+        "model.layers.0.e_gain": ("F16", rng.standard_normal(1).astype(np.float16)),
+        "model.layers.0.f_table": ("I32", rng.integers(-9, 9, (2, 3), dtype=np.int32)),
+    }
+    plan = plan_shards([TensorSpec(n, a.shape, code) for n, (code, a) in raw.items()])
+    (filename, names), = plan.files.items()
+    pieces = [p for n, (_, a) in raw.items() for p in _pieces(n, a, [Box.flat(0, a.size)], "flat")]
+    blob = bytes(assemble_full_file(plan, filename, pieces))
+    header = parse_header(blob)
+    assert header.data_start % 8 == 0
+    for name, (code, a) in raw.items():
+        e = header.entries[name]
+        assert (header.data_start + e.begin) % a.itemsize == 0, (name, e.begin)
+        assert blob[header.data_start + e.begin:header.data_start + e.end] == a.tobytes()
+        if code != "BF16":  # a zero-copy typed view of the file's bytes, as a memory-mapping reader makes
+            view = np.frombuffer(blob, dtype=a.dtype, count=a.size, offset=header.data_start + e.begin)
+            assert view.tobytes() == a.tobytes()
+    assert [e.dtype for e in header.entries.values()] == ["I64", "F32", "I32", "BF16", "F16", "U8"]
+    tensors = {n: RawTensor(code, a.shape, a.view(np.uint8).reshape(-1)) for n, (code, a) in raw.items()}
+    assert save_file(tensors, FULL_FILE_METADATA) == blob  # the same file whoever writes it
+    loaded = safetensors.torch.load(blob)  # the reference reader agrees
+    assert all(loaded[n].view(torch.uint8).numpy().tobytes() == a.tobytes() for n, (_, a) in raw.items())
+    with pytest.raises(FormatError, match="b_scale.: F32 data would start at byte 6 "):
+        build_header([(n, raw[n][0], raw[n][1].shape, raw[n][1].nbytes) for n in names], None)

@@ -118,8 +118,23 @@ def load_file(data: bytes | memoryview, *, filename: str = "<bytes>") -> dict[st
 
 
 
+def data_order(dtypes: Mapping[str, str]) -> list[str]:
+    """The order to write tensors ``{name: dtype code}`` in: largest item size first, the given order otherwise.
+
+    Why: the header is padded to 8 bytes, so with this order every tensor starts at a multiple of its own item
+    size (the reference safetensors writer orders by dtype for the same reason). Readers that view the file's
+    bytes as typed arrays without copying (memory maps, ``torch.frombuffer``) need that; one F32 tensor after a
+    BF16 tensor of odd length would otherwise start at an unaligned offset. Files of one dtype keep their order.
+    """
+    return sorted(dtypes, key=lambda name: -DTYPES[dtypes[name]][0])
+
+
 def build_header(items: Sequence[tuple[str, str, Sequence[int], int]], metadata: Mapping[str, str] | None) -> bytes:
-    """Header bytes (length prefix included) for tensors ``(name, dtype, shape, nbytes)`` written in that order."""
+    """Header bytes (length prefix included) for tensors ``(name, dtype, shape, nbytes)`` written in that order.
+
+    The order must keep every tensor aligned to its item size (use :func:`data_order`); a FormatError names the
+    first tensor that would not be.
+    """
     head: dict[str, object] = {}
     if metadata:
         head["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -127,6 +142,11 @@ def build_header(items: Sequence[tuple[str, str, Sequence[int], int]], metadata:
     for name, dtype, shape, nbytes in items:
         if name in head:
             raise FormatError("duplicate tensor name", tensor=name)
+        if dtype not in DTYPES:
+            raise FormatError(f"unsupported dtype {dtype!r}", tensor=name)
+        if pos % DTYPES[dtype][0]:
+            raise FormatError(f"{dtype} data would start at byte {pos} of the data section, not a multiple of its "
+                              f"item size; write tensors in data_order()", tensor=name)
         head[name] = {"dtype": dtype, "shape": [int(s) for s in shape], "data_offsets": [pos, pos + int(nbytes)]}
         pos += int(nbytes)
     text = json.dumps(head, separators=(",", ":")).encode("utf-8")
@@ -135,12 +155,12 @@ def build_header(items: Sequence[tuple[str, str, Sequence[int], int]], metadata:
 
 
 def write_file(out: BinaryIO, tensors: Mapping[str, RawTensor], metadata: Mapping[str, str] | None = None) -> int:
-    """Stream a safetensors file to ``out``; returns bytes written. Tensors are written in mapping order."""
-    items = [(n, t.dtype, t.shape, t.nbytes) for n, t in tensors.items()]
-    header = build_header(items, metadata)
+    """Stream a safetensors file to ``out``; returns bytes written. Tensors are written in :func:`data_order`."""
+    names = data_order({n: t.dtype for n, t in tensors.items()})
+    header = build_header([(n, tensors[n].dtype, tensors[n].shape, tensors[n].nbytes) for n in names], metadata)
     out.write(header)
     total = len(header)
-    for t in tensors.values():
+    for t in (tensors[n] for n in names):
         out.write(memoryview(t.data))
         total += t.nbytes
     return total

@@ -20,7 +20,7 @@ from ..arc.adler import combine
 from ..arc.boxes import Box, check_tiling, scatter
 from ..arc.container import TensorDelta, build_delta_file
 from ..arc.dtypes import numel
-from ..arc.stio import build_header
+from ..arc.stio import build_header, data_order
 
 #: The ``__metadata__`` of a full snapshot's files, as Hugging Face's own writer sets it. Why: transformers
 #: before 4.48.2 reads ``metadata.get("format")`` unguarded and fails to load a file without it.
@@ -76,8 +76,7 @@ def assemble_full_file(plan: ShardPlan, filename: str, pieces: list[Piece]) -> b
     """A plain HF safetensors file from raw chunk bytes (tiling checked, so no element is missing), built in one
     buffer of the file's size: the pieces land where the file holds them, with no per-tensor copy in between."""
     by_tensor = _pieces_by_tensor(filename, pieces)
-    names = plan.files[filename]
-    specs = [plan.specs[n] for n in names]
+    specs = [plan.specs[n] for n in data_order({n: plan.specs[n].dtype for n in plan.files[filename]})]
     header = build_header([(s.name, s.dtype, s.shape, s.nbytes) for s in specs], FULL_FILE_METADATA)
     out = bytearray(len(header) + sum(s.nbytes for s in specs))
     out[:len(header)] = header
