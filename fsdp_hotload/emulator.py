@@ -100,7 +100,8 @@ class HotLoadEmulator:
     way. ``request_timeout_s`` bounds how long one connection may take to send its request, so a stalled client
     cannot hold a handler thread.
     ``manager_delay_s`` keeps each new deployment's hot-load manager down that long after its first request: GET
-    reports no replicas and signals are refused with 503, counted in ``state()`` as ``premature_signals``.
+    reports no replicas, and signals and hints are refused with 503, counted in ``state()`` as
+    ``premature_signals`` and ``premature_hints``.
     ``history_limit`` caps the ledger rows and hints each deployment keeps for reading (oldest dropped), so an
     emulator that runs for days stays bounded; identity reuse and delta parents are still checked against every
     identity signalled since the last ledger reset.
@@ -526,7 +527,8 @@ def run_emulator_cli(args: list[str] | None = None) -> int:
     p.add_argument("--load-delay", type=arg_float(0), default=0.0, metavar="SECONDS",
                    help="extra seconds per load (default: %(default)s)")
     p.add_argument("--manager-delay", type=arg_float(0), default=0.0, metavar="SECONDS",
-                   help="seconds a new deployment reports no replicas and refuses signals (default: %(default)s)")
+                   help="seconds a new deployment reports no replicas and refuses signals and hints "
+                   "(default: %(default)s)")
     p.add_argument("--compression-formats", type=_compression_formats, default="arc_v2", metavar="LIST",
                    help="comma list of the compression_format values delta signals may name (default: "
                         "%(default)s; add arc_sparse_v1 to load our sparse deltas)")

@@ -371,6 +371,7 @@ class Deployment:
         self.replicas = [Replica(i, self) for i in range(replicas)]
         self.created = time.monotonic()
         self.premature_signals = 0  # signals sent before the manager was up (each would risk a crash)
+        self.premature_hints = 0  # hints sent before the manager was up (inferred to carry the same risk)
 
     def manager_up(self) -> bool:
         return time.monotonic() - self.created >= self.settings.manager_delay_s
@@ -443,6 +444,10 @@ class Deployment:
 
     def hint(self, identity: str, filename: str, previous: str | None) -> None:
         with self.lock:
+            if not self.manager_up():
+                self.premature_hints += 1
+                raise SignalRejected(503, "the hot-load manager is not initialised yet (GET reports no replicas); "
+                                          "a hint this early could reach a serving container that is not ready")
             self.hints.append({"identity": identity, "filename": filename, "previous": previous, "at": time.time()})
 
     def reset_ledger(self) -> None:
@@ -465,6 +470,7 @@ class Deployment:
     def inspect(self) -> dict[str, Any]:
         with self.lock:
             return {"model": self.model, "premature_signals": self.premature_signals,
+                    "premature_hints": self.premature_hints,
                     "replicas": [r.inspect() for r in self.replicas],
                     "ledger": [r.to_dict() for r in self.ledger], "hints": [dict(h) for h in self.hints]}
 

@@ -526,10 +526,11 @@ def test_a_delta_must_follow_the_load_queued_before_it(emulator: HotLoadEmulator
 
 
 def test_signals_wait_for_the_hot_load_manager(tmp_path: Path) -> None:
-    """A new deployment reports no replicas until its hot-load manager is up, and refuses (counts) signals until
-    then. The publisher polls first: its signal arrives once replicas are reported, never before."""
+    """A new deployment reports no replicas until its hot-load manager is up, and refuses (counts) signals and
+    hints until then. The publisher polls first: its signal arrives once replicas are reported, never before, and
+    the first snapshot's hints (sent as files land, before rank 0 waits for the manager) are left out."""
     from fsdp_hotload.publish import TensorPublisher
-    from tests.test_publisher import API_KEY, config, expected_sha, make_model, served
+    from tests.test_publisher import API_KEY, config, expected_sha, make_model, served, train_step
 
     bucket = str(tmp_path / "bucket")
     with HotLoadEmulator(bucket, replicas=2, api_key=API_KEY, manager_delay_s=0.6) as emu:
@@ -537,10 +538,17 @@ def test_signals_wait_for_the_hot_load_manager(tmp_path: Path) -> None:
         with TensorPublisher(model, config(bucket, emu, tmp_path)) as pub:
             pub.publish(0, model)
             pub.wait()
-        assert pub.metrics[-1].ok
+            first = pub.metrics[-1].identity
+            train_step(model, 1)
+            pub.publish(1, model)
+            pub.wait()
+        assert [m.ok for m in pub.metrics] == [True, True]
         assert served(emu) == [(pub.metrics[-1].identity, expected_sha(model))] * 2
         (dep,) = emu.state()["deployments"].values()
-        assert dep["premature_signals"] == 0 and [r["identity"] for r in dep["ledger"]] == [pub.metrics[-1].identity]
+        assert dep["premature_signals"] == 0 and dep["premature_hints"] == 0
+        assert [r["identity"] for r in dep["ledger"]] == [first, pub.metrics[-1].identity]
+        hinted = {h["identity"] for h in dep["hints"]}
+        assert hinted == {pub.metrics[-1].identity}  # hints resume once the manager is known to be up
         with pytest.raises(HotLoadTimeout, match="reported no replica"):
             HotLoadClient(emu.url, account_id="acct", model_id="m", deployment_id="other", api_key=API_KEY,
                           poll_interval_s=0.05).wait_manager(timeout_s=0.2)

@@ -507,6 +507,7 @@ def test_hints_are_bounded_and_stop_for_a_snapshot_after_one_fails(server: tuple
     from fsdp_hotload.engine.signal import Signaller
 
     url, script = server
+    script.push(200, {"replicas": [{"current_snapshot_identity": None, "readiness": True}]})  # the manager is up
     script.default = (503, {"error": "down"}, {})
     sig = Signaller([make_client(url, retry_budget_s=300)], ready_timeout_s=0.3)
     t0 = time.monotonic()
@@ -515,9 +516,35 @@ def test_hints_are_bounded_and_stop_for_a_snapshot_after_one_fails(server: tuple
         sig.hint("step-000001-aaaaaaaa", name, None)
     assert time.monotonic() - t0 < 5  # one bounded hint, not three budgets of 300 s
     first = len(script.requests)
-    assert first >= 2 and {r["body"]["filename"] for r in script.requests} == {"model-00001-of-00003.safetensors"}
+    posts = [r for r in script.requests if r["method"] == "POST"]
+    assert first >= 3 and len(posts) == first - 1
+    assert {r["body"]["filename"] for r in posts} == {"model-00001-of-00003.safetensors"}
     sig.hint("step-000002-aaaaaaaa", "model-00001-of-00003.safetensors", "step-000001-aaaaaaaa")
-    assert len(script.requests) > first
+    assert len(script.requests) > first and all(r["method"] == "POST" for r in script.requests[first:])
+    sig.close()
+
+
+def test_no_hint_before_the_deployment_reports_a_replica(server: tuple[str, Scripted]) -> None:
+    """A POST before the deployment's hot-load manager is up can crash the serving container (the reference
+    client waits for replicas before its first signal), and a hint is a POST. So a Signaller reads the status
+    once before its first hint: no replica, or no readable status, means no hints for that snapshot; once one
+    is reported, hints go without asking again."""
+    from fsdp_hotload.engine.signal import Signaller
+
+    url, script = server
+    script.push(200, {"replicas": []})  # snapshot 1: the manager is not up
+    script.push(503, {"error": "starting"})  # snapshot 2: the status cannot be read
+    script.push(200, {"replicas": [{"current_snapshot_identity": None, "readiness": True}]})  # snapshot 3: up
+    sig = Signaller([make_client(url, retry_budget_s=0)], ready_timeout_s=5)
+    files = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    for n, identity in enumerate(("step-000001-aaaaaaaa", "step-000002-aaaaaaaa", "step-000003-aaaaaaaa")):
+        for name in files:
+            sig.hint(identity, name, None)
+        assert [r["method"] for r in script.requests] == ["GET"] * (n + 1) + ["POST"] * (2 if n == 2 else 0)
+    sig.hint("step-000004-aaaaaaaa", files[0], "step-000003-aaaaaaaa")
+    assert [r["method"] for r in script.requests[3:]] == ["POST"] * 3
+    assert [r["body"]["snapshot"]["identity"] for r in script.requests[3:]] == [
+        "step-000003-aaaaaaaa", "step-000003-aaaaaaaa", "step-000004-aaaaaaaa"]
     sig.close()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -59,6 +60,7 @@ class Signaller:
         self._pool = DaemonPool(max(1, len(self.clients)), "hotload-signal")
         self._hints_failed: dict[str, str] = {}  # deployment -> the identity whose hints stopped after a failure
         self._managers_up: set[str] = set()  # deployments that reported a replica (safe to signal)
+        self._hint_lock = threading.Lock()
         # Top-level base config keys the snapshots leave out (a quantization_config without quantized weights):
         # sent with every signal, since the server rejects a key present in only one of the two configs.
         self.extra_fields_ignore: list[str] = []
@@ -82,9 +84,17 @@ class Signaller:
     def hint(self, identity: str, filename: str, previous: str | None) -> None:
         """Best effort: a lost hint only delays the replicas' prefetch, never correctness. So each hint gets at
         most ``HINT_DEADLINE_S`` (retries included), and after one fails, that deployment gets no more hints for
-        this snapshot: an unreachable API used to hold every file's upload worker for the full retry budget."""
+        this snapshot: an unreachable API used to hold every file's upload worker for the full retry budget.
+
+        A deployment gets hints only once it reports a replica. Why: a signal before its hot-load manager is up
+        can crash the serving container (the reference client waits for replicas before its first signal), and
+        a hint is a POST to the same service (that it carries the same risk is inferred, not documented); rank
+        0's manager wait runs only after the files are uploaded, and the other ranks never run it. So each Signaller asks once (one status GET) and, while none is reported, skips that
+        snapshot's hints."""
         for c in self.clients:
             if self._hints_failed.get(c.deployment_name) == identity:
+                continue
+            if not self._manager_up_for_hints(c, identity):
                 continue
             try:
                 c.hint(identity, filename, previous_identity=previous, compression_format=self.compression_format,
@@ -93,6 +103,27 @@ class Signaller:
                 self._hints_failed[c.deployment_name] = identity
                 log.warning("hotload: hint for %s/%s to %s failed (no more hints for this snapshot): %s",
                             identity, filename, c.deployment_name, exc)
+
+    def _manager_up_for_hints(self, c: Any, identity: str) -> bool:
+        name = c.deployment_name
+        if name in self._managers_up:
+            return True
+        with self._hint_lock:  # upload workers hint at once; one status GET answers all of them
+            if name in self._managers_up:
+                return True
+            if self._hints_failed.get(name) == identity:
+                return False
+            try:
+                st = c.status(deadline=time.monotonic() + min(HINT_DEADLINE_S, self.ready_timeout_s))
+                why = "" if st.replicas else "it reports no replica yet (its hot-load manager is not up)"
+            except Exception as exc:  # noqa: BLE001 - best effort, like the hint itself
+                why = f"its status could not be read: {exc}"
+            if not why:
+                self._managers_up.add(name)
+                return True
+            self._hints_failed[name] = identity
+            log.info("hotload: no hints for %s to %s: %s", identity, name, why)
+            return False
 
     def signal_and_wait(self, identity: str, previous: str | None,
                         on_poll: Callable[[str, Any], None] | None = None) -> float:
