@@ -28,7 +28,8 @@ from .dtype_policy import DtypePolicy
 from .engine.comm import Comm, GlooComm, LocalComm
 from .engine.metrics import PublishMetrics
 from .engine.publisher import Publisher
-from .fsdp import full_tensor_specs, local_chunks, source_dtypes, storage_fingerprint
+from .fsdp import full_tensor_specs, local_chunks, source_dtypes, storage_fingerprint, tensor_paths
+from .fsdp_verify import agree_on_chunks
 from .layout import TensorSpec
 from .naming import adapter_note
 
@@ -95,16 +96,19 @@ class HotloadCallback:
         self._comms = [comm, ctrl]
         try:
             self._fingerprint = storage_fingerprint(model)
-            chunks = local_chunks(model, **self._chunk_kwargs)
+            walked = local_chunks(model, **self._chunk_kwargs)
             self.walks = 1  # model walks for chunk views (the first here; again only when storage changed)
-            specs = [TensorSpec(n, tuple(s), d) for n, s, d in full_tensor_specs(model, **self._chunk_kwargs)]
+            self._specs = full_tensor_specs(model, **self._chunk_kwargs)
+            self._kept = agree_on_chunks(walked, self._specs, ctrl)
+            chunks = [walked[i] for i in self._kept]
+            specs = [TensorSpec(n, tuple(s), d) for n, s, d in self._specs]
             self.engine = Publisher(chunks, specs, config, comm=comm, ctrl=ctrl, **engine_kwargs)
         except BaseException:
             self._close_comms()
             raise
         if self.engine.rank == 0:
             self._warn_about_model()
-        self._layout = [(c.name, c.box) for c in chunks]
+        self._layout = [(c.name, c.box) for c in walked]
         self._views = [c.source for c in chunks]
         self._buffer_idx = self._buffer_chunks(chunks)
         self._step = 0
@@ -132,7 +136,7 @@ class HotloadCallback:
         kw = {k: v for k, v in self._chunk_kwargs.items() if k not in ("snapshot_dtype", "dtype_overrides")}
         policy = DtypePolicy.of(self.config.snapshot_dtype, self.config.dtype_overrides)
         notes = [*policy.notes(source_dtypes(self.model, **kw)),
-                 adapter_note(n for n, _ in self.model.named_parameters())]
+                 adapter_note(tensor_paths(self.model, include_buffers=False))]
         for note in notes:
             if note:
                 log.warning("hotload: %s", note)
@@ -157,11 +161,15 @@ class HotloadCallback:
         # framework or user that swaps storage changes the fingerprint, and the model is walked again.
         fingerprint = storage_fingerprint(self.model)
         if fingerprint != self._fingerprint:
-            chunks = local_chunks(self.model, **self._chunk_kwargs)
+            walked = local_chunks(self.model, **self._chunk_kwargs)
             self.walks += 1
-            if [(c.name, c.box) for c in chunks] != self._layout:
-                raise RuntimeError("the model's sharding changed since HotloadCallback was created; "
+            # The specs first: they are the same on every rank, so a replaced tensor fails every rank at this
+            # step, also those that hold none of it (a replicated tensor is rank 0's alone).
+            if full_tensor_specs(self.model, **self._chunk_kwargs) != self._specs or \
+                    [(c.name, c.box) for c in walked] != self._layout:
+                raise RuntimeError("the model's tensors or sharding changed since HotloadCallback was created; "
                                    "create a new one")
+            chunks = [walked[i] for i in self._kept]
             self._views, self._fingerprint = [c.source for c in chunks], fingerprint
             self._buffer_idx = self._buffer_chunks(chunks)
         return self._views

@@ -152,6 +152,22 @@ def _local_shape_and_offset(dt: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(int(s) for s in shape), tuple(int(o) for o in offset)
 
 
+def _check_strided(name: str, dt: Any, mesh_dim: int) -> None:
+    """FSDP2 over tensor parallelism on the same dim (torchtitan's layout) marks the data-parallel shard as
+    ``_StridedShard(d, split_factor=k)`` followed by the tensor-parallel ``Shard(d)`` over a mesh dim of size k:
+    the TP shard is taken first and FSDP shards it again, so each rank holds one contiguous range along ``d``,
+    whose offset DTensor's own rule gives. Any other strided layout interleaves ranges on a rank: refused."""
+    pl = dt.placements[mesh_dim]
+    k = int(getattr(pl, "split_factor", 0))
+    later = [j for j in range(mesh_dim + 1, len(dt.placements))
+             if type(dt.placements[j]).__name__ == "Shard" and int(dt.placements[j].dim) == int(pl.dim)]
+    if not (len(later) == 1 and dt.device_mesh.size(later[0]) == k):
+        raise NotImplementedError(
+            f"tensor {name!r}: placements {dt.placements}: strided sharding {pl} without one later Shard({pl.dim}) "
+            f"over a mesh dim of size {k} interleaves rows on each rank, which a single box cannot describe"
+        )
+
+
 def _is_flat_param(p: Any) -> bool:
     return bool(getattr(p, "_is_flat_param", False)) or type(p).__name__ == "FlatParameter"
 
@@ -220,19 +236,19 @@ class _DTensorSource(_Source):
         if coord is None:  # this rank is not in the tensor's mesh
             return []
         shard_dims: list[int] = []
+        replica = False
         for mesh_dim, pl in enumerate(dt.placements):
             if type(pl).__name__ == "_StridedShard":
-                raise NotImplementedError(
-                    f"tensor {name!r}: strided sharding {pl} (FSDP over a tensor-parallel dim) holds "
-                    "non-contiguous rows on each rank, which a single box cannot describe"
-                )
-            if pl.is_shard():
+                _check_strided(name, dt, mesh_dim)
+                shard_dims.append(int(pl.dim))
+            elif pl.is_shard():
                 shard_dims.append(int(pl.dim))
             elif pl.is_replicate():
-                if coord[mesh_dim] != 0:  # one replica of each shard publishes it
-                    return []
-            else:
+                replica = replica or coord[mesh_dim] != 0  # one replica of each shard publishes it
+            else:  # checked on every rank, replicas included, so all of them raise
                 raise ValueError(f"tensor {name!r} has placement {pl}; reduce partial values before publishing")
+        if replica:
+            return []
         local = getattr(dt, "_local_tensor", None)
         if local is None:
             local = dt.to_local()
@@ -512,3 +528,9 @@ def source_dtypes(
 ) -> dict[str, torch.dtype]:
     """The trainer's dtype of every published tensor (FSDP's sharded parameters: the masters), by name."""
     return {name: src.dtype() for name, src, _paths in _plan(model, rename, tie_word_embeddings, include_buffers)}
+
+
+def tensor_paths(model: nn.Module, *, include_buffers: bool = True) -> list[str]:
+    """Every tensor's cleaned path before any rename, FSDP1's flattened parameters included (its
+    ``named_parameters`` lists only the flat parameter when ``use_orig_params=False``)."""
+    return [path for path, _src in _slots(model, include_buffers)]

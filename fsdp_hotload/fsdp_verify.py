@@ -1,8 +1,9 @@
 """Verification helpers for the FSDP adapter: the framework's own full state, and chunk ownership across ranks.
 
-Why a separate module: none of this runs when publishing. ``gather_full_state`` all-gathers every parameter (the
+Why a separate module: none of this runs per publish. ``gather_full_state`` all-gathers every parameter (the
 independent reference that tests compare published bytes against, bit for bit), and the ownership checks prove
-that the chunks of all ranks tile every tensor exactly once.
+that the chunks of all ranks tile every tensor exactly once (the callback runs them once, when it is created:
+:func:`agree_on_chunks`).
 
 Example::
 
@@ -20,8 +21,8 @@ from .arc.boxes import Box, check_tiling
 from .arc.dtypes import torch_name
 from .arc.errors import FormatError
 from .dtype_policy import DtypePolicy
-from .fsdp import (FLAT, SHAPE, OwnershipError, Rename, TensorSpec, _ChunkLike, _dtensor_type, _fsdp1_type,
-                   _fsdp2_type, _plan, full_tensor_specs, local_chunks, space_shape)
+from .fsdp import (FLAT, SHAPE, LocalChunk, OwnershipError, Rename, TensorSpec, _ChunkLike, _dtensor_type,
+                   _fsdp1_type, _fsdp2_type, _plan, full_tensor_specs, local_chunks, space_shape)
 from .naming import clean_name
 
 
@@ -66,6 +67,68 @@ def gather_full_state(
         if t.is_floating_point():
             t = t.to(getattr(torch, torch_name(policy.code(name, src.dtype()))))
         out[name] = t.contiguous()
+    return out
+
+
+def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], ctrl: Any) -> list[int]:
+    """Collective over ``ctrl`` (a :class:`~fsdp_hotload.engine.comm.Comm`), at construction: which of this
+    rank's chunks it publishes (:func:`assign_chunks`), decided on rank 0 from every rank's chunk metadata.
+
+    Why here and not at the first publish: a rank whose tensors are still on the ``meta`` device, on two devices,
+    or that sees other tensors than rank 0 would otherwise fail alone inside the publisher's set-up while the
+    other ranks wait in its next collective. Every rank raises the same error instead, naming the rank.
+    """
+    devices = sorted({str(c.source.device) for c in chunks})
+    problem = None
+    if "meta" in devices:
+        problem = ("its tensors are on the meta device: create the HotloadCallback after the weights are "
+                   "materialised (to_empty() and init, or loading a checkpoint)")
+    elif len(devices) > 1:
+        problem = (f"its chunks live on several devices {devices} (FSDP2's CPUOffloadPolicy keeps buffers on "
+                   "the GPU): pass include_buffers=False, or keep the buffers on the parameters' device")
+    gathered = ctrl.gather(([c.meta() for c in chunks], list(specs), problem))
+    verdict: Any = None
+    if gathered is not None:
+        try:
+            for r, (_metas, other, trouble) in enumerate(gathered):
+                if trouble:
+                    raise OwnershipError(f"rank {r}: {trouble}")
+                if other != gathered[0][1]:
+                    diff = sorted(set(map(repr, other)) ^ set(map(repr, gathered[0][1])))[:3]
+                    raise OwnershipError(f"ranks 0 and {r} see different tensor specs (e.g. {', '.join(diff)})")
+            kept = assign_chunks([metas for metas, _s, _t in gathered], specs)
+            verdict = {r: k for r, k in enumerate(kept) if len(k) != len(gathered[r][0])}  # only what changes
+        except OwnershipError as exc:
+            verdict = str(exc)
+    verdict = ctrl.broadcast(verdict)
+    if isinstance(verdict, str):
+        raise OwnershipError(verdict)
+    return verdict.get(ctrl.rank, list(range(len(chunks))))
+
+
+def assign_chunks(chunks_from_all_ranks: Sequence[Sequence[_ChunkLike]],
+                  specs: Sequence[TensorSpec]) -> list[list[int]]:
+    """Which of its chunks each rank publishes: ``out[r]`` indexes ``chunks_from_all_ranks[r]``.
+
+    Why: a tensor sharded over part of the ranks is held whole by each group of them. FSDP2 over tensor
+    parallelism shards a norm weight over the data-parallel mesh dim only, so every tensor-parallel rank holds
+    the same box of it; one copy must be published, or each file would get the box twice. Identical boxes of one
+    tensor are therefore published by the lowest rank that holds them, and the rest must tile every tensor
+    exactly once (:func:`check_ownership`, whose OwnershipError this raises).
+    """
+    seen: set[tuple[str, str, Box]] = set()
+    out: list[list[int]] = []
+    kept: list[list[_ChunkLike]] = []
+    for chunks in chunks_from_all_ranks:
+        mine: list[int] = []
+        for i, c in enumerate(chunks):
+            key = (c.name, c.space, c.box)
+            if key not in seen:
+                seen.add(key)
+                mine.append(i)
+        out.append(mine)
+        kept.append([chunks[i] for i in mine])
+    check_ownership(kept, specs)
     return out
 
 
@@ -116,7 +179,8 @@ def verify_ownership(
     tie_word_embeddings: bool | None = None,
     include_buffers: bool = True,
 ) -> list[TensorSpec]:
-    """Collective debug check: every rank computes its chunks, and all ranks check the union.
+    """Collective debug check: every rank computes its chunks, and all ranks check the union (one copy of each
+    box held by several ranks: :func:`assign_chunks`).
 
     Sends only chunk metadata (no tensor data). Raises OwnershipError on every rank if the specs differ between
     ranks or the chunks do not tile each tensor exactly once. Returns the specs.
@@ -132,5 +196,5 @@ def verify_ownership(
         if other != gathered[0][1]:
             diff = sorted(set(map(repr, other)) ^ set(map(repr, gathered[0][1])))[:3]
             raise OwnershipError(f"ranks 0 and {r} see different tensor specs (e.g. {', '.join(diff)})")
-    check_ownership([metas for metas, _specs in gathered], specs)
+    assign_chunks([metas for metas, _specs in gathered], specs)
     return specs

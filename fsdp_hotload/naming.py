@@ -101,7 +101,10 @@ def plan_names(
 
     Tied tensors follow the HF convention: with ``tie_word_embeddings=True`` the ``lm_head.weight`` name of a
     tensor shared with the input embedding is omitted (an ``lm_head`` shared with nothing is an error); every
-    other name is published, each from its tensor's data, as with False or None.
+    other name is published, each from its tensor's data, as with False. None (the config does not say) follows
+    the model: an ``lm_head`` that is the input embedding's tensor is omitted, one of its own is published. Why:
+    ``save_pretrained`` leaves the key out when it equals the model class's default, which is True for some
+    classes (GPT-2) and False for others (Llama), and transformers ties the module's weights only when it is True.
     """
     named: list[tuple[str, int]] = []
     for i, (raw, _key) in enumerate(slots):
@@ -120,10 +123,10 @@ def plan_names(
         for out, i in group:
             distinct.setdefault(out, i)
         outputs = [n for n in distinct if is_tied_output(n)]
-        if tie_word_embeddings and outputs:
+        inputs = [n for n in distinct if not is_tied_output(n)]
+        if outputs and (tie_word_embeddings or (tie_word_embeddings is None and inputs)):
             # Only the output projection is left out (the receiver ties it to the input embedding); any other
             # name sharing a tensor is published as it is without tying.
-            inputs = [n for n in distinct if not is_tied_output(n)]
             if not inputs:
                 raise ValueError(
                     f"tie_word_embeddings=True but {outputs[0]!r} is a tensor of its own, not shared with the "

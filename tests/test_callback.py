@@ -99,6 +99,30 @@ def test_replaced_parameter_is_walked_again(tmp_path: Path) -> None:
     assert all(m.ok for m in hot.metrics) and hot.metrics[-1].kind == "delta"
 
 
+def test_a_reshaped_parameter_fails_the_step_and_a_meta_model_fails_construction(tmp_path: Path) -> None:
+    """A parameter replaced by one of another shape but as many elements has the same flat boxes: the layout
+    alone passed, and the snapshot went out with the old shape. The specs are compared too (they are the same
+    on every rank, so every rank raises at that step, also those holding none of a replicated tensor). A model
+    still on the meta device used to fail in the background at the first publish, then at every step."""
+    (tmp_path / "config.json").write_text('{"model_type": "net", "tie_word_embeddings": false}')
+    cfg = HotloadConfig(bucket_url=str(tmp_path / "bucket"), hf_config_dir=str(tmp_path))
+    model = Net()
+    hot = HotloadCallback(model, cfg)
+    hot.step(0)
+    hot.wait()
+    model.layers[1].weight = nn.Parameter(torch.randn(8, 32))
+    with pytest.raises(RuntimeError, match="tensors or sharding changed"):
+        hot.step(1)
+    with pytest.raises(RuntimeError, match="tensors or sharding changed"):
+        hot.close()  # its final publish of step 1 meets the same model
+    assert [m.ok for m in hot.metrics] == [True] and hot.engine.closed
+    with torch.device("meta"):
+        lazy = Net()
+    with pytest.raises(ValueError, match="rank 0: its tensors are on the meta device: create the HotloadCallback "
+                                         "after the weights are materialised"):
+        HotloadCallback(lazy, cfg)
+
+
 def test_async_copy_waits_at_the_next_optimizer_step(tmp_path: Path) -> None:
     """With attach() the CPU copy runs on a helper thread; the optimizer's pre-step hook waits for it, so a
     slow copy never sees the next step's weights, and its wait is counted as blocking."""

@@ -47,8 +47,13 @@ def test_clean_name_rejects_paths_without_a_name(raw: str) -> None:
 
 def test_plan_names_tie_rename_and_collisions() -> None:
     slots = [("model.embed_tokens.weight", "E"), ("model.norm.weight", "N"), ("lm_head.weight", "E")]
-    assert [n for n, _ in plan_names(slots)] == ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    assert [n for n, _ in plan_names(slots, tie_word_embeddings=False)] == [
+        "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
     assert plan_names(slots, tie_word_embeddings=True) == [("model.embed_tokens.weight", 0), ("model.norm.weight", 1)]
+    # the config does not say (GPT-2's save_pretrained leaves out its default, True): the model's own tying decides
+    assert plan_names(slots) == plan_names(slots, tie_word_embeddings=True)
+    untied = [("model.embed_tokens.weight", "E"), ("lm_head.weight", "L")]
+    assert [n for n, _ in plan_names(untied)] == ["model.embed_tokens.weight", "lm_head.weight"]
     # the input name wins even when the output name comes first
     reversed_plan = plan_names(slots[::-1], tie_word_embeddings=True)
     assert reversed_plan == [("model.norm.weight", 1), ("model.embed_tokens.weight", 2)]
@@ -96,8 +101,8 @@ class Tied(nn.Module):
 def test_plain_module_one_whole_chunk_per_tensor_as_views() -> None:
     model = Tied()
     state = model.state_dict()
-    chunks = local_chunks(model)
-    specs = full_tensor_specs(model)
+    chunks = local_chunks(model, tie_word_embeddings=False)
+    specs = full_tensor_specs(model, tie_word_embeddings=False)
     # every persistent tensor, in state_dict order; the non-persistent buffer is not published
     assert [s[0] for s in specs] == list(state) and "model.cache" not in state
     dtypes = {n: d for n, _, d in specs}
@@ -123,11 +128,13 @@ def test_plain_module_tie_rename_buffers_and_dtype() -> None:
     model = Tied()
     tied = full_tensor_specs(model, tie_word_embeddings=True)
     assert "lm_head.weight" not in [s[0] for s in tied] and "model.embed_tokens.weight" in [s[0] for s in tied]
-    no_buffers = full_tensor_specs(model, include_buffers=False)
+    assert full_tensor_specs(model) == tied  # no config says: lm_head is the embedding's tensor, so it is tied
+    no_buffers = full_tensor_specs(model, include_buffers=False, tie_word_embeddings=False)
     assert [s[0] for s in no_buffers] == [n for n, _ in model.named_parameters(remove_duplicate=False)]
     f32 = {n: d for n, _, d in full_tensor_specs(model, snapshot_dtype="float32")}
     assert f32["model.proj.weight"] == "F32" and f32["model.positions"] == "I32"
-    renamed = local_chunks(model, rename=lambda n: None if n.startswith("model.proj") else n.replace("model.", "m."))
+    renamed = local_chunks(model, rename=lambda n: None if n.startswith("model.proj") else n.replace("model.", "m."),
+                           tie_word_embeddings=False)
     assert [c.name for c in renamed] == ["m.scale", "m.positions", "m.mask", "m.embed_tokens.weight", "lm_head.weight"]
     with pytest.raises(ValueError, match="not a floating dtype"):
         local_chunks(model, snapshot_dtype="I32")
@@ -151,13 +158,13 @@ def test_dtype_overrides_first_matching_glob_wins() -> None:
     Chunks, specs and the gathered reference all agree."""
     model = Tied()
     overrides = {"model.proj.*": "keep", "model.*": "float16", "model.positions": "float32", "lm_*": "F32"}
-    specs = {n: d for n, _, d in full_tensor_specs(model, dtype_overrides=overrides)}
+    specs = {n: d for n, _, d in full_tensor_specs(model, dtype_overrides=overrides, tie_word_embeddings=False)}
     assert specs == {"model.scale": "F16", "model.embed_tokens.weight": "F16", "model.proj.weight": "BF16",
                      "model.proj.bias": "BF16", "model.empty": "F16", "model.positions": "I32", "model.mask": "BOOL",
                      "lm_head.weight": "F32"}, specs
-    assert {c.name: c.dtype for c in local_chunks(model, dtype_overrides=overrides)} == {
+    assert {c.name: c.dtype for c in local_chunks(model, dtype_overrides=overrides, tie_word_embeddings=False)} == {
         n: d for n, d in specs.items() if n != "model.empty"}  # chunks are never empty
-    full = gather_full_state(model, dtype_overrides=overrides)
+    full = gather_full_state(model, dtype_overrides=overrides, tie_word_embeddings=False)
     state = model.state_dict()
     for name, t in full.items():
         want = state[name].to(t.dtype)

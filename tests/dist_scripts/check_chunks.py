@@ -1,10 +1,11 @@
 """Run under torchrun (gloo, CPU): every rank's chunks reproduce the framework's full state dict bit for bit.
 
-For each wrapping (FSDP2, FSDP2 HSDP on 4 ranks, FSDP1 with use_orig_params False and True) of a small model
+For each wrapping (FSDP2, FSDP2 HSDP and FSDP2 over tensor parallelism on 4 ranks, FSDP1 with use_orig_params False and True) of a small model
 with awkward shapes, every rank checks that:
   (a) the chunks of all ranks, each source cast to the chunk dtype and scattered at its box, rebuild exactly
       the tensors of ``gather_full_state`` (the framework's own full-state-dict path);
-  (b) ``check_ownership`` accepts the union of all ranks' chunks (every element owned exactly once);
+  (b) ``assign_chunks`` accepts the union of all ranks' chunks (every element owned exactly once, after
+      dropping the copies of a box that several ranks hold, which only FSDP over tensor parallelism makes);
   (c) ``full_tensor_specs`` is identical on all ranks and lists the names the unwrapped model would have;
 and that chunk sources are live views: after an in-place update of the parameters, the chunks taken before
 it rebuild the new state. Prints "RANK r OK n" at the end; any failure raises (non-zero exit).
@@ -21,8 +22,8 @@ from torch import nn
 
 from fsdp_hotload.arc.boxes import scatter
 from fsdp_hotload.arc.dtypes import RawTensor, itemsize, numel, torch_name
-from fsdp_hotload.fsdp import full_tensor_specs, local_chunks
-from fsdp_hotload.fsdp_verify import check_ownership, gather_full_state, verify_ownership
+from fsdp_hotload.fsdp import full_tensor_specs, local_chunks, tensor_paths
+from fsdp_hotload.fsdp_verify import assign_chunks, gather_full_state, verify_ownership
 from tests.dist_util import finish
 
 VOCAB, DIM, HID = 11, 6, 5
@@ -142,10 +143,12 @@ def verify(label: str, model: nn.Module, names: list[str] | None, chunks: list |
         expect((ref.shape, ref.dtype) == (shape, dtype), f"{label}: {name}: {ref.dtype}{ref.shape}, not {dtype}{shape}")
     for c in chunks:
         expect(c.source.dim() == 1 and c.source.numel() == c.box.numel > 0, f"{label}: bad source for {c.name}")
-    # (b) every element owned exactly once
-    check_ownership(gather([c.meta() for c in chunks]), specs)
+    # (b) every element owned exactly once, one copy of a box several ranks hold (FSDP over part of the ranks)
+    kept = [chunks[i] for i in assign_chunks(gather([c.meta() for c in chunks]), specs)[dist.get_rank()]]
+    if "tp" not in label:
+        expect(len(kept) == len(chunks), f"{label}: {len(chunks) - len(kept)} chunks held twice")
     # (a) the chunks of all ranks rebuild the gathered state bit for bit
-    rebuilt = rebuild(gather(chunk_bytes(chunks)), specs)
+    rebuilt = rebuild(gather(chunk_bytes(kept)), specs)
     for name in full:
         same = np.array_equal(rebuilt[name], RawTensor.from_any(full[name]).data)
         expect(same, f"{label}: {name} differs from the gathered state")
@@ -160,15 +163,19 @@ def bump(model: nn.Module) -> None:
             local.add_(0.5)
 
 
-def check_all(label: str, model: nn.Module, *, dtypes: dict[str, torch.dtype], unsharded_root: bool = False) -> None:
+def check_all(label: str, model: nn.Module, *, dtypes: dict[str, torch.dtype], unsharded_root: bool = False,
+              forward: bool = True) -> None:
     names = reference_names()
     untied = [n for n in names if n != "lm_head.weight"]
-    chunks = verify(f"{label}/tie=None", model, names)
+    chunks = verify(f"{label}/tie=False", model, names, tie_word_embeddings=False)
+    # the paths the adapter warning reads: every tensor's, also where FSDP1 lists only its flat parameter
+    expect(sorted(tensor_paths(model)) == sorted(names), f"{label}: tensor paths {sorted(tensor_paths(model))}")
+    verify(f"{label}/tie=None", model, untied)  # the config does not say: lm_head is the embedding's tensor
     for c in chunks:  # sources keep the framework's dtype (fp32 masters stay fp32; the engine casts)
         expect(c.source.dtype == dtypes[c.name], f"{label}: source of {c.name} is {c.source.dtype}")
         expect(c.dtype == ("I64" if c.name.endswith("step_count") else "BF16"), f"{label}: dtype of {c.name}")
     verify(f"{label}/tie=True", model, untied, tie_word_embeddings=True)
-    no_buffers = [n for n in names if "step_count" not in n]
+    no_buffers = [n for n in untied if "step_count" not in n]
     verify(f"{label}/F32-no-buffers", model, no_buffers, snapshot_dtype="F32", include_buffers=False)
     def rename(n: str) -> str | None:
         return None if n == "model.one" else n.replace("model.", "transformer.", 1)
@@ -178,25 +185,28 @@ def check_all(label: str, model: nn.Module, *, dtypes: dict[str, torch.dtype], u
     verify_ownership(model)
     before = {k: RawTensor.from_any(v).data.copy() for k, v in gather_full_state(model).items()}
     bump(model)
-    verify(f"{label}/live-views", model, names, chunks=chunks)  # chunks taken before the update
+    # chunks taken before the update
+    verify(f"{label}/live-views", model, names, chunks=chunks, tie_word_embeddings=False)
     after = gather_full_state(model)
     changed = not np.array_equal(before["model.odd"], RawTensor.from_any(after["model.odd"]).data)
     expect(changed, f"{label}: the update had no effect")
+    if not forward:  # Tiny's forward is not written for tensor parallelism
+        return
     # The first forward runs the framework's lazy init (FSDP1 sets up its local shard then); chunks taken
     # before it must still be views of the live data after it.
     model(IDS)
     if unsharded_root:  # FSDP2 with reshard_after_forward=False: the walk must look past the swapped-in tensors
         expect(not hasattr(model.lm_head.weight, "to_local"), f"{label}: root stayed sharded after forward")
-    fresh = local_chunks(model)  # taken now, before gather_full_state reshards the root
+    fresh = local_chunks(model, tie_word_embeddings=False)  # taken now, before gather_full_state reshards the root
     layout = [(c.name, c.space, c.box, c.source.data_ptr()) for c in chunks]
     expect([(c.name, c.space, c.box, c.source.data_ptr()) for c in fresh] == layout,
            f"{label}: chunks taken after forward differ from those taken before (not the same shards)")
-    verify(f"{label}/after-forward", model, names, chunks=chunks)
-    verify(f"{label}/after-forward-fresh", model, names, chunks=fresh)
+    verify(f"{label}/after-forward", model, names, chunks=chunks, tie_word_embeddings=False)
+    verify(f"{label}/after-forward-fresh", model, names, chunks=fresh, tie_word_embeddings=False)
     # A backward pass reshards everything (and reduce-scatters gradients); an update then writes the shards.
     model(IDS).float().pow(2).mean().backward()
     bump(model)
-    verify(f"{label}/after-backward-update", model, names, chunks=chunks)
+    verify(f"{label}/after-backward-update", model, names, chunks=chunks, tie_word_embeddings=False)
 
 
 def fsdp2(world: int, hsdp: bool) -> nn.Module:
@@ -213,6 +223,26 @@ def fsdp2(world: int, hsdp: bool) -> nn.Module:
     fully_shard(model.model.aux, mesh=mesh)
     # Keep the root unsharded after forward, so the walk must look past the plain tensors FSDP2 swaps in.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params={model.model.temp})
+    return model
+
+
+def fsdp_tp(world: int) -> nn.Module:
+    """FSDP2 over tensor parallelism, torchtitan's layout: TP first (lin1 column-wise: its rows, 5 over 2 ranks;
+    lin2 row-wise: its columns), then ``fully_shard`` over the data-parallel mesh dim, which shards lin1's TP shard
+    again on the same dim (``_StridedShard``): 3 rows split 2 + 1, 2 rows split 1 + 1."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = build()
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh["tp"], {"lin1": ColwiseParallel(), "lin2": RowwiseParallel()})
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model.model.aux, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"], ignored_params={model.model.temp})
+    strided = [p.placements for p in model.model.layers[0].lin1.parameters()]
+    expect(all(type(pl[0]).__name__ == "_StridedShard" for pl in strided), f"fsdp+tp: placements {strided}")
     return model
 
 
@@ -244,6 +274,7 @@ def main() -> None:
     check_all("fsdp2", model, dtypes=dtypes, unsharded_root=True)
     if world % 2 == 0 and world >= 4:
         check_all("hsdp", fsdp2(world, hsdp=True), dtypes=dtypes, unsharded_root=True)
+        check_all("fsdp+tp", fsdp_tp(world), dtypes=dtypes, forward=False)
     check_all("fsdp1/orig=False", fsdp1(False, checkpointing=False), dtypes=dtypes)
     check_all("fsdp1/orig=True+ckpt", fsdp1(True, checkpointing=True), dtypes=dtypes)
     dist.barrier()
