@@ -273,6 +273,8 @@ def _ancestors_closure(roots: Iterable[str], by_id: dict[str, CommitInfo]) -> se
 INCOMPLETE_GRACE_S = 600.0
 _warned_sessions: set[str] = set()  # other live sessions already named in a warning (once per process)
 SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+#: The names :func:`~fsdp_hotload.identity.new_identity` makes (prefix, six-digit step, 8-hex-digit session).
+PUBLISHED_NAME = re.compile(r".+-\d{6,}-[0-9a-f]{8}")
 
 
 def _looks_like_ours(identity: str, files: dict[str, Any]) -> bool:
@@ -310,16 +312,23 @@ def session_of(identity: str) -> str:
     return identity.rsplit("-", 1)[-1]
 
 
+#: A session that committed this long before a publisher started still counts as live for it: a trainer that
+#: publishes every few minutes may have committed just before this one started and nothing yet since, and the
+#: snapshot a deployment serves must not go (its clock may also run behind this one's).
+LIVE_GRACE_S = 3600.0
+
+
 def live_sessions(snapshots: Iterable[CommitInfo], session: str, since: float) -> dict[str, list[str]]:
-    """Other publishers' sessions that committed a snapshot at or after ``since`` (this one's start), with all
-    their snapshots. Why: a bucket shared by two trainers (by mistake, or two experiments under one root) must not
-    lose one trainer's served snapshots to the other's retention; a session silent since then is a finished run,
-    whose snapshots retention may delete as usual."""
+    """Other publishers' sessions that committed a snapshot at or after ``since`` (this one's start) less
+    ``LIVE_GRACE_S``, with all their snapshots. Why: a bucket shared by two trainers (by mistake, or two
+    experiments under one root) must not lose one trainer's served snapshots to the other's retention; a session
+    silent for longer is a finished run, whose snapshots retention may delete as usual."""
     by_session: dict[str, list[CommitInfo]] = {}
     for snap in snapshots:
         if session_of(snap.identity) != session:
             by_session.setdefault(session_of(snap.identity), []).append(snap)
-    return {k: [s.identity for s in v] for k, v in by_session.items() if max(s.created_at for s in v) >= since}
+    return {k: [s.identity for s in v] for k, v in by_session.items()
+            if max(s.created_at for s in v) >= since - LIVE_GRACE_S}
 
 
 def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] = frozenset(), *,
@@ -327,9 +336,10 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
     """Delete the snapshots :func:`plan_retention` gives up, and return their identities (in deletion order).
 
     With ``session`` (the caller's identity suffix) and ``since`` (when the caller started, ``time.time()``),
-    snapshots of another session that committed since then are kept with their chains, and a warning names it:
-    another publisher is live under this root. Folders without a marker that a finished session left (a crash
-    mid-upload) go too, once every file in them is ``INCOMPLETE_GRACE_S`` older than ``since``.
+    snapshots of another session that committed since then (or up to ``LIVE_GRACE_S`` before) are kept with
+    their chains, and a warning names it: another publisher is live under this root. Folders without a marker
+    that a finished session left (a crash mid-upload) go too, once every file in them is ``INCOMPLETE_GRACE_S``
+    older than ``since``, and only under names a publisher makes (``PUBLISHED_NAME``).
 
     Children go before parents, and each snapshot loses its commit marker before its files, so a crash half way
     leaves no committed snapshot whose chain or files are gone.
@@ -370,7 +380,9 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
                 continue
             infos = storage.list_info(identity)
             times = [f.mtime for f in infos.values()]
-            if (_looks_like_ours(identity, infos) and times
+            # Only names a publisher makes: a model folder kept under the root ("qwen3-8b", its shards a day
+            # old) is also flat, unmarked and old, and is not a crashed upload.
+            if (PUBLISHED_NAME.fullmatch(identity) and _looks_like_ours(identity, infos) and times
                     and all(t is not None and t < since - INCOMPLETE_GRACE_S for t in times)):
                 storage.delete_prefix(identity)
                 deleted.append(identity)

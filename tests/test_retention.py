@@ -253,12 +253,31 @@ def test_foreign_directories_under_the_root_are_left_alone(tmp_path: Path, caplo
     assert len(ignored) == len(foreign)  # once per directory, not once per pass
 
 
+def test_a_session_that_committed_shortly_before_this_start_is_live() -> None:
+    """Trainer B committed the snapshot its deployment serves 5 s before A started, and nothing since: it is
+    live for A (its served snapshot and chain are kept), as is a B whose clock runs minutes behind. A session
+    silent for longer than LIVE_GRACE_S is a finished run."""
+    from fsdp_hotload.retention import LIVE_GRACE_S, live_sessions
+
+    now = time.time()
+    snaps = [CommitInfo("step-000010-bbbbbbbb", "full", None, {}, now - 65),
+             CommitInfo("step-000011-bbbbbbbb", "delta", "step-000010-bbbbbbbb", {}, now - 5),
+             CommitInfo("step-000001-cccccccc", "full", None, {}, now - 300),
+             CommitInfo("step-000001-dddddddd", "full", None, {}, now - LIVE_GRACE_S - 60),
+             CommitInfo("step-000001-aaaaaaaa", "full", None, {}, now + 1)]
+    assert live_sessions(snaps, "aaaaaaaa", now) == {
+        "bbbbbbbb": ["step-000010-bbbbbbbb", "step-000011-bbbbbbbb"], "cccccccc": ["step-000001-cccccccc"]}
+    assert plan_retention(snaps, 1, {"step-000010-bbbbbbbb", "step-000011-bbbbbbbb", "step-000001-cccccccc"}) == [
+        "step-000001-dddddddd"]
+
+
 def test_retention_keeps_a_live_publishers_snapshots_and_deletes_a_finished_runs(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three publishers on one bucket, each with its own deployment and ``keep_last=2``. An earlier run's
-    snapshots (finished before the others started) go; two live trainers keep each other's chains, so what
-    every deployment serves can still be rebuilt from the bucket, bit for bit, and the warning names the other
-    session once."""
+    snapshots (finished before the others started; no grace here, so that it counts as finished at once) go;
+    two live trainers keep each other's chains, so what every deployment serves can still be rebuilt from the
+    bucket, bit for bit, and the warning names the other session once."""
+    monkeypatch.setattr("fsdp_hotload.retention.LIVE_GRACE_S", 0.0)
     from fsdp_hotload.emulator import HotLoadEmulator
     from fsdp_hotload.publish import TensorPublisher
     from fsdp_hotload.retention import list_committed, session_of
@@ -304,7 +323,7 @@ def test_retention_keeps_a_live_publishers_snapshots_and_deletes_a_finished_runs
 def test_a_finished_runs_unmarked_folders_go_and_nothing_that_may_still_be_written(tmp_path: Path) -> None:
     """A run killed mid-upload leaves a folder without a marker that nothing ever reads. The next run's retention
     deletes it once every file is older than that run's start by the grace period; folders of its own session,
-    of a live session, with a recent file, or not laid out like a snapshot stay."""
+    of a live session, with a recent file, not laid out like a snapshot, or not named like one stay."""
     from fsdp_hotload.retention import INCOMPLETE_GRACE_S
 
     st = Storage(str(tmp_path))
@@ -313,8 +332,9 @@ def test_a_finished_runs_unmarked_folders_go_and_nothing_that_may_still_be_writt
     _publish(st, CommitInfo("step-000003-11111111", "full", None, files, now + 5))  # ours
     _publish(st, CommitInfo("step-000004-22222222", "full", None, files, now + 6))  # a live publisher's
     old = now - INCOMPLETE_GRACE_S - 60
+    # qwen3-8b: a model folder kept under the root, flat and as old, but not a name a publisher makes
     unmarked = {"step-000013-deadbeef": old, "step-000014-deadbeef": now - 30, "step-000009-11111111": old,
-                "step-000009-22222222": old, "step-000020-cafecafe": old}
+                "step-000009-22222222": old, "step-000020-cafecafe": old, "qwen3-8b": old}
     for identity, mtime in unmarked.items():
         name = "notes.txt" if identity.endswith("cafecafe") else "model-00002-of-00002.safetensors"
         (tmp_path / identity).mkdir()
