@@ -168,7 +168,8 @@ def job(args: argparse.Namespace) -> None:
                       f"{'yes' if ok else 'NO'}", flush=True)
     if rank == 0:
         sent = sum(r["bytes"] for r in rows)
-        full_every_step = sum(r["raw"] for r in rows)
+        fulls = [r["bytes"] for r in rows if r["kind"] == "full"]  # file bytes, like ``sent``: headers included
+        full_every_step = len(rows) * (sum(fulls) / len(fulls) if fulls else max(r["raw"] for r in rows))
         verified = bool(rows) and all(r["verified"] for r in rows)
         print(f"\n{len(rows)} publishes: {sum(r['kind'] == 'full' for r in rows)} full, "
               f"{sum(r['kind'] == 'delta' for r in rows)} delta; sent {sent / 1e6:.2f} MB vs "
@@ -179,6 +180,10 @@ def job(args: argparse.Namespace) -> None:
             json.dump({"verified": verified, "rows": rows}, f)
     dist.barrier()
     _exit_cleanly()
+
+
+#: The file that marks a --workdir as the demo's own, so a re-run may empty its bucket/.
+DEMO_MARK = ".hotload-demo"
 
 
 def _exit_cleanly() -> None:
@@ -218,8 +223,17 @@ def run_demo_cli(argv: list[str] | None = None) -> int:
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="hotload-demo-")
     bucket, hf = os.path.join(workdir, "bucket"), os.path.join(workdir, "hf")
+    mark = os.path.join(workdir, DEMO_MARK)
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        p.error(f"--workdir {workdir} is not a folder")
+    if not os.path.isfile(mark) and any(os.path.isdir(d) and os.listdir(d) for d in (bucket, hf)):
+        # Each run empties bucket/ and rewrites hf/: only in a folder an earlier demo made.
+        p.error(f"--workdir {workdir} holds a bucket/ or hf/ folder that no demo made (no {DEMO_MARK}); "
+                "pick an empty or new folder")
     shutil.rmtree(bucket, ignore_errors=True)
     os.makedirs(bucket), os.makedirs(hf, exist_ok=True)
+    with open(mark, "w") as f:
+        f.write("made by hotload demo: its bucket/ and hf/ are replaced on every run\n")
     for name in RESULT_FILES:  # a re-run in the same --workdir must not append to, or report, the last run's
         if os.path.isfile(os.path.join(workdir, name)):
             os.remove(os.path.join(workdir, name))

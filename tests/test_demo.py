@@ -24,6 +24,11 @@ def test_demo_publishes_and_verifies(tmp_path: Path) -> None:
     assert [r["kind"] for r in result["rows"]] == ["full", "delta", "delta"] * 2 + ["full"]
     assert all(r["verified"] for r in result["rows"])
     assert "every replica verified bit-exact: yes" in proc.stdout
+    # the baseline is 7 full snapshots' file bytes, counted like the bytes sent
+    full = [r["bytes"] for r in result["rows"] if r["kind"] == "full"]
+    sent = sum(r["bytes"] for r in result["rows"])
+    assert f"sent {sent / 1e6:.2f} MB vs {7 * sum(full) / len(full) / 1e6:.2f} MB for a full snapshot every step" \
+        in proc.stdout
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 7 and all(m["ok"] for m in metrics)
 
@@ -48,3 +53,18 @@ def test_help_describes_every_option() -> None:
     assert proc.returncode == 0 and "``" not in proc.stdout
     for text in ("(default: 30)", "(default: 10)", "(default: 2)", "(default: arc_v2)"):
         assert text in proc.stdout, text
+
+
+def test_a_workdir_the_demo_did_not_make_is_left_alone(tmp_path: Path) -> None:
+    """Each run empties ``<workdir>/bucket``: a folder of the user's there is refused, not deleted, and a file
+    given as the workdir is a usage error, not a traceback."""
+    (tmp_path / "bucket" / "precious").mkdir(parents=True)
+    (tmp_path / "bucket" / "precious" / "data.txt").write_text("keep me")
+    (tmp_path / "afile").write_text("x")
+    for workdir, says in ((tmp_path, "that no demo made"), (tmp_path / "afile", "is not a folder")):
+        proc = subprocess.run([*DEMO, "--steps", "1", "--workdir", str(workdir)], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert says in proc.stderr.strip().splitlines()[-1]
+    assert (tmp_path / "bucket" / "precious" / "data.txt").read_text() == "keep me"
+
