@@ -214,9 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"OUT {args.out} is a folder, but the inputs are files: name an output file")
             if os.path.exists(args.out) and any(os.path.samefile(args.out, p) for p in inputs):
                 raise ValueError(f"OUT {args.out} is one of the inputs: name a new file or folder")
+        if getattr(args, "parent_identity", None) is not None:  # diff records it in every delta file
+            validate_identity(args.parent_identity, what="--parent-identity")
         if args.cmd == "diff":
-            if args.parent_identity is not None:  # recorded in every delta file, and signalled with it later
-                validate_identity(args.parent_identity, what="--parent-identity")
             plan = _marker_plan(args.out, "delta", args.parent_identity or os.path.basename(
                 os.path.normpath(args.parent))) if os.path.isdir(args.new) else None
             n = diff_paths(args.parent, args.new, args.out, codec=args.codec, parent_identity=args.parent_identity,

@@ -12,6 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from fsdp_hotload.arc.errors import FormatError
+
 HOTLOAD = [sys.executable, "-m", "fsdp_hotload.cli"]
 
 
@@ -108,6 +110,19 @@ def test_vendor_route(snapshots: tuple[Path, Path], tmp_path: Path) -> None:
     assert set(rebuilt) == set(names)
     res = run("diff", a, b, tmp_path / "x", "--vendor-module", "no_such_vendor_module")
     assert res.returncode == 2 and "no_such_vendor_module" in res.stderr
+    # --codec reaches the module (it used to get arc_v2 whatever was asked)
+    vendor.CALLS.clear()
+    diff_paths(str(a), str(b), str(tmp_path / "sparse"), codec="arc_sparse_v1",
+               vendor_module="tests.vendor_example.fw_reference_shape")
+    assert {c[3] for c in vendor.CALLS} == {"arc_sparse_v1"}
+    # what the module writes is checked before the folder is called a delta: a copy of NEW is not one
+    vendor.MODE[0] = "copy"
+    try:
+        with pytest.raises(FormatError, match="not a delta"):
+            diff_paths(str(a), str(b), str(tmp_path / "copied"),
+                       vendor_module="tests.vendor_example.fw_reference_shape")
+    finally:
+        vendor.MODE[0] = "delta"
 
 
 def _marker(folder: Path) -> Path:
@@ -216,3 +231,11 @@ def test_unusable_input_exits_2(snapshots: tuple[Path, Path], tmp_path: Path) ->
     res = run("diff", first, d / "model-00001-of-00002.safetensors", tmp_path / "x.safetensors")
     assert res.returncode == 2 and "NEW is a hotload delta (made against 'step-a')" in res.stderr
     assert "Traceback" not in res.stderr
+    # the reverse: a full snapshot given as DELTA is a usage error too, for apply and verify alike
+    for cmd in (["apply", a, b, tmp_path / "rebuilt"], ["verify", a, b]):
+        res = run(*cmd)
+        assert res.returncode == 2 and "DELTA is a full snapshot file, not a hotload delta" in res.stderr, res.stderr
+    # a parent identity that no snapshot could have is refused once, by name, as diff refuses it
+    for cmd in (["apply", a, d, tmp_path / "r2"], ["verify", a, d]):
+        res = run(*cmd, "--parent-identity", "bad name")
+        assert res.returncode == 2 and "--parent-identity" in res.stderr and res.stderr.count("\n") <= 2, res.stderr

@@ -20,7 +20,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .container import apply_delta_file, encode_delta_file, is_delta_file, read_delta_info
+from .container import K_TENSORS, apply_delta_file, encode_delta_file, is_delta_file, read_delta_info
 from .dtypes import RawTensor, itemsize, numel
 from .errors import ArcError, FormatError, MismatchError
 from .stio import load_file, parse_header, parse_json, write_file
@@ -104,6 +104,21 @@ def _full_blob(path: str, role: str) -> bytes:
     return data
 
 
+def _delta_blob(path: str) -> bytes:
+    """The bytes of a weight file that must be a delta, refusing a plain safetensors file (a full snapshot given
+    as DELTA is a usage error, like the reverse; a damaged delta is left to the decoder, which names the fault)."""
+    data = _read(path)
+    if not is_delta_file(data):
+        try:
+            meta = parse_header(data, filename=path).metadata
+        except ArcError:
+            return data
+        if K_TENSORS not in meta:
+            raise UnusableInputError(f"{path!r}: DELTA is a full snapshot file, not a hotload delta; pass the "
+                                     "delta ('hotload diff' makes one)")
+    return data
+
+
 def _reset_output(out: str) -> None:
     """Create an output folder and drop a commit marker left in it by an earlier run: until the caller marks the
     new content complete, nothing in the folder may claim to be a complete snapshot."""
@@ -127,7 +142,7 @@ def diff_paths(parent: str, new: str, out: str, *, codec: str = "arc_v2", parent
     (see vendor.py) instead of our encoder.
     """
     ident = parent_identity or os.path.basename(os.path.normpath(parent))
-    vendor = vendor_encoder(vendor_module) if vendor_module else None
+    vendor = vendor_encoder(vendor_module, codec) if vendor_module else None
     pairs = _pairs(parent, new, ("PARENT", "NEW"))
     if os.path.isdir(new):
         _reset_output(out)
@@ -138,6 +153,16 @@ def diff_paths(parent: str, new: str, out: str, *, codec: str = "arc_v2", parent
         parent_blob, new_blob = _full_blob(pa, "PARENT"), _full_blob(pb, "NEW")
         if vendor is not None:
             vendor(pa, pb, dst)
+            # What the module wrote must be a delta of NEW against PARENT before the folder is called one.
+            with open(dst, "rb") as f:
+                written = f.read()
+            rebuilt = apply_delta_file(load_file(parent_blob, filename=pa), written, filename=dst)
+            want = load_file(new_blob, filename=pb)
+            bad = sorted(n for n in {*rebuilt, *want} if n not in rebuilt or n not in want
+                         or bytes(rebuilt[n].data) != bytes(want[n].data))
+            if bad:
+                raise ValueError(f"{dst}: the vendor module's delta does not rebuild {pb} (tensor {bad[0]!r} "
+                                 "differs)")
         else:
             try:
                 blob = encode_delta_file(load_file(parent_blob, filename=pa), load_file(new_blob, filename=pb),
@@ -162,7 +187,7 @@ def apply_paths(parent: str, delta: str, out: str | None, *, expected_parent: st
     result: dict[str, dict[str, RawTensor]] = {}
     for i, (name, pa, pd) in enumerate(pairs):
         parent_blob = _full_blob(pa, "PARENT")
-        rebuilt = apply_delta_file(load_file(parent_blob, filename=pa), _read(pd), filename=pd,
+        rebuilt = apply_delta_file(load_file(parent_blob, filename=pa), _delta_blob(pd), filename=pd,
                                    expected_parent=expected_parent)
         result[name] = rebuilt
         if out is not None:
@@ -242,7 +267,7 @@ def verify_paths(parent: str, delta: str, *, expected_parent: str | None = None,
     for i, (name, pa, pd) in enumerate(pairs):
         bad: str | None = None
         try:
-            apply_delta_file(load_file(_full_blob(pa, "PARENT"), filename=pa), _read(pd), filename=pd,
+            apply_delta_file(load_file(_full_blob(pa, "PARENT"), filename=pa), _delta_blob(pd), filename=pd,
                              expected_parent=expected_parent)
         except ArcError as exc:
             report.errors.append(str(exc))

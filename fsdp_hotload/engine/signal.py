@@ -89,8 +89,8 @@ class Signaller:
         A deployment gets hints only once it reports a replica. Why: a signal before its hot-load manager is up
         can crash the serving container (the reference client waits for replicas before its first signal), and
         a hint is a POST to the same service (that it carries the same risk is inferred, not documented); rank
-        0's manager wait runs only after the files are uploaded, and the other ranks never run it. So each Signaller asks once (one status GET) and, while none is reported, skips that
-        snapshot's hints."""
+        0's manager wait runs only after the files are uploaded, and the other ranks never run it. So each
+        Signaller asks once (one status GET) and, while none is reported, skips that snapshot's hints."""
         for c in self.clients:
             if self._hints_failed.get(c.deployment_name) == identity:
                 continue
