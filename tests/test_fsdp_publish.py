@@ -46,6 +46,24 @@ def test_forty_steps_bit_exact(tmp_path: Path, nproc: int, mode: str) -> None:
     assert "model.embed_tokens.weight" in recs[-1]["tensors"] and "lm_head.weight" not in recs[-1]["tensors"]
 
 
+def test_fsdp_over_tensor_parallelism_is_served_bit_exact(tmp_path: Path) -> None:
+    """4 ranks, a 2 x 2 (data parallel x tensor parallel) mesh: see dist_scripts/tp_publish.py."""
+    bucket, hf, out = tmp_path / "bucket", tmp_path / "hf", tmp_path / "records.json"
+    bucket.mkdir(), hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "tiny", "tie_word_embeddings": false}')
+    with HotLoadEmulator(str(bucket), replicas=2, api_key="test-key") as emu:
+        run_torchrun(str(SCRIPTS / "tp_publish.py"), 4, ["--bucket", str(bucket), "--url", emu.url,
+                                                         "--out", str(out), "--hf-dir", str(hf)], timeout=300)
+    *recs, tail = json.loads(out.read_text())
+    assert tail["placements"] == ["_StridedShard", "Shard"]
+    # the norms, sharded over dp alone, are held alike by both TP ranks of a dp rank: published by the first
+    # (TP rank 0: ranks 0 and 2), which also publishes the row-wise biases (replicated over TP)
+    assert tail["chunks"] == [12, 6, 12, 6]
+    assert [r["kind"] for r in recs] == ["full", "delta", "delta", "delta"] * 2
+    assert all(r["ok"] and r["bit_exact"] for r in recs), recs
+    assert "layers.0.norm.weight" in recs[-1]["tensors"]
+
+
 def test_a_side_group_timeout_stops_publishing_and_training_goes_on(tmp_path: Path) -> None:
     """Rank 1 waits for the outcome longer than collective_timeout_s (the replicas load slowly): the group breaks,
     both ranks end the snapshot and stop publishing instead of hanging, and every training step still runs."""
