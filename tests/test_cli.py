@@ -167,6 +167,10 @@ def test_failed_apply_or_diff_leaves_no_commit_marker(snapshots: tuple[Path, Pat
         res = run("apply", a, d, out)
         assert res.returncode == 1, res.stderr
         assert not _marker(out).exists(), out
+    # a failed run writes no index naming weight files it never wrote (the index and config come last)
+    assert not (tmp_path / "fresh" / "model.safetensors.index.json").exists()
+    res = run("diff", a, b, tmp_path / "d3", "--codec", "no_such_codec")
+    assert res.returncode == 2 and "no_such_codec" in res.stderr and not (tmp_path / "d3").exists()
     # names the marker needs are checked before any work: nothing is written for bad usage
     res = run("apply", a, d, tmp_path / "bad name")
     assert res.returncode == 2 and "bad name" in res.stderr and not (tmp_path / "bad name").exists()

@@ -20,6 +20,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .codecs import get_codec
 from .container import K_TENSORS, apply_delta_file, encode_delta_file, is_delta_file, read_delta_info
 from .dtypes import RawTensor, itemsize, numel
 from .errors import ArcError, FormatError, MismatchError
@@ -143,10 +144,10 @@ def diff_paths(parent: str, new: str, out: str, *, codec: str = "arc_v2", parent
     """
     ident = parent_identity or os.path.basename(os.path.normpath(parent))
     vendor = vendor_encoder(vendor_module, codec) if vendor_module else None
+    get_codec(codec)  # an unknown codec fails before OUT is touched
     pairs = _pairs(parent, new, ("PARENT", "NEW"))
     if os.path.isdir(new):
         _reset_output(out)
-        _copy_aux(new, out)
     total = 0
     for i, (name, pa, pb) in enumerate(pairs):
         dst = os.path.join(out, name) if os.path.isdir(new) else out
@@ -161,6 +162,7 @@ def diff_paths(parent: str, new: str, out: str, *, codec: str = "arc_v2", parent
             bad = sorted(n for n in {*rebuilt, *want} if n not in rebuilt or n not in want
                          or bytes(rebuilt[n].data) != bytes(want[n].data))
             if bad:
+                os.remove(dst)
                 raise ValueError(f"{dst}: the vendor module's delta does not rebuild {pb} (tensor {bad[0]!r} "
                                  "differs)")
         else:
@@ -174,6 +176,8 @@ def diff_paths(parent: str, new: str, out: str, *, codec: str = "arc_v2", parent
         total += os.path.getsize(dst)
         if progress:
             progress(i + 1, len(pairs), name)
+    if os.path.isdir(new):  # the index and config last: a failed run leaves no index naming missing files
+        _copy_aux(new, out)
     return total
 
 
@@ -183,7 +187,6 @@ def apply_paths(parent: str, delta: str, out: str | None, *, expected_parent: st
     pairs = _pairs(parent, delta, ("PARENT", "DELTA"))
     if out is not None and os.path.isdir(delta):
         _reset_output(out)
-        _copy_aux(delta, out)
     result: dict[str, dict[str, RawTensor]] = {}
     for i, (name, pa, pd) in enumerate(pairs):
         parent_blob = _full_blob(pa, "PARENT")
@@ -197,6 +200,8 @@ def apply_paths(parent: str, delta: str, out: str | None, *, expected_parent: st
             os.replace(dst + ".tmp", dst)
         if progress:
             progress(i + 1, len(pairs), name)
+    if out is not None and os.path.isdir(delta):  # last, as in diff_paths
+        _copy_aux(delta, out)
     return result
 
 
