@@ -331,6 +331,19 @@ def live_sessions(snapshots: Iterable[CommitInfo], session: str, since: float) -
             if max(s.created_at for s in v) >= since - LIVE_GRACE_S}
 
 
+def _store_time_of_newest(storage: Storage, committed: list[CommitInfo], session: str) -> float:
+    """The store's clock at this session's newest commit (its files' newest time), or +inf without one.
+
+    Why: file times come from the store's clock and ``since`` from the trainer's; with the trainer's clock
+    ahead by more than the grace period, a fresh upload of another run would look abandoned. Comparing with
+    the earlier of the two keeps the test conservative whichever clock runs ahead."""
+    ours = [c.identity for c in committed if session_of(c.identity) == session]
+    if not ours:
+        return math.inf
+    times = [f.mtime for f in storage.list_info(ours[-1]).values() if f.mtime is not None]
+    return max(times) if times else math.inf
+
+
 def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] = frozenset(), *,
                     delete_incomplete: bool = False, session: str | None = None, since: float = 0.0) -> list[str]:
     """Delete the snapshots :func:`plan_retention` gives up, and return their identities (in deletion order).
@@ -375,6 +388,7 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
         deleted.append(identity)
         logger.info("retention: deleted snapshot %s", storage.uri(identity))
     if session is not None:
+        cutoff = min(since, _store_time_of_newest(storage, committed, session)) - INCOMPLETE_GRACE_S
         for identity in dirs:
             if identity in by_id or identity in protected or session_of(identity) in {session, *live}:
                 continue
@@ -383,7 +397,7 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
             # Only names a publisher makes: a model folder kept under the root ("qwen3-8b", its shards a day
             # old) is also flat, unmarked and old, and is not a crashed upload.
             if (PUBLISHED_NAME.fullmatch(identity) and _looks_like_ours(identity, infos) and times
-                    and all(t is not None and t < since - INCOMPLETE_GRACE_S for t in times)):
+                    and all(t is not None and t < cutoff for t in times)):
                 storage.delete_prefix(identity)
                 deleted.append(identity)
                 logger.info("retention: deleted %s, left incomplete by a finished run", storage.uri(identity))

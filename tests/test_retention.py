@@ -343,3 +343,23 @@ def test_a_finished_runs_unmarked_folders_go_and_nothing_that_may_still_be_writt
     deleted = apply_retention(st, keep_last=5, session="11111111", since=now)
     assert deleted == ["step-000013-deadbeef"]
     assert set(st.list_dirs()) == {"step-000003-11111111", "step-000004-22222222", *unmarked} - set(deleted)
+
+
+def test_a_trainer_clock_ahead_of_the_store_does_not_make_a_fresh_upload_look_abandoned(tmp_path: Path) -> None:
+    """File times come from the store's clock, ``since`` from the trainer's. With the trainer 20 minutes ahead,
+    another run's upload in progress (files written just now, store time) used to look older than the grace
+    period and was deleted. The store's time of this session's newest commit bounds the test instead."""
+    from fsdp_hotload.retention import INCOMPLETE_GRACE_S
+
+    st = Storage(str(tmp_path))
+    now = time.time()
+    files = {"model-00001-of-00002.safetensors": {"size": 4}}
+    _publish(st, CommitInfo("step-000003-11111111", "full", None, files, now + 1200))  # written now, store time
+    old = now - INCOMPLETE_GRACE_S - 60
+    for identity, mtime in {"step-000000-bbbbbbbb": now - 5, "step-000013-deadbeef": old}.items():
+        (tmp_path / identity).mkdir()
+        (tmp_path / identity / "model-00001-of-00002.safetensors").write_bytes(b"part")
+        os.utime(tmp_path / identity / "model-00001-of-00002.safetensors", (mtime, mtime))
+    deleted = apply_retention(st, keep_last=5, session="11111111", since=now + 1200)
+    assert deleted == ["step-000013-deadbeef"]  # the abandoned one still goes; the upload in flight stays
+    assert "step-000000-bbbbbbbb" in st.list_dirs()
