@@ -90,12 +90,10 @@ def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], c
     verdict: Any = None
     if gathered is not None:
         try:
-            for r, (_metas, other, trouble) in enumerate(gathered):
+            for r, (_metas, _specs, trouble) in enumerate(gathered):
                 if trouble:
                     raise OwnershipError(f"rank {r}: {trouble}")
-                if other != gathered[0][1]:
-                    diff = sorted(set(map(repr, other)) ^ set(map(repr, gathered[0][1])))[:3]
-                    raise OwnershipError(f"ranks 0 and {r} see different tensor specs (e.g. {', '.join(diff)})")
+            _check_same_specs([other for _m, other, _t in gathered])
             kept = assign_chunks([metas for metas, _s, _t in gathered], specs)
             verdict = {r: k for r, k in enumerate(kept) if len(k) != len(gathered[r][0])}  # only what changes
         except OwnershipError as exc:
@@ -104,6 +102,13 @@ def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], c
     if isinstance(verdict, str):
         raise OwnershipError(verdict)
     return verdict.get(ctrl.rank, list(range(len(chunks))))
+
+
+def _check_same_specs(specs_by_rank: Sequence[Sequence[TensorSpec]]) -> None:
+    for r, other in enumerate(specs_by_rank):
+        if list(other) != list(specs_by_rank[0]):
+            diff = sorted(set(map(repr, other)) ^ set(map(repr, specs_by_rank[0])))[:3]
+            raise OwnershipError(f"ranks 0 and {r} see different tensor specs (e.g. {', '.join(diff)})")
 
 
 def assign_chunks(chunks_from_all_ranks: Sequence[Sequence[_ChunkLike]],
@@ -192,9 +197,6 @@ def verify_ownership(
     specs = full_tensor_specs(model, **kw)
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, ([c.meta() for c in local_chunks(model, **kw)], specs), group=group)
-    for r, (_metas, other) in enumerate(gathered):
-        if other != gathered[0][1]:
-            diff = sorted(set(map(repr, other)) ^ set(map(repr, gathered[0][1])))[:3]
-            raise OwnershipError(f"ranks 0 and {r} see different tensor specs (e.g. {', '.join(diff)})")
+    _check_same_specs([other for _metas, other in gathered])
     assign_chunks([metas for metas, _specs in gathered], specs)
     return specs

@@ -352,7 +352,8 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
     snapshots of another session that committed since then (or up to ``LIVE_GRACE_S`` before) are kept with
     their chains, and a warning names it: another publisher is live under this root. Folders without a marker
     that a finished session left (a crash mid-upload) go too, once every file in them is ``INCOMPLETE_GRACE_S``
-    older than ``since``, and only under names a publisher makes (``PUBLISHED_NAME``).
+    older than ``since`` (or than the store's time of this session's newest commit, when that is earlier), and
+    only under names a publisher makes (``PUBLISHED_NAME``).
 
     Children go before parents, and each snapshot loses its commit marker before its files, so a crash half way
     leaves no committed snapshot whose chain or files are gone.
@@ -388,10 +389,12 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
         deleted.append(identity)
         logger.info("retention: deleted snapshot %s", storage.uri(identity))
     if session is not None:
-        cutoff = min(since, _store_time_of_newest(storage, committed, session)) - INCOMPLETE_GRACE_S
+        cutoff: float | None = None  # read from the store only when an unmarked folder is there to judge
         for identity in dirs:
             if identity in by_id or identity in protected or session_of(identity) in {session, *live}:
                 continue
+            if cutoff is None:
+                cutoff = min(since, _store_time_of_newest(storage, committed, session)) - INCOMPLETE_GRACE_S
             infos = storage.list_info(identity)
             times = [f.mtime for f in infos.values()]
             # Only names a publisher makes: a model folder kept under the root ("qwen3-8b", its shards a day
