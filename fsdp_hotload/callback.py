@@ -99,6 +99,9 @@ class HotloadCallback:
             walked = local_chunks(model, **self._chunk_kwargs)
             self.walks = 1  # model walks for chunk views (the first here; again only when storage changed)
             self._specs = full_tensor_specs(model, **self._chunk_kwargs)
+            if not self._specs:  # the same on every rank, so all of them raise here
+                raise ValueError("the model has no tensor to publish (no parameters or buffers, or the rename "
+                                 "function returned None for all of them)")
             self._kept = agree_on_chunks(walked, self._specs, ctrl)
             chunks = [walked[i] for i in self._kept]
             specs = [TensorSpec(n, tuple(s), d) for n, s, d in self._specs]

@@ -116,6 +116,8 @@ def test_a_reshaped_parameter_fails_the_step_and_a_meta_model_fails_construction
     with pytest.raises(RuntimeError, match="tensors or sharding changed"):
         hot.close()  # its final publish of step 1 meets the same model
     assert [m.ok for m in hot.metrics] == [True] and hot.engine.closed
+    with pytest.raises(ValueError, match="no tensor to publish .*rename function returned None for all"):
+        HotloadCallback(Net(), cfg, rename=lambda name: None)
     with torch.device("meta"):
         lazy = Net()
     with pytest.raises(ValueError, match="rank 0: its tensors are on the meta device: create the HotloadCallback "
