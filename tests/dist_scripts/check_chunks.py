@@ -1,8 +1,7 @@
 """Run under torchrun (gloo, CPU): every rank's chunks reproduce the framework's full state dict bit for bit.
 
 For each wrapping (FSDP2, FSDP2 HSDP and FSDP2 over tensor parallelism on 4 ranks, FSDP1 with use_orig_params
-False and True) of a small model
-with awkward shapes, every rank checks that:
+False and True) of a small model with awkward shapes, every rank checks that:
   (a) the chunks of all ranks, each source cast to the chunk dtype and scattered at its box, rebuild exactly
       the tensors of ``gather_full_state`` (the framework's own full-state-dict path);
   (b) ``assign_chunks`` accepts the union of all ranks' chunks (every element owned exactly once, after
