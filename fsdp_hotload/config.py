@@ -148,22 +148,13 @@ class HotloadConfig(BaseModel):
     @field_validator("snapshot_dtype")
     @classmethod
     def _floating_dtype(cls, v: str) -> str:
-        """Floating dtypes only: casting weights to an integer dtype would truncate them without any error."""
+        """Floating dtypes of 16 bits or more only: casting weights to an integer dtype would truncate them
+        without any error, and every floating tensor (norms and embeddings too) cast to 8 bits, with no scales
+        and no quantization_config describing them, is not a model a server can load as meant."""
         from .arc.dtypes import torch_name
         from .dtype_policy import float_code
 
-        return torch_name(float_code(v, "snapshot_dtype"))
-
-    @field_validator("snapshot_dtype")
-    @classmethod
-    def _not_eight_bits(cls, v: str) -> str:
-        """Every floating tensor (norms and embeddings too) cast to 8 bits, with no scales and no
-        quantization_config describing them, is not a model a server can load as meant."""
-        if v.startswith("float8"):
-            raise ValueError(f"snapshot_dtype {v!r} would cast every floating tensor to 8 bits without scales; use "
-                             "a 16-bit or wider dtype (8-bit weights the trainer holds keep their dtype, and "
-                             "dtype_overrides can name single tensors)")
-        return v
+        return torch_name(float_code(v, "snapshot_dtype", eight_bit=False))
 
     @field_validator("api_key")
     @classmethod
@@ -324,8 +315,9 @@ def parse_setting(text: str, annotation: Any) -> Any:
     JSON is decoded only where the field's type needs it: for list and dict fields, and for text starting with
     ``[``, ``{`` or ``"`` (a list of deployments, a quoted string). Other text stays the string it is, so an id
     such as ``12345`` or ``true`` reaches a string field unchanged; pydantic converts numbers and booleans when
-    it validates. ``null`` is None where the field accepts None. Raises ValueError for bad JSON, or ``null``,
-    in a list or dict field.
+    it validates. ``null`` is None where the field accepts None (``'"null"'`` is the text). Raises ValueError
+    for bad JSON in a list or dict field, and for ``null`` where the field does not accept None: it would
+    otherwise reach a text field as the word (a prefix ``null``) and other fields as a type error.
     """
     members = _union_members(annotation)
     stripped = text.strip()
@@ -333,8 +325,8 @@ def parse_setting(text: str, annotation: Any) -> Any:
     if stripped == "null":
         if type(None) in members:
             return None
-        if json_only:
-            raise ValueError("null is not a value of this field; leave it unset for its default")
+        raise ValueError("null is not a value of this field (it has no 'unset' value); leave it unset for its "
+                         "default" + (", or quote the word (\"null\") to mean the text" if str in members else ""))
     if not json_only and stripped[:1] not in ("[", "{", '"'):
         return text
     try:

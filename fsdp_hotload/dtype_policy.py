@@ -32,16 +32,25 @@ KEEP = "keep"
 _MASTER_CODES = frozenset({"F32", "F64"})
 
 
-def float_code(name: str, what: str) -> str:
-    """The safetensors code of a floating dtype name (``bfloat16``, ``BF16``, ...); ValueError names ``what``."""
+_ALIASES = {"bf16": "BF16", "fp16": "F16", "half": "F16", "fp32": "F32", "float": "F32", "fp64": "F64",
+            "double": "F64"}
+
+
+def float_code(name: str, what: str, *, eight_bit: bool = True) -> str:
+    """The safetensors code of a floating dtype name (``bfloat16``, ``BF16``, ``bf16``, ``half``, ...);
+    ValueError names ``what`` and lists only what ``what`` accepts (no 8-bit dtypes unless ``eight_bit``)."""
     try:
-        code: str | None = code_from_name(name)
+        code: str | None = code_from_name(_ALIASES.get(str(name).strip().lower(), name))
     except ArcError:
         code = None
+    if code is not None and not eight_bit and code in FLOAT_CODES and itemsize(code) == 1:
+        raise ValueError(f"{what} {name!r} would cast every floating tensor to 8 bits without scales; use a 16-bit "
+                         "or wider dtype (8-bit weights the trainer holds keep their dtype, and dtype_overrides "
+                         "can name single tensors)")
     if code is None or code not in FLOAT_CODES:
-        accepted = ", ".join(torch_name(c) for c in DTYPES if c in FLOAT_CODES)
+        accepted = ", ".join(torch_name(c) for c in DTYPES if c in FLOAT_CODES and (eight_bit or itemsize(c) > 1))
         raise ValueError(f"{what} {name!r} is not a floating dtype; accepted: {accepted} "
-                         "(or their safetensors codes, e.g. BF16)")
+                         "(or their safetensors codes, e.g. BF16, or bf16, fp16, half, fp32, float)")
     return code
 
 

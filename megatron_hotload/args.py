@@ -1,11 +1,14 @@
 """``--hotload-*`` flags generated from HotloadConfig, so the two entry points can never drift apart.
 
 Each config field becomes ``--hotload-<field-with-dashes>``; booleans become ``--hotload-x`` / ``--no-hotload-x``.
+The fields named ``hotload_*`` also answer to the flag without the doubled word (``--hotload-api-url`` for
+``--hotload-hotload-api-url``).
 Values are read exactly like ``HOTLOAD_*`` environment variables (:func:`fsdp_hotload.config.parse_setting`):
 JSON for lists and dicts, or text starting with ``[``, ``{`` or ``"``; anything else stays a string, so
 ``--hotload-deployment-id 12345`` is the id ``"12345"``. Defaults are left to the config (flags default to None),
 so the validation and the error messages are the config's own. ``HOTLOAD_*`` variables fill in what the flags
-leave unset.
+leave unset; ``--hotload-storage-options`` is merged over ``HOTLOAD_STORAGE_OPTIONS`` entry by entry, so the
+endpoint can be a flag while the credentials stay in the variable.
 
 Secrets are not flags: Megatron prints every argument on rank 0 and saves them in its checkpoints, so the API
 key and the API headers come from the environment (``FIREWORKS_API_KEY`` or ``HOTLOAD_API_KEY``,
@@ -32,6 +35,24 @@ def flag_name(field: str) -> str:
     return f"--{PREFIX}-{field.replace('_', '-')}"
 
 
+def flag_names(field: str) -> list[str]:
+    """The flag of ``field``, and for a ``hotload_*`` field the same without the doubled word."""
+    names = [flag_name(field)]
+    if field.startswith(PREFIX + "_"):
+        names.append(flag_name(field[len(PREFIX) + 1:]))
+    return names
+
+
+class _Null:
+    """A flag given as ``null`` (None for an optional field): unlike a flag not given, it wins over the variable."""
+
+    def __repr__(self) -> str:
+        return "null"
+
+
+NULL = _Null()
+
+
 def _setting_name(field: str) -> str:
     """How a user sets ``field`` on this path: its flag, or its variable for a secret."""
     return ENV_PREFIX + field.upper() if field in SECRET_FIELDS else flag_name(field)
@@ -44,6 +65,8 @@ def _converter(name: str, annotation: Any) -> Callable[[str], Any]:
             value = parse_setting(text, annotation)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
+        if value is None:
+            return NULL
         if name == "storage_options" and mask_secrets(value) != value:
             raise argparse.ArgumentTypeError(
                 "holds credentials, which Megatron would print and save in its checkpoints; pass them in "
@@ -76,10 +99,10 @@ def add_hotload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         if name in SECRET_FIELDS:
             continue
         if field.annotation is bool:
-            group.add_argument(flag_name(name), dest=f"{PREFIX}_{name}", default=None,
+            group.add_argument(*flag_names(name), dest=f"{PREFIX}_{name}", default=None,
                                action=argparse.BooleanOptionalAction, help=_help(name))
             continue
-        group.add_argument(flag_name(name), dest=f"{PREFIX}_{name}", default=None,
+        group.add_argument(*flag_names(name), dest=f"{PREFIX}_{name}", default=None,
                            type=_converter(name, field.annotation), help=_help(name))
     return parser
 
@@ -88,7 +111,8 @@ def config_from_args(args: argparse.Namespace) -> HotloadConfig | None:
     """The config from parsed flags and ``HOTLOAD_*`` variables (flags win), or None when neither
     ``--hotload-bucket-url`` nor ``HOTLOAD_BUCKET_URL`` is set (publishing off).
 
-    A flag given as ``null`` counts as not given: the variable's value, else the field's default. Raises
+    A flag given as ``null`` sets its (optional) field to None, whatever the variable says. The entries of
+    ``--hotload-storage-options`` are merged over those of ``HOTLOAD_STORAGE_OPTIONS``. Raises
     SystemExit naming the flags and variables at fault, and ValueError when ``args`` has no hotload flags at
     all (the parser never had :func:`add_hotload_args`, or Megatron's ``--yaml-cfg`` replaced the arguments).
     """
@@ -98,8 +122,17 @@ def config_from_args(args: argparse.Namespace) -> HotloadConfig | None:
                          "HotloadConfig.from_env() instead)")
     values = {name: getattr(args, f"{PREFIX}_{name}") for name in HotloadConfig.model_fields
               if getattr(args, f"{PREFIX}_{name}", None) is not None}
+    values = {name: None if v is NULL else v for name, v in values.items()}
     if "bucket_url" not in values and ENV_PREFIX + "BUCKET_URL" not in os.environ:
         return None
+    variable = ENV_PREFIX + "STORAGE_OPTIONS"
+    if "storage_options" in values and os.environ.get(variable):
+        try:  # the credentials the flag may not carry: merged under its entries, not dropped
+            merged = parse_setting(os.environ[variable], HotloadConfig.model_fields["storage_options"].annotation)
+        except ValueError as exc:
+            raise SystemExit(f"invalid hotload setting {variable}: {exc}") from None
+        if isinstance(merged, dict):
+            values["storage_options"] = {**merged, **values["storage_options"]}
     try:
         return HotloadConfig.from_env_under(values, name_of=_setting_name,
                                                source=f"--{PREFIX}-* flags and {ENV_PREFIX}* variables")

@@ -57,3 +57,14 @@ def test_values_that_would_fail_or_leak_later_are_refused_by_name(monkeypatch: p
         HotloadConfig(**signalling, deployment_id=["d", "accounts/a/deployments/d"])
     with pytest.raises(ValueError, match="belongs to account 'b'"):
         HotloadConfig(**signalling, deployment_id=["accounts/b/deployments/d"])
+
+
+def test_snapshot_dtype_errors_list_only_what_it_accepts() -> None:
+    """The message used to offer float8_e4m3fn and float8_e5m2, which the next check refuses."""
+    with pytest.raises(ValueError, match=r"accepted: float16, bfloat16, float32, float64 \(") as info:
+        HotloadConfig(bucket_url="/tmp/b", snapshot_dtype="int8")
+    assert "float8" not in str(info.value)
+    with pytest.raises(ValueError, match=r"snapshot_dtype 'float8_e5m2' would cast every floating tensor"):
+        HotloadConfig(bucket_url="/tmp/b", snapshot_dtype="float8_e5m2")
+    assert [HotloadConfig(bucket_url="/tmp/b", snapshot_dtype=d).snapshot_dtype for d in ("fp16", "half", "BF16",
+            "bf16", "fp32")] == ["float16", "float16", "bfloat16", "bfloat16", "float32"]

@@ -266,3 +266,45 @@ def test_null_and_empty_values_are_refused_by_name(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("HOTLOAD_HOTLOAD_API_URL", "")  # an unset shell variable: signalling was silently off
     with pytest.raises(ValueError, match=r"\(HOTLOAD_HOTLOAD_API_URL\)(.|\n)*hotload_api_url is empty"):
         HotloadConfig.from_env()
+
+
+def test_storage_option_flag_merges_over_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README sends credentials to HOTLOAD_STORAGE_OPTIONS and refuses them as a flag; an endpoint given as the
+    flag used to replace the variable's dict whole, so the credentials were dropped in silence."""
+    monkeypatch.setenv("HOTLOAD_STORAGE_OPTIONS", '{"key": "AK", "secret": "SK", "endpoint_url": "http://old"}')
+    cfg = config_from_args(parser().parse_args(["--hotload-bucket-url", "s3://b/p", "--hotload-storage-options",
+                                                '{"endpoint_url": "https://minio:9000"}']))
+    assert cfg is not None
+    assert cfg.storage_options == {"key": "AK", "secret": "SK", "endpoint_url": "https://minio:9000"}
+    monkeypatch.setenv("HOTLOAD_STORAGE_OPTIONS", "{bad")
+    with pytest.raises(SystemExit, match="HOTLOAD_STORAGE_OPTIONS: not valid JSON"):
+        config_from_args(parser().parse_args(["--hotload-bucket-url", "s3://b", "--hotload-storage-options", "{}"]))
+
+
+def test_null_sets_an_optional_field_to_none_over_the_variable(monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """``--hotload-progress-log-s null`` turned progress lines off only when no variable was set: a flag's None read
+    as 'not given'. A non-optional field given null reached pydantic as the word (or a prefix named 'null')."""
+    monkeypatch.setenv("HOTLOAD_PROGRESS_LOG_S", "5")
+    cfg = config_from_args(parser().parse_args(["--hotload-bucket-url", "/tmp/b", "--hotload-progress-log-s", "null"]))
+    assert cfg is not None and cfg.progress_log_s is None
+    cfg = config_from_args(parser().parse_args(["--hotload-bucket-url", "/tmp/b"]))
+    assert cfg is not None and cfg.progress_log_s == 5.0
+    for flag in ("--hotload-full-every", "--hotload-identity-prefix", "--hotload-busy-policy"):
+        with pytest.raises(SystemExit):
+            parser().parse_args([flag, "null"])
+        assert f"{flag}: null is not a value of this field" in capsys.readouterr().err
+    monkeypatch.setenv("HOTLOAD_BUCKET_URL", "/tmp/b")
+    monkeypatch.setenv("HOTLOAD_IDENTITY_PREFIX", "null")
+    with pytest.raises(ValueError, match=r"HOTLOAD_IDENTITY_PREFIX: null is not a value.*quote the word"):
+        HotloadConfig.from_env()
+    monkeypatch.setenv("HOTLOAD_IDENTITY_PREFIX", '"null"')
+    assert HotloadConfig.from_env().identity_prefix == "null"
+
+
+def test_hotload_fields_answer_to_the_flag_without_the_doubled_word() -> None:
+    args = parser().parse_args(["--hotload-bucket-url", "/tmp/b", "--hotload-api-url", "http://10.0.0.5:8083",
+                                "--hotload-api-allow-http", "--hotload-account-id", "a", "--hotload-model-id", "m",
+                                "--hotload-deployment-id", "d", "--hotload-hf-config-dir", "/tmp"])
+    cfg = config_from_args(args)
+    assert cfg is not None and (cfg.hotload_api_url, cfg.hotload_api_allow_http) == ("http://10.0.0.5:8083", True)
