@@ -583,3 +583,17 @@ def test_decoding_never_reads_the_encoder_setting(monkeypatch: pytest.MonkeyPatc
     assert apply_delta_file({"w": old}, delta)["w"].data.tobytes() == new.tobytes()
     with pytest.raises(FormatError, match="arc_v2 encoder 'Stream'"):
         encode_delta_file({"w": old}, {"w": new}, parent_identity="p")
+
+
+@pytest.mark.parametrize("dtype", [[], {}, None, 7])
+def test_a_header_dtype_that_is_not_text_is_a_format_error(dtype: object) -> None:
+    """A list or dict dtype raised TypeError (unhashable) from parse_header, past every caller that catches
+    ArcError (is_delta_file, the CLI's verify, the emulator's loader)."""
+    from fsdp_hotload.arc import FormatError, is_delta_file, parse_header
+
+    h = json.dumps({"w": {"dtype": dtype, "shape": [1], "data_offsets": [0, 1]}}).encode()
+    h += b" " * (-len(h) % 8)
+    blob = len(h).to_bytes(8, "little") + h + b"x"
+    with pytest.raises(FormatError, match="unsupported dtype"):
+        parse_header(blob)
+    assert is_delta_file(blob) is False

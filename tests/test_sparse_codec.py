@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import types
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -92,13 +93,21 @@ def varint(v: int) -> bytes:
     return bytes(out)
 
 
-def with_header(payload: bytes, *, magic: bytes = b"ASPC", **changes: int) -> bytes:
-    """The payload with some header fields replaced (body unchanged)."""
+def seal(body: bytes) -> bytes:
+    """A version-2 payload's CRC-32 appended, so that a test's edit reaches the checks behind it."""
+    return body + zlib.crc32(body).to_bytes(4, "little")
+
+
+def with_header(payload: bytes, *, magic: bytes = b"ASPC", tail: bytes = b"", cut: int = 0,
+                **changes: int) -> bytes:
+    """The payload with some header fields replaced, ``cut`` bytes taken off its body and ``tail`` added (the
+    CRC-32 recomputed)."""
     fields, pos = header(payload)
+    body = payload[pos:-4]
     fields.update(changes)
     head = magic + bytes((fields["version"], fields["itemsize"], fields["mode"]))
     head += b"".join(varint(fields[f]) for f in ("n", "k", "mlen", "slen"))
-    return head + payload[pos:]
+    return seal(head + body[:len(body) - cut] + tail)
 
 
 def craft(mode: int, itemsize: int, n: int, k: int, ops: list[tuple[int, int, int]]) -> bytes:
@@ -156,7 +165,7 @@ def test_unchanged_and_empty_chunks() -> None:
     for n in (0, 1, 1000):
         a = np.arange(2 * n, dtype=np.uint8)
         payload = SparseCodec().encode_arrays(a, a.copy(), 2)
-        assert len(payload) < 16
+        assert len(payload) <= 16  # header and CRC-32
         roundtrip(payload, a, a, 2)
         roundtrip(SparseCodec().encode(element_diff(a, a.copy(), 2)), a, a, 2)
 
@@ -224,7 +233,7 @@ def test_header_violations(valid: dict[int, tuple[bytes, np.ndarray]], mode: int
     payload, parent = valid[mode]
     f, _ = header(payload)
     assert_rejects(with_header(payload, magic=b"ASPX"), parent, 2, "magic")
-    assert_rejects(with_header(payload, version=2), parent, 2, "version")
+    assert_rejects(with_header(payload, version=3), parent, 2, "version")
     assert_rejects(with_header(payload, mode=7), parent, 2, "mode")
     assert_rejects(payload, parent, 4, "itemsize")
     assert_rejects(with_header(payload, itemsize=4), parent, 4, "elements")
@@ -233,9 +242,9 @@ def test_header_violations(valid: dict[int, tuple[bytes, np.ndarray]], mode: int
     assert_rejects(with_header(payload, k=0), parent, 2, "do not fit")
     assert_rejects(with_header(payload, mlen=f["mlen"] + 2**40), parent, 2, "header declares")
     assert_rejects(with_header(payload, slen=2**62), parent, 2, "header declares")
-    assert_rejects(payload[:7] + b"\xff" * 11, parent, 2, "longer than 64 bits")
-    assert_rejects(with_header(payload, slen=f["slen"] + 1) + b"\x00", parent, 2, "trailing")
-    assert_rejects(with_header(payload, slen=f["slen"] - 1)[:-1], parent, 2)
+    assert_rejects(seal(payload[:7] + b"\xff" * 11), parent, 2, "longer than 64 bits")
+    assert_rejects(with_header(payload, slen=f["slen"] + 1, tail=b"\x00"), parent, 2, "trailing")
+    assert_rejects(with_header(payload, slen=f["slen"] - 1, cut=1), parent, 2)
     assert_rejects(with_header(payload, mlen=f["mlen"] + 1, slen=f["slen"] - 1), parent, 2, "model")
     assert_rejects(with_header(payload, k=f["k"] - 1), parent, 2, "trailing|more changes")
     assert_rejects(with_header(payload, k=f["k"] + 1), parent, 2, "truncated|fewer changes")
@@ -248,9 +257,9 @@ def test_model_section_violations(valid: dict[int, tuple[bytes, np.ndarray]]) ->
     _, pos = header(payload)
 
     def patched(offset: int, byte: int) -> bytes:
-        b = bytearray(payload)
+        b = bytearray(payload[:-4])
         b[pos + offset] = byte
-        return bytes(b)
+        return seal(bytes(b))
 
     assert payload[pos] <= 15
     assert_rejects(patched(0, 0), parent, 2, "table count")
@@ -288,14 +297,18 @@ def test_crafted_streams_are_rejected() -> None:
 @given(data=st.data(), mode=st.sampled_from([MODE_SPARSE, MODE_CLASS]))
 def test_corrupted_payloads_fail_cleanly(valid: dict[int, tuple[bytes, np.ndarray]], data: st.DataObject,
                                          mode: int) -> None:
-    """Random byte corruption either decodes (the container's checksum catches that) or raises FormatError."""
+    """Random byte corruption behind a recomputed CRC-32 (so that it reaches the kernels) either decodes or
+    raises FormatError; without the recomputed CRC it always raises."""
     payload, parent = valid[mode]
-    b = bytearray(payload)
+    b = bytearray(payload[:-4])
     for _ in range(data.draw(st.integers(1, 4))):
         b[data.draw(st.integers(0, len(b) - 1))] = data.draw(st.integers(0, 255))
     out = np.empty_like(parent)
+    if bytes(b) != payload[:-4]:
+        with pytest.raises(FormatError, match="CRC-32|magic|version"):
+            SparseCodec().decode(bytes(b) + payload[-4:], parent, 2, out)
     try:
-        SparseCodec().decode(bytes(b), parent, 2, out)
+        SparseCodec().decode(seal(bytes(b)), parent, 2, out)
     except FormatError:
         pass
 
@@ -304,7 +317,8 @@ def test_corrupted_payloads_fail_cleanly(valid: dict[int, tuple[bytes, np.ndarra
 @given(body=st.binary(max_size=300), n=st.integers(0, 300), k=st.integers(0, 300), mode=st.integers(0, 3),
        split=st.integers(0, 300))
 def test_arbitrary_bodies_fail_cleanly(body: bytes, n: int, k: int, mode: int, split: int) -> None:
-    """A consistent header in front of arbitrary model and stream bytes never crashes the decoder."""
+    """A consistent header in front of arbitrary model and stream bytes never crashes the decoder (version 1,
+    which has no CRC-32, so that every body reaches the kernels)."""
     split = min(split, len(body))
     payload = b"ASPC" + bytes((1, 2, mode)) + b"".join(map(varint, (n, k, split, len(body) - split))) + body
     parent = np.zeros(2 * n, np.uint8)
@@ -334,3 +348,42 @@ def test_tiny_gpt_snapshots_train_and_change_sparsely() -> None:
     assert len(snaps) == 3 and "tok.weight" in snaps[0]
     for prev, cur in zip(snaps, snaps[1:]):
         assert 0.0 < rl_data.changed_fraction(prev, cur) < 0.2
+
+
+def test_every_single_bit_flip_of_a_sparse_payload_is_refused() -> None:
+    """One flipped bit of a rANS stream used to decode to the end in ~0.1% of cases, as two +-1 ulp pairs a few
+    elements apart that the container's Adler-32 could not see: wrong weights accepted as valid (bit 4080 of
+    this file was one). Every flip of the tensor's bytes must now raise."""
+    from fsdp_hotload.arc import ArcError, RawTensor, apply_delta_file, encode_delta_file, read_delta_info
+
+    rng = np.random.default_rng(0)
+    p = ((rng.standard_normal(1001) * 0.02).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    q = p.copy()
+    m = rng.random(p.size) < 0.03
+    q[m] += rng.choice(np.array([1, 0xFFFF], np.uint16), m.sum())
+    parent, new = ({"w": RawTensor("BF16", (1001,), x.view(np.uint8))} for x in (p, q))
+    blob = encode_delta_file(parent, new, parent_identity="s", codec=SPARSE_CODEC)
+    assert np.array_equal(apply_delta_file(parent, blob)["w"].data.view(np.uint16), q)
+    h = read_delta_info(blob).header
+    entry = h.entries["w"]
+    accepted = []
+    for bit in range((h.data_start + entry.begin) * 8, (h.data_start + entry.end) * 8):
+        b = bytearray(blob)
+        b[bit // 8] ^= 1 << (bit % 8)
+        try:
+            apply_delta_file(parent, bytes(b))
+        except ArcError:
+            continue
+        accepted.append(bit)
+    assert accepted == []
+
+
+def test_version_1_payloads_without_crc_are_still_read(valid: dict[int, tuple[bytes, np.ndarray]]) -> None:
+    for mode in (MODE_SPARSE, MODE_CLASS):
+        payload, parent = valid[mode]
+        assert payload[4] == 2
+        old = payload[:4] + b"\x01" + payload[5:-4]
+        out, want = np.empty_like(parent), np.empty_like(parent)
+        SparseCodec().decode(old, parent, 2, out)
+        SparseCodec().decode(payload, parent, 2, want)
+        assert np.array_equal(out, want)

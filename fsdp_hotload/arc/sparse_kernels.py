@@ -11,7 +11,7 @@ import numpy as np
 from numba import njit
 
 _MAGIC = b"ASPC"
-_VERSION = 1
+_VERSION = 2  # payloads of version 1 (no CRC-32) are still read
 MODE_EMPTY, MODE_SPARSE, MODE_CLASS = 0, 1, 2
 _PROB_BITS = 12
 _PROB_SCALE = 1 << _PROB_BITS

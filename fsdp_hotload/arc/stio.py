@@ -81,7 +81,7 @@ def parse_header(data: bytes | memoryview, *, filename: str = "<bytes>", total_s
         if not isinstance(info, dict):
             raise FormatError("header entry is not an object", file=filename, tensor=name)
         dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise FormatError(f"unsupported dtype {dtype!r}", file=filename, tensor=name)
         if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
             raise FormatError(f"bad shape {shape!r}", file=filename, tensor=name)
