@@ -221,3 +221,46 @@ def test_close_adds_nothing_when_the_newest_step_was_published(tmp_path: Path) -
         pub.publish(step, model)
     pub.close()
     assert [m.step for m in pub.metrics] == [0, 1, 2]
+
+
+class _FailFirstWeightWrite:
+    """A filesystem whose first weight-file write is refused (not retried: max_attempts=1)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.failed = inner, False
+
+    def open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
+        if "w" in mode and "safetensors" in str(path) and "index" not in str(path) and not self.failed:
+            self.failed = True
+            raise PermissionError(13, "injected", str(path))
+        return self.inner.open(path, mode, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_close_publishes_the_step_whose_publish_raised_the_stored_error(tmp_path: Path) -> None:
+    """In one process the stored error was raised before the step was recorded, so a last training step that
+    raised it was never published at close, with no warning (with several ranks it was)."""
+    import fsspec
+
+    from fsdp_hotload.engine import PublishError
+    from fsdp_hotload.storage import Storage
+
+    bucket = str(tmp_path / "bucket")
+    w = torch.zeros(4096)
+    model = {"model.layers.0.w": w}
+    storage = Storage(bucket, fs=_FailFirstWeightWrite(fsspec.filesystem("file")), max_attempts=1)
+    pub = TensorPublisher(model, HotloadConfig(bucket_url=bucket), storage=storage)
+    w.add_(1)
+    pub.publish(0, model)
+    pub.wait()
+    w.add_(1)
+    with pytest.raises(PublishError, match="injected"):
+        pub.publish(1, model)  # the last training step
+    pub.close()
+    assert [(m.step, m.kind, m.ok) for m in pub.metrics] == [(0, "full", False), (1, "full", True)]
+    from safetensors.torch import load_file
+
+    (file,) = (tmp_path / "bucket" / pub.metrics[-1].identity).glob("model-*.safetensors")
+    assert torch.equal(load_file(file)["model.layers.0.w"].view(torch.int16), w.bfloat16().view(torch.int16))

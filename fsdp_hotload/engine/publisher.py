@@ -180,8 +180,6 @@ class Publisher:
             raise RuntimeError("publisher is closed")
         self.fence()  # its wait is the previous snapshot's blocking time, counted there
         t0 = time.perf_counter()
-        if self.world == 1 or self.config.keep_training_on_error:  # with several ranks an error waits, see below
-            self.raise_if_failed()
         given = step
         try:  # any integer type (numpy too); not a bool or a float
             step = operator.index(step) if not isinstance(step, bool) else -1
@@ -198,6 +196,8 @@ class Publisher:
         self._stepping_thread = threading.get_ident()
         self._given_sources = sources is not None and not callable(sources)
         self._sources_fn = sources if callable(sources) else None
+        if self.world == 1 or self.config.keep_training_on_error:  # with several ranks an error waits, see below
+            self.raise_if_failed()  # after the step is recorded: close() then publishes it, as with several ranks
         if step % self.config.publish_every:
             return False
         if self.config.busy_policy == "wait":
@@ -273,7 +273,8 @@ class Publisher:
             sources = self._sources_fn if sources is None else sources
             wanted = self.latest_step > self._last_staged
             why = self._final_objection(sources) if wanted else None
-            if self.world > 1 and self.ctrl.allreduce_max_async(int(not wanted or why is not None))():
+            vote = int(not wanted or why is not None)  # no vote on a side group known to be broken
+            if self.world > 1 and self._broken is None and self.ctrl.allreduce_max_async(vote)():
                 why = why or ("another rank cannot publish it" if wanted else None)  # one vote: all ranks, or none
                 wanted = False
             if why is not None:
