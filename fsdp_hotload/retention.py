@@ -307,6 +307,11 @@ def plan_retention(snapshots: list[CommitInfo], keep_last: int, protected: set[s
     return [s.identity for s in ordered if s.identity not in keep]
 
 
+def _step_of(identity: str) -> int:
+    """The step field of a name that matches ``PUBLISHED_NAME`` (``<prefix>-<step>-<session>``)."""
+    return int(identity.rsplit("-", 2)[1])
+
+
 def session_of(identity: str) -> str:
     """The session part of an identity made by :func:`~fsdp_hotload.identity.new_identity` (its last field)."""
     return identity.rsplit("-", 1)[-1]
@@ -390,8 +395,22 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
         logger.info("retention: deleted snapshot %s", storage.uri(identity))
     if session is not None:
         cutoff: float | None = None  # read from the store only when an unmarked folder is there to judge
+        # This session's snapshots commit in step order, and those in flight are newer than its newest commit:
+        # an unmarked folder of its own below that step lost its marker to a delete that then failed, or is a
+        # failed snapshot whose discard failed. Skipped like a live upload, it stayed for the rest of the run.
+        own_steps = [_step_of(c.identity) for c in committed if session_of(c.identity) == session]
+        newest_own = max(own_steps) if own_steps else -1
         for identity in dirs:
-            if identity in by_id or identity in protected or session_of(identity) in {session, *live}:
+            if identity in by_id or identity in protected:
+                continue
+            if (session_of(identity) == session and PUBLISHED_NAME.fullmatch(identity)
+                    and _step_of(identity) < newest_own):
+                storage.delete_prefix(identity)
+                deleted.append(identity)
+                logger.info("retention: deleted %s, left by a failed delete or upload of this run",
+                            storage.uri(identity))
+                continue
+            if session_of(identity) in {session, *live}:
                 continue
             if cutoff is None:
                 cutoff = min(since, _store_time_of_newest(storage, committed, session)) - INCOMPLETE_GRACE_S

@@ -363,3 +363,44 @@ def test_a_trainer_clock_ahead_of_the_store_does_not_make_a_fresh_upload_look_ab
     deleted = apply_retention(st, keep_last=5, session="11111111", since=now + 1200)
     assert deleted == ["step-000013-deadbeef"]  # the abandoned one still goes; the upload in flight stays
     assert "step-000000-bbbbbbbb" in st.list_dirs()
+
+
+def test_an_own_folder_whose_delete_failed_goes_at_the_next_pass(tmp_path: Path) -> None:
+    """Retention removes a snapshot's marker, then its folder; when the folder's delete failed, the folder was no
+    longer committed and, as this session's, was skipped like an upload in flight: it stayed for the whole run
+    (the log said it would be retried). Own unmarked folders above the newest own commit are still left alone."""
+    import fsspec
+    import torch
+
+    from fsdp_hotload import HotloadConfig
+    from fsdp_hotload.publish import TensorPublisher
+
+    class FailOneRm:
+        def __init__(self, inner: object) -> None:
+            self.inner, self.failed = inner, False
+
+        def rm(self, path: str, *args: object, **kwargs: object) -> object:
+            if not self.failed and not str(path).endswith("hotload.commit.json"):
+                self.failed = True
+                raise PermissionError(13, "injected: delete refused once", str(path))
+            return self.inner.rm(path, *args, **kwargs)  # type: ignore[attr-defined]
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.inner, name)
+
+    bucket = tmp_path / "bucket"
+    model = {"model.layers.0.w": torch.zeros(4096)}
+    pub = TensorPublisher(model, HotloadConfig(bucket_url=str(bucket), keep_last=1, full_every=1),
+                          storage=Storage(str(bucket), fs=FailOneRm(fsspec.filesystem("file"))))
+    for step in range(4):
+        model["model.layers.0.w"].add_(1)
+        pub.publish(step, model)
+        pub.wait()
+    ahead = bucket / f"step-000009-{pub.engine.session}"  # as an upload in flight of this session looks
+    ahead.mkdir()
+    (ahead / "model-00001-of-00001.safetensors").write_bytes(b"part")
+    model["model.layers.0.w"].add_(1)
+    pub.publish(4, model)
+    pub.close()
+    assert sorted(p.name for p in bucket.iterdir()) == [f"step-00000{s}-{pub.engine.session}" for s in (4, 9)]
+    assert (bucket / f"step-000004-{pub.engine.session}" / "hotload.commit.json").exists()
