@@ -216,13 +216,19 @@ pub = TensorPublisher(model, HotloadConfig(bucket_url=sys.argv[1]), storage=stor
 pub.publish(0, model)
 if sys.argv[2] == "close":
     pub.close()
+if sys.argv[2] == "blocked":  # close() waits on a write that does not return; the process ends anyway
+    import threading, time
+    threading.Thread(target=pub.close, daemon=True).start()
+    time.sleep(1)
 """
-    for how, delay_s in (("exit", 3600), ("close", 2)):  # a write that takes an hour must not hold the exit
+    for how, delay_s in (("exit", 3600), ("close", 2), ("blocked", 3600)):  # an hour's write must not hold the exit
         res = subprocess.run([sys.executable, "-c", script, str(tmp_path / how), how, str(delay_s)],
                              capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, res.stderr
         warned = "1 snapshot(s) still publishing on rank 0 and close() never called" in res.stderr
         assert warned == (how == "exit"), res.stderr
+        blocked = "1 snapshot(s) still publishing on rank 0 while close() waits for them" in res.stderr
+        assert blocked == (how == "blocked"), res.stderr
 
 
 def test_exit_waits_for_the_codec_warm_up(tmp_path: Path) -> None:

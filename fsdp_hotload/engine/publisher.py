@@ -73,10 +73,11 @@ def _warn_unclosed() -> None:
     """The publisher's threads are daemons (an exiting trainer must not hang on a remote fleet), so a process
     that ends without ``close()`` drops what is still in flight: say so instead of losing it silently."""
     for pub in list(_open_publishers):
-        if not pub.closed and pub._pending:
-            log.warning("hotload: exiting with %d snapshot(s) still publishing on rank %d and close() never called: "
-                        "they are dropped and the fleet keeps its last snapshot; call close() (or use `with`) to "
-                        "wait for them", pub._pending, pub.rank)
+        if not pub.closed and pub._pending:  # close() never called, or blocked (a storage call that hangs?)
+            how = "while close() waits for them" if pub._close_called else "and close() never called"
+            hint = "" if pub._close_called else "; call close() (or use `with`) to wait for them"
+            log.warning("hotload: exiting with %d snapshot(s) still publishing on rank %d %s: they are dropped and "
+                        "the fleet keeps its last snapshot%s", pub._pending, pub.rank, how, hint)
 
 
 class Publisher:
@@ -91,6 +92,7 @@ class Publisher:
             raise ValueError("Publisher: with several ranks, pass ctrl=, a second group for the trainer thread's "
                              "collectives (two threads must never share one group)")
         self.ctrl: Comm = ctrl or self.comm
+        self._close_called = False  # close() was entered (the exit warning tells a blocked close from none)
         self.rank, self.world = self.comm.rank, self.comm.world
         self.chunks = list(chunks)
         self.plan: ShardPlan = plan_shards(specs, max_file_bytes=config.max_file_bytes)
@@ -362,6 +364,7 @@ class Publisher:
         on an exception (``raise_errors=False``, or while one propagates) publishes nothing more and does not
         vote: the weights may be half updated."""
         final_error: Exception | None = None
+        self._close_called = True
         with self._api_lock:
             if self.closed:
                 return
