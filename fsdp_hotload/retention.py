@@ -398,7 +398,8 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
         # This session's snapshots commit in step order, and those in flight are newer than its newest commit:
         # an unmarked folder of its own below that step lost its marker to a delete that then failed, or is a
         # failed snapshot whose discard failed. Skipped like a live upload, it stayed for the rest of the run.
-        own_steps = [_step_of(c.identity) for c in committed if session_of(c.identity) == session]
+        own_steps = [_step_of(c.identity) for c in committed
+                     if session_of(c.identity) == session and PUBLISHED_NAME.fullmatch(c.identity)]
         newest_own = max(own_steps) if own_steps else -1
         for identity in dirs:
             if identity in by_id or identity in protected:
