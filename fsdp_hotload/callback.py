@@ -246,14 +246,18 @@ class HotloadCallback:
         """Block until in-flight snapshots finished (for tests and for the end of training)."""
         self.engine.wait(timeout)
 
-    def close(self, *, raise_errors: bool = True) -> None:
+    def close(self, *, raise_errors: bool = True, timeout: float | None = None) -> None:
         """Publish the newest step if it was skipped (``config.publish_on_close``), wait for in-flight snapshots,
-        stop the background threads, and free the side groups. Call it on the training thread of every rank."""
+        stop the background threads, and free the side groups. Call it on the training thread of every rank.
+
+        ``timeout`` (default ``config.close_timeout_s``) bounds the wait: past it, the snapshots in flight are
+        abandoned and PublishError is raised; the side groups are then left for the process's exit, since a
+        stuck thread may still be in one of their collectives."""
         self.detach()
         try:
-            self.engine.close(raise_errors=raise_errors, sources=self._sources)
+            self.engine.close(raise_errors=raise_errors, sources=self._sources, timeout=timeout)
         finally:
-            if self.engine.closed:
+            if self.engine.closed and not self.engine.abandoned:
                 self._close_comms()
 
     def _close_comms(self) -> None:

@@ -98,16 +98,17 @@ class TensorPublisher:
     def wait(self, timeout: float | None = None) -> None:
         self.engine.wait(timeout)
 
-    def close(self, tensors: Mapping[str, Any] | None = None, *, raise_errors: bool = True) -> None:
+    def close(self, tensors: Mapping[str, Any] | None = None, *, raise_errors: bool = True,
+              timeout: float | None = None) -> None:
         """Wait for in-flight snapshots and stop. With ``config.publish_on_close``, a skipped newest step is
         published first: from ``tensors`` when given, else from the construction tensors if ``publish`` read
-        those (otherwise it is left out, with a warning)."""
+        those (otherwise it is left out, with a warning). ``timeout``: as for ``HotloadCallback.close``."""
         try:
             sources = self._sources(tensors) if raise_errors else None
         except Exception:
-            self.engine.close(raise_errors=False)  # the threads still stop; the caller sees what was wrong
+            self.engine.close(raise_errors=False, timeout=timeout)  # the threads still stop; the caller sees why
             raise
-        self.engine.close(raise_errors=raise_errors, sources=sources)
+        self.engine.close(raise_errors=raise_errors, sources=sources, timeout=timeout)
 
     @property
     def metrics(self) -> list[PublishMetrics]:

@@ -3,6 +3,7 @@ skipped it, bit for bit, and never from weights that may be changing or half upd
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -264,3 +265,73 @@ def test_close_publishes_the_step_whose_publish_raised_the_stored_error(tmp_path
 
     (file,) = (tmp_path / "bucket" / pub.metrics[-1].identity).glob("model-*.safetensors")
     assert torch.equal(load_file(file)["model.layers.0.w"].view(torch.int16), w.bfloat16().view(torch.int16))
+
+
+class _HangingWeightWrites:
+    """A filesystem whose weight-file writes hang once ``armed``, until ``release`` is set (a stuck NFS mount)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.armed = inner, False
+        self.stuck, self.release = threading.Event(), threading.Event()
+
+    def open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
+        if self.armed and "w" in mode and "safetensors" in str(path) and "index" not in str(path):
+            self.stuck.set()
+            self.release.wait(60)
+        return self.inner.open(path, mode, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("how", ["config", "argument", "exception"])
+def test_close_gives_up_on_a_hung_write_after_its_timeout(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                          how: str) -> None:
+    """close() without a deadline waited for a hung local write for ever; with one it raises, says where the
+    snapshot was stuck, and the snapshot is never committed, even when the write returns later."""
+    import time
+
+    import fsspec
+
+    from fsdp_hotload.engine import PublishError
+    from fsdp_hotload.storage import Storage
+
+    bucket = str(tmp_path / "bucket")
+    fs = _HangingWeightWrites(fsspec.filesystem("file"))
+    model = make_model()
+    timeout = 0.5
+    with HotLoadEmulator(bucket, replicas=2, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, close_timeout_s=3600 if how == "argument" else timeout)
+        pub = TensorPublisher(model, cfg, storage=Storage(bucket, fs=fs))
+        pub.publish(0, model)
+        pub.wait()
+        first = expected_sha(model)
+        train_step(model, 1)
+        fs.armed = True
+        assert pub.publish(1, model)
+        assert fs.stuck.wait(10)
+        t0 = time.monotonic()
+        gave_up = (r"close\(\) gave up after 0\.5 s \(close_timeout_s\) with 1 snapshot\(s\) still publishing on rank "
+                   r"0: \S+ \(delta snapshot of step 1\) still publishing after [\d.]+ s: uploading for")
+        with caplog.at_level(logging.ERROR, logger="fsdp_hotload"):
+            if how == "exception":  # leaving a with block on an error: bounded too, and the error is the caller's
+                with pytest.raises(RuntimeError, match="the trainer's own error"), pub:
+                    raise RuntimeError("the trainer's own error")
+            else:
+                with pytest.raises(PublishError, match=gave_up):
+                    pub.close(**({} if how == "config" else {"timeout": timeout}))
+        took = time.monotonic() - t0
+        assert timeout <= took < timeout + 5, took
+        assert pub.engine.closed and pub.engine.abandoned
+        assert re.search(gave_up, caplog.text), caplog.text
+        pub.close()  # closed: a second call returns at once
+        fs.release.set()  # the stuck write returns: the snapshot it belonged to is dropped, not committed
+        assert pub.engine._thread is not None
+        pub.engine._thread.join(30)
+        assert not pub.engine._thread.is_alive()
+        assert not [t.name for t in threading.enumerate() if t.name.startswith(("hotload-upload", "hotload-encode"))]
+        assert [(m.step, m.ok) for m in pub.metrics] == [(0, True), (1, False)]
+        assert "close() gave up on it" in (pub.metrics[-1].error or "")
+        assert_fleet_serves(emu, pub.metrics[0].identity, first)
+        assert sorted(p.name for p in Path(bucket).iterdir() if not p.name.startswith(".")) == [
+            pub.metrics[0].identity]

@@ -154,3 +154,23 @@ def test_dtype_overrides_publish_chosen_tensors_in_their_own_dtype(tmp_path: Pat
     assert wide and all(".lin1." in n or n.endswith(".proj.weight") for n in wide), dtypes
     assert any(n.endswith(".proj.weight") for n in wide) and any(".lin1." in n for n in wide), dtypes
     assert all(d in ("bfloat16", "int64") for n, d in dtypes.items() if n not in wide), dtypes
+
+
+def test_close_gives_up_on_every_rank_when_one_rank_s_write_hangs(tmp_path: Path) -> None:
+    """Rank 1's weight-file write never returns: without close_timeout_s both ranks' close() waited for ever
+    (rank 0 in a side-group collective, up to collective_timeout_s). Now each raises after the deadline, and the
+    job still tears its process groups down and exits."""
+    bucket, out = tmp_path / "bucket", tmp_path / "result"
+    bucket.mkdir()
+    run_torchrun(str(SCRIPTS / "hung_close.py"), 2, ["--bucket", str(bucket), "--out", str(out), "--timeout", "2"],
+                 timeout=120)
+    for rank in range(2):
+        res = json.loads(Path(f"{out}.{rank}").read_text())
+        assert Path(f"{out}.{rank}.done").exists()
+        assert res["abandoned"] and 2 <= res["took"] < 20, res
+        assert f"close() gave up after 2 s (close_timeout_s) with 1 snapshot(s) still publishing on rank {rank}" \
+            in res["error"], res
+    assert json.loads(Path(f"{out}.1").read_text())["owned"], "rank 1 must own a file for its write to hang"
+    assert "uploading" in json.loads(Path(f"{out}.1").read_text())["error"]
+    committed = sorted(p.parent.name for p in bucket.glob("*/hotload.commit.json"))
+    assert len(committed) == 1 and committed[0].startswith("step-000000-"), committed

@@ -12,6 +12,7 @@ Example::
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -42,3 +43,20 @@ class Cadence:
 
     def on_failure(self) -> None:
         self.force_full = True
+
+
+def next_step(given: object, latest: int) -> int:
+    """``given`` as the trainer's next step, after ``latest``: any integer type (numpy's too), not a bool or a
+    float, and larger than ``latest``, since steps name the snapshots (a step seen twice would overwrite one)."""
+    try:
+        step = operator.index(given) if not isinstance(given, bool) else -1  # type: ignore[arg-type]
+    except TypeError:
+        step = -1
+    if step < 0:
+        raise ValueError(f"step must be a non-negative integer, got {given!r}")
+    if step <= latest:
+        raise ValueError(
+            f"step {step} does not follow step {latest}: steps must increase, since they name the snapshots (a "
+            "step seen twice would overwrite a published one); pass a global step counter, not the step within an "
+            "epoch")
+    return step

@@ -31,15 +31,13 @@ Example::
 """
 from __future__ import annotations
 
-import atexit
+import contextlib
 import logging
-import operator
 import queue
 import secrets
 import sys
 import threading
 import time
-import weakref
 from concurrent.futures import Future, wait
 from typing import Any, Callable, Sequence
 
@@ -52,9 +50,10 @@ from ..hf_config import dropped_config_keys, without_unbacked_quantization
 from ..layout import ShardPlan, TensorSpec, hf_aux_files, plan_shards
 from ..storage import Storage
 from .assemble import Piece, assemble_delta_file, assemble_full_file, assign_owners
-from .cadence import Cadence
+from .cadence import Cadence, next_step
 from .comm import Comm, LocalComm, exchange_objects
 from .encode import ChunkEncoder, auto_workers
+from .exits import deadline_after, gave_up_message, left, track
 from .jobs import Job, Outcome, PublishError, RankStatus, summarize
 from .metrics import MetricsSink
 from .pool import DaemonPool, StoredError, lower_thread_priority, start_warm_up
@@ -64,20 +63,7 @@ from .staging import ChunkLike, Stager
 
 log = logging.getLogger("fsdp_hotload")
 
-_open_publishers: "weakref.WeakSet[Publisher]" = weakref.WeakSet()
 Sources = Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]]  # in chunk order, or a function of them
-
-
-@atexit.register
-def _warn_unclosed() -> None:
-    """The publisher's threads are daemons (an exiting trainer must not hang on a remote fleet), so a process
-    that ends without ``close()`` drops what is still in flight: say so instead of losing it silently."""
-    for pub in list(_open_publishers):
-        if not pub.closed and pub._pending:  # close() never called, or blocked (a storage call that hangs?)
-            how = "while close() waits for them" if pub._close_called else "and close() never called"
-            hint = "" if pub._close_called else "; call close() (or use `with`) to wait for them"
-            log.warning("hotload: exiting with %d snapshot(s) still publishing on rank %d %s: they are dropped and "
-                        "the fleet keeps its last snapshot%s", pub._pending, pub.rank, how, hint)
 
 
 class Publisher:
@@ -155,12 +141,13 @@ class Publisher:
         self._given_sources = False  # the newest publish() brought its own tensors (close must be given them)
         self._sources_fn: Callable[[], Sequence[torch.Tensor]] | None = None  # or a function, which close reuses
         self.closed = False
+        self.abandoned = False  # close() timed out with snapshots in flight (see _abandon)
         self._started = time.time()  # snapshots other sessions commit after this are a live publisher's (retention)
         # publish() and close() may run on different threads: a publish that had passed the closed check could
         # queue its snapshot behind close()'s stop marker, where nothing ever runs it (and its slot stays taken).
         self._api_lock = threading.RLock()
         self._closing = False
-        _open_publishers.add(self)
+        track(self)
 
     # ================================================================== main thread
     def publish(self, step: int, sources: Sources | None = None, *, background_copy: bool = False) -> bool:
@@ -182,19 +169,7 @@ class Publisher:
             raise RuntimeError("publisher is closed")
         self.fence()  # its wait is the previous snapshot's blocking time, counted there
         t0 = time.perf_counter()
-        given = step
-        try:  # any integer type (numpy too); not a bool or a float
-            step = operator.index(step) if not isinstance(step, bool) else -1
-        except TypeError:
-            step = -1
-        if step < 0:
-            raise ValueError(f"step must be a non-negative integer, got {given!r}")
-        if step <= self.latest_step:
-            raise ValueError(
-                f"step {step} does not follow step {self.latest_step}: steps must increase, since they name the "
-                "snapshots (a step seen twice would overwrite a published one); pass a global step counter, not "
-                "the step within an epoch")
-        self.latest_step = step
+        self.latest_step = step = next_step(step, self.latest_step)
         self._stepping_thread = threading.get_ident()
         self._given_sources = sources is not None and not callable(sources)
         self._sources_fn = sources if callable(sources) else None
@@ -254,7 +229,7 @@ class Publisher:
         self._copying = job if isinstance(event, Future) else None  # a CUDA event needs no fence
         self._skipped = 0
 
-    def publish_final(self, sources: Sources | None = None) -> bool:
+    def publish_final(self, sources: Sources | None = None, *, timeout: float | None = None) -> bool:
         """At the end of training, publish the newest step if it was skipped (while busy, or between
         ``publish_every`` steps), so the fleet ends on the final weights; True if a snapshot started.
 
@@ -262,11 +237,12 @@ class Publisher:
         publishes if one objects: after a failure that ``close`` will raise, once publishing has stopped, on
         another thread than the training steps (the weights may be changing), or when the newest ``publish``
         brought its own tensors and they are not given again (a function given there is called again). Every
-        rank must call it (``close`` does, with ``config.publish_on_close``, unless it closes on an exception)."""
+        rank must call it (``close`` does, with ``config.publish_on_close``, unless it closes on an exception).
+        ``timeout`` bounds that wait (TimeoutError, before any vote)."""
         with self._api_lock:
             if self._closing:
                 raise RuntimeError("publisher is closed")
-            self.wait()
+            self.wait(timeout)
             if self._agreed_busy is not None:  # an agreement for a step that never came: read it, it pairs
                 self._agreed_busy()
                 self._agreed_busy = None
@@ -340,15 +316,14 @@ class Publisher:
         return waited
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every started snapshot has finished (accepted or failed)."""
+        """Block until every started snapshot has finished (accepted or failed); TimeoutError after ``timeout``."""
         self.fence()
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_after(timeout)
         with self._idle:
             while self._pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                if left(deadline) == 0:
                     raise TimeoutError(f"{self._pending} snapshot(s) still publishing after {timeout}s")
-                self._idle.wait(left)
+                self._idle.wait(left(deadline))
 
     def raise_if_failed(self) -> None:
         err = self._errors.take()
@@ -358,13 +333,19 @@ class Publisher:
             else:
                 raise PublishError(str(err)) from err
 
-    def close(self, *, raise_errors: bool = True, sources: Sources | None = None) -> None:
+    def close(self, *, raise_errors: bool = True, sources: Sources | None = None,
+              timeout: float | None = None) -> None:
         """Publish a skipped newest step (:meth:`publish_final`), finish in-flight snapshots, stop the thread, and
         raise a stored error. From another thread, it waits for a publish() under way; later ones raise. Closing
         on an exception (``raise_errors=False``, or while one propagates) publishes nothing more and does not
-        vote: the weights may be half updated."""
+        vote: the weights may be half updated.
+
+        ``timeout`` (default ``config.close_timeout_s``; None waits as long as the snapshots take) bounds the waits
+        for snapshots in flight: past it, they are abandoned (:meth:`_abandon`) and PublishError is raised."""
         final_error: Exception | None = None
         self._close_called = True
+        timeout = self.config.close_timeout_s if timeout is None else timeout
+        deadline = deadline_after(timeout)
         with self._api_lock:
             if self.closed:
                 return
@@ -376,26 +357,22 @@ class Publisher:
                             self.latest_step)
             if final and sys.exc_info()[1] is None:
                 try:
-                    self.publish_final(sources)
+                    self.publish_final(sources, timeout=left(deadline))
                 except Exception as exc:  # noqa: BLE001 - raised once the threads are stopped
                     final_error = exc
             self._closing = True
-        self.wait()
+        try:
+            self.wait(left(deadline))
+        except TimeoutError:
+            self._abandon(timeout, raise_errors)
+            return
         self.closed = True
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
         if self._carried is not None:  # no later snapshot carried it
             self._errors.store(self._carried, self._staged)
-        if self._uploads is not None:
-            self._uploads.shutdown()
-        self.encoder.close()
-        if self._warm_up is not None:
-            self._warm_up.join()
-        self.stager.close()
-        if self.signaller is not None:
-            self.signaller.close()
-        self._progress.close()
+        self._free()
         if raise_errors:
             if final_error is not None and self._errors.due(self._staged) and not self.config.keep_training_on_error:
                 log.error("hotload: publishing the newest step at close failed: %r", final_error)  # raised: the other
@@ -406,6 +383,34 @@ class Publisher:
         err = self._errors.take()  # closing on an exception path: the caller's error wins, this one is still told
         if err is not None:
             log.warning("hotload: a publish failed before close (not raised: closing on another error): %s", err)
+
+    def _abandon(self, timeout: float | None, raise_errors: bool) -> None:
+        """close()'s deadline passed: leave the stuck snapshots to the daemon threads (the process may exit) and
+        free nothing under them: the publisher thread frees its helpers once the stuck call returns, if it does
+        (the side groups stay for the process's exit); snapshots still queued are dropped."""
+        self.closed = self.abandoned = True
+        self._broken = self._broken or PublishError("close() gave up on the snapshots in flight")
+        with contextlib.suppress(queue.Full):  # (never full: the running job left it) the thread ends after it
+            self._queue.put_nowait(None)
+        msg = gave_up_message(timeout, self._pending, self.rank,
+                              self._prog.describe(time.perf_counter(), self.latest_step))
+        err = self._errors.take()
+        log.error("hotload: %s%s", msg, "" if err is None else f" (an earlier publish failed: {err})")
+        if raise_errors:
+            raise PublishError(msg) from err
+
+    def _free(self) -> None:
+        """Stop the helper threads and free the buffers; after the publisher thread ended (an abandoned one's
+        thread calls it itself, once its stuck call returned)."""
+        if self._uploads is not None:
+            self._uploads.shutdown()
+        self.encoder.close()
+        if self._warm_up is not None:
+            self._warm_up.join()
+        self.stager.close()
+        if self.signaller is not None:
+            self.signaller.close()
+        self._progress.close()
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
@@ -418,6 +423,8 @@ class Publisher:
         while True:
             job = self._queue.get()
             if job is None:
+                if self.abandoned:  # close() returned without waiting for this thread: free what it left
+                    self._free()
                 return
             try:
                 if self._broken is not None:  # queued before the failure was seen (wait policy): drop it
@@ -561,6 +568,8 @@ class Publisher:
         m, files, errors = summarize(job, identity, kind, statuses, self.plan.total_size)
         if not errors and set(files) != set(self.plan.files):
             errors.append(f"files missing after upload: {sorted(set(self.plan.files) - set(files))}")
+        if self.abandoned:  # close() said it was dropped: a stuck call that returned late must not commit it
+            errors.append("close() gave up on it (close_timeout_s)")
         committed = False
         try:
             if errors:

@@ -1,0 +1,57 @@
+"""What happens to snapshots still in flight when the trainer stops waiting for them.
+
+Why a module of its own: the publisher's threads are daemons, because an exiting trainer must not hang on a remote
+fleet or a stuck storage call. So a process that ends without ``close()``, or a ``close()`` whose deadline
+(``close_timeout_s``) passes, drops what is still publishing; this module makes sure that is said, with where the
+snapshot was stuck, instead of lost silently.
+
+Example::
+
+    track(publisher)                       # the exit warning covers it from now on
+    deadline = deadline_after(30.0)
+    publisher.wait(left(deadline))         # TimeoutError once the 30 s are spent
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import time
+import weakref
+from typing import Any
+
+log = logging.getLogger("fsdp_hotload")
+
+_open: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def track(pub: Any) -> None:
+    """Have the exit warning cover ``pub`` (a Publisher: ``closed``, ``_pending``, ``_close_called``, ``rank``)."""
+    _open.add(pub)
+
+
+@atexit.register
+def _warn_unclosed() -> None:
+    for pub in list(_open):
+        if not pub.closed and pub._pending:  # close() never called, or blocked (a storage call that hangs?)
+            how = "while close() waits for them" if pub._close_called else "and close() never called"
+            hint = "" if pub._close_called else "; call close() (or use `with`) to wait for them"
+            log.warning("hotload: exiting with %d snapshot(s) still publishing on rank %d %s: they are dropped and "
+                        "the fleet keeps its last snapshot%s", pub._pending, pub.rank, how, hint)
+
+
+def deadline_after(timeout: float | None) -> float | None:
+    """A ``time.monotonic`` deadline ``timeout`` seconds from now (None: no deadline)."""
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def left(deadline: float | None) -> float | None:
+    """Seconds left before ``deadline`` (never negative; None: no deadline)."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def gave_up_message(timeout: float | None, pending: int, rank: int, where: str) -> str:
+    """What close() says when its deadline passed with ``pending`` snapshots in flight (``where``: the progress
+    line of the one running)."""
+    return (f"close() gave up after {timeout:g} s (close_timeout_s) with {pending} snapshot(s) still publishing on "
+            f"rank {rank}: {where}. They are dropped and the fleet keeps the last snapshot it accepted; the stuck "
+            "call is left to a daemon thread")
