@@ -279,9 +279,19 @@ PUBLISHED_NAME = re.compile(r".+-\d{6,}-[0-9a-f]{8}")
 
 def _looks_like_ours(identity: str, files: dict[str, Any]) -> bool:
     """Whether a directory without a marker could be a publisher's unfinished snapshot: flat (the publisher never
-    writes below ``<identity>/``) and holding at least one HF shard file. Anything else is left alone."""
-    names = [path[len(identity) + 1:] for path in files]
+    writes below ``<identity>/``) and holding at least one HF shard file, or the temp file of one (a writer killed
+    mid-upload leaves only those on a local root). Anything else is left alone."""
+    names = [_final_name(path[len(identity) + 1:]) for path in files]
     return bool(names) and all("/" not in n for n in names) and any(SHARD_FILE.fullmatch(n) for n in names)
+
+
+def _final_name(name: str) -> str:
+    """The name a local write's temp file (``<TMP_PREFIX><name>.<12 hex>``) would have been renamed to."""
+    from .storage import TMP_PREFIX  # storage re-exports this module's names: imported here, not at the top
+
+    if name.startswith(TMP_PREFIX) and "." in name[len(TMP_PREFIX):]:
+        return name[len(TMP_PREFIX):].rsplit(".", 1)[0]
+    return name
 
 
 def plan_retention(snapshots: list[CommitInfo], keep_last: int, protected: set[str] | frozenset[str]) -> list[str]:
@@ -415,7 +425,7 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
                 continue
             if cutoff is None:
                 cutoff = min(since, _store_time_of_newest(storage, committed, session)) - INCOMPLETE_GRACE_S
-            infos = storage.list_info(identity)
+            infos = storage.list_info(identity, include_temp=True)
             times = [f.mtime for f in infos.values()]
             # Only names a publisher makes: a model folder kept under the root ("qwen3-8b", its shards a day
             # old) is also flat, unmarked and old, and is not a crashed upload.
@@ -429,7 +439,7 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
         for identity in dirs:
             if identity in by_id or identity in protected or identity in deleted:
                 continue
-            infos = storage.list_info(identity)
+            infos = storage.list_info(identity, include_temp=True)
             if not _looks_like_ours(identity, infos):
                 continue  # a name that could be an identity, but contents no publisher writes: not ours
             times = [f.mtime for f in infos.values()]

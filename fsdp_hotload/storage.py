@@ -51,6 +51,7 @@ MIN_PART_SIZE = 5 * 2**20
 # Protocols whose files opened for writing only become visible when closed, so streaming into them is safe.
 _OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})
 _COPY_BLOCK = 8 * 2**20
+_LOCAL_PROTOCOLS = frozenset({"file", "local"})
 
 
 # -- stats and listings ---------------------------------------------------------------------------------------
@@ -124,6 +125,11 @@ def _normalise_root(root: str) -> str:
         raise ValueError(f"storage root {root!r} names no directory or bucket")
     for link in stripped.split("::"):
         protocol, path = fsspec.core.split_protocol(link)
+        # fsspec's rm expands * ? [ on object stores (and memory://): a root "runs/exp[12]" would delete the
+        # snapshots of "runs/exp1" and "runs/exp2" at the first retention pass, and none of its own.
+        if protocol and protocol.lower() not in _LOCAL_PROTOCOLS and any(c in path for c in "*?["):
+            raise ValueError(f"storage root {root!r} has a glob character (* ? [), which fsspec expands on "
+                             f"{protocol}:// when deleting: rename that folder")
         # An object store keeps "a//b" as a key with an empty segment, which listings never return: every write
         # would land where no commit check or retention pass can see it.
         if protocol and protocol.lower() in _OBJECT_STORE_PROTOCOLS and any(
@@ -140,6 +146,12 @@ def _check_options(root: str, options: dict[str, Any]) -> None:
     """Refuse ``storage_options`` an object-store backend does not take. s3fs accepts and ignores any keyword, so
     ``{"endpoint": ...}`` for ``endpoint_url`` would send a MinIO user's snapshots to AWS S3 without a word."""
     protocol, _ = fsspec.core.split_protocol(root)
+    if "::" not in root and (protocol is None or protocol.lower() in _LOCAL_PROTOCOLS | {"memory"}):
+        unused = sorted(set(options) - _FSSPEC_OPTIONS - {"auto_mkdir"})
+        if unused:  # e.g. "my-bucket/run" with an endpoint_url: the snapshots would land on the local disk
+            raise ValueError(f"storage_options {unused} are for an object store, but the storage root {root!r} "
+                             f"is a {protocol or 'local'} path: give the root its scheme (s3://, gs://) or drop them")
+        return
     if "::" in root or protocol is None or protocol.lower() not in _OBJECT_STORE_PROTOCOLS or not options:
         return
     try:
@@ -315,8 +327,9 @@ class Storage:
                     self.stats.add(failures=1)
                     why = (f"after {attempt} attempts" if kind.retryable
                            else f"({kind.value} error, not retried)")
-                    detail = str(exc) or ("no reply before the call's deadline (call_timeout_s)"
-                                          if type(exc).__name__ == "FSTimeoutError" else "(no message)")
+                    detail = str(exc) or str(exc.__cause__ or "") or (  # s3fs's RequestTimeout is in the cause
+                        "no reply before the call's deadline (call_timeout_s)"
+                        if type(exc).__name__ == "FSTimeoutError" else "(no message)")
                     raise StorageError(f"{op} {uri} failed {why}: {type(exc).__name__}: {detail}", uri=uri,
                                        op=op, attempts=attempt, cause=exc) from exc
                 throttled = kind is ErrorClass.THROTTLE
@@ -381,7 +394,7 @@ class Storage:
                 with open(local_path, "rb") as src:
                     payload = src.read()
                 kwargs = {"chunksize": self.part_size} if self._chunked else {}
-                self._fs.pipe_file(path, payload, **kwargs, **self._deadline(len(payload)))
+                self._pipe_file(path, payload, {**kwargs, **self._deadline(len(payload))})
 
         t0 = time.perf_counter()
         try:
@@ -406,7 +419,11 @@ class Storage:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hotload-storage") as pool:
             futures: dict[Future[None], str] = {pool.submit(self.put_bytes, rel, data): rel
                                                 for rel, data in items.items()}
-            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+            try:
+                done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+            except BaseException:  # Ctrl-C: leaving the block must not wait for every queued write first
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
             for fut in pending:
                 fut.cancel()
             wait(futures)
@@ -426,8 +443,8 @@ class Storage:
         attempt left a billed, unlisted upload behind."""
         try:
             self._fs.pipe_file(path, payload, **kwargs)
-        except Exception as exc:
-            if self._chunked and type(exc).__name__ == "FSTimeoutError":
+        except BaseException as exc:  # an interrupt (KeyboardInterrupt) skips s3fs's abort as well
+            if self._chunked and (type(exc).__name__ == "FSTimeoutError" or not isinstance(exc, Exception)):
                 abort_open_uploads(self._fs, path, self._deadline())
             raise
 
@@ -435,7 +452,7 @@ class Storage:
         """Write to a hidden temp name in the same directory, fsync, then rename over the target."""
         parent = os.path.dirname(path)
         self._fs.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, f"{TMP_PREFIX}{os.path.basename(path)}.{uuid.uuid4().hex[:12]}")
+        tmp = os.path.join(parent, f"{TMP_PREFIX}{os.path.basename(path)[:200]}.{uuid.uuid4().hex[:12]}")
         try:
             with self._fs.open(tmp, "wb") as f:
                 write(f)
@@ -465,8 +482,11 @@ class Storage:
                 f.write(block)
             f.close()
         except BaseException:
-            with contextlib.suppress(Exception):
-                f.discard()  # aborts the multipart upload
+            if self._chunked:  # f.discard() aborts through a call that no deadline covers: ~30 s per silent try
+                abort_open_uploads(self._fs, path, self._deadline())
+            else:
+                with contextlib.suppress(Exception):
+                    f.discard()  # aborts the multipart upload
             with contextlib.suppress(Exception):
                 f.closed = True  # so garbage collection does not close (and thereby commit) it
             raise
@@ -492,9 +512,10 @@ class Storage:
         self._fs.invalidate_cache(path)
         return int(self._run("size", rel, lambda: self._fs.info(path, **self._deadline())["size"]))
 
-    def list_info(self, prefix: str = "") -> dict[str, FileInfo]:
+    def list_info(self, prefix: str = "", *, include_temp: bool = False) -> dict[str, FileInfo]:
         """Files below ``prefix`` (a directory: ``"a"`` does not match ``"ab/x"``), recursively, with sizes and
-        modification times, keyed by relpath from the root. Temp files of unfinished local writes are hidden."""
+        modification times, keyed by relpath from the root. Temp files of unfinished local writes are hidden
+        unless ``include_temp`` (retention judging what a crashed writer left)."""
         rel = _check_relpath(prefix, self.root, allow_empty=True)
         path = self._path(rel)
         self._fs.invalidate_cache(path)
@@ -510,7 +531,7 @@ class Storage:
             if info.get("type", "file") != "file" or name.endswith("/"):
                 continue  # a zero-byte "folder" object (S3 console, rclone) is not a file
             child = self._rel(name)
-            if child is None or os.path.basename(child).startswith(TMP_PREFIX):
+            if child is None or (not include_temp and os.path.basename(child).startswith(TMP_PREFIX)):
                 continue
             out[child] = FileInfo(size=int(info.get("size") or 0), mtime=_mtime_of(info))
         return dict(sorted(out.items()))

@@ -176,4 +176,4 @@ def backoff_delay(attempt: int, base_s: float, cap_s: float, u: float) -> float:
     """
     if attempt < 1:
         raise ValueError(f"attempt must be >= 1, got {attempt}")
-    return max(0.0, min(1.0, u)) * min(cap_s, base_s * 2.0 ** (attempt - 1))
+    return max(0.0, min(1.0, u)) * min(cap_s, base_s * 2.0 ** min(attempt - 1, 60))  # 2**1024 overflows

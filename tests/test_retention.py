@@ -404,3 +404,27 @@ def test_an_own_folder_whose_delete_failed_goes_at_the_next_pass(tmp_path: Path)
     pub.close()
     assert sorted(p.name for p in bucket.iterdir()) == [f"step-00000{s}-{pub.engine.session}" for s in (4, 9)]
     assert (bucket / f"step-000004-{pub.engine.session}" / "hotload.commit.json").exists()
+
+
+def test_a_killed_writer_s_temp_files_alone_still_mark_a_finished_run_s_folder(tmp_path: Path) -> None:
+    """A writer killed during its first uploads leaves only hidden temp files (hundreds of MB each) on a local
+    root. Listings hide them, so the folder looked empty and was kept for ever; it now goes like any unmarked
+    folder of a finished run, and a temp file of something that is not a shard does not count."""
+    from fsdp_hotload.retention import INCOMPLETE_GRACE_S
+    from fsdp_hotload.storage import TMP_PREFIX
+
+    st = Storage(str(tmp_path))
+    now = time.time()
+    _publish(st, CommitInfo("step-000003-11111111", "full", None,
+                            {"model-00001-of-00002.safetensors": {"size": 4}}, now + 5))
+    old = now - INCOMPLETE_GRACE_S - 60
+    temp = {"step-000007-deadbeef": f"{TMP_PREFIX}model-00001-of-00002.safetensors.0123456789ab",
+            "step-000008-deadbeef": f"{TMP_PREFIX}notes.txt.0123456789ab"}
+    for identity, name in temp.items():
+        (tmp_path / identity).mkdir()
+        (tmp_path / identity / name).write_bytes(b"part")
+        os.utime(tmp_path / identity / name, (old, old))
+    assert st.list("step-000007-deadbeef") == []  # still hidden from ordinary listings
+    deleted = apply_retention(st, keep_last=5, session="11111111", since=now)
+    assert deleted == ["step-000007-deadbeef"]
+    assert set(st.list_dirs()) == {"step-000003-11111111", "step-000008-deadbeef"}

@@ -600,3 +600,125 @@ def test_a_multipart_put_cut_off_by_its_deadline_leaves_no_open_upload(s3_server
         assert proxy.stalled >= 4  # the uploads were created, then their parts never answered
         assert _open_uploads(s3_server, st) == []
         assert st.list() == []
+
+
+@pytest.mark.parametrize("root", ["memory://runs/exp[12]", "s3://bkt/runs/exp*", "gs://b/run?"])
+def test_object_store_roots_with_glob_characters_are_refused(root: str) -> None:
+    """fsspec's rm expands * ? [ on object stores: retention under "runs/exp[12]" deleted the snapshots of
+    "runs/exp1" and "runs/exp2" and none of its own."""
+    with pytest.raises(ValueError, match=r"glob character"):
+        Storage(root)
+
+
+def test_a_local_root_with_brackets_deletes_only_its_own_files(tmp_path: Path) -> None:
+    sibling = Storage(str(tmp_path / "exp1"))
+    sibling.put_bytes("step-1/a", b"x")
+    own = Storage(str(tmp_path / "exp[1]"))
+    own.put_bytes("step-1/a", b"y")
+    own.delete_prefix("step-1")
+    assert own.list() == [] and sibling.list() == ["step-1/a"]
+
+
+@pytest.mark.parametrize("options", [{"endpoint_url": "http://127.0.0.1:9000", "key": "k", "secret": "s"},
+                                     {"anon": True}])
+def test_object_store_options_on_a_local_root_are_refused(tmp_path: Path, options: dict[str, Any]) -> None:
+    """A root without its scheme ("my-bucket/run") and a MinIO endpoint wrote the snapshots to the local disk."""
+    with pytest.raises(ValueError, match=rf"storage_options \['{sorted(options)[0]}'.* is a local path"):
+        Storage(str(tmp_path / "my-bucket"), options)
+    assert not (tmp_path / "my-bucket").exists()
+    Storage(str(tmp_path / "ok"), {"auto_mkdir": True, "skip_instance_cache": True})  # what local paths take
+
+
+def test_backoff_does_not_overflow_after_a_thousand_attempts() -> None:
+    assert backoff_delay(5000, 0.5, 30.0, 1.0) == 30.0
+
+
+def test_a_very_long_file_name_is_written_through_a_shorter_temp_name(tmp_path: Path) -> None:
+    """The temp name added 26 characters: a 240-character name, legal on Linux, failed with ENAMETOOLONG."""
+    st = Storage(str(tmp_path))
+    name = "m" * 240
+    st.put_bytes(f"d/{name}", b"x")
+    assert st.get_bytes(f"d/{name}") == b"x"
+
+
+def test_an_interrupt_during_put_many_does_not_wait_for_the_queued_writes(tmp_path: Path) -> None:
+    """Ctrl-C in put_many used to wait for all 40 queued writes (0.2 s each, 2 at a time: 4 s) before it reached
+    the caller; now the writes not yet started are cancelled."""
+    import signal
+
+    slow = FaultyFileSystem(fsspec.filesystem("file"), delay_s=0.2)
+    st = Storage(str(tmp_path), fs=slow, max_concurrency=2)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))  # a real Ctrl-C, which wakes a blocked wait
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        st.put_many({f"f{i:02d}": b"x" for i in range(40)})
+    timer.join()
+    time.sleep(0.5)  # the two writes running when it came finish; nothing else starts
+    assert slow.write_calls <= 8, slow.write_calls
+
+
+def test_the_streamed_upload_s_abort_has_a_deadline_too(s3_server: S3Server) -> None:
+    """When the link dies after a part was sent, the abort of the multipart upload went through a call no
+    deadline covered: ~30 s per attempt (s3fs's read timeout, twice). It now gets call_timeout_s, as the put did."""
+    with StallingProxy(s3_server.endpoint_url, b"uploadId=") as proxy:  # parts, completion and the abort
+        st = Storage(s3_server.unique_uri("abortdl"), {**s3_server.storage_options, "endpoint_url": proxy.url,
+                                                       "skip_instance_cache": True},
+                     multipart_threshold=6 * MiB, call_timeout_s=1, min_upload_mb_s=1e6, max_attempts=2,
+                     base_backoff_s=0.001)
+        t0 = time.monotonic()
+        with pytest.raises(StorageError, match="after 2 attempts"):
+            st.put_bytes("view.bin", memoryview(bytearray(os.urandom(12 * MiB))))
+        took = time.monotonic() - t0
+    assert took < 20, took  # two attempts of (a part, an abort) at 1 s each, plus listing; was over 60 s
+
+
+def test_put_file_in_one_request_aborts_a_multipart_upload_cut_off_by_its_deadline(s3_server: S3Server,
+                                                                                    tmp_path: Path) -> None:
+    """A file of exactly multipart_threshold bytes goes in one pipe_file call, which s3fs still splits into
+    parts; put_file called it directly, so a timed-out attempt left its upload open (billed, never listed)."""
+    src = tmp_path / "f"
+    src.write_bytes(os.urandom(12 * MiB))
+    with StallingProxy(s3_server.endpoint_url, b"partNumber=") as proxy:
+        st = Storage(s3_server.unique_uri("pfcut"), {**s3_server.storage_options, "endpoint_url": proxy.url,
+                                                     "skip_instance_cache": True},
+                     multipart_threshold=12 * MiB, call_timeout_s=1, min_upload_mb_s=1e6, max_attempts=2,
+                     base_backoff_s=0.001)
+        with pytest.raises(StorageError, match="after 2 attempts"):
+            st.put_file("model.bin", str(src))
+        assert proxy.stalled >= 2
+    assert _open_uploads(s3_server, st) == []
+
+
+def test_a_request_timeout_answer_is_not_reported_as_a_missed_deadline() -> None:
+    """S3's "400 RequestTimeout" (the store tired of waiting for the body) reached the caller as an empty
+    timeout, which the message blamed on call_timeout_s, 20 s away."""
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_PUT(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            body = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>RequestTimeout</Code>'
+                    b"<Message>Your socket connection to the server was not read from or written to</Message>"
+                    b"<RequestId>1</RequestId></Error>")
+            self.send_response(400)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        options = {"key": "k", "secret": "s", "endpoint_url": f"http://127.0.0.1:{server.server_port}",
+                   "client_kwargs": {"region_name": "us-east-1"}}
+        st = Storage("s3://bkt/run", options, max_attempts=2, sleep=lambda s: None, call_timeout_s=20)
+        with pytest.raises(StorageError) as info:
+            st.put_bytes("a/b", b"x")
+    finally:
+        server.shutdown()
+    assert "call_timeout_s" not in str(info.value) and "not read from or written to" in str(info.value), info.value
