@@ -2,12 +2,13 @@
 
 The wire protocol is the one Fireworks documents publicly; this module is the trainer's side of it. The
 request/response models and error types live in :mod:`fsdp_hotload.fireworks_models` (shared with the local
-emulator, so both sides validate the same schema) and are re-exported here.
+emulator, so both sides validate the same schema) and are re-exported here; one exchange on the wire, the URL
+check and what each HTTP status means live in :mod:`fsdp_hotload.fireworks_http`.
 
 The API key is held in a wrapper whose ``repr`` is redacted, and every message this module builds from server
 text passes through a redaction step, so the key never reaches a log line or a traceback.
 
-Only the standard library speaks HTTP here (``http.client``): the client must work in trainer images where
+Only the standard library speaks HTTP (``http.client``): the client must work in trainer images where
 ``requests`` is not installed.
 
 Example::
@@ -22,9 +23,7 @@ Example::
 """
 from __future__ import annotations
 
-import email.utils
 import http.client
-import ipaddress
 import json
 import logging
 import os
@@ -57,6 +56,17 @@ from .fireworks_models import (
     validate_filename,
     validate_identity,
 )
+from .fireworks_http import (
+    RETRYABLE_STATUS,
+    Headers,
+    check_url,
+    extract_server_message,
+    fatal_while_polling,
+    hint_for,
+    is_loopback,
+    retry_after,
+    send_once,
+)
 from .fireworks_names import API_KEY_ENV, Secret, clean_api_key, clean_headers, deployment_name, model_name
 
 log = logging.getLogger(__name__)
@@ -83,45 +93,13 @@ __all__ = [
     "ResetPromptCache",
     "ValidationOptions",
     "extract_server_message",
+    "is_loopback",
     "validate_filename",
     "validate_identity",
 ]
 
 DEFAULT_BASE_URL = "https://api.fireworks.ai"
 SOURCE_URL_HEADER = "x-fireworks-hot-load-source-url"
-RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-# Statuses that will not change by polling again: waiting would only hide a configuration error.
-_FATAL_POLL_STATUS = frozenset({400, 401, 403, 404})
-
-_HINTS: dict[int, str] = {
-    400: "the server rejected the request: check the identity and incremental_snapshot_metadata "
-    "(the previous identity must be the snapshot the deployment serves now; after a ledger reset or a failed "
-    "load, publish a full snapshot)",
-    401: f"the API key was not accepted: set {API_KEY_ENV} to a valid key (inference-only keys get 401 on "
-    "hot-load and training APIs)",
-    403: "the key lacks permission for this account or deployment: check account_id and deployment_id, and that "
-    "the key belongs to that account",
-    404: "not found: check base_url, account_id and deployment_id, and that the deployment was created with "
-    "hot-load enabled",
-    408: "the server timed out reading the request: check the network path and retry",
-    409: "conflict: every snapshot needs a new identity; publish under a fresh identity",
-    429: "rate limited and the retry budget is spent: signal and poll less often, or raise retry_budget_s "
-         "(HotloadConfig: ready_timeout_s, capped at 300 s)",
-    500: "server error and the retry budget is spent: check the deployment's status; publish a full snapshot "
-    "once it is healthy",
-}
-
-
-def _hint_for(status: int | None) -> str | None:
-    if status is None:
-        return None
-    if status in _HINTS:
-        return _HINTS[status]
-    if 500 <= status < 600:
-        return _HINTS[500]
-    return None
-
-
 
 
 class DeploymentTarget(BaseModel):
@@ -156,56 +134,6 @@ class DeploymentTarget(BaseModel):
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-
-
-def is_loopback(host: str) -> bool:
-    if host.lower() in ("localhost", "localhost."):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def extract_server_message(body: bytes) -> str:
-    """The server's error message: ``error.message``, a string ``error``, any JSON, or the start of the text."""
-    text = body.decode("utf-8", errors="replace")
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return text.strip()[:200]
-    if isinstance(obj, dict) and "error" in obj:
-        err = obj["error"]
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return err["message"]
-        if isinstance(err, str):
-            return err
-    if isinstance(obj, dict) and isinstance(obj.get("message"), str):
-        return obj["message"]
-    return json.dumps(obj)[:500]
-
-
-class _Headers(dict):  # type: ignore[type-arg]
-    """Request headers whose repr names the keys only: tracebacks that record locals (Sentry, rich, pytest
-    --showlocals) and debuggers print the dict that holds ``Authorization: Bearer <key>``."""
-
-    def __repr__(self) -> str:
-        return f"<headers {sorted(self)}, values hidden>"
-
-
-def _retry_after(headers: Mapping[str, str]) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header: delay-seconds or an HTTP date (RFC 9110 §10.2.3)."""
-    value = headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    parsed = email.utils.parsedate_tz(value)
-    if parsed is None:
-        return None
-    return max(0.0, email.utils.mktime_tz(parsed) - time.time())
 
 
 # ---------------------------------------------------------------------------------------------------- client
@@ -253,8 +181,8 @@ class HotLoadClient:
         self._api_key = Secret(clean_api_key(key, source))
         self.deployment_name, self.account_id, self.deployment_id = deployment_name(account_id, deployment_id)
         self.model_name = model_name(self.account_id, model_id)
-        self.base_url = self._check_url(base_url, allow_insecure, "base_url")
-        self.control_plane_url = self._check_url(control_plane_url or base_url, allow_insecure, "control_plane_url")
+        self.base_url = check_url(base_url, allow_insecure, "base_url")
+        self.control_plane_url = check_url(control_plane_url or base_url, allow_insecure, "control_plane_url")
         for name, value in (("timeout_s", timeout_s), ("poll_interval_s", poll_interval_s)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
@@ -269,24 +197,6 @@ class HotLoadClient:
         # Older servers reject reset_prompt_cache as an unknown field; after the first such 400 we stop sending it.
         self.send_reset_prompt_cache = True
         self._ssl = ssl.create_default_context()
-
-    @staticmethod
-    def _check_url(url: str, allow_insecure: bool, field: str) -> urllib.parse.SplitResult:
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"{field} {url!r} must be an http(s) URL with a host")
-        if parts.scheme == "http" and not allow_insecure and not is_loopback(parts.hostname):
-            raise ValueError(
-                f"{field} {url!r} uses plain http to a non-loopback host, which would send the API key in clear "
-                "text; use https (or allow_insecure=True, HotloadConfig.hotload_api_allow_http, for a trusted "
-                "private network)"
-            )
-        if parts.query or parts.fragment:
-            raise ValueError(f"{field} {url!r} must not carry a query or fragment")
-        if parts.username is not None or parts.password is not None:  # never sent, yet printed in every error
-            raise ValueError(f"{field} must not carry credentials before its host ('user:password@'); pass a "
-                             "gateway's credentials as headers (HotloadConfig.hotload_api_headers)")
-        return parts
 
     def __repr__(self) -> str:
         return (
@@ -309,7 +219,7 @@ class HotLoadClient:
 
     def headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """Headers of every hot-load request; caller ``additional_headers`` override the defaults."""
-        h: dict[str, str] = _Headers({
+        h: dict[str, str] = Headers({
             "Authorization": f"Bearer {self._api_key.get()}",
             "fireworks-model": self.model_name,
             "fireworks-deployment": self.deployment_name,
@@ -321,24 +231,6 @@ class HotLoadClient:
             del h[k]
         h.update(self.additional_headers)
         return h
-
-    def _send_once(
-        self, base: urllib.parse.SplitResult, method: str, path: str, payload: bytes | None, headers: dict[str, str],
-        timeout: float,
-    ) -> tuple[int, dict[str, str], bytes]:
-        if base.scheme == "https":
-            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-                base.hostname, base.port, timeout=timeout, context=self._ssl
-            )
-        else:
-            conn = http.client.HTTPConnection(base.hostname, base.port, timeout=timeout)
-        try:
-            conn.request(method, base.path.rstrip("/") + path, body=payload, headers=headers)
-            resp = conn.getresponse()
-            data = resp.read()
-            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
-        finally:
-            conn.close()
 
     def _request(
         self,
@@ -365,11 +257,11 @@ class HotLoadClient:
             timeout = self.timeout_s if deadline is None else max(0.5, min(self.timeout_s, deadline - time.monotonic()))
             status: int | None = None
             data = b""
-            retry_after: float | None = None
+            wait_hint: float | None = None
             unsendable: str | None = None
             hint: str | None = None
             try:
-                status, rheaders, data = self._send_once(base, method, path, payload, headers, timeout)
+                status, rheaders, data = send_once(base, method, path, payload, headers, timeout, self._ssl)
             except ssl.SSLCertVerificationError as exc:
                 unsendable = f"{what}: TLS certificate verification failed: {exc}"
                 hint = "check the base_url host name and the system CA certificates"
@@ -385,14 +277,14 @@ class HotLoadClient:
                 if status not in RETRYABLE_STATUS:
                     raise self._http_error(what, status, data, attempt)
                 failure = f"HTTP {status}: {extract_server_message(self._redact_body(data))}"
-                retry_after = _retry_after(rheaders)
+                wait_hint = retry_after(rheaders)
             if unsendable is not None:
                 # Raised outside the except block so the original exception (whose text may hold the key) is
                 # not chained as __context__.
                 raise HotLoadError(self._redact(unsendable), hint=hint)
             delay = min(self.backoff_initial_s * (2 ** (attempt - 1)), self.backoff_max_s)
-            if retry_after is not None:
-                delay = max(delay, min(retry_after, self.backoff_max_s))
+            if wait_hint is not None:
+                delay = max(delay, min(wait_hint, self.backoff_max_s))
             if time.monotonic() + delay > end:
                 if status is not None:
                     raise self._http_error(what, status, data, attempt)
@@ -417,7 +309,7 @@ class HotLoadClient:
             f"{what} returned HTTP {status}{tries}: {message}",
             status_code=status,
             server_message=message,
-            hint=_hint_for(status),
+            hint=hint_for(status),
         )
 
     def _parse_json(self, what: str, data: bytes) -> Any:
@@ -547,9 +439,7 @@ class HotLoadClient:
             except HotLoadResponseError:
                 raise
             except HotLoadError as exc:
-                # A 404 once a signal was accepted is the route lagging (the reference client polls through it);
-                # before one (the manager wait) it is the misconfiguration its hint names.
-                if exc.status_code in _FATAL_POLL_STATUS and not (exc.status_code == 404 and identity is not None):
+                if fatal_while_polling(exc.status_code, signalled=identity is not None):
                     raise
                 last_error = str(exc)
                 log.warning("status poll for %r failed: %s", identity, last_error)

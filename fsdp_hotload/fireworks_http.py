@@ -1,0 +1,155 @@
+"""The hot-load client's HTTP layer: one request on the wire, the base URL check, and what a status means.
+
+Kept apart from :mod:`fsdp_hotload.fireworks` so the client there reads as protocol (signal, hint, poll) while
+the rules about the wire (how long one exchange may take, which statuses are worth retrying or polling through,
+what to tell the user about each) live, and are tested, in one place.
+
+Only the standard library speaks HTTP here (``http.client``): the client must work in trainer images where
+``requests`` is not installed.
+
+Example::
+
+    base = check_url("https://api.fireworks.ai", False, "base_url")
+    status, headers, body = send_once(base, "GET", "/hot_load/v1/models/hot_load", None, hdrs, 30.0, ctx)
+"""
+from __future__ import annotations
+
+import email.utils
+import http.client
+import ipaddress
+import json
+import ssl
+import time
+import urllib.parse
+from collections.abc import Mapping
+
+from .fireworks_names import API_KEY_ENV
+
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+# Statuses that will not change by polling again: waiting would only hide a configuration error.
+_FATAL_POLL_STATUS = frozenset({400, 401, 403, 404})
+
+_HINTS: dict[int, str] = {
+    400: "the server rejected the request: check the identity and incremental_snapshot_metadata "
+    "(the previous identity must be the snapshot the deployment serves now; after a ledger reset or a failed "
+    "load, publish a full snapshot)",
+    401: f"the API key was not accepted: set {API_KEY_ENV} to a valid key (inference-only keys get 401 on "
+    "hot-load and training APIs)",
+    403: "the key lacks permission for this account or deployment: check account_id and deployment_id, and that "
+    "the key belongs to that account",
+    404: "not found: check base_url, account_id and deployment_id, and that the deployment was created with "
+    "hot-load enabled",
+    408: "the server timed out reading the request: check the network path and retry",
+    409: "conflict: every snapshot needs a new identity; publish under a fresh identity",
+    429: "rate limited and the retry budget is spent: signal and poll less often, or raise retry_budget_s "
+         "(HotloadConfig: ready_timeout_s, capped at 300 s)",
+    500: "server error and the retry budget is spent: check the deployment's status; publish a full snapshot "
+    "once it is healthy",
+}
+
+
+def hint_for(status: int | None) -> str | None:
+    """What to do about an HTTP ``status`` that ended a request (None when there is nothing specific to say)."""
+    if status is None:
+        return None
+    if status in _HINTS:
+        return _HINTS[status]
+    if 500 <= status < 600:
+        return _HINTS[500]
+    return None
+
+
+def fatal_while_polling(status: int | None, *, signalled: bool) -> bool:
+    """True when a status poll that got ``status`` should end the wait at once: polling again cannot change it.
+    A 404 after a signal was accepted is the route lagging (the reference client polls through it); before one
+    (the manager wait) it is the misconfiguration its hint names."""
+    return status in _FATAL_POLL_STATUS and not (status == 404 and signalled)
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_url(url: str, allow_insecure: bool, field: str) -> urllib.parse.SplitResult:
+    """``url`` split, once it is known to be one this client can send to (``field`` names it in errors)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{field} {url!r} must be an http(s) URL with a host")
+    if parts.scheme == "http" and not allow_insecure and not is_loopback(parts.hostname):
+        raise ValueError(
+            f"{field} {url!r} uses plain http to a non-loopback host, which would send the API key in clear "
+            "text; use https (or allow_insecure=True, HotloadConfig.hotload_api_allow_http, for a trusted "
+            "private network)"
+        )
+    if parts.query or parts.fragment:
+        raise ValueError(f"{field} {url!r} must not carry a query or fragment")
+    if parts.username is not None or parts.password is not None:  # never sent, yet printed in every error
+        raise ValueError(f"{field} must not carry credentials before its host ('user:password@'); pass a "
+                         "gateway's credentials as headers (HotloadConfig.hotload_api_headers)")
+    return parts
+
+
+def extract_server_message(body: bytes) -> str:
+    """The server's error message: ``error.message``, a string ``error``, any JSON, or the start of the text."""
+    text = body.decode("utf-8", errors="replace")
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return text.strip()[:200]
+    if isinstance(obj, dict) and "error" in obj:
+        err = obj["error"]
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(err, str):
+            return err
+    if isinstance(obj, dict) and isinstance(obj.get("message"), str):
+        return obj["message"]
+    return json.dumps(obj)[:500]
+
+
+class Headers(dict):  # type: ignore[type-arg]
+    """Request headers whose repr names the keys only: tracebacks that record locals (Sentry, rich, pytest
+    --showlocals) and debuggers print the dict that holds ``Authorization: Bearer <key>``."""
+
+    def __repr__(self) -> str:
+        return f"<headers {sorted(self)}, values hidden>"
+
+
+def retry_after(headers: Mapping[str, str]) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header: delay-seconds or an HTTP date (RFC 9110 §10.2.3)."""
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    parsed = email.utils.parsedate_tz(value)
+    if parsed is None:
+        return None
+    return max(0.0, email.utils.mktime_tz(parsed) - time.time())
+
+
+def send_once(
+    base: urllib.parse.SplitResult, method: str, path: str, payload: bytes | None, headers: dict[str, str],
+    timeout: float, context: ssl.SSLContext,
+) -> tuple[int, dict[str, str], bytes]:
+    """One exchange, no retries: (status, lower-cased headers, body). Raises OSError/HTTPException on failure."""
+    if base.scheme == "https":
+        conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+            base.hostname, base.port, timeout=timeout, context=context
+        )
+    else:
+        conn = http.client.HTTPConnection(base.hostname, base.port, timeout=timeout)
+    try:
+        conn.request(method, base.path.rstrip("/") + path, body=payload, headers=headers)
+        resp = conn.getresponse()
+        data = resp.read()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
+    finally:
+        conn.close()
