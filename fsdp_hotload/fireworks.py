@@ -144,8 +144,8 @@ class HotLoadClient:
 
     Transient failures (connection errors, timeouts, 408/429/5xx) are retried with capped exponential backoff
     (``backoff_initial_s`` doubling up to ``backoff_max_s``, ``Retry-After`` honoured as a floor) for at most
-    ``retry_budget_s`` seconds; a repeated signal is safe because the server treats a re-signal of the same
-    identity idempotently.
+    ``retry_budget_s`` seconds, attempts included (each is cut to what is left of the budget, ``timeout_s`` at
+    most); a repeated signal is safe because the server treats a re-signal of the same identity idempotently.
 
     Example::
 
@@ -254,7 +254,10 @@ class HotLoadClient:
         attempt = 0
         while True:
             attempt += 1
-            timeout = self.timeout_s if deadline is None else max(0.5, min(self.timeout_s, deadline - time.monotonic()))
+            # Each attempt gets what is left of the budget (at least 0.5 s to have a chance): the budget, not
+            # timeout_s, is what callers plan with (longest_signal_s), and a server that takes a request and never
+            # answers must not hold the last attempt a full timeout_s past it.
+            timeout = min(self.timeout_s, max(0.5, end - time.monotonic()))
             status: int | None = None
             data = b""
             wait_hint: float | None = None
