@@ -57,6 +57,7 @@ from .fireworks_models import (
     validate_identity,
 )
 from .fireworks_http import (
+    MAX_RESPONSE_BYTES,
     RETRYABLE_STATUS,
     Headers,
     check_url,
@@ -264,7 +265,8 @@ class HotLoadClient:
             unsendable: str | None = None
             hint: str | None = None
             try:
-                status, rheaders, data = send_once(base, method, path, payload, headers, timeout, self._ssl)
+                status, rheaders, data, oversized = send_once(base, method, path, payload, headers, timeout,
+                                                              self._ssl)
             except ssl.SSLCertVerificationError as exc:
                 unsendable = f"{what}: TLS certificate verification failed: {exc}"
                 hint = "check the base_url host name and the system CA certificates"
@@ -276,6 +278,9 @@ class HotLoadClient:
                 hint = "check additional_headers and the API key (printable ASCII only)"
             else:
                 if 200 <= status < 300:
+                    if oversized:
+                        raise HotLoadBodyError(f"{what} returned a body over {MAX_RESPONSE_BYTES} bytes",
+                                               hint="check that base_url points at the Fireworks hot-load API")
                     return self._parse_json(what, data)
                 if status not in RETRYABLE_STATUS:
                     raise self._http_error(what, status, data, attempt)

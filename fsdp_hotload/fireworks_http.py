@@ -10,7 +10,7 @@ Only the standard library speaks HTTP here (``http.client``): the client must wo
 Example::
 
     base = check_url("https://api.fireworks.ai", False, "base_url")
-    status, headers, body = send_once(base, "GET", "/hot_load/v1/models/hot_load", None, hdrs, 30.0, ctx)
+    reply = send_once(base, "GET", "/hot_load/v1/models/hot_load", None, hdrs, 30.0, ctx)  # -> Reply
 """
 from __future__ import annotations
 
@@ -22,8 +22,14 @@ import ssl
 import time
 import urllib.parse
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from .fireworks_names import API_KEY_ENV
+
+#: The most of a response body the client reads. A status is a few hundred bytes per replica and an error a
+#: sentence: more is not an answer from the hot-load API, and must not fill the trainer's memory.
+MAX_RESPONSE_BYTES = 1 << 20
+_CHUNK = 64 * 1024
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # Statuses that will not change by polling again: waiting would only hide a configuration error.
@@ -135,11 +141,27 @@ def retry_after(headers: Mapping[str, str]) -> float | None:
     return max(0.0, email.utils.mktime_tz(parsed) - time.time())
 
 
+class Reply(NamedTuple):
+    """One answer: status, lower-cased headers, the body (at most ``MAX_RESPONSE_BYTES`` of it), and whether the
+    server sent more than that."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    oversized: bool
+
+
 def send_once(
     base: urllib.parse.SplitResult, method: str, path: str, payload: bytes | None, headers: dict[str, str],
     timeout: float, context: ssl.SSLContext,
-) -> tuple[int, dict[str, str], bytes]:
-    """One exchange, no retries: (status, lower-cased headers, body). Raises OSError/HTTPException on failure."""
+) -> Reply:
+    """One exchange, no retries, done within ``timeout`` seconds. Raises OSError/HTTPException on failure.
+
+    Why the body is read here in pieces: a socket timeout bounds each read, not the exchange, so a server (or
+    proxy) that trickles its answer a byte at a time kept a status poll going far past the caller's deadline,
+    and a plain ``read()`` holds whatever size the server sends. (The status line and headers are still read
+    under the per-read timeout only; http.client caps them at 100 lines.)"""
+    deadline = time.monotonic() + timeout
     if base.scheme == "https":
         conn: http.client.HTTPConnection = http.client.HTTPSConnection(
             base.hostname, base.port, timeout=timeout, context=context
@@ -148,8 +170,28 @@ def send_once(
         conn = http.client.HTTPConnection(base.hostname, base.port, timeout=timeout)
     try:
         conn.request(method, base.path.rstrip("/") + path, body=payload, headers=headers)
+        _time_left(conn, deadline, timeout)
         resp = conn.getresponse()
-        data = resp.read()
-        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
+        status, rheaders = resp.status, {k.lower(): v for k, v in resp.getheaders()}
+        chunks: list[bytes] = []
+        got = 0
+        while got <= MAX_RESPONSE_BYTES:
+            _time_left(conn, deadline, timeout)
+            chunk = resp.read1(min(_CHUNK, MAX_RESPONSE_BYTES + 1 - got))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+        body = b"".join(chunks)
+        return Reply(status, rheaders, body[:MAX_RESPONSE_BYTES], got > MAX_RESPONSE_BYTES)
     finally:
         conn.close()
+
+
+def _time_left(conn: http.client.HTTPConnection, deadline: float, timeout: float) -> None:
+    """Let the next socket read wait only until ``deadline``; raise TimeoutError once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"the response did not arrive in full within {timeout:.1f}s")
+    if conn.sock is not None:
+        conn.sock.settimeout(left)

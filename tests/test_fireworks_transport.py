@@ -10,7 +10,10 @@ from typing import Any
 
 import pytest
 
-from fsdp_hotload.fireworks import HotLoadClient, HotLoadError
+from fsdp_hotload.fireworks import HotLoadClient, HotLoadError, HotLoadTimeout
+from fsdp_hotload.fireworks_http import MAX_RESPONSE_BYTES
+
+from tests.http_fixture import serve
 
 KEY = "fw-secret-key-4f1d9a"
 
@@ -57,3 +60,62 @@ def test_an_attempt_never_outlasts_the_retry_budget() -> None:
             with pytest.raises(HotLoadError, match="no answer after"):
                 call()
             assert time.monotonic() - started < 3.0
+
+
+def answering(status: int, body: bytes, *, trickle_s: float = 0.0, length: bool = True) -> Any:
+    """A handler class that answers every request with ``body``, a byte every ``trickle_s`` seconds if set, and
+    without a Content-Length (the body ends when the connection closes) if ``length`` is False."""
+    from http.server import BaseHTTPRequestHandler
+
+    class Handler(BaseHTTPRequestHandler):
+        def _any(self) -> None:
+            n = int(self.headers.get("Content-Length") or 0)
+            if n:
+                self.rfile.read(n)
+            self.send_response(status)
+            if length:
+                self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            try:
+                if trickle_s:
+                    for b in body:
+                        self.wfile.write(bytes([b]))
+                        self.wfile.flush()
+                        time.sleep(trickle_s)
+                else:
+                    self.wfile.write(body)
+            except OSError:  # the client gave up; that is what is tested
+                pass
+
+        do_GET = do_POST = do_DELETE = _any
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    return Handler
+
+
+def test_a_trickled_status_body_cannot_hold_the_wait_past_its_timeout() -> None:
+    """The socket timeout bounds one read, so a server sending a byte every 50 ms kept wait_ready reading one
+    answer for seconds after its timeout_s; now each exchange has an absolute deadline."""
+    body = b'{"replicas": [{"current_snapshot_identity": "old", "readiness": true}]}' + b" " * 40
+    with serve(answering(200, body, trickle_s=0.05)) as url:
+        started = time.monotonic()
+        with pytest.raises(HotLoadTimeout, match="not served by every replica within 1s"):
+            make_client(url, timeout_s=30).wait_ready("new", timeout_s=1.0)
+        assert time.monotonic() - started < 3.0
+
+
+@pytest.mark.parametrize("length", [True, False])
+def test_a_response_body_is_capped(length: bool) -> None:
+    """A status body over MAX_RESPONSE_BYTES is no answer from the hot-load API: it is not read whole (with or
+    without a Content-Length) and the wait says why it got nothing. An error body that size still gives its
+    start as the server's message."""
+    big = b'{"replicas": [{"current_snapshot_identity": "s1", "readiness": true}], "pad": "'
+    big += b"x" * MAX_RESPONSE_BYTES + b'"}'
+    with serve(answering(200, big, length=length)) as url:
+        with pytest.raises(HotLoadTimeout, match=f"over {MAX_RESPONSE_BYTES} bytes"):
+            make_client(url).wait_ready("s1", timeout_s=0.3)
+    with serve(answering(400, b"no such route " + b"y" * (2 * MAX_RESPONSE_BYTES), length=length)) as url:
+        with pytest.raises(HotLoadError, match="HTTP 400: no such route yyy"):
+            make_client(url).signal("s1")
