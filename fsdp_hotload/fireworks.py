@@ -44,6 +44,7 @@ from .fireworks_models import (
     HotLoadBodyError,
     HotLoadError,
     HotLoadRequest,
+    HotLoadRequestError,
     HotLoadResponseError,
     HotLoadStatus,
     HotLoadTimeout,
@@ -84,6 +85,7 @@ __all__ = [
     "HotLoadClient",
     "HotLoadError",
     "HotLoadRequest",
+    "HotLoadRequestError",
     "HotLoadResponseError",
     "HotLoadStatus",
     "HotLoadTimeout",
@@ -270,12 +272,16 @@ class HotLoadClient:
             except ssl.SSLCertVerificationError as exc:
                 unsendable = f"{what}: TLS certificate verification failed: {exc}"
                 hint = "check the base_url host name and the system CA certificates"
+            except http.client.InvalidURL as exc:  # an HTTPException, yet no retry can send it
+                unsendable = f"{what}: the URL cannot be sent: {exc}"
+                hint = "check base_url, control_plane_url and the account and deployment ids (no spaces or control " \
+                    "characters)"
             except (OSError, http.client.HTTPException) as exc:
                 failure = f"{type(exc).__name__}: {exc}"
             except Exception as exc:  # noqa: BLE001 - e.g. ValueError/UnicodeError for a bad header value
                 # Not transient, so not retried. The text may quote a header, the Authorization one included.
                 unsendable = f"{what}: the request could not be sent: {type(exc).__name__}: {exc}"
-                hint = "check additional_headers and the API key (printable ASCII only)"
+                hint = "check additional_headers, the API key and source_url (printable ASCII only)"
             else:
                 if 200 <= status < 300:
                     if oversized:
@@ -289,7 +295,7 @@ class HotLoadClient:
             if unsendable is not None:
                 # Raised outside the except block so the original exception (whose text may hold the key) is
                 # not chained as __context__.
-                raise HotLoadError(self._redact(unsendable), hint=hint)
+                raise HotLoadRequestError(self._redact(unsendable), hint=hint)
             delay = min(self.backoff_initial_s * (2 ** (attempt - 1)), self.backoff_max_s)
             if wait_hint is not None:
                 delay = max(delay, min(wait_hint, self.backoff_max_s))
@@ -430,8 +436,9 @@ class HotLoadClient:
         error stage for ``identity``.
 
         Transient poll failures are logged and polled through (the load goes on server-side meanwhile);
-        400/401/403 and unreadable responses are raised at once because waiting cannot fix them, and so is a 404
-        while waiting for the manager (``identity`` None), which is how a wrong deployment or URL shows.
+        400/401/403, unreadable responses and requests that cannot be sent are raised at once because waiting
+        cannot fix them, and so is a 404 while waiting for the manager (``identity`` None), which is how a wrong
+        deployment or URL shows.
         """
         if identity is not None:
             validate_identity(identity)
@@ -444,7 +451,7 @@ class HotLoadClient:
             except HotLoadBodyError as exc:  # not JSON at all (a proxy's page): the reference client polls on
                 last_error = str(exc)
                 log.warning("status poll for %r failed: %s", identity, last_error)
-            except HotLoadResponseError:
+            except (HotLoadResponseError, HotLoadRequestError):
                 raise
             except HotLoadError as exc:
                 if fatal_while_polling(exc.status_code, signalled=identity is not None):

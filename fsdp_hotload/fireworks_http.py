@@ -94,6 +94,15 @@ def check_url(url: str, allow_insecure: bool, field: str) -> urllib.parse.SplitR
         )
     if parts.query or parts.fragment:
         raise ValueError(f"{field} {url!r} must not carry a query or fragment")
+    try:  # read here: a bad port otherwise surfaced only at the first request, as an unrelated error
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0:
+        raise ValueError(f"{field} {url!r} has an invalid port: give a number from 1 to 65535")
+    bad = [c for c in parts.path if not "\x21" <= c <= "\x7e"]
+    if bad:  # http.client refuses to send such a path
+        raise ValueError(f"{field} {url!r} has {bad[0]!r} in its path: percent-encode it (a space is %20)")
     if parts.username is not None or parts.password is not None:  # never sent, yet printed in every error
         raise ValueError(f"{field} must not carry credentials before its host ('user:password@'); pass a "
                          "gateway's credentials as headers (HotloadConfig.hotload_api_headers)")

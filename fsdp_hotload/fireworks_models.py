@@ -30,6 +30,7 @@ __all__ = [
     "HotLoadBodyError",
     "HotLoadError",
     "HotLoadRequest",
+    "HotLoadRequestError",
     "HotLoadResponseError",
     "HotLoadStatus",
     "HotLoadTimeout",
@@ -73,6 +74,11 @@ class HotLoadError(RuntimeError):
 
 class HotLoadTimeout(HotLoadError):
     """The snapshot was not served by every replica within the wait budget."""
+
+
+class HotLoadRequestError(HotLoadError):
+    """The request cannot be sent as built (a URL or header ``http.client`` refuses) or its server's TLS
+    certificate does not verify: trying again cannot change that, so it is neither retried nor polled through."""
 
 
 class HotLoadResponseError(HotLoadError):

@@ -20,6 +20,9 @@ __all__ = ["API_KEY_ENV", "Secret", "clean_api_key", "clean_headers", "deploymen
 API_KEY_ENV = "FIREWORKS_API_KEY"
 _MODEL_RE = re.compile(r"accounts/([^/]+)/models/([^/]+)")
 _DEPLOYMENT_RE = re.compile(r"accounts/([^/]+)/deployments/([^/]+)")
+# One segment of a resource name. Fireworks ids are lowercase letters, digits and '-' (``qwen3-8b``,
+# ``llama-v3p1-8b-instruct``); upper case, '.' and '_' are let through for gateways and emulators that allow more.
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 class Secret:
@@ -99,8 +102,14 @@ def clean_headers(headers: object, source: str) -> dict[str, str]:
 
 
 def _segment(value: str, what: str) -> str:
+    """One id of a resource name, checked. Why so strict: the ids go into a URL path and into headers as they
+    are, so a '?', '#' or space would address another resource or make a request that cannot be sent (which
+    used to be found only at the first request, blamed on the headers, or polled until the timeout)."""
     if not isinstance(value, str) or not value or "/" in value:
         raise ValueError(f"{what} must be a non-empty name without '/', got {value!r}")
+    if not _ID_RE.fullmatch(value):
+        raise ValueError(f"{what} {value!r} is not a Fireworks resource id: use letters, digits, '-', '.' and '_', "
+                         "starting with a letter or digit")
     return value
 
 
@@ -113,14 +122,17 @@ def deployment_name(account_id: str, deployment_id: str) -> tuple[str, str, str]
             raise ValueError(f"deployment_id {deployment_id!r} must be a name or 'accounts/<acct>/deployments/<id>'")
         if m.group(1) != account:
             raise ValueError(f"deployment_id {deployment_id!r} belongs to account {m.group(1)!r}, not {account!r}")
-        return deployment_id, account, m.group(2)
+        return deployment_id, account, _segment(m.group(2), "the deployment in deployment_id")
     dep = _segment(deployment_id, "deployment_id")
     return f"accounts/{account}/deployments/{dep}", account, dep
 
 
 def model_name(account: str, model_id: str) -> str:
     if model_id.startswith("accounts/"):
-        if not _MODEL_RE.fullmatch(model_id):
+        m = _MODEL_RE.fullmatch(model_id)
+        if not m:
             raise ValueError(f"model_id {model_id!r} must be a name or 'accounts/<acct>/models/<model>'")
+        _segment(m.group(1), "the account in model_id")
+        _segment(m.group(2), "the model in model_id")
         return model_id
     return f"accounts/{account}/models/{_segment(model_id, 'model_id')}"
