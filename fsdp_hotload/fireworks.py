@@ -414,8 +414,10 @@ class HotLoadClient:
         try:
             return HotLoadStatus.model_validate(data)
         except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err["loc"]) or "the body"
             raise HotLoadResponseError(
-                f"{what}: unrecognized hot-load status response format: {exc.errors()[0]['msg']} "
+                f"{what}: unrecognized hot-load status response format: {where}: {err['msg']} "
                 f"in {self._redact(json.dumps(data))[:200]}",
                 hint="check that base_url points at the hot-load gateway of this deployment",
             ) from None

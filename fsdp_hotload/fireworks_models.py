@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError,
+                      ValidatorFunctionWrapHandler, WrapValidator, field_validator)
 
 from .identity import MAX_IDENTITY_LEN as IDENTITY_MAX_LEN
 from .identity import validate_identity as _validate_identity
@@ -194,9 +195,29 @@ def _null_is(default: Callable[[], Any]) -> BeforeValidator:
     return BeforeValidator(lambda v: default() if v is None else v)
 
 
+def _unreadable_is(default: Callable[[], Any]) -> WrapValidator:
+    """A value of another type than the documented one (or null) reads as ``default``. For the fields the
+    readiness test (``readiness``, ``current_snapshot_identity``) does not read: a server that adds or retypes
+    one of them (``"supports_rdma_weight_sync": "unknown"``) must not end the wait for a snapshot it serves.
+    At worst an unreadable ``stage`` hides a load error, and the wait ends at its timeout instead."""
+    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        if value is None:
+            return default()
+        try:
+            return handler(value)
+        except ValidationError:
+            return default()
+    return WrapValidator(validate)
+
+
+def _adapters(value: Any) -> list[Any]:
+    """``loaded_adapters``: anything but a list reads as none, and entries that are not objects are skipped."""
+    return [a for a in value if isinstance(a, dict)] if isinstance(value, list) else []
+
+
 class LoadingState(_Response):
-    stage: Annotated[str, _null_is(lambda: "unknown")] = "unknown"
-    target_snapshot_identity: Optional[str] = None
+    stage: Annotated[str, _unreadable_is(lambda: "unknown")] = "unknown"
+    target_snapshot_identity: Annotated[Optional[str], _unreadable_is(lambda: None)] = None
 
     @property
     def error_text(self) -> str | None:
@@ -207,17 +228,20 @@ class LoadingState(_Response):
 
 
 class LoadedAdapter(_Response):
-    identity: Optional[str] = None
-    status: Optional[str] = None
+    identity: Annotated[Optional[str], _unreadable_is(lambda: None)] = None
+    status: Annotated[Optional[str], _unreadable_is(lambda: None)] = None
 
 
 class ReplicaStatus(_Response):
+    """One replica's status. Only ``readiness`` and ``current_snapshot_identity`` must have their documented
+    types (the readiness test reads them); every other field reads as its default when it has another."""
+
     current_snapshot_identity: Optional[str] = None
     readiness: Annotated[bool, _null_is(lambda: False)] = False
-    loading_state: Optional[LoadingState] = None
-    loaded_adapters: Annotated[list[LoadedAdapter], _null_is(list)] = Field(default_factory=list)
-    supports_rdma_weight_sync: Optional[bool] = None
-    rdma_weight_sync_enabled: Optional[bool] = None
+    loading_state: Annotated[Optional[LoadingState], _unreadable_is(lambda: None)] = None
+    loaded_adapters: Annotated[list[LoadedAdapter], BeforeValidator(_adapters)] = Field(default_factory=list)
+    supports_rdma_weight_sync: Annotated[Optional[bool], _unreadable_is(lambda: None)] = None
+    rdma_weight_sync_enabled: Annotated[Optional[bool], _unreadable_is(lambda: None)] = None
 
     @property
     def stage(self) -> str:

@@ -1,0 +1,51 @@
+"""How HotLoadClient reads status answers while it waits: which ones end the wait at once, which are polled
+through, and which fields must have their documented types. Real servers on loopback, no mocks."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+
+from fsdp_hotload.fireworks import HotLoadClient, HotLoadResponseError
+
+from tests.http_fixture import serve
+from tests.test_fireworks_transport import answering
+
+KEY = "fw-secret-key-4f1d9a"
+READY = {"current_snapshot_identity": "s1", "readiness": True,
+         "loading_state": {"stage": "done", "target_snapshot_identity": "s1"}}
+
+
+def make_client(url: str, **kw: Any) -> HotLoadClient:
+    opts: dict[str, Any] = dict(account_id="acct", model_id="m", deployment_id="d", api_key=KEY,
+                                backoff_initial_s=0.01, backoff_max_s=0.05, retry_budget_s=5, poll_interval_s=0.02)
+    opts.update(kw)
+    return HotLoadClient(url, **opts)
+
+
+@pytest.mark.parametrize("odd", [
+    {"supports_rdma_weight_sync": "unknown"},
+    {"rdma_weight_sync_enabled": 0.5},
+    {"loaded_adapters": [{"identity": "a", "status": 1}, "adapter-b", None]},
+    {"loaded_adapters": {"a": "loaded"}},
+    {"loading_state": "done"},
+    {"loading_state": {"stage": 3, "target_snapshot_identity": ["s1"]}},
+])
+def test_fields_the_readiness_test_does_not_read_may_have_any_type(odd: dict[str, Any]) -> None:
+    """A server that retypes a field the readiness test never reads used to end the wait (and the publish) with
+    'unrecognized hot-load status' although every replica served the snapshot."""
+    with serve(answering(200, json.dumps({"replicas": [{**READY, **odd}]}).encode())) as url:
+        st = make_client(url).wait_ready("s1", timeout_s=5)
+    assert st.is_ready("s1")
+    rep = st.replicas[0]
+    assert rep.supports_rdma_weight_sync is None and rep.rdma_weight_sync_enabled is None
+    assert all(a.status is None or isinstance(a.status, str) for a in rep.loaded_adapters)
+
+
+def test_a_status_format_error_names_the_field() -> None:
+    bad = {"replicas": [READY, {**READY, "readiness": "maybe"}]}
+    with serve(answering(200, json.dumps(bad).encode())) as url:
+        with pytest.raises(HotLoadResponseError, match=r"format: replicas\.1\.readiness: Input should be"):
+            make_client(url).wait_ready("s1", timeout_s=5)
