@@ -245,7 +245,7 @@ class HotLoadClient:
         deadline: float | None = None,
         control_plane: bool = False,
     ) -> Any:
-        """One API call with transport retries; returns the parsed JSON body ({} for an empty body)."""
+        """One API call with transport retries; returns the parsed JSON body (None for an empty body)."""
         base = self.control_plane_url if control_plane else self.base_url
         what = f"{method} {urllib.parse.urlunsplit(base).rstrip('/')}{path}"
         payload = json.dumps(body).encode() if body is not None else None
@@ -327,8 +327,9 @@ class HotLoadClient:
         )
 
     def _parse_json(self, what: str, data: bytes) -> Any:
+        """The JSON body, or None for an empty one: kept apart from a literal ``{}``, which is an answer."""
         if not data.strip():
-            return {}
+            return None
         try:
             return json.loads(data)
         except ValueError:
@@ -388,6 +389,8 @@ class HotLoadClient:
             self.send_reset_prompt_cache = False
             result = self._request("POST", HOT_LOAD_PATH, body(False), extra_headers=extra)
         log.info("signalled %s snapshot %r to %s", "delta" if meta else "full", identity, self.deployment_name)
+        if result is None:
+            return {}
         return result if isinstance(result, dict) else {"response": result}
 
     def hint(self, identity: str, filename: str, *, previous_identity: str | None = None,
@@ -409,7 +412,7 @@ class HotLoadClient:
         """One status poll."""
         what = f"GET {urllib.parse.urlunsplit(self.base_url).rstrip('/')}{HOT_LOAD_PATH}"
         data = self._request("GET", HOT_LOAD_PATH, deadline=deadline)
-        if data == {}:  # an empty body (a proxy's, or the route still coming up): polled through like non-JSON
+        if data is None:  # an empty body (a proxy's, or the route still coming up): polled through like non-JSON
             raise HotLoadBodyError(f"{what} returned an empty body")
         try:
             return HotLoadStatus.model_validate(data)

@@ -49,3 +49,19 @@ def test_a_status_format_error_names_the_field() -> None:
     with serve(answering(200, json.dumps(bad).encode())) as url:
         with pytest.raises(HotLoadResponseError, match=r"format: replicas\.1\.readiness: Input should be"):
             make_client(url).wait_ready("s1", timeout_s=5)
+
+
+def test_a_json_object_without_replicas_ends_the_wait_at_once() -> None:
+    """A literal ``{}`` used to be taken for an empty body and polled until the timeout; it is a status without
+    a ``replicas`` list, which the reference client raises at once (protocol notes §3.3 step 5). An empty body
+    is still polled through (tests/test_fireworks.py)."""
+    with serve(answering(200, b"{}")) as url:
+        started = time.monotonic()
+        with pytest.raises(HotLoadResponseError, match="format: replicas: Field required"):
+            make_client(url).wait_ready("s1", timeout_s=3)
+        assert time.monotonic() - started < 1.0
+
+
+def test_an_empty_signal_answer_is_an_empty_result() -> None:
+    with serve(answering(200, b"")) as url:
+        assert make_client(url).signal("s1") == {}
