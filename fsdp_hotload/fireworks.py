@@ -263,6 +263,7 @@ class HotLoadClient:
             timeout = min(self.timeout_s, max(0.5, end - time.monotonic()))
             status: int | None = None
             data = b""
+            rheaders: dict[str, str] = {}
             wait_hint: float | None = None
             unsendable: str | None = None
             hint: str | None = None
@@ -289,7 +290,7 @@ class HotLoadClient:
                                                hint="check that base_url points at the Fireworks hot-load API")
                     return self._parse_json(what, data)
                 if status not in RETRYABLE_STATUS:
-                    raise self._http_error(what, status, data, attempt)
+                    raise self._http_error(what, status, data, attempt, rheaders)
                 failure = f"HTTP {status}: {extract_server_message(self._redact_body(data))}"
                 wait_hint = retry_after(rheaders)
             if unsendable is not None:
@@ -301,7 +302,7 @@ class HotLoadClient:
                 delay = max(delay, min(wait_hint, self.backoff_max_s))
             if time.monotonic() + delay > end:
                 if status is not None:
-                    raise self._http_error(what, status, data, attempt)
+                    raise self._http_error(what, status, data, attempt, rheaders)
                 raise HotLoadError(
                     self._redact(
                         f"{what}: no answer after {attempt} attempt(s) over {time.monotonic() - start:.1f}s: {failure}"
@@ -316,14 +317,17 @@ class HotLoadClient:
         """The body with the key removed, before anything cuts it short: a key split by a cut is not found."""
         return self._redact(data.decode("utf-8", errors="replace")).encode()
 
-    def _http_error(self, what: str, status: int, data: bytes, attempts: int) -> HotLoadError:
+    def _http_error(self, what: str, status: int, data: bytes, attempts: int,
+                    headers: Mapping[str, str]) -> HotLoadError:
         message = extract_server_message(self._redact_body(data))
         tries = f" after {attempts} attempts" if attempts > 1 else ""
+        location = self._redact(headers["location"]) if 300 <= status < 400 and "location" in headers else None
+        moved = f" (Location: {location})" if location else ""
         return HotLoadError(
-            f"{what} returned HTTP {status}{tries}: {message}",
+            f"{what} returned HTTP {status}{moved}{tries}: {message}",
             status_code=status,
             server_message=message,
-            hint=hint_for(status),
+            hint=hint_for(status, location),
         )
 
     def _parse_json(self, what: str, data: bytes) -> Any:
@@ -441,9 +445,9 @@ class HotLoadClient:
         error stage for ``identity``.
 
         Transient poll failures are logged and polled through (the load goes on server-side meanwhile);
-        400/401/403, unreadable responses and requests that cannot be sent are raised at once because waiting
-        cannot fix them, and so is a 404 while waiting for the manager (``identity`` None), which is how a wrong
-        deployment or URL shows.
+        redirects, 400/401/403/405/410/415/422, unreadable responses and requests that cannot be sent are raised
+        at once because waiting cannot fix them, and so is a 404 while waiting for the manager (``identity``
+        None), which is how a wrong deployment or URL shows.
         """
         if identity is not None:
             validate_identity(identity)

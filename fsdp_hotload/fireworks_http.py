@@ -32,8 +32,9 @@ MAX_RESPONSE_BYTES = 1 << 20
 _CHUNK = 64 * 1024
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-# Statuses that will not change by polling again: waiting would only hide a configuration error.
-_FATAL_POLL_STATUS = frozenset({400, 401, 403, 404})
+# Statuses that will not change by polling again: waiting would only hide a configuration error. (So does every
+# redirect: the client never follows one, see hint_for.)
+_FATAL_POLL_STATUS = frozenset({400, 401, 403, 404, 405, 410, 415, 422})
 
 _HINTS: dict[int, str] = {
     400: "the server rejected the request: check the identity and incremental_snapshot_metadata "
@@ -45,8 +46,13 @@ _HINTS: dict[int, str] = {
     "the key belongs to that account",
     404: "not found: check base_url, account_id and deployment_id, and that the deployment was created with "
     "hot-load enabled",
+    405: "the server does not allow this method on this path: check that base_url (hotload_api_url) points at "
+    "the hot-load API, with no extra path",
     408: "the server timed out reading the request: check the network path and retry",
     409: "conflict: every snapshot needs a new identity; publish under a fresh identity",
+    410: "gone: the deployment or the route was removed; check deployment_id and base_url",
+    415: "the server did not accept the request's Content-Type: additional_headers must not replace "
+    "'Content-Type: application/json'",
     429: "rate limited and the retry budget is spent: signal and poll less often, or raise retry_budget_s "
          "(HotloadConfig: ready_timeout_s, capped at 300 s)",
     500: "server error and the retry budget is spent: check the deployment's status; publish a full snapshot "
@@ -54,21 +60,32 @@ _HINTS: dict[int, str] = {
 }
 
 
-def hint_for(status: int | None) -> str | None:
-    """What to do about an HTTP ``status`` that ended a request (None when there is nothing specific to say)."""
+def hint_for(status: int | None, location: str | None = None) -> str | None:
+    """What to do about an HTTP ``status`` that ended a request (None when there is nothing specific to say);
+    ``location`` is a redirect's ``Location`` header."""
     if status is None:
         return None
+    if 300 <= status < 400:
+        # Not followed on purpose: a redirect would carry the Authorization header to wherever it points.
+        target = f" ({location})" if location else ""
+        return f"the server redirects this request: point hotload_api_url at the final URL{target}; the client " \
+            "does not follow redirects, which would send the API key on"
     if status in _HINTS:
         return _HINTS[status]
+    if status == 422:
+        return _HINTS[400]
     if 500 <= status < 600:
         return _HINTS[500]
     return None
 
 
 def fatal_while_polling(status: int | None, *, signalled: bool) -> bool:
-    """True when a status poll that got ``status`` should end the wait at once: polling again cannot change it.
-    A 404 after a signal was accepted is the route lagging (the reference client polls through it); before one
-    (the manager wait) it is the misconfiguration its hint names."""
+    """True when a status poll that got ``status`` should end the wait at once: polling again cannot change it
+    (a redirect, a refused method or body, a route that is gone, auth). A 404 after a signal was accepted is the
+    route lagging (the reference client polls through it); before one (the manager wait) it is the
+    misconfiguration its hint names."""
+    if status is not None and 300 <= status < 400:
+        return True
     return status in _FATAL_POLL_STATUS and not (status == 404 and signalled)
 
 

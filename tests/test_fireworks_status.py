@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from fsdp_hotload.fireworks import HotLoadClient, HotLoadResponseError
+from fsdp_hotload.fireworks import HotLoadClient, HotLoadError, HotLoadResponseError
 
 from tests.http_fixture import serve
 from tests.test_fireworks_transport import answering
@@ -65,3 +65,20 @@ def test_a_json_object_without_replicas_ends_the_wait_at_once() -> None:
 def test_an_empty_signal_answer_is_an_empty_result() -> None:
     with serve(answering(200, b"")) as url:
         assert make_client(url).signal("s1") == {}
+
+
+@pytest.mark.parametrize("status,headers", [(301, {"Location": "https://gw.example/v2/hot_load/v1/models/hot_load"}),
+                                            (307, {}), (405, {}), (410, {}), (415, {}), (422, {})])
+def test_statuses_that_polling_cannot_change_end_both_waits_at_once(status: int, headers: dict[str, str]) -> None:
+    """Redirects (never followed: they would carry the key on), 405, 410, 415 and 422 were polled until the
+    timeout, and a redirect's message did not say where it pointed."""
+    with serve(answering(status, b'{"error": {"message": "nope"}}', headers=headers)) as url:
+        client = make_client(url)
+        for wait in (lambda: client.wait_ready("s1", timeout_s=5), lambda: client.wait_manager(timeout_s=5)):
+            started = time.monotonic()
+            with pytest.raises(HotLoadError, match=f"HTTP {status}") as info:
+                wait()
+            assert time.monotonic() - started < 1.0 and info.value.status_code == status
+            if "Location" in headers:
+                assert f"(Location: {headers['Location']})" in str(info.value)
+                assert "point hotload_api_url at the final URL (https://gw.example/" in str(info.value)

@@ -62,9 +62,11 @@ def test_an_attempt_never_outlasts_the_retry_budget() -> None:
             assert time.monotonic() - started < 3.0
 
 
-def answering(status: int, body: bytes, *, trickle_s: float = 0.0, length: bool = True) -> Any:
-    """A handler class that answers every request with ``body``, a byte every ``trickle_s`` seconds if set, and
-    without a Content-Length (the body ends when the connection closes) if ``length`` is False."""
+def answering(status: int, body: bytes, *, trickle_s: float = 0.0, length: bool = True,
+              headers: dict[str, str] | None = None) -> Any:
+    """A handler class that answers every request with ``status``, ``headers`` and ``body``: a byte every
+    ``trickle_s`` seconds if set, and without a Content-Length (the body ends when the connection closes) if
+    ``length`` is False."""
     from http.server import BaseHTTPRequestHandler
 
     class Handler(BaseHTTPRequestHandler):
@@ -73,6 +75,8 @@ def answering(status: int, body: bytes, *, trickle_s: float = 0.0, length: bool 
             if n:
                 self.rfile.read(n)
             self.send_response(status)
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
             if length:
                 self.send_header("Content-Length", str(len(body)))
             self.end_headers()
