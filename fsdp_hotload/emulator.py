@@ -17,7 +17,8 @@ Endpoints (all answer JSON; errors are ``{"error": {"message": ...}}``):
 * ``GET /emulator/v1/state`` — every deployment's replicas (identity + per-tensor sha256) and ledger
 
 Request bodies need a Content-Length (chunked bodies get 411) and must arrive in full within
-``request_timeout_s`` (else 400 or 408); HEAD, OPTIONS and other methods get a JSON 405/501 like every error.
+``request_timeout_s`` of the connection opening (else 400 or 408); HEAD, OPTIONS and other methods get a JSON
+405/501 like every error.
 
 Example::
 
@@ -38,6 +39,7 @@ import re
 import socket
 import sys
 import threading
+import time
 import urllib.parse
 from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -55,6 +57,7 @@ __all__ = ["BaseModelSpec", "HotLoadEmulator", "run_emulator_cli", "format_valid
 
 STATE_PATH = "/emulator/v1/state"
 MAX_BODY = 1 << 20
+_READ_CHUNK = 64 * 1024
 _LEDGER_RE = re.compile(r"/v1/accounts/([^/]+)/deployments/([^/]+)/ledger")
 _MODEL_RE = re.compile(r"accounts/[^/]+/models/[^/]+")
 _DEPLOYMENT_RE = re.compile(r"accounts/[^/]+/deployments/[^/]+")
@@ -97,8 +100,9 @@ class HotLoadEmulator:
     :class:`BaseModelSpec`) is what the deployments were created from: each full snapshot's ``config.json`` is
     compared with its config, and its tensors with the base model's names and shapes, as the real service does
     (§6.2); ``base_config`` alone checks the config only. Full snapshots must hold one layer per file either
-    way. ``request_timeout_s`` bounds how long one connection may take to send its request, so a stalled client
-    cannot hold a handler thread.
+    way. ``request_timeout_s`` bounds how long one connection may take to send its request body, counted from
+    the connection opening (the request line and headers, which http.server caps in size, only per read), so a
+    stalled or trickling client cannot hold a handler thread.
     ``manager_delay_s`` keeps each new deployment's hot-load manager down that long after its first request: GET
     reports no replicas, and signals and hints are refused with 503, counted in ``state()`` as
     ``premature_signals`` and ``premature_hints``.
@@ -405,6 +409,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         self.timeout = self.server.emulator.request_timeout_s  # applied to the socket by StreamRequestHandler
+        # One request per connection (HTTP/1.0): the body must be in by this time. The socket timeout alone
+        # bounds each read, so a client sending a byte at a time could hold the thread as long as it liked.
+        self.deadline = time.monotonic() + self.timeout
         super().setup()
 
     def _read_body(self) -> bytes | None:
@@ -420,11 +427,23 @@ class _Handler(BaseHTTPRequestHandler):
         if length < 0 or length > MAX_BODY:
             self.send_error(413 if length > MAX_BODY else 400, "bad or oversized Content-Length")
             return None
+        chunks: list[bytes] = []
+        got = 0
         try:
-            body = self.rfile.read(length) if length else b""
+            while got < length:
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                self.connection.settimeout(left)
+                chunk = self.rfile.read1(min(_READ_CHUNK, length - got))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                got += len(chunk)
         except TimeoutError:
             self.send_error(408, f"request body not received within {self.timeout:g}s")
             return None
+        body = b"".join(chunks)
         if len(body) != length:
             self.send_error(400, f"request body ended after {len(body)} of the {length} bytes its Content-Length "
                                  "announced")
