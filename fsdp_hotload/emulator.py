@@ -16,9 +16,9 @@ Endpoints (all answer JSON; errors are ``{"error": {"message": ...}}``):
 * ``GET /v1/accounts`` — account lookup, as the Fireworks SDK does it before building headers
 * ``GET /emulator/v1/state`` — every deployment's replicas (identity + per-tensor sha256) and ledger
 
-Request bodies need a Content-Length (chunked bodies get 411) and must arrive in full within
-``request_timeout_s`` of the connection opening (else 400 or 408); HEAD, OPTIONS and other methods get a JSON
-405/501 like every error.
+The two POSTs need ``Content-Type: application/json`` (else 415). Request bodies need a Content-Length
+(chunked bodies get 411) and must arrive in full within ``request_timeout_s`` of the connection opening (else
+400 or 408); HEAD, OPTIONS and other methods get a JSON 405/501 like every error.
 
 Example::
 
@@ -90,6 +90,15 @@ def _require_meta_keys(body: dict[str, Any], where: str) -> None:
         for k in _META_KEYS:
             if k not in meta:
                 raise _HttpError(400, f"Field required, field: '{where}incremental_snapshot_metadata.{k}'")
+
+
+def _check_content_type(headers: Any) -> None:
+    """The protocol lists ``Content-Type: application/json`` as required (notes §1.3), so a client that drops it
+    (an ``additional_headers`` entry that replaces it, say) fails here as it may on the service. 415 is the HTTP
+    answer for it; which status the service sends is not documented."""
+    value = headers.get("Content-Type") or ""
+    if value.split(";", 1)[0].strip().lower() != "application/json":
+        raise _HttpError(415, f"Content-Type must be application/json, got {value or 'none'!r}")
 
 
 class HotLoadEmulator:
@@ -324,6 +333,8 @@ class HotLoadEmulator:
             self._check_auth(headers)
             if method in ("HEAD", "OPTIONS"):
                 raise _HttpError(405, f"{method} is not allowed on {path}; the emulator answers GET, POST and DELETE")
+            if method == "POST" and path in (HOT_LOAD_PATH, HINT_PATH):
+                _check_content_type(headers)
             if path == HOT_LOAD_PATH:
                 if method == "POST":
                     return self._signal(headers, body)

@@ -448,7 +448,7 @@ def test_cli_serves_until_interrupted(tmp_path: Path) -> None:
 def test_deeply_nested_json_is_a_400_not_an_internal_error(emulator: HotLoadEmulator) -> None:
     deep = b"[" * 100_000 + b"]" * 100_000
     code, _, body = exchange(emulator, "POST", "/hot_load/v1/models/hot_load", deep,
-                             headers={"Content-Length": str(len(deep))})
+                             headers={"Content-Length": str(len(deep)), "Content-Type": "application/json"})
     assert code == 400 and "not valid JSON" in body["error"]["message"]
     emulator.check()  # nothing was recorded as an emulator bug
 

@@ -49,3 +49,22 @@ def test_a_trickled_body_gets_408_at_the_request_deadline(tmp_path: Path) -> Non
         assert code == 408 and "within 1s" in str(reply)
         assert time.monotonic() - started < 2.5
         assert emu.state()["deployments"] == {}  # the signal was not acted on
+
+
+def signal_with(emu: HotLoadEmulator, content_type: str | None, identity: str) -> tuple[int, dict[str, object]]:
+    body = json.dumps({"identity": identity}).encode()
+    host, port = emu.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head("POST", HOT_LOAD, len(body), {"Content-Type": content_type}) + body)
+        return answer(sock)
+
+
+def test_posts_need_a_json_content_type(tmp_path: Path) -> None:
+    """Content-Type is a required header (protocol notes §1.3); a client that lost it passed unnoticed."""
+    with HotLoadEmulator(str(tmp_path), replicas=1, api_key=EMULATOR_API_KEY) as emu:
+        for content_type in (None, "text/plain", "application/jsonx"):
+            code, reply = signal_with(emu, content_type, "s1")
+            assert code == 415 and "Content-Type must be application/json" in str(reply), content_type
+        assert emu.state()["deployments"] == {}
+        for i, content_type in enumerate(("application/json", "Application/JSON; charset=utf-8")):
+            assert signal_with(emu, content_type, f"s{i}")[0] == 200, content_type
