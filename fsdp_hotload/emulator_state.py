@@ -214,11 +214,32 @@ class LedgerRow:
     ignore: list[str]
     signalled_at: float
     per_replica: list[dict[str, Any]]
+    metadata: dict[str, Any] | None = None  # incremental_snapshot_metadata as signalled, all of it
 
     def to_dict(self) -> dict[str, Any]:
         return {"identity": self.identity, "kind": self.kind, "previous": self.previous,
                 "compression_format": self.compression_format, "reset_prompt_cache": self.reset_prompt_cache,
+                "incremental_snapshot_metadata": self.metadata,
                 "signalled_at": self.signalled_at, "per_replica": [dict(r) for r in self.per_replica]}
+
+    def differences(self, req: HotLoadRequest) -> list[str]:
+        """The fields in which a re-signal of this row's identity asks for something else than this row."""
+        meta = req.incremental_snapshot_metadata
+        ignore = req.validation.extra_fields_ignore if req.validation is not None else []
+        pairs = (("incremental_snapshot_metadata", self.metadata, meta.model_dump() if meta is not None else None),
+                 ("reset_prompt_cache", cache_policy(self.reset_prompt_cache), cache_policy(req.reset_prompt_cache)),
+                 ("validation.extra_fields_ignore", sorted(set(self.ignore)), sorted(set(ignore))))
+        return [name for name, had, asked in pairs if had != asked]
+
+
+def cache_policy(value: Any) -> str:
+    """``reset_prompt_cache`` as the policy it names: unset is the default ``all``, and the SDK's bools map
+    ``true`` to ``all`` and ``false`` to ``none`` (inferred; the docs define only the strings)."""
+    if value is None or value is True:
+        return "all"
+    if value is False:
+        return "none"
+    return str(value)
 
 
 @dataclass
@@ -394,21 +415,25 @@ class Deployment:
                 self.premature_signals += 1
                 raise SignalRejected(503, "the hot-load manager is not initialised yet (GET reports no replicas); "
                                           "a signal this early can crash the serving container")
-            if self.ledger and self.ledger[-1].identity == identity:
-                if self.ledger[-1].previous == previous:
-                    return {"status": "ok"}  # a retried signal: the load is already under way or done
-                raise SignalRejected(409, f"identity {identity!r} was just signalled with different "
-                                          "incremental_snapshot_metadata; use a new identity")
-            if identity in self.signalled:
-                raise SignalRejected(409, f"identity {identity!r} was already used on deployment {self.key!r}; "
-                                          "every snapshot needs a new identity")
-            if meta is not None:
+            if meta is not None:  # what the body alone says comes first, a re-signal included
                 if meta.compression_format not in self.settings.compression_formats:
                     raise SignalRejected(400, f"compression_format {meta.compression_format!r} is not supported "
                                               f"(supported: {', '.join(self.settings.compression_formats)})")
                 if meta.checksum_format != CHECKSUM_FORMAT:
                     raise SignalRejected(400, f"checksum_format {meta.checksum_format!r} is not supported "
                                               f"(supported: {CHECKSUM_FORMAT})")
+            if self.ledger and self.ledger[-1].identity == identity:
+                # A retried signal is accepted only as the very same request: one that asks for another codec,
+                # cache policy or validation would otherwise be answered 200 and silently not applied.
+                differs = self.ledger[-1].differences(req)
+                if not differs:
+                    return {"status": "ok"}  # a retried signal: the load is already under way or done
+                raise SignalRejected(409, f"identity {identity!r} was just signalled with a different "
+                                          f"{' and '.join(differs)}; use a new identity")
+            if identity in self.signalled:
+                raise SignalRejected(409, f"identity {identity!r} was already used on deployment {self.key!r}; "
+                                          "every snapshot needs a new identity")
+            if meta is not None:
                 if not self.signalled:
                     raise SignalRejected(400, f"delta snapshot {identity!r} names previous_snapshot_identity "
                                               f"{previous!r}, but the ledger is empty (new deployment or ledger "
@@ -428,6 +453,7 @@ class Deployment:
             row = LedgerRow(
                 identity=identity, kind="delta" if meta is not None else "full", previous=previous,
                 compression_format=meta.compression_format if meta is not None else None,
+                metadata=meta.model_dump() if meta is not None else None,
                 reset_prompt_cache=req.reset_prompt_cache if req.reset_prompt_cache is not None else "all",
                 ignore=list(req.validation.extra_fields_ignore) if req.validation is not None else [],
                 signalled_at=time.time(),

@@ -1,5 +1,5 @@
-"""The emulator's HTTP front door: how long a request may take to arrive and which request headers it needs,
-over real sockets on loopback."""
+"""The emulator's HTTP front door (how long a request may take to arrive, which request headers it needs) and
+what it accepts as a retried signal, over real sockets on loopback."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,11 @@ import socket
 import time
 from pathlib import Path
 
+from typing import Any
+
 from fsdp_hotload.emulator import HotLoadEmulator
-from tests.emulator_fixture import EMULATOR_API_KEY
+from fsdp_hotload.fireworks import HotLoadClient
+from tests.emulator_fixture import EMULATOR_API_KEY, perturb, tiny_model, write_delta_snapshot, write_full_snapshot
 
 DEP = "accounts/acct/deployments/dep"
 HOT_LOAD = "/hot_load/v1/models/hot_load"
@@ -68,3 +71,46 @@ def test_posts_need_a_json_content_type(tmp_path: Path) -> None:
         assert emu.state()["deployments"] == {}
         for i, content_type in enumerate(("application/json", "Application/JSON; charset=utf-8")):
             assert signal_with(emu, content_type, f"s{i}")[0] == 200, content_type
+
+
+def post(emu: HotLoadEmulator, body: dict[str, Any]) -> tuple[int, dict[str, object]]:
+    data = json.dumps(body).encode()
+    host, port = emu.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head("POST", HOT_LOAD, len(data)) + data)
+        return answer(sock)
+
+
+def test_a_resignal_is_accepted_only_as_the_same_request(tmp_path: Path) -> None:
+    """A re-signal of the newest identity was compared on previous_snapshot_identity alone, so one that asked
+    for another codec (even an unsupported one), cache policy or validation got 200 and was silently ignored."""
+    m1 = tiny_model(0)
+    m2 = perturb(m1, seed=1)
+    write_full_snapshot(tmp_path, "s1", m1)
+    write_delta_snapshot(tmp_path, "s2", "s1", m1, m2)
+    with HotLoadEmulator(str(tmp_path), replicas=1, api_key=EMULATOR_API_KEY,
+                         compression_formats=("arc_v2", "arc_sparse_v1")) as emu:
+        client = HotLoadClient(emu.url, account_id="acct", model_id="m", deployment_id="dep",
+                               api_key=EMULATOR_API_KEY, poll_interval_s=0.02)
+        client.signal("s1")
+        client.wait_ready("s1", timeout_s=30)
+        meta = {"previous_snapshot_identity": "s1", "compression_format": "arc_v2", "checksum_format": "alder32"}
+        sent = {"identity": "s2", "incremental_snapshot_metadata": meta, "reset_prompt_cache": "new_session",
+                "validation": {"extra_fields_ignore": ["a", "b"]}}
+        assert post(emu, sent) == (200, {"status": "ok"})
+        same = {**sent, "validation": {"extra_fields_ignore": ["b", "a"]}}  # the same set of keys
+        assert post(emu, same) == (200, {"status": "ok"})
+        for change, differs in (
+            ({"incremental_snapshot_metadata": {**meta, "compression_format": "arc_sparse_v1"}},
+             "incremental_snapshot_metadata"),
+            ({"reset_prompt_cache": "none"}, "reset_prompt_cache"),
+            ({"reset_prompt_cache": None}, "reset_prompt_cache"),  # unset is the default, all
+            ({"validation": {"extra_fields_ignore": ["a"]}}, "validation.extra_fields_ignore"),
+        ):
+            code, reply = post(emu, {k: v for k, v in {**sent, **change}.items() if v is not None})
+            assert code == 409 and f"a different {differs};" in str(reply), change
+        code, reply = post(emu, {**sent, "incremental_snapshot_metadata": {**meta, "compression_format": "zstd"}})
+        assert code == 400 and "compression_format 'zstd' is not supported" in str(reply)
+        client.wait_ready("s2", timeout_s=30)
+        rows = emu.state()["deployments"]["accounts/acct/deployments/dep"]["ledger"]
+        assert [r["identity"] for r in rows] == ["s1", "s2"] and rows[1]["incremental_snapshot_metadata"] == meta
