@@ -1,0 +1,152 @@
+"""The hot-load emulator's HTTP front door: the threaded server and the handler that reads each request.
+
+Kept apart from :mod:`fsdp_hotload.emulator` (routing and the protocol rules) because this part is about
+hostile or broken clients, not about Fireworks: one request per connection, a body that must carry a
+Content-Length and arrive in full by a deadline, JSON errors for whatever http.server itself refuses, and no
+tracebacks for clients that hang up.
+
+Example::
+
+    server = Server(("127.0.0.1", 0), Handler)
+    server.emulator = emu            # a HotLoadEmulator: its request_timeout_s and handle() are used
+    server.serve_forever()
+"""
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .emulator import HotLoadEmulator
+
+log = logging.getLogger("fsdp_hotload.emulator")
+
+__all__ = ["MAX_BODY", "Handler", "Server", "Server6"]
+
+MAX_BODY = 1 << 20
+_READ_CHUNK = 64 * 1024
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    emulator: HotLoadEmulator
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up or stalls is its own problem: log it, never print a traceback."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.debug("emulator: connection from %s ended early: %r", client_address, exc)
+            return
+        super().handle_error(request, client_address)
+
+
+class Server6(Server):
+    address_family = socket.AF_INET6
+
+
+class Handler(BaseHTTPRequestHandler):
+    server_version = "hotload-emulator/1"
+    protocol_version = "HTTP/1.0"
+    server: Server
+
+    def setup(self) -> None:
+        self.timeout = self.server.emulator.request_timeout_s  # applied to the socket by StreamRequestHandler
+        # One request per connection (HTTP/1.0): the body must be in by this time. The socket timeout alone
+        # bounds each read, so a client sending a byte at a time could hold the thread as long as it liked.
+        self.deadline = time.monotonic() + self.timeout
+        super().setup()
+
+    def _read_body(self) -> bytes | None:
+        """Exactly Content-Length bytes of body, or None after answering the error (a truncated body must not be
+        taken for a whole one)."""
+        if self.headers.get("Transfer-Encoding"):
+            self.send_error(411, "Transfer-Encoding is not supported: send the body with a Content-Length")
+            return None
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
+        if length < 0 or length > MAX_BODY:
+            self.send_error(413 if length > MAX_BODY else 400, "bad or oversized Content-Length")
+            return None
+        chunks: list[bytes] = []
+        got = 0
+        try:
+            while got < length:
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                self.connection.settimeout(left)
+                chunk = self.rfile.read1(min(_READ_CHUNK, length - got))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                got += len(chunk)
+        except TimeoutError:
+            self.send_error(408, f"request body not received within {self.timeout:g}s")
+            return None
+        body = b"".join(chunks)
+        if len(body) != length:
+            self.send_error(400, f"request body ended after {len(body)} of the {length} bytes its Content-Length "
+                                 "announced")
+            return None
+        return body
+
+    def _dispatch(self, method: str) -> None:
+        emu = self.server.emulator
+        body = self._read_body()
+        if body is None:
+            return
+        try:
+            status, payload = emu.handle(method, self.path, self.headers, body)
+        except Exception as exc:  # a bug in the emulator: answer 500 and keep it for stop()/check()
+            emu._record_error(exc)
+            status, payload = 500, {"error": {"message": f"internal emulator error: {exc!r}"}}
+        self._send(status, payload)
+
+    def _send(self, status: int, payload: Any) -> None:
+        data = json.dumps(payload).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(data)
+        except (ConnectionError, TimeoutError) as exc:  # the client left; nobody is there to answer
+            log.debug("emulator: %s left before the response was sent: %r", self.address_string(), exc)
+        self.close_connection = True
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own errors (malformed request, unsupported method) in the JSON shape of every answer."""
+        text = message or self.responses.get(code, ("error",))[0]
+        self._send(code, {"error": {"message": text, "code": code}})
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server naming)
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._dispatch("POST")
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        self._dispatch("DELETE")
+
+    def do_PUT(self) -> None:  # noqa: N802
+        self._dispatch("PUT")
+
+    def do_PATCH(self) -> None:  # noqa: N802
+        self._dispatch("PATCH")
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._dispatch("HEAD")
+
+    def do_OPTIONS(self) -> None:  # noqa: N802
+        self._dispatch("OPTIONS")
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        log.debug("emulator %s - %s", self.address_string(), format % args)
