@@ -35,6 +35,18 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from .fireworks_http import (
+    MAX_RESPONSE_BYTES,
+    RETRYABLE_STATUS,
+    Headers,
+    check_url,
+    extract_server_message,
+    fatal_while_polling,
+    hint_for,
+    is_loopback,
+    retry_after,
+    send_once,
+)
 from .fireworks_models import (
     HINT_PATH,
     HOT_LOAD_PATH,
@@ -56,18 +68,6 @@ from .fireworks_models import (
     ValidationOptions,
     validate_filename,
     validate_identity,
-)
-from .fireworks_http import (
-    MAX_RESPONSE_BYTES,
-    RETRYABLE_STATUS,
-    Headers,
-    check_url,
-    extract_server_message,
-    fatal_while_polling,
-    hint_for,
-    is_loopback,
-    retry_after,
-    send_once,
 )
 from .fireworks_names import API_KEY_ENV, Secret, clean_api_key, clean_headers, deployment_name, model_name
 
@@ -134,9 +134,6 @@ class DeploymentTarget(BaseModel):
             deployment_id=self.deployment_id,
             **kwargs,
         )
-
-
-# ---------------------------------------------------------------------------------------------------- helpers
 
 
 # ---------------------------------------------------------------------------------------------------- client
