@@ -557,3 +557,38 @@ def test_signals_wait_for_the_hot_load_manager(tmp_path: Path) -> None:
                           retry_budget_s=0).signal("step-000000-aaaaaaaa")
         assert info.value.status_code == 503
         assert emu.state()["deployments"]["accounts/acct/deployments/late"]["premature_signals"] == 1
+
+
+def test_a_delta_whose_file_names_another_parent_than_the_signal_is_refused(emulator: HotLoadEmulator) -> None:
+    """The delta file's own header names its parent; the emulator must check it against the signal, not rely on the
+    checksum: here the bytes would rebuild exactly, only the recorded parent is wrong (a publisher that wrote the
+    wrong parent identity into its files must fail here, as on the real service)."""
+    client = client_for(emulator)
+    m1 = load_full(emulator, client, "step-1")
+    m2 = perturb(m1, seed=1)
+    write_delta_snapshot(emulator.bucket, "step-2", "step-0", m1, m2)  # bytes against step-1, header says step-0
+    client.signal("step-2", previous_identity="step-1")
+    with pytest.raises(HotLoadError, match="delta was made against 'step-0'"):
+        client.wait_ready("step-2", timeout_s=30)
+    assert [p["stage"] for p in settle(emulator, "step-2")] == ["error", "error"]
+    assert served(emulator) == [("step-1", sha256_map(m1))] * 2
+
+
+def test_a_replica_whose_parent_load_failed_refuses_the_queued_delta(emulator: HotLoadEmulator) -> None:
+    """A delta queued behind its parent's load must not apply on a replica where that load failed, even when the
+    bytes would rebuild exactly (the failed parent has the bytes of the snapshot the replica still serves): the
+    replica's own parent check, not the checksum, is what refuses it."""
+    client = client_for(emulator)
+    m1 = load_full(emulator, client, "step-1")
+    write_full_snapshot(emulator.bucket, "step-2", m1)  # same bytes as step-1, another identity
+    m3 = perturb(m1, seed=3)
+    write_delta_snapshot(emulator.bucket, "step-3", "step-2", m1, m3)
+    emulator.set_load_delay(600)  # replica 0 stays busy, so the delta is accepted behind step-2
+    emulator.fail_next_loads(1, replica=1)
+    client.signal("step-2")
+    client.signal("step-3", previous_identity="step-2")
+    emulator.set_load_delay(0)
+    rows = settle(emulator, "step-3")
+    assert [p["stage"] for p in rows] == ["done", "error"]
+    assert "applies to 'step-2', but replica 1 serves 'step-1'" in (rows[1]["error"] or "")
+    assert served(emulator) == [("step-3", sha256_map(m3)), ("step-1", sha256_map(m1))]

@@ -145,4 +145,4 @@ def test_a_background_copys_wait_counts_once_in_blocking_ms(tmp_path: Path) -> N
     pub.close()
     reported = [m.blocking_ms for m in pub.metrics.records]
     assert blocked * 1e3 > 500 and reported[0] > 250 and reported[1] > 250, (blocked, reported)
-    assert sum(reported) <= blocked * 1e3 + 20, (blocked, reported)
+    assert sum(reported) <= blocked * 1e3 + 100, (blocked, reported)  # counted twice, it would be ~300 ms over

@@ -596,3 +596,26 @@ def test_with_several_ranks_an_error_is_raised_at_the_same_step_on_every_rank(
     assert all(m.ok for m in records if m.step != 3), [(m.step, m.ok, m.error) for m in records]
     after = [m.kind for m in records if m.step > 3]
     assert after and after[0] == "full", after
+
+
+def test_cadence_bounds_every_delta_chain() -> None:
+    """max_chain_length deltas at most follow a full snapshot (and full_every publishes make one cycle); a failure
+    makes the next publish full and leaves the accepted parent as it was."""
+    from fsdp_hotload.engine.cadence import Cadence
+
+    def kinds(c: Cadence, n: int) -> list[str]:
+        out = []
+        for i in range(n):
+            k = c.next_kind()
+            out.append(k)
+            c.on_success(f"s{i}", k)
+        return out
+
+    assert kinds(Cadence(full_every=100, max_chain_length=2), 7) == ["full", "delta", "delta"] * 2 + ["full"]
+    assert kinds(Cadence(full_every=3), 7) == ["full", "delta", "delta"] * 2 + ["full"]
+    c = Cadence(full_every=100, max_chain_length=1)
+    assert kinds(c, 2) == ["full", "delta"] and c.next_kind() == "full"
+    c = Cadence(full_every=100)
+    kinds(c, 2)
+    c.on_failure()
+    assert c.next_kind() == "full" and c.accepted == "s1"

@@ -104,3 +104,28 @@ def test_a_snapshot_whose_ranks_disagree_is_never_committed(field: str, values: 
         setattr(status, field, value)
     _, _, errors = summarize(job, "step-000002-aa", "delta", statuses, raw_bytes=40)
     assert len(errors) == 1 and message in errors[0], errors
+
+
+def test_a_snapshot_missing_a_file_that_no_rank_reported_failing_is_never_committed(tmp_path: Path) -> None:
+    """Rank 0 commits only when the ranks' reports name every file of the plan: a report without an error that
+    lacks a file (a rank that skipped one) must not get a commit marker, and its folder is discarded."""
+    from fsdp_hotload.retention import read_commit_marker
+
+    n = 4096
+    specs = [TensorSpec(name, (n,), "BF16") for name in ("model.layers.0.a", "model.layers.1.b")]
+    chunk = WholeChunk("model.layers.0.a", (n,), "BF16", "flat", Box.flat(0, n), torch.zeros(n))
+    pub = Publisher([chunk], specs, HotloadConfig(bucket_url=str(tmp_path / "bucket")))
+    try:
+        files = sorted(pub.plan.files)
+        assert len(files) == 2
+        identity = "step-000002-aa"
+        for f in files:
+            pub.storage.put_bytes(f"{identity}/{f}", b"x" * 10)
+        job = Job(2, torch.empty(0), None, blocking_ms=0.0, skipped_before=0, t_hook=0.0)
+        statuses = [RankStatus(0, "full", identity, None, files={files[0]: 10}), RankStatus(1, "full", identity)]
+        outcome = pub._finish(job, identity, "full", None, statuses)
+        assert not outcome.ok and "files missing after upload" in (outcome.error or ""), outcome.error
+        assert read_commit_marker(pub.storage, identity) is None
+        assert pub.storage.list(identity) == []
+    finally:
+        pub.close()
