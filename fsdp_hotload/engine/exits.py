@@ -53,5 +53,5 @@ def gave_up_message(timeout: float | None, pending: int, rank: int, where: str) 
     """What close() says when its deadline passed with ``pending`` snapshots in flight (``where``: the progress
     line of the one running)."""
     return (f"close() gave up after {timeout:g} s (close_timeout_s) with {pending} snapshot(s) still publishing on "
-            f"rank {rank}: {where}. They are dropped and the fleet keeps the last snapshot it accepted; the stuck "
-            "call is left to a daemon thread")
+            f"rank {rank}: {where}. They are dropped: none not yet committed will be, so the fleet keeps the last "
+            "snapshot it accepted (one already signalled may still load); the stuck call is left to a daemon thread")
