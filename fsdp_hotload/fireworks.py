@@ -38,7 +38,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from .fireworks_http import (
     MAX_RESPONSE_BYTES,
     RETRYABLE_STATUS,
+    Canceller,
     Headers,
+    RequestCancelled,
     check_url,
     extract_server_message,
     fatal_while_polling,
@@ -54,6 +56,7 @@ from .fireworks_models import (
     HintRequest,
     HintSnapshot,
     HotLoadBodyError,
+    HotLoadCancelled,
     HotLoadError,
     HotLoadRequest,
     HotLoadRequestError,
@@ -82,6 +85,7 @@ __all__ = [
     "HintRequest",
     "HintSnapshot",
     "HotLoadBodyError",
+    "HotLoadCancelled",
     "HotLoadClient",
     "HotLoadError",
     "HotLoadRequest",
@@ -197,6 +201,13 @@ class HotLoadClient:
         # Older servers reject reset_prompt_cache as an unknown field; after the first such 400 we stop sending it.
         self.send_reset_prompt_cache = True
         self._ssl = ssl.create_default_context()
+        self._canceller = Canceller()
+
+    def cancel(self) -> None:
+        """End this client's waits and requests now, from any thread; every later call raises
+        :class:`HotLoadCancelled`. For an owner that is closing (a publisher giving up on a snapshot), whose
+        thread would otherwise poll a deployment for up to its whole readiness timeout."""
+        self._canceller.cancel()
 
     def __repr__(self) -> str:
         return (
@@ -254,6 +265,8 @@ class HotLoadClient:
         attempt = 0
         while True:
             attempt += 1
+            if self._canceller.cancelled:
+                raise self._cancelled(what)
             # Each attempt gets what is left of the budget (at least 0.5 s to have a chance): the budget, not
             # timeout_s, is what callers plan with (longest_signal_s), and a server that takes a request and never
             # answers must not hold the last attempt a full timeout_s past it.
@@ -263,10 +276,13 @@ class HotLoadClient:
             rheaders: dict[str, str] = {}
             wait_hint: float | None = None
             unsendable: str | None = None
+            cancelled = False
             hint: str | None = None
             try:
                 status, rheaders, data, oversized = send_once(base, method, path, payload, headers, timeout,
-                                                              self._ssl)
+                                                              self._ssl, self._canceller)
+            except RequestCancelled:
+                cancelled = True
             except ssl.SSLCertVerificationError as exc:
                 unsendable = f"{what}: TLS certificate verification failed: {exc}"
                 hint = "check the base_url host name and the system CA certificates"
@@ -290,6 +306,8 @@ class HotLoadClient:
                     raise self._http_error(what, status, data, attempt, rheaders)
                 failure = f"HTTP {status}: {extract_server_message(self._redact_body(data))}"
                 wait_hint = retry_after(rheaders)
+            if cancelled:
+                raise self._cancelled(what)
             if unsendable is not None:
                 # Raised outside the except block so the original exception (whose text may hold the key) is
                 # not chained as __context__.
@@ -308,7 +326,11 @@ class HotLoadClient:
                     "raise retry_budget_s for flaky networks (HotloadConfig: ready_timeout_s, capped at 300 s)",
                 )
             log.warning("%s failed (%s); retry %d in %.1fs", what, self._redact(failure), attempt, delay)
-            time.sleep(delay)
+            if self._canceller.wait(delay):
+                raise self._cancelled(what)
+
+    def _cancelled(self, what: str) -> HotLoadCancelled:
+        return HotLoadCancelled(self._redact(f"{what}: cancelled (the client is closing)"))
 
     def _redact_body(self, data: bytes) -> bytes:
         """The body with the key removed, before anything cuts it short: a key split by a cut is not found."""
@@ -457,7 +479,7 @@ class HotLoadClient:
             except HotLoadBodyError as exc:  # not JSON at all (a proxy's page): the reference client polls on
                 last_error = str(exc)
                 log.warning("status poll for %r failed: %s", identity, last_error)
-            except (HotLoadResponseError, HotLoadRequestError):
+            except (HotLoadResponseError, HotLoadRequestError, HotLoadCancelled):
                 raise
             except HotLoadError as exc:
                 if fatal_while_polling(exc.status_code, signalled=identity is not None):
@@ -493,7 +515,9 @@ class HotLoadClient:
                     hint="loads of large snapshots take minutes: raise timeout_s, check the deployment's "
                     "replicas are up, and publish a full snapshot if the chain is stuck",
                 )
-            time.sleep(min(self.poll_interval_s, remaining))
+            if self._canceller.wait(min(self.poll_interval_s, remaining)):
+                waited = f"waiting for {identity!r}" if identity is not None else "waiting for a replica"
+                raise self._cancelled(f"{waited} on {self.deployment_name}")
 
     def reset_ledger(self) -> None:
         """Forget every hot-loaded snapshot on the deployment; the next signal must be a full snapshot."""

@@ -11,14 +11,18 @@ Example::
 
     base = check_url("https://api.fireworks.ai", False, "base_url")
     reply = send_once(base, "GET", "/hot_load/v1/models/hot_load", None, hdrs, 30.0, ctx)  # -> Reply
+    stop = Canceller()  # stop.cancel() from another thread ends a send_once(..., canceller=stop) at once
 """
 from __future__ import annotations
 
 import email.utils
 import http.client
+import contextlib
 import ipaddress
 import json
+import socket
 import ssl
+import threading
 import time
 import urllib.parse
 from collections.abc import Mapping
@@ -177,45 +181,157 @@ class Reply(NamedTuple):
     oversized: bool
 
 
+class RequestCancelled(Exception):
+    """The exchange was ended by :meth:`Canceller.cancel` (the client's owner is closing)."""
+
+
+class Canceller:
+    """Ends a client's waits and the exchanges it has on the wire, from any thread.
+
+    Why: a publisher that gives up on a snapshot (``close(timeout=)``) leaves its thread waiting for the
+    deployment's replicas for up to ``ready_timeout_s``; cancelling lets that thread end, and free what it holds,
+    at once rather than minutes later. Sleeps between polls and retries use :meth:`wait`."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._wakers: set[threading.Event] = set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+    def cancel(self) -> None:
+        self._event.set()
+        with self._lock:
+            for waker in self._wakers:
+                waker.set()
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; True (at once) when cancelled."""
+        return self._event.wait(max(0.0, seconds))
+
+    def watch(self, waker: threading.Event) -> None:
+        with self._lock:
+            self._wakers.add(waker)
+            if self._event.is_set():
+                waker.set()
+
+    def unwatch(self, waker: threading.Event) -> None:
+        with self._lock:
+            self._wakers.discard(waker)
+
+
+class _Watchdog:
+    """Shuts one exchange's socket down at its deadline, or when its canceller fires.
+
+    Why: a socket timeout bounds each read, not the exchange. ``http.client`` reads the status line and up to 100
+    header lines of 64 KiB each under that per-read timeout, so a server (or proxy) trickling them a byte at a
+    time held a status poll far past the caller's deadline. A shut-down socket reads as end of file at once; the
+    caller then asks :meth:`finish` why, since a cut body can look complete to ``http.client``."""
+
+    def __init__(self, conn: http.client.HTTPConnection, deadline: float, canceller: Canceller | None) -> None:
+        self._conn = conn
+        self._deadline = deadline
+        self._canceller = canceller
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._done = False
+        self.fired: str | None = None  # "deadline" or "cancelled"
+        if canceller is not None:
+            canceller.watch(self._wake)
+        threading.Thread(target=self._run, name="hotload-http-watchdog", daemon=True).start()
+
+    def _run(self) -> None:
+        self._wake.wait(max(0.0, self._deadline - time.monotonic()))
+        with self._lock:
+            if self._done:
+                return
+            cancelled = self._canceller is not None and self._canceller.cancelled
+            self.fired = "cancelled" if cancelled else "deadline"
+            sock = self._conn.sock
+            if sock is not None:  # the plain socket's shutdown, also under TLS: it only wakes the reader
+                with contextlib.suppress(OSError):
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+    def finish(self) -> str | None:
+        """Stop watching; returns why the exchange was cut (None when it was not)."""
+        with self._lock:
+            self._done = True
+        self._wake.set()
+        if self._canceller is not None:
+            self._canceller.unwatch(self._wake)
+        return self.fired
+
+
 def send_once(
     base: urllib.parse.SplitResult, method: str, path: str, payload: bytes | None, headers: dict[str, str],
-    timeout: float, context: ssl.SSLContext,
+    timeout: float, context: ssl.SSLContext, canceller: Canceller | None = None,
 ) -> Reply:
-    """One exchange, no retries, done within ``timeout`` seconds. Raises OSError/HTTPException on failure.
+    """One exchange, no retries, done within ``timeout`` seconds. Raises OSError/HTTPException on failure
+    (TimeoutError past ``timeout``) and :class:`RequestCancelled` once ``canceller`` is cancelled.
 
-    Why the body is read here in pieces: a socket timeout bounds each read, not the exchange, so a server (or
-    proxy) that trickles its answer a byte at a time kept a status poll going far past the caller's deadline,
-    and a plain ``read()`` holds whatever size the server sends. (The status line and headers are still read
-    under the per-read timeout only; http.client caps them at 100 lines.)"""
+    Why the body is read here in pieces: a plain ``read()`` holds whatever size the server sends. The deadline
+    covers the whole exchange, status line and headers included (see :class:`_Watchdog`)."""
     deadline = time.monotonic() + timeout
+    if canceller is not None and canceller.cancelled:
+        raise RequestCancelled("the client was cancelled")
     if base.scheme == "https":
         conn: http.client.HTTPConnection = http.client.HTTPSConnection(
             base.hostname, base.port, timeout=timeout, context=context
         )
     else:
         conn = http.client.HTTPConnection(base.hostname, base.port, timeout=timeout)
+    watchdog = _Watchdog(conn, deadline, canceller)
     try:
-        conn.request(method, base.path.rstrip("/") + path, body=payload, headers=headers)
-        _time_left(conn, deadline, timeout)
-        resp = conn.getresponse()
-        status, rheaders = resp.status, {k.lower(): v for k, v in resp.getheaders()}
-        chunks: list[bytes] = []
-        got = 0
-        while got <= MAX_RESPONSE_BYTES:
-            _time_left(conn, deadline, timeout)
-            chunk = resp.read1(min(_CHUNK, MAX_RESPONSE_BYTES + 1 - got))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            got += len(chunk)
-        body = b"".join(chunks)
-        return Reply(status, rheaders, body[:MAX_RESPONSE_BYTES], got > MAX_RESPONSE_BYTES)
+        try:
+            reply = _exchange(conn, method, base.path.rstrip("/") + path, payload, headers, deadline, timeout,
+                              watchdog)
+        except Exception:
+            why = watchdog.finish()
+            if why is None:
+                raise
+            # Not chained: the reader's error (an end of file, a reset) only says the socket was shut down.
+            raise _cut(why, timeout) from None
+        why = watchdog.finish()
+        if why is not None:  # the body may have been cut short and still parsed as whole
+            raise _cut(why, timeout)
+        return reply
     finally:
+        watchdog.finish()
         conn.close()
 
 
-def _time_left(conn: http.client.HTTPConnection, deadline: float, timeout: float) -> None:
-    """Let the next socket read wait only until ``deadline``; raise TimeoutError once it has passed."""
+def _exchange(conn: http.client.HTTPConnection, method: str, url: str, payload: bytes | None,
+              headers: dict[str, str], deadline: float, timeout: float, watchdog: _Watchdog) -> Reply:
+    conn.request(method, url, body=payload, headers=headers)
+    _time_left(conn, deadline, timeout, watchdog)
+    resp = conn.getresponse()
+    status, rheaders = resp.status, {k.lower(): v for k, v in resp.getheaders()}
+    chunks: list[bytes] = []
+    got = 0
+    while got <= MAX_RESPONSE_BYTES:
+        _time_left(conn, deadline, timeout, watchdog)
+        chunk = resp.read1(min(_CHUNK, MAX_RESPONSE_BYTES + 1 - got))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    body = b"".join(chunks)
+    return Reply(status, rheaders, body[:MAX_RESPONSE_BYTES], got > MAX_RESPONSE_BYTES)
+
+
+def _cut(why: str, timeout: float) -> Exception:
+    if why == "cancelled":
+        return RequestCancelled("the client was cancelled while the request was on the wire")
+    return TimeoutError(f"the response did not arrive in full within {timeout:.1f}s")
+
+
+def _time_left(conn: http.client.HTTPConnection, deadline: float, timeout: float, watchdog: _Watchdog) -> None:
+    """Let the next socket read wait only until ``deadline``; raise once it has passed or the watchdog fired
+    (it may have fired while the socket was still being connected, with nothing to shut down)."""
+    if watchdog.fired is not None:
+        raise _cut(watchdog.fired, timeout)
     left = deadline - time.monotonic()
     if left <= 0:
         raise TimeoutError(f"the response did not arrive in full within {timeout:.1f}s")

@@ -77,6 +77,11 @@ class HotLoadTimeout(HotLoadError):
     """The snapshot was not served by every replica within the wait budget."""
 
 
+class HotLoadCancelled(HotLoadError):
+    """The client was cancelled (:meth:`HotLoadClient.cancel`): its owner is closing, so the request or wait was
+    ended early. The server may still act on what it already received (a signal may still load)."""
+
+
 class HotLoadRequestError(HotLoadError):
     """The request cannot be sent as built (a URL or header ``http.client`` refuses) or its server's TLS
     certificate does not verify: trying again cannot change that, so it is neither retried nor polled through."""

@@ -335,3 +335,39 @@ def test_close_gives_up_on_a_hung_write_after_its_timeout(tmp_path: Path, caplog
         assert_fleet_serves(emu, pub.metrics[0].identity, first)
         assert sorted(p.name for p in Path(bucket).iterdir() if not p.name.startswith(".")) == [
             pub.metrics[0].identity]
+
+
+def test_giving_up_on_a_slow_load_ends_the_readiness_wait(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """close(timeout=) on a snapshot whose load is slow returned, but left the publisher thread polling the
+    deployment for up to ready_timeout_s (and holding its buffers and helper threads): now the wait is cancelled
+    and the thread ends at once. The snapshot had been signalled: the fleet may still load it."""
+    import time
+
+    from fsdp_hotload.engine import PublishError
+
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    before = set(threading.enumerate())  # other tests' daemon threads may still be winding down
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        pub = TensorPublisher(model, config(bucket, emu, tmp_path, ready_timeout_s=120))
+        pub.publish(0, model)
+        pub.wait()
+        emu.set_load_delay(60)
+        train_step(model, 1)
+        assert pub.publish(1, model)
+        deadline = time.monotonic() + 20
+        while pub.engine._prog.step != 1 or "signalling" not in pub.engine._prog.describe(time.perf_counter()):
+            assert time.monotonic() < deadline, "the snapshot was never signalled"
+            time.sleep(0.02)
+        with caplog.at_level(logging.ERROR, logger="fsdp_hotload"):
+            with pytest.raises(PublishError, match="still publishing .*signalling"):
+                pub.close(timeout=0.3)
+        t0 = time.monotonic()
+        assert pub.engine._thread is not None
+        pub.engine._thread.join(10)
+        assert not pub.engine._thread.is_alive(), "the publisher thread still waits for the deployment"
+        assert time.monotonic() - t0 < 5
+        assert [(m.step, m.ok) for m in pub.metrics] == [(0, True), (1, False)]
+        assert "cancelled" in (pub.metrics[-1].error or "")
+        left = set(threading.enumerate()) - before
+        assert not [t.name for t in left if t.name.startswith(("hotload-signal", "hotload-upload"))]

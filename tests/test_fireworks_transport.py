@@ -123,3 +123,88 @@ def test_a_response_body_is_capped(length: bool) -> None:
     with serve(answering(400, b"no such route " + b"y" * (2 * MAX_RESPONSE_BYTES), length=length)) as url:
         with pytest.raises(HotLoadError, match="HTTP 400: no such route yyy"):
             make_client(url).signal("s1")
+
+
+@contextmanager
+def trickling_headers_server() -> Iterator[str]:
+    """Answers a status line, then one header byte every 50 ms for as long as the client reads: each read
+    succeeds well within any socket timeout, and http.client takes up to 100 header lines of 64 KiB."""
+    lsn = socket.socket()
+    lsn.bind(("127.0.0.1", 0))
+    lsn.listen(16)
+
+    def serve_one(conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nX-Pad: ")
+                for _ in range(2000):
+                    conn.sendall(b"a")
+                    time.sleep(0.05)
+            except OSError:  # the client gave up: that is what is tested
+                pass
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = lsn.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{lsn.getsockname()[1]}"
+    finally:
+        lsn.close()
+
+
+def test_trickled_headers_cannot_hold_the_wait_past_its_timeout() -> None:
+    """The status line and headers were read under the per-read socket timeout only: a header arriving a byte
+    every 50 ms held wait_ready(1 s) for as long as the server went on (100 s here)."""
+    with trickling_headers_server() as url:
+        started = time.monotonic()
+        with pytest.raises(HotLoadTimeout, match="within 1s.*did not arrive in full"):
+            make_client(url, timeout_s=30).wait_ready("new", timeout_s=1.0)
+        assert time.monotonic() - started < 3.0
+
+
+def _cancel_after(client: HotLoadClient, seconds: float) -> threading.Thread:
+    t = threading.Thread(target=lambda: (time.sleep(seconds), client.cancel()), daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("where", ["on the wire", "between polls", "between retries"])
+def test_cancel_ends_a_wait_or_request_at_once(where: str) -> None:
+    """A publisher that gave up on its snapshots (close(timeout=)) left its thread polling the deployment for up
+    to ready_timeout_s; cancel() ends the request on the wire, the sleep between polls and the retry backoff."""
+    from fsdp_hotload.fireworks import HotLoadCancelled
+
+    not_ready = b'{"replicas": [{"current_snapshot_identity": "old", "readiness": true}]}'
+    if where == "on the wire":
+        server, call = silent_server(), lambda c: c.signal("s1")
+        kw: dict[str, Any] = dict(timeout_s=60, retry_budget_s=60)
+    elif where == "between polls":
+        server, call = serve(answering(200, not_ready)), lambda c: c.wait_ready("new", timeout_s=60)
+        kw = dict(poll_interval_s=30)
+    else:
+        server, call = serve(answering(503, b"busy")), lambda c: c.signal("s1")
+        kw = dict(retry_budget_s=60, backoff_initial_s=30, backoff_max_s=30)
+    with server as url:
+        client = make_client(url, **kw)
+        started = time.monotonic()
+        _cancel_after(client, 0.3)
+        with pytest.raises(HotLoadCancelled, match="cancelled"):
+            call(client)
+        assert time.monotonic() - started < 2.0
+        started = time.monotonic()
+        with pytest.raises(HotLoadCancelled):  # and every later call, without sending anything
+            client.status()
+        assert time.monotonic() - started < 0.5
+    for _ in range(100):  # each exchange's watchdog ends with it
+        if not [t for t in threading.enumerate() if t.name == "hotload-http-watchdog"]:
+            break
+        time.sleep(0.01)
+    else:
+        raise AssertionError("a watchdog thread outlived its exchange")

@@ -390,6 +390,8 @@ class Publisher:
         (the side groups stay for the process's exit); snapshots still queued are dropped."""
         self.closed = self.abandoned = True
         self._broken = self._broken or PublishError("close() gave up on the snapshots in flight")
+        if self.signaller is not None:  # a thread stuck polling the deployment ends now, not at ready_timeout_s
+            self.signaller.cancel()
         with contextlib.suppress(queue.Full):  # (never full: the running job left it) the thread ends after it
             self._queue.put_nowait(None)
         msg = gave_up_message(timeout, self._pending, self.rank,

@@ -170,7 +170,15 @@ class Signaller:
                 failed[c.deployment_name] = str(exc)
         return failed
 
+    def cancel(self) -> None:
+        """End the signals, hints and readiness waits in flight now (from any thread), and every later one: for
+        a publisher that gave up on its snapshots, whose thread would otherwise poll for up to
+        ``ready_timeout_s``. A deployment already signalled may still load that snapshot."""
+        for c in self.clients:
+            c.cancel()
+
     def close(self) -> None:
+        self.cancel()
         self._pool.shutdown()
 
 
