@@ -79,3 +79,38 @@ def test_all_staging_memory_is_taken_at_construction(monkeypatch: pytest.MonkeyP
         assert st.free_slots() == 2 and st.cache is not None
     assert len(allocated) == 3
     assert {st.cache.data_ptr(), *(b.data_ptr() for b in st._free)} == set(allocated)
+
+
+def test_device_diff_falls_back_where_nonzero_static_has_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.4 and 2.5 define ``nonzero_static`` but have no CUDA kernel for it (one came in 2.6): the call
+    raises NotImplementedError, which must not fail every delta; the diff takes ``nonzero`` instead."""
+    from fsdp_hotload.engine import staging
+
+    calls = []
+
+    def no_kernel(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        raise NotImplementedError("Could not run 'aten::nonzero_static' with arguments from the 'CUDA' backend")
+
+    monkeypatch.setattr(torch, "nonzero_static", no_kernel, raising=False)
+    monkeypatch.setattr(staging, "_NO_STATIC_NONZERO", set(), raising=False)
+    cs = chunks("cpu")
+    st = Stager(cs, slots=1)
+    buf = st.acquire(wait=False)
+    assert buf is not None
+    st.wait_event(st.stage(buf))
+    st.promote(buf)
+    with torch.no_grad():
+        cs[0].source[::5] += 1e-2
+        cs[3].source[1] = 7
+    buf = st.acquire(wait=False)
+    assert buf is not None
+    st.wait_event(st.stage(buf))
+    assert st.cache is not None
+    gots = device_diff(buf, st.cache, st.slices, block=64)
+    for s, got in zip(st.slices, gots):
+        want = element_diff(st.cache[s.offset:s.offset + s.nbytes].numpy(), buf[s.offset:s.offset + s.nbytes].numpy(),
+                            s.itemsize)
+        assert np.array_equal(got.idx, want.idx) and np.array_equal(got.new, want.new)
+    assert [g.changed for g in gots] == [len(range(0, 257 * 33, 5)), 0, 0, 1]
+    assert len(calls) == 1, "the missing kernel is found once per device type, not once per block"

@@ -35,6 +35,7 @@ from ..arc.dtypes import UINT_BY_SIZE, itemsize, torch_name
 
 _SIGNED = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 DIFF_BLOCK = 1 << 22  # elements per device-diff step (the device temporaries are ~13 bytes per element)
+_NO_STATIC_NONZERO: set[str] = set()  # device types whose torch has no nonzero_static kernel (see _positions)
 
 
 class ChunkLike(Protocol):
@@ -323,7 +324,15 @@ def _count(mask: torch.Tensor) -> torch.Tensor:
 def _positions(mask: torch.Tensor, count: int) -> torch.Tensor:
     """Sorted int64 positions of the ``count`` set elements of ``mask``, without a host sync where torch has
     ``nonzero_static`` (its padding, never needed since the count was read from the same bytes, is position 0:
-    a valid index, where -1 would fail on the device)."""
-    if hasattr(torch, "nonzero_static"):
-        return torch.nonzero_static(mask, size=count, fill_value=0).reshape(-1)
-    return torch.nonzero(mask).reshape(-1)  # pragma: no cover - torch before 2.1
+    a valid index, where -1 would fail on the device).
+
+    Why the fallback: torch 2.4 and 2.5 define ``nonzero_static`` for the CPU only, and on a CUDA tensor it
+    raises NotImplementedError; ``nonzero`` (one host sync per block) gives the same positions. The device type
+    is remembered, so the missing kernel costs one failed call per process, not one per block."""
+    kind = mask.device.type
+    if kind not in _NO_STATIC_NONZERO and hasattr(torch, "nonzero_static"):
+        try:
+            return torch.nonzero_static(mask, size=count, fill_value=0).reshape(-1)
+        except NotImplementedError:
+            _NO_STATIC_NONZERO.add(kind)
+    return torch.nonzero(mask).reshape(-1)
