@@ -114,3 +114,22 @@ def test_device_diff_falls_back_where_nonzero_static_has_no_kernel(monkeypatch: 
         assert np.array_equal(got.idx, want.idx) and np.array_equal(got.new, want.new)
     assert [g.changed for g in gots] == [len(range(0, 257 * 33, 5)), 0, 0, 1]
     assert len(calls) == 1, "the missing kernel is found once per device type, not once per block"
+
+
+@pytest.mark.parametrize("wrong", ["one element", "too many", "one source short"])
+def test_staging_refuses_sources_that_do_not_match_the_chunks(wrong: str) -> None:
+    """Sources handed to ``publish`` replace the chunks' own: one of the wrong size was broadcast into the slot
+    (a 1-element tensor filled the whole chunk), so a wrong snapshot was published without any error."""
+    cs = chunks("cpu")
+    st = Stager(cs, slots=1)
+    buf = st.acquire(wait=False)
+    assert buf is not None
+    srcs = [c.source for c in cs]
+    if wrong == "one element":
+        srcs[0] = srcs[0][:1]
+    elif wrong == "too many":
+        srcs[1] = torch.zeros(srcs[1].numel() + 1, dtype=srcs[1].dtype)
+    else:
+        srcs = srcs[:-1]
+    with pytest.raises(ValueError, match="source"):
+        st.stage(buf, srcs)

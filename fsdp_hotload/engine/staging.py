@@ -128,7 +128,7 @@ class Stager:
         thread, returning a Future: the caller must then keep the sources unchanged until it is done (the
         callback waits for it before the next optimizer step).
         """
-        srcs = [c.source for c in self.chunks] if sources is None else list(sources)
+        srcs = [c.source for c in self.chunks] if sources is None else self._checked(sources)
         if self.cuda:
             assert self._stream is not None
             main = torch.cuda.current_stream(self.device)
@@ -145,6 +145,17 @@ class Stager:
             return self._copier.submit(self._copy_host, buf, srcs)
         self._copy_host(buf, srcs)
         return None
+
+    def _checked(self, sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Caller-given sources, one per chunk with the chunk's element count. Why: a copy broadcasts, so a
+        source of one element would fill its whole chunk and be published without any error."""
+        srcs = list(sources)
+        if len(srcs) != len(self.chunks):
+            raise ValueError(f"{len(srcs)} source tensors for {len(self.chunks)} chunks (one per chunk, in order)")
+        for c, s, src in zip(self.chunks, self.slices, srcs):
+            if int(src.numel()) != s.numel:
+                raise ValueError(f"chunk {c.name!r}: source has {src.numel()} elements, the chunk {s.numel}")
+        return srcs
 
     def _copy_host(self, buf: torch.Tensor, srcs: Sequence[torch.Tensor]) -> None:
         with torch.no_grad():  # thread-local: set here, on whichever thread copies
