@@ -43,14 +43,25 @@ def flag_names(field: str) -> list[str]:
     return names
 
 
-class _Null:
-    """A flag given as ``null`` (None for an optional field): unlike a flag not given, it wins over the variable."""
-
-    def __repr__(self) -> str:
-        return "null"
+#: The namespace attribute that lists, by field name, the flags given as ``null``.
+NULL_FIELDS = f"{PREFIX}_null_fields"
 
 
-NULL = _Null()
+class _StoreSetting(argparse.Action):
+    """Stores a flag's value; a ``null`` (None) is also listed in :data:`NULL_FIELDS`.
+
+    None in the flag's own attribute reads as 'not given', so the list is what lets a ``null`` flag win over its
+    variable. Megatron saves the namespace in every checkpoint and reads it back with ``torch.load``, which by
+    default refuses any class it was not told of: the namespace holds builtin values only (a marker object of
+    ours made every such checkpoint unloadable).
+    """
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        field = self.dest[len(PREFIX) + 1:]
+        nulls = [f for f in getattr(namespace, NULL_FIELDS, None) or [] if f != field]  # the last flag wins
+        setattr(namespace, NULL_FIELDS, [*nulls, field] if values is None else nulls)
 
 
 def _setting_name(field: str) -> str:
@@ -65,8 +76,6 @@ def _converter(name: str, annotation: Any) -> Callable[[str], Any]:
             value = parse_setting(text, annotation)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
-        if value is None:
-            return NULL
         if name == "storage_options" and mask_secrets(value) != value:
             raise argparse.ArgumentTypeError(
                 "holds credentials, which Megatron would print and save in its checkpoints; pass them in "
@@ -102,7 +111,7 @@ def add_hotload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
             group.add_argument(*flag_names(name), dest=f"{PREFIX}_{name}", default=None,
                                action=argparse.BooleanOptionalAction, help=_help(name))
             continue
-        group.add_argument(*flag_names(name), dest=f"{PREFIX}_{name}", default=None,
+        group.add_argument(*flag_names(name), dest=f"{PREFIX}_{name}", default=None, action=_StoreSetting,
                            type=_converter(name, field.annotation), help=_help(name))
     return parser
 
@@ -122,7 +131,7 @@ def config_from_args(args: argparse.Namespace) -> HotloadConfig | None:
                          "HotloadConfig.from_env() instead)")
     values = {name: getattr(args, f"{PREFIX}_{name}") for name in HotloadConfig.model_fields
               if getattr(args, f"{PREFIX}_{name}", None) is not None}
-    values = {name: None if v is NULL else v for name, v in values.items()}
+    values.update(dict.fromkeys(getattr(args, NULL_FIELDS, None) or [], None))
     if "bucket_url" not in values and ENV_PREFIX + "BUCKET_URL" not in os.environ:
         return None
     variable = ENV_PREFIX + "STORAGE_OPTIONS"

@@ -308,3 +308,22 @@ def test_hotload_fields_answer_to_the_flag_without_the_doubled_word() -> None:
                                 "--hotload-deployment-id", "d", "--hotload-hf-config-dir", "/tmp"])
     cfg = config_from_args(args)
     assert cfg is not None and (cfg.hotload_api_url, cfg.hotload_api_allow_http) == ("http://10.0.0.5:8083", True)
+
+
+def test_the_parsed_flags_load_back_from_a_megatron_checkpoint() -> None:
+    """Megatron saves the argument namespace in every checkpoint and reads it back with ``torch.load``, whose
+    default (``weights_only``) refuses every class but the ones allowed (Megatron allows ``argparse.Namespace``). A
+    flag given as ``null`` used to leave a private marker object in the namespace: resuming failed to unpickle it."""
+    import io
+
+    torch = pytest.importorskip("torch")
+    args = parser().parse_args(["--hotload-bucket-url", "/tmp/b", "--hotload-keep-last", "null",
+                                "--hotload-deployment-id", '["a", "b"]', "--hotload-progress-log-s", "null",
+                                "--hotload-progress-log-s", "5"])
+    buf = io.BytesIO()
+    torch.save({"args": args}, buf)
+    buf.seek(0)
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        loaded = torch.load(buf, map_location="cpu", weights_only=True)["args"]
+    cfg = config_from_args(loaded)
+    assert cfg is not None and (cfg.keep_last, cfg.deployments, cfg.progress_log_s) == (None, ["a", "b"], 5.0)
