@@ -265,15 +265,23 @@ class HotloadConfig(BaseModel):
         return cls.from_env_under(overrides, prefix=prefix)
 
     @classmethod
-    def from_env_under(cls, overrides: dict[str, Any], *, prefix: str = ENV_PREFIX,
-                       name_of: Callable[[str], str] = str, source: str = "") -> "HotloadConfig":
-        """:meth:`from_env` where ``overrides`` come from elsewhere (``source``, e.g. command-line flags) and
-        errors call a field that is not a variable ``name_of(field)``; ValueError for every problem."""
-        variables = {prefix + name.upper(): name for name in cls.model_fields}
+    def check_env_names(cls, prefix: str = ENV_PREFIX) -> None:
+        """ValueError naming every ``<prefix>*`` variable that is neither a field's nor in :data:`NON_CONFIG_ENV`
+        (a misspelt setting), with the closest name; a caller that decides not to build a config (publishing
+        off) still runs it, since the misspelt variable may be the one that would have turned publishing on."""
+        variables = [prefix + name.upper() for name in cls.model_fields]
         unknown = sorted(k for k in os.environ if prefix and k.startswith(prefix) and k not in variables
                          and k not in NON_CONFIG_ENV)
         if unknown:
             raise ValueError(_unknown_env_message(unknown, [*variables, *sorted(NON_CONFIG_ENV)], prefix))
+
+    @classmethod
+    def from_env_under(cls, overrides: dict[str, Any], *, prefix: str = ENV_PREFIX,
+                       name_of: Callable[[str], str] = str, source: str = "") -> "HotloadConfig":
+        """:meth:`from_env` where ``overrides`` come from elsewhere (``source``, e.g. command-line flags) and
+        errors call a field that is not a variable ``name_of(field)``; ValueError for every problem."""
+        cls.check_env_names(prefix)
+        variables = {prefix + name.upper(): name for name in cls.model_fields}
         values: dict[str, Any] = {}
         for var, name in variables.items():
             raw = os.environ.get(var)

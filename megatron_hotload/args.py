@@ -116,9 +116,24 @@ def add_hotload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
+def _check_publishing_off(values: dict[str, Any]) -> None:
+    """SystemExit unless no bucket means publishing is meant to be off: a misspelt variable (``HOTLOAD_BUCKET_ULR``)
+    or settings given as flags would otherwise be dropped without a word. Other ``HOTLOAD_*`` variables may stand
+    in a launcher's environment for every job, so they alone do not count."""
+    try:
+        HotloadConfig.check_env_names()
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    if values:
+        raise SystemExit(f"{', '.join(map(flag_name, values))} given, but neither {flag_name('bucket_url')} nor "
+                         f"{ENV_PREFIX}BUCKET_URL is set: publishing would be off; set one, or leave out the "
+                         f"--{PREFIX}-* flags")
+
+
 def config_from_args(args: argparse.Namespace) -> HotloadConfig | None:
     """The config from parsed flags and ``HOTLOAD_*`` variables (flags win), or None when neither
-    ``--hotload-bucket-url`` nor ``HOTLOAD_BUCKET_URL`` is set (publishing off).
+    ``--hotload-bucket-url`` nor ``HOTLOAD_BUCKET_URL`` is set (publishing off; then any other ``--hotload-*``
+    flag, or a misspelt ``HOTLOAD_*`` variable, is an error).
 
     A flag given as ``null`` sets its (optional) field to None, whatever the variable says. The entries of
     ``--hotload-storage-options`` are merged over those of ``HOTLOAD_STORAGE_OPTIONS``. Raises
@@ -133,6 +148,7 @@ def config_from_args(args: argparse.Namespace) -> HotloadConfig | None:
               if getattr(args, f"{PREFIX}_{name}", None) is not None}
     values.update(dict.fromkeys(getattr(args, NULL_FIELDS, None) or [], None))
     if "bucket_url" not in values and ENV_PREFIX + "BUCKET_URL" not in os.environ:
+        _check_publishing_off(values)
         return None
     variable = ENV_PREFIX + "STORAGE_OPTIONS"
     if "storage_options" in values and os.environ.get(variable):

@@ -327,3 +327,17 @@ def test_the_parsed_flags_load_back_from_a_megatron_checkpoint() -> None:
         loaded = torch.load(buf, map_location="cpu", weights_only=True)["args"]
     cfg = config_from_args(loaded)
     assert cfg is not None and (cfg.keep_last, cfg.deployments, cfg.progress_log_s) == (None, ["a", "b"], 5.0)
+
+
+def test_publishing_is_not_turned_off_in_silence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No bucket means publishing off (None), but the check for misspelt variables came after that decision: a
+    misspelt HOTLOAD_BUCKET_URL, or settings given as flags without the bucket, turned publishing off unnoticed."""
+    monkeypatch.setenv("HOTLOAD_BUCKET_ULR", "s3://b/p")
+    with pytest.raises(SystemExit, match=r"HOTLOAD_BUCKET_ULR \(did you mean HOTLOAD_BUCKET_URL\?\)"):
+        config_from_args(parser().parse_args([]))
+    monkeypatch.delenv("HOTLOAD_BUCKET_ULR")
+    with pytest.raises(SystemExit, match=r"--hotload-full-every, --hotload-keep-last given, but neither "
+                                         r"--hotload-bucket-url nor HOTLOAD_BUCKET_URL is set"):
+        config_from_args(parser().parse_args(["--hotload-full-every", "5", "--hotload-keep-last", "null"]))
+    monkeypatch.setenv("HOTLOAD_FULL_EVERY", "5")  # a launcher's standing settings: the bucket alone switches
+    assert config_from_args(parser().parse_args([])) is None
