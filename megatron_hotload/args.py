@@ -151,13 +151,14 @@ def config_from_args(args: argparse.Namespace) -> HotloadConfig | None:
         _check_publishing_off(values)
         return None
     variable = ENV_PREFIX + "STORAGE_OPTIONS"
-    if "storage_options" in values and os.environ.get(variable):
+    if "storage_options" in values and variable in os.environ:
         try:  # the credentials the flag may not carry: merged under its entries, not dropped
             merged = parse_setting(os.environ[variable], HotloadConfig.model_fields["storage_options"].annotation)
         except ValueError as exc:
             raise SystemExit(f"invalid hotload setting {variable}: {exc}") from None
-        if isinstance(merged, dict):
-            values["storage_options"] = {**merged, **values["storage_options"]}
+        if not isinstance(merged, dict):  # alone it fails validation; merged, it would vanish with its credentials
+            raise SystemExit(f"invalid hotload setting {variable}: not a JSON object of fsspec options")
+        values["storage_options"] = {**merged, **values["storage_options"]}
     try:
         return HotloadConfig.from_env_under(values, name_of=_setting_name,
                                                source=f"--{PREFIX}-* flags and {ENV_PREFIX}* variables")

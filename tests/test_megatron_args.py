@@ -341,3 +341,16 @@ def test_publishing_is_not_turned_off_in_silence(monkeypatch: pytest.MonkeyPatch
         config_from_args(parser().parse_args(["--hotload-full-every", "5", "--hotload-keep-last", "null"]))
     monkeypatch.setenv("HOTLOAD_FULL_EVERY", "5")  # a launcher's standing settings: the bucket alone switches
     assert config_from_args(parser().parse_args([])) is None
+
+
+@pytest.mark.parametrize("text", ['["key", "secret"]', '"x"', ""])
+def test_a_storage_options_variable_that_is_no_json_object_is_refused_beside_the_flag(
+        text: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Merged under the flag's entries, a variable that was not a JSON object (or was empty: an unset shell variable)
+    was dropped without a word, and its credentials with it; alone it is an error naming the variable."""
+    monkeypatch.setenv("HOTLOAD_STORAGE_OPTIONS", text)
+    with pytest.raises(ValueError, match="HOTLOAD_STORAGE_OPTIONS"):
+        HotloadConfig.from_env(bucket_url="s3://b/p")
+    args = parser().parse_args(["--hotload-bucket-url", "s3://b/p", "--hotload-storage-options", '{"anon": false}'])
+    with pytest.raises(SystemExit, match="HOTLOAD_STORAGE_OPTIONS"):
+        config_from_args(args)
