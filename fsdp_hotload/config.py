@@ -22,7 +22,8 @@ import types
 import urllib.parse
 from typing import Any, Callable, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 ENV_PREFIX = "HOTLOAD_"
 MAX_TIMEOUT_S = 30 * 24 * 3600.0  # a finite bound: gloo takes timeouts as integer milliseconds
@@ -201,8 +202,11 @@ class HotloadConfig(BaseModel):
 
     @field_validator("hf_config_dir", "metrics_path")
     @classmethod
-    def _home(cls, v: str | None) -> str | None:
-        """``~`` is expanded as a shell would (a YAML file or a quoted variable leaves it as it is)."""
+    def _home(cls, v: str | None, info: ValidationInfo) -> str | None:
+        """``~`` is expanded as a shell would (a YAML file or a quoted variable leaves it as it is). An empty path
+        (an unset shell variable) is refused: it turned the metrics file off in silence."""
+        if v is not None and not v.strip():
+            raise ValueError(f"{info.field_name} is empty; leave it unset for None")
         return os.path.expanduser(v) if v else v
 
     def __repr_args__(self) -> Any:

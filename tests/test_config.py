@@ -68,3 +68,16 @@ def test_snapshot_dtype_errors_list_only_what_it_accepts() -> None:
         HotloadConfig(bucket_url="/tmp/b", snapshot_dtype="float8_e5m2")
     assert [HotloadConfig(bucket_url="/tmp/b", snapshot_dtype=d).snapshot_dtype for d in ("fp16", "half", "BF16",
             "bf16", "fp32")] == ["float16", "float16", "bfloat16", "bfloat16", "float32"]
+
+
+@pytest.mark.parametrize("field", ["metrics_path", "hf_config_dir"])
+def test_an_empty_path_is_refused_by_name(field: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unset shell variable gives '': metrics_path then turned the metrics file off in silence, and hf_config_dir
+    failed only when the publisher started, with an error that named no setting."""
+    monkeypatch.setenv("HOTLOAD_BUCKET_URL", "/tmp/b")
+    monkeypatch.setenv(f"HOTLOAD_{field.upper()}", "")
+    with pytest.raises(ValueError, match=rf"\(HOTLOAD_{field.upper()}\)(.|\n)*{field} is empty"):
+        HotloadConfig.from_env()
+    with pytest.raises(ValueError, match=f"{field} is empty"):
+        HotloadConfig(bucket_url="/tmp/b", **{field: " "})
+    assert getattr(HotloadConfig(bucket_url="/tmp/b", **{field: None}), field) is None
