@@ -63,7 +63,8 @@ def test_every_field_round_trips_through_its_flag(deployment_id: Any, tmp_path: 
     """Every field through its flag, the secrets through their variables."""
     monkeypatch.setenv("HOTLOAD_API_KEY", "12")
     monkeypatch.setenv("HOTLOAD_HOTLOAD_API_HEADERS", '{"x-gateway-secret": "s"}')
-    cfg = HotloadConfig(hotload_api_headers={"x-gateway-secret": "s"}, 
+    cfg = HotloadConfig(
+        hotload_api_headers={"x-gateway-secret": "s"}, hotload_api_allow_http=True, encode_workers=3,
         bucket_url="s3://b/p", storage_options={"endpoint_url": "http://x", "n": 3}, upload_concurrency=3,
         max_file_bytes=123456, keep_last=4, hf_config_dir=str(tmp_path), hotload_api_url="https://api.fireworks.ai",
         account_id="007", model_id="false", deployment_id=deployment_id, api_key="12", ready_timeout_s=5.5,
@@ -71,7 +72,10 @@ def test_every_field_round_trips_through_its_flag(deployment_id: Any, tmp_path: 
         max_chain_length=2, publish_every=2, codec="arc_sparse_v1", snapshot_dtype="float16", identity_prefix="run1",
         dtype_overrides={"*.e_score_correction_bias": "keep", "*.norm.weight": "F32"},
         max_inflight=2, busy_policy="wait", background_nice=0, async_copy=False, cache_on="host",
-        keep_training_on_error=True, metrics_path="/tmp/m.jsonl")
+        keep_training_on_error=True, metrics_path="/tmp/m.jsonl", publish_on_close=False, close_timeout_s=7.5,
+        progress_log_s=12.5)
+    for name, field in HotloadConfig.model_fields.items():  # a flag that is dropped must change the result
+        assert getattr(cfg, name) != field.get_default(call_default_factory=True), name
     back = config_from_args(parser().parse_args(_flags_of(cfg)))
     assert back is not None
     assert back.model_dump() == cfg.model_dump()
