@@ -49,8 +49,9 @@ class HotloadConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, hide_input_in_errors=True)
 
     # --- where snapshots go
-    bucket_url: str = Field(description="Snapshot root: local path, file://, memory://, s3://, gs:// "
-                                        "(the deployment's hot-load bucket URL; snapshot N lives at <bucket_url>/<identity>/)")
+    bucket_url: str = Field(description="Snapshot root: local path, file://, memory://, s3://, gs:// (the "
+                                        "deployment's hot-load bucket URL; snapshot N lives at "
+                                        "<bucket_url>/<identity>/)")
     storage_options: dict[str, Any] = Field(default_factory=dict,
                                             description="fsspec options, e.g. {'endpoint_url': ...} for MinIO")
     upload_concurrency: int = Field(8, ge=1, le=256, description="parallel uploads per rank")
@@ -83,9 +84,10 @@ class HotloadConfig(BaseModel):
                                    description="how long to wait for every replica to serve a snapshot")
     poll_interval_s: float = Field(2.0, gt=0, le=3600, allow_inf_nan=False,
                                    description="status poll interval while waiting for readiness")
-    collective_timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False, description="timeout of the publisher's side gloo "
-                                               "groups, where ranks wait while the others upload and rank 0 "
-                                               "signals and waits for readiness; None = ready_timeout_s + 3600")
+    collective_timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
+                                               description="timeout of the publisher's side gloo groups, where "
+                                               "ranks wait while the others upload and rank 0 signals and waits "
+                                               "for readiness; None = ready_timeout_s + 3600")
     send_hints: bool = Field(True, description="send a per-file hint as each file becomes durable")
     reset_prompt_cache: Literal["all", "new_session", "none"] | None = Field(
         None, description="prompt-cache reset the fleet applies with each new snapshot (sent with every signal)")
