@@ -35,7 +35,7 @@ import fsspec.core
 
 from .storage_errors import (_BACKEND_PACKAGES, ErrorClass, MissingBackendError,  # noqa: F401 (re-exported)
                              StorageError, backend_install_hint, backoff_delay, classify_error)
-from .storage_s3 import DeadlineCalls, abort_open_uploads, owned_retries
+from .storage_s3 import DeadlineCalls, ThrottleAnswers, abort_open_uploads, is_s3_root, owned_retries
 
 __all__ = ["Storage", "StorageStats", "StorageError", "MissingBackendError", "FileInfo", "ErrorClass",
            "classify_error", "backoff_delay", "backend_install_hint", "TMP_PREFIX", "COMMIT_MARKER", "CommitInfo",
@@ -197,7 +197,7 @@ class Storage:
         st.put_many({"step-4-a1b2/config.json": b"{}", "step-4-a1b2/model-00000.safetensors": payload})
         st.put_file("step-4-a1b2/model-00001.safetensors", "/scratch/shard1.safetensors")  # multipart if large
         st.list("step-4-a1b2")     # ['step-4-a1b2/config.json', 'step-4-a1b2/model-00000.safetensors', ...]
-        st.stats.throttled         # how often the store said SlowDown
+        st.stats.throttled         # how often the store said SlowDown (on S3, botocore's own retry included)
 
     ``fs`` injects a ready filesystem (tests wrap one to inject faults); ``rng`` and ``sleep`` exist so tests can
     pin the jitter and observe the backoff without waiting for it.
@@ -240,8 +240,15 @@ class Storage:
         self.stats = StorageStats()
         self._rng = rng or random.Random()
         self._sleep = sleep or time.sleep
+        self._throttles: ThrottleAnswers | None = None  # counts botocore's absorbed throttles too (S3)
         if fs is None:
             fs, fs_root = self._open_fs(self.root, self.storage_options)
+            if is_s3_root(self.root):
+                try:
+                    self._throttles = ThrottleAnswers(fs, lambda: self.stats.add(throttled=1))
+                except Exception as exc:  # noqa: BLE001 - botocore refused the client's settings
+                    raise StorageError(f"cannot open {self.root}: {type(exc).__name__}: {exc}", uri=self.root,
+                                       op="open", cause=exc) from exc
         else:
             fs_root = fs._strip_protocol(self.root)
         self._fs = fs
@@ -266,6 +273,8 @@ class Storage:
                                               cause=exc) from exc
         _check_options(root, options)
         options, own_retries = owned_retries(root, options)
+        if is_s3_root(root):  # a filesystem of its own: the throttle count hooks its client (ThrottleAnswers)
+            options = {**options, "skip_instance_cache": True}
         try:
             fs, fs_root = fsspec.core.url_to_fs(root, **options)
             if own_retries and isinstance(getattr(fs, "retries", None), int):
@@ -312,6 +321,11 @@ class Storage:
     def _run(self, op: str, relpath: str, fn: Callable[[], T]) -> T:
         """Call ``fn`` until it succeeds, the error is not retryable, or attempts run out."""
         uri = self.uri(relpath)
+        if self._throttles is not None:
+            try:
+                self._throttles.ensure()
+            except Exception as exc:  # noqa: BLE001 - a counter only: the call itself says what is wrong
+                logger.debug("cannot hook the throttle count: %s", exc)
         attempt = 0
         while True:
             attempt += 1
@@ -323,8 +337,9 @@ class Storage:
                     if isinstance(exc, FileNotFoundError) and uri in str(exc):
                         raise
                     raise FileNotFoundError(f"{uri}: {exc}") from exc  # s3fs's "bucket does not exist" names none
+                counted = self._throttles is None and kind is ErrorClass.THROTTLE  # else counted as answered
                 if not kind.retryable or attempt >= self.max_attempts:
-                    self.stats.add(failures=1)
+                    self.stats.add(failures=1, throttled=int(counted))
                     why = (f"after {attempt} attempts" if kind.retryable
                            else f"({kind.value} error, not retried)")
                     detail = str(exc) or str(exc.__cause__ or "") or (  # s3fs's RequestTimeout is in the cause
@@ -335,7 +350,7 @@ class Storage:
                 throttled = kind is ErrorClass.THROTTLE
                 base = self.throttle_backoff_s if throttled else self.base_backoff_s
                 delay = backoff_delay(attempt, base, self.max_backoff_s, self._rng.random())
-                self.stats.add(retries=1, throttled=int(throttled), backoff_seconds=delay)
+                self.stats.add(retries=1, throttled=int(counted), backoff_seconds=delay)
                 logger.warning("%s %s: %s error (%s: %s); retry %d/%d in %.2fs", op, uri, kind.value,
                                type(exc).__name__, exc, attempt, self.max_attempts - 1, delay)
                 self._sleep(delay)

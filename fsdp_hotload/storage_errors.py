@@ -95,6 +95,11 @@ _TRANSIENT_ERRNOS = frozenset(getattr(errno, name) for name in (
     "ENETRESET", "EAGAIN", "EBUSY", "EREMOTEIO") if hasattr(errno, name))
 
 
+def is_throttle(code: str | None, status: int | None) -> bool:
+    """Whether a store's answer (its error code, its HTTP status) asks the caller to slow down."""
+    return code in _THROTTLE_CODES or status in (429, 503)
+
+
 def _exception_chain(exc: BaseException) -> Iterator[BaseException]:
     """The exception and its explicit causes (s3fs raises an OSError ``from`` the botocore ClientError).
     Implicit contexts are not followed: an error raised while handling a dropped connection is not transient."""
@@ -150,7 +155,7 @@ def classify_error(exc: BaseException) -> ErrorClass:
             text = ""
         if code in _LOST_UPLOAD_CODES:
             return ErrorClass.TRANSIENT
-        if code in _THROTTLE_CODES or status in (429, 503) or any(t in text for t in _THROTTLE_TEXT):
+        if is_throttle(code, status) or any(t in text for t in _THROTTLE_TEXT):
             found.add(ErrorClass.THROTTLE)
         elif isinstance(e, FileNotFoundError) or code in _NOT_FOUND_CODES or status == 404:
             found.add(ErrorClass.NOT_FOUND)

@@ -15,9 +15,17 @@ from typing import Any, Callable
 
 import fsspec.core
 
-__all__ = ["owned_retries", "DeadlineCalls", "abort_open_uploads"]
+from .storage_errors import is_throttle
+
+__all__ = ["is_s3_root", "owned_retries", "DeadlineCalls", "ThrottleAnswers", "abort_open_uploads"]
 
 logger = logging.getLogger("fsdp_hotload.storage")
+
+
+def is_s3_root(root: str) -> bool:
+    """An S3 root opened by s3fs directly (not through a chained filesystem such as ``simplecache::s3://``)."""
+    protocol, _ = fsspec.core.split_protocol(root)
+    return "::" not in root and (protocol or "").lower() in ("s3", "s3a")
 
 
 def owned_retries(root: str, options: dict[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -27,8 +35,7 @@ def owned_retries(root: str, options: dict[str, Any]) -> tuple[dict[str, Any], b
     to 150 requests against a throttled prefix, and a refused connection took ~40 s to report. Botocore keeps a
     second try (standard mode), so one dropped part of a large upload does not restart the whole object.
     """
-    protocol, _ = fsspec.core.split_protocol(root)
-    if "::" in root or (protocol or "").lower() not in ("s3", "s3a"):
+    if not is_s3_root(root):
         return options, False
     config = dict(options.get("config_kwargs") or {})
     if "retries" in config:
@@ -66,3 +73,38 @@ def abort_open_uploads(fs: Any, path: str, deadline: dict[str, float]) -> None:
     except Exception as exc:  # noqa: BLE001 - the put's own error is what the caller needs to see
         logger.warning("could not abort open multipart uploads of %s: %s", path, exc)
 
+
+
+class ThrottleAnswers:
+    """Counts every throttle answer (SlowDown, 503, 429) the store gives one s3fs filesystem, including those
+    botocore's own retry absorbs before Storage sees an error.
+
+    Why: Storage's loop sees only the answers botocore gave up on, so a prefix throttled every other request
+    showed ``throttled == 0`` while each put paid botocore's backoff. The hook sits on the filesystem's botocore
+    client, which s3fs may replace (a refreshed session): :meth:`ensure` hooks the current one. The filesystem
+    must be this Storage's own (not fsspec's shared instance), or other Storages' answers would be counted too.
+    """
+
+    def __init__(self, fs: Any, count: Callable[[], None]) -> None:
+        self._fs = fs
+        self._count = count
+        self._client: Any = None
+        self.ensure()
+
+    def ensure(self) -> None:
+        client = self._fs.s3  # connects on first use (no request is sent)
+        if client is not self._client:
+            client.meta.events.register("needs-retry.s3", self._on_answer)
+            self._client = client
+
+    def _on_answer(self, response: Any = None, **_: Any) -> None:
+        """botocore's ``needs-retry`` event: once per answer (or connection error), before it decides to retry."""
+        if not isinstance(response, tuple) or len(response) != 2 or not isinstance(response[1], dict):
+            return
+        error = response[1].get("Error") or {}
+        meta = response[1].get("ResponseMetadata") or {}
+        code = error.get("Code") if isinstance(error, dict) else None
+        status = meta.get("HTTPStatusCode") if isinstance(meta, dict) else None
+        if code is not None or status is not None:
+            if is_throttle(None if code is None else str(code), status if isinstance(status, int) else None):
+                self._count()

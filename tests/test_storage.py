@@ -374,6 +374,63 @@ def test_throttled_twice_then_succeeds_on_s3(s3_server: S3Server) -> None:
     assert st.stats.backoff_seconds == pytest.approx(0.015)
 
 
+def _throttling_s3(slow_down: Callable[[int], bool], seen: list[str]) -> Any:
+    """An S3 endpoint (a real HTTP server) whose n-th request (from 1) gets 503 SlowDown when ``slow_down(n)``,
+    else an empty 200 with an ETag, which is how PutObject succeeds."""
+    from http.server import BaseHTTPRequestHandler
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _any(self) -> None:
+            n = int(self.headers.get("Content-Length") or 0)
+            if n:
+                self.rfile.read(n)
+            seen.append(self.command)
+            body = b""
+            if slow_down(len(seen)):
+                body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                self.send_response(503)
+            else:
+                self.send_response(200)
+                self.send_header("ETag", '"0123456789abcdef0123456789abcdef"')
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_PUT = do_GET = do_HEAD = do_POST = do_DELETE = _any
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    return Handler
+
+
+def test_throttles_botocore_absorbs_are_counted() -> None:
+    """botocore retries each S3 request once itself, so Storage saw (and counted) only the throttles that
+    outlasted that retry: a prefix throttled on every other request showed throttled == 0. Now every SlowDown
+    answer is counted, each Storage its own."""
+    from tests.http_fixture import serve
+
+    seen: list[str] = []
+    with serve(_throttling_s3(lambda n: n % 2 == 1, seen)) as url:
+        opts = {"endpoint_url": url, "key": "k", "secret": "s"}
+        st = Storage("s3://bkt/run", opts, max_attempts=1)
+        other = Storage("s3://bkt/run", opts)
+        for i in range(3):
+            st.put_bytes(f"snap/{i}.bin", b"payload")
+        assert seen == ["PUT"] * 6
+        assert st.stats.throttled == 3 and st.stats.retries == 0 and st.stats.puts == 3
+        assert other.stats.throttled == 0
+    seen.clear()
+    with serve(_throttling_s3(lambda n: True, seen)) as url:  # every answer, the final one included
+        st = Storage("s3://bkt/run", {"endpoint_url": url, "key": "k", "secret": "s"}, max_attempts=2,
+                     throttle_backoff_s=0.001, max_backoff_s=0.001)
+        with pytest.raises(StorageError, match="after 2 attempts"):
+            st.put_bytes("snap/a.bin", b"payload")
+        assert len(seen) == 4 and st.stats.throttled == 4 and st.stats.retries == 1
+
+
 def test_transient_errors_use_short_backoff_and_real_sleep(tmp_path: Path) -> None:
     faulty = FaultyFileSystem(fsspec.filesystem("file"), fail_puts=2, exc_factory=lambda: ConnectionResetError())
     st = Storage(str(tmp_path), fs=faulty, base_backoff_s=0.001, throttle_backoff_s=10.0)

@@ -32,8 +32,8 @@ class PublishMetrics:
     total_s: float = 0.0  # hook to all replicas ready
     staleness_steps: int = 0  # trainer step when the fleet served it, minus this step
     upload_mb_s: float | None = None
-    throttled: int = 0
-    retries: int = 0
+    throttled: int = 0  # throttle answers (SlowDown, 503, 429) from the store; on S3 botocore's retry's included
+    retries: int = 0  # storage calls retried by hotload (botocore's one retry per S3 request is not counted)
     skipped_before: int = 0  # steps skipped because the publisher was busy
 
     def line(self) -> str:
