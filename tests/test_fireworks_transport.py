@@ -4,7 +4,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -26,8 +26,9 @@ def make_client(url: str, **kw: Any) -> HotLoadClient:
 
 
 @contextmanager
-def silent_server() -> Iterator[str]:
-    """Accepts connections and reads nothing, answers nothing: a request sent there waits for its timeout."""
+def tcp_server(handle: Callable[[socket.socket], None]) -> Iterator[str]:
+    """A raw TCP server on loopback that gives each connection to ``handle`` on its own thread; every connection
+    is closed on exit."""
     lsn = socket.socket()
     lsn.bind(("127.0.0.1", 0))
     lsn.listen(16)
@@ -40,6 +41,7 @@ def silent_server() -> Iterator[str]:
             except OSError:
                 return
             held.append(conn)
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
 
     threading.Thread(target=accept, daemon=True).start()
     try:
@@ -48,6 +50,11 @@ def silent_server() -> Iterator[str]:
         lsn.close()
         for conn in held:
             conn.close()
+
+
+def silent_server() -> Any:
+    """Accepts connections and reads nothing, answers nothing: a request sent there waits for its timeout."""
+    return tcp_server(lambda conn: None)
 
 
 def test_an_attempt_never_outlasts_the_retry_budget() -> None:
@@ -125,38 +132,21 @@ def test_a_response_body_is_capped(length: bool) -> None:
             make_client(url).signal("s1")
 
 
-@contextmanager
-def trickling_headers_server() -> Iterator[str]:
+def trickling_headers_server() -> Any:
     """Answers a status line, then one header byte every 50 ms for as long as the client reads: each read
     succeeds well within any socket timeout, and http.client takes up to 100 header lines of 64 KiB."""
-    lsn = socket.socket()
-    lsn.bind(("127.0.0.1", 0))
-    lsn.listen(16)
 
-    def serve_one(conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.recv(65536)
-                conn.sendall(b"HTTP/1.1 200 OK\r\nX-Pad: ")
-                for _ in range(2000):
-                    conn.sendall(b"a")
-                    time.sleep(0.05)
-            except OSError:  # the client gave up: that is what is tested
-                pass
+    def trickle(conn: socket.socket) -> None:
+        try:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nX-Pad: ")
+            for _ in range(2000):
+                conn.sendall(b"a")
+                time.sleep(0.05)
+        except OSError:  # the client gave up: that is what is tested
+            pass
 
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = lsn.accept()
-            except OSError:
-                return
-            threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{lsn.getsockname()[1]}"
-    finally:
-        lsn.close()
+    return tcp_server(trickle)
 
 
 def test_trickled_headers_cannot_hold_the_wait_past_its_timeout() -> None:
