@@ -3,6 +3,8 @@
 The CUDA-only parts (side stream, events, pinned copies) are in `test_gpu.py`."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -12,21 +14,31 @@ from fsdp_hotload.engine.staging import Stager, device_diff
 from tests.test_gpu import chunks
 
 
-def test_device_diff_arithmetic_matches_the_host_diff_on_cpu() -> None:
-    cs = chunks("cpu")
-    st = Stager(cs, slots=1, cache_on="device")
+def cache_then_stage(st: Stager, change: Callable[[], None]) -> torch.Tensor:
+    """Stage the chunks and make that the cache, run ``change`` on their sources, stage again: the new buffer."""
     buf = st.acquire(wait=False)
     assert buf is not None
     st.wait_event(st.stage(buf))
     st.promote(buf)
     with torch.no_grad():
+        change()
+    buf = st.acquire(wait=False)
+    assert buf is not None
+    st.wait_event(st.stage(buf))
+    return buf
+
+
+def test_device_diff_arithmetic_matches_the_host_diff_on_cpu() -> None:
+    cs = chunks("cpu")
+    st = Stager(cs, slots=1, cache_on="device")
+
+    def change() -> None:
         cs[0].source[::7] += 1e-2
         cs[1].source[-1] = -cs[1].source[-1]  # sign bit only: a signed view must still see it
         cs[3].source[2] = -5
         cs[3].source[4] = 1 << 62
-    buf = st.acquire(wait=False)
-    assert buf is not None
-    st.wait_event(st.stage(buf))
+
+    buf = cache_then_stage(st, change)
     assert st.cache is not None
     wants = [element_diff(st.cache[s.offset:s.offset + s.nbytes].numpy(), buf[s.offset:s.offset + s.nbytes].numpy(),
                           s.itemsize) for s in st.slices]
@@ -96,16 +108,12 @@ def test_device_diff_falls_back_where_nonzero_static_has_no_kernel(monkeypatch: 
     monkeypatch.setattr(staging, "_NO_STATIC_NONZERO", set(), raising=False)
     cs = chunks("cpu")
     st = Stager(cs, slots=1)
-    buf = st.acquire(wait=False)
-    assert buf is not None
-    st.wait_event(st.stage(buf))
-    st.promote(buf)
-    with torch.no_grad():
+
+    def change() -> None:
         cs[0].source[::5] += 1e-2
         cs[3].source[1] = 7
-    buf = st.acquire(wait=False)
-    assert buf is not None
-    st.wait_event(st.stage(buf))
+
+    buf = cache_then_stage(st, change)
     assert st.cache is not None
     gots = device_diff(buf, st.cache, st.slices, block=64)
     for s, got in zip(st.slices, gots):
