@@ -117,6 +117,17 @@ def test_a_rank_that_cannot_route_its_pieces_fails_the_snapshot_without_hanging_
     assert [p.stopped for p in pubs] == [None, None]
 
 
+@pytest.mark.slow
+def test_a_rank_that_cannot_allocate_its_receive_buffers_fails_the_exchange_without_hanging_the_others(
+        tmp_path: Path) -> None:
+    """The receiving side of the test above, over a real gloo group: see dist_scripts/exchange_alloc_failure.py."""
+    from tests.dist_util import SCRIPTS, run_torchrun
+
+    out = tmp_path / "result"
+    run_torchrun(str(SCRIPTS / "exchange_alloc_failure.py"), 2, ["--out", str(out), "--timeout", "6"], timeout=120)
+    assert [Path(f"{out}.{rank}").read_text() for rank in range(2)] == ["ok", "ok"]
+
+
 def test_publisher_arguments_that_could_only_fail_later_fail_at_construction(tmp_path: Path) -> None:
     t = torch.zeros(64)
     chunk = WholeChunk("a", (64,), "BF16", "flat", Box.flat(0, 64), t)

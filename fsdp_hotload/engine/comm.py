@@ -20,13 +20,19 @@ from typing import Any, Callable, Protocol, Sequence
 Blob = Any  # bytes-like: bytes, a writable memoryview (dumps_buffer), or a numpy uint8 array (received)
 
 
+class ExchangeSkipped(RuntimeError):
+    """No blob moved in an exchange: a rank could not take its part. Raised on every rank of the group, after
+    they agreed on it, so the group stays usable (unlike a collective that failed or timed out)."""
+
+
 class Comm(Protocol):
     rank: int
     world: int
 
     def exchange(self, outgoing: Sequence[Blob]) -> list[Blob]:
         """``outgoing[d]`` goes to rank d; returns ``incoming[s]`` from rank s (own blob passed through). Blobs
-        are bytes-like; writable ones (:func:`dumps_buffer`) are sent without a copy."""
+        are bytes-like; writable ones (:func:`dumps_buffer`) are sent without a copy. Raises
+        :class:`ExchangeSkipped` on every rank when a rank cannot take part."""
         ...
 
     def gather(self, obj: Any) -> list[Any] | None:
@@ -107,7 +113,13 @@ class GlooComm:
 
     def exchange(self, outgoing: Sequence[Blob]) -> list[Blob]:
         """Received blobs are the receive buffers themselves (numpy arrays), not copies: a full snapshot's pieces
-        are a rank's whole shard, so each copy here would cost that much host memory again."""
+        are a rank's whole shard, so each copy here would cost that much host memory again.
+
+        Raises :class:`ExchangeSkipped` on every rank, with nothing sent, when a rank cannot allocate its receive
+        buffers. Why every rank agrees first (one small all-reduce): a rank that raised alone would leave the
+        others waiting on its sends and receives until the group's timeout (an hour by default), and the group
+        would be unusable for the rest of the job, for an error that fails one snapshot only.
+        """
         import torch
 
         dist = self._dist
@@ -116,15 +128,28 @@ class GlooComm:
         sizes = torch.tensor([_nbytes(b) for b in outgoing], dtype=torch.int64)
         table = [torch.empty(self.world, dtype=torch.int64) for _ in range(self.world)]
         dist.all_gather(table, sizes, group=self.group)
+        bufs: dict[int, Any] = {}
+        failure: BaseException | None = None
+        try:
+            for peer in range(self.world):
+                n_in = int(table[peer][self.rank])
+                if peer != self.rank and n_in:
+                    bufs[peer] = torch.empty(n_in, dtype=torch.uint8)
+        except (MemoryError, RuntimeError) as exc:  # torch raises RuntimeError for an allocation it cannot make
+            bufs.clear()
+            failure = exc
+        worst = torch.tensor([self.rank + 1 if failure is not None else 0], dtype=torch.int64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.group)
+        if int(worst.item()):
+            why = f": {failure!r}" if failure is not None else ""
+            raise ExchangeSkipped(f"rank {int(worst.item()) - 1} could not allocate its receive buffers{why}")
         incoming: list[Blob] = [b""] * self.world
         incoming[self.rank] = outgoing[self.rank]
-        reqs, bufs = [], {}
+        reqs = []
         for peer in range(self.world):
             if peer == self.rank:
                 continue
-            n_in = int(table[peer][self.rank])
-            if n_in:
-                bufs[peer] = torch.empty(n_in, dtype=torch.uint8)
+            if peer in bufs:
                 reqs.append(dist.irecv(bufs[peer], src=self._global[peer], group=self.group))
             if _nbytes(outgoing[peer]):
                 reqs.append(dist.isend(_as_tensor(outgoing[peer]), dst=self._global[peer], group=self.group))
@@ -213,7 +238,8 @@ def exchange_objects(comm: Comm, outgoing: list[Any]) -> tuple[list[Any], str | 
 
     Why the error is returned, not raised: like every collective of a snapshot, the exchange must run on every
     rank, or the others wait for this one until the group's timeout. A rank that cannot pickle its objects (out
-    of memory, say) sends nothing, and a rank that gets nothing from a peer reports it too (None in its place).
+    of memory, say) sends nothing, and a rank that gets nothing from a peer reports it too (None in its place);
+    when a rank cannot receive (:class:`ExchangeSkipped`), nothing moves and every rank reports that.
     Large objects are copied no more than the move needs: this rank's own is passed through, never pickled; the
     others are pickled once into buffers gloo sends as they are; each received blob goes once it is unpickled.
     """
@@ -225,7 +251,11 @@ def exchange_objects(comm: Comm, outgoing: list[Any]) -> tuple[list[Any], str | 
         error = f"rank {comm.rank}: routing failed: {exc!r}"
         blobs = [b""] * comm.world
     outgoing.clear()
-    received = comm.exchange(blobs)
+    try:
+        received = comm.exchange(blobs)
+    except ExchangeSkipped as exc:  # every rank took part in deciding it: the group is fine, the snapshot is not
+        error = error or f"rank {comm.rank}: routing failed: {exc}"
+        received = [b""] * comm.world
     del blobs
     incoming: list[Any] = []
     for r in range(comm.world):
