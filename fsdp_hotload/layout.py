@@ -547,10 +547,9 @@ AUX_FILENAMES: tuple[str, ...] = (
     "merges.txt", "chat_template.json", "preprocessor_config.json", "processor_config.json",
     "video_preprocessor_config.json",
 )
-# Chat templates, tiktoken vocabularies, and remote-code modules that config.json's "auto_map" may name.
-AUX_PATTERNS: tuple[str, ...] = (
-    "*.jinja", "*.tiktoken", "tiktoken.model", "configuration_*.py", "tokenization_*.py", "modeling_*.py",
-)
+# Chat templates, tiktoken vocabularies, and remote code: every top-level module, since an "auto_map" may name
+# processors as well as models and tokenizers, and those modules import siblings (e.g. tool_declaration_ts.py).
+AUX_PATTERNS: tuple[str, ...] = ("*.jinja", "*.tiktoken", "tiktoken.model", "*.py")
 
 
 def hf_aux_files(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, bytes]:

@@ -103,3 +103,16 @@ def test_an_fp8_base_trained_in_bf16_is_served_with_the_dropped_key_ignored(tmp_
     served = rebuild_accepted(tmp_path / "bucket", pub.metrics)[pub.metrics[1].identity]
     assert served["model.norm.weight"].data.tobytes() == model["model.norm.weight"].bfloat16().view(
         torch.int16).numpy().tobytes()
+
+
+def test_remote_code_modules_are_carried_with_the_modules_they_import(tmp_path: Path) -> None:
+    """auto_map may name processors as well as tokenizers, and remote code imports sibling modules (Kimi-K2's
+    tokenization_kimi.py does ``from .tool_declaration_ts import ...``): without them the snapshot's tokenizer
+    and processor cannot be loaded with trust_remote_code."""
+    from fsdp_hotload.layout import hf_aux_files
+
+    names = ["config.json", "tokenization_kimi.py", "tool_declaration_ts.py", "processing_phi4mm.py",
+             "image_processing_minicpmv.py", "conversation.py"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"{}" if name.endswith(".json") else b"# module\n")
+    assert sorted(hf_aux_files(tmp_path)) == sorted(names)
