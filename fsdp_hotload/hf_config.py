@@ -1,8 +1,9 @@
 """The base model's files as a snapshot carries them, with ``config.json`` made to describe the weights published.
 
-A snapshot's ``config.json`` comes from ``hf_config_dir``. Why it may need one change: the bases of many large
-models (DeepSeek-V3/R1, Kimi-K2, Qwen3-*-FP8, gpt-oss) ship pre-quantized, so their ``config.json`` has a
-``quantization_config``; a trainer publishes 16-bit weights with no scale tensors. A server reading that config
+A snapshot carries the non-weight files of ``hf_config_dir`` that :func:`hf_aux_files` allows (config, tokenizer,
+templates, remote code). Why ``config.json`` may need one change: the bases of many large models (DeepSeek-V3/R1,
+Kimi-K2, Qwen3-*-FP8, gpt-oss) ship pre-quantized, so their ``config.json`` has a ``quantization_config``; a
+trainer publishes 16-bit weights with no scale tensors. A server reading that config
 builds quantized layers and finds nothing to fill them (Fireworks rejects a snapshot whose ``quantization_config``
 has no dequantisable tensors), so the key is left out unless some published tensor is itself quantized.
 
@@ -13,28 +14,76 @@ Example::
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import os
 from typing import Iterable
 
-from .layout import hf_aux_files
+from .layout import LayoutError
 
-__all__ = ["dropped_config_keys", "snapshot_files", "without_unbacked_quantization"]
+__all__ = ["AUX_FILENAMES", "AUX_PATTERNS", "dropped_config_keys", "hf_aux_files", "snapshot_files",
+           "without_unbacked_quantization"]
 
 log = logging.getLogger("fsdp_hotload")
 
 # safetensors dtype codes narrower than 16 bits: weights stored quantized (fp8/fp6/fp4, int8, packed bytes).
 _QUANTIZED_PREFIXES = ("F8", "F6", "F4", "I8", "U8", "I4", "U4")
 
+# Files of the base folder that snapshots carry (an allowlist; see hf_aux_files).
+AUX_FILENAMES: tuple[str, ...] = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "vocab.txt",
+    "merges.txt", "chat_template.json", "preprocessor_config.json", "processor_config.json",
+    "video_preprocessor_config.json",
+)
+# Chat templates, tiktoken vocabularies, and remote code: every top-level module, since an "auto_map" may name
+# processors as well as models and tokenizers, and those modules import siblings (e.g. tool_declaration_ts.py).
+AUX_PATTERNS: tuple[str, ...] = ("*.jinja", "*.tiktoken", "tiktoken.model", "*.py")
+
+
+def hf_aux_files(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, bytes]:
+    """The non-weight files of a base model folder that a snapshot carries: config, tokenizer, templates.
+
+    Only known names are copied (an allowlist): weights, index and spec files are written by the publisher,
+    and some files must never be carried, e.g. ``adapter_config.json`` would turn the snapshot into a LoRA
+    one. Symlinks (HF cache folders) are followed; sub-folders are not entered. Returns ``{}`` for None.
+    Raises FileNotFoundError if the folder or its ``config.json`` is missing, LayoutError if ``config.json``
+    is not a JSON object.
+    """
+    if hf_config_dir is None:
+        return {}
+    path = os.fspath(hf_config_dir)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"HF config folder {path!r} does not exist or is not a folder")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(
+            f"HF config folder {path!r} has no config.json; point it at the base model's folder (the one with "
+            "config.json and the tokenizer files)"
+        )
+    out: dict[str, bytes] = {}
+    for entry in sorted(os.scandir(path), key=lambda e: e.name):
+        wanted = entry.name in AUX_FILENAMES or any(fnmatch.fnmatchcase(entry.name, p) for p in AUX_PATTERNS)
+        if wanted and not entry.name.startswith(".") and entry.is_file(follow_symlinks=True):
+            with open(entry.path, "rb") as fh:
+                out[entry.name] = fh.read()
+    try:
+        config = json.loads(out["config.json"].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise LayoutError(f"{os.path.join(path, 'config.json')}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        kind = "nothing" if config is None else type(config).__name__
+        raise LayoutError(f"{os.path.join(path, 'config.json')}: must be a JSON object, got {kind}")
+    return out
+
 
 def snapshot_files(hf_config_dir: str | os.PathLike[str] | None, dtypes: Iterable[str]) -> dict[str, bytes]:
-    """:func:`~fsdp_hotload.layout.hf_aux_files`, then :func:`without_unbacked_quantization`."""
+    """:func:`hf_aux_files`, then :func:`without_unbacked_quantization`."""
     return without_unbacked_quantization(hf_aux_files(hf_config_dir), dtypes)
 
 
 def dropped_config_keys(base_files: dict[str, bytes], files: dict[str, bytes]) -> list[str]:
-    """Top-level keys of the base ``config.json`` (in ``base_files``, :func:`~fsdp_hotload.layout.hf_aux_files`)
+    """Top-level keys of the base ``config.json`` (in ``base_files``, :func:`hf_aux_files`)
     that the snapshots' ``config.json`` (in ``files``) leaves out.
 
     Why: the server compares the two configs and rejects a key present in only one ("Extra base model config

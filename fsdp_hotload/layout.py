@@ -35,11 +35,9 @@ Example::
 """
 from __future__ import annotations
 
-import fnmatch
 import json
 import logging
 import operator
-import os
 import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
@@ -538,49 +536,3 @@ def check_layers_per_file(files: Mapping[str, Sequence[str]]) -> None:
             if _layer_key(name) != key:
                 raise LayoutError(f"file {filename!r} mixes layers: {first!r} and {name!r}")
 
-
-# --------------------------------------------------------------------------------- config and tokenizer files
-
-AUX_FILENAMES: tuple[str, ...] = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "added_tokens.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "vocab.txt",
-    "merges.txt", "chat_template.json", "preprocessor_config.json", "processor_config.json",
-    "video_preprocessor_config.json",
-)
-# Chat templates, tiktoken vocabularies, and remote code: every top-level module, since an "auto_map" may name
-# processors as well as models and tokenizers, and those modules import siblings (e.g. tool_declaration_ts.py).
-AUX_PATTERNS: tuple[str, ...] = ("*.jinja", "*.tiktoken", "tiktoken.model", "*.py")
-
-
-def hf_aux_files(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, bytes]:
-    """The non-weight files of a base model folder that a snapshot carries: config, tokenizer, templates.
-
-    Only known names are copied (an allowlist): weights, index and spec files are written by the publisher,
-    and some files must never be carried, e.g. ``adapter_config.json`` would turn the snapshot into a LoRA
-    one. Symlinks (HF cache folders) are followed; sub-folders are not entered. Returns ``{}`` for None.
-    Raises FileNotFoundError if the folder or its ``config.json`` is missing, LayoutError if ``config.json``
-    is not a JSON object.
-    """
-    if hf_config_dir is None:
-        return {}
-    path = os.fspath(hf_config_dir)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"HF config folder {path!r} does not exist or is not a folder")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(
-            f"HF config folder {path!r} has no config.json; point it at the base model's folder (the one with "
-            "config.json and the tokenizer files)"
-        )
-    out: dict[str, bytes] = {}
-    for entry in sorted(os.scandir(path), key=lambda e: e.name):
-        wanted = entry.name in AUX_FILENAMES or any(fnmatch.fnmatchcase(entry.name, p) for p in AUX_PATTERNS)
-        if wanted and not entry.name.startswith(".") and entry.is_file(follow_symlinks=True):
-            with open(entry.path, "rb") as fh:
-                out[entry.name] = fh.read()
-    try:
-        config = json.loads(out["config.json"].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise LayoutError(f"{os.path.join(path, 'config.json')}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise LayoutError(f"{os.path.join(path, 'config.json')}: must be a JSON object, got {_kind(config)}")
-    return out

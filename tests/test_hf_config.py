@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fsdp_hotload import HotloadConfig
-from fsdp_hotload.hf_config import without_unbacked_quantization
+from fsdp_hotload.hf_config import hf_aux_files, without_unbacked_quantization
 from fsdp_hotload.publish import TensorPublisher
 from tests.snapshots import rebuild_accepted
 
@@ -109,8 +109,6 @@ def test_remote_code_modules_are_carried_with_the_modules_they_import(tmp_path: 
     """auto_map may name processors as well as tokenizers, and remote code imports sibling modules (Kimi-K2's
     tokenization_kimi.py does ``from .tool_declaration_ts import ...``): without them the snapshot's tokenizer
     and processor cannot be loaded with trust_remote_code."""
-    from fsdp_hotload.layout import hf_aux_files
-
     names = ["config.json", "tokenization_kimi.py", "tool_declaration_ts.py", "processing_phi4mm.py",
              "image_processing_minicpmv.py", "conversation.py"]
     for name in names:

@@ -27,10 +27,10 @@ from fsdp_hotload.layout import (
     TensorSpec,
     check_one_layer_per_file,
     check_same_layout,
-    hf_aux_files,
     layer_of,
     plan_shards,
 )
+from fsdp_hotload.hf_config import hf_aux_files
 from fsdp_hotload.identity import new_identity, process_session, validate_identity
 
 NP_DTYPE = {"F32": np.float32, "F16": np.float16, "U8": np.uint8, "BF16": np.uint16}

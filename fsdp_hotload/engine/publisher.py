@@ -46,8 +46,8 @@ import torch
 from ..arc.codecs import get_codec
 from ..config import HotloadConfig
 from ..identity import new_identity
-from ..hf_config import dropped_config_keys, without_unbacked_quantization
-from ..layout import ShardPlan, TensorSpec, hf_aux_files, plan_shards
+from ..hf_config import dropped_config_keys, hf_aux_files, without_unbacked_quantization
+from ..layout import ShardPlan, TensorSpec, plan_shards
 from ..storage import Storage
 from .assemble import Piece, assemble_delta_file, assemble_full_file, assign_owners
 from .cadence import Cadence, next_step
