@@ -35,11 +35,13 @@ AUX_FILENAMES: tuple[str, ...] = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     "added_tokens.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "vocab.txt",
     "merges.txt", "chat_template.json", "preprocessor_config.json", "processor_config.json",
-    "video_preprocessor_config.json",
+    "video_preprocessor_config.json", "tekken.json",
 )
 # Chat templates, tiktoken vocabularies, and remote code: every top-level module, since an "auto_map" may name
 # processors as well as models and tokenizers, and those modules import siblings (e.g. tool_declaration_ts.py).
-AUX_PATTERNS: tuple[str, ...] = ("*.jinja", "*.tiktoken", "tiktoken.model", "*.py")
+# mistral-common's tokenizers (tekken.json above, tokenizer[.mm].model.v*) are what vLLM's mistral mode reads.
+AUX_PATTERNS: tuple[str, ...] = ("*.jinja", "*.tiktoken", "tiktoken.model", "*.py", "tokenizer.model.v*",
+                                 "tokenizer.mm.model.v*")
 
 
 def hf_aux_files(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, bytes]:

@@ -114,3 +114,12 @@ def test_remote_code_modules_are_carried_with_the_modules_they_import(tmp_path: 
     for name in names:
         (tmp_path / name).write_bytes(b"{}" if name.endswith(".json") else b"# module\n")
     assert sorted(hf_aux_files(tmp_path)) == sorted(names)
+
+
+def test_mistral_tokenizer_files_are_carried(tmp_path: Path) -> None:
+    """Mistral bases ship their tokenizer as tekken.json or tokenizer.model.v3 (mistral-common's names, which
+    vLLM's mistral tokenizer mode reads); some ship no tokenizer.json at all."""
+    names = ["config.json", "tekken.json", "tokenizer.model.v3", "tokenizer.mm.model.v7"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"{}")
+    assert sorted(hf_aux_files(tmp_path)) == sorted(names)
