@@ -597,3 +597,12 @@ def test_a_header_dtype_that_is_not_text_is_a_format_error(dtype: object) -> Non
     with pytest.raises(FormatError, match="unsupported dtype"):
         parse_header(blob)
     assert is_delta_file(blob) is False
+
+
+def test_a_tensor_cannot_be_named_like_the_metadata_key() -> None:
+    """safetensors reads a ``__metadata__`` header entry as the string map, so a tensor of that name gives a file
+    no reader loads; the writer refuses it whether or not the file has metadata."""
+    one = [("__metadata__", "F32", [1], 4)]
+    for meta in (None, {}, {"format": "pt"}):
+        with pytest.raises(FormatError, match="__metadata__"):
+            build_header(one, meta)

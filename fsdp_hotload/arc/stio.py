@@ -140,6 +140,8 @@ def build_header(items: Sequence[tuple[str, str, Sequence[int], int]], metadata:
         head["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     pos = 0
     for name, dtype, shape, nbytes in items:
+        if name == "__metadata__":  # readers take this key for the string map, with or without metadata here
+            raise FormatError("'__metadata__' is reserved by safetensors and cannot name a tensor", tensor=name)
         if name in head:
             raise FormatError("duplicate tensor name", tensor=name)
         if dtype not in DTYPES:
