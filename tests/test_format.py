@@ -606,3 +606,16 @@ def test_a_tensor_cannot_be_named_like_the_metadata_key() -> None:
     for meta in (None, {}, {"format": "pt"}):
         with pytest.raises(FormatError, match="__metadata__"):
             build_header(one, meta)
+
+
+def test_header_bound_is_the_safetensors_one_and_the_writer_keeps_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """safetensors refuses a header over 100,000,000 bytes (MAX_HEADER_SIZE in its tensor.rs), so a reader that
+    allows more accepts files nobody else loads, and a writer must not produce them (many tensors in one file)."""
+    from fsdp_hotload.arc import stio
+
+    assert stio.MAX_HEADER_BYTES == 100_000_000
+    items = [(f"t{i}", "U8", [1], 1) for i in range(8)]
+    monkeypatch.setattr(stio, "MAX_HEADER_BYTES", len(build_header(items, None)) - 8)
+    build_header(items, None)
+    with pytest.raises(FormatError, match="header"):
+        build_header([*items, ("t8", "U8", [1], 1)], None)

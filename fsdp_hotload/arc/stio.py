@@ -22,7 +22,7 @@ import numpy as np
 from .dtypes import DTYPES, RawTensor, numel
 from .errors import FormatError
 
-MAX_HEADER_BYTES = 100 * 2**20  # the safetensors reference reader uses the same bound
+MAX_HEADER_BYTES = 100_000_000  # the safetensors reference reader refuses longer headers (MAX_HEADER_SIZE)
 
 
 @dataclass(frozen=True)
@@ -153,6 +153,9 @@ def build_header(items: Sequence[tuple[str, str, Sequence[int], int]], metadata:
         pos += int(nbytes)
     text = json.dumps(head, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % 8)
+    if len(text) > MAX_HEADER_BYTES:  # no reader would load the file
+        raise FormatError(f"header of {len(items)} tensors is {len(text)} bytes, more than safetensors reads "
+                          f"({MAX_HEADER_BYTES}); put fewer tensors in one file")
     return len(text).to_bytes(8, "little") + text
 
 
