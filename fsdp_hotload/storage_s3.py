@@ -74,7 +74,6 @@ def abort_open_uploads(fs: Any, path: str, deadline: dict[str, float]) -> None:
         logger.warning("could not abort open multipart uploads of %s: %s", path, exc)
 
 
-
 class ThrottleAnswers:
     """Counts every throttle answer (SlowDown, 503, 429) the store gives one s3fs filesystem, including those
     botocore's own retry absorbs before Storage sees an error.
