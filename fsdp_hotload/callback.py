@@ -120,8 +120,9 @@ class HotloadCallback:
     def step(self, step: int | None = None) -> bool:
         """Call right after ``optimizer.step()``; returns True if a snapshot was started at this step.
 
-        The copy of the local shard is done when this returns (with :meth:`attach`, a CPU copy can instead
-        overlap the next forward and backward)."""
+        The weights may change once this returns: on CPU the copy of the local shard is done; on GPU it is queued
+        on a side stream that the training stream waits for, so the next optimizer step cannot overtake it
+        (with :meth:`attach`, a CPU copy can instead overlap the next forward and backward)."""
         return self._publish(step, background_copy=False)
 
     def _publish(self, step: int | None, background_copy: bool) -> bool:
