@@ -22,8 +22,8 @@ from typing import Iterable
 
 from .layout import LayoutError
 
-__all__ = ["AUX_FILENAMES", "AUX_PATTERNS", "dropped_config_keys", "hf_aux_files", "snapshot_files",
-           "without_unbacked_quantization"]
+__all__ = ["AUX_FILENAMES", "AUX_PATTERNS", "carried_files", "dropped_config_keys", "dtype_note", "hf_aux_files",
+           "snapshot_files", "without_unbacked_quantization"]
 
 log = logging.getLogger("fsdp_hotload")
 
@@ -80,8 +80,18 @@ def hf_aux_files(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, byte
 
 
 def snapshot_files(hf_config_dir: str | os.PathLike[str] | None, dtypes: Iterable[str]) -> dict[str, bytes]:
-    """:func:`hf_aux_files`, then :func:`without_unbacked_quantization`."""
-    return without_unbacked_quantization(hf_aux_files(hf_config_dir), dtypes)
+    """:func:`hf_aux_files`, then :func:`carried_files`."""
+    return carried_files(hf_aux_files(hf_config_dir), dtypes)
+
+
+def carried_files(base_files: dict[str, bytes], dtypes: Iterable[str]) -> dict[str, bytes]:
+    """What snapshots carry of ``base_files`` (:func:`hf_aux_files`) for tensors of safetensors codes ``dtypes``:
+    :func:`without_unbacked_quantization`, after logging :func:`dtype_note` if there is one."""
+    dtypes = list(dtypes)
+    note = dtype_note(base_files, dtypes)
+    if note is not None:
+        log.warning("%s", note)
+    return without_unbacked_quantization(base_files, dtypes)
 
 
 def dropped_config_keys(base_files: dict[str, bytes], files: dict[str, bytes]) -> list[str]:
@@ -98,6 +108,30 @@ def dropped_config_keys(base_files: dict[str, bytes], files: dict[str, bytes]) -
     if not isinstance(base_keys, dict) or not isinstance(our_keys, dict):
         return []
     return sorted(set(base_keys) - set(our_keys))
+
+
+_CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "half": "F16", "float32": "F32", "float": "F32"}
+
+
+def dtype_note(files: dict[str, bytes], dtypes: Iterable[str]) -> str | None:
+    """A warning when the base ``config.json`` names a load dtype (``torch_dtype``, or ``dtype`` in recent
+    transformers) that none of the published floating tensors (safetensors codes ``dtypes``) has; else None.
+
+    Why: ``config.json`` is carried unchanged (a rewritten value would differ from the base's, which the server
+    rejects), so a server that loads in the config's dtype converts every weight: bf16 to float16 overflows
+    past 65504 and rounds, and the fleet no longer serves the trainer's bytes."""
+    raw = files.get("config.json")
+    config = json.loads(raw) if raw is not None else None
+    if not isinstance(config, dict):
+        return None
+    named = config.get("torch_dtype", config.get("dtype"))
+    code = _CONFIG_DTYPES.get(str(named).removeprefix("torch.")) if named is not None else None
+    floating = sorted({str(d).upper() for d in dtypes} & {"BF16", "F16", "F32", "F64"})
+    if code is None or not floating or code in floating:
+        return None
+    return (f"hotload: the base config.json says the weights are {named}, but the snapshots' floating tensors are "
+            f"{', '.join(floating)}; a server that loads in the config's dtype converts them, so the fleet would "
+            f"not serve the trainer's bytes: set snapshot_dtype to {named} if that is what the fleet loads")
 
 
 def without_unbacked_quantization(files: dict[str, bytes], dtypes: Iterable[str]) -> dict[str, bytes]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fsdp_hotload import HotloadConfig
-from fsdp_hotload.hf_config import hf_aux_files, without_unbacked_quantization
+from fsdp_hotload.hf_config import carried_files, hf_aux_files, without_unbacked_quantization
 from fsdp_hotload.publish import TensorPublisher
 from tests.snapshots import rebuild_accepted
 
@@ -123,3 +123,22 @@ def test_mistral_tokenizer_files_are_carried(tmp_path: Path) -> None:
     for name in names:
         (tmp_path / name).write_bytes(b"{}")
     assert sorted(hf_aux_files(tmp_path)) == sorted(names)
+
+
+@pytest.mark.parametrize(("config", "dtypes", "warned"), [
+    ({"torch_dtype": "float16"}, ["BF16", "I64"], True),     # a float16 base published as bf16: converted at load
+    ({"dtype": "float32"}, ["BF16"], True),                  # recent transformers' key
+    ({"torch_dtype": "bfloat16"}, ["BF16", "F32"], False),
+    ({"torch_dtype": "float32"}, ["BF16", "F32"], False),    # some tensors kept in the config's dtype
+    ({}, ["BF16"], False),
+    ({"torch_dtype": "float16"}, ["I64"], False),            # nothing floating to convert
+])
+def test_a_config_dtype_the_snapshots_do_not_have_is_warned_about(
+        caplog: pytest.LogCaptureFixture, config: dict, dtypes: list[str], warned: bool) -> None:
+    """config.json is carried unchanged, so a server loading in its torch_dtype converts bf16 weights (float16
+    overflows past 65504): the fleet would not serve the trainer's bytes, and nothing else would say so."""
+    files = {"config.json": json.dumps(config).encode()}
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        assert carried_files(files, dtypes) is files
+    named = config.get("torch_dtype", config.get("dtype"))
+    assert (f"config.json says the weights are {named}" in caplog.text) is warned, caplog.text

@@ -46,7 +46,7 @@ import torch
 from ..arc.codecs import get_codec
 from ..config import HotloadConfig
 from ..identity import new_identity
-from ..hf_config import dropped_config_keys, hf_aux_files, without_unbacked_quantization
+from ..hf_config import carried_files, dropped_config_keys, hf_aux_files
 from ..layout import ShardPlan, TensorSpec, plan_shards
 from ..storage import Storage
 from .assemble import Piece, assemble_delta_file, assemble_full_file, assign_owners
@@ -108,7 +108,7 @@ class Publisher:
             Signaller.from_config(config) if (self.rank == 0 or config.send_hints) else None)
         self.metrics = MetricsSink(config.metrics_path if self.rank == 0 else None)
         base_files = hf_aux_files(config.hf_config_dir) if self.rank == 0 else {}  # read once: tokenizers are big
-        self._aux = without_unbacked_quantization(base_files, [s.dtype for s in specs])
+        self._aux = carried_files(base_files, [s.dtype for s in specs])
         if self.rank == 0 and self.signaller is not None:
             self.signaller.extra_fields_ignore = dropped_config_keys(base_files, self._aux)
             warn_if_side_group_short(config)
