@@ -226,6 +226,15 @@ def test_sparse_call_refuses_positions_out_of_order_or_range() -> None:
     with pytest.raises(FormatError, match="not increasing"):
         one.encode_sparse(np.array([big, 3, big + 1], np.int64), zero, vals, 4 * big, 2)
 
+@needs_libzstd
+@pytest.mark.parametrize("itemsize, position", [(8, 1 << 61), (8, (1 << 61) + 1), (4, 1 << 62)])
+def test_sparse_call_refuses_positions_whose_byte_offset_wraps(itemsize: int, position: int) -> None:
+    """A position so large that its byte offset overflows 64 bits must not wrap into the chunk's first bytes."""
+    one = zstd_seq.SequenceEncoder(ENC.lib, one_call=True)  # type: ignore[union-attr]
+    u = {4: np.uint32, 8: np.uint64}[itemsize]
+    with pytest.raises(FormatError, match="not increasing, or fall outside"):
+        one.encode_sparse(np.array([position], np.int64), np.zeros(1, u), np.ones(1, u), 8 * itemsize, itemsize)
+
 
 def test_single_block_reads_libzstd_frames() -> None:
     """The compiled frame check: a one-block frame gives its block's offset, several blocks -1, and a frame with a

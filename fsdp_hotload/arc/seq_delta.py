@@ -144,7 +144,8 @@ def encode_sparse_chunk(idx: np.ndarray, old: np.ndarray, new: np.ndarray, n: in
         e = min(n, s + MAX_BLOCK)
         x = scratch[:e - s]
         j0 = j
-        while j < idx.size and idx[j] * itemsize < e:
+        lim = (e + itemsize - 1) // itemsize  # elements that start before e: idx * itemsize could overflow
+        while j < idx.size and idx[j] < lim:
             p = idx[j] * itemsize - s
             if idx[j] <= prev or p < 0:
                 return pos, BAD_INPUT
