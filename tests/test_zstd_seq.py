@@ -236,6 +236,26 @@ def test_sparse_call_refuses_positions_whose_byte_offset_wraps(itemsize: int, po
         one.encode_sparse(np.array([position], np.int64), np.zeros(1, u), np.ones(1, u), 8 * itemsize, itemsize)
 
 
+@pytest.mark.parametrize("path", ["stream", "sequences block by block"])
+@pytest.mark.parametrize("bad", [[10], [3, 10], [-1], [5, 3], [4, 4], [1 << 40]])
+def test_block_paths_refuse_positions_out_of_order_or_range(path: str, bad: list[int]) -> None:
+    """ArcV2.encode without the one-call kernel (HOTLOAD_ARC_ENCODER=stream, HOTLOAD_ARC_ONE_CALL=0, no libzstd
+    1.5) fails a wrong diff as the kernel does: position 10 of 10 elements would be scattered past the end of
+    the block buffer, and the others dropped or misplaced in a frame that decodes to bytes never staged."""
+    from fsdp_hotload.arc.codecs import ElementDiff
+
+    codec = ArcV2(encoder="stream")
+    if path != "stream":
+        ENC or pytest.skip("sequence encoder unavailable")
+        codec = ArcV2(encoder="sequences")
+        codec._seq = zstd_seq.SequenceEncoder(ENC.lib, one_call=False)  # type: ignore[union-attr]
+    n = len(bad)
+    diff = ElementDiff(10, 8, np.array(bad, np.int64), np.zeros(n, np.uint64), np.full(n, 0xAB, np.uint64))
+    with pytest.raises(FormatError, match="not increasing, or fall outside"):
+        codec.encode(diff)
+
+
+
 def test_single_block_reads_libzstd_frames() -> None:
     """The compiled frame check: a one-block frame gives its block's offset, several blocks -1, and a frame with a
     checksum, a reserved block type or a truncated block -2."""

@@ -264,11 +264,24 @@ class ArcV2:
             frame = self._seq.encode_sparse(diff.idx, diff.old, diff.new, diff.n * diff.itemsize, diff.itemsize)
             if frame is not None:
                 return frame
+        _check_positions(diff)
         return self.encode_xor_blocks(_xor_blocks_from_diff(diff, self.block_bytes), diff.n * diff.itemsize)
 
     def decode(self, payload: bytes, parent: np.ndarray, itemsize: int, out: np.ndarray) -> None:
         raw = zstd_decompress_exact(payload, parent.size, "arc_v2 payload")
         np.bitwise_xor(parent, np.frombuffer(raw, dtype=np.uint8), out=out)
+
+
+def _check_positions(diff: ElementDiff) -> None:
+    """Refuse positions that are not strictly increasing or fall outside the chunk, as the one-call kernel does.
+
+    Why: positions come from a device diff, and :func:`_xor_blocks_from_diff` trusts them: the numba scatter does
+    not check bounds (position ``n`` of a partial last block is written past the block buffer), and the others
+    would be dropped or misplaced, giving a frame that decodes to bytes the trainer never had.
+    """
+    idx = diff.idx
+    if idx.size and (idx[0] < 0 or idx[-1] >= diff.n or not bool(np.all(idx[1:] > idx[:-1]))):
+        raise FormatError("sparse delta positions are not increasing, or fall outside the chunk")
 
 
 def _xor_blocks_from_diff(diff: ElementDiff, block_bytes: int) -> Iterator[memoryview]:
