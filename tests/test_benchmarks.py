@@ -98,3 +98,44 @@ def test_overhead_analysis_charges_each_copy_wait_once_and_only_started_publishe
     assert row["engine_blocking_ms"] == 1.0  # the phase's last publish carries detach's wait
     res["ranks"][0]["records"][3]["started"] = False  # step 13 published by close(), not by the step
     assert overhead._publishing_stats(res, "wait", discard=0)["ok"] == 3
+
+
+def _bench_module(name: str):  # type: ignore[no-untyped-def]
+    """Import a benchmark script as a module (benchmarks/ is not a package; its scripts import each other)."""
+    import importlib
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_encode_threads_leaves_the_warm_up_run_out_of_the_best_time(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The first encode of each thread count starts the threads and warms caches: it must not be the figure."""
+    import time
+    from types import SimpleNamespace
+
+    encode_threads = _bench_module("encode_threads")
+
+    class FirstCallFast:
+        def __init__(self, chunks: object, st: object, codec: object, workers: int) -> None:
+            self.calls = 0
+
+        def encode(self, buf: object, kind: str, parts: object) -> tuple[list[object], float]:
+            self.calls += 1
+            if self.calls > 1:  # every timed run takes 50 ms; only the warm-up is instant
+                time.sleep(0.05)
+            return [SimpleNamespace(payload=b"x", parts=(0, 0), changed=1)], 0.0
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(encode_threads, "ChunkEncoder", FirstCallFast)
+    monkeypatch.setattr(sys, "argv", ["encode_threads.py", "--gb", "0.001", "--tensors", "2", "--workers", "1",
+                                      "--repeat", "2"])
+    assert encode_threads.main() == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().endswith("x")]
+    assert [r[0] for r in rows] == ["1"]
+    assert float(rows[0][1]) >= 0.045, rows  # the warm-up's ~0 s would be the best of the runs
