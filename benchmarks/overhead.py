@@ -416,6 +416,10 @@ def report(res: dict[str, Any], a: dict[str, Any]) -> str:
                   "it is within the target, MISSED when all of it is over, INCONCLUSIVE otherwise:"]
         for v in every_step:
             r = vs[v]
+            if "ratio_ci" not in r:  # every ratio needs the baseline's steps of the same run
+                lines.append(f"- {v}: step-time overhead <= {TARGET_STEP_OVERHEAD:.0%}: not measured (no baseline "
+                             "variant in this run)")
+                continue
             g, lo, hi = r["ratio_ci"]
             lines.append(f"- {v}: step-time overhead <= {TARGET_STEP_OVERHEAD:.0%}: {g - 1:+.1%} (95% CI "
                          f"{lo - 1:+.1%} to {hi - 1:+.1%}; median of steps {r['ratio_median'] - 1:+.1%}, mean "
@@ -501,13 +505,13 @@ def main(argv: list[str] | None = None) -> int:
         res["machine"] = machine()
         res["command"] = " ".join(["benchmarks/overhead.py", *(argv if argv is not None else sys.argv[1:])])
         a = analyse(res)
+        if args.json:  # first: a report that fails must not lose the run (--from-json re-analyses it)
+            Path(args.json).write_text(json.dumps({"raw": res, "analysis": a}, indent=1, default=str))
         print(f"\nmachine: {res['machine']}")
         print(f"command: {res['command']}; "
               f"wall {time.perf_counter() - t0:.0f} s (training phases {res['train_s']:.0f} s); load average "
               f"{load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after\n")
         print(report(res, a))
-        if args.json:
-            Path(args.json).write_text(json.dumps({"raw": res, "analysis": a}, indent=1, default=str))
         return 0
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
