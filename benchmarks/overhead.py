@@ -301,11 +301,13 @@ def _yes(ok: bool) -> str:
 def report(res: dict[str, Any], a: dict[str, Any]) -> str:
     """The table as markdown-ish plain text (pasted as is into RESULTS.md)."""
     args, vs = res["args"], a["variants"]
+    device = args.get("device", "cpu")  # the job records the device it trained on (runs before it: the CPU)
+    backend = "nccl" if device.startswith("cuda") else "gloo"
     lines = [f"model: {res['full_params'] / 1e6:.1f}M params ({args['layers']} layers, dim {args['dim']}, mlp "
              f"{args['hidden']}, vocab {args['vocab']}), batch {args['batch']}x{args['seq']} tokens/rank, "
-             f"{res['world']} ranks FSDP2 (gloo, CPU); {args['rounds']} rounds x {args['phase_steps']} steps per "
-             f"variant (first {args['discard']} of each phase and a {args['warmup']}-step warm-up not counted); "
-             f"emulator poll interval {args['poll']} s"]
+             f"{res['world']} ranks FSDP2 ({backend}, {device}); {args['rounds']} rounds x {args['phase_steps']} "
+             f"steps per variant (first {args['discard']} of each phase and a {args['warmup']}-step warm-up not "
+             f"counted); emulator poll interval {args['poll']} s"]
     c = a.get("copies", {})
     shard = max(a.get("bf16_shard_bytes_per_rank", [0]))
     if c:

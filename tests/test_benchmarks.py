@@ -151,3 +151,12 @@ def test_overhead_benchmark_without_a_baseline_still_reports(tmp_path: Path) -> 
     assert "extra memory <= 2x the bf16 local shard" in proc.stdout
     assert json.loads(out.read_text())["analysis"]["variants"]["skip_nosignal"]["failed"] == 0
 
+
+def test_overhead_report_names_the_device_the_job_trained_on() -> None:
+    overhead = _bench_module("overhead")
+    args = {"layers": 1, "dim": 64, "hidden": 128, "vocab": 256, "batch": 2, "seq": 64, "rounds": 1,
+            "phase_steps": 3, "discard": 1, "warmup": 3, "poll": 0.05}
+    res = {"args": {**args, "device": "cuda:0"}, "full_params": 10**6, "world": 2}
+    assert "2 ranks FSDP2 (nccl, cuda:0)" in overhead.report(res, {"variants": {}})
+    res["args"] = args  # runs saved before the job recorded its device trained on the CPU
+    assert "2 ranks FSDP2 (gloo, cpu)" in overhead.report(res, {"variants": {}})
