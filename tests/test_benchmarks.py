@@ -160,3 +160,31 @@ def test_overhead_report_names_the_device_the_job_trained_on() -> None:
     assert "2 ranks FSDP2 (nccl, cuda:0)" in overhead.report(res, {"variants": {}})
     res["args"] = args  # runs saved before the job recorded its device trained on the CPU
     assert "2 ranks FSDP2 (gloo, cpu)" in overhead.report(res, {"variants": {}})
+
+
+def test_gpu_diff_times_the_host_share_after_a_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Adler-32 figure must not carry the first call's numba load or compile, as the frames' does not."""
+    import time
+
+    import numpy as np
+
+    from fsdp_hotload.arc.adler import update_parts
+    from fsdp_hotload.arc.codecs import ArcV2, element_diff
+
+    gpu_diff = _bench_module("gpu_diff")
+    calls = []
+
+    def first_call_slow(*a: object) -> tuple[int, int]:
+        calls.append(a)
+        if len(calls) == 1:
+            time.sleep(0.3)  # what loading or compiling the kernel costs on a fresh machine
+        return update_parts(*a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gpu_diff, "update_parts", first_call_slow)
+    parent = np.zeros(4096, np.uint8)
+    new = parent.copy()
+    new[::50] = 1
+    diffs = [element_diff(parent, new, 2) for _ in range(2)]
+    payload, encode_s, adler_s = gpu_diff.host_share(ArcV2(), diffs)
+    assert payload > 0 and len(calls) == 3  # one warm-up call, then one per diff
+    assert adler_s < 0.2, adler_s
