@@ -25,9 +25,10 @@ from typing import Any, Callable, Literal, Union, get_args, get_origin
 from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
+from .masking import MASK, mask_secrets, mask_url, url_has_credentials
+
 ENV_PREFIX = "HOTLOAD_"
 MAX_TIMEOUT_S = 30 * 24 * 3600.0  # a finite bound: gloo takes timeouts as integer milliseconds
-_SECRET_OPTION = re.compile(r"secret|token|password|passwd|credential|(^|_)key$", re.IGNORECASE)
 # HOTLOAD_* variables the package reads that are not config fields (codec switches read by arc/zstd_seq.py and
 # arc/codecs.py); from_env accepts these and rejects every other unknown HOTLOAD_* variable.
 NON_CONFIG_ENV: frozenset[str] = frozenset({"HOTLOAD_ARC_ENCODER", "HOTLOAD_ARC_ONE_CALL", "HOTLOAD_LIBZSTD"})
@@ -197,9 +198,14 @@ class HotloadConfig(BaseModel):
     @field_validator("hotload_api_url")
     @classmethod
     def _url_given(cls, v: str | None) -> str | None:
-        """An unset shell variable gives '', which used to turn signalling off in silence."""
+        """An unset shell variable gives '', which used to turn signalling off in silence. Credentials before the
+        host are refused here, without showing them: the client never sends them, and until it refused them the
+        config's repr and its plain-http error printed them."""
         if v is not None and not v.strip():
             raise ValueError("hotload_api_url is empty; leave it unset to publish without signalling")
+        if v is not None and url_has_credentials(v.strip()):
+            raise ValueError("hotload_api_url must not carry credentials before its host ('user:password@'); pass "
+                             "a gateway's credentials as headers (hotload_api_headers)")
         return v
 
     @field_validator("hf_config_dir", "metrics_path")
@@ -212,13 +218,18 @@ class HotloadConfig(BaseModel):
         return os.path.expanduser(v) if v else v
 
     def __repr_args__(self) -> Any:
-        """``storage_options`` may hold credentials (s3fs ``secret``, ``token``, nested ``client_kwargs``), and
-        ``hotload_api_headers`` a gateway's secret: they are masked like ``api_key`` wherever the config is printed
-        or logged."""
+        """``storage_options`` may hold credentials (s3fs ``secret``, ``token``, nested ``client_kwargs``, an
+        endpoint or proxy URL with a password), ``hotload_api_headers`` a gateway's secret and ``bucket_url`` a
+        ``user:password@`` part (sftp): they are masked like ``api_key`` wherever the config is printed or
+        logged."""
         for name, value in super().__repr_args__():
             if name == "hotload_api_headers":
-                value = {k: "**********" for k in value}
-            yield name, (mask_secrets(value) if name == "storage_options" else value)
+                value = {k: MASK for k in value}
+            elif name == "storage_options":
+                value = mask_secrets(value)
+            elif name in ("bucket_url", "hotload_api_url") and isinstance(value, str):
+                value = mask_url(value)
+            yield name, value
 
     @model_validator(mode="after")
     def _signalling_complete(self) -> "HotloadConfig":
@@ -239,9 +250,9 @@ class HotloadConfig(BaseModel):
 
             url = urllib.parse.urlsplit(self.hotload_api_url)
             if url.scheme == "http" and not self.hotload_api_allow_http and not is_loopback(url.hostname or ""):
-                raise ValueError(f"hotload_api_url {self.hotload_api_url!r} is plain http to another host, which "
-                                 "would send the API key unencrypted: use https, or set hotload_api_allow_http "
-                                 "for a gateway on a trusted private network")
+                raise ValueError(f"hotload_api_url {mask_url(self.hotload_api_url)!r} is plain http to another host, "
+                                 "which would send the API key unencrypted: use https, or set "
+                                 "hotload_api_allow_http for a gateway on a trusted private network")
         return self
 
     @property
@@ -305,16 +316,6 @@ class HotloadConfig(BaseModel):
             names = error_names(exc, lambda f: prefix + f.upper() if f in env_fields else name_of(f))
             raise ValueError(f"invalid hotload settings from {source or prefix + '* environment variables'} "
                              f"({names or 'see below'}):\n{exc}") from None
-
-
-def mask_secrets(value: Any) -> Any:
-    """``value`` with every credential-looking entry of a nested dict (secret, token, password, ``*key``) masked."""
-    if isinstance(value, dict):
-        return {k: "**********" if isinstance(k, str) and _SECRET_OPTION.search(k) and v is not None
-                else mask_secrets(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(mask_secrets(v) for v in value)
-    return value
 
 
 def _union_members(annotation: Any) -> tuple[Any, ...]:

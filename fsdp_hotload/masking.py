@@ -1,0 +1,69 @@
+"""Masking of credentials in values that get printed: option dicts, header dicts and URLs.
+
+Why a module of its own: the config's repr and JSON form, the Megatron flag check, the hot-load client's URL
+errors and the storage layer's messages all need the same rule, and one rule in one place cannot drift between
+them. It imports nothing heavy, so the HTTP client (standard library only) can use it too.
+
+Example::
+
+    mask_secrets({"key": "AKIA...", "client_kwargs": {"endpoint_url": "https://u:pw@minio:9000"}})
+    # {'key': '**********', 'client_kwargs': {'endpoint_url': 'https://**********@minio:9000'}}
+    mask_url("https://h/x?X-Amz-Signature=abc&part=1")   # 'https://h/x?X-Amz-Signature=**********&part=1'
+"""
+from __future__ import annotations
+
+import re
+import urllib.parse
+from typing import Any
+
+__all__ = ["MASK", "SECRET_NAME", "is_secret_name", "mask_secrets", "mask_url", "url_has_credentials"]
+
+MASK = "**********"
+
+#: Option, header and query parameter names whose values are credentials: s3fs ``key``/``secret``/``token``,
+#: botocore's ``aws_access_key_id``/``aws_secret_access_key``/``aws_session_token``, an SSE-C ``SSECustomerKey``,
+#: gcsfs ``token`` dicts, ``Authorization``/``Cookie``/``X-Api-Key`` headers, basic ``auth`` pairs, presigned
+#: URLs' ``X-Amz-Signature``/``X-Amz-Credential``/``sig``. Names such as ``signature_version`` or
+#: ``SSEKMSKeyId`` (settings, not secrets) do not match, so a flag that sets them is not refused.
+SECRET_NAME = re.compile(
+    r"secret|token|passw(or)?d|credential|authoriz|cookie|connection_?string|(^|[^a-z])auth([^a-z]|$)"
+    r"|(^|[^a-z])(sig|signature)$|key$|access_?key_?id$",
+    re.IGNORECASE)
+# scheme://userinfo@ (the userinfo ends at the authority's last '@', as urllib reads it)
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
+
+
+def is_secret_name(name: object) -> bool:
+    return isinstance(name, str) and SECRET_NAME.search(name) is not None
+
+
+def url_has_credentials(text: str) -> bool:
+    """Whether ``text`` is a URL with a ``user:password@`` (or ``token@``) part."""
+    return _USERINFO.match(text) is not None
+
+
+def mask_url(text: str) -> str:
+    """``text`` with a URL's userinfo and the values of credential-named query parameters masked; other text is
+    returned as it is. Why: an endpoint, proxy or presigned URL is printed whole in reprs and error messages."""
+    masked = _USERINFO.sub(lambda m: f"{m.group(1)}{MASK}@", text, count=1)
+    if "?" not in masked or "://" not in masked:
+        return masked
+    head, _, rest = masked.partition("?")
+    query, hash_, fragment = rest.partition("#")
+    params = []
+    for item in query.split("&"):
+        name, eq, _value = item.partition("=")
+        params.append(f"{name}={MASK}" if eq and is_secret_name(urllib.parse.unquote_plus(name)) else item)
+    return f"{head}?{'&'.join(params)}{hash_}{fragment}"
+
+
+def mask_secrets(value: Any) -> Any:
+    """``value`` with every credential-named entry of a nested dict masked (see :data:`SECRET_NAME`), and every
+    string that is a URL passed through :func:`mask_url`."""
+    if isinstance(value, dict):
+        return {k: MASK if is_secret_name(k) and v is not None else mask_secrets(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(mask_secrets(v) for v in value)
+    if isinstance(value, str):
+        return mask_url(value)
+    return value

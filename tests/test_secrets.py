@@ -1,0 +1,57 @@
+"""Credentials never reach a repr, an error, a log line, a JSON dump or Megatron's printed arguments.
+
+Each test names one way a secret used to get out: a credential option the mask did not know, a URL's
+``user:password@`` part, a server echoing a header value in an escaped form, a bucket URL with keys in it.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from fsdp_hotload.config import HotloadConfig
+
+SIGNALLING = dict(account_id="a", model_id="m", deployment_id="d", hf_config_dir="/tmp")
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+
+@pytest.mark.parametrize("options", [
+    {"s3_additional_kwargs": {"SSECustomerAlgorithm": "AES256", "SSECustomerKey": "TOPSECRET-sse-c-key"}},
+    {"client_kwargs": {"aws_access_key_id": "AKIA-TOPSECRET", "region_name": "eu"}},
+    {"endpoint_url": "https://minio-user:TOPSECRET@minio.internal:9000"},
+    {"config_kwargs": {"proxies": {"https": "http://proxy-user:TOPSECRET@proxy:3128"}}},
+    {"client_kwargs": {"headers": {"Authorization": "Bearer TOPSECRET"}}},
+    {"headers": {"X-Api-Key": "TOPSECRET"}},
+])
+def test_every_credential_in_storage_options_is_masked_in_the_repr(options: dict[str, Any]) -> None:
+    cfg = HotloadConfig(bucket_url="s3://b/p", storage_options=options)
+    assert "TOPSECRET" not in repr(cfg) and "TOPSECRET" not in str(cfg), repr(cfg)
+    assert "TOPSECRET" in json.dumps(cfg.storage_options)  # intact for the storage
+
+
+def test_settings_that_look_alike_stay_readable() -> None:
+    """``signature_version`` and ``SSEKMSKeyId`` are settings: masking them would also refuse them as flags."""
+    options = {"config_kwargs": {"signature_version": "s3v4"}, "endpoint_url": "https://minio:9000",
+               "s3_additional_kwargs": {"SSEKMSKeyId": "alias/k"}, "client_kwargs": {"region_name": "eu"}}
+    shown = repr(HotloadConfig(bucket_url="s3://b/p", storage_options=options))
+    assert "{'signature_version': 's3v4'}" in shown and "'SSEKMSKeyId': 'alias/k'" in shown
+    assert "'endpoint_url': 'https://minio:9000'" in shown
+
+
+def test_api_url_credentials_are_refused_and_never_echoed() -> None:
+    """A gateway's basic-auth password in the URL used to be echoed by the plain-http check, and a https URL with
+    one passed the config (its repr showing it) to fail only when the client was built."""
+    for url in ("http://gw-user:TOPSECRET@10.0.0.5:8083", "https://gw-user:TOPSECRET@gateway.internal"):
+        with pytest.raises(ValidationError) as info:
+            HotloadConfig(bucket_url="/tmp/b", hotload_api_url=url, **SIGNALLING)
+        assert "TOPSECRET" not in str(info.value) and "credentials" in str(info.value)
+
+
+def test_bucket_url_credentials_are_masked_in_the_repr() -> None:
+    cfg = HotloadConfig(bucket_url="sftp://user:TOPSECRET@files.internal/runs")
+    assert "TOPSECRET" not in repr(cfg)
+    assert cfg.bucket_url == "sftp://user:TOPSECRET@files.internal/runs"
