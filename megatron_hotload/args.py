@@ -12,8 +12,9 @@ endpoint can be a flag while the credentials stay in the variable.
 
 Secrets are not flags: Megatron prints every argument on rank 0 and saves them in its checkpoints, so the API
 key and the API headers come from the environment (``FIREWORKS_API_KEY`` or ``HOTLOAD_API_KEY``,
-``HOTLOAD_HOTLOAD_API_HEADERS``), and ``--hotload-storage-options`` refuses credential entries (use
-``HOTLOAD_STORAGE_OPTIONS`` or the provider's own credential chain).
+``HOTLOAD_HOTLOAD_API_HEADERS``), ``--hotload-storage-options`` refuses credential entries (use
+``HOTLOAD_STORAGE_OPTIONS`` or the provider's own credential chain), and no flag takes a URL with credentials in it
+(``user:password@``, a signed query).
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from typing import Any, Callable, Literal, Union, get_args, get_origin
 
 from pydantic_core import PydanticUndefined
 
-from fsdp_hotload.config import ENV_PREFIX, HotloadConfig, mask_secrets, parse_setting
+from fsdp_hotload.config import ENV_PREFIX, HotloadConfig, parse_setting
+from fsdp_hotload.masking import mask_secrets, mask_url
 
 PREFIX = "hotload"
 #: Fields with no flag: their values would be printed in Megatron's argument dump and stored in checkpoints.
@@ -69,6 +71,13 @@ def _setting_name(field: str) -> str:
     return ENV_PREFIX + field.upper() if field in SECRET_FIELDS else flag_name(field)
 
 
+def _credentials_home(name: str) -> str:
+    """Where a URL field's credentials go instead of its flag."""
+    if name == "hotload_api_url":
+        return f"headers ({ENV_PREFIX}HOTLOAD_API_HEADERS)"
+    return f"storage options ({ENV_PREFIX}STORAGE_OPTIONS) or the storage provider's own credential chain"
+
+
 def _converter(name: str, annotation: Any) -> Callable[[str], Any]:
     """The argparse ``type`` of a field: the config's own text rule, bad JSON reported against the flag."""
     def convert(text: str) -> Any:
@@ -80,6 +89,10 @@ def _converter(name: str, annotation: Any) -> Callable[[str], Any]:
             raise argparse.ArgumentTypeError(
                 "holds credentials, which Megatron would print and save in its checkpoints; pass them in "
                 f"{ENV_PREFIX}STORAGE_OPTIONS or the storage provider's own credential chain instead")
+        if isinstance(value, str) and mask_url(value) != value:  # a URL's user:password@ or a signed query
+            raise argparse.ArgumentTypeError(
+                "holds credentials in its URL, which Megatron would print and save in its checkpoints; pass them "
+                f"as {_credentials_home(name)} instead")
         return value
     return convert
 

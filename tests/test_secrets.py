@@ -5,6 +5,7 @@ Each test names one way a secret used to get out: a credential option the mask d
 """
 from __future__ import annotations
 
+import argparse
 import json
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from fsdp_hotload.config import HotloadConfig
+from megatron_hotload import add_hotload_args
 
 SIGNALLING = dict(account_id="a", model_id="m", deployment_id="d", hf_config_dir="/tmp")
 
@@ -55,3 +57,26 @@ def test_bucket_url_credentials_are_masked_in_the_repr() -> None:
     cfg = HotloadConfig(bucket_url="sftp://user:TOPSECRET@files.internal/runs")
     assert "TOPSECRET" not in repr(cfg)
     assert cfg.bucket_url == "sftp://user:TOPSECRET@files.internal/runs"
+
+
+# ------------------------------------------------------------------------------------------------ megatron
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_hotload_args(p)
+    return p
+
+
+@pytest.mark.parametrize("argv", [
+    ["--hotload-storage-options", '{"s3_additional_kwargs": {"SSECustomerKey": "TOPSECRET"}}'],
+    ["--hotload-storage-options", '{"endpoint_url": "https://u:TOPSECRET@minio:9000"}'],
+    ["--hotload-api-url", "https://gw-user:TOPSECRET@gateway.internal"],
+    ["--hotload-bucket-url", "s3a://AKIA:TOPSECRET@bucket/run"],
+])
+def test_megatron_flags_refuse_credentials(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Megatron prints every argument on rank 0 and saves them in its checkpoints."""
+    with pytest.raises((SystemExit, argparse.ArgumentError)) as info:
+        parser().parse_args(["--hotload-bucket-url", "/tmp/b", *argv])
+    shown = str(info.value) + capsys.readouterr().err
+    assert "credentials" in shown and "TOPSECRET" not in shown
