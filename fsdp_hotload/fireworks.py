@@ -221,10 +221,10 @@ class HotLoadClient:
 
     def _redact(self, text: str) -> str:
         """``text`` with the key and the extra headers' values (a gateway's secret) removed, also in the escaped
-        forms ``repr`` of a str or bytes gives them."""
+        forms ``repr`` of a str or bytes and a JSON string give them."""
         secrets = [self._api_key.get(), *(v for v in self.additional_headers.values() if len(v) >= 4)]
         for secret in secrets:
-            for form in {secret, repr(secret)[1:-1], repr(secret.encode())[2:-1]}:
+            for form in {secret, repr(secret)[1:-1], repr(secret.encode())[2:-1], json.dumps(secret)[1:-1]}:
                 text = text.replace(form, "<redacted>")
         return text
 
@@ -304,7 +304,7 @@ class HotLoadClient:
                     return self._parse_json(what, data)
                 if status not in RETRYABLE_STATUS:
                     raise self._http_error(what, status, data, attempt, rheaders)
-                failure = f"HTTP {status}: {extract_server_message(self._redact_body(data))}"
+                failure = f"HTTP {status}: {extract_server_message(data, self._redact)}"
                 wait_hint = retry_after(rheaders)
             if cancelled:
                 raise self._cancelled(what)
@@ -338,7 +338,7 @@ class HotLoadClient:
 
     def _http_error(self, what: str, status: int, data: bytes, attempts: int,
                     headers: Mapping[str, str]) -> HotLoadError:
-        message = extract_server_message(self._redact_body(data))
+        message = extract_server_message(data, self._redact)
         tries = f" after {attempts} attempts" if attempts > 1 else ""
         location = self._redact(headers["location"]) if 300 <= status < 400 and "location" in headers else None
         moved = f" (Location: {location})" if location else ""

@@ -25,10 +25,11 @@ import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 from .fireworks_names import API_KEY_ENV
+from .masking import mask_url, url_has_credentials
 
 #: The most of a response body the client reads. A status is a few hundred bytes per replica and an error a
 #: sentence: more is not an answer from the hot-load API, and must not fill the trainer's memory.
@@ -102,37 +103,51 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+_CREDENTIALS_REFUSED = ("must not carry credentials before its host ('user:password@'); pass a gateway's "
+                        "credentials as headers (HotloadConfig.hotload_api_headers)")
+
+
 def check_url(url: str, allow_insecure: bool, field: str) -> urllib.parse.SplitResult:
-    """``url`` split, once it is known to be one this client can send to (``field`` names it in errors)."""
+    """``url`` split, once it is known to be one this client can send to (``field`` names it in errors).
+
+    Credentials before the host are refused first, and every other error shows the URL masked: a gateway's
+    password in the URL was printed by whichever check failed before the credentials one."""
+    if url_has_credentials(url.strip()):  # never sent, so refusing them costs nothing
+        raise ValueError(f"{field} {_CREDENTIALS_REFUSED}")
     parts = urllib.parse.urlsplit(url)
+    shown = mask_url(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{field} {url!r} must be an http(s) URL with a host")
+        raise ValueError(f"{field} {shown!r} must be an http(s) URL with a host")
     if parts.scheme == "http" and not allow_insecure and not is_loopback(parts.hostname):
         raise ValueError(
-            f"{field} {url!r} uses plain http to a non-loopback host, which would send the API key in clear "
+            f"{field} {shown!r} uses plain http to a non-loopback host, which would send the API key in clear "
             "text; use https (or allow_insecure=True, HotloadConfig.hotload_api_allow_http, for a trusted "
             "private network)"
         )
     if parts.query or parts.fragment:
-        raise ValueError(f"{field} {url!r} must not carry a query or fragment")
+        raise ValueError(f"{field} {shown!r} must not carry a query or fragment")
     try:  # read here: a bad port otherwise surfaced only at the first request, as an unrelated error
         port = parts.port
     except ValueError:
         port = 0
     if port == 0:
-        raise ValueError(f"{field} {url!r} has an invalid port: give a number from 1 to 65535")
+        raise ValueError(f"{field} {shown!r} has an invalid port: give a number from 1 to 65535")
     bad = [c for c in parts.path if not "\x21" <= c <= "\x7e"]
     if bad:  # http.client refuses to send such a path
-        raise ValueError(f"{field} {url!r} has {bad[0]!r} in its path: percent-encode it (a space is %20)")
-    if parts.username is not None or parts.password is not None:  # never sent, yet printed in every error
-        raise ValueError(f"{field} must not carry credentials before its host ('user:password@'); pass a "
-                         "gateway's credentials as headers (HotloadConfig.hotload_api_headers)")
+        raise ValueError(f"{field} {shown!r} has {bad[0]!r} in its path: percent-encode it (a space is %20)")
+    if parts.username is not None or parts.password is not None:  # an '@' the pattern above did not read as one
+        raise ValueError(f"{field} {_CREDENTIALS_REFUSED}")
     return parts
 
 
-def extract_server_message(body: bytes) -> str:
-    """The server's error message: ``error.message``, a string ``error``, any JSON, or the start of the text."""
-    text = body.decode("utf-8", errors="replace")
+def extract_server_message(body: bytes, redact: Callable[[str], str] | None = None) -> str:
+    """The server's error message: ``error.message``, a string ``error``, any JSON, or the start of the text.
+
+    ``redact`` (a client's secret remover) runs on the raw text and again on every decoded string, each time
+    before anything is cut short. Why twice: a server that echoes a header escapes it in its JSON (``\\/`` for
+    '/', ``\\u00xx``), which the raw text does not match and decoding turns back into the secret."""
+    clean: Callable[[str], str] = redact or (lambda text: text)
+    text = clean(body.decode("utf-8", errors="replace"))
     try:
         obj = json.loads(text)
     except ValueError:
@@ -140,12 +155,12 @@ def extract_server_message(body: bytes) -> str:
     if isinstance(obj, dict) and "error" in obj:
         err = obj["error"]
         if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return err["message"]
+            return clean(err["message"])
         if isinstance(err, str):
-            return err
+            return clean(err)
     if isinstance(obj, dict) and isinstance(obj.get("message"), str):
-        return obj["message"]
-    return json.dumps(obj)[:500]
+        return clean(obj["message"])
+    return clean(json.dumps(obj))[:500]
 
 
 class Headers(dict):  # type: ignore[type-arg]

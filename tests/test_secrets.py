@@ -7,13 +7,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
 from fsdp_hotload.config import HotloadConfig
+from fsdp_hotload.fireworks import HotLoadClient, HotLoadError
 from megatron_hotload import add_hotload_args
+
+from tests.http_fixture import serve
 
 SIGNALLING = dict(account_id="a", model_id="m", deployment_id="d", hf_config_dir="/tmp")
 
@@ -80,3 +86,46 @@ def test_megatron_flags_refuse_credentials(argv: list[str], capsys: pytest.Captu
         parser().parse_args(["--hotload-bucket-url", "/tmp/b", *argv])
     shown = str(info.value) + capsys.readouterr().err
     assert "credentials" in shown and "TOPSECRET" not in shown
+
+
+# ------------------------------------------------------------------------------------------------ client
+
+
+def test_a_plain_http_url_with_credentials_is_refused_without_echoing_them() -> None:
+    with pytest.raises(ValueError, match="credentials") as info:
+        HotLoadClient("http://gw-user:TOPSECRET@10.0.0.5:8083", account_id="a", model_id="m", deployment_id="d",
+                      api_key="k")
+    assert "TOPSECRET" not in str(info.value)
+
+
+@pytest.fixture
+def echo_server() -> Iterator[str]:
+    """Answers 401 with the request's gateway header echoed in a JSON string, '/' escaped (as PHP encodes it)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def _any(self) -> None:
+            token = (self.headers.get("X-Gateway-Token") or "").replace("/", "\\/")
+            data = ('{"error": {"message": "gateway refused token ' + token + '"}}').encode()
+            self.send_response(401)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = _any
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    with serve(Handler) as url:
+        yield url
+
+
+def test_a_header_value_echoed_json_escaped_is_redacted(echo_server: str, caplog: pytest.LogCaptureFixture) -> None:
+    secret = "dG9w/U0VDUkVU+gw/token"  # base64 tokens hold '/'
+    client = HotLoadClient(echo_server, account_id="a", model_id="m", deployment_id="d", api_key="fw-test-key-0123",
+                           additional_headers={"X-Gateway-Token": secret}, retry_budget_s=0.1)
+    with caplog.at_level(logging.DEBUG), pytest.raises(HotLoadError) as info:
+        client.signal("step-1")
+    assert "gateway refused token <redacted>" in str(info.value), str(info.value)
+    for text in (str(info.value), info.value.server_message or "", caplog.text):
+        assert secret not in text and secret.replace("/", "\\/") not in text
