@@ -33,6 +33,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator, TypeVar
 import fsspec
 import fsspec.core
 
+from .masking import mask_url, url_has_credentials
 from .storage_errors import (_BACKEND_PACKAGES, ErrorClass, MissingBackendError,  # noqa: F401 (re-exported)
                              StorageError, backend_install_hint, backoff_delay, classify_error)
 from .storage_s3 import DeadlineCalls, ThrottleAnswers, abort_open_uploads, is_s3_root, owned_retries
@@ -121,20 +122,25 @@ def _normalise_root(root: str) -> str:
     if protocol is None:
         root = os.path.abspath(os.path.expanduser(root))
     stripped = root.rstrip("/")
+    shown = mask_url(root)
     if not stripped or stripped.endswith(":") or stripped.endswith("::"):
-        raise ValueError(f"storage root {root!r} names no directory or bucket")
+        raise ValueError(f"storage root {shown!r} names no directory or bucket")
     for link in stripped.split("::"):
         protocol, path = fsspec.core.split_protocol(link)
+        # s3fs/gcsfs read 'KEY:SECRET@b' (as Hadoop's s3a:// did) as a bucket name, and every error showed the keys
+        if protocol and protocol.lower() in _OBJECT_STORE_PROTOCOLS and url_has_credentials(link):
+            raise ValueError(f"storage root {protocol}:// must not carry credentials ('KEY:SECRET@bucket'): pass "
+                             "them in storage_options, or leave them to the provider's own credential chain")
         # fsspec's rm expands * ? [ on object stores (and memory://): a root "runs/exp[12]" would delete the
         # snapshots of "runs/exp1" and "runs/exp2" at the first retention pass, and none of its own.
         if protocol and protocol.lower() not in _LOCAL_PROTOCOLS and any(c in path for c in "*?["):
-            raise ValueError(f"storage root {root!r} has a glob character (* ? [), which fsspec expands on "
+            raise ValueError(f"storage root {shown!r} has a glob character (* ? [), which fsspec expands on "
                              f"{protocol}:// when deleting: rename that folder")
         # An object store keeps "a//b" as a key with an empty segment, which listings never return: every write
         # would land where no commit check or retention pass can see it.
         if protocol and protocol.lower() in _OBJECT_STORE_PROTOCOLS and any(
                 seg in ("", ".", "..") for seg in path.split("/")):
-            raise ValueError(f"storage root {root!r} has an empty, '.' or '..' segment after the bucket")
+            raise ValueError(f"storage root {shown!r} has an empty, '.' or '..' segment after the bucket")
     return stripped
 
 
@@ -149,8 +155,9 @@ def _check_options(root: str, options: dict[str, Any]) -> None:
     if "::" not in root and (protocol is None or protocol.lower() in _LOCAL_PROTOCOLS | {"memory"}):
         unused = sorted(set(options) - _FSSPEC_OPTIONS - {"auto_mkdir"})
         if unused:  # e.g. "my-bucket/run" with an endpoint_url: the snapshots would land on the local disk
-            raise ValueError(f"storage_options {unused} are for an object store, but the storage root {root!r} "
-                             f"is a {protocol or 'local'} path: give the root its scheme (s3://, gs://) or drop them")
+            raise ValueError(f"storage_options {unused} are for an object store, but the storage root "
+                             f"{mask_url(root)!r} is a {protocol or 'local'} path: give the root its scheme (s3://, "
+                             "gs://) or drop them")
         return
     if "::" in root or protocol is None or protocol.lower() not in _OBJECT_STORE_PROTOCOLS or not options:
         return
@@ -168,8 +175,8 @@ def _check_options(root: str, options: dict[str, Any]) -> None:
     if unknown:
         hints = [f"{k!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, known, n=1))
                  else repr(k) for k in unknown]
-        raise StorageError(f"cannot open {root}: storage_options {', '.join(hints)} not accepted by "
-                           f"{cls.__module__}.{cls.__name__}", uri=root, op="open")
+        raise StorageError(f"cannot open {mask_url(root)}: storage_options {', '.join(hints)} not accepted by "
+                           f"{cls.__module__}.{cls.__name__}", uri=mask_url(root), op="open")
 
 
 def _check_relpath(relpath: str, root: str, *, allow_empty: bool = False) -> str:
@@ -228,6 +235,7 @@ class Storage:
         self.call_timeout_s = call_timeout_s
         self.min_upload_mb_s = min_upload_mb_s
         self.root = _normalise_root(root)
+        self._shown = mask_url(self.root)  # how messages name the root: a user:password@ part masked (sftp)
         self.storage_options = dict(storage_options or {})
         self.max_attempts = max_attempts
         self.base_backoff_s = base_backoff_s
@@ -247,7 +255,7 @@ class Storage:
                 try:
                     self._throttles = ThrottleAnswers(fs, lambda: self.stats.add(throttled=1))
                 except Exception as exc:  # noqa: BLE001 - botocore refused the client's settings
-                    raise StorageError(f"cannot open {self.root}: {type(exc).__name__}: {exc}", uri=self.root,
+                    raise StorageError(f"cannot open {self._shown}: {type(exc).__name__}: {exc}", uri=self._shown,
                                        op="open", cause=exc) from exc
         else:
             fs_root = fs._strip_protocol(self.root)
@@ -261,6 +269,7 @@ class Storage:
 
     @staticmethod
     def _open_fs(root: str, options: dict) -> tuple[fsspec.AbstractFileSystem, str]:
+        shown = mask_url(root)
         for link in root.split("::"):
             protocol, _ = fsspec.core.split_protocol(link)
             hint = backend_install_hint(protocol) if protocol else None
@@ -269,7 +278,7 @@ class Storage:
                 try:
                     importlib.import_module(module)
                 except ImportError as exc:
-                    raise MissingBackendError(f"cannot open {root}: {hint}", uri=root, op="open",
+                    raise MissingBackendError(f"cannot open {shown}: {hint}", uri=shown, op="open",
                                               cause=exc) from exc
         _check_options(root, options)
         options, own_retries = owned_retries(root, options)
@@ -281,10 +290,10 @@ class Storage:
                 fs.retries = 1  # s3fs's own loop, under ours and botocore's, multiplied every attempt
             return fs, fs_root
         except ImportError as exc:
-            raise MissingBackendError(f"cannot open {root}: missing backend package ({exc})", uri=root,
+            raise MissingBackendError(f"cannot open {shown}: missing backend package ({exc})", uri=shown,
                                       op="open", cause=exc) from exc
         except (ValueError, TypeError) as exc:
-            raise StorageError(f"cannot open {root}: {exc}", uri=root, op="open", cause=exc) from exc
+            raise StorageError(f"cannot open {shown}: {exc}", uri=shown, op="open", cause=exc) from exc
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
@@ -292,7 +301,7 @@ class Storage:
         return self._fs
 
     def __repr__(self) -> str:
-        return f"Storage({self.root!r})"
+        return f"Storage({self._shown!r})"
 
     def _deadline(self, nbytes: int = 0) -> dict[str, float]:
         """``timeout=`` for one call of an asynchronous backend (fsspec's sync wrapper takes it), else nothing."""
@@ -303,8 +312,9 @@ class Storage:
     # -- paths -------------------------------------------------------------------------------------------
 
     def uri(self, relpath: str) -> str:
-        """The full URI of ``relpath`` (what error messages and the hot-load source URL name)."""
-        return f"{self.root}/{relpath}" if relpath else self.root
+        """The full URI of ``relpath`` as messages and logs name it: a root's ``user:password@`` (sftp, ftp) is
+        masked, since these go to logs, exceptions and the metrics file."""
+        return f"{self._shown}/{relpath}" if relpath else self._shown
 
     def _path(self, relpath: str) -> str:
         return f"{self._fs_root}/{relpath}" if relpath else self._fs_root
@@ -359,7 +369,7 @@ class Storage:
 
     def put_bytes(self, relpath: str, data: bytes | bytearray | memoryview) -> None:
         """Write one object (replacing any old one), retrying transient failures."""
-        rel = _check_relpath(relpath, self.root)
+        rel = _check_relpath(relpath, self._shown)
         view = memoryview(data)
         if view.ndim != 1 or view.format not in ("B", "b", "c"):
             view = view.cast("B")
@@ -386,7 +396,7 @@ class Storage:
     def put_file(self, relpath: str, local_path: str) -> None:
         """Upload a local file. Files above ``multipart_threshold`` are streamed (multipart on object stores)
         and never read into memory whole; a missing ``local_path`` raises FileNotFoundError."""
-        rel = _check_relpath(relpath, self.root)
+        rel = _check_relpath(relpath, self._shown)
         local_path = os.fspath(local_path)
         size = os.path.getsize(local_path)
         path = self._path(rel)
@@ -425,7 +435,7 @@ class Storage:
         ones already running finish, and the first error is raised (naming the count if several failed).
         """
         for rel in items:
-            _check_relpath(rel, self.root)
+            _check_relpath(rel, self._shown)
         if len(items) <= 1 or self.max_concurrency == 1:
             for rel, data in items.items():
                 self.put_bytes(rel, data)
@@ -448,7 +458,7 @@ class Storage:
         rel, first = errors[0]
         if len(errors) == 1:
             raise first  # type: ignore[misc]
-        raise StorageError(f"put_many: {len(errors)} of {len(items)} puts failed under {self.root}; "
+        raise StorageError(f"put_many: {len(errors)} of {len(items)} puts failed under {self._shown}; "
                            f"first: {first}", uri=self.uri(rel), op="put_many",
                            attempts=getattr(first, "attempts", 0), cause=first) from first
 
@@ -510,19 +520,19 @@ class Storage:
 
     def get_bytes(self, relpath: str) -> bytes:
         """Read one object whole; FileNotFoundError passes straight through (never retried)."""
-        rel = _check_relpath(relpath, self.root)
+        rel = _check_relpath(relpath, self._shown)
         data = self._run("get", rel, lambda: self._fs.cat_file(self._path(rel)))
         self.stats.add(gets=1, bytes_got=len(data))
         return bytes(data)
 
     def exists(self, relpath: str) -> bool:
-        rel = _check_relpath(relpath, self.root)
+        rel = _check_relpath(relpath, self._shown)
         path = self._path(rel)
         self._fs.invalidate_cache(path)
         return bool(self._run("exists", rel, lambda: self._fs.exists(path, **self._deadline())))
 
     def size(self, relpath: str) -> int:
-        rel = _check_relpath(relpath, self.root)
+        rel = _check_relpath(relpath, self._shown)
         path = self._path(rel)
         self._fs.invalidate_cache(path)
         return int(self._run("size", rel, lambda: self._fs.info(path, **self._deadline())["size"]))
@@ -531,7 +541,7 @@ class Storage:
         """Files below ``prefix`` (a directory: ``"a"`` does not match ``"ab/x"``), recursively, with sizes and
         modification times, keyed by relpath from the root. Temp files of unfinished local writes are hidden
         unless ``include_temp`` (retention judging what a crashed writer left)."""
-        rel = _check_relpath(prefix, self.root, allow_empty=True)
+        rel = _check_relpath(prefix, self._shown, allow_empty=True)
         path = self._path(rel)
         self._fs.invalidate_cache(path)
 
@@ -575,9 +585,9 @@ class Storage:
     def delete_prefix(self, prefix: str) -> None:
         """Delete everything below ``prefix`` (or the single object it names). Missing is not an error. An
         empty prefix is refused: wiping the whole root by accident must not be one call away."""
-        rel = _check_relpath(prefix, self.root, allow_empty=True)
+        rel = _check_relpath(prefix, self._shown, allow_empty=True)
         if not rel:
-            raise ValueError(f"refusing to delete the whole storage root {self.root}")
+            raise ValueError(f"refusing to delete the whole storage root {self._shown}")
         path = self._path(rel)
 
         def rm() -> None:

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from fsdp_hotload.config import HotloadConfig
 from fsdp_hotload.fireworks import HotLoadClient, HotLoadError
+from fsdp_hotload.storage import Storage
 from megatron_hotload import add_hotload_args
 
 from tests.http_fixture import serve
@@ -129,3 +130,28 @@ def test_a_header_value_echoed_json_escaped_is_redacted(echo_server: str, caplog
     assert "gateway refused token <redacted>" in str(info.value), str(info.value)
     for text in (str(info.value), info.value.server_message or "", caplog.text):
         assert secret not in text and secret.replace("/", "\\/") not in text
+
+
+# ------------------------------------------------------------------------------------------------ storage
+
+
+@pytest.mark.parametrize("root", ["s3://AKIA:TOPSECRET@bucket/run", "s3a://AKIA:TOPSECRET@bucket/run",
+                                  "gs://user:TOPSECRET@bucket/run"])
+def test_keys_in_an_object_store_url_are_refused_without_echoing_them(root: str) -> None:
+    """s3fs takes 'AKIA:TOPSECRET@bucket' for the bucket's name: every put failed with the keys in its error, which
+    went to the logs and the metrics file."""
+    with pytest.raises(ValueError, match="storage_options") as info:
+        Storage(root)
+    assert "TOPSECRET" not in str(info.value)
+
+
+def test_storage_messages_mask_a_root_s_credentials() -> None:
+    """An sftp root may carry them (fsspec reads them there); uri() names files in logs, errors and metrics."""
+    import fsspec
+
+    st = Storage("sftp://user:TOPSECRET@files.internal/runs", fs=fsspec.filesystem("memory"))
+    assert "TOPSECRET" not in repr(st) and "TOPSECRET" not in st.uri("step-1/a")
+    assert st.uri("step-1/a") == "sftp://**********@files.internal/runs/step-1/a"
+    with pytest.raises(ValueError) as info:
+        st.get_bytes("step-1/../a")
+    assert "TOPSECRET" not in str(info.value)
