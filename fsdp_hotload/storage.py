@@ -16,9 +16,7 @@ its commit marker last (see :mod:`fsdp_hotload.retention`, whose names are re-ex
 from __future__ import annotations
 
 import contextlib
-import difflib
 import importlib
-import inspect
 import logging
 import os
 import random
@@ -33,9 +31,10 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator, TypeVar
 import fsspec
 import fsspec.core
 
-from .masking import mask_url, url_has_credentials
+from .masking import mask_url
 from .storage_errors import (_BACKEND_PACKAGES, ErrorClass, MissingBackendError,  # noqa: F401 (re-exported)
                              StorageError, backend_install_hint, backoff_delay, classify_error)
+from .storage_paths import OBJECT_STORE_PROTOCOLS, check_options, check_relpath, normalise_root
 from .storage_s3 import DeadlineCalls, ThrottleAnswers, abort_open_uploads, is_s3_root, owned_retries
 
 __all__ = ["Storage", "StorageStats", "StorageError", "MissingBackendError", "FileInfo", "ErrorClass",
@@ -49,10 +48,7 @@ T = TypeVar("T")
 TMP_PREFIX = ".hotload-tmp-"
 #: S3 rejects multipart parts under 5 MiB (except the last one).
 MIN_PART_SIZE = 5 * 2**20
-# Protocols whose files opened for writing only become visible when closed, so streaming into them is safe.
-_OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})
 _COPY_BLOCK = 8 * 2**20
-_LOCAL_PROTOCOLS = frozenset({"file", "local"})
 
 
 # -- stats and listings ---------------------------------------------------------------------------------------
@@ -114,87 +110,6 @@ def _protocols(fs: Any) -> frozenset[str]:
     return frozenset([proto] if isinstance(proto, str) else proto)
 
 
-def _normalise_root(root: str) -> str:
-    root = os.fspath(root).strip()
-    if not root:
-        raise ValueError("storage root is empty")
-    protocol, _ = fsspec.core.split_protocol(root)
-    if protocol is None:
-        root = os.path.abspath(os.path.expanduser(root))
-    stripped = root.rstrip("/")
-    shown = mask_url(root)
-    if not stripped or stripped.endswith(":") or stripped.endswith("::"):
-        raise ValueError(f"storage root {shown!r} names no directory or bucket")
-    for link in stripped.split("::"):
-        protocol, path = fsspec.core.split_protocol(link)
-        # s3fs/gcsfs read 'KEY:SECRET@b' (as Hadoop's s3a:// did) as a bucket name, and every error showed the keys
-        if protocol and protocol.lower() in _OBJECT_STORE_PROTOCOLS and url_has_credentials(link):
-            raise ValueError(f"storage root {protocol}:// must not carry credentials ('KEY:SECRET@bucket'): pass "
-                             "them in storage_options, or leave them to the provider's own credential chain")
-        # fsspec's rm expands * ? [ on object stores (and memory://): a root "runs/exp[12]" would delete the
-        # snapshots of "runs/exp1" and "runs/exp2" at the first retention pass, and none of its own.
-        if protocol and protocol.lower() not in _LOCAL_PROTOCOLS and any(c in path for c in "*?["):
-            raise ValueError(f"storage root {shown!r} has a glob character (* ? [), which fsspec expands on "
-                             f"{protocol}:// when deleting: rename that folder")
-        # An object store keeps "a//b" as a key with an empty segment, which listings never return: every write
-        # would land where no commit check or retention pass can see it.
-        if protocol and protocol.lower() in _OBJECT_STORE_PROTOCOLS and any(
-                seg in ("", ".", "..") for seg in path.split("/")):
-            raise ValueError(f"storage root {shown!r} has an empty, '.' or '..' segment after the bucket")
-    return stripped
-
-
-# Options every fsspec filesystem takes through ``**storage_options`` (instance and listings caches).
-_FSSPEC_OPTIONS = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"})
-
-
-def _check_options(root: str, options: dict[str, Any]) -> None:
-    """Refuse ``storage_options`` an object-store backend does not take. s3fs accepts and ignores any keyword, so
-    ``{"endpoint": ...}`` for ``endpoint_url`` would send a MinIO user's snapshots to AWS S3 without a word."""
-    protocol, _ = fsspec.core.split_protocol(root)
-    if "::" not in root and (protocol is None or protocol.lower() in _LOCAL_PROTOCOLS | {"memory"}):
-        unused = sorted(set(options) - _FSSPEC_OPTIONS - {"auto_mkdir"})
-        if unused:  # e.g. "my-bucket/run" with an endpoint_url: the snapshots would land on the local disk
-            raise ValueError(f"storage_options {unused} are for an object store, but the storage root "
-                             f"{mask_url(root)!r} is a {protocol or 'local'} path: give the root its scheme (s3://, "
-                             "gs://) or drop them")
-        return
-    if "::" in root or protocol is None or protocol.lower() not in _OBJECT_STORE_PROTOCOLS or not options:
-        return
-    try:
-        cls = fsspec.get_filesystem_class(protocol.lower())
-    except (ImportError, ValueError):
-        return  # the missing package is reported when the filesystem opens
-    known = set(_FSSPEC_OPTIONS)
-    for klass in cls.__mro__:
-        init = vars(klass).get("__init__")
-        if init is not None:
-            known.update(n for n, p in inspect.signature(init).parameters.items()
-                         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "self")
-    unknown = sorted(str(k) for k in options if k not in known)
-    if unknown:
-        hints = [f"{k!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, known, n=1))
-                 else repr(k) for k in unknown]
-        raise StorageError(f"cannot open {mask_url(root)}: storage_options {', '.join(hints)} not accepted by "
-                           f"{cls.__module__}.{cls.__name__}", uri=mask_url(root), op="open")
-
-
-def _check_relpath(relpath: str, root: str, *, allow_empty: bool = False) -> str:
-    """Reject paths that would escape the root or alias another object (``..``, ``//``, absolute paths)."""
-    if not isinstance(relpath, str):
-        raise TypeError(f"relpath under {root} must be str, got {type(relpath).__name__}")
-    rel = relpath.rstrip("/") if allow_empty else relpath
-    if not rel:
-        if allow_empty:
-            return ""
-        raise ValueError(f"empty relpath under {root}")
-    if rel.startswith("/") or "\\" in rel or "\x00" in rel:
-        raise ValueError(f"bad relpath {relpath!r} under {root}: must be relative, '/'-separated")
-    if any(part in ("", ".", "..") for part in rel.split("/")):
-        raise ValueError(f"bad relpath {relpath!r} under {root}: empty, '.' or '..' segment")
-    return rel
-
-
 class Storage:
     """Files under one root URI, with retries, bounded concurrency and atomic local writes.
 
@@ -234,7 +149,7 @@ class Storage:
             raise ValueError("call_timeout_s and min_upload_mb_s must be positive and finite")
         self.call_timeout_s = call_timeout_s
         self.min_upload_mb_s = min_upload_mb_s
-        self.root = _normalise_root(root)
+        self.root = normalise_root(root)
         self._shown = mask_url(self.root)  # how messages name the root: a user:password@ part masked (sftp)
         self.storage_options = dict(storage_options or {})
         self.max_attempts = max_attempts
@@ -263,7 +178,7 @@ class Storage:
         self._fs_root = str(fs_root).rstrip("/") or "/"
         protos = _protocols(fs)
         self._local = bool(getattr(fs, "local_file", False))
-        self._object_store = bool(protos & _OBJECT_STORE_PROTOCOLS)
+        self._object_store = bool(protos & OBJECT_STORE_PROTOCOLS)
         # s3fs's pipe_file takes the multipart part size; other backends' may not.
         self._chunked = bool(protos & {"s3", "s3a"})
 
@@ -280,7 +195,7 @@ class Storage:
                 except ImportError as exc:
                     raise MissingBackendError(f"cannot open {shown}: {hint}", uri=shown, op="open",
                                               cause=exc) from exc
-        _check_options(root, options)
+        check_options(root, options)
         options, own_retries = owned_retries(root, options)
         if is_s3_root(root):  # a filesystem of its own: the throttle count hooks its client (ThrottleAnswers)
             options = {**options, "skip_instance_cache": True}
@@ -369,7 +284,7 @@ class Storage:
 
     def put_bytes(self, relpath: str, data: bytes | bytearray | memoryview) -> None:
         """Write one object (replacing any old one), retrying transient failures."""
-        rel = _check_relpath(relpath, self._shown)
+        rel = check_relpath(relpath, self._shown)
         view = memoryview(data)
         if view.ndim != 1 or view.format not in ("B", "b", "c"):
             view = view.cast("B")
@@ -396,7 +311,7 @@ class Storage:
     def put_file(self, relpath: str, local_path: str) -> None:
         """Upload a local file. Files above ``multipart_threshold`` are streamed (multipart on object stores)
         and never read into memory whole; a missing ``local_path`` raises FileNotFoundError."""
-        rel = _check_relpath(relpath, self._shown)
+        rel = check_relpath(relpath, self._shown)
         local_path = os.fspath(local_path)
         size = os.path.getsize(local_path)
         path = self._path(rel)
@@ -435,7 +350,7 @@ class Storage:
         ones already running finish, and the first error is raised (naming the count if several failed).
         """
         for rel in items:
-            _check_relpath(rel, self._shown)
+            check_relpath(rel, self._shown)
         if len(items) <= 1 or self.max_concurrency == 1:
             for rel, data in items.items():
                 self.put_bytes(rel, data)
@@ -520,19 +435,19 @@ class Storage:
 
     def get_bytes(self, relpath: str) -> bytes:
         """Read one object whole; FileNotFoundError passes straight through (never retried)."""
-        rel = _check_relpath(relpath, self._shown)
+        rel = check_relpath(relpath, self._shown)
         data = self._run("get", rel, lambda: self._fs.cat_file(self._path(rel)))
         self.stats.add(gets=1, bytes_got=len(data))
         return bytes(data)
 
     def exists(self, relpath: str) -> bool:
-        rel = _check_relpath(relpath, self._shown)
+        rel = check_relpath(relpath, self._shown)
         path = self._path(rel)
         self._fs.invalidate_cache(path)
         return bool(self._run("exists", rel, lambda: self._fs.exists(path, **self._deadline())))
 
     def size(self, relpath: str) -> int:
-        rel = _check_relpath(relpath, self._shown)
+        rel = check_relpath(relpath, self._shown)
         path = self._path(rel)
         self._fs.invalidate_cache(path)
         return int(self._run("size", rel, lambda: self._fs.info(path, **self._deadline())["size"]))
@@ -541,7 +456,7 @@ class Storage:
         """Files below ``prefix`` (a directory: ``"a"`` does not match ``"ab/x"``), recursively, with sizes and
         modification times, keyed by relpath from the root. Temp files of unfinished local writes are hidden
         unless ``include_temp`` (retention judging what a crashed writer left)."""
-        rel = _check_relpath(prefix, self._shown, allow_empty=True)
+        rel = check_relpath(prefix, self._shown, allow_empty=True)
         path = self._path(rel)
         self._fs.invalidate_cache(path)
 
@@ -585,7 +500,7 @@ class Storage:
     def delete_prefix(self, prefix: str) -> None:
         """Delete everything below ``prefix`` (or the single object it names). Missing is not an error. An
         empty prefix is refused: wiping the whole root by accident must not be one call away."""
-        rel = _check_relpath(prefix, self._shown, allow_empty=True)
+        rel = check_relpath(prefix, self._shown, allow_empty=True)
         if not rel:
             raise ValueError(f"refusing to delete the whole storage root {self._shown}")
         path = self._path(rel)

@@ -1,0 +1,112 @@
+"""What a storage root, its options and a path under it may be: the checks :class:`~fsdp_hotload.storage.Storage`
+runs before any call reaches a backend.
+
+Kept apart from the storage layer so each refusal, and why it is one, reads in one place: every rule here
+stopped a write from landing where no reader, commit check or retention pass would find it, or a delete from
+reaching another run's snapshots.
+
+Example::
+
+    root = normalise_root("s3://bucket/runs/exp1/")       # 's3://bucket/runs/exp1'
+    check_options(root, {"endpoint_url": "http://127.0.0.1:9000"})
+    check_relpath("step-4-a1b2/config.json", root)         # 'step-4-a1b2/config.json'
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+import os
+from typing import Any
+
+import fsspec
+import fsspec.core
+
+from .masking import mask_url, url_has_credentials
+from .storage_errors import StorageError
+
+__all__ = ["LOCAL_PROTOCOLS", "OBJECT_STORE_PROTOCOLS", "check_options", "check_relpath", "normalise_root"]
+
+#: Protocols whose files opened for writing only become visible when closed, so streaming into them is safe.
+OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})
+LOCAL_PROTOCOLS = frozenset({"file", "local"})
+
+
+def normalise_root(root: str) -> str:
+    root = os.fspath(root).strip()
+    if not root:
+        raise ValueError("storage root is empty")
+    protocol, _ = fsspec.core.split_protocol(root)
+    if protocol is None:
+        root = os.path.abspath(os.path.expanduser(root))
+    stripped = root.rstrip("/")
+    shown = mask_url(root)
+    if not stripped or stripped.endswith(":") or stripped.endswith("::"):
+        raise ValueError(f"storage root {shown!r} names no directory or bucket")
+    for link in stripped.split("::"):
+        protocol, path = fsspec.core.split_protocol(link)
+        # s3fs/gcsfs read 'KEY:SECRET@b' (as Hadoop's s3a:// did) as a bucket name, and every error showed the keys
+        if protocol and protocol.lower() in OBJECT_STORE_PROTOCOLS and url_has_credentials(link):
+            raise ValueError(f"storage root {protocol}:// must not carry credentials ('KEY:SECRET@bucket'): pass "
+                             "them in storage_options, or leave them to the provider's own credential chain")
+        # fsspec's rm expands * ? [ on object stores (and memory://): a root "runs/exp[12]" would delete the
+        # snapshots of "runs/exp1" and "runs/exp2" at the first retention pass, and none of its own.
+        if protocol and protocol.lower() not in LOCAL_PROTOCOLS and any(c in path for c in "*?["):
+            raise ValueError(f"storage root {shown!r} has a glob character (* ? [), which fsspec expands on "
+                             f"{protocol}:// when deleting: rename that folder")
+        # An object store keeps "a//b" as a key with an empty segment, which listings never return: every write
+        # would land where no commit check or retention pass can see it.
+        if protocol and protocol.lower() in OBJECT_STORE_PROTOCOLS and any(
+                seg in ("", ".", "..") for seg in path.split("/")):
+            raise ValueError(f"storage root {shown!r} has an empty, '.' or '..' segment after the bucket")
+    return stripped
+
+
+# Options every fsspec filesystem takes through ``**storage_options`` (instance and listings caches).
+_FSSPEC_OPTIONS = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"})
+
+
+def check_options(root: str, options: dict[str, Any]) -> None:
+    """Refuse ``storage_options`` an object-store backend does not take. s3fs accepts and ignores any keyword, so
+    ``{"endpoint": ...}`` for ``endpoint_url`` would send a MinIO user's snapshots to AWS S3 without a word."""
+    protocol, _ = fsspec.core.split_protocol(root)
+    if "::" not in root and (protocol is None or protocol.lower() in LOCAL_PROTOCOLS | {"memory"}):
+        unused = sorted(set(options) - _FSSPEC_OPTIONS - {"auto_mkdir"})
+        if unused:  # e.g. "my-bucket/run" with an endpoint_url: the snapshots would land on the local disk
+            raise ValueError(f"storage_options {unused} are for an object store, but the storage root "
+                             f"{mask_url(root)!r} is a {protocol or 'local'} path: give the root its scheme (s3://, "
+                             "gs://) or drop them")
+        return
+    if "::" in root or protocol is None or protocol.lower() not in OBJECT_STORE_PROTOCOLS or not options:
+        return
+    try:
+        cls = fsspec.get_filesystem_class(protocol.lower())
+    except (ImportError, ValueError):
+        return  # the missing package is reported when the filesystem opens
+    known = set(_FSSPEC_OPTIONS)
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is not None:
+            known.update(n for n, p in inspect.signature(init).parameters.items()
+                         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "self")
+    unknown = sorted(str(k) for k in options if k not in known)
+    if unknown:
+        hints = [f"{k!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, known, n=1))
+                 else repr(k) for k in unknown]
+        raise StorageError(f"cannot open {mask_url(root)}: storage_options {', '.join(hints)} not accepted by "
+                           f"{cls.__module__}.{cls.__name__}", uri=mask_url(root), op="open")
+
+
+def check_relpath(relpath: str, root: str, *, allow_empty: bool = False) -> str:
+    """Reject paths that would escape the root or alias another object (``..``, ``//``, absolute paths)."""
+    if not isinstance(relpath, str):
+        raise TypeError(f"relpath under {root} must be str, got {type(relpath).__name__}")
+    rel = relpath.rstrip("/") if allow_empty else relpath
+    if not rel:
+        if allow_empty:
+            return ""
+        raise ValueError(f"empty relpath under {root}")
+    if rel.startswith("/") or "\\" in rel or "\x00" in rel:
+        raise ValueError(f"bad relpath {relpath!r} under {root}: must be relative, '/'-separated")
+    if any(part in ("", ".", "..") for part in rel.split("/")):
+        raise ValueError(f"bad relpath {relpath!r} under {root}: empty, '.' or '..' segment")
+    return rel
