@@ -141,3 +141,11 @@ def test_staging_refuses_sources_that_do_not_match_the_chunks(wrong: str) -> Non
         srcs = srcs[:-1]
     with pytest.raises(ValueError, match="source"):
         st.stage(buf, srcs)
+
+
+def test_shards_on_a_device_without_bytes_are_refused_at_construction() -> None:
+    """FSDP2's deferred init leaves parameters on the meta device until to_empty(). HotloadCallback refused such a
+    model, but a TensorPublisher (or the engine) built on it started, and every publish then failed on the
+    background thread ("Cannot copy out of meta tensor"). Now the stager says so at construction."""
+    with pytest.raises(ValueError, match="meta device: create the publisher after the weights are materialised"):
+        Stager(chunks("meta"), slots=1)

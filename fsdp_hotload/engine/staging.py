@@ -75,6 +75,11 @@ class Stager:
         if len(devices) > 1:
             raise ValueError(f"local chunks live on several devices {sorted(map(str, devices))}; one expected")
         self.device = devices.pop() if devices else torch.device("cpu")
+        if self.device.type == "meta":  # FSDP2's deferred init: these tensors have no bytes to stage
+            raise ValueError("the local shards are on the meta device: create the publisher after the weights are "
+                             "materialised (model.to_empty(device=...) and their initialisation or checkpoint load)")
+        if self.device.type not in ("cpu", "cuda"):  # the diff reads host memory or CUDA streams, nothing else
+            raise ValueError(f"local shards on {self.device.type!r} tensors cannot be staged: cpu and cuda only")
         self.slices: list[Slice] = []
         pos = 0
         for c in self.chunks:
