@@ -39,6 +39,7 @@ AUX_FILENAMES: tuple[str, ...] = (
 )
 # Chat templates, tiktoken vocabularies, and remote code: every top-level module, since an "auto_map" may name
 # processors as well as models and tokenizers, and those modules import siblings (e.g. tool_declaration_ts.py).
+# Modules only go with a folder whose JSON files name remote code (see _remote_code_named).
 # mistral-common's tokenizers (tekken.json above, tokenizer[.mm].model.v*) are what vLLM's mistral mode reads.
 AUX_PATTERNS: tuple[str, ...] = ("*.jinja", "*.tiktoken", "tiktoken.model", "*.py", "tokenizer.model.v*",
                                  "tokenizer.mm.model.v*")
@@ -76,7 +77,29 @@ def hf_aux_files(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, byte
     if not isinstance(config, dict):
         kind = "nothing" if config is None else type(config).__name__
         raise LayoutError(f"{os.path.join(path, 'config.json')}: must be a JSON object, got {kind}")
+    if not _remote_code_named(out):
+        modules = [name for name in out if name.endswith(".py")]
+        for name in modules:
+            del out[name]
+        if modules:
+            log.info("hotload: %s names no remote code (no auto_map), so its .py files are not carried: %s", path,
+                     ", ".join(modules))
     return out
+
+
+def _remote_code_named(files: dict[str, bytes]) -> bool:
+    """Whether a carried JSON file (config, tokenizer or processor config) has an ``auto_map``: remote code the
+    server may import. Why ask: without one the folder's ``.py`` files are nobody's code, and a folder that is
+    also a working directory would upload its scripts (and whatever they hold) to the bucket."""
+    for name, raw in files.items():
+        if name.endswith(".json"):
+            try:
+                obj = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError):
+                continue
+            if isinstance(obj, dict) and "auto_map" in obj:
+                return True
+    return False
 
 
 def snapshot_files(hf_config_dir: str | os.PathLike[str] | None, dtypes: Iterable[str]) -> dict[str, bytes]:

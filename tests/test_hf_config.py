@@ -109,11 +109,24 @@ def test_remote_code_modules_are_carried_with_the_modules_they_import(tmp_path: 
     """auto_map may name processors as well as tokenizers, and remote code imports sibling modules (Kimi-K2's
     tokenization_kimi.py does ``from .tool_declaration_ts import ...``): without them the snapshot's tokenizer
     and processor cannot be loaded with trust_remote_code."""
-    names = ["config.json", "tokenization_kimi.py", "tool_declaration_ts.py", "processing_phi4mm.py",
-             "image_processing_minicpmv.py", "conversation.py"]
+    names = ["config.json", "tokenizer_config.json", "tokenization_kimi.py", "tool_declaration_ts.py",
+             "processing_phi4mm.py", "image_processing_minicpmv.py", "conversation.py"]
     for name in names:
         (tmp_path / name).write_bytes(b"{}" if name.endswith(".json") else b"# module\n")
+    assert sorted(hf_aux_files(tmp_path)) == ["config.json", "tokenizer_config.json"]  # no auto_map: no code
+    auto_map = {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"auto_map": auto_map}))
     assert sorted(hf_aux_files(tmp_path)) == sorted(names)
+
+
+def test_a_working_folders_scripts_are_not_carried(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A base folder that is also a working directory (config.json beside train.py) must not upload its scripts,
+    and what they may hold, to the fleet's bucket: without an auto_map no module is anybody's remote code."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "train.py").write_text("KEY = 'do-not-upload'\n")
+    with caplog.at_level(logging.INFO, logger="fsdp_hotload"):
+        assert sorted(hf_aux_files(tmp_path)) == ["config.json"]
+    assert "its .py files are not carried: train.py" in caplog.text
 
 
 def test_mistral_tokenizer_files_are_carried(tmp_path: Path) -> None:

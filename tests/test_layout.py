@@ -593,7 +593,7 @@ def test_forked_child_makes_its_own_session() -> None:
 
 def test_hf_aux_files_copies_config_and_tokenizer_files_only(tmp_path: Path) -> None:
     wanted = {
-        "config.json": b'{"model_type": "llama", "num_hidden_layers": 4}',
+        "config.json": b'{"model_type": "llama", "num_hidden_layers": 4, "auto_map": {"AutoConfig": "c.C"}}',
         "generation_config.json": b'{"do_sample": true}',
         "tokenizer.json": b'{"version": "1.0"}',
         "tokenizer_config.json": b"{}",
