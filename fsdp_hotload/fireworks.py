@@ -197,7 +197,8 @@ class HotLoadClient:
         self.poll_interval_s = float(poll_interval_s)
         self.backoff_initial_s = float(backoff_initial_s)
         self.backoff_max_s = float(backoff_max_s)
-        self.additional_headers = clean_headers(dict(additional_headers or {}), "additional_headers")
+        # Headers' repr hides the values: vars(client), debuggers and error reporters that record locals print it
+        self.additional_headers = Headers(clean_headers(dict(additional_headers or {}), "additional_headers"))
         # Older servers reject reset_prompt_cache as an unknown field; after the first such 400 we stop sending it.
         self.send_reset_prompt_cache = True
         self._ssl = ssl.create_default_context()

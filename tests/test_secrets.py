@@ -155,3 +155,14 @@ def test_storage_messages_mask_a_root_s_credentials() -> None:
     with pytest.raises(ValueError) as info:
         st.get_bytes("step-1/../a")
     assert "TOPSECRET" not in str(info.value)
+
+
+def test_the_clients_extra_headers_print_without_their_values() -> None:
+    """A gateway's token sits in additional_headers: vars(client), a debugger or an error reporter that records
+    locals printed the plain dict, value included."""
+    from fsdp_hotload.fireworks import HotLoadClient
+
+    client = HotLoadClient("http://127.0.0.1:9", account_id="a", model_id="m", deployment_id="d", api_key="k" * 8,
+                           additional_headers={"X-Gateway-Token": "gw-secret-0123"})
+    assert "gw-secret-0123" not in repr(vars(client))
+    assert client.headers()["X-Gateway-Token"] == "gw-secret-0123"  # still sent
