@@ -226,6 +226,20 @@ def test_sparse_call_refuses_positions_out_of_order_or_range() -> None:
     with pytest.raises(FormatError, match="not increasing"):
         one.encode_sparse(np.array([big, 3, big + 1], np.int64), zero, vals, 4 * big, 2)
 
+
+@needs_libzstd
+def test_one_call_paths_refuse_a_chunk_of_partial_elements() -> None:
+    """The block path (DenseDelta) refuses a chunk that is not whole elements; the one-call paths encoded it, and
+    the changed count (or the last element's sequence) came out wrong."""
+    one = zstd_seq.SequenceEncoder(ENC.lib, one_call=True)  # type: ignore[union-attr]
+    old, new = np.zeros(9, np.uint8), np.ones(9, np.uint8)
+    tables = run_tables([(0, 4)], 2)
+    with pytest.raises(FormatError, match="not whole elements of 2 bytes"):
+        one.encode_delta(old, new, 2, tables, 9)
+    with pytest.raises(FormatError, match="not whole elements of 2 bytes"):
+        one.encode_sparse(np.array([1], np.int64), np.zeros(1, np.uint16), np.ones(1, np.uint16), 9, 2)
+
+
 @needs_libzstd
 @pytest.mark.parametrize("itemsize, position", [(8, 1 << 61), (8, (1 << 61) + 1), (4, 1 << 62)])
 def test_sparse_call_refuses_positions_whose_byte_offset_wraps(itemsize: int, position: int) -> None:

@@ -186,6 +186,8 @@ class SequenceEncoder:
             return frame, scan.changed, scan.parts_delta
         if parent.shape != new.shape or parent.dtype != np.uint8 or new.dtype != np.uint8 or parent.ndim != 1:
             raise FormatError("encode_delta needs two flat uint8 arrays of equal length")
+        if itemsize not in LANES or parent.size % itemsize:  # as DenseDelta refuses: the count would be wrong
+            raise FormatError(f"a chunk of {parent.size} bytes is not whole elements of {itemsize} bytes")
         st = self._state()
         out, head_len = _frame_buffer(parent.size)
         end, status, changed, da, db = seq_delta.encode_chunk(
@@ -209,6 +211,8 @@ class SequenceEncoder:
         block (the caller then builds the XOR blocks itself). Same frame bytes as :meth:`encode` of the XOR."""
         if not self._one_call():
             return None
+        if itemsize not in LANES or nbytes % itemsize:
+            raise FormatError(f"a chunk of {nbytes} bytes is not whole elements of {itemsize} bytes")
         st = self._state()
         out, head_len = _frame_buffer(nbytes)
         end, status = seq_delta.encode_sparse_chunk(idx, old, new, nbytes, itemsize, st.xor, st.seqs, st.dst,
