@@ -15,9 +15,9 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import http.client
-import contextlib
 import ipaddress
 import json
 import socket
