@@ -11,6 +11,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from fsdp_hotload.engine.comm import _INLINE, GlooComm  # noqa: E402
+from tests.dist_util import finish  # noqa: E402
 
 
 def main() -> None:
@@ -44,6 +45,7 @@ def main() -> None:
     if rank == 0:
         print(f"comm ok on {world} ranks")
     dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from fsdp_hotload.engine.comm import GlooComm, exchange_objects  # noqa: E402
+from tests.dist_util import finish  # noqa: E402
 
 BIG = 1 << 20  # a receive buffer at least this big fails on rank 1, once
 
@@ -61,9 +62,10 @@ def main() -> None:
         problems.append(f"raised after {time.perf_counter() - t0:.1f} s: {exc!r}"[:300])
     Path(f"{args.out}.{rank}").write_text("; ".join(problems) or "ok")
     if problems:
-        os._exit(0)  # the group may be broken: do not wait in destroy_process_group
+        finish()  # the group may be broken: do not wait in destroy_process_group
     comm.close()
     dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":
