@@ -220,9 +220,10 @@ class HotLoadClient:
 
     # --------------------------------------------------------------------------------------------- transport
 
-    def _redact(self, text: str) -> str:
+    def redact(self, text: str) -> str:
         """``text`` with the key and the extra headers' values (a gateway's secret) removed, also in the escaped
-        forms ``repr`` of a str or bytes and a JSON string give them."""
+        forms ``repr`` of a str or bytes and a JSON string give them. For text a server sent (a replica's error)
+        that is logged outside the client's own errors."""
         secrets = [self._api_key.get(), *(v for v in self.additional_headers.values() if len(v) >= 4)]
         for secret in secrets:
             for form in {secret, repr(secret)[1:-1], repr(secret.encode())[2:-1], json.dumps(secret)[1:-1]}:
@@ -305,14 +306,14 @@ class HotLoadClient:
                     return self._parse_json(what, data)
                 if status not in RETRYABLE_STATUS:
                     raise self._http_error(what, status, data, attempt, rheaders)
-                failure = f"HTTP {status}: {extract_server_message(data, self._redact)}"
+                failure = f"HTTP {status}: {extract_server_message(data, self.redact)}"
                 wait_hint = retry_after(rheaders)
             if cancelled:
                 raise self._cancelled(what)
             if unsendable is not None:
                 # Raised outside the except block so the original exception (whose text may hold the key) is
                 # not chained as __context__.
-                raise HotLoadRequestError(self._redact(unsendable), hint=hint)
+                raise HotLoadRequestError(self.redact(unsendable), hint=hint)
             delay = min(self.backoff_initial_s * (2 ** (attempt - 1)), self.backoff_max_s)
             if wait_hint is not None:
                 delay = max(delay, min(wait_hint, self.backoff_max_s))
@@ -320,28 +321,28 @@ class HotLoadClient:
                 if status is not None:
                     raise self._http_error(what, status, data, attempt, rheaders)
                 raise HotLoadError(
-                    self._redact(
+                    self.redact(
                         f"{what}: no answer after {attempt} attempt(s) over {time.monotonic() - start:.1f}s: {failure}"
                     ),
                     hint="check that base_url is reachable from this host (proxy, firewall, DNS); "
                     "raise retry_budget_s for flaky networks (HotloadConfig: ready_timeout_s, capped at 300 s)",
                 )
-            log.warning("%s failed (%s); retry %d in %.1fs", what, self._redact(failure), attempt, delay)
+            log.warning("%s failed (%s); retry %d in %.1fs", what, self.redact(failure), attempt, delay)
             if self._canceller.wait(delay):
                 raise self._cancelled(what)
 
     def _cancelled(self, what: str) -> HotLoadCancelled:
-        return HotLoadCancelled(self._redact(f"{what}: cancelled (the client is closing)"))
+        return HotLoadCancelled(self.redact(f"{what}: cancelled (the client is closing)"))
 
     def _redact_body(self, data: bytes) -> bytes:
         """The body with the key removed, before anything cuts it short: a key split by a cut is not found."""
-        return self._redact(data.decode("utf-8", errors="replace")).encode()
+        return self.redact(data.decode("utf-8", errors="replace")).encode()
 
     def _http_error(self, what: str, status: int, data: bytes, attempts: int,
                     headers: Mapping[str, str]) -> HotLoadError:
-        message = extract_server_message(data, self._redact)
+        message = extract_server_message(data, self.redact)
         tries = f" after {attempts} attempts" if attempts > 1 else ""
-        location = self._redact(headers["location"]) if 300 <= status < 400 and "location" in headers else None
+        location = self.redact(headers["location"]) if 300 <= status < 400 and "location" in headers else None
         moved = f" (Location: {location})" if location else ""
         return HotLoadError(
             f"{what} returned HTTP {status}{moved}{tries}: {message}",
@@ -445,7 +446,7 @@ class HotLoadClient:
             where = ".".join(str(p) for p in err["loc"]) or "the body"
             raise HotLoadResponseError(
                 f"{what}: unrecognized hot-load status response format: {where}: {err['msg']} "
-                f"in {self._redact(json.dumps(data))[:200]}",
+                f"in {self.redact(json.dumps(data))[:200]}",
                 hint="check that base_url points at the hot-load gateway of this deployment",
             ) from None
 
@@ -496,7 +497,7 @@ class HotLoadClient:
                 failed = st.failed_replicas(identity) if identity is not None else []
                 if failed:
                     raise HotLoadError(
-                        self._redact(f"snapshot {identity!r} failed to load on replica(s) "
+                        self.redact(f"snapshot {identity!r} failed to load on replica(s) "
                                      f"{', '.join(map(str, failed))}: {st.describe()}"),
                         hint="the deployment keeps serving its previous snapshot; read the ledger for the error, "
                         "fix the snapshot, and publish a new full snapshot (a failed load ends the delta chain)",
@@ -512,7 +513,7 @@ class HotLoadClient:
                 waited = (f"snapshot {identity!r} was not served by every replica" if identity is not None else
                           f"{self.deployment_name} reported no replica (its hot-load manager is not up)")
                 raise HotLoadTimeout(
-                    self._redact(f"{waited} within {timeout_s:g}s; last state: {state}"),
+                    self.redact(f"{waited} within {timeout_s:g}s; last state: {state}"),
                     hint="loads of large snapshots take minutes: raise timeout_s, check the deployment's "
                     "replicas are up, and publish a full snapshot if the chain is stuck",
                 )

@@ -112,3 +112,54 @@ def test_a_side_group_timeout_shorter_than_signalling_is_warned_about(caplog: py
         assert longest_signal_s(short) == 1200
         warn_if_side_group_short(short)
     assert "collective_timeout_s (1200 s) is not longer than signalling may take (1200 s" in caplog.text
+
+
+def test_progress_lines_do_not_quote_the_api_key_from_a_replicas_error() -> None:
+    """A replica's load error is the server's own text, and may quote a request, header and all. The client's
+    errors were redacted, but the progress line took the text as it came."""
+    from fsdp_hotload.engine.progress import PublishProgress
+
+    key = "fw-secret-0123456789"
+    polls: list[int] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._reply({"status": "ok"})
+
+        def do_GET(self) -> None:  # noqa: N802
+            polls.append(1)
+            stale = {"current_snapshot_identity": "s0", "readiness": True, "loading_state": {
+                "stage": "error", "target_snapshot_identity": "old",
+                "error": f"fetch refused: Authorization: Bearer {key}"}}
+            ready = {"current_snapshot_identity": "s1", "readiness": True, "loading_state": {"stage": "done"}}
+            self._reply({"replicas": [stale if len(polls) <= 3 else ready]})
+
+        def _reply(self, body: Any) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    progress = PublishProgress("s1", "full", step=1, t0=time.perf_counter())
+    lines: list[str] = []
+
+    def on_poll(deployment: str, status: Any, redact: Any) -> None:
+        progress.polled(deployment, status, redact)
+        lines.append(progress.describe(time.perf_counter()))
+
+    with serve(Handler) as url:
+        client = HotLoadClient(url, account_id="a", model_id="m", deployment_id="d", api_key=key,
+                               poll_interval_s=0.02)
+        sig = Signaller([client], ready_timeout_s=10)
+        try:
+            sig.signal_and_wait("s1", None, on_poll=on_poll)
+        finally:
+            sig.close()
+    stale_lines = [s for s in lines if "fetch refused" in s]
+    assert stale_lines, lines  # the replica's error is still told, without the key
+    assert all(key not in s and "<redacted>" in s for s in stale_lines), stale_lines

@@ -73,11 +73,12 @@ class PublishProgress:
             self._bytes_done += nbytes
             self._upload_t1 = now
 
-    def polled(self, deployment: str, status: Any) -> None:
-        """A readiness poll of ``deployment`` answered ``status`` (a ``HotLoadStatus``)."""
+    def polled(self, deployment: str, status: Any, redact: Callable[[str], str] = str) -> None:
+        """A readiness poll of ``deployment`` answered ``status`` (a ``HotLoadStatus``); ``redact`` removes
+        secrets from the server's text (a replica's load error may quote a request, header and all)."""
         replicas = list(status.replicas)
         waiting = [(i, r) for i, r in enumerate(replicas) if not r.serves(self.identity)]
-        first = f"replica {waiting[0][0]}: {waiting[0][1].describe()}" if waiting else ""
+        first = redact(f"replica {waiting[0][0]}: {waiting[0][1].describe()}") if waiting else ""
         with self._lock:
             self._replicas[deployment] = (len(replicas) - len(waiting), len(replicas), first)
 

@@ -12,7 +12,6 @@ Example::
 """
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -126,10 +125,11 @@ class Signaller:
             return False
 
     def signal_and_wait(self, identity: str, previous: str | None,
-                        on_poll: Callable[[str, Any], None] | None = None) -> float:
+                        on_poll: Callable[[str, Any, Callable[[str], str]], None] | None = None) -> float:
         """Signal every deployment, then wait for all; returns seconds spent waiting for readiness. Before the
         first signal to a deployment, wait until it reports a replica (a signal before that can crash it).
-        ``on_poll(deployment, status)`` sees every readiness poll's answer (progress reports).
+        ``on_poll(deployment, status, redact)`` sees every readiness poll's answer (progress reports); ``redact``
+        removes the deployment's secrets from text the server sent, before it is logged.
 
         Each phase runs on every deployment at once: a signal may retry for minutes, and one deployment after
         another, stalled signals could outlast the side group's timeout the other ranks wait under."""
@@ -151,7 +151,7 @@ class Signaller:
         t0 = time.perf_counter()
         failed = self._on_each(self.clients, lambda c: c.wait_ready(
             identity, timeout_s=self.ready_timeout_s,
-            on_poll=None if on_poll is None else functools.partial(on_poll, c.deployment_name)))
+            on_poll=None if on_poll is None else lambda st: on_poll(c.deployment_name, st, c.redact)))
         for c in self.clients:
             if c.deployment_name not in failed:
                 self.served[c.deployment_name] = identity
