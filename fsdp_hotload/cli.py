@@ -134,8 +134,13 @@ def _mark_complete(folder: str, plan: CommitInfo) -> None:
     from .retention import COMMIT_MARKER, CommitInfo, write_commit_marker
     from .storage import Storage
 
-    files = {n: {"size": os.path.getsize(os.path.join(folder, n))} for n in sorted(os.listdir(folder))
-             if n != COMMIT_MARKER and os.path.isfile(os.path.join(folder, n))}
+    files: dict[str, dict[str, int]] = {}
+    for root, dirs, names in os.walk(folder):  # sub-folders too: additional_chat_templates/ is carried
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        rel = os.path.relpath(root, folder).replace(os.sep, "/")
+        for n in sorted(names):
+            if not n.startswith(".") and not (rel == "." and n == COMMIT_MARKER):
+                files[n if rel == "." else f"{rel}/{n}"] = {"size": os.path.getsize(os.path.join(root, n))}
     info = CommitInfo(plan.identity, plan.kind, plan.parent_identity, files)
     write_commit_marker(Storage(os.path.dirname(os.path.normpath(os.path.abspath(folder)))), info)
 

@@ -18,11 +18,11 @@ import fnmatch
 import json
 import logging
 import os
-from typing import Iterable
+from typing import Callable, Iterable
 
 from .layout import LayoutError
 
-__all__ = ["AUX_FILENAMES", "AUX_PATTERNS", "carried_files", "dropped_config_keys", "dtype_note", "hf_aux_files",
+__all__ = ["AUX_FILENAMES", "AUX_PATTERNS", "AUX_SUBFOLDERS", "carried_files", "dropped_config_keys", "dtype_note", "hf_aux_files",
            "snapshot_files", "without_unbacked_quantization"]
 
 log = logging.getLogger("fsdp_hotload")
@@ -43,6 +43,9 @@ AUX_FILENAMES: tuple[str, ...] = (
 # mistral-common's tokenizers (tekken.json above, tokenizer[.mm].model.v*) are what vLLM's mistral mode reads.
 AUX_PATTERNS: tuple[str, ...] = ("*.jinja", "*.tiktoken", "tiktoken.model", "*.py", "tokenizer.model.v*",
                                  "tokenizer.mm.model.v*")
+# Sub-folders that are carried, with the patterns of their files: transformers (4.54 on) saves a tokenizer's named
+# chat templates (tool use, RAG) as additional_chat_templates/<name>.jinja beside chat_template.jinja.
+AUX_SUBFOLDERS: dict[str, tuple[str, ...]] = {"additional_chat_templates": ("*.jinja",)}
 
 
 def hf_aux_files(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, bytes]:
@@ -50,7 +53,9 @@ def hf_aux_files(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, byte
 
     Only known names are copied (an allowlist): weights, index and spec files are written by the publisher,
     and some files must never be carried, e.g. ``adapter_config.json`` would turn the snapshot into a LoRA
-    one. Symlinks (HF cache folders) are followed; sub-folders are not entered. Returns ``{}`` for None.
+    one. Symlinks (HF cache folders) are followed; of the sub-folders only those of ``AUX_SUBFOLDERS`` are
+    entered (their files keep the folder in their name: ``additional_chat_templates/tool_use.jinja``). Returns
+    ``{}`` for None.
     Raises FileNotFoundError if the folder or its ``config.json`` is missing, LayoutError if ``config.json``
     is not a JSON object.
     """
@@ -64,12 +69,12 @@ def hf_aux_files(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, byte
             f"HF config folder {path!r} has no config.json; point it at the base model's folder (the one with "
             "config.json and the tokenizer files)"
         )
-    out: dict[str, bytes] = {}
-    for entry in sorted(os.scandir(path), key=lambda e: e.name):
-        wanted = entry.name in AUX_FILENAMES or any(fnmatch.fnmatchcase(entry.name, p) for p in AUX_PATTERNS)
-        if wanted and not entry.name.startswith(".") and entry.is_file(follow_symlinks=True):
-            with open(entry.path, "rb") as fh:
-                out[entry.name] = fh.read()
+    out = _read_matching(path, "", lambda name: name in AUX_FILENAMES or
+                         any(fnmatch.fnmatchcase(name, p) for p in AUX_PATTERNS))
+    for sub, patterns in AUX_SUBFOLDERS.items():
+        if os.path.isdir(os.path.join(path, sub)):
+            out.update(_read_matching(os.path.join(path, sub), f"{sub}/",
+                                      lambda name, pats=patterns: any(fnmatch.fnmatchcase(name, p) for p in pats)))
     try:
         config = json.loads(out["config.json"].decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
@@ -84,6 +89,17 @@ def hf_aux_files(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, byte
         if modules:
             log.info("hotload: %s names no remote code (no auto_map), so its .py files are not carried: %s", path,
                      ", ".join(modules))
+    return out
+
+
+def _read_matching(folder: str, prefix: str, wanted: Callable[[str], bool]) -> dict[str, bytes]:
+    """The visible files of ``folder`` (symlinks followed, not recursive) whose names ``wanted`` accepts, keyed
+    ``prefix + name``."""
+    out: dict[str, bytes] = {}
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if wanted(entry.name) and not entry.name.startswith(".") and entry.is_file(follow_symlinks=True):
+            with open(entry.path, "rb") as fh:
+                out[prefix + entry.name] = fh.read()
     return out
 
 

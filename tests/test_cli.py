@@ -243,3 +243,19 @@ def test_unusable_input_exits_2(snapshots: tuple[Path, Path], tmp_path: Path) ->
     for cmd in (["apply", a, d, tmp_path / "r2"], ["verify", a, d]):
         res = run(*cmd, "--parent-identity", "bad name")
         assert res.returncode == 2 and "--parent-identity" in res.stderr and res.stderr.count("\n") <= 2, res.stderr
+
+
+def test_diff_and_apply_carry_and_mark_sub_folder_files(snapshots: tuple[Path, Path], tmp_path: Path) -> None:
+    """A snapshot carries additional_chat_templates/; the folders diff and apply write keep it, and their commit
+    markers list it, so a reader that checks the marker's files finds it vouched for."""
+    a, b = snapshots
+    for folder in (a, b):
+        (folder / "additional_chat_templates").mkdir()
+        (folder / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
+    d, r = tmp_path / "step-d", tmp_path / "step-r"
+    assert run("diff", a, b, d).returncode == 0
+    assert run("apply", a, d, r).returncode == 0
+    for out in (d, r):
+        assert (out / "additional_chat_templates" / "tool_use.jinja").read_text() == "{{ tools }}"
+        files = json.loads((out / "hotload.commit.json").read_text())["files"]
+        assert files["additional_chat_templates/tool_use.jinja"] == {"size": 11}, sorted(files)

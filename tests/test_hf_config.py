@@ -155,3 +155,36 @@ def test_a_config_dtype_the_snapshots_do_not_have_is_warned_about(
         assert carried_files(files, dtypes) is files
     named = config.get("torch_dtype", config.get("dtype"))
     assert (f"config.json says the weights are {named}" in caplog.text) is warned, caplog.text
+
+
+def test_additional_chat_templates_are_carried_and_survive_a_rebuild(tmp_path: Path) -> None:
+    """transformers (4.54 on) saves a tokenizer's named templates (tool use, RAG) in additional_chat_templates/;
+    a snapshot without them loads a tokenizer that has lost those templates. Other sub-folders stay home."""
+    from fsdp_hotload.arc.folder import apply_paths
+
+    hf = tmp_path / "hf"
+    (hf / "additional_chat_templates").mkdir(parents=True)
+    (hf / "runs").mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (hf / "chat_template.jinja").write_text("{{ messages }}")
+    (hf / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
+    (hf / "additional_chat_templates" / "notes.txt").write_text("not a template")
+    (hf / "runs" / "template.jinja").write_text("a working folder's file")
+    assert sorted(hf_aux_files(hf)) == ["additional_chat_templates/tool_use.jinja", "chat_template.jinja",
+                                        "config.json"]
+
+    model = {"model.norm.weight": torch.ones(4)}
+    bucket = tmp_path / "bucket"
+    with TensorPublisher(model, HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf), full_every=2,
+                                              busy_policy="wait")) as pub:
+        for step in range(2):
+            model["model.norm.weight"] += 1
+            pub.publish(step, model)
+            pub.wait()
+    full, delta = (bucket / m.identity for m in pub.metrics)
+    for snapshot in (full, delta):
+        assert (snapshot / "additional_chat_templates" / "tool_use.jinja").read_text() == "{{ tools }}"
+    out = tmp_path / "rebuilt"
+    apply_paths(str(full), str(delta), str(out))  # the reference rebuild keeps the folder too
+    assert (out / "additional_chat_templates" / "tool_use.jinja").read_text() == "{{ tools }}"
+    assert (out / "chat_template.jinja").read_text() == "{{ messages }}"

@@ -129,10 +129,16 @@ def _reset_output(out: str) -> None:
 
 
 def _copy_aux(src: str, dst: str) -> None:
-    for n in sorted(os.listdir(src)):
-        p = os.path.join(src, n)
-        if os.path.isfile(p) and not n.endswith(".safetensors") and n != COMMIT_MARKER:
-            shutil.copyfile(p, os.path.join(dst, n))
+    """Copy a snapshot folder's other files (configs, tokenizer, ``additional_chat_templates/``) into ``dst``:
+    everything but weights, its commit marker and hidden entries, sub-folders included."""
+    for root, dirs, files in os.walk(src):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        rel = os.path.relpath(root, src)
+        for n in sorted(files):
+            if n.endswith(".safetensors") or n.startswith(".") or (rel == "." and n == COMMIT_MARKER):
+                continue
+            os.makedirs(os.path.join(dst, rel), exist_ok=True)
+            shutil.copyfile(os.path.join(root, n), os.path.join(dst, rel, n))
 
 
 def diff_paths(parent: str, new: str, out: str, *, codec: str = "arc_v2", parent_identity: str | None = None,
