@@ -131,16 +131,11 @@ def _marker_plan(folder: str, kind: str, parent: str | None) -> CommitInfo:
 
 def _mark_complete(folder: str, plan: CommitInfo) -> None:
     """Write the commit marker planned by :func:`_marker_plan`, listing the files now in the folder."""
-    from .retention import COMMIT_MARKER, CommitInfo, write_commit_marker
+    from .arc.folder import folder_files
+    from .retention import CommitInfo, write_commit_marker
     from .storage import Storage
 
-    files: dict[str, dict[str, int]] = {}
-    for root, dirs, names in os.walk(folder):  # sub-folders too: additional_chat_templates/ is carried
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        rel = os.path.relpath(root, folder).replace(os.sep, "/")
-        for n in sorted(names):
-            if not n.startswith(".") and not (rel == "." and n == COMMIT_MARKER):
-                files[n if rel == "." else f"{rel}/{n}"] = {"size": os.path.getsize(os.path.join(root, n))}
+    files = {name: {"size": os.path.getsize(path)} for name, path in folder_files(folder)}  # sub-folders too
     info = CommitInfo(plan.identity, plan.kind, plan.parent_identity, files)
     write_commit_marker(Storage(os.path.dirname(os.path.normpath(os.path.abspath(folder)))), info)
 

@@ -18,7 +18,7 @@ import errno
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from .codecs import get_codec
 from .container import K_TENSORS, apply_delta_file, encode_delta_file, is_delta_file, read_delta_info
@@ -128,17 +128,23 @@ def _reset_output(out: str) -> None:
         os.remove(os.path.join(out, COMMIT_MARKER))
 
 
-def _copy_aux(src: str, dst: str) -> None:
-    """Copy a snapshot folder's other files (configs, tokenizer, ``additional_chat_templates/``) into ``dst``:
-    everything but weights, its commit marker and hidden entries, sub-folders included."""
-    for root, dirs, files in os.walk(src):
+def folder_files(folder: str) -> Iterator[tuple[str, str]]:
+    """``(name, path)`` of every file below ``folder`` but its commit marker, sorted, names '/'-separated and
+    relative (``additional_chat_templates/tool_use.jinja``); hidden files and folders are skipped."""
+    for root, dirs, files in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        rel = os.path.relpath(root, src)
+        rel = os.path.relpath(root, folder).replace(os.sep, "/")
         for n in sorted(files):
-            if n.endswith(".safetensors") or n.startswith(".") or (rel == "." and n == COMMIT_MARKER):
-                continue
-            os.makedirs(os.path.join(dst, rel), exist_ok=True)
-            shutil.copyfile(os.path.join(root, n), os.path.join(dst, rel, n))
+            if not n.startswith(".") and not (rel == "." and n == COMMIT_MARKER):
+                yield (n if rel == "." else f"{rel}/{n}"), os.path.join(root, n)
+
+
+def _copy_aux(src: str, dst: str) -> None:
+    """Copy a snapshot folder's other files (configs, tokenizer, ``additional_chat_templates/``) into ``dst``."""
+    for name, path in folder_files(src):
+        if not name.endswith(".safetensors"):
+            os.makedirs(os.path.dirname(os.path.join(dst, name)), exist_ok=True)
+            shutil.copyfile(path, os.path.join(dst, name))
 
 
 def diff_paths(parent: str, new: str, out: str, *, codec: str = "arc_v2", parent_identity: str | None = None,
