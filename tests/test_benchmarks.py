@@ -79,6 +79,8 @@ def test_full_memory_benchmark_reports_every_rank() -> None:
     rows = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert [r[0] for r in rows] == ["0", "1"], proc.stdout
     assert "kinds ['full', 'delta', 'full']" in proc.stdout
+    # held memory is measured: at least the staging slot and the cache (2x the shard), each touched by then
+    assert all(float(r[3]) >= 2.0 for r in rows), proc.stdout
 
 
 def test_gpu_diff_benchmark_runs_or_says_why_not() -> None:
