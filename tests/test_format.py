@@ -350,6 +350,26 @@ def test_apply_tensor_rejects_parent_mismatch() -> None:
         apply_tensor(info.tensors["w"], parent["b"], np.frombuffer(blob, np.uint8), filename="f")
 
 
+def test_payload_bytes_of_a_read_delta_counts_its_stored_payload() -> None:
+    """read_delta_info's chunks are (offset, size) ranges, not payloads: payload_bytes must give the bytes the
+    tensor stores either way, not two per chunk (the length of the range tuple)."""
+    parent = np.arange(64, dtype=np.float32)
+    new = parent.copy()
+    new[3] += 1
+    new[40] -= 1
+    p8, n8 = parent.view(np.uint8), new.view(np.uint8)
+    codec = get_codec("arc_v2")
+    chunks = [(Box.flat(0, 32), codec.encode(element_diff(p8[:128], n8[:128], 4))),
+              (Box.flat(32, 32), codec.encode(element_diff(p8[128:], n8[128:], 4)))]
+    td = TensorDelta("w", "F32", (64,), RawTensor.from_any(new).adler32(), "arc_v2", "flat", chunks)
+    stored = sum(len(p) for _, p in chunks)
+    assert stored > 4  # two payloads of more than two bytes each: a count of ranges cannot pass for it
+    assert td.payload_bytes == stored
+    info = read_delta_info(build_delta_file([td], parent_identity="p"))
+    assert info.header.entries["w"].nbytes == stored
+    assert info.tensors["w"].payload_bytes == stored
+
+
 def test_header_bounds() -> None:
     with pytest.raises(FormatError, match="shorter"):
         parse_header(b"\x01")

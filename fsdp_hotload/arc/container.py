@@ -53,7 +53,9 @@ class TensorDelta:
 
     @property
     def payload_bytes(self) -> int:
-        return sum(len(p) for _, p in self.chunks)
+        """Bytes of the encoded chunks. A delta read by :func:`read_delta_info` holds ``(offset, size)`` ranges
+        instead of payloads (which it does not load): their sizes count, not the length of each pair."""
+        return sum(p[1] if isinstance(p, tuple) else len(p) for _, p in self.chunks)
 
 
 def _check_space(space: str, where: dict[str, str]) -> None:
