@@ -45,7 +45,8 @@ class TensorDelta:
     adler32: int
     codec: str
     space: str = "flat"
-    chunks: list[tuple[Box, bytes]] = field(default_factory=list)
+    # (box, payload bytes) when built for writing; (box, (offset, size)) into the stored payload when read
+    chunks: list[tuple[Box, Any]] = field(default_factory=list)
 
     @property
     def space_shape(self) -> tuple[int, ...]:
@@ -189,7 +190,7 @@ def _parse_tensor(name: str, info: Any, entry: Any) -> TensorDelta:
         if type(off) is not int or type(size) is not int or off != pos or size < 0:
             raise FormatError(f"chunk payload range offset={off!r} size={size!r} (expected offset {pos})")
         pos += size
-        t.chunks.append((box, (off, size)))  # type: ignore[arg-type]  # payload range, not bytes, when parsed
+        t.chunks.append((box, (off, size)))  # the payload range, not its bytes (see TensorDelta.chunks)
     if pos != entry.nbytes:
         raise FormatError(f"chunk payloads cover {pos} bytes of a {entry.nbytes}-byte payload")
     check_tiling([b for b, _ in t.chunks], t.space_shape)
@@ -206,7 +207,7 @@ def apply_tensor(t: TensorDelta, parent: RawTensor, payload: np.ndarray, *, file
     codec = get_codec(t.codec)
     out = np.empty(parent.nbytes, dtype=np.uint8)
     space = t.space_shape
-    for box, (off, n) in t.chunks:  # type: ignore[misc]
+    for box, (off, n) in t.chunks:
         base = gather(parent.data, box, space, size)
         piece = np.empty(box.numel * size, dtype=np.uint8)
         try:

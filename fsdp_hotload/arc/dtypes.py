@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -70,7 +70,7 @@ def code_from_name(name: str) -> str:
     raise FormatError(f"unsupported dtype {name!r}")
 
 
-def numel(shape: tuple[int, ...]) -> int:
+def numel(shape: Iterable[int]) -> int:
     n = 1
     for s in shape:
         n *= int(s)
