@@ -157,3 +157,27 @@ def test_a_background_copys_wait_counts_once_in_blocking_ms(tmp_path: Path) -> N
     reported = [m.blocking_ms for m in pub.metrics.records]
     assert blocked * 1e3 > 500 and reported[0] > 250 and reported[1] > 250, (blocked, reported)
     assert sum(reported) <= blocked * 1e3 + 100, (blocked, reported)  # counted twice, it would be ~300 ms over
+
+
+@pytest.mark.parametrize("broken", ["hf_config_dir", "metrics_path"])
+def test_a_publisher_that_fails_at_construction_leaves_no_thread_behind(tmp_path: Path, broken: str) -> None:
+    """A construction that failed on the HF folder or the metrics path left the signaller's worker thread
+    running for the life of the process, one more per failed attempt."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (tmp_path / "a-file").write_text("")
+    cfg = HotloadConfig(bucket_url=str(tmp_path / "bucket"), hf_config_dir=str(hf),
+                        hotload_api_url="http://127.0.0.1:9", account_id="a", model_id="m", deployment_id="d",
+                        api_key="k",
+                        metrics_path=str(tmp_path / "a-file" / "m.jsonl") if broken == "metrics_path" else None)
+    if broken == "hf_config_dir":
+        (hf / "config.json").unlink()
+    t = torch.zeros(64)
+    chunk = WholeChunk("a", (64,), "BF16", "flat", Box.flat(0, 64), t)
+    before = set(threading.enumerate())
+    for _ in range(2):
+        with pytest.raises(OSError):
+            Publisher([chunk], [TensorSpec("a", (64,), "BF16")], cfg)
+    left = [t.name for t in set(threading.enumerate()) - before if not t.name.startswith("hotload-warmup")]
+    assert left == []

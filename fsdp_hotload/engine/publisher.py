@@ -104,11 +104,11 @@ class Publisher:
         # instances, even within one process (a restarted publisher must not reuse an identity).
         self.session = self.ctrl.broadcast(session or secrets.token_hex(4))
         new_identity(0, prefix=config.identity_prefix, session=self.session)  # a bad session fails here, not later
-        self.signaller = signaller if signaller is not None else (
-            Signaller.from_config(config) if (self.rank == 0 or config.send_hints) else None)
         self.metrics = MetricsSink(config.metrics_path if self.rank == 0 else None)
         base_files = hf_aux_files(config.hf_config_dir) if self.rank == 0 else {}  # read once: tokenizers are big
         self._aux = carried_files(base_files, [s.dtype for s in specs])
+        self.signaller = signaller if signaller is not None else (  # after what may fail: it starts a thread
+            Signaller.from_config(config) if (self.rank == 0 or config.send_hints) else None)
         if self.rank == 0 and self.signaller is not None:
             self.signaller.extra_fields_ignore = dropped_config_keys(base_files, self._aux)
             warn_if_side_group_short(config)
