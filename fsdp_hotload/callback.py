@@ -25,6 +25,7 @@ import torch
 
 from .config import HotloadConfig
 from .dtype_policy import DtypePolicy
+from .engine.cadence import next_step
 from .engine.comm import Comm, GlooComm, LocalComm
 from .engine.metrics import PublishMetrics
 from .engine.publisher import Publisher
@@ -126,7 +127,9 @@ class HotloadCallback:
         return self._publish(step, background_copy=False)
 
     def _publish(self, step: int | None, background_copy: bool) -> bool:
-        step = self._step if step is None else int(step)
+        # Checked before it counts: a float is refused, not truncated, and a refused step leaves the count where
+        # it was, so the optimizer hooks of attach() go on from the last step taken.
+        step = next_step(self._step if step is None else step, self.engine.latest_step)
         self._step = step + 1
         # views are built only on steps that publish
         # only a host copy runs beside the next forward; a device copy is ordered before it on the device

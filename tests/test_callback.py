@@ -286,6 +286,27 @@ def test_a_step_seen_twice_is_refused_and_nothing_is_overwritten(tmp_path: Path)
     assert [m.step for m in hot.metrics] == [0, 1, 2, 3] and all(m.ok for m in hot.metrics)
 
 
+def test_a_refused_step_is_not_truncated_and_does_not_move_the_count(tmp_path: Path) -> None:
+    """``step()`` ran ``int()`` on its argument: 11.5 published as step 11, and ``"12"`` and ``True`` were taken
+    too. A refused step also moved the count that ``attach`` continues from (a stray ``step(3)`` after step 10
+    made the next seven optimizer steps fail)."""
+    bucket, hf = _setup(tmp_path)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with HotloadCallback(model, HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf),
+                                              busy_policy="wait")) as hot:
+        hot.step(10)
+        for bad in (11.5, "12", True):
+            with pytest.raises(ValueError, match=f"non-negative integer, got {bad!r}"):
+                hot.step(bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="step 3 does not follow step 10"):
+            hot.step(3)
+        hot.attach(opt)  # goes on from the last step taken
+        model(torch.randint(0, 40, (2, 8))).sum().backward()
+        opt.step()
+    assert [m.step for m in hot.metrics] == [10, 11] and all(m.ok for m in hot.metrics)
+
+
 def test_an_fp16_model_published_as_bf16_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The callback names tensors whose trainer dtype is cast to another narrow format, and globs that match
     nothing; with the matching snapshot_dtype there is nothing to say."""
