@@ -235,12 +235,19 @@ class HotloadCallback:
         self.engine.early_agreement = True
 
     def detach(self) -> None:
-        """Remove the optimizer hooks of :meth:`attach` (waiting for a copy still reading the weights)."""
-        for h in self._hooks:
-            h.remove()
+        """Remove the optimizer hooks of :meth:`attach` (waiting for a copy still reading the weights).
+
+        The pre-step hooks go last, once that copy is done: when this runs on another thread than training
+        (close() from a watchdog), the trainer's next optimizer step must still wait for the copy instead of
+        changing the weights under it (the snapshot would hold the next step's weights under this step's name)."""
+        pre, post = self._hooks[0::2], self._hooks[1::2]  # attach() adds them in pairs: (pre, post)
         self._hooks = []
+        for h in post:
+            h.remove()
         self.engine.early_agreement = False
         self.fence()
+        for h in pre:
+            h.remove()
 
     def fence(self) -> float:
         """Wait until the last staged copy has read the weights; returns seconds waited (0 when it was done)."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,42 @@ def test_async_copy_waits_at_the_next_optimizer_step(tmp_path: Path) -> None:
         assert {k: t.sha256() for k, t in rebuilt[m.identity].items()} == want
     # the first two copies were waited for at the next optimizer step (~0.2 s each)
     assert all(m.blocking_ms > 100 for m in hot.metrics[:2])
+
+
+def test_close_from_another_thread_still_waits_for_the_copy_at_the_next_optimizer_step(tmp_path: Path) -> None:
+    """close() on a watchdog thread removed every hook before waiting for the copy still reading the weights,
+    so the trainer's next optimizer step ran without the pre-step hook's wait and changed them under the copy:
+    the snapshot of step 0 held step 1's weights."""
+    bucket, hf = _setup(tmp_path)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hot = HotloadCallback(model, HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf), busy_policy="wait"))
+    stager = hot.engine.stager
+    copy = stager._copy_host
+    go = threading.Event()
+
+    def gated_copy(*a: object) -> None:
+        assert go.wait(30)
+        copy(*a)  # type: ignore[arg-type]
+
+    stager._copy_host = gated_copy  # type: ignore[method-assign]
+    hot.attach(opt)
+    model(torch.randint(0, 40, (2, 8))).sum().backward()
+    opt.step()  # stages step 0; its copy waits for `go`
+    at_step_0 = _expected(model)
+    closer = threading.Thread(target=hot.close)
+    closer.start()
+    deadline = time.monotonic() + 30
+    while opt._optimizer_step_post_hooks and time.monotonic() < deadline:  # close() has begun detaching
+        time.sleep(0.01)
+    threading.Timer(1.0, go.set).start()  # the copy finishes later than the trainer's next step starts
+    model(torch.randint(0, 40, (2, 8))).sum().backward()
+    opt.step()  # the trainer goes on: this step must wait for the copy
+    closer.join(30)
+    assert not closer.is_alive() and hot.engine.closed
+    assert [m.step for m in hot.metrics] == [0] and hot.metrics[0].ok
+    rebuilt = rebuild_accepted(bucket, hot.metrics)
+    assert {k: t.sha256() for k, t in rebuilt[hot.metrics[0].identity].items()} == at_step_0
 
 
 @pytest.mark.parametrize("config, tied", [

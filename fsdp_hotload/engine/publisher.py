@@ -117,8 +117,7 @@ class Publisher:
         workers = config.encode_workers or auto_workers(self.stager.device)
         self.encoder = ChunkEncoder(self.chunks, self.stager, self.codec, workers=workers,
                                     name=f"hotload-encode-{self.rank}", verbose=self.rank == 0)
-        # A job is queued only after it took a staging slot, so slots bound the queue; the bound says so (+1: the
-        # stop sentinel).
+        # A job is queued only once it holds a staging slot, so the slots bound the queue (+1: the stop sentinel).
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=config.max_inflight + 1)
         self._thread: threading.Thread | None = None
         self._errors = StoredError()
@@ -303,16 +302,17 @@ class Publisher:
         return self._broken is not None or self.stager.free_slots() == 0
 
     def fence(self) -> float:
-        """Wait until the last staged copy has read its sources; returns seconds waited (added to that
-        publish's ``blocking_ms``). Cheap when nothing is copying. A copy's error is not raised here: the
-        publisher thread reports it, and the next ``publish`` raises it."""
-        job, self._copying = self._copying, None
+        """Wait until the last staged copy has read its sources; returns seconds waited (added to that publish's
+        ``blocking_ms``; a copy's error is the next ``publish``'s). Let go only once done: a fence on another thread
+        (close() from a watchdog), or one cut short by Ctrl-C, must not let the trainer's next fence pass early."""
+        job = self._copying
         if job is None:
             return 0.0
         t0 = time.perf_counter()
         job.event.exception()  # waits without raising
         waited = time.perf_counter() - t0
-        job.blocking_ms += waited * 1e3
+        if self._copying is job:  # counted by the waiter that lets it go
+            self._copying, job.blocking_ms = None, job.blocking_ms + waited * 1e3
         return waited
 
     def wait(self, timeout: float | None = None) -> None:
