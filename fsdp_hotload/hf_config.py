@@ -18,12 +18,15 @@ import fnmatch
 import json
 import logging
 import os
+import struct
 from typing import Callable, Iterable
 
+from .arc.stio import MAX_HEADER_BYTES
 from .layout import LayoutError
 
-__all__ = ["AUX_FILENAMES", "AUX_PATTERNS", "AUX_SUBFOLDERS", "carried_files", "dropped_config_keys", "dtype_note", "hf_aux_files",
-           "snapshot_files", "without_unbacked_quantization"]
+__all__ = ["AUX_FILENAMES", "AUX_PATTERNS", "AUX_SUBFOLDERS", "base_tensor_names", "carried_files",
+           "dropped_config_keys", "dtype_note", "hf_aux_files", "names_note", "snapshot_files",
+           "without_unbacked_quantization"]
 
 log = logging.getLogger("fsdp_hotload")
 
@@ -190,3 +193,66 @@ def without_unbacked_quantization(files: dict[str, bytes], dtypes: Iterable[str]
                 "tensor is 16 bits or wider; the snapshots' config.json leaves it out, since a server would "
                 "otherwise expect quantized weights and their scales", method)
     return {**files, "config.json": (json.dumps(config, indent=2) + "\n").encode()}
+
+
+# Parameters that transformers 5 fuses across a sparse MoE block's experts (one 3-D tensor per projection), while
+# checkpoints, and the fleet's loaders, name each expert's 2-D weight (``experts.<e>.gate_proj.weight``, ...).
+_FUSED_EXPERT_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj", ".experts.gate_proj", ".experts.up_proj")
+
+
+def base_tensor_names(hf_config_dir: str | os.PathLike[str] | None) -> set[str] | None:
+    """The tensor names of the base checkpoint in ``hf_config_dir``: its index's ``weight_map`` keys, else the
+    headers of its ``*.safetensors`` files (no weights are read). None when the folder holds no weights (config
+    and tokenizer only) or they cannot be read: there is then nothing to compare with."""
+    if hf_config_dir is None:
+        return None
+    path = os.fspath(hf_config_dir)
+    try:
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index, "rb") as fh:
+                weight_map = json.loads(fh.read()).get("weight_map")
+            return set(weight_map) if isinstance(weight_map, dict) and weight_map else None
+        names: set[str] = set()
+        for entry in sorted(os.scandir(path), key=lambda e: e.name):
+            if entry.name.endswith(".safetensors") and entry.is_file(follow_symlinks=True):
+                with open(entry.path, "rb") as fh:
+                    (size,) = struct.unpack("<Q", fh.read(8))
+                    if size > MAX_HEADER_BYTES:
+                        return None
+                    header = json.loads(fh.read(size))
+                names.update(k for k in header if k != "__metadata__")
+        return names or None
+    except (OSError, ValueError, AttributeError, struct.error):
+        return None
+
+
+def names_note(published: Iterable[str], base: set[str] | None) -> str | None:
+    """A warning when the published tensor names are not the base checkpoint's (:func:`base_tensor_names`), or,
+    when the base's names are unknown, when some look like transformers 5's fused MoE experts; else None.
+
+    Why: the fleet checks a full snapshot's tensors against its base model and its loaders look weights up by
+    the checkpoint's names, so such a snapshot fails to load on every publish. transformers 5 itself loads either
+    form, so a trainer can miss it. The usual cause is a MoE model built with transformers 5, whose experts are
+    fused parameters (``mlp.experts.gate_up_proj``) while checkpoints name every expert; ``rename`` cannot split
+    a tensor, so such a model is published through ``TensorPublisher`` with the experts split per expert."""
+    names = set(published)
+    fused = sorted(n for n in names if n.endswith(_FUSED_EXPERT_SUFFIXES))
+    hint = (f"; {len(fused)} of them look like transformers 5's fused MoE experts (e.g. {fused[0]!r}), which "
+            "checkpoints store per expert ('experts.<e>.gate_proj.weight'): publish such a model through "
+            "TensorPublisher with its experts split per expert") if fused else ""
+    if base is None:
+        if not fused:
+            return None
+        return (f"the model has fused MoE expert parameters (e.g. {fused[0]!r}, {len(fused)} in all) as "
+                "transformers 5 builds them; unless the base checkpoint stores its experts fused too (gpt-oss, "
+                "Llama 4), it names each expert ('experts.<e>.gate_proj.weight') and the fleet will not load "
+                "these snapshots: publish such a model through TensorPublisher with its experts split per expert")
+    missing, extra = sorted(base - names), sorted(names - base)
+    if not missing and not extra:
+        return None
+    parts = [f"{len(missing)} base tensor(s) are not published (e.g. {missing[0]!r})" if missing else "",
+             f"{len(extra)} published tensor(s) are not in the base checkpoint (e.g. {extra[0]!r})" if extra else ""]
+    advice = hint if extra and fused else " (check the model against its checkpoint, rename=, tie_word_embeddings=)"
+    return ("the snapshots' tensor names differ from the base checkpoint's in hf_config_dir, so the fleet will not "
+            "load them: " + " and ".join(p for p in parts if p) + advice)

@@ -373,3 +373,69 @@ def test_unmerged_lora_adapters_are_warned_about(tmp_path: Path, caplog: pytest.
     with caplog.at_level("WARNING", logger="fsdp_hotload"):
         HotloadCallback(Net(), HotloadConfig(bucket_url=str(tmp_path / "b"))).close()
     assert not [r for r in caplog.records if "LoRA" in r.getMessage()], caplog.records
+
+
+class FusedMoe(nn.Module):
+    """A sparse MoE decoder as transformers 5 builds it: each projection of all experts is one 3-D parameter,
+    while the model's checkpoints name each expert's 2-D weight."""
+
+    def __init__(self, experts: int = 4, hidden: int = 8, inter: int = 4) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(20, hidden)
+        layer = nn.Module()
+        layer.mlp = nn.Module()
+        layer.mlp.gate = nn.Linear(hidden, experts, bias=False)
+        layer.mlp.experts = nn.Module()
+        layer.mlp.experts.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * inter, hidden))
+        layer.mlp.experts.down_proj = nn.Parameter(torch.randn(experts, hidden, inter))
+        self.model.layers = nn.ModuleList([layer])
+        self.lm_head = nn.Linear(hidden, 20, bias=False)
+
+
+def _base_checkpoint(folder: Path, names: list[str]) -> None:
+    """A base model folder whose weight index names ``names`` (only the index is read)."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "tie_word_embeddings": False}))
+    weight_map = {n: "model-00001-of-00001.safetensors" for n in names}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_names_the_base_checkpoint_lacks_are_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A transformers 5 MoE model publishes fused expert tensors, which transformers 5 itself loads but the fleet,
+    checking against its base checkpoint's per-expert names, refuses on every publish: said at construction."""
+    per_expert = [f"model.layers.0.mlp.experts.{e}.{p}.weight" for e in range(4)
+                  for p in ("gate_proj", "up_proj", "down_proj")]
+    _base_checkpoint(tmp_path / "hf", ["model.embed_tokens.weight", "model.layers.0.mlp.gate.weight",
+                                        "lm_head.weight", *per_expert])
+    with caplog.at_level("WARNING", logger="fsdp_hotload"):
+        HotloadCallback(FusedMoe(), HotloadConfig(bucket_url=str(tmp_path / "a"),
+                                                  hf_config_dir=str(tmp_path / "hf"))).close()
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "tensor names differ from the base checkpoint's" in text, text
+    assert "12 base tensor(s) are not published (e.g. 'model.layers.0.mlp.experts.0.down_proj.weight')" in text
+    assert "2 published tensor(s) are not in the base checkpoint" in text
+    assert "fused MoE experts" in text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fsdp_hotload"):  # no weights in the folder: the names alone say it
+        HotloadCallback(FusedMoe(), HotloadConfig(bucket_url=str(tmp_path / "b"))).close()
+    assert "fused MoE expert parameters (e.g. 'model.layers.0.mlp.experts.down_proj', 2 in all)" in caplog.text
+
+
+def test_names_that_are_the_base_checkpoints_pass_quietly(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Index or bare safetensors headers: the same names (a tied lm_head left out on both sides) say nothing."""
+    from safetensors.torch import save_file
+
+    _base_checkpoint(tmp_path / "hf", ["embed_tokens.weight", "layers.0.weight", "layers.0.bias", "layers.1.weight",
+                                        "layers.1.bias", "lm_head.weight", "steps"])
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}")
+    save_file({n: t.detach().clone() for n, t in Net().state_dict().items()}, str(bare / "model.safetensors"))
+    for folder in (tmp_path / "hf", bare):
+        with caplog.at_level("WARNING", logger="fsdp_hotload"):
+            HotloadCallback(Net(), HotloadConfig(bucket_url=str(tmp_path / folder.name / "b"),
+                                                 hf_config_dir=str(folder))).close()
+        assert "base checkpoint" not in caplog.text and "MoE" not in caplog.text, caplog.text
+    (bare / "model.safetensors").write_bytes(b"\x00" * 4)  # unreadable: nothing to compare with, no error
+    HotloadCallback(Net(), HotloadConfig(bucket_url=str(tmp_path / "c"), hf_config_dir=str(bare))).close()
