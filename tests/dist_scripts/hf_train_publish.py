@@ -1,0 +1,80 @@
+"""Tiny Hugging Face causal LMs, built from their configs, trained under FSDP2 and published every step.
+
+For each ``--case`` folder (holding ``hf/``: config.json, generation config, tokenizer) every rank builds the same
+random model from the config (no download), wraps each decoder layer and then the root with ``fully_shard``, trains
+a few AdamW steps (fp32 masters) and publishes every step through ``HotloadCallback`` into ``<case>/bucket``,
+without signalling. After each publish rank 0 saves the framework's own gathered full state dict
+(``get_model_state_dict``), cast to bf16, as ``<case>/out/expected-<identity>.safetensors`` (a tied weight under
+every name the model registers it by), and at the end the publish records as ``<case>/out/metrics.json``. The
+test then loads the snapshots with transformers' loader and compares. Several cases share one job, so torchrun and
+the imports are paid once.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from fsdp_hotload import HotloadCallback, HotloadConfig  # noqa: E402
+from tests.dist_util import finish  # noqa: E402
+
+
+def run_case(case: Path, steps: int, full_every: int) -> None:
+    """Train and publish one model; rank 0 writes the expected states and the publish records."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    rank = dist.get_rank()
+    hf_dir, out = case / "hf", case / "out"
+    torch.manual_seed(0)  # every rank builds the same weights
+    config = AutoConfig.from_pretrained(hf_dir)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = HotloadConfig(bucket_url=str(case / "bucket"), hf_config_dir=str(hf_dir), full_every=full_every,
+                        busy_policy="wait")
+    gen = torch.Generator().manual_seed(1 + rank)
+    with HotloadCallback(model, cfg) as hot:
+        for step in range(steps):
+            ids = torch.randint(0, config.vocab_size, (2, 12), generator=gen)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            hot.step(step)
+            hot.wait()
+            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if rank == 0:
+                m = hot.metrics[-1]
+                # safetensors refuses tensors that share memory: every name gets its own copy
+                save_file({k: v.to(torch.bfloat16).clone().contiguous() for k, v in full.items()},
+                          str(out / f"expected-{m.identity}.safetensors"))
+        records = [{"step": m.step, "identity": m.identity, "kind": m.kind, "ok": m.ok} for m in hot.metrics]
+    if rank == 0:
+        (out / "metrics.json").write_text(json.dumps(records, indent=1))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--case", action="append", required=True, help="folder with hf/, bucket/ and out/")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--full-every", type=int, default=3)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    for case in args.case:
+        run_case(Path(case), args.steps, args.full_every)
+        dist.barrier()
+    finish()
+
+
+if __name__ == "__main__":
+    main()
