@@ -10,6 +10,7 @@ tokenizer travel unchanged. Skipped where transformers is not installed.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only: a loader must never reach for the Hub here
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
