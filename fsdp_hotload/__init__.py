@@ -23,6 +23,7 @@ _LAZY = {
     "TensorPublisher": ("fsdp_hotload.publish", "TensorPublisher"),
     "HotLoadEmulator": ("fsdp_hotload.emulator", "HotLoadEmulator"),
     "PublishError": ("fsdp_hotload.engine.publisher", "PublishError"),
+    "split_fused_experts": ("fsdp_hotload.naming", "split_fused_experts"),
 }
 __all__ = list(_LAZY)
 

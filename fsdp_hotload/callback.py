@@ -33,7 +33,7 @@ from .fsdp import full_tensor_specs, local_chunks, source_dtypes, storage_finger
 from .fsdp_verify import agree_on_chunks
 from .hf_config import base_tensor_names, names_note
 from .layout import TensorSpec
-from .naming import adapter_note
+from .naming import Split, adapter_note
 
 log = logging.getLogger("fsdp_hotload")
 
@@ -74,11 +74,15 @@ class HotloadCallback:
         with HotloadCallback(model, HotloadConfig.from_env()) as hot:   # FSDP2, FSDP1 or a plain module
             hot.attach(optimizer, first_step=resumed_step)              # or hot.step(step) after optimizer.step()
             train()
+
+    Names: wrapper segments are stripped; ``split`` (e.g. :func:`~fsdp_hotload.naming.split_fused_experts` for a
+    transformers 5 MoE model) divides a tensor into the checkpoint's tensors, ``rename`` then maps each name
+    (None drops it), and ``tie_word_embeddings`` (default: the HF config's) leaves out a tied ``lm_head``.
     """
 
     def __init__(self, model: torch.nn.Module, config: HotloadConfig, *,
                  rename: Callable[[str], str | None] | None = None, tie_word_embeddings: bool | None = None,
-                 include_buffers: bool = True, **engine_kwargs: Any) -> None:
+                 include_buffers: bool = True, split: Split | None = None, **engine_kwargs: Any) -> None:
         import torch.distributed as dist
 
         self.model = model
@@ -87,7 +91,7 @@ class HotloadCallback:
             tie_word_embeddings = hf_tie_word_embeddings(config.hf_config_dir)
         self._chunk_kwargs: dict[str, Any] = dict(
             snapshot_dtype=config.snapshot_dtype, dtype_overrides=config.dtype_overrides, rename=rename,
-            tie_word_embeddings=tie_word_embeddings, include_buffers=include_buffers)
+            tie_word_embeddings=tie_word_embeddings, include_buffers=include_buffers, split=split)
         comm: Comm
         ctrl: Comm
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -35,7 +35,7 @@ from torch import nn
 from .arc.boxes import Box
 from .arc.dtypes import numel
 from .dtype_policy import DtypePolicy
-from .naming import Rename, clean_name, plan_names
+from .naming import Rename, Split, clean_name, plan_names
 
 FLAT = "flat"
 SHAPE = "shape"
@@ -230,6 +230,11 @@ class _DTensorSource(_Source):
     def dtype(self) -> torch.dtype:
         return self.dt.dtype
 
+    def flat_layout(self) -> bool:
+        """Whether every rank's part is a range of the flattened tensor: sharded along dim 0 only (the same answer
+        on every rank, from the placements)."""
+        return all(int(pl.dim) == 0 for pl in self.dt.placements if hasattr(pl, "dim"))  # Shard, _StridedShard
+
     def pieces(self, name: str) -> list[tuple[str, Box, torch.Tensor]]:
         dt = self.dt
         coord = dt.device_mesh.get_coordinate()
@@ -331,6 +336,61 @@ class _Fsdp1Source(_Source):
         return [(FLAT, Box.flat(start, n), view)]
 
 
+class Segment(_Source):
+    """A published tensor that is the contiguous range ``[start, start + numel(shape))`` of another tensor's
+    flattened elements (see ``naming.Split``): its pieces are the base's, cut to that range."""
+
+    def __init__(self, base: _Source, base_path: str, start: int, shape: tuple[int, ...]) -> None:
+        self.base, self.base_path, self.start, self._shape = base, base_path, int(start), shape
+
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    def dtype(self) -> torch.dtype:
+        return self.base.dtype()
+
+    def pieces(self, name: str) -> list[tuple[str, Box, torch.Tensor]]:
+        if isinstance(self.base, _DTensorSource) and not self.base.flat_layout():  # decided alike on every rank
+            raise NotImplementedError(
+                f"tensor {name!r} is split from {self.base_path!r}, which is sharded along a dimension other than "
+                f"0 ({self.base.dt.placements}); a split needs every rank's part to be a range of its elements")
+        end = self.start + numel(self._shape)
+        out = []
+        for space, box, view in self.base.pieces(name):
+            if space != FLAT:  # pragma: no cover - excluded above
+                raise RuntimeError(f"tensor {name!r}: a {space} piece of {self.base_path!r} cannot be split")
+            lo, n = box.start[0], box.length[0]
+            a, b = max(lo, self.start), min(lo + n, end)
+            if a < b:
+                out.append((FLAT, Box.flat(a - self.start, b - a), view[a - lo:b - lo]))
+        return out
+
+
+def _split_slots(slots: list[tuple[str, _Source]], split: Split | None) -> list[tuple[str, _Source]]:
+    """``slots`` with each tensor that ``split`` divides replaced by its parts (one :class:`Segment` per range
+    and tensor, so the names of a tensor registered twice still share their parts)."""
+    if split is None:
+        return slots
+    out: list[tuple[str, _Source]] = []
+    made: dict[tuple[int, int, tuple[int, ...]], Segment] = {}
+    for path, src in slots:
+        parts = split(path, src.shape())
+        if parts is None:
+            out.append((path, src))
+            continue
+        pos = 0
+        for name, start, shape in sorted(parts, key=lambda part: part[1]):
+            shape = tuple(int(d) for d in shape)
+            if not isinstance(name, str) or not name or start != pos or numel(shape) <= 0:
+                raise ValueError(f"split({path!r}, {src.shape()}) must return (name, start, shape) parts that tile "
+                                 f"the tensor's elements in order; the part at element {pos} is {(name, start, shape)}")
+            pos += numel(shape)
+            out.append((name, made.setdefault((id(src), start, shape), Segment(src, path, start, shape))))
+        if pos != numel(src.shape()):
+            raise ValueError(f"split({path!r}, {src.shape()}) covers {pos} of its {numel(src.shape())} elements")
+    return out
+
+
 # -------------------------------------------------------------------------------------------------------- walk
 
 
@@ -425,10 +485,12 @@ def _slots(model: nn.Module, include_buffers: bool) -> list[tuple[str, _Source]]
 
 
 def _plan(
-    model: nn.Module, rename: Rename | None, tie_word_embeddings: bool | None, include_buffers: bool
+    model: nn.Module, rename: Rename | None, tie_word_embeddings: bool | None, include_buffers: bool,
+    split: Split | None = None,
 ) -> list[tuple[str, _Source, list[str]]]:
-    """(published name, source, cleaned paths of that source with this name's own path first)."""
-    slots = _slots(model, include_buffers)
+    """(published name, source, cleaned paths of that source with this name's own path first); a split's parts
+    are named before ``rename`` sees them."""
+    slots = _split_slots(_slots(model, include_buffers), split)
     paths_of: dict[int, list[str]] = {}
     for raw, src in slots:
         paths_of.setdefault(id(src), []).append(raw)
@@ -452,6 +514,7 @@ def local_chunks(
     rename: Rename | None = None,
     tie_word_embeddings: bool | None = None,
     include_buffers: bool = True,
+    split: Split | None = None,
 ) -> list[LocalChunk]:
     """The chunks this rank owns, in ``state_dict`` order. No communication, no data copies.
 
@@ -465,7 +528,7 @@ def local_chunks(
     """
     policy = DtypePolicy.of(snapshot_dtype, dtype_overrides)
     chunks: list[LocalChunk] = []
-    for name, src, _paths in _plan(model, rename, tie_word_embeddings, include_buffers):
+    for name, src, _paths in _plan(model, rename, tie_word_embeddings, include_buffers, split):
         shape, dtype = src.shape(), policy.code(name, src.dtype())
         for space, box, view in src.pieces(name):
             chunks.append(LocalChunk(name, shape, dtype, space, box, view))
@@ -510,12 +573,13 @@ def full_tensor_specs(
     rename: Rename | None = None,
     tie_word_embeddings: bool | None = None,
     include_buffers: bool = True,
+    split: Split | None = None,
 ) -> list[TensorSpec]:
     """``(name, full shape, dtype code)`` of every published tensor, the same list on every rank."""
     policy = DtypePolicy.of(snapshot_dtype, dtype_overrides)
     return [
         (name, src.shape(), policy.code(name, src.dtype()))
-        for name, src, _paths in _plan(model, rename, tie_word_embeddings, include_buffers)
+        for name, src, _paths in _plan(model, rename, tie_word_embeddings, include_buffers, split)
     ]
 
 
@@ -525,9 +589,11 @@ def source_dtypes(
     rename: Rename | None = None,
     tie_word_embeddings: bool | None = None,
     include_buffers: bool = True,
+    split: Split | None = None,
 ) -> dict[str, torch.dtype]:
     """The trainer's dtype of every published tensor (FSDP's sharded parameters: the masters), by name."""
-    return {name: src.dtype() for name, src, _paths in _plan(model, rename, tie_word_embeddings, include_buffers)}
+    return {name: src.dtype()
+            for name, src, _paths in _plan(model, rename, tie_word_embeddings, include_buffers, split)}
 
 
 def tensor_paths(model: nn.Module, *, include_buffers: bool = True) -> list[str]:

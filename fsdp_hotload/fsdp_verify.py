@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from .arc.boxes import Box, check_tiling
-from .arc.dtypes import torch_name
+from .arc.dtypes import numel, torch_name
 from .arc.errors import FormatError
 from .dtype_policy import DtypePolicy
-from .fsdp import (FLAT, SHAPE, LocalChunk, OwnershipError, Rename, TensorSpec, _ChunkLike, _dtensor_type,
+from .fsdp import (FLAT, SHAPE, LocalChunk, OwnershipError, Rename, Segment, TensorSpec, _ChunkLike, _dtensor_type,
                    _fsdp1_type, _fsdp2_type, _plan, full_tensor_specs, local_chunks, space_shape)
-from .naming import clean_name
+from .naming import Split, clean_name
 
 
 def _is_distributed(model: nn.Module) -> bool:
@@ -42,6 +42,7 @@ def gather_full_state(
     rename: Rename | None = None,
     tie_word_embeddings: bool | None = None,
     include_buffers: bool = True,
+    split: Split | None = None,
 ) -> dict[str, torch.Tensor]:
     """Full tensors (CPU, published dtype) on every rank, through the framework's own full-state-dict path.
 
@@ -59,11 +60,15 @@ def gather_full_state(
         state = model.state_dict()
     by_path: dict[str, Any] = {clean_name(k): v for k, v in state.items()}
     out: dict[str, torch.Tensor] = {}
-    for name, src, paths in _plan(model, rename, tie_word_embeddings, include_buffers):
+    for name, src, paths in _plan(model, rename, tie_word_embeddings, include_buffers, split):
+        if isinstance(src, Segment):  # a split's part: its range of the whole tensor
+            paths = [src.base_path]
         found = next((by_path[p] for p in paths if p in by_path), None)
         if found is None:
             raise KeyError(f"tensor {name!r} (path {paths[0]!r}) is missing from the framework's state dict")
         t = found.detach().to("cpu")
+        if isinstance(src, Segment):
+            t = t.reshape(-1)[src.start:src.start + numel(src.shape())].reshape(src.shape())
         if t.is_floating_point():
             t = t.to(getattr(torch, torch_name(policy.code(name, src.dtype()))))
         out[name] = t.contiguous()
@@ -183,6 +188,7 @@ def verify_ownership(
     rename: Rename | None = None,
     tie_word_embeddings: bool | None = None,
     include_buffers: bool = True,
+    split: Split | None = None,
 ) -> list[TensorSpec]:
     """Collective debug check: every rank computes its chunks, and all ranks check the union (one copy of each
     box held by several ranks: :func:`assign_chunks`).
@@ -193,7 +199,7 @@ def verify_ownership(
     import torch.distributed as dist
 
     kw: dict[str, Any] = dict(snapshot_dtype=snapshot_dtype, dtype_overrides=dtype_overrides, rename=rename,
-                              tie_word_embeddings=tie_word_embeddings, include_buffers=include_buffers)
+                              tie_word_embeddings=tie_word_embeddings, include_buffers=include_buffers, split=split)
     specs = full_tensor_specs(model, **kw)
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, ([c.meta() for c in local_chunks(model, **kw)], specs), group=group)

@@ -234,20 +234,20 @@ def names_note(published: Iterable[str], base: set[str] | None) -> str | None:
     Why: the fleet checks a full snapshot's tensors against its base model and its loaders look weights up by
     the checkpoint's names, so such a snapshot fails to load on every publish. transformers 5 itself loads either
     form, so a trainer can miss it. The usual cause is a MoE model built with transformers 5, whose experts are
-    fused parameters (``mlp.experts.gate_up_proj``) while checkpoints name every expert; ``rename`` cannot split
-    a tensor, so such a model is published through ``TensorPublisher`` with the experts split per expert."""
+    fused parameters (``mlp.experts.gate_up_proj``) while checkpoints name every expert: the callback's
+    ``split=split_fused_experts`` publishes those per expert."""
     names = set(published)
     fused = sorted(n for n in names if n.endswith(_FUSED_EXPERT_SUFFIXES))
+    fix = "pass split=split_fused_experts to HotloadCallback (the layout of the qwen2_moe family and Mixtral)"
     hint = (f"; {len(fused)} of them look like transformers 5's fused MoE experts (e.g. {fused[0]!r}), which "
-            "checkpoints store per expert ('experts.<e>.gate_proj.weight'): publish such a model through "
-            "TensorPublisher with its experts split per expert") if fused else ""
+            f"checkpoints store per expert ('experts.<e>.gate_proj.weight'): {fix}") if fused else ""
     if base is None:
         if not fused:
             return None
         return (f"the model has fused MoE expert parameters (e.g. {fused[0]!r}, {len(fused)} in all) as "
                 "transformers 5 builds them; unless the base checkpoint stores its experts fused too (gpt-oss, "
                 "Llama 4), it names each expert ('experts.<e>.gate_proj.weight') and the fleet will not load "
-                "these snapshots: publish such a model through TensorPublisher with its experts split per expert")
+                f"these snapshots: {fix}")
     missing, extra = sorted(base - names), sorted(names - base)
     if not missing and not extra:
         return None

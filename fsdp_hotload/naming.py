@@ -35,6 +35,9 @@ LEADING_SEGMENTS: frozenset[str] = frozenset({"module"})
 TIED_OUTPUT_SUFFIX = "lm_head.weight"
 
 Rename = Callable[[str], "str | None"]
+# A split maps a tensor's cleaned path and full shape to the published tensors that tile it, each a contiguous
+# range of its flattened elements: ``(name, first element, shape)``; None publishes the tensor as it is.
+Split = Callable[[str, "tuple[int, ...]"], "list[tuple[str, int, tuple[int, ...]]] | None"]
 
 # Parameter-name segments of unmerged low-rank adapters (peft's LoRA and its DoRA magnitudes).
 ADAPTER_SEGMENTS: frozenset[str] = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B",
@@ -147,3 +150,36 @@ def plan_names(
             )
         seen[out] = i
     return result
+
+
+def split_fused_experts(path: str, shape: tuple[int, ...]) -> list[tuple[str, int, tuple[int, ...]]] | None:
+    """A ``split`` for MoE experts as transformers 5 builds them, back to the per-expert tensors of checkpoints.
+
+    Why: transformers 5 fuses each projection of a sparse MoE block's experts into one 3-D parameter, while the
+    checkpoints of those models, and the fleet's loaders, name each expert's 2-D weight; a snapshot under the
+    fused names is refused. This is the layout of the ``qwen2_moe`` family (Qwen2/3-MoE, DeepSeek-V2/V3, GLM-4.5
+    MoE, ...) and of Mixtral (rename ``.mlp.`` to ``.block_sparse_moe.`` and gate/up/down to w1/w3/w2 there):
+
+    * ``<p>.experts.gate_up_proj``, shape ``(E, 2I, H)``: ``<p>.experts.<e>.gate_proj.weight`` is ``[e, :I]`` and
+      ``<p>.experts.<e>.up_proj.weight`` is ``[e, I:]``, each ``(I, H)``;
+    * ``<p>.experts.down_proj``, shape ``(E, H, I)``: ``<p>.experts.<e>.down_proj.weight`` is ``[e]``.
+
+    Each is a contiguous range of the fused tensor, so the split moves no bytes. Models whose checkpoints keep
+    experts fused (gpt-oss, Llama 4, with a transposed layout) must not use it. Every other path is left alone.
+
+    Example::
+
+        HotloadCallback(model, cfg, split=split_fused_experts)
+    """
+    if len(shape) != 3:
+        return None
+    experts, rows, cols = (int(d) for d in shape)
+    if path.endswith(".experts.gate_up_proj") and rows % 2 == 0:
+        head, half = path[:-len("gate_up_proj")], rows // 2 * cols
+        return [part for e in range(experts) for part in (
+            (f"{head}{e}.gate_proj.weight", 2 * e * half, (rows // 2, cols)),
+            (f"{head}{e}.up_proj.weight", (2 * e + 1) * half, (rows // 2, cols)))]
+    if path.endswith(".experts.down_proj"):
+        head = path[:-len("down_proj")]
+        return [(f"{head}{e}.down_proj.weight", e * rows * cols, (rows, cols)) for e in range(experts)]
+    return None

@@ -439,3 +439,66 @@ def test_names_that_are_the_base_checkpoints_pass_quietly(tmp_path: Path, caplog
         assert "base checkpoint" not in caplog.text and "MoE" not in caplog.text, caplog.text
     (bare / "model.safetensors").write_bytes(b"\x00" * 4)  # unreadable: nothing to compare with, no error
     HotloadCallback(Net(), HotloadConfig(bucket_url=str(tmp_path / "c"), hf_config_dir=str(bare))).close()
+
+
+def test_fused_experts_are_published_per_expert_bit_exact(tmp_path: Path, caplog: pytest.LogCaptureFixture
+                                                          ) -> None:
+    """split=split_fused_experts publishes a transformers 5 MoE model under its checkpoint's per-expert names:
+    each expert's gate, up and down weights are its ranges of the fused tensors, through a full snapshot and a
+    delta, and the names check against the base checkpoint has nothing to say."""
+    from fsdp_hotload import split_fused_experts
+
+    experts, hidden, inter = 3, 8, 4
+    per_expert = [f"model.layers.0.mlp.experts.{e}.{p}.weight" for e in range(experts)
+                  for p in ("gate_proj", "up_proj", "down_proj")]
+    _base_checkpoint(tmp_path / "hf", ["model.embed_tokens.weight", "model.layers.0.mlp.gate.weight",
+                                        "lm_head.weight", *per_expert])
+    torch.manual_seed(0)
+    model = FusedMoe(experts, hidden, inter)
+    bucket = tmp_path / "bucket"
+    cfg = HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(tmp_path / "hf"), full_every=2,
+                        busy_policy="wait")
+    with caplog.at_level("WARNING", logger="fsdp_hotload"):
+        hot = HotloadCallback(model, cfg, split=split_fused_experts)
+    assert "base checkpoint" not in caplog.text and "MoE" not in caplog.text, caplog.text
+    expected = []
+    with hot:
+        for step in range(2):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.1 * (torch.rand_like(p) < 0.3))
+            hot.step(step)
+            hot.wait()
+            mlp = model.model.layers[0].mlp
+            want = {"model.embed_tokens.weight": model.model.embed_tokens.weight,
+                    "model.layers.0.mlp.gate.weight": mlp.gate.weight, "lm_head.weight": model.lm_head.weight}
+            for e in range(experts):
+                want[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] = mlp.experts.gate_up_proj[e, :inter]
+                want[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] = mlp.experts.gate_up_proj[e, inter:]
+                want[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] = mlp.experts.down_proj[e]
+            expected.append({k: RawTensor.from_any(v.detach().bfloat16().contiguous()) for k, v in want.items()})
+    assert [(m.kind, m.ok) for m in hot.metrics] == [("full", True), ("delta", True)]
+    rebuilt = rebuild_accepted(bucket, hot.metrics)
+    for m, want_raw in zip(hot.metrics, expected):
+        got = rebuilt[m.identity]
+        assert sorted(got) == sorted(want_raw)
+        for name, raw in want_raw.items():
+            assert (got[name].shape, got[name].data.tobytes()) == (raw.shape, raw.data.tobytes()), name
+
+
+def test_a_split_must_tile_its_tensor(tmp_path: Path) -> None:
+    """A split that leaves elements out would publish a model without them; one that overlaps, some twice."""
+    from fsdp_hotload.fsdp import full_tensor_specs
+
+    def gap(path: str, shape: tuple[int, ...]) -> list[tuple[str, int, tuple[int, ...]]] | None:
+        if path.endswith("down_proj"):  # (4, 8, 4): 128 elements; parts of 32 at 0 and 64
+            return [(path + ".a", 0, (8, 4)), (path + ".b", 64, (8, 4))]
+        return None
+
+    def short(path: str, shape: tuple[int, ...]) -> list[tuple[str, int, tuple[int, ...]]] | None:
+        return [(path + ".a", 0, (1,))] if path.endswith("down_proj") else None
+
+    with pytest.raises(ValueError, match=r"tile the tensor's elements in order; the part at element 32"):
+        full_tensor_specs(FusedMoe(), split=gap)
+    with pytest.raises(ValueError, match=r"covers 1 of its 128 elements"):
+        full_tensor_specs(FusedMoe(), split=short)

@@ -25,11 +25,15 @@ torch = pytest.importorskip("torch")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from transformers.core_model_loading import revert_weight_conversion  # noqa: E402
+
 from tests.dist_util import REPO, SCRIPTS, run_torchrun  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-CASES = {"llama_tied": ("llama", True), "qwen2_untied": ("qwen2", False)}
+# (model type, tie_word_embeddings); the MoE model's 3 experts are split 2 + 1 by FSDP2 over 2 ranks
+CASES = {"llama_tied": ("llama", True), "qwen2_untied": ("qwen2", False), "qwen3_moe": ("qwen3_moe", False),
+         "mixtral": ("mixtral", False)}
 AUX = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -41,7 +45,12 @@ def write_base_folder(folder: Path, kind: str, tie: bool) -> None:
     common: dict[str, Any] = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                   tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
-    config = (transformers.LlamaConfig if kind == "llama" else transformers.Qwen2Config)(**common)
+    if kind == "qwen3_moe":  # transformers 5 fuses its experts; its checkpoints name each one
+        common.update(moe_intermediate_size=32, num_experts=3, num_experts_per_tok=2, decoder_sparse_step=1)
+    if kind == "mixtral":  # the same, under other names (block_sparse_moe, w1/w3/w2)
+        common.update(num_local_experts=3, num_experts_per_tok=2)
+    config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+              "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}[kind](**common)
     config.dtype = torch.bfloat16
     config.save_pretrained(folder)
     transformers.GenerationConfig(bos_token_id=1, eos_token_id=2, do_sample=True, temperature=0.7).save_pretrained(
@@ -74,35 +83,38 @@ def hotload_apply(parent: Path, delta: Path, out: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def check_index(folder: Path) -> dict[str, str]:
+def check_index(folder: Path) -> dict[str, Any]:
     """The index as transformers' sharded loading reads it: every named file exists and holds exactly the tensors
-    the index assigns to it, and total_size is their bytes."""
+    the index assigns to it, and total_size is their bytes. Returns the snapshot's tensors."""
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     weight_map = index["weight_map"]
-    total = 0
+    total, tensors = 0, {}
     for filename in sorted(set(weight_map.values())):
         with safe_open(str(folder / filename), "pt") as f:
             assert f.metadata() == {"format": "pt"}, filename
             assert sorted(f.keys()) == sorted(n for n, fn in weight_map.items() if fn == filename), filename
             for key in f.keys():
-                t = f.get_tensor(key)
+                t = tensors[key] = f.get_tensor(key)
                 total += t.numel() * t.element_size()
-    assert index["metadata"]["total_size"] == total
-    return weight_map
+    assert index["metadata"]["total_size"] == total and sorted(tensors) == sorted(weight_map)
+    return tensors
 
 
 def check_loads_exactly(folder: Path, expected: Path, base: Path, tie: bool) -> None:
     model, info = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16,
                                                                     output_loading_info=True)
     assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
-    want = load_file(str(expected))
-    got = model.state_dict()
-    assert sorted(got) == sorted(want)
+    want = load_file(str(expected))  # as save_pretrained writes the trainer's state: the checkpoint's names
+    got = revert_weight_conversion(model, model.state_dict())  # the loaded model, likewise
+    published = check_index(folder)  # the snapshot itself: the same names (a tied lm_head once) and bytes
+    assert sorted(got) == sorted(want) and sorted(published) == sorted(n for n in want if n != "lm_head.weight" or
+                                                                       not tie)
     for name, tensor in want.items():
-        assert got[name].dtype == torch.bfloat16, name
-        assert torch.equal(got[name].view(torch.int16), tensor.view(torch.int16)), name
-    weight_map = check_index(folder)
-    assert ("lm_head.weight" in weight_map) is not tie  # tied: published once, under the embedding's name
+        for source in (got, published):
+            if name in source:
+                assert source[name].dtype == torch.bfloat16, name
+                assert torch.equal(source[name].view(torch.int16), tensor.view(torch.int16)), name
+    assert ("lm_head.weight" in published) is not tie  # tied: published once, under the embedding's name
     assert (model.lm_head.weight is model.model.embed_tokens.weight) is tie
     for aux in AUX:
         assert (folder / aux).read_bytes() == (base / aux).read_bytes(), aux

@@ -155,6 +155,16 @@ def verify(label: str, model: nn.Module, names: list[str] | None, chunks: list |
     return chunks
 
 
+def split_rows(path: str, shape: tuple[int, ...]) -> list[tuple[str, int, tuple[int, ...]]] | None:
+    """Parts of uneven rows, as a fused MoE tensor has its experts' parts: ranges that FSDP1's flat shards and
+    FSDP2's row shards cut anywhere. ``shape`` (0, 0) asks for the names only."""
+    rows = {"model.odd": [0, 2, 3], "model.layers.0.lin1.weight": [0, 2, 3, 5]}.get(path)
+    if rows is None:
+        return None
+    cols = shape[1]
+    return [(f"{path}.part{i}", a * cols, (b - a, cols)) for i, (a, b) in enumerate(zip(rows, rows[1:]))]
+
+
 def bump(model: nn.Module) -> None:
     """An in-place update of every parameter's local data, the way an optimizer step writes it."""
     with torch.no_grad():
@@ -182,6 +192,15 @@ def check_all(label: str, model: nn.Module, *, dtypes: dict[str, torch.dtype], u
 
     renamed = [rename(n) for n in untied if rename(n) is not None]
     verify(f"{label}/rename", model, renamed, rename=rename, tie_word_embeddings=True)
+    split_names = [part for n in names for part, _start, _shape in (split_rows(n, (0, 0)) or [(n, 0, ())])]
+    verify(f"{label}/split", model, split_names, split=split_rows, tie_word_embeddings=False)
+    if "tp" in label:  # lin2 is row-wise parallel: its TP shards are column blocks, not ranges of its elements
+        try:
+            local_chunks(model, split=lambda p, shape: [(p + ".a", 0, (3, 5)), (p + ".b", 15, (3, 5))]
+                         if p == "model.layers.0.lin2.weight" else None)
+            expect(False, f"{label}: a split of a column-sharded tensor was accepted")
+        except NotImplementedError as exc:
+            expect("sharded along a dimension other than 0" in str(exc), f"{label}: {exc}")
     verify_ownership(model)
     before = {k: RawTensor.from_any(v).data.copy() for k, v in gather_full_state(model).items()}
     bump(model)

@@ -3,16 +3,18 @@
 For each ``--case`` folder (holding ``hf/``: config.json, generation config, tokenizer) every rank builds the same
 random model from the config (no download), wraps each decoder layer and then the root with ``fully_shard``, trains
 a few AdamW steps (fp32 masters) and publishes every step through ``HotloadCallback`` into ``<case>/bucket``,
-without signalling. After each publish rank 0 saves the framework's own gathered full state dict
-(``get_model_state_dict``), cast to bf16, as ``<case>/out/expected-<identity>.safetensors`` (a tied weight under
-every name the model registers it by), and at the end the publish records as ``<case>/out/metrics.json``. The
-test then loads the snapshots with transformers' loader and compares. Several cases share one job, so torchrun and
-the imports are paid once.
+without signalling (a MoE model with ``split=split_fused_experts``). After each publish rank 0 saves the
+framework's own gathered full state dict (``get_model_state_dict``) as ``save_pretrained`` would write it (its
+``revert_weight_conversion``: fused experts split per expert), cast to bf16, as
+``<case>/out/expected-<identity>.safetensors`` (a tied weight under every name the model registers it by), and at
+the end the publish records as ``<case>/out/metrics.json``. The test then loads the snapshots with transformers'
+loader and compares. Several cases share one job, so torchrun and the imports are paid once.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -24,13 +26,23 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from fsdp_hotload import HotloadCallback, HotloadConfig  # noqa: E402
+from fsdp_hotload import HotloadCallback, HotloadConfig, split_fused_experts  # noqa: E402
 from tests.dist_util import finish  # noqa: E402
+
+
+def mixtral_names(name: str) -> str:
+    """Mixtral's checkpoint names for what split_fused_experts gives (the README's recipe)."""
+    name = name.replace(".mlp.", ".block_sparse_moe.")
+    return re.sub(r"(experts\.\d+)\.(gate|up|down)_proj", lambda m: f"{m[1]}.w{W[m[2]]}", name)
+
+
+W = {"gate": 1, "up": 3, "down": 2}
 
 
 def run_case(case: Path, steps: int, full_every: int) -> None:
     """Train and publish one model; rank 0 writes the expected states and the publish records."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
 
     rank = dist.get_rank()
     hf_dir, out = case / "hf", case / "out"
@@ -44,7 +56,9 @@ def run_case(case: Path, steps: int, full_every: int) -> None:
     cfg = HotloadConfig(bucket_url=str(case / "bucket"), hf_config_dir=str(hf_dir), full_every=full_every,
                         busy_policy="wait")
     gen = torch.Generator().manual_seed(1 + rank)
-    with HotloadCallback(model, cfg) as hot:
+    moe = config.model_type in ("qwen3_moe", "mixtral")  # fused experts; one tensor per expert in checkpoints
+    rename = mixtral_names if config.model_type == "mixtral" else None
+    with HotloadCallback(model, cfg, split=split_fused_experts if moe else None, rename=rename) as hot:
         for step in range(steps):
             ids = torch.randint(0, config.vocab_size, (2, 12), generator=gen)
             model(input_ids=ids, labels=ids).loss.backward()
@@ -53,6 +67,7 @@ def run_case(case: Path, steps: int, full_every: int) -> None:
             hot.step(step)
             hot.wait()
             full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            full = revert_weight_conversion(model, full)  # what save_pretrained writes: the checkpoint's names
             if rank == 0:
                 m = hot.metrics[-1]
                 # safetensors refuses tensors that share memory: every name gets its own copy
