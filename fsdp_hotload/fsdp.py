@@ -35,7 +35,7 @@ from torch import nn
 from .arc.boxes import Box
 from .arc.dtypes import numel
 from .dtype_policy import DtypePolicy
-from .naming import Rename, Split, clean_name, plan_names
+from .naming import Rename, Split, clean_name, plan_names, split_parts
 
 FLAT = "flat"
 SHAPE = "shape"
@@ -374,20 +374,11 @@ def _split_slots(slots: list[tuple[str, _Source]], split: Split | None) -> list[
     out: list[tuple[str, _Source]] = []
     made: dict[tuple[int, int, tuple[int, ...]], Segment] = {}
     for path, src in slots:
-        parts = split(path, src.shape())
+        parts = split_parts(split, path, src.shape())
         if parts is None:
             out.append((path, src))
-            continue
-        pos = 0
-        for name, start, shape in sorted(parts, key=lambda part: part[1]):
-            shape = tuple(int(d) for d in shape)
-            if not isinstance(name, str) or not name or start != pos or numel(shape) <= 0:
-                raise ValueError(f"split({path!r}, {src.shape()}) must return (name, start, shape) parts that tile "
-                                 f"the tensor's elements in order; the part at element {pos} is {(name, start, shape)}")
-            pos += numel(shape)
+        for name, start, shape in parts or []:
             out.append((name, made.setdefault((id(src), start, shape), Segment(src, path, start, shape))))
-        if pos != numel(src.shape()):
-            raise ValueError(f"split({path!r}, {src.shape()}) covers {pos} of its {numel(src.shape())} elements")
     return out
 
 

@@ -13,7 +13,8 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Callable, Hashable, Iterable, Sequence
+import math
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 # Attribute names that wrappers insert between a module and the module they wrap. They are stripped wherever
 # they appear: no HF model uses them as real submodule names.
@@ -150,6 +151,53 @@ def plan_names(
             )
         seen[out] = i
     return result
+
+
+def split_parts(split: Split, path: str, shape: tuple[int, ...]) -> list[tuple[str, int, tuple[int, ...]]] | None:
+    """``split(path, shape)``, checked: its parts by first element, with int starts and dims, tiling the tensor.
+
+    Why: a split is user code run over every tensor of the model, and what goes wrong in it or in what it returns
+    would otherwise surface as an unpacking or comparison error from inside the walk, with no word of which
+    tensor it was dividing, or not at all (dims (-4, -32) have the element count of (4, 32)). Every such case is
+    a ValueError that names the tensor."""
+    where = f"split({path!r}, {shape})"
+    try:
+        parts = split(path, shape)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the tensor named, the original chained
+        raise ValueError(f"{where} raised {type(exc).__name__}: {exc}") from exc
+    if parts is None:
+        return None
+    if isinstance(parts, (str, bytes)) or not isinstance(parts, Iterable):
+        raise ValueError(f"{where} returned {parts!r}: expected a list of (name, first element, shape) or None")
+    out = []
+    for part in parts:
+        try:
+            name, start, dims = part
+            start, dims = _whole(start), tuple(_whole(d) for d in dims)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where} returned the part {part!r}: expected (name, first element, shape), "
+                             "the element and the shape's dims integers") from None
+        if not isinstance(name, str) or not name or any(d <= 0 for d in dims):
+            raise ValueError(f"{where} returned the part {part!r}: expected a non-empty name and dims above 0")
+        out.append((name, start, dims))
+    out.sort(key=lambda p: p[1])
+    pos = 0
+    for name, start, dims in out:
+        if start != pos:
+            raise ValueError(f"{where} must return (name, start, shape) parts that tile the tensor's elements in "
+                             f"order; the part at element {pos} is {(name, start, dims)}")
+        pos += math.prod(dims)
+    if pos != math.prod(shape):
+        raise ValueError(f"{where} covers {pos} of its {math.prod(shape)} elements")
+    return out
+
+
+def _whole(value: Any) -> int:
+    """``value`` as an int when it is a whole number (numpy integers, 64.0), else ValueError."""
+    out = int(value)
+    if out != value:
+        raise ValueError(f"{value!r} is not a whole number")
+    return out
 
 
 def split_fused_experts(path: str, shape: tuple[int, ...]) -> list[tuple[str, int, tuple[int, ...]]] | None:

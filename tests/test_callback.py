@@ -502,3 +502,27 @@ def test_a_split_must_tile_its_tensor(tmp_path: Path) -> None:
         full_tensor_specs(FusedMoe(), split=gap)
     with pytest.raises(ValueError, match=r"covers 1 of its 128 elements"):
         full_tensor_specs(FusedMoe(), split=short)
+
+
+def _raises(path: str, shape: tuple[int, ...]) -> list[tuple[str, int, tuple[int, ...]]] | None:
+    if path.endswith("down_proj"):
+        raise KeyError("no such expert")
+    return None
+
+
+@pytest.mark.parametrize("split", [
+    lambda p, s: [(p + ".a", 0)] if p.endswith("down_proj") else None,  # no shape
+    lambda p, s: [(p + ".a", 0, 128)] if p.endswith("down_proj") else None,  # a shape that is not a sequence
+    lambda p, s: [(p + ".a", None, (4, 8, 4))] if p.endswith("down_proj") else None,  # no first element
+    lambda p, s: "parts" if p.endswith("down_proj") else None,  # not a list of parts
+    lambda p, s: [(p + ".a", 0, (-4, -32))] if p.endswith("down_proj") else None,  # negative dims, 128 elements
+    _raises,
+], ids=["pair", "int-shape", "none-start", "str", "negative-dims", "raises"])
+def test_a_malformed_split_is_refused_naming_the_tensor(split: Any) -> None:
+    """A split is user code run over every tensor of the model: whatever goes wrong in it or in what it returns
+    is a ValueError that names the tensor it was dividing, never an unpacking or comparison error from inside
+    the walk, nor a part of negative dims (whose element count can still come out right) reaching the snapshot."""
+    from fsdp_hotload.fsdp import full_tensor_specs
+
+    with pytest.raises(ValueError, match=r"split\('model\.layers\.0\.mlp\.experts\.down_proj', \(4, 8, 4\)\)"):
+        full_tensor_specs(FusedMoe(), split=split)
