@@ -338,10 +338,12 @@ class _Fsdp1Source(_Source):
 
 class Segment(_Source):
     """A published tensor that is the contiguous range ``[start, start + numel(shape))`` of another tensor's
-    flattened elements (see ``naming.Split``): its pieces are the base's, cut to that range."""
+    flattened elements (see ``naming.Split``): its pieces are the base's, cut to that range. The segments of one
+    walk share ``seen``, so a base's pieces are worked out once, not once per part (thousands per MoE layer)."""
 
-    def __init__(self, base: _Source, base_path: str, start: int, shape: tuple[int, ...]) -> None:
-        self.base, self.base_path, self.start, self._shape = base, base_path, int(start), shape
+    def __init__(self, base: _Source, base_path: str, start: int, shape: tuple[int, ...],
+                 seen: dict[int, list[tuple[str, Box, torch.Tensor]]]) -> None:
+        self.base, self.base_path, self.start, self._shape, self._seen = base, base_path, int(start), shape, seen
 
     def shape(self) -> tuple[int, ...]:
         return self._shape
@@ -356,7 +358,9 @@ class Segment(_Source):
                 f"0 ({self.base.dt.placements}); a split needs every rank's part to be a range of its elements")
         end = self.start + numel(self._shape)
         out = []
-        for space, box, view in self.base.pieces(name):
+        if id(self.base) not in self._seen:
+            self._seen[id(self.base)] = self.base.pieces(name)
+        for space, box, view in self._seen[id(self.base)]:
             if space != FLAT:  # pragma: no cover - excluded above
                 raise RuntimeError(f"tensor {name!r}: a {space} piece of {self.base_path!r} cannot be split")
             lo, n = box.start[0], box.length[0]
@@ -373,12 +377,13 @@ def _split_slots(slots: list[tuple[str, _Source]], split: Split | None) -> list[
         return slots
     out: list[tuple[str, _Source]] = []
     made: dict[tuple[int, int, tuple[int, ...]], Segment] = {}
+    seen: dict[int, list[tuple[str, Box, torch.Tensor]]] = {}
     for path, src in slots:
         parts = split_parts(split, path, src.shape())
         if parts is None:
             out.append((path, src))
         for name, start, shape in parts or []:
-            out.append((name, made.setdefault((id(src), start, shape), Segment(src, path, start, shape))))
+            out.append((name, made.setdefault((id(src), start, shape), Segment(src, path, start, shape, seen))))
     return out
 
 
