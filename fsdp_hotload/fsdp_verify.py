@@ -66,9 +66,10 @@ def gather_full_state(
         found = next((by_path[p] for p in paths if p in by_path), None)
         if found is None:
             raise KeyError(f"tensor {name!r} (path {paths[0]!r}) is missing from the framework's state dict")
-        t = found.detach().to("cpu")
-        if isinstance(src, Segment):
+        t = found.detach()
+        if isinstance(src, Segment):  # cut where the state is: the host gets each part, not the whole per part
             t = t.reshape(-1)[src.start:src.start + numel(src.shape())].reshape(src.shape())
+        t = t.to("cpu")
         if t.is_floating_point():
             t = t.to(getattr(torch, torch_name(policy.code(name, src.dtype()))))
         out[name] = t.contiguous()

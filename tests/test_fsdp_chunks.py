@@ -179,6 +179,31 @@ def test_a_split_reads_each_tensors_placement_once(monkeypatch: pytest.MonkeyPat
         assert torch.equal(up.source, model.experts.gate_up_proj.detach()[e, 2:].reshape(-1))
 
 
+def test_gather_full_state_brings_each_part_alone_to_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference of a split tensor is sliced where the framework's state dict has it (the GPU) and only the
+    part comes to the host: moving the whole fused tensor for each of its parts moves E times its bytes per
+    projection (hundreds of GB per layer for a 128-expert model)."""
+    from fsdp_hotload.naming import split_fused_experts
+
+    moved: list[int] = []
+    to = torch.Tensor.to
+
+    def counted(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if "cpu" in args or kwargs.get("device") == "cpu":
+            moved.append(self.numel())
+        return to(self, *args, **kwargs)
+
+    model = nn.Module()
+    model.experts = nn.Module()
+    model.experts.gate_up_proj = nn.Parameter(torch.randn(16, 4, 2))
+    model.experts.down_proj = nn.Parameter(torch.randn(16, 2, 2))
+    monkeypatch.setattr(torch.Tensor, "to", counted)
+    full = gather_full_state(model, split=lambda p, shape: split_fused_experts("model." + p, shape))
+    monkeypatch.undo()
+    assert sum(moved) == 16 * 8 + 16 * 4, sum(moved)
+    assert torch.equal(full["model.experts.3.up_proj.weight"], model.experts.gate_up_proj[3, 2:].bfloat16())
+
+
 def test_dtype_overrides_first_matching_glob_wins() -> None:
     """Globs match published names in order; "keep" is the trainer's dtype; integer and bool tensors never change.
     Chunks, specs and the gathered reference all agree."""
