@@ -490,7 +490,11 @@ def _plan(
     paths_of: dict[int, list[str]] = {}
     for raw, src in slots:
         paths_of.setdefault(id(src), []).append(raw)
-    planned = plan_names([(raw, id(src)) for raw, src in slots], rename=rename,
+    first = {}  # a tensor split under one name and not another is one tensor: its first part stands for it
+    for _raw, src in slots:
+        if isinstance(src, Segment):
+            first.setdefault(id(src.base), id(src))
+    planned = plan_names([(raw, first.get(id(src), id(src))) for raw, src in slots], rename=rename,
                          tie_word_embeddings=tie_word_embeddings)
     out = []
     for name, i in planned:

@@ -204,6 +204,26 @@ def test_gather_full_state_brings_each_part_alone_to_the_host(monkeypatch: pytes
     assert torch.equal(full["model.experts.3.up_proj.weight"], model.experts.gate_up_proj[3, 2:].bfloat16())
 
 
+def test_an_embedding_split_into_parts_is_still_tied_to_lm_head() -> None:
+    """lm_head is the embedding's tensor; a split that divides the embedding (its checkpoint stores it in parts)
+    leaves lm_head.weight whole: a tied config still leaves it out, as the HF convention does, and untied it
+    is published whole, rather than being called "a tensor of its own" or published against the config."""
+    def rows(path: str, shape: tuple[int, ...]) -> list[tuple[str, int, tuple[int, ...]]] | None:
+        if path != "model.embed_tokens.weight":
+            return None
+        return [("model.embed_tokens.a", 0, (3, 4)), ("model.embed_tokens.b", 12, (4, 4))]
+
+    model = Tied()
+    for tie in (True, None):
+        names = [n for n, _s, _d in full_tensor_specs(model, split=rows, tie_word_embeddings=tie)]
+        assert "lm_head.weight" not in names and names.count("model.embed_tokens.a") == 1, (tie, names)
+    untied = {c.name: c for c in local_chunks(model, split=rows, tie_word_embeddings=False)}
+    assert torch.equal(untied["lm_head.weight"].source, model.lm_head.weight.detach().reshape(-1))
+    assert torch.equal(untied["model.embed_tokens.b"].source, model.lm_head.weight.detach()[3:].reshape(-1))
+    full = gather_full_state(model, split=rows, tie_word_embeddings=False)
+    assert torch.equal(full["lm_head.weight"], model.lm_head.weight.detach().bfloat16())
+
+
 def test_dtype_overrides_first_matching_glob_wins() -> None:
     """Globs match published names in order; "keep" is the trainer's dtype; integer and bool tensors never change.
     Chunks, specs and the gathered reference all agree."""
