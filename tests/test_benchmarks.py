@@ -194,3 +194,10 @@ def test_gpu_diff_times_the_host_share_after_a_warm_up(monkeypatch: pytest.Monke
     payload, encode_s, adler_s = gpu_diff.host_share(ArcV2(), diffs)
     assert payload > 0 and len(calls) == 3  # one warm-up call, then one per diff
     assert adler_s < 0.2, adler_s
+
+
+def test_split_staging_benchmark_copies_runs_of_parts() -> None:
+    proc = _run([str(BENCH / "split_staging.py"), "--layers", "2", "--experts", "8", "--inter", "4", "--hidden",
+                 "8", "--reps", "2"], 120)
+    assert "48 parts of 4 fused tensors" in proc.stdout and "staged in 4 copies" in proc.stdout, proc.stdout
+    assert "one copy per chunk" in proc.stdout and "machine:" in proc.stdout

@@ -149,3 +149,46 @@ def test_shards_on_a_device_without_bytes_are_refused_at_construction() -> None:
     background thread ("Cannot copy out of meta tensor"). Now the stager says so at construction."""
     with pytest.raises(ValueError, match="meta device: create the publisher after the weights are materialised"):
         Stager(chunks("meta"), slots=1)
+
+
+def test_adjacent_chunks_are_staged_in_one_copy_and_given_sources_are_still_read() -> None:
+    """The parts of a split tensor are views next to each other: staged by one copy per run. A run is only used
+    while the sources are the views it was made of; sources given anew, or one of them replaced (a buffer cloned
+    for a background copy), are read as given."""
+    from fsdp_hotload.publish import WholeChunk
+    from fsdp_hotload.arc.boxes import Box
+
+    def parts(base: torch.Tensor) -> list[WholeChunk]:
+        flat = base.view(-1)
+        return [WholeChunk(f"e{k}", (4, 6), "BF16", "flat", Box.flat(0, 24), flat[24 * k:24 * (k + 1)])
+                for k in range(5)] + [WholeChunk("odd", (3,), "I64", "flat", Box.flat(0, 3), torch.arange(3))]
+
+    torch.manual_seed(0)
+    base = torch.randn(5, 4, 6)
+    cs = parts(base)
+    st = Stager(cs, slots=2)
+    assert [(g.start, g.stop) for g in st._groups] == [(0, 5), (5, 6)]  # one copy for the five parts, one more
+
+    def staged(sources: list[torch.Tensor] | None) -> bytes:
+        buf = st.acquire(wait=False)
+        assert buf is not None
+        st.wait_event(st.stage(buf, sources))
+        st.release(buf)
+        return bytes(buf.numpy())
+
+    def expected(srcs: list[torch.Tensor]) -> bytes:
+        out = b""
+        for s, src in zip(st.slices, srcs):
+            out += b"\0" * (s.offset - len(out)) + bytes(src.to(s.torch_dtype).view(torch.uint8).numpy())
+        return out + b"\0" * (st.nbytes - len(out))
+
+    own = [c.source for c in cs]
+    assert staged(None) == staged(own) == expected(own)
+    other = [c.source for c in parts(torch.randn(5, 4, 6))]  # the model walked again: new views
+    assert staged(other) == expected(other) != expected(own)
+    mixed = list(own)
+    mixed[2] = own[2].clone() * 2  # one member replaced: the run is copied chunk by chunk
+    assert staged(mixed) == expected(mixed) != expected(own)
+    with torch.no_grad():
+        base.mul_(3)  # the same views, new values: the run reads them
+    assert staged(None) == expected(own)

@@ -1,0 +1,92 @@
+"""Staging a MoE model's split experts: the trainer's copy of thousands of adjacent parts against one cast-copy.
+
+``split=split_fused_experts`` publishes every expert's gate, up and down weights as tensors of their own, each a
+range of a fused parameter, so a rank stages thousands of chunks, each a view next to the last. What is timed is
+``Stager.stage`` of those chunks (fp32 masters cast to bf16, as the callback's hook or its helper thread runs it)
+against one cast-copy of the same bytes into a preallocated buffer, measured in the same run (the floor), and
+against staging each chunk by a copy of its own (``--per-chunk``: how it was before runs of adjacent chunks were
+copied together).
+
+    python benchmarks/split_staging.py [--layers 16] [--experts 128] [--inter 64] [--hidden 128] [--device cpu]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fsdp_hotload.arc.boxes import Box  # noqa: E402
+from fsdp_hotload.engine.staging import CopyGroup, Stager  # noqa: E402
+from fsdp_hotload.naming import split_fused_experts  # noqa: E402
+from fsdp_hotload.publish import WholeChunk  # noqa: E402
+
+from machine_info import machine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
+
+def median_s(fn: Callable[[], None], reps: int, sync: Callable[[], None]) -> float:
+    times = []
+    for _ in range(reps + 2):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:])  # the first two warm the allocator and the caches
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--inter", type=int, default=64, help="each expert's intermediate size")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    fused, chunks = [], []
+    e, i, h = args.experts, args.inter, args.hidden
+    for layer in range(args.layers):
+        for path, shape in ((f"model.layers.{layer}.mlp.experts.gate_up_proj", (e, 2 * i, h)),
+                            (f"model.layers.{layer}.mlp.experts.down_proj", (e, h, i))):
+            t = torch.randn(shape, device=device)
+            fused.append(t)
+            flat = t.view(-1)
+            for name, start, part in split_fused_experts(path, shape) or []:
+                n = part[0] * part[1]
+                chunks.append(WholeChunk(name, part, "BF16", "flat", Box.flat(0, n), flat[start:start + n]))
+    st = Stager(chunks)
+    buf = st.acquire(wait=False)
+    assert buf is not None
+    runs = len(st._groups)
+
+    def stage() -> None:
+        st.wait_event(st.stage(buf))
+
+    staged_s = median_s(stage, args.reps, sync)
+    st._groups = [CopyGroup(k, k + 1, (c.source,), None) for k, c in enumerate(chunks)]  # one copy per chunk
+    st._dst.clear()
+    per_chunk_s = median_s(stage, args.reps, sync)
+    whole = torch.cat([t.view(-1) for t in fused])
+    out = torch.empty(whole.numel(), dtype=torch.bfloat16, device=device)
+    copy_s = median_s(lambda: out.copy_(whole), args.reps, sync)
+    print(f"{len(chunks)} parts of {2 * args.layers} fused tensors ({st.nbytes / 1e6:.0f} MB bf16) on {device}, "
+          f"staged in {runs} copies")
+    print(f"{'one cast-copy (floor)':>28}: {copy_s * 1e3:8.2f} ms")
+    print(f"{'Stager.stage':>28}: {staged_s * 1e3:8.2f} ms  ({staged_s / copy_s:.2f}x the floor)")
+    print(f"{'one copy per chunk':>28}: {per_chunk_s * 1e3:8.2f} ms  ({per_chunk_s / copy_s:.2f}x the floor, "
+          f"{(per_chunk_s - copy_s) / len(chunks) * 1e6:.1f} us per chunk over it)")
+    print(f"machine: {machine()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
