@@ -192,3 +192,31 @@ def test_adjacent_chunks_are_staged_in_one_copy_and_given_sources_are_still_read
     with torch.no_grad():
         base.mul_(3)  # the same views, new values: the run reads them
     assert staged(None) == expected(own)
+
+
+def test_device_diff_of_adjacent_chunks_is_cut_back_into_each_chunks_changes() -> None:
+    """Chunks that follow each other are diffed as one range and cut apart on the host: changes at every chunk's
+    first and last element, chunks without changes, a gap (alignment) and another element size end a range, and
+    each chunk's positions count from its own start."""
+    from fsdp_hotload.engine.staging import Slice
+
+    # bf16 chunks of 4, 3 (then 2 bytes of padding), 4, 6 elements; an int32 chunk; then bf16 again
+    layout = [(0, 4, 2), (8, 3, 2), (16, 4, 2), (24, 6, 2), (36, 3, 4), (48, 5, 2)]
+    slices = [Slice(off, n * size, n, size, torch.bfloat16 if size == 2 else torch.int32) for off, n, size in layout]
+    total = 58
+    torch.manual_seed(3)
+    old = torch.randint(0, 256, (total,), dtype=torch.uint8)
+    new = old.clone()
+    for off, n, size in layout[:2] + layout[3:]:  # the third chunk does not change
+        new[off] ^= 1  # its first element
+        new[off + n * size - 1] ^= 0x80  # its last element's top bit
+    new[14:16] ^= 0xFF  # the padding differs: it belongs to no chunk
+    wants = [element_diff(old[s.offset:s.offset + s.nbytes].numpy(), new[s.offset:s.offset + s.nbytes].numpy(),
+                          s.itemsize) for s in slices]
+    for block in (2, 5, 1 << 22):
+        gots = device_diff(new, old, slices, block=block)
+        assert [g.changed for g in gots] == [2, 2, 0, 2, 2, 2]
+        for got, want in zip(gots, wants):
+            got.check()
+            assert got.n == want.n and np.array_equal(got.idx, want.idx)
+            assert np.array_equal(got.old, want.old) and np.array_equal(got.new, want.new)

@@ -338,6 +338,36 @@ def device_diff(new: torch.Tensor, old: torch.Tensor, slices: Sequence[Slice], b
     """Every chunk's changes between ``new`` (a slot's bytes, on its device) and ``old`` (the cache's bytes, on that
     device or in host memory): positions and old/new values, copied straight into host arrays.
 
+    Chunks whose slices follow each other with the same element size are diffed as one range, then cut apart on
+    the host. Why: each block costs a handful of torch calls (~150 us on an H100, ~60 us on a CPU), so a split MoE
+    model's thousands of small expert parts cost a block each: on a CPU, 6,144 parts of 8 Ki elements took 476 ms
+    one by one against 119 ms as one range.
+    """
+    runs: list[list[int]] = []
+    for i, s in enumerate(slices):
+        last = slices[runs[-1][-1]] if runs else None
+        if last is not None and s.itemsize == last.itemsize and s.offset == last.offset + last.nbytes:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    ranges = [Slice(slices[r[0]].offset, sum(slices[i].nbytes for i in r), sum(slices[i].numel for i in r),
+                    slices[r[0]].itemsize, slices[r[0]].torch_dtype) for r in runs]
+    out: list[ElementDiff] = []
+    for r, d in zip(runs, _range_diffs(new, old, ranges, block)):
+        if len(r) == 1:
+            out.append(d)
+            continue
+        starts = np.cumsum([0] + [slices[i].numel for i in r])
+        bounds = np.searchsorted(d.idx, starts)
+        for k, i in enumerate(r):
+            lo, hi = bounds[k], bounds[k + 1]
+            out.append(ElementDiff(slices[i].numel, d.itemsize, d.idx[lo:hi] - starts[k], d.old[lo:hi], d.new[lo:hi]))
+    return out
+
+
+def _range_diffs(new: torch.Tensor, old: torch.Tensor, slices: Sequence[Slice], block: int) -> list[ElementDiff]:
+    """:func:`device_diff` of each of ``slices``, one range of elements each.
+
     Why two passes over each block of at most ``block`` elements: the first counts every block's changes and
     reads all the counts at once, so the host arrays are allocated once at their final size (pinned on CUDA:
     the copies into them are queued and run at the link's speed); the second finds the positions, gathers both
