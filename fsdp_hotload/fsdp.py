@@ -12,6 +12,8 @@ live in memory", without any communication and without copying data:
   shard and where; each such range becomes a ``flat`` chunk.
 * Plain tensors (an unwrapped model, parameters FSDP was told to ignore, buffers): replicated, so rank 0 owns
   them whole and the other ranks publish nothing of them. Every element has exactly one owner.
+* Split tensors (``split=``, e.g. fused MoE experts published per expert): each part is a range of its tensor's
+  flattened elements, so a rank's part of it is its pieces of the tensor cut to that range (:class:`Segment`).
 
 Chunk ``source`` tensors are views into the framework's own storage (the sharded, full-precision master
 copy), so staging at publish time is one device copy per chunk, and chunks taken once stay live across steps
