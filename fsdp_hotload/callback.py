@@ -31,7 +31,7 @@ from .engine.metrics import PublishMetrics
 from .engine.publisher import Publisher
 from .fsdp import full_tensor_specs, local_chunks, source_dtypes, storage_fingerprint, tensor_paths
 from .fsdp_verify import agree_on_chunks
-from .hf_config import base_tensor_names, names_note
+from .hf_config import base_tensor_names, names_note, transformers_save_names
 from .layout import TensorSpec
 from .naming import Split, adapter_note
 
@@ -145,13 +145,16 @@ class HotloadCallback:
     def _warn_about_model(self) -> None:
         """Said once, on rank 0: settings under which the fleet would serve something other than the trained
         policy without any error (a lossy dtype cast, a glob that matches nothing, unmerged LoRA adapters), and
-        names the fleet's loader would refuse on every publish (tensors that are not the base checkpoint's)."""
+        names the fleet's loader would refuse on every publish (tensors that are not the base checkpoint's, or,
+        without its weights in ``hf_config_dir``, not those transformers would save for the model)."""
         kw = {k: v for k, v in self._chunk_kwargs.items() if k not in ("snapshot_dtype", "dtype_overrides")}
         policy = DtypePolicy.of(self.config.snapshot_dtype, self.config.dtype_overrides)
+        base = base_tensor_names(self.config.hf_config_dir)
+        own = {k: v for k, v in self._chunk_kwargs.items() if k not in ("rename", "split")}
+        saved = transformers_save_names(self.model, full_tensor_specs(self.model, **own)) if base is None else None
         notes = [*policy.notes(source_dtypes(self.model, **kw)),
                  adapter_note(tensor_paths(self.model, include_buffers=False)),
-                 names_note((name for name, _shape, _dtype in self._specs),
-                            base_tensor_names(self.config.hf_config_dir))]
+                 names_note((name for name, _shape, _dtype in self._specs), base, saved=saved)]
         for note in notes:
             if note:
                 log.warning("hotload: %s", note)

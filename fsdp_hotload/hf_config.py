@@ -19,14 +19,14 @@ import json
 import logging
 import os
 import struct
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from .arc.stio import MAX_HEADER_BYTES
 from .layout import LayoutError
 
 __all__ = ["AUX_FILENAMES", "AUX_PATTERNS", "AUX_SUBFOLDERS", "base_tensor_names", "carried_files",
            "dropped_config_keys", "dtype_note", "hf_aux_files", "names_note", "snapshot_files",
-           "without_unbacked_quantization"]
+           "transformers_save_names", "without_unbacked_quantization"]
 
 log = logging.getLogger("fsdp_hotload")
 
@@ -227,7 +227,31 @@ def base_tensor_names(hf_config_dir: str | os.PathLike[str] | None) -> set[str] 
         return None
 
 
-def names_note(published: Iterable[str], base: set[str] | None) -> str | None:
+def transformers_save_names(model: Any, specs: Iterable[tuple[str, tuple[int, ...], str]]) -> set[str] | None:
+    """The tensor names transformers' ``save_pretrained`` writes for ``model`` (a transformers model), given the
+    model's own tensor names and shapes (``specs``, without split or rename); None for another model, or where
+    transformers is not installed or cannot say.
+
+    Why: transformers 5 loads checkpoints through a conversion mapping (renamed modules, fused MoE experts) and
+    reverts it when saving, so a model's attribute names are not always its checkpoint's, and the fleet loads by
+    the checkpoint's. The mapping is reverted here on meta tensors: no memory, whatever the model's size."""
+    try:
+        import torch
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except Exception:  # noqa: BLE001 - not installed, or a version without the mapping: nothing to compare with
+        return None
+    if not isinstance(model, PreTrainedModel):
+        return None
+    try:
+        state = {name: torch.empty(shape, device="meta") for name, shape, _dtype in specs}
+        return set(revert_weight_conversion(model, state))
+    except Exception as exc:  # noqa: BLE001 - a warning's input: its absence must not stop training
+        log.debug("hotload: transformers could not name the checkpoint's tensors: %s", exc)
+        return None
+
+
+def names_note(published: Iterable[str], base: set[str] | None, *, saved: set[str] | None = None) -> str | None:
     """A warning when the published tensor names are not the base checkpoint's (:func:`base_tensor_names`), or,
     when the base's names are unknown, when some look like transformers 5's fused MoE experts; else None.
 
@@ -237,6 +261,18 @@ def names_note(published: Iterable[str], base: set[str] | None) -> str | None:
     fused parameters (``mlp.experts.gate_up_proj``) while checkpoints name every expert: the callback's
     ``split=split_fused_experts`` publishes those per expert."""
     names = set(published)
+    if base is None and saved is not None:  # no weights to compare with: what transformers would save says it
+        extra = sorted(names - saved)
+        if not extra:
+            return None
+        fused = sorted(n for n in extra if n.endswith(_FUSED_EXPERT_SUFFIXES))
+        fix = (": pass split=split_fused_experts to HotloadCallback (the layout of the qwen2_moe family and "
+               "Mixtral)") if fused else " (rename= maps names, as in the README's Mixtral recipe; split= divides a tensor)"
+        instead = sorted(saved - names)
+        example = f"; it writes e.g. {instead[0]!r}" if instead else ""
+        return (f"{len(extra)} published tensor name(s) are not among those transformers' save_pretrained writes "
+                f"for this model (e.g. {extra[0]!r}{example}), so a fleet that loads by the checkpoint's names will "
+                f"not load these snapshots{fix}")
     fused = sorted(n for n in names if n.endswith(_FUSED_EXPERT_SUFFIXES))
     fix = "pass split=split_fused_experts to HotloadCallback (the layout of the qwen2_moe family and Mixtral)"
     hint = (f"; {len(fused)} of them look like transformers 5's fused MoE experts (e.g. {fused[0]!r}), which "

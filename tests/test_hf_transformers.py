@@ -140,3 +140,39 @@ def test_every_step_loads_in_transformers_bit_exact(published: dict[str, Path], 
             folder = rebuilt
         check_loads_exactly(folder, root / "out" / f"expected-{r['identity']}.safetensors", root / "hf", tie)
         parent = folder
+
+
+def test_names_transformers_would_not_save_are_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture
+                                                            ) -> None:
+    """Without the base weights in hf_config_dir, the names are checked against what transformers' save_pretrained
+    writes for the model: fused experts without split, and Mixtral's parts without its rename, are told at start;
+    the README's settings say nothing."""
+    import logging
+    import re
+
+    from fsdp_hotload import HotloadCallback, HotloadConfig, split_fused_experts
+
+    w = {"gate": 1, "up": 3, "down": 2}
+
+    def mixtral_names(name: str) -> str:
+        name = name.replace(".mlp.", ".block_sparse_moe.")
+        return re.sub(r"(experts\.\d+)\.(gate|up|down)_proj", lambda m: f"{m[1]}.w{w[m[2]]}", name)
+
+    common: dict[str, Any] = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1)
+    qwen = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(
+        moe_intermediate_size=8, num_experts=3, num_experts_per_tok=2, **common))
+    mixtral = transformers.AutoModelForCausalLM.from_config(transformers.MixtralConfig(
+        num_local_experts=3, num_experts_per_tok=2, **common))
+    said = "not among those transformers' save_pretrained writes for this model"
+    for model, kwargs, warned in [(qwen, {}, "pass split=split_fused_experts"),
+                                  (qwen, {"split": split_fused_experts}, None),
+                                  (mixtral, {"split": split_fused_experts}, "rename= maps names"),
+                                  (mixtral, {"split": split_fused_experts, "rename": mixtral_names}, None)]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+            HotloadCallback(model, HotloadConfig(bucket_url=str(tmp_path / "b")), **kwargs).close()
+        if warned is None:
+            assert said not in caplog.text, caplog.text
+        else:
+            assert said in caplog.text and warned in caplog.text, caplog.text
