@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import struct
+import sys
 from typing import Any, Callable, Iterable
 
 from .arc.stio import MAX_HEADER_BYTES
@@ -235,6 +236,8 @@ def transformers_save_names(model: Any, specs: Iterable[tuple[str, tuple[int, ..
     Why: transformers 5 loads checkpoints through a conversion mapping (renamed modules, fused MoE experts) and
     reverts it when saving, so a model's attribute names are not always its checkpoint's, and the fleet loads by
     the checkpoint's. The mapping is reverted here on meta tensors: no memory, whatever the model's size."""
+    if "transformers" not in sys.modules:  # a transformers model has imported it; importing it costs seconds
+        return None
     try:
         import torch
         from transformers import PreTrainedModel
