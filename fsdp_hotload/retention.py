@@ -38,6 +38,7 @@ __all__ = [
     "CommitMarkerError",
     "validate_identity",
     "write_commit_marker",
+    "retain_after",
     "read_commit_marker",
     "list_committed",
     "plan_retention",
@@ -357,6 +358,15 @@ def _store_time_of_newest(storage: Storage, committed: list[CommitInfo], session
         return math.inf
     times = [f.mtime for f in storage.list_info(ours[-1]).values() if f.mtime is not None]
     return max(times) if times else math.inf
+
+
+def retain_after(storage: Storage, keep_last: int, identity: str, *, session: str, since: float) -> None:
+    """:func:`apply_retention` once ``identity`` is served, protecting it: a problem is logged, not raised, since
+    the snapshot is served already and the next publish tries again."""
+    try:
+        apply_retention(storage, keep_last, protected={identity}, session=session, since=since)
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("hotload: retention after %s failed (retried at the next publish): %s", identity, exc)
 
 
 def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] = frozenset(), *,

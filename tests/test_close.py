@@ -371,3 +371,47 @@ def test_giving_up_on_a_slow_load_ends_the_readiness_wait(tmp_path: Path, caplog
         assert "cancelled" in (pub.metrics[-1].error or "")
         left = set(threading.enumerate()) - before
         assert not [t.name for t in left if t.name.startswith(("hotload-signal", "hotload-upload"))]
+
+
+@pytest.mark.parametrize("kind", ["tensors", "callback"])
+def test_a_publisher_dropped_without_close_is_collected_and_its_threads_end(tmp_path: Path, kind: str) -> None:
+    """A notebook or a sweep that makes a publisher per run and forgets close(): each one used to keep its staging
+    buffer, cache and about a dozen threads until the process exited, since its thread held it. Now the thread
+    holds it only while publishing: dropped, it is collected, and its threads end."""
+    import gc
+    import time
+    import weakref
+
+    from fsdp_hotload import HotloadCallback
+
+    before = {t.ident for t in threading.enumerate()}
+    with HotLoadEmulator(str(tmp_path / "bucket"), replicas=1, api_key=API_KEY) as emu:
+        cfg = config(str(tmp_path / "bucket"), emu, tmp_path, progress_log_s=0.05, busy_policy="wait")
+        if kind == "tensors":
+            model = make_model()
+            pub: Any = TensorPublisher(model, cfg)
+            for step in range(2):
+                train_step(model, step)
+                pub.publish(step, model)
+                pub.wait()
+        else:
+            net = torch.nn.Linear(8, 4)
+            pub = HotloadCallback(net, cfg)
+            for step in range(2):
+                with torch.no_grad():
+                    net.weight.add_(0.1)
+                pub.step(step)
+                pub.wait()
+        assert [m.ok for m in pub.metrics] == [True, True]
+        engine = weakref.ref(pub.engine)
+        del pub
+        gc.collect()
+        assert engine() is None, gc.get_referrers(engine())
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            left = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("hotload")
+                    and not t.name.startswith("hotload-emulator")]
+            if not left:
+                break
+            time.sleep(0.05)
+        assert not left, left

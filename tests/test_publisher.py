@@ -391,7 +391,7 @@ def test_lossy_casts_and_unused_dtype_globs_are_warned(tmp_path: Path, caplog: p
 
 def test_publisher_threads_run_at_lower_priority() -> None:
     """Encoding and upload threads inherit the publisher thread's nice value; the trainer's thread keeps its own."""
-    from fsdp_hotload.engine.publisher import lower_thread_priority
+    from fsdp_hotload.engine.pool import lower_thread_priority
 
     seen: dict[str, int] = {}
 

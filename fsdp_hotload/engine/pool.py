@@ -16,12 +16,14 @@ Example::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import queue
 import threading
 import time
 from concurrent.futures import Future
+import weakref
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
@@ -50,12 +52,13 @@ class DaemonPool:
     def _work(self) -> None:
         while (task := self._tasks.get()) is not None:
             future, fn, args, kwargs = task
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args, **kwargs))
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever holds the future
-                future.set_exception(exc)
+            del task  # a finished task's function must not stay alive here until the next one (serve_weakly)
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as exc:  # noqa: BLE001 - handed to whoever holds the future
+                    future.set_exception(exc)
+            del future, fn, args, kwargs
 
     def shutdown(self) -> None:
         """Run what was submitted, then stop the workers and wait for them."""
@@ -108,6 +111,48 @@ def _finish_warm_ups() -> None:
         threads = list(_warming)
     for t in threads:
         t.join(max(deadline - time.monotonic(), 0.0))
+
+
+def serve_weakly(owner: "weakref.ref[Any]", jobs: "queue.Queue[Any]", nice: int) -> None:
+    """A background thread's loop that holds its owner only while it handles a job: ``owner._handle(job)`` for
+    each job; at ``None``, ``owner._stopped()``; and it ends once the owner is gone.
+
+    Why: a thread's target is a root for the garbage collector, so an owner held by its thread for good (a bound
+    method as the target) was never collected: a publisher dropped without close() kept its staging buffers,
+    cache and threads until the process exited. Held weakly it is collected, and :func:`stop_dropped`, its
+    finalizer, ends this loop."""
+    lower_thread_priority(nice)
+    while True:
+        job = jobs.get()
+        target = owner()
+        if target is None:
+            return
+        if job is None:
+            target._stopped()
+            return
+        target._handle(job)
+        del target, job  # nothing of the owner is held while the thread waits for the next job
+
+
+def weak_getter(owner: Any, attr: str) -> Callable[[], Any]:
+    """A function returning ``owner.attr`` (None once the owner is gone) that does not hold the owner: for the
+    helpers of an owner its threads hold weakly (:func:`serve_weakly`)."""
+    ref = weakref.ref(owner)
+
+    def get() -> Any:
+        target = ref()
+        return None if target is None else getattr(target, attr)
+    return get
+
+
+def stop_dropped(jobs: "queue.Queue[Any]", helpers: list[Any]) -> None:
+    """The finalizer of an owner collected without close(): its thread ends, and its helpers (each one's
+    ``shutdown()`` or ``close()``; errors are dropped, nobody is left to be told)."""
+    with contextlib.suppress(queue.Full):
+        jobs.put_nowait(None)
+    for helper in helpers:
+        with contextlib.suppress(Exception):
+            (helper.shutdown if hasattr(helper, "shutdown") else helper.close)()
 
 
 def lower_thread_priority(nice: int) -> None:

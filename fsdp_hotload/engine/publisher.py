@@ -38,6 +38,7 @@ import secrets
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures import Future, wait
 from typing import Any, Callable, Sequence
 
@@ -56,7 +57,7 @@ from .encode import ChunkEncoder, auto_workers
 from .exits import deadline_after, gave_up_message, left, track
 from .jobs import Job, Outcome, PublishError, RankStatus, summarize
 from .metrics import MetricsSink
-from .pool import DaemonPool, StoredError, lower_thread_priority, start_warm_up
+from .pool import DaemonPool, StoredError, serve_weakly, start_warm_up, stop_dropped, weak_getter
 from .progress import ProgressLog, PublishProgress
 from .signal import Signaller, warn_if_side_group_short
 from .staging import ChunkLike, Stager
@@ -132,7 +133,7 @@ class Publisher:
         self._copying: Job | None = None  # the job whose host copy runs on the stager's helper thread
         self._uploads: DaemonPool | None = None  # file writers, started by (and as nice as) the publisher
         self._progress = ProgressLog(config.progress_log_s if self.rank == 0 else None,
-                                     trainer_step=lambda: self.latest_step, name=f"hotload-progress-{self.rank}")
+                                     trainer_step=weak_getter(self, "latest_step"), name=f"hotload-progress-{self.rank}")
         self._prog = PublishProgress("", "", -1, 0.0)  # the snapshot in flight, for the progress reports
         self.latest_step = -1
         self._last_staged = -1  # the newest step staged (publish_final publishes latest_step when it is newer)
@@ -146,6 +147,12 @@ class Publisher:
         # queue its snapshot behind close()'s stop marker, where nothing ever runs it (and its slot stays taken).
         self._api_lock = threading.RLock()
         self._closing = False
+        # Dropped without close(), the publisher is collected (its thread holds it weakly) and this ends the rest.
+        self._helpers: list[Any] = [self.encoder, self.stager, self._progress]
+        if self.signaller is not None:
+            self._helpers.append(self.signaller)
+        self._finalizer = weakref.finalize(self, stop_dropped, self._queue, self._helpers)
+        self._finalizer.atexit = False  # at exit the daemon threads just stop (see pool.py)
         track(self)
 
     # ================================================================== main thread
@@ -404,6 +411,7 @@ class Publisher:
     def _free(self) -> None:
         """Stop the helper threads and free the buffers; after the publisher thread ended (an abandoned one's
         thread calls it itself, once its stuck call returned)."""
+        self._finalizer.detach()
         if self._uploads is not None:
             self._uploads.shutdown()
         self.encoder.close()
@@ -415,42 +423,41 @@ class Publisher:
         self._progress.close()
 
     def _ensure_thread(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name=f"hotload-publisher-{self.rank}", daemon=True)
+        if self._thread is None:  # at the publisher's nice, which the threads it starts inherit
+            self._thread = threading.Thread(target=serve_weakly, args=(weakref.ref(self), self._queue,
+                                                                       self.config.background_nice),
+                                            name=f"hotload-publisher-{self.rank}", daemon=True)
             self._thread.start()
 
     # ================================================================== background thread
-    def _loop(self) -> None:
-        lower_thread_priority(self.config.background_nice)  # threads this one starts inherit it
-        while True:
-            job = self._queue.get()
-            if job is None:
-                if self.abandoned:  # close() returned without waiting for this thread: free what it left
-                    self._free()
-                return
-            try:
-                if self._broken is not None:  # queued before the failure was seen (wait policy): drop it
-                    raise PublishError(f"publishing stopped after a collective failed: {self._broken!r}")
-                self._run(job)  # a failed outcome stores its error itself, before freeing the slot
-            except BaseException as exc:
-                if job.settled:  # only the bookkeeping after the outcome failed (on this rank): the outcome stands
-                    log.exception("hotload: publisher thread failed after step %d's outcome", job.step)
-                    self._carried = self._carried or exc  # the next snapshot fails on every rank, and raises it
-                    self.cadence.on_failure()
-                else:  # a collective itself failed: the group is unusable from here on
-                    if self._broken is None:
-                        self._broken = exc
-                        log.error("hotload: a collective on the publisher's side group failed (%r); publishing "
-                                  "stops for the rest of this job, training goes on. If it timed out, raise "
-                                  "collective_timeout_s (now %.0f s).", exc, self.config.side_group_timeout_s)
-                    self._errors.store(exc, job.seq)  # before the slot is free: see publish()
-                    self.cadence.on_failure()
-                    self.stager.release(job.buf)
-            finally:
-                self._progress.end()
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()
+    def _stopped(self) -> None:
+        if self.abandoned:  # close() returned without waiting for this thread: free what it left
+            self._free()
+
+    def _handle(self, job: Job) -> None:
+        try:
+            if self._broken is not None:  # queued before the failure was seen (wait policy): drop it
+                raise PublishError(f"publishing stopped after a collective failed: {self._broken!r}")
+            self._run(job)  # a failed outcome stores its error itself, before freeing the slot
+        except BaseException as exc:
+            if job.settled:  # only the bookkeeping after the outcome failed (on this rank): the outcome stands
+                log.exception("hotload: publisher thread failed after step %d's outcome", job.step)
+                self._carried = self._carried or exc  # the next snapshot fails on every rank, and raises it
+                self.cadence.on_failure()
+            else:  # a collective itself failed: the group is unusable from here on
+                if self._broken is None:
+                    self._broken = exc
+                    log.error("hotload: a collective on the publisher's side group failed (%r); publishing "
+                              "stops for the rest of this job, training goes on. If it timed out, raise "
+                              "collective_timeout_s (now %.0f s).", exc, self.config.side_group_timeout_s)
+                self._errors.store(exc, job.seq)  # before the slot is free: see publish()
+                self.cadence.on_failure()
+                self.stager.release(job.buf)
+        finally:
+            self._progress.end()
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
 
     def _run(self, job: Job) -> Outcome:
         kind = self.cadence.next_kind()
@@ -554,6 +561,7 @@ class Publisher:
 
         if self._uploads is None:  # one pool for the publisher's life: no thread start-up per publish
             self._uploads = DaemonPool(self.config.upload_concurrency, f"hotload-upload-{self.rank}")
+            self._helpers.insert(0, self._uploads)
         self._prog.stage("uploading", files=len(by_file))
         futures = [self._uploads.submit(write, f) for f in sorted(by_file)]
         wait(futures)  # every write has ended before the snapshot's outcome is decided, failed or not
@@ -595,14 +603,10 @@ class Publisher:
                 discard_snapshot(self.storage, identity)
         m.total_s = time.perf_counter() - job.t_hook  # hook to every replica ready: retention comes after
         if m.ok and self.config.keep_last:
-            from ..retention import apply_retention
+            from ..retention import retain_after
 
             self._prog.stage("served; applying retention (keep_last)")
-            try:  # the snapshot is served: a cleanup problem is reported, and retried at the next publish
-                apply_retention(self.storage, self.config.keep_last, protected={identity}, session=self.session,
-                                since=self._started)
-            except Exception as exc:  # noqa: BLE001
-                log.warning("hotload: retention after %s failed (retried at the next publish): %s", identity, exc)
+            retain_after(self.storage, self.config.keep_last, identity, session=self.session, since=self._started)
         return Outcome(m.ok, m.error, m)
 
     def _write_manifests(self, identity: str, kind: str, parent: str | None, files: dict[str, int]) -> None:
