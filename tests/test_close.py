@@ -415,3 +415,34 @@ def test_a_publisher_dropped_without_close_is_collected_and_its_threads_end(tmp_
                 break
             time.sleep(0.05)
         assert not left, left
+
+
+def test_a_publisher_dropped_with_snapshots_queued_publishes_them_first(tmp_path: Path) -> None:
+    """publish() said each of these snapshots started. Its thread held the publisher only while it handled one, so
+    a publisher dropped with a snapshot still queued behind the running one was collected in between, and that
+    snapshot never reached the bucket, without a word (the exit warning no longer saw the publisher either)."""
+    import gc
+    import time
+
+    from fsdp_hotload.retention import list_committed
+    from fsdp_hotload.storage import Storage
+
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    cfg = config(bucket, None, tmp_path, busy_policy="wait", max_inflight=2)
+
+    def train() -> None:  # forgets close(): the publisher is dropped on return
+        pub = TensorPublisher(model, cfg)
+        for step in range(3):
+            train_step(model, step)
+            assert pub.publish(step, model)
+
+    before = {t.ident for t in threading.enumerate()}
+    train()
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while (left := [t.name for t in threading.enumerate() if t.ident not in before
+                    and t.name.startswith("hotload-publisher")]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, left  # then collected all the same: its thread ended
+    assert [c.identity.split("-")[1] for c in list_committed(Storage(bucket))] == ["000000", "000001", "000002"]

@@ -114,22 +114,25 @@ def _finish_warm_ups() -> None:
 
 
 def serve_weakly(owner: "weakref.ref[Any]", jobs: "queue.Queue[Any]", nice: int) -> None:
-    """A background thread's loop that holds its owner only while it handles a job: ``owner._handle(job)`` for
-    each job; at ``None``, ``owner._stopped()``; and it ends once the owner is gone.
+    """A background thread's loop that holds its owner only while a job is queued or handled: each item is
+    ``(owner, job)``, for ``owner._handle(job)``; at ``None``, ``owner._stopped()``; it ends once the owner is gone.
 
     Why: a thread's target is a root for the garbage collector, so an owner held by its thread for good (a bound
     method as the target) was never collected: a publisher dropped without close() kept its staging buffers,
     cache and threads until the process exited. Held weakly it is collected, and :func:`stop_dropped`, its
-    finalizer, ends this loop."""
+    finalizer, ends this loop. A queued job holds its owner itself: held only by this thread, an owner dropped
+    right after queueing a job was collected before the thread took it, and that snapshot (which ``publish``
+    had reported started) was dropped without a word, the exit warning included."""
     lower_thread_priority(nice)
     while True:
-        job = jobs.get()
-        target = owner()
-        if target is None:
+        item = jobs.get()
+        if item is None:
+            target = owner()
+            if target is not None:
+                target._stopped()
             return
-        if job is None:
-            target._stopped()
-            return
+        target, job = item
+        del item
         target._handle(job)
         del target, job  # nothing of the owner is held while the thread waits for the next job
 

@@ -119,7 +119,7 @@ class Publisher:
         self.encoder = ChunkEncoder(self.chunks, self.stager, self.codec, workers=workers,
                                     name=f"hotload-encode-{self.rank}", verbose=self.rank == 0)
         # A job is queued only once it holds a staging slot, so the slots bound the queue (+1: the stop sentinel).
-        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=config.max_inflight + 1)
+        self._queue: queue.Queue[tuple[Publisher, Job] | None] = queue.Queue(maxsize=config.max_inflight + 1)
         self._thread: threading.Thread | None = None
         self._errors = StoredError()
         self._staged = 0  # jobs staged so far (the next job's seq)
@@ -231,7 +231,7 @@ class Publisher:
         with self._idle:
             self._pending += 1
         self._ensure_thread()
-        self._queue.put(job)
+        self._queue.put((self, job))  # a queued job keeps the publisher alive until it is published
         self._copying = job if isinstance(event, Future) else None  # a CUDA event needs no fence
         self._skipped = 0
 
