@@ -133,7 +133,8 @@ class Publisher:
         self._copying: Job | None = None  # the job whose host copy runs on the stager's helper thread
         self._uploads: DaemonPool | None = None  # file writers, started by (and as nice as) the publisher
         self._progress = ProgressLog(config.progress_log_s if self.rank == 0 else None,
-                                     trainer_step=weak_getter(self, "latest_step"), name=f"hotload-progress-{self.rank}")
+                                     trainer_step=weak_getter(self, "latest_step"),
+                                     name=f"hotload-progress-{self.rank}")
         self._prog = PublishProgress("", "", -1, 0.0)  # the snapshot in flight, for the progress reports
         self.latest_step = -1
         self._last_staged = -1  # the newest step staged (publish_final publishes latest_step when it is newer)
