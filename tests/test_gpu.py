@@ -27,9 +27,18 @@ def chunks(device: str) -> list[WholeChunk]:
     return out
 
 
+def expert_parts(device: str) -> list[WholeChunk]:
+    """A fused MoE tensor published per expert part (``split``): adjacent views, staged and diffed as one run."""
+    fused = (torch.randn(3, 8, 5, generator=torch.Generator(device="cpu").manual_seed(1)) * 0.02).to(device)
+    flat = fused.reshape(-1)
+    return [WholeChunk(f"experts.{k // 2}.{'gate' if k % 2 == 0 else 'up'}_proj.weight", (4, 5), "BF16", "flat",
+                       Box.flat(0, 20), flat[20 * k:20 * (k + 1)]) for k in range(6)]
+
+
+@pytest.mark.parametrize("layout", ["tensors", "parts"])
 @pytest.mark.parametrize("cache_on", ["device", "host"])
-def test_device_diff_matches_host_diff(cache_on: str) -> None:
-    cs = chunks("cuda")
+def test_device_diff_matches_host_diff(cache_on: str, layout: str) -> None:
+    cs = chunks("cuda") if layout == "tensors" else expert_parts("cuda")
     st = Stager(cs, slots=1, cache_on=cache_on)
     buf = st.acquire(wait=False)
     assert buf is not None and buf.device.type == "cuda"
@@ -41,6 +50,7 @@ def test_device_diff_matches_host_diff(cache_on: str) -> None:
             if c.source.is_floating_point() and c.source.numel():
                 c.source[::7] += 1e-2
         cs[3].source[2] = -5
+        cs[-1].source[-1] = 7  # the last element of a run
     buf = st.acquire(wait=False)
     assert buf is not None
     st.wait_event(st.stage(buf))
