@@ -1,11 +1,12 @@
 """Snapshots as the fleet's Hugging Face loader reads them: transformers' ``from_pretrained`` on every step.
 
-One torchrun job (2 ranks, gloo, FSDP2 per decoder layer and root) trains two tiny random models built from their
-configs, a Llama with tied embeddings and a Qwen2 (q/k/v biases) without, and publishes every step with a full
-snapshot every third (dist_scripts/hf_train_publish.py). Each full snapshot folder is loaded as it is; each delta is
-first rebuilt on its parent with ``hotload apply``. Every load must report no missing, unexpected or mismatched
-key and give exactly the trainer's gathered state cast to bf16; the base folder's config, generation config and
-tokenizer travel unchanged. Skipped where transformers is not installed.
+One torchrun job (2 ranks, gloo, FSDP2 per decoder layer and root) trains four tiny random models built from their
+configs, a Llama with tied embeddings, a Qwen2 (q/k/v biases) without, and the MoE models Qwen3-MoE and Mixtral
+(transformers 5 fuses their experts: published with ``split=split_fused_experts``, Mixtral also with the README's
+``rename``), and publishes every step with a full snapshot every third (dist_scripts/hf_train_publish.py). Each full
+snapshot folder is loaded as it is; each delta is first rebuilt on its parent with ``hotload apply``. Every load
+must report no missing, unexpected or mismatched key and give exactly the trainer's gathered state cast to bf16; the
+base folder's config, generation config and tokenizer travel unchanged. Skipped where transformers is not installed.
 """
 from __future__ import annotations
 
