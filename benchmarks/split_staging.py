@@ -4,7 +4,7 @@
 range of a fused parameter, so a rank stages thousands of chunks, each a view next to the last. What is timed is
 ``Stager.stage`` of those chunks (fp32 masters cast to bf16, as the callback's hook or its helper thread runs it)
 against one cast-copy of the same bytes into a preallocated buffer, measured in the same run (the floor), and
-against staging each chunk by a copy of its own (``--per-chunk``: how it was before runs of adjacent chunks were
+against staging each chunk by a copy of its own (always timed too: how it was before runs of adjacent chunks were
 copied together).
 
     python benchmarks/split_staging.py [--layers 16] [--experts 128] [--inter 64] [--hidden 128] [--device cpu]
