@@ -16,8 +16,8 @@ live in memory", without any communication and without copying data:
   flattened elements, so a rank's part of it is its pieces of the tensor cut to that range (:class:`Segment`).
 
 Chunk ``source`` tensors are views into the framework's own storage (the sharded, full-precision master
-copy), so staging at publish time is one device copy per chunk, and chunks taken once stay live across steps
-(see :func:`local_chunks` for when they do not).
+copy), so staging at publish time is at most one device copy per chunk (one per run of adjacent chunks, such as a
+split tensor's parts), and chunks taken once stay live across steps (see :func:`local_chunks` for when they do not).
 
 Example::
 

@@ -2,14 +2,14 @@
 
 Each rank's chunks are packed into one flat byte buffer per slot (offsets aligned to 8 bytes), in the snapshot
 dtype, on the chunks' own device. ``stage`` copies (and casts) every chunk's source into a free slot; on CUDA it
-does so on a side stream and makes the training stream wait for that copy on the device, so the host returns
-at once and the next optimizer step cannot overwrite a parameter before it has been copied. The publisher's own
-device work (the diff, reading a full snapshot, filling a host cache) runs on a second stream of its own, so it
-never queues behind, or holds up, the training stream; the diff walks each chunk in blocks of ``DIFF_BLOCK``
-elements, so its device temporaries stay below ~52 MB (bf16) however many values changed. On the CPU it can
-hand the copy to a helper thread (``background=True``); the caller then fences before the next update. The
-cache is one more buffer with the same layout holding the bytes of the last accepted snapshot; after an accepted
-publish the slot and the cache swap roles (no copy).
+does so on a side stream and makes the training stream wait for that copy on the device, so the host returns at
+once and the next optimizer step cannot overwrite a parameter before it has been copied. The publisher's own device
+work (the diff, reading a full snapshot, filling a host cache) runs on a second stream of its own, so it never
+queues behind, or holds up, the training stream; the diff walks each chunk (adjacent chunks of one element size as
+one range) in blocks of ``DIFF_BLOCK`` elements, so its device temporaries stay below ~52 MB (bf16) however many
+values changed. On the CPU it can hand the copy to a helper thread (``background=True``); the caller then fences
+before the next update. The cache is one more buffer with the same layout holding the bytes of the last accepted
+snapshot; after an accepted publish the slot and the cache swap roles (no copy).
 
 Example::
 
