@@ -47,7 +47,7 @@ AUX_FILENAMES: tuple[str, ...] = (
 # mistral-common's tokenizers (tekken.json above, tokenizer[.mm].model.v*) are what vLLM's mistral mode reads.
 AUX_PATTERNS: tuple[str, ...] = ("*.jinja", "*.tiktoken", "tiktoken.model", "*.py", "tokenizer.model.v*",
                                  "tokenizer.mm.model.v*")
-# Sub-folders that are carried, with the patterns of their files: transformers (4.54 on) saves a tokenizer's named
+# Sub-folders that are carried, with the patterns of their files: transformers (2025 on) saves a tokenizer's named
 # chat templates (tool use, RAG) as additional_chat_templates/<name>.jinja beside chat_template.jinja.
 AUX_SUBFOLDERS: dict[str, tuple[str, ...]] = {"additional_chat_templates": ("*.jinja",)}
 

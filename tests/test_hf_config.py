@@ -158,7 +158,7 @@ def test_a_config_dtype_the_snapshots_do_not_have_is_warned_about(
 
 
 def test_additional_chat_templates_are_carried_and_survive_a_rebuild(tmp_path: Path) -> None:
-    """transformers (4.54 on) saves a tokenizer's named templates (tool use, RAG) in additional_chat_templates/;
+    """transformers (2025 on) saves a tokenizer's named templates (tool use, RAG) in additional_chat_templates/;
     a snapshot without them loads a tokenizer that has lost those templates. Other sub-folders stay home."""
     from fsdp_hotload.arc.folder import apply_paths
 
