@@ -228,10 +228,11 @@ def base_tensor_names(hf_config_dir: str | os.PathLike[str] | None) -> set[str] 
         return None
 
 
-def transformers_save_names(model: Any, specs: Iterable[tuple[str, tuple[int, ...], str]]) -> set[str] | None:
+def transformers_save_names(model: Any, specs: Callable[[], Iterable[tuple[str, tuple[int, ...], str]]]
+                            ) -> set[str] | None:
     """The tensor names transformers' ``save_pretrained`` writes for ``model`` (a transformers model), given the
-    model's own tensor names and shapes (``specs``, without split or rename); None for another model, or where
-    transformers is not installed or cannot say.
+    model's own tensor names and shapes (``specs()``, without split or rename; called only for such a model);
+    None for another model, or where transformers is not installed or cannot say.
 
     Why: transformers 5 loads checkpoints through a conversion mapping (renamed modules, fused MoE experts) and
     reverts it when saving, so a model's attribute names are not always its checkpoint's, and the fleet loads by
@@ -247,7 +248,7 @@ def transformers_save_names(model: Any, specs: Iterable[tuple[str, tuple[int, ..
     if not isinstance(model, PreTrainedModel):
         return None
     try:
-        state = {name: torch.empty(shape, device="meta") for name, shape, _dtype in specs}
+        state = {name: torch.empty(shape, device="meta") for name, shape, _dtype in specs()}
         return set(revert_weight_conversion(model, state))
     except Exception as exc:  # noqa: BLE001 - a warning's input: its absence must not stop training
         log.debug("hotload: transformers could not name the checkpoint's tensors: %s", exc)
