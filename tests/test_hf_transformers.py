@@ -149,15 +149,9 @@ def test_names_transformers_would_not_save_are_warned_about(tmp_path: Path, capl
     writes for the model: fused experts without split, and Mixtral's parts without its rename, are told at start;
     the README's settings say nothing."""
     import logging
-    import re
 
     from fsdp_hotload import HotloadCallback, HotloadConfig, split_fused_experts
-
-    w = {"gate": 1, "up": 3, "down": 2}
-
-    def mixtral_names(name: str) -> str:
-        name = name.replace(".mlp.", ".block_sparse_moe.")
-        return re.sub(r"(experts\.\d+)\.(gate|up|down)_proj", lambda m: f"{m[1]}.w{w[m[2]]}", name)
+    from tests.dist_scripts.hf_train_publish import mixtral_names  # the README's recipe
 
     common: dict[str, Any] = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                   num_attention_heads=2, num_key_value_heads=1)

@@ -22,8 +22,8 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import Future
 import weakref
+from concurrent.futures import Future
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
