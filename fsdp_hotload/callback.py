@@ -31,7 +31,8 @@ from .engine.metrics import PublishMetrics
 from .engine.publisher import Publisher
 from .fsdp import full_tensor_specs, local_chunks, source_dtypes, storage_fingerprint, tensor_paths
 from .fsdp_verify import agree_on_chunks
-from .hf_config import base_tensor_names, names_note, transformers_save_names
+from .hf_config import base_tensor_names, names_note
+from .hf_names import checkpoint_names, transformers_save_names
 from .layout import TensorSpec
 from .naming import Split, adapter_note
 
@@ -77,18 +78,29 @@ class HotloadCallback:
 
     Names: wrapper segments are stripped; ``split`` (e.g. :func:`~fsdp_hotload.naming.split_fused_experts` for a
     transformers 5 MoE model) divides a tensor into the checkpoint's tensors, ``rename`` then maps each name
-    (None drops it), and ``tie_word_embeddings`` (default: the HF config's) leaves out a tied ``lm_head``.
+    (None drops it), and ``tie_word_embeddings`` (default: the HF config's) leaves out a tied ``lm_head``. With
+    neither ``split`` nor ``rename`` given, a transformers model whose ``save_pretrained`` writes other names (a
+    MoE model's experts, renamed modules) gets both from transformers' own conversion mapping where it can be
+    followed in place (``hf_names``, :mod:`fsdp_hotload.hf_names`).
     """
 
     def __init__(self, model: torch.nn.Module, config: HotloadConfig, *,
                  rename: Callable[[str], str | None] | None = None, tie_word_embeddings: bool | None = None,
-                 include_buffers: bool = True, split: Split | None = None, **engine_kwargs: Any) -> None:
+                 include_buffers: bool = True, split: Split | None = None, hf_names: bool = True,
+                 **engine_kwargs: Any) -> None:
         import torch.distributed as dist
 
         self.model = model
         self.config = config
         if tie_word_embeddings is None:
             tie_word_embeddings = hf_tie_word_embeddings(config.hf_config_dir)
+        # A transformers model is published under its checkpoint's names where transformers says how (the same
+        # answer on every rank); a split or rename of the caller's own is taken as it is.
+        self.names_plan = None if not hf_names or split is not None or rename is not None else checkpoint_names(
+            model, lambda: full_tensor_specs(model, tie_word_embeddings=tie_word_embeddings,
+                                             include_buffers=include_buffers))
+        if self.names_plan is not None:
+            split, rename = self.names_plan.split, self.names_plan.rename
         self._chunk_kwargs: dict[str, Any] = dict(
             snapshot_dtype=config.snapshot_dtype, dtype_overrides=config.dtype_overrides, rename=rename,
             tie_word_embeddings=tie_word_embeddings, include_buffers=include_buffers, split=split)
@@ -147,6 +159,13 @@ class HotloadCallback:
         policy without any error (a lossy dtype cast, a glob that matches nothing, unmerged LoRA adapters), and
         names the fleet's loader would refuse on every publish (tensors that are not the base checkpoint's, or,
         without its weights in ``hf_config_dir``, not those transformers would save for the model)."""
+        plan = self.names_plan
+        if plan is not None:
+            what = [f"{plan.split_tensors} tensor(s) split per expert"] if plan.split_tensors else []
+            what += [f"{len(plan.changed)} name(s) changed, e.g. {a!r} to {b!r}"
+                     for a, b in list(plan.changed.items())[:1]]
+            log.info("hotload: publishing under the names transformers' save_pretrained writes for this model (%s); "
+                     "hf_names=False turns this off", "; ".join(what))
         kw = {k: v for k, v in self._chunk_kwargs.items() if k not in ("snapshot_dtype", "dtype_overrides")}
         policy = DtypePolicy.of(self.config.snapshot_dtype, self.config.dtype_overrides)
         base = base_tensor_names(self.config.hf_config_dir)

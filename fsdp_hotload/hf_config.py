@@ -19,15 +19,14 @@ import json
 import logging
 import os
 import struct
-import sys
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 from .arc.stio import MAX_HEADER_BYTES
 from .layout import LayoutError
 
 __all__ = ["AUX_FILENAMES", "AUX_PATTERNS", "AUX_SUBFOLDERS", "base_tensor_names", "carried_files",
            "dropped_config_keys", "dtype_note", "hf_aux_files", "names_note", "snapshot_files",
-           "transformers_save_names", "without_unbacked_quantization"]
+           "without_unbacked_quantization"]
 
 log = logging.getLogger("fsdp_hotload")
 
@@ -225,33 +224,6 @@ def base_tensor_names(hf_config_dir: str | os.PathLike[str] | None) -> set[str] 
                 names.update(k for k in header if k != "__metadata__")
         return names or None
     except (OSError, ValueError, AttributeError, struct.error):
-        return None
-
-
-def transformers_save_names(model: Any, specs: Callable[[], Iterable[tuple[str, tuple[int, ...], str]]]
-                            ) -> set[str] | None:
-    """The tensor names transformers' ``save_pretrained`` writes for ``model`` (a transformers model), given the
-    model's own tensor names and shapes (``specs()``, without split or rename; called only for such a model);
-    None for another model, or where transformers is not installed or cannot say.
-
-    Why: transformers 5 loads checkpoints through a conversion mapping (renamed modules, fused MoE experts) and
-    reverts it when saving, so a model's attribute names are not always its checkpoint's, and the fleet loads by
-    the checkpoint's. The mapping is reverted here on meta tensors: no memory, whatever the model's size."""
-    if "transformers" not in sys.modules:  # a transformers model has imported it; importing it costs seconds
-        return None
-    try:
-        import torch
-        from transformers import PreTrainedModel
-        from transformers.core_model_loading import revert_weight_conversion
-    except Exception:  # noqa: BLE001 - not installed, or a version without the mapping: nothing to compare with
-        return None
-    if not isinstance(model, PreTrainedModel):
-        return None
-    try:
-        state = {name: torch.empty(shape, device="meta") for name, shape, _dtype in specs()}
-        return set(revert_weight_conversion(model, state))
-    except Exception as exc:  # noqa: BLE001 - a warning's input: its absence must not stop training
-        log.debug("hotload: transformers could not name the checkpoint's tensors: %s", exc)
         return None
 
 

@@ -2,9 +2,10 @@
 
 One torchrun job (2 ranks, gloo, FSDP2 per decoder layer and root) trains four tiny random models built from their
 configs, a Llama with tied embeddings, a Qwen2 (q/k/v biases) without, and the MoE models Qwen3-MoE and Mixtral
-(transformers 5 fuses their experts: published with ``split=split_fused_experts``, Mixtral also with the README's
-``rename``), and publishes every step with a full snapshot every third (dist_scripts/hf_train_publish.py). Each full
-snapshot folder is loaded as it is; each delta is first rebuilt on its parent with ``hotload apply``. Every load
+(transformers 5 fuses their experts: Qwen3-MoE published under the names derived from transformers, ``hf_names``;
+Mixtral with the README's ``split_fused_experts`` and ``rename``), and publishes every step with a full snapshot
+every third (dist_scripts/hf_train_publish.py). Each full snapshot folder is loaded as it is; each delta is first
+rebuilt on its parent with ``hotload apply``. Every load
 must report no missing, unexpected or mismatched key and give exactly the trainer's gathered state cast to bf16; the
 base folder's config, generation config and tokenizer travel unchanged. Skipped where transformers is not installed.
 """
@@ -146,8 +147,8 @@ def test_every_step_loads_in_transformers_bit_exact(published: dict[str, Path], 
 def test_names_transformers_would_not_save_are_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture
                                                             ) -> None:
     """Without the base weights in hf_config_dir, the names are checked against what transformers' save_pretrained
-    writes for the model: fused experts without split, and Mixtral's parts without its rename, are told at start;
-    the README's settings say nothing."""
+    writes for the model: fused experts without split (hf_names off), and Mixtral's parts without its rename, are
+    told at start; the README's settings, and hf_names (the default) on its own, say nothing."""
     import logging
 
     from fsdp_hotload import HotloadCallback, HotloadConfig, split_fused_experts
@@ -160,10 +161,12 @@ def test_names_transformers_would_not_save_are_warned_about(tmp_path: Path, capl
     mixtral = transformers.AutoModelForCausalLM.from_config(transformers.MixtralConfig(
         num_local_experts=3, num_experts_per_tok=2, **common))
     said = "not among those transformers' save_pretrained writes for this model"
-    for model, kwargs, warned in [(qwen, {}, "pass split=split_fused_experts"),
+    for model, kwargs, warned in [(qwen, {"hf_names": False}, "pass split=split_fused_experts"),
                                   (qwen, {"split": split_fused_experts}, None),
+                                  (qwen, {}, None),  # hf_names: split as transformers saves it
                                   (mixtral, {"split": split_fused_experts}, "rename= maps names"),
-                                  (mixtral, {"split": split_fused_experts, "rename": mixtral_names}, None)]:
+                                  (mixtral, {"split": split_fused_experts, "rename": mixtral_names}, None),
+                                  (mixtral, {}, None)]:
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
             HotloadCallback(model, HotloadConfig(bucket_url=str(tmp_path / "b")), **kwargs).close()
@@ -171,3 +174,40 @@ def test_names_transformers_would_not_save_are_warned_about(tmp_path: Path, capl
             assert said not in caplog.text, caplog.text
         else:
             assert said in caplog.text and warned in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "deepseek_v3", "llama"])
+def test_checkpoint_names_from_transformers_publish_what_save_pretrained_writes(kind: str) -> None:
+    """hf_names: the split and rename derived from transformers' conversion mapping give exactly the tensors its
+    revert (what save_pretrained writes) gives, names and elements; a model whose names are its checkpoint's gets
+    no plan."""
+    from fsdp_hotload.fsdp import full_tensor_specs, local_chunks
+    from fsdp_hotload.hf_names import checkpoint_names
+
+    common: dict[str, Any] = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1)
+    config = {
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(moe_intermediate_size=8, num_experts=3,
+                                                         num_experts_per_tok=2, **common),
+        "mixtral": lambda: transformers.MixtralConfig(num_local_experts=3, num_experts_per_tok=2, **common),
+        "deepseek_v3": lambda: transformers.DeepseekV3Config(
+            moe_intermediate_size=8, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+            n_shared_experts=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+            v_head_dim=4, n_group=1, topk_group=1, **common),
+        "llama": lambda: transformers.LlamaConfig(**common),
+    }[kind]()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    plan = checkpoint_names(model, lambda: full_tensor_specs(model, tie_word_embeddings=False))
+    if kind == "llama":
+        assert plan is None
+        return
+    assert plan is not None and plan.split is not None
+    assert bool(plan.changed) is (kind == "mixtral")  # the qwen2_moe family only splits; Mixtral also renames
+    chunks = local_chunks(model, split=plan.split, rename=plan.rename, tie_word_embeddings=False,
+                          snapshot_dtype="F32")
+    want = revert_weight_conversion(model, dict(model.state_dict()))
+    got = {c.name: c.source for c in chunks}
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor.reshape(-1)), name

@@ -3,7 +3,8 @@
 For each ``--case`` folder (holding ``hf/``: config.json, generation config, tokenizer) every rank builds the same
 random model from the config (no download), wraps each decoder layer and then the root with ``fully_shard``, trains
 a few AdamW steps (fp32 masters) and publishes every step through ``HotloadCallback`` into ``<case>/bucket``,
-without signalling (a MoE model with ``split=split_fused_experts``). After each publish rank 0 saves the
+without signalling (Mixtral with the README's ``split`` and ``rename``, Qwen3-MoE with the names derived from
+transformers, ``hf_names``). After each publish rank 0 saves the
 framework's own gathered full state dict (``get_model_state_dict``) as ``save_pretrained`` would write it (its
 ``revert_weight_conversion``: fused experts split per expert), cast to bf16, as
 ``<case>/out/expected-<identity>.safetensors`` (a tied weight under every name the model registers it by), and at
@@ -56,9 +57,9 @@ def run_case(case: Path, steps: int, full_every: int) -> None:
     cfg = HotloadConfig(bucket_url=str(case / "bucket"), hf_config_dir=str(hf_dir), full_every=full_every,
                         busy_policy="wait")
     gen = torch.Generator().manual_seed(1 + rank)
-    moe = config.model_type in ("qwen3_moe", "mixtral")  # fused experts; one tensor per expert in checkpoints
-    rename = mixtral_names if config.model_type == "mixtral" else None
-    with HotloadCallback(model, cfg, split=split_fused_experts if moe else None, rename=rename) as hot:
+    # Mixtral with the README's split and rename; Qwen3-MoE with neither: hf_names derives them from transformers
+    explicit = dict(split=split_fused_experts, rename=mixtral_names) if config.model_type == "mixtral" else {}
+    with HotloadCallback(model, cfg, **explicit) as hot:
         for step in range(steps):
             ids = torch.randint(0, config.vocab_size, (2, 12), generator=gen)
             model(input_ids=ids, labels=ids).loss.backward()

@@ -1,0 +1,142 @@
+"""A transformers model's checkpoint names, derived from transformers itself, as a ``split`` and a ``rename``.
+
+Why: transformers 5 loads a checkpoint through a conversion mapping (renamed modules; each projection of a MoE
+block's experts fused into one 3-D parameter) and reverts it when it saves, so a model's attribute names are not
+always its checkpoint's, and the fleet loads by the checkpoint's. Where every tensor ``save_pretrained`` writes is
+one of the model's tensors renamed, or a contiguous range of one (``naming.split_fused_experts``), the callback can
+publish under the checkpoint's names with no copy. :func:`checkpoint_names` finds the ``split`` and ``rename`` that
+do so and checks them against transformers' own revert: the names at the model's real shapes (on meta tensors, no
+memory), and which elements each part holds on a small probe whose values are their positions. Anything else (a
+transposed or interleaved layout, an unknown conversion) gives None, and the start-up names check warns instead.
+
+Example::
+
+    plan = checkpoint_names(model, lambda: full_tensor_specs(model))
+    if plan is not None:
+        chunks = local_chunks(model, split=plan.split, rename=plan.rename)
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from .naming import Rename, Split, split_fused_experts
+
+log = logging.getLogger("fsdp_hotload")
+
+Specs = Callable[[], Iterable[tuple[str, tuple[int, ...], str]]]
+
+
+@dataclass(frozen=True)
+class NamesPlan:
+    """How the model's tensors become the checkpoint's: ``split`` (None: nothing split) then ``rename``."""
+
+    split: Split | None
+    rename: Rename
+    split_tensors: int  # the model's tensors divided into parts
+    changed: dict[str, str]  # published name -> checkpoint name, where they differ
+
+
+def _revert() -> Callable[[Any, dict[str, Any]], dict[str, Any]] | None:
+    """transformers' revert of its conversion mapping, where transformers is already imported (a model of it has
+    been built; importing it here would cost seconds for nothing) and has one."""
+    if "transformers" not in sys.modules:
+        return None
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except Exception:  # noqa: BLE001 - a version without the mapping: nothing to follow
+        return None
+    return revert_weight_conversion
+
+
+def is_transformers_model(model: Any) -> bool:
+    if "transformers" not in sys.modules:
+        return False
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
+
+
+def transformers_save_names(model: Any, specs: Specs) -> set[str] | None:
+    """The tensor names transformers' ``save_pretrained`` writes for ``model`` (a transformers model), given the
+    model's own tensor names and shapes (``specs()``, without split or rename; called only for such a model);
+    None for another model, or where transformers cannot say. Reverted on meta tensors: no memory."""
+    revert = _revert()
+    if revert is None or not is_transformers_model(model):
+        return None
+    import torch
+
+    try:
+        return set(revert(model, {n: torch.empty(s, device="meta") for n, s, _d in specs()}))
+    except Exception as exc:  # noqa: BLE001 - a warning's input: its absence must not stop training
+        log.debug("hotload: transformers could not name the checkpoint's tensors: %s", exc)
+        return None
+
+
+def checkpoint_names(model: Any, specs: Specs) -> NamesPlan | None:
+    """The ``split`` and ``rename`` that publish ``model`` under the names its ``save_pretrained`` writes, checked
+    against transformers' revert; None when the names are already those, or the model is not a transformers model,
+    or its conversion is not renames and expert splits (see the module docstring)."""
+    revert = _revert()
+    if revert is None or not is_transformers_model(model):
+        return None
+    import torch
+
+    own = [(n, tuple(int(d) for d in s)) for n, s, _d in specs()]
+    try:
+        saved = revert(model, {n: torch.empty(s, device="meta") for n, s in own})
+        saved_shapes = {k: tuple(v.shape) for k, v in saved.items()}
+        if set(saved_shapes) == {n for n, _s in own}:
+            return None  # nothing to change (renames within the same names do not exist)
+        probe, parts, origin = {}, {}, {}
+        at = 0
+        for name, shape in own:
+            small = _probe_shape(name, shape)
+            if small is None:  # not split: a meta tensor of its own, found again by identity
+                probe[name] = torch.empty(shape, device="meta")
+                origin[id(probe[name])] = name
+                continue
+            n = small[0] * small[1] * small[2]
+            probe[name] = torch.arange(at, at + n, dtype=torch.int64).reshape(small)
+            for part, start, part_shape in split_fused_experts(name, small) or []:
+                parts[(at + start, part_shape)] = part
+            at += n
+        rename: dict[str, str] = {}
+        for target, t in revert(model, probe).items():
+            t = t[0] if isinstance(t, list) else t
+            if t.device.type == "meta":
+                source = origin.get(id(t))
+            else:  # a probe part: which of our parts holds exactly these elements, in this order
+                flat = t.reshape(-1)
+                first = int(flat[0]) if flat.numel() else -1
+                source = parts.get((first, tuple(t.shape)))
+                if source is not None and not torch.equal(flat, torch.arange(first, first + flat.numel())):
+                    source = None
+            if source is None or source in rename:
+                log.debug("hotload: transformers saves %r as nothing hotload can publish in place", target)
+                return None
+            rename[source] = target
+    except Exception as exc:  # noqa: BLE001 - an unknown conversion: the start-up names check warns instead
+        log.debug("hotload: transformers' checkpoint names could not be followed: %s", exc)
+        return None
+    split = split_fused_experts if parts else None
+    published: list[tuple[str, tuple[int, ...]]] = []  # at the real shapes
+    split_tensors = 0
+    for name, shape in own:
+        split_up = split_fused_experts(name, shape) if split is not None else None
+        published += [(p, tuple(sh)) for p, _start, sh in split_up] if split_up else [(name, shape)]
+        split_tensors += bool(split_up)
+    if len(rename) != len(published) or {rename.get(p): sh for p, sh in published} != saved_shapes:
+        return None  # the real shapes must give the checkpoint's names and shapes exactly
+    changed = {k: v for k, v in rename.items() if k != v}
+    return NamesPlan(split, lambda name: rename.get(name, name), split_tensors, changed)
+
+
+def _probe_shape(name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+    """A small shape for a tensor that ``split_fused_experts`` divides (its expert count kept, so the names are the
+    real ones; rows and columns few, but enough that an interleaved layout cannot pass for a concatenated one)."""
+    if split_fused_experts(name, shape) is None:
+        return None
+    return (shape[0], 6, 2) if name.endswith("gate_up_proj") else (shape[0], 2, 3)
