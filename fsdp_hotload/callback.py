@@ -170,7 +170,8 @@ class HotloadCallback:
         policy = DtypePolicy.of(self.config.snapshot_dtype, self.config.dtype_overrides)
         base = base_tensor_names(self.config.hf_config_dir)
         own = {k: v for k, v in self._chunk_kwargs.items() if k not in ("rename", "split")}
-        saved = None if base is not None else transformers_save_names(
+        # hf_names already checked the published names against transformers' (its plan gives exactly those)
+        saved = None if base is not None or plan is not None else transformers_save_names(
             self.model, lambda: full_tensor_specs(self.model, **own))
         notes = [*policy.notes(source_dtypes(self.model, **kw)),
                  adapter_note(tensor_paths(self.model, include_buffers=False)),
