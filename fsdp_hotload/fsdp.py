@@ -13,7 +13,8 @@ live in memory", without any communication and without copying data:
 * Plain tensors (an unwrapped model, parameters FSDP was told to ignore, buffers): replicated, so rank 0 owns
   them whole and the other ranks publish nothing of them. Every element has exactly one owner.
 * Split tensors (``split=``, e.g. fused MoE experts published per expert): each part is a range of its tensor's
-  flattened elements, so a rank's part of it is its pieces of the tensor cut to that range (:class:`Segment`).
+  flattened elements, so a rank's part of it is its pieces of the tensor cut to that range (:class:`Segment`); of
+  a tensor sharded along another dim, each part must be a slab of it (one expert, or a range of its rows).
 
 Chunk ``source`` tensors are views into the framework's own storage (the sharded, full-precision master
 copy), so staging at publish time is at most one device copy per chunk (one per run of adjacent chunks, such as a
@@ -38,6 +39,7 @@ from .arc.boxes import Box
 from .arc.dtypes import numel
 from .dtype_policy import DtypePolicy
 from .naming import Rename, Split, clean_name, plan_names, split_parts
+from .slab import Slab
 
 FLAT = "flat"
 SHAPE = "shape"
@@ -340,8 +342,9 @@ class _Fsdp1Source(_Source):
 
 class Segment(_Source):
     """A published tensor that is the contiguous range ``[start, start + numel(shape))`` of another tensor's
-    flattened elements (see ``naming.Split``): its pieces are the base's, cut to that range. The segments of one
-    walk share ``seen``, so a base's pieces are worked out once, not once per part (thousands per MoE layer)."""
+    flattened elements (see ``naming.Split``): its pieces are the base's, cut to that range (a base sharded along
+    another dim than 0: each box cut to the part's slab, :mod:`.slab`). The segments of one walk share ``seen``, so
+    a base's pieces are worked out once, not once per part (thousands per MoE layer)."""
 
     def __init__(self, base: _Source, base_path: str, start: int, shape: tuple[int, ...],
                  seen: dict[int, list[tuple[str, Box, torch.Tensor]]]) -> None:
@@ -354,16 +357,27 @@ class Segment(_Source):
         return self.base.dtype()
 
     def pieces(self, name: str) -> list[tuple[str, Box, torch.Tensor]]:
+        slab = None
         if isinstance(self.base, _DTensorSource) and not self.base.flat_layout():  # decided alike on every rank
-            raise NotImplementedError(
-                f"tensor {name!r} is split from {self.base_path!r}, which is sharded along a dimension other than "
-                f"0 ({self.base.dt.placements}); a split needs every rank's part to be a range of its elements")
+            slab = Slab.of(self.base.shape(), self.start, numel(self._shape))
+            if slab is None or not slab.fits(self._shape):
+                raise NotImplementedError(
+                    f"tensor {name!r} is split from {self.base_path!r} (shape {self.base.shape()}), which is sharded "
+                    f"along a dimension other than 0 ({self.base.dt.placements}); such a tensor's parts must each be "
+                    "a slab of it (fixed leading indices, a range of one dim, the later dims whole) in its own "
+                    f"shape, and elements {self.start}.. as {self._shape} are not")
         end = self.start + numel(self._shape)
         out = []
         if id(self.base) not in self._seen:
             self._seen[id(self.base)] = self.base.pieces(name)
         for space, box, view in self._seen[id(self.base)]:
-            if space != FLAT:  # pragma: no cover - excluded above
+            if slab is not None and space == SHAPE:  # a box of the tensor: its part of the slab, one run of the view
+                cut = slab.cut(box, self._shape)
+                if cut is not None:
+                    part_box, offset, count = cut
+                    out.append((SHAPE, part_box, view[offset:offset + count]))
+                continue
+            if space != FLAT:  # pragma: no cover - a box-sharded base is a DTensor that is not flat_layout
                 raise RuntimeError(f"tensor {name!r}: a {space} piece of {self.base_path!r} cannot be split")
             lo, n = box.start[0], box.length[0]
             a, b = max(lo, self.start), min(lo + n, end)

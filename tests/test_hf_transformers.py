@@ -1,13 +1,14 @@
 """Snapshots as the fleet's Hugging Face loader reads them: transformers' ``from_pretrained`` on every step.
 
-One torchrun job (2 ranks, gloo, FSDP2 per decoder layer and root) trains four tiny random models built from their
+One torchrun job (2 ranks, gloo, FSDP2 per decoder layer and root) trains five tiny random models built from their
 configs, a Llama with tied embeddings, a Qwen2 (q/k/v biases) without, and the MoE models Qwen3-MoE and Mixtral
 (transformers 5 fuses their experts: Qwen3-MoE published under the names derived from transformers, ``hf_names``;
-Mixtral with the README's ``split_fused_experts`` and ``rename``), and publishes every step with a full snapshot
-every third (dist_scripts/hf_train_publish.py). Each full snapshot folder is loaded as it is; each delta is first
-rebuilt on its parent with ``hotload apply``. Every load
-must report no missing, unexpected or mismatched key and give exactly the trainer's gathered state cast to bf16; the
-base folder's config, generation config and tokenizer travel unchanged. Skipped where transformers is not installed.
+Mixtral with the README's ``split_fused_experts`` and ``rename``; Qwen3-MoE once more with its experts sharded along
+their columns and rows), and publishes every step with a full snapshot every third
+(dist_scripts/hf_train_publish.py). Each full snapshot folder is loaded as it is; each delta is first rebuilt on
+its parent with ``hotload apply``. Every load must report no missing, unexpected or mismatched key and give exactly
+the trainer's gathered state cast to bf16; the base folder's config, generation config and tokenizer travel
+unchanged. Skipped where transformers is not installed.
 """
 from __future__ import annotations
 
@@ -35,7 +36,10 @@ pytestmark = pytest.mark.slow
 
 # (model type, tie_word_embeddings); the MoE model's 3 experts are split 2 + 1 by FSDP2 over 2 ranks
 CASES = {"llama_tied": ("llama", True), "qwen2_untied": ("qwen2", False), "qwen3_moe": ("qwen3_moe", False),
-         "mixtral": ("mixtral", False)}
+         "mixtral": ("mixtral", False), "qwen3_moe_cols": ("qwen3_moe", False)}
+# FSDP shards these cases' fused experts along another dim than 0 (each rank holds columns of every expert's
+# gate and up parts, and half the rows of its down part), as torchtitan does with more ranks than experts
+EXPERT_DIMS = {"qwen3_moe_cols": {"gate_up_proj": 2, "down_proj": 1}}
 AUX = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -73,6 +77,8 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         for sub in ("hf", "bucket", "out"):
             (case / sub).mkdir(parents=True)
         write_base_folder(case / "hf", kind, tie)
+        if name in EXPERT_DIMS:
+            (case / "fsdp.json").write_text(json.dumps(EXPERT_DIMS[name]))
         cases[name] = case
     args = [a for case in cases.values() for a in ("--case", str(case))]
     run_torchrun(str(SCRIPTS / "hf_train_publish.py"), 2, [*args, "--steps", "5", "--full-every", "3"], timeout=300)

@@ -157,8 +157,10 @@ def verify(label: str, model: nn.Module, names: list[str] | None, chunks: list |
 
 def split_rows(path: str, shape: tuple[int, ...]) -> list[tuple[str, int, tuple[int, ...]]] | None:
     """Parts of uneven rows, as a fused MoE tensor has its experts' parts: ranges that FSDP1's flat shards and
-    FSDP2's row shards cut anywhere. ``shape`` (0, 0) asks for the names only."""
-    rows = {"model.odd": [0, 2, 3], "model.layers.0.lin1.weight": [0, 2, 3, 5]}.get(path)
+    FSDP2's row shards cut anywhere, and blocks of rows of lin2, whose columns tensor parallelism shards (fsdp+tp).
+    ``shape`` (0, 0) asks for the names only."""
+    rows = {"model.odd": [0, 2, 3], "model.layers.0.lin1.weight": [0, 2, 3, 5],
+            "model.layers.0.lin2.weight": [0, 2, 3, 6]}.get(path)
     if rows is None:
         return None
     cols = shape[1]
@@ -193,14 +195,18 @@ def check_all(label: str, model: nn.Module, *, dtypes: dict[str, torch.dtype], u
     renamed = [rename(n) for n in untied if rename(n) is not None]
     verify(f"{label}/rename", model, renamed, rename=rename, tie_word_embeddings=True)
     split_names = [part for n in names for part, _start, _shape in (split_rows(n, (0, 0)) or [(n, 0, ())])]
-    verify(f"{label}/split", model, split_names, split=split_rows, tie_word_embeddings=False)
-    if "tp" in label:  # lin2 is row-wise parallel: its TP shards are column blocks, not ranges of its elements
-        try:
-            local_chunks(model, split=lambda p, shape: [(p + ".a", 0, (3, 5)), (p + ".b", 15, (3, 5))]
-                         if p == "model.layers.0.lin2.weight" else None)
-            expect(False, f"{label}: a split of a column-sharded tensor was accepted")
-        except NotImplementedError as exc:
-            expect("sharded along a dimension other than 0" in str(exc), f"{label}: {exc}")
+    split = verify(f"{label}/split", model, split_names, split=split_rows, tie_word_embeddings=False)
+    if "tp" in label:  # lin2 is row-wise parallel: its TP shards are column blocks, cut to each part's rows above
+        held = [(c.space, c.box.length[-1]) for c in split if c.name.startswith("model.layers.0.lin2.weight.part")]
+        expect(held and all(h == ("shape", 3 - dist.get_rank() % 2) for h in held), f"{label}: lin2 parts {held}")
+        for parts in ([(".a", 0, (15,)), (".b", 15, (15,))],  # rows 0-2, but not in their (3, 5) layout
+                      [(".a", 0, (7,)), (".b", 7, (23,))]):  # not whole rows
+            try:
+                local_chunks(model, split=lambda p, shape, parts=parts: [(p + n, a, s) for n, a, s in parts]
+                             if p == "model.layers.0.lin2.weight" else None)
+                expect(False, f"{label}: the split {parts} of a column-sharded tensor was accepted")
+            except NotImplementedError as exc:
+                expect("must each be a slab" in str(exc) and "lin2" in str(exc), f"{label}: {exc}")
     verify_ownership(model)
     before = {k: RawTensor.from_any(v).data.copy() for k, v in gather_full_state(model).items()}
     bump(model)

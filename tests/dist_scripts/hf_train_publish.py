@@ -1,7 +1,8 @@
 """Tiny Hugging Face causal LMs, built from their configs, trained under FSDP2 and published every step.
 
 For each ``--case`` folder (holding ``hf/``: config.json, generation config, tokenizer) every rank builds the same
-random model from the config (no download), wraps each decoder layer and then the root with ``fully_shard``, trains
+random model from the config (no download), wraps each decoder layer and then the root with ``fully_shard`` (the
+fused experts along the dims ``<case>/fsdp.json`` gives, where there is one), trains
 a few AdamW steps (fp32 masters) and publishes every step through ``HotloadCallback`` into ``<case>/bucket``,
 without signalling (Mixtral with the README's ``split`` and ``rename``, Qwen3-MoE with the names derived from
 transformers, ``hf_names``). After each publish rank 0 saves the
@@ -18,12 +19,14 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -40,6 +43,16 @@ def mixtral_names(name: str) -> str:
 W = {"gate": 1, "up": 3, "down": 2}
 
 
+def expert_placement(model: torch.nn.Module, spec: Path) -> Callable[[torch.nn.Parameter], Shard | None] | None:
+    """``shard_placement_fn`` from ``spec`` (``{"gate_up_proj": 2, ...}``: the dim FSDP shards each fused expert
+    tensor of that name along, as torchtitan shards experts when there are fewer of them than ranks), if present."""
+    if not spec.exists():
+        return None
+    dims = json.loads(spec.read_text())
+    names = {id(p): n.rsplit(".", 1)[-1] for n, p in model.named_parameters()}
+    return lambda p: Shard(dims[names[id(p)]]) if names.get(id(p)) in dims else None
+
+
 def run_case(case: Path, steps: int, full_every: int) -> None:
     """Train and publish one model; rank 0 writes the expected states and the publish records."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -50,9 +63,14 @@ def run_case(case: Path, steps: int, full_every: int) -> None:
     torch.manual_seed(0)  # every rank builds the same weights
     config = AutoConfig.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    place = expert_placement(model, case / "fsdp.json")
     for layer in model.model.layers:
-        fully_shard(layer)
+        fully_shard(layer, shard_placement_fn=place)
     fully_shard(model)
+    if place is not None:  # the layout asked for is the layout FSDP made
+        dims = json.loads((case / "fsdp.json").read_text())
+        placed = {n: p.placements for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in dims}
+        assert placed and all(pl == (Shard(dims[n.rsplit(".", 1)[-1]]),) for n, pl in placed.items()), placed
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     cfg = HotloadConfig(bucket_url=str(case / "bucket"), hf_config_dir=str(hf_dir), full_every=full_every,
                         busy_policy="wait")

@@ -1,0 +1,94 @@
+"""Where a split's part lies in a tensor sharded along a dimension other than 0.
+
+A split part (``naming.Split``) is a contiguous range of its tensor's flattened elements. A rank that holds a
+dim-0 shard holds a range of those elements too, so its part of the part is a range. A rank that holds a box of
+the tensor instead (tensor parallelism; FSDP2's ``Shard(1)`` or ``Shard(2)`` for fused experts, as torchtitan
+shards experts when there are fewer of them than data-parallel ranks) needs more: its elements of the part form a
+box of the part only when the part's range is a *slab*, with fixed indices on the leading dimensions, a range on
+one dimension and every later dimension whole (one expert of a fused ``[experts, rows, cols]`` tensor, or the
+gate half of its rows). The rank's elements of a slab are then one contiguous run of its local shard as well, so
+the part's chunk stays a view of the shard: nothing is copied to publish it.
+
+Pure shape arithmetic, the same answer on every rank.
+
+Example::
+
+    slab = Slab.of((3, 8, 4), start=1 * 32 + 16, count=16)   # expert 1, rows 4..7 (the "up" half)
+    slab.fits((4, 4))                                        # True: the part is those rows
+    slab.cut(Box((0, 0, 2), (3, 8, 2)), (4, 4))              # this rank holds columns 2..3 of every row
+    # -> (Box((0, 2), (4, 2)), 24, 8): the part's box, and where its 8 elements are in the local shard
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from .arc.boxes import Box
+
+
+@dataclass(frozen=True)
+class Slab:
+    """Elements ``index + (lo..hi-1,) + (every index of the later dims)`` of a tensor of ``shape``."""
+
+    shape: tuple[int, ...]
+    dim: int
+    index: tuple[int, ...]  # fixed indices of the dims before ``dim``
+    lo: int
+    hi: int
+
+    @staticmethod
+    def of(shape: Sequence[int], start: int, count: int) -> "Slab | None":
+        """The slab that elements ``[start, start + count)`` of a C-ordered tensor of ``shape`` are, or None."""
+        shape = tuple(int(s) for s in shape)
+        if count <= 0 or start < 0 or start + count > math.prod(shape):
+            return None
+        for dim in range(len(shape)):
+            inner = math.prod(shape[dim + 1:])
+            outer = inner * shape[dim]
+            if start % inner or count % inner or start // outer != (start + count - 1) // outer:
+                continue
+            index, rest = [], start // outer
+            for size in reversed(shape[:dim]):
+                rest, i = divmod(rest, size)
+                index.append(i)
+            lo = start % outer // inner
+            return Slab(shape, dim, tuple(reversed(index)), lo, lo + count // inner)
+        return None
+
+    @property
+    def slab_shape(self) -> tuple[int, ...]:
+        return (1,) * self.dim + (self.hi - self.lo,) + self.shape[self.dim + 1:]
+
+    def fits(self, part_shape: Sequence[int]) -> bool:
+        """Whether a part of ``part_shape`` is this slab's elements in the slab's own layout (leading dims of
+        size 1 aside), so that a box of the slab is a box of the part."""
+        return _squeeze(self.slab_shape) == _squeeze(tuple(part_shape))
+
+    def cut(self, box: Box, part_shape: Sequence[int]) -> tuple[Box, int, int] | None:
+        """This slab's elements within ``box`` (a box of the whole tensor, as a rank holds it): their box in the
+        part (``part_shape``, which :meth:`fits`), and their ``(offset, count)`` in the box's C order, one run.
+        None when the box holds none of them."""
+        k = self.dim
+        for d in range(k):
+            if not box.start[d] <= self.index[d] < box.start[d] + box.length[d]:
+                return None
+        a, b = max(box.start[k], self.lo), min(box.start[k] + box.length[k], self.hi)
+        if a >= b:
+            return None
+        strides = [math.prod(box.length[d + 1:]) for d in range(len(self.shape))]
+        offset = sum((self.index[d] - box.start[d]) * strides[d] for d in range(k)) + (a - box.start[k]) * strides[k]
+        starts = (0,) * k + (a - self.lo,) + box.start[k + 1:]
+        lengths = (1,) * k + (b - a,) + box.length[k + 1:]
+        kept = len(_squeeze(self.slab_shape))  # trailing dims that the part shares with the slab
+        extra = len(part_shape) - kept  # the part's own leading dims of size 1
+        cut = slice(len(starts) - kept, None)
+        return Box((0,) * extra + starts[cut], (1,) * extra + lengths[cut]), offset, (b - a) * strides[k]
+
+
+def _squeeze(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` without its leading dims of size 1."""
+    i = 0
+    while i < len(shape) and shape[i] == 1:
+        i += 1
+    return shape[i:]

@@ -1,0 +1,82 @@
+"""Slab arithmetic (fsdp_hotload/slab.py) against numpy indexing, exhaustively on small shapes: which element ranges
+are slabs, and where a slab's elements lie in a box of the tensor, as a part's box and as a run of the box's data."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from fsdp_hotload.arc.boxes import Box
+from fsdp_hotload.slab import Slab
+
+SHAPES = [(6,), (3, 4), (2, 3, 4), (3, 1, 2, 2), (1, 5)]
+
+
+def all_slabs(shape: tuple[int, ...]) -> set[tuple[int, int]]:
+    """Every (start, count) range that is a slab, by enumerating slabs and reading their flat positions."""
+    full = np.arange(math.prod(shape)).reshape(shape)
+    out = set()
+    for dim in range(len(shape)):
+        for index in itertools.product(*(range(s) for s in shape[:dim])):
+            for lo in range(shape[dim]):
+                for hi in range(lo + 1, shape[dim] + 1):
+                    flat = full[index + (slice(lo, hi),)].reshape(-1)
+                    out.add((int(flat[0]), int(flat.size)))
+    return out
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_of_finds_exactly_the_slabs(shape: tuple[int, ...]) -> None:
+    n = math.prod(shape)
+    full = np.arange(n).reshape(shape)
+    slabs = all_slabs(shape)
+    for start in range(n):
+        for count in range(1, n - start + 1):
+            slab = Slab.of(shape, start, count)
+            assert (slab is not None) is ((start, count) in slabs), (shape, start, count)
+            if slab is not None:  # its description covers exactly those elements
+                got = full[slab.index + (slice(slab.lo, slab.hi),)].reshape(-1)
+                assert np.array_equal(got, np.arange(start, start + count))
+    assert Slab.of(shape, 0, 0) is None and Slab.of(shape, n - 1, 2) is None
+
+
+def boxes(shape: tuple[int, ...]) -> list[Box]:
+    ranges = [[(a, b - a) for a in range(s) for b in range(a + 1, s + 1)] for s in shape]
+    return [Box(tuple(r[0] for r in rs), tuple(r[1] for r in rs)) for rs in itertools.product(*ranges)]
+
+
+@pytest.mark.parametrize("shape", [(3, 4), (2, 3, 4), (3, 1, 2, 2)])
+def test_cut_gives_the_parts_box_and_one_run_of_the_local_data(shape: tuple[int, ...]) -> None:
+    """For every slab, every part shape it fits (with and without leading 1s) and every box a rank could hold:
+    the elements the cut names in the local data are the part's elements in the part's box, in C order."""
+    full = np.arange(math.prod(shape)).reshape(shape)
+    checked = 0
+    for start, count in sorted(all_slabs(shape)):
+        slab = Slab.of(shape, start, count)
+        assert slab is not None
+        squeezed = slab.slab_shape[next((i for i, s in enumerate(slab.slab_shape) if s != 1), len(shape)):]
+        for part_shape in {squeezed, (1, *squeezed), slab.slab_shape}:
+            assert slab.fits(part_shape)
+            part = full.reshape(-1)[start:start + count].reshape(part_shape)
+            for box in boxes(shape):
+                local = full[tuple(slice(a, a + n) for a, n in zip(box.start, box.length))].reshape(-1)
+                held = {int(v) for v in local} & {int(v) for v in part.reshape(-1)}
+                cut = slab.cut(box, part_shape)
+                if not held:
+                    assert cut is None
+                    continue
+                assert cut is not None
+                part_box, offset, n = cut
+                want = part[tuple(slice(a, a + k) for a, k in zip(part_box.start, part_box.length))].reshape(-1)
+                assert np.array_equal(local[offset:offset + n], want) and set(want.tolist()) == held
+                checked += 1
+    assert checked > 100
+
+
+def test_a_part_in_another_layout_does_not_fit() -> None:
+    slab = Slab.of((3, 8, 4), 48, 16)  # expert 1, rows 4..7
+    assert slab is not None and (slab.dim, slab.index, slab.lo, slab.hi) == (1, (1,), 4, 8)
+    assert slab.fits((4, 4)) and slab.fits((1, 4, 4)) and slab.fits((1, 1, 4, 4))
+    assert not slab.fits((16,)) and not slab.fits((4, 2, 2)) and not slab.fits((2, 8))
