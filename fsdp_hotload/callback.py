@@ -31,8 +31,8 @@ from .engine.metrics import PublishMetrics
 from .engine.publisher import Publisher
 from .fsdp import full_tensor_specs, local_chunks, source_dtypes, storage_fingerprint, tensor_paths
 from .fsdp_verify import agree_on_chunks
-from .hf_config import base_tensor_names, names_note
-from .hf_names import checkpoint_names, transformers_save_names
+from .hf_config import base_tensor_shapes, names_note, shapes_note
+from .hf_names import checkpoint_names, transformers_saved_shapes
 from .layout import TensorSpec
 from .naming import Split, adapter_note
 
@@ -168,14 +168,17 @@ class HotloadCallback:
                      "hf_names=False turns this off", "; ".join(what))
         kw = {k: v for k, v in self._chunk_kwargs.items() if k not in ("snapshot_dtype", "dtype_overrides")}
         policy = DtypePolicy.of(self.config.snapshot_dtype, self.config.dtype_overrides)
-        base = base_tensor_names(self.config.hf_config_dir)
+        base = base_tensor_shapes(self.config.hf_config_dir)
         own = {k: v for k, v in self._chunk_kwargs.items() if k not in ("rename", "split")}
-        # hf_names already checked the published names against transformers' (its plan gives exactly those)
-        saved = None if base is not None or plan is not None else transformers_save_names(
+        # hf_names already checked the published names and shapes against transformers' (its plan gives those)
+        saved = None if base is not None or plan is not None else transformers_saved_shapes(
             self.model, lambda: full_tensor_specs(self.model, **own))
+        where = ("the base checkpoint in hf_config_dir" if base is not None else
+                 "the tensors transformers' save_pretrained writes for this model")
         notes = [*policy.notes(source_dtypes(self.model, **kw)),
                  adapter_note(tensor_paths(self.model, include_buffers=False)),
-                 names_note((name for name, _shape, _dtype in self._specs), base, saved=saved)]
+                 names_note((name for name, _shape, _dtype in self._specs), base, saved=saved),
+                 shapes_note(((name, shape) for name, shape, _dtype in self._specs), base or saved, where=where)]
         for note in notes:
             if note:
                 log.warning("hotload: %s", note)

@@ -19,12 +19,12 @@ import json
 import logging
 import os
 import struct
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from .arc.stio import MAX_HEADER_BYTES
 from .layout import LayoutError
 
-__all__ = ["AUX_FILENAMES", "AUX_PATTERNS", "AUX_SUBFOLDERS", "base_tensor_names", "carried_files",
+__all__ = ["AUX_FILENAMES", "AUX_PATTERNS", "AUX_SUBFOLDERS", "base_tensor_shapes", "carried_files",
            "dropped_config_keys", "dtype_note", "hf_aux_files", "names_note", "snapshot_files",
            "without_unbacked_quantization"]
 
@@ -200,10 +200,14 @@ def without_unbacked_quantization(files: dict[str, bytes], dtypes: Iterable[str]
 _FUSED_EXPERT_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj", ".experts.gate_proj", ".experts.up_proj")
 
 
-def base_tensor_names(hf_config_dir: str | os.PathLike[str] | None) -> set[str] | None:
-    """The tensor names of the base checkpoint in ``hf_config_dir``: its index's ``weight_map`` keys, else the
-    headers of its ``*.safetensors`` files (no weights are read). None when the folder holds no weights (config
-    and tokenizer only) or they cannot be read: there is then nothing to compare with."""
+Shape = tuple[int, ...]
+
+
+def base_tensor_shapes(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, Shape | None] | None:
+    """The tensors of the base checkpoint in ``hf_config_dir``, by name, each with its shape where a
+    ``*.safetensors`` header there gives it (only headers are read, no weights): its index's ``weight_map`` names,
+    else those of the headers. None when the folder holds no weights (config and tokenizer only) or they cannot be
+    read: there is then nothing to compare with."""
     if hf_config_dir is None:
         return None
     path = os.fspath(hf_config_dir)
@@ -212,23 +216,41 @@ def base_tensor_names(hf_config_dir: str | os.PathLike[str] | None) -> set[str] 
         if os.path.isfile(index):
             with open(index, "rb") as fh:
                 weight_map = json.loads(fh.read()).get("weight_map")
-            return set(weight_map) if isinstance(weight_map, dict) and weight_map else None
-        names: set[str] = set()
-        for entry in sorted(os.scandir(path), key=lambda e: e.name):
-            if entry.name.endswith(".safetensors") and entry.is_file(follow_symlinks=True):
-                with open(entry.path, "rb") as fh:
-                    (size,) = struct.unpack("<Q", fh.read(8))
-                    if size > MAX_HEADER_BYTES:
-                        return None
-                    header = json.loads(fh.read(size))
-                names.update(k for k in header if k != "__metadata__")
-        return names or None
-    except (OSError, ValueError, AttributeError, struct.error):
+            if not isinstance(weight_map, dict) or not weight_map:
+                return None
+            files = sorted({f for f in weight_map.values() if isinstance(f, str)})
+        else:
+            weight_map = {}
+            files = sorted(e.name for e in os.scandir(path)
+                           if e.name.endswith(".safetensors") and e.is_file(follow_symlinks=True))
+        shapes: dict[str, Shape | None] = {name: None for name in weight_map}
+        for name in files:
+            file = os.path.join(path, name)
+            if weight_map and not os.path.isfile(file):  # an index without its files: names only
+                continue
+            header = _header(file)
+            if header is None:
+                return None
+            shapes.update((k, tuple(int(d) for d in v["shape"])) for k, v in header.items()
+                          if k != "__metadata__" and (not weight_map or k in weight_map))
+        return shapes or None
+    except (OSError, ValueError, AttributeError, KeyError, TypeError, struct.error):
         return None
 
 
-def names_note(published: Iterable[str], base: set[str] | None, *, saved: set[str] | None = None) -> str | None:
-    """A warning when the published tensor names are not the base checkpoint's (:func:`base_tensor_names`), or,
+def _header(file: str) -> dict[str, Any] | None:
+    """A safetensors file's header (None when it claims more than any header may hold)."""
+    with open(file, "rb") as fh:
+        (size,) = struct.unpack("<Q", fh.read(8))
+        if size > MAX_HEADER_BYTES:
+            return None
+        header = json.loads(fh.read(size))
+    return header if isinstance(header, dict) else None
+
+
+def names_note(published: Iterable[str], base: Iterable[str] | None, *, saved: Iterable[str] | None = None
+               ) -> str | None:
+    """A warning when the published tensor names are not the base checkpoint's (:func:`base_tensor_shapes`), or,
     when the base's names are unknown, when some look like transformers 5's fused MoE experts; else None.
 
     Why: the fleet checks a full snapshot's tensors against its base model and its loaders look weights up by
@@ -237,6 +259,8 @@ def names_note(published: Iterable[str], base: set[str] | None, *, saved: set[st
     fused parameters (``mlp.experts.gate_up_proj``) while checkpoints name every expert: the callback's
     ``split=split_fused_experts`` publishes those per expert."""
     names = set(published)
+    base = None if base is None else set(base)
+    saved = None if saved is None else set(saved)
     if base is None and saved is not None:  # no weights to compare with: what transformers would save says it
         extra = sorted(names - saved)
         if not extra:
@@ -269,3 +293,25 @@ def names_note(published: Iterable[str], base: set[str] | None, *, saved: set[st
     advice = hint if extra and fused else " (check the model against its checkpoint, rename=, tie_word_embeddings=)"
     return ("the snapshots' tensor names differ from the base checkpoint's in hf_config_dir, so the fleet will not "
             "load them: " + " and ".join(p for p in parts if p) + advice)
+
+
+def shapes_note(published: Iterable[tuple[str, Shape]], checkpoint: dict[str, Shape | None] | None, *,
+                where: str) -> str | None:
+    """A warning when a published tensor has another shape than the tensor of that name in ``checkpoint``
+    (the base checkpoint's shapes, or what transformers' ``save_pretrained`` writes: ``where`` says which).
+
+    Why: the names alone can match while the layout does not. transformers 5 converts some models' tensors on
+    loading (Qwen3-VL-MoE holds its experts transposed against its checkpoint's, ``[E, 2I, H]`` for ``[E, H, 2I]``,
+    and its ``save_pretrained`` writes them as held), so the published tensor has the checkpoint's name and another
+    shape, which the fleet's loader refuses on every publish."""
+    if not checkpoint:
+        return None
+    bad = [(n, tuple(s), checkpoint[n]) for n, s in published
+           if checkpoint.get(n) is not None and tuple(checkpoint[n] or ()) != tuple(s)]
+    if not bad:
+        return None
+    name, ours, theirs = bad[0]
+    same = " (the same dims in another order: a transposed layout)" if sorted(ours) == sorted(theirs or ()) else ""
+    return (f"{len(bad)} published tensor(s) have another shape than in {where} (e.g. {name!r}: {list(ours)} "
+            f"published, {list(theirs or ())} there{same}), so the fleet will not load these snapshots as that "
+            "checkpoint's tensors: publish them in its layout")

@@ -59,17 +59,19 @@ def is_transformers_model(model: Any) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
-def transformers_save_names(model: Any, specs: Specs) -> set[str] | None:
-    """The tensor names transformers' ``save_pretrained`` writes for ``model`` (a transformers model), given the
-    model's own tensor names and shapes (``specs()``, without split or rename; called only for such a model);
-    None for another model, or where transformers cannot say. Reverted on meta tensors: no memory."""
+def transformers_saved_shapes(model: Any, specs: Specs) -> dict[str, tuple[int, ...]] | None:
+    """The tensors transformers' ``save_pretrained`` writes for ``model`` (a transformers model), by name with
+    their shapes, given the model's own tensor names and shapes (``specs()``, without split or rename; called only
+    for such a model); None for another model, or where transformers cannot say. Reverted on meta tensors: no
+    memory."""
     revert = _revert()
     if revert is None or not is_transformers_model(model):
         return None
     import torch
 
     try:
-        return set(revert(model, {n: torch.empty(s, device="meta") for n, s, _d in specs()}))
+        saved = revert(model, {n: torch.empty(s, device="meta") for n, s, _d in specs()})
+        return {k: tuple(int(d) for d in (v[0] if isinstance(v, list) else v).shape) for k, v in saved.items()}
     except Exception as exc:  # noqa: BLE001 - a warning's input: its absence must not stop training
         log.debug("hotload: transformers could not name the checkpoint's tensors: %s", exc)
         return None

@@ -441,6 +441,41 @@ def test_names_that_are_the_base_checkpoints_pass_quietly(tmp_path: Path, caplog
     HotloadCallback(Net(), HotloadConfig(bucket_url=str(tmp_path / "c"), hf_config_dir=str(bare))).close()
 
 
+def test_a_tensor_in_another_layout_than_the_base_checkpoints_is_warned_about(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The names match but a shape does not (a checkpoint that stores a tensor transposed, as Qwen3-VL-MoE's does
+    its experts against transformers 5's model): the fleet would refuse every snapshot, so it is said at start,
+    read from the safetensors headers, bare or through the index; an index whose files are absent gives names
+    only, and says nothing of shapes."""
+    from safetensors.torch import save_file
+
+    state = {n: t.detach().clone() for n, t in Net().state_dict().items()}
+    state["embed_tokens.weight"] = state["embed_tokens.weight"].t().contiguous()  # (16, 40) for (40, 16)
+    state["layers.1.bias"] = torch.zeros(17)
+    bare, indexed, names_only = (tmp_path / d for d in ("bare", "indexed", "names"))
+    for folder in (bare, indexed, names_only):
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+    save_file(state, str(bare / "model.safetensors"))
+    index = {"metadata": {}, "weight_map": {n: "model-00001-of-00001.safetensors" for n in state}}
+    for folder in (indexed, names_only):
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    save_file(state, str(indexed / "model-00001-of-00001.safetensors"))
+    for folder in (bare, indexed, names_only):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="fsdp_hotload"):
+            HotloadCallback(Net(), HotloadConfig(bucket_url=str(tmp_path / folder.name / "b"),
+                                                 hf_config_dir=str(folder))).close()
+        text = "\n".join(r.getMessage() for r in caplog.records)
+        if folder is names_only:
+            assert "shape" not in text and "base checkpoint" not in text, text
+            continue
+        assert ("2 published tensor(s) have another shape than in the base checkpoint in hf_config_dir (e.g. "
+                "'embed_tokens.weight': [40, 16] published, [16, 40] there (the same dims in another order: a "
+                "transposed layout))") in text, text
+        assert "names differ" not in text, text
+
+
 def test_fused_experts_are_published_per_expert_bit_exact(tmp_path: Path, caplog: pytest.LogCaptureFixture
                                                           ) -> None:
     """split=split_fused_experts publishes a transformers 5 MoE model under its checkpoint's per-expert names:
