@@ -24,6 +24,7 @@ _LAZY = {
     "HotLoadEmulator": ("fsdp_hotload.emulator", "HotLoadEmulator"),
     "PublishError": ("fsdp_hotload.engine.publisher", "PublishError"),
     "split_fused_experts": ("fsdp_hotload.naming", "split_fused_experts"),
+    "transpose_fused_experts": ("fsdp_hotload.naming", "transpose_fused_experts"),
 }
 __all__ = list(_LAZY)
 

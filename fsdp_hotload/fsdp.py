@@ -28,9 +28,8 @@ Example::
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -38,11 +37,9 @@ from torch import nn
 from .arc.boxes import Box
 from .arc.dtypes import numel
 from .dtype_policy import DtypePolicy
-from .naming import Rename, Split, clean_name, plan_names, split_parts
-from .slab import Slab
-
-FLAT = "flat"
-SHAPE = "shape"
+from .fsdp_sources import (FLAT, SHAPE, Segment, _DTensorSource, _dtensor_type, _Fsdp1Source, _fsdp1_type,
+                           _fsdp2_type, _is_flat_param, _PlainSource, _Source, split_slots)
+from .naming import Rename, Split, clean_name, plan_names
 
 TensorSpec = tuple[str, tuple[int, ...], str]
 
@@ -83,7 +80,9 @@ class LocalChunk:
     dtype: str  # dtype code of the published tensor (snapshot dtype for floating tensors)
     space: str  # "flat": box over (numel,); "shape": box over shape
     box: Box  # the part this rank holds
-    source: torch.Tensor  # 1-D view of this rank's elements in box C order, original dtype and device
+    # view of this rank's elements, in box C order when read in its own C order: 1-D, or for a part published
+    # with its dims permuted the box's shape, strided; original dtype and device
+    source: torch.Tensor
 
     @property
     def space_shape(self) -> tuple[int, ...]:
@@ -112,295 +111,6 @@ def space_shape(space: str, shape: Sequence[int]) -> tuple[int, ...]:
     if space == SHAPE:
         return tuple(int(s) for s in shape)
     raise ValueError(f"unknown chunk space {space!r} (expected {FLAT!r} or {SHAPE!r})")
-
-
-# --------------------------------------------------------------------------------------------- framework access
-
-
-def _global_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _first_importable(*paths: str) -> Any:
-    """The first ``module:attr`` that imports (these names moved between torch releases), or None."""
-    for path in paths:
-        mod, attr = path.split(":")
-        try:
-            return getattr(importlib.import_module(mod), attr)
-        except (ImportError, AttributeError):
-            continue
-    return None
-
-
-def _dtensor_type() -> Any:
-    return _first_importable("torch.distributed.tensor:DTensor", "torch.distributed._tensor:DTensor")
-
-
-def _fsdp1_type() -> Any:
-    return _first_importable("torch.distributed.fsdp:FullyShardedDataParallel")
-
-
-def _fsdp2_type() -> Any:
-    return _first_importable("torch.distributed.fsdp:FSDPModule", "torch.distributed._composable.fsdp:FSDPModule")
-
-
-def _local_shape_and_offset(dt: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    # DTensor's own rule, so we agree with it by construction: along each sharded dim, shards are torch.chunk
-    # pieces (ceil(n / k) each, the last ones shorter or EMPTY); an empty shard's offset is reported as the
-    # dim size. Nested shards of one dim (several mesh dims) compose left to right.
-    compute = _first_importable("torch.distributed.tensor._utils:compute_local_shape_and_global_offset",
-                                "torch.distributed._tensor._utils:compute_local_shape_and_global_offset")
-    shape, offset = compute(dt.shape, dt.device_mesh, dt.placements)
-    return tuple(int(s) for s in shape), tuple(int(o) for o in offset)
-
-
-def _check_strided(name: str, dt: Any, mesh_dim: int) -> None:
-    """FSDP2 over tensor parallelism on the same dim (torchtitan's layout) marks the data-parallel shard as
-    ``_StridedShard(d, split_factor=k)`` followed by the tensor-parallel ``Shard(d)`` over a mesh dim of size k:
-    the TP shard is taken first and FSDP shards it again, so each rank holds one contiguous range along ``d``,
-    whose offset DTensor's own rule gives. Any other strided layout interleaves ranges on a rank: refused."""
-    pl = dt.placements[mesh_dim]
-    k = int(getattr(pl, "split_factor", 0))
-    later = [j for j in range(mesh_dim + 1, len(dt.placements))
-             if type(dt.placements[j]).__name__ == "Shard" and int(dt.placements[j].dim) == int(pl.dim)]
-    if not (len(later) == 1 and dt.device_mesh.size(later[0]) == k):
-        raise NotImplementedError(
-            f"tensor {name!r}: placements {dt.placements}: strided sharding {pl} without one later Shard({pl.dim}) "
-            f"over a mesh dim of size {k} interleaves rows on each rank, which a single box cannot describe"
-        )
-
-
-def _is_flat_param(p: Any) -> bool:
-    return bool(getattr(p, "_is_flat_param", False)) or type(p).__name__ == "FlatParameter"
-
-
-def _view_1d(t: torch.Tensor, name: str) -> torch.Tensor:
-    t = t.detach()
-    if not t.is_contiguous():
-        raise ValueError(
-            f"tensor {name!r} is not contiguous (stride {tuple(t.stride())} for shape {tuple(t.shape)}); "
-            "chunks must be views of the framework's storage, so make the parameter contiguous"
-        )
-    return t.view(-1)
-
-
-# ---------------------------------------------------------------------------------------------------- sources
-
-
-class _Source:
-    """One underlying tensor (several published names may share it) and how this rank holds it."""
-
-    def shape(self) -> tuple[int, ...]:
-        raise NotImplementedError
-
-    def dtype(self) -> torch.dtype:
-        raise NotImplementedError
-
-    def pieces(self, name: str) -> list[tuple[str, Box, torch.Tensor]]:
-        """(space, box, 1-D source view) for each non-empty part this rank owns."""
-        raise NotImplementedError
-
-
-class _PlainSource(_Source):
-    """A tensor every rank holds whole (replicated): owned by global rank 0."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-    def shape(self) -> tuple[int, ...]:
-        return tuple(int(s) for s in self.tensor.shape)
-
-    def dtype(self) -> torch.dtype:
-        return self.tensor.dtype
-
-    def pieces(self, name: str) -> list[tuple[str, Box, torch.Tensor]]:
-        view = _view_1d(self.tensor, name)  # checked on every rank, so all of them raise, not only the owner
-        if _global_rank() != 0 or self.tensor.numel() == 0:
-            return []
-        return [(FLAT, Box.flat(0, self.tensor.numel()), view)]
-
-
-class _DTensorSource(_Source):
-    """A DTensor (FSDP2's sharded parameter, possibly on a 2-D HSDP or FSDP+TP mesh)."""
-
-    def __init__(self, dt: Any) -> None:
-        self.dt = dt
-
-    def shape(self) -> tuple[int, ...]:
-        return tuple(int(s) for s in self.dt.shape)
-
-    def dtype(self) -> torch.dtype:
-        return self.dt.dtype
-
-    def flat_layout(self) -> bool:
-        """Whether every rank's part is a range of the flattened tensor: sharded along dim 0 only (the same answer
-        on every rank, from the placements)."""
-        return all(int(pl.dim) == 0 for pl in self.dt.placements if hasattr(pl, "dim"))  # Shard, _StridedShard
-
-    def pieces(self, name: str) -> list[tuple[str, Box, torch.Tensor]]:
-        dt = self.dt
-        coord = dt.device_mesh.get_coordinate()
-        if coord is None:  # this rank is not in the tensor's mesh
-            return []
-        shard_dims: list[int] = []
-        replica = False
-        for mesh_dim, pl in enumerate(dt.placements):
-            if type(pl).__name__ == "_StridedShard":
-                _check_strided(name, dt, mesh_dim)
-                shard_dims.append(int(pl.dim))
-            elif pl.is_shard():
-                shard_dims.append(int(pl.dim))
-            elif pl.is_replicate():
-                replica = replica or coord[mesh_dim] != 0  # one replica of each shard publishes it
-            else:  # checked on every rank, replicas included, so all of them raise
-                raise ValueError(f"tensor {name!r} has placement {pl}; reduce partial values before publishing")
-        if replica:
-            return []
-        local = getattr(dt, "_local_tensor", None)
-        if local is None:
-            local = dt.to_local()
-        local_shape, offset = _local_shape_and_offset(dt)
-        if tuple(local.shape) != local_shape:
-            raise RuntimeError(
-                f"tensor {name!r}: local shard has shape {tuple(local.shape)} but its placements "
-                f"{dt.placements} give {local_shape}"
-            )
-        if local.numel() == 0:
-            return []
-        full = self.shape()
-        view = _view_1d(local, name)
-        if all(d == 0 for d in shard_dims):
-            # A dim-0 slab with all trailing dims whole is one contiguous range of the flattened tensor.
-            start = offset[0] * numel(full[1:]) if full else 0
-            return [(FLAT, Box.flat(start, local.numel()), view)]
-        return [(SHAPE, Box(offset, local_shape), view)]
-
-
-class _Fsdp1Source(_Source):
-    """Original parameter ``index`` of an FSDP1 FlatParameter."""
-
-    def __init__(self, fsdp_module: nn.Module, handle: Any, index: int) -> None:
-        self.fsdp_module = fsdp_module
-        self.handle = handle
-        self.flat = handle.flat_param
-        self.index = index
-
-    def shape(self) -> tuple[int, ...]:
-        return tuple(int(s) for s in self.flat._shapes[self.index])
-
-    def _local_shard(self) -> torch.Tensor:
-        # `_local_shard` is the sharded (padded, full-precision) flat parameter; `flat_param.data` may point at
-        # the unsharded or low-precision copy while a forward is in progress. Before FSDP's lazy init there
-        # is no `_local_shard` yet and the flat parameter itself is the sharded one.
-        local = getattr(self.flat, "_local_shard", None)
-        if local is None:
-            local = self.flat
-        expected = getattr(self.flat, "_sharded_size", None)
-        if expected is not None and local.numel() != numel(tuple(expected)):
-            raise RuntimeError(
-                f"FSDP flat parameter holding {list(self.flat._fqns)} is not in its sharded state "
-                f"({local.numel()} elements, {numel(tuple(expected))} expected)"
-            )
-        return local.detach()
-
-    def dtype(self) -> torch.dtype:
-        return self._local_shard().dtype
-
-    def _owner(self) -> bool:
-        strategy = getattr(getattr(self.handle, "_sharding_strategy", None), "name", "FULL_SHARD")
-        if strategy == "NO_SHARD":  # every rank of the group holds the whole flat parameter
-            return int(self.handle.rank) == 0
-        if "HYBRID" in strategy:  # shards are replicated across the inter-node group: replica 0 publishes
-            import torch.distributed as dist
-
-            inter = getattr(self.fsdp_module, "_inter_node_pg", None)
-            if inter is not None and dist.get_rank(group=inter) != 0:
-                return False
-        return True
-
-    def pieces(self, name: str) -> list[tuple[str, Box, torch.Tensor]]:
-        contiguities = getattr(self.flat, "_contiguities", None)  # the same on every rank: all of them raise
-        if contiguities is not None and not contiguities[self.index]:
-            raise NotImplementedError(
-                f"tensor {name!r} was not contiguous when FSDP flattened it, so its flat range is in memory "
-                "order, not C order; make the parameter contiguous before wrapping"
-            )
-        info = self.flat._shard_param_infos[self.index]
-        if not info.in_shard or not info.numel_in_shard or not self._owner():
-            return []
-        start, n = int(info.intra_param_start_idx), int(info.numel_in_shard)
-        if int(info.intra_param_end_idx) - start + 1 != n or start + n > int(self.flat._numels[self.index]):
-            raise RuntimeError(f"tensor {name!r}: inconsistent FSDP shard metadata {info}")
-        local = self._local_shard()
-        view = local[int(info.offset_in_shard):int(info.offset_in_shard) + n]
-        if view.numel() != n:
-            raise RuntimeError(f"tensor {name!r}: shard range {info} exceeds the local shard ({local.numel()})")
-        return [(FLAT, Box.flat(start, n), view)]
-
-
-class Segment(_Source):
-    """A published tensor that is the contiguous range ``[start, start + numel(shape))`` of another tensor's
-    flattened elements (see ``naming.Split``): its pieces are the base's, cut to that range (a base sharded along
-    another dim than 0: each box cut to the part's slab, :mod:`.slab`). The segments of one walk share ``seen``, so
-    a base's pieces are worked out once, not once per part (thousands per MoE layer)."""
-
-    def __init__(self, base: _Source, base_path: str, start: int, shape: tuple[int, ...],
-                 seen: dict[int, list[tuple[str, Box, torch.Tensor]]]) -> None:
-        self.base, self.base_path, self.start, self._shape, self._seen = base, base_path, int(start), shape, seen
-
-    def shape(self) -> tuple[int, ...]:
-        return self._shape
-
-    def dtype(self) -> torch.dtype:
-        return self.base.dtype()
-
-    def pieces(self, name: str) -> list[tuple[str, Box, torch.Tensor]]:
-        slab = None
-        if isinstance(self.base, _DTensorSource) and not self.base.flat_layout():  # decided alike on every rank
-            slab = Slab.of(self.base.shape(), self.start, numel(self._shape))
-            if slab is None or not slab.fits(self._shape):
-                raise NotImplementedError(
-                    f"tensor {name!r} is split from {self.base_path!r} (shape {self.base.shape()}), which is sharded "
-                    f"along a dimension other than 0 ({self.base.dt.placements}); such a tensor's parts must each be "
-                    "a slab of it (fixed leading indices, a range of one dim, the later dims whole) in its own "
-                    f"shape, and elements {self.start}.. as {self._shape} are not")
-        end = self.start + numel(self._shape)
-        out = []
-        if id(self.base) not in self._seen:
-            self._seen[id(self.base)] = self.base.pieces(name)
-        for space, box, view in self._seen[id(self.base)]:
-            if slab is not None and space == SHAPE:  # a box of the tensor: its part of the slab, one run of the view
-                cut = slab.cut(box, self._shape)
-                if cut is not None:
-                    part_box, offset, count = cut
-                    out.append((SHAPE, part_box, view[offset:offset + count]))
-                continue
-            if space != FLAT:  # pragma: no cover - a box-sharded base is a DTensor that is not flat_layout
-                raise RuntimeError(f"tensor {name!r}: a {space} piece of {self.base_path!r} cannot be split")
-            lo, n = box.start[0], box.length[0]
-            a, b = max(lo, self.start), min(lo + n, end)
-            if a < b:
-                out.append((FLAT, Box.flat(a - self.start, b - a), view[a - lo:b - lo]))
-        return out
-
-
-def _split_slots(slots: list[tuple[str, _Source]], split: Split | None) -> list[tuple[str, _Source]]:
-    """``slots`` with each tensor that ``split`` divides replaced by its parts (one :class:`Segment` per range
-    and tensor, so the names of a tensor registered twice still share their parts)."""
-    if split is None:
-        return slots
-    out: list[tuple[str, _Source]] = []
-    made: dict[tuple[int, int, tuple[int, ...]], Segment] = {}
-    seen: dict[int, list[tuple[str, Box, torch.Tensor]]] = {}
-    for path, src in slots:
-        parts = split_parts(split, path, src.shape())
-        if parts is None:
-            out.append((path, src))
-        for name, start, shape in parts or []:
-            out.append((name, made.setdefault((id(src), start, shape), Segment(src, path, start, shape, seen))))
-    return out
 
 
 # -------------------------------------------------------------------------------------------------------- walk
@@ -502,7 +212,7 @@ def _plan(
 ) -> list[tuple[str, _Source, list[str]]]:
     """(published name, source, cleaned paths of that source with this name's own path first); a split's parts
     are named before ``rename`` sees them."""
-    slots = _split_slots(_slots(model, include_buffers), split)
+    slots = split_slots(_slots(model, include_buffers), split)
     paths_of: dict[int, list[str]] = {}
     for raw, src in slots:
         paths_of.setdefault(id(src), []).append(raw)

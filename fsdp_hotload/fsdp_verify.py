@@ -68,7 +68,8 @@ def gather_full_state(
             raise KeyError(f"tensor {name!r} (path {paths[0]!r}) is missing from the framework's state dict")
         t = found.detach()
         if isinstance(src, Segment):  # cut where the state is: the host gets each part, not the whole per part
-            t = t.reshape(-1)[src.start:src.start + numel(src.shape())].reshape(src.shape())
+            t = t.reshape(-1)[src.start:src.start + numel(src.part_shape)].reshape(src.part_shape)
+            t = t if src.perm is None else t.permute(src.perm)
         t = t.to("cpu")
         if t.is_floating_point():
             t = t.to(getattr(torch, torch_name(policy.code(name, src.dtype()))))

@@ -312,6 +312,9 @@ def shapes_note(published: Iterable[tuple[str, Shape]], checkpoint: dict[str, Sh
         return None
     name, ours, theirs = bad[0]
     same = " (the same dims in another order: a transposed layout)" if sorted(ours) == sorted(theirs or ()) else ""
+    experts = all(n.endswith(_FUSED_EXPERT_SUFFIXES) and len(s) == 3 and t == (s[0], s[2], s[1]) for n, s, t in bad)
+    fix = (": pass split=transpose_fused_experts to HotloadCallback (the layout of Qwen3-VL-MoE's checkpoints)"
+           if experts else ": publish them in its layout (a split's part may give a dims order)")
     return (f"{len(bad)} published tensor(s) have another shape than in {where} (e.g. {name!r}: {list(ours)} "
             f"published, {list(theirs or ())} there{same}), so the fleet will not load these snapshots as that "
-            "checkpoint's tensors: publish them in its layout")
+            f"checkpoint's tensors{fix}")

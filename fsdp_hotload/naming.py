@@ -37,8 +37,12 @@ TIED_OUTPUT_SUFFIX = "lm_head.weight"
 
 Rename = Callable[[str], "str | None"]
 # A split maps a tensor's cleaned path and full shape to the published tensors that tile it, each a contiguous
-# range of its flattened elements: ``(name, first element, shape)``; None publishes the tensor as it is.
-Split = Callable[[str, "tuple[int, ...]"], "list[tuple[str, int, tuple[int, ...]]] | None"]
+# range of its flattened elements: ``(name, first element, shape)``, or ``(name, first element, shape, dims)`` for
+# one published as ``part.view(shape).permute(dims)`` (a checkpoint that stores it transposed); None publishes the
+# tensor as it is.
+Split = Callable[[str, "tuple[int, ...]"], "list[tuple[Any, ...]] | None"]
+# A checked part: name, first element, shape (before ``dims``), ``dims`` (None: in that order).
+Part = tuple[str, int, tuple[int, ...], "tuple[int, ...] | None"]
 
 # Parameter-name segments of unmerged low-rank adapters (peft's LoRA and its DoRA magnitudes).
 ADAPTER_SEGMENTS: frozenset[str] = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B",
@@ -153,8 +157,9 @@ def plan_names(
     return result
 
 
-def split_parts(split: Split, path: str, shape: tuple[int, ...]) -> list[tuple[str, int, tuple[int, ...]]] | None:
-    """``split(path, shape)``, checked: its parts by first element, with int starts and dims, tiling the tensor.
+def split_parts(split: Split, path: str, shape: tuple[int, ...]) -> list[Part] | None:
+    """``split(path, shape)``, checked: its parts by first element, with int starts and dims, tiling the tensor,
+    each as ``(name, first element, shape, dims or None)``.
 
     Why: a split is user code run over every tensor of the model, and what goes wrong in it or in what it returns
     would otherwise surface as an unpacking or comparison error from inside the walk, with no word of which
@@ -169,20 +174,26 @@ def split_parts(split: Split, path: str, shape: tuple[int, ...]) -> list[tuple[s
         return None
     if isinstance(parts, (str, bytes)) or not isinstance(parts, Iterable):
         raise ValueError(f"{where} returned {parts!r}: expected a list of (name, first element, shape) or None")
-    out = []
+    out: list[Part] = []
     for part in parts:
         try:
-            name, start, dims = part
+            name, start, dims, *order = part
+            if len(order) > 1:
+                raise ValueError(part)
             start, dims = _whole(start), tuple(_whole(d) for d in dims)
+            perm = None if not order or order[0] is None else tuple(_whole(d) for d in order[0])
         except (TypeError, ValueError):
-            raise ValueError(f"{where} returned the part {part!r}: expected (name, first element, shape), "
-                             "the element and the shape's dims integers") from None
+            raise ValueError(f"{where} returned the part {part!r}: expected (name, first element, shape) or (name, "
+                             "first element, shape, dims order), the element and the dims integers") from None
         if not isinstance(name, str) or not name or any(d <= 0 for d in dims):
             raise ValueError(f"{where} returned the part {part!r}: expected a non-empty name and dims above 0")
-        out.append((name, start, dims))
+        if perm is not None and sorted(perm) != list(range(len(dims))):
+            raise ValueError(f"{where} returned the part {part!r}: its dims order {list(perm)} is not an order of "
+                             f"its {len(dims)} dims")
+        out.append((name, start, dims, None if perm == tuple(range(len(dims))) else perm))
     out.sort(key=lambda p: p[1])
     pos = 0
-    for name, start, dims in out:
+    for name, start, dims, _perm in out:
         if start != pos:
             raise ValueError(f"{where} must return (name, start, shape) parts that tile the tensor's elements in "
                              f"order; the part at element {pos} is {(name, start, dims)}")
@@ -230,4 +241,23 @@ def split_fused_experts(path: str, shape: tuple[int, ...]) -> list[tuple[str, in
     if path.endswith(".experts.down_proj"):
         head = path[:-len("down_proj")]
         return [(f"{head}{e}.down_proj.weight", e * rows * cols, (rows, cols)) for e in range(experts)]
+    return None
+
+
+def transpose_fused_experts(path: str, shape: tuple[int, ...]) -> list[Part] | None:
+    """A ``split`` that publishes transformers 5's fused expert tensors whole, with their last two dims swapped.
+
+    Why: Qwen3-VL-MoE's checkpoints store ``<p>.experts.gate_up_proj`` as ``(E, H, 2I)`` and
+    ``<p>.experts.down_proj`` as ``(E, I, H)``, under the names transformers 5's model uses, while the model holds
+    them as ``(E, 2I, H)`` and ``(E, H, I)`` (transformers transposes them on loading, and its ``save_pretrained``
+    keeps the model's layout). The fleet loads by the checkpoint's layout. Each rank's part is its shard viewed
+    transposed, so no bytes move until the staging copy, which reads them in the published order. Every other
+    path is left alone.
+
+    Example::
+
+        HotloadCallback(model, cfg, split=transpose_fused_experts)
+    """
+    if len(shape) == 3 and path.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+        return [(path, 0, tuple(int(d) for d in shape), (0, 2, 1))]
     return None

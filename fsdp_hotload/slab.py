@@ -9,6 +9,10 @@ one dimension and every later dimension whole (one expert of a fused ``[experts,
 gate half of its rows). The rank's elements of a slab are then one contiguous run of its local shard as well, so
 the part's chunk stays a view of the shard: nothing is copied to publish it.
 
+A part may also be published with its dims in another order (a checkpoint that stores a tensor transposed):
+:func:`range_boxes` cuts a rank's range of it into boxes and :func:`permute_box` moves each box into the
+published order, whose elements the rank's data, viewed as the box and permuted, gives in C order.
+
 Pure shape arithmetic, the same answer on every rank.
 
 Example::
@@ -92,3 +96,38 @@ def _squeeze(shape: tuple[int, ...]) -> tuple[int, ...]:
     while i < len(shape) and shape[i] == 1:
         i += 1
     return shape[i:]
+
+
+def range_boxes(shape: Sequence[int], start: int, count: int) -> list[tuple[Box, int, int]]:
+    """Elements ``[start, start + count)`` of a C-ordered tensor of ``shape`` as boxes of it, in order, each with
+    the ``(offset, count)`` of its elements within the range: a partial first row, whole rows, a partial last row
+    (recursively), so at most two boxes per dimension."""
+    shape = tuple(int(d) for d in shape)
+    if count <= 0:
+        return []
+    if len(shape) <= 1:
+        return [(Box(tuple(start for _ in shape), tuple(count for _ in shape)), 0, count)]
+    row = math.prod(shape[1:])
+    out: list[tuple[Box, int, int]] = []
+    r, c = divmod(start, row)
+    done = 0
+    if c:  # the end of row r
+        n = min(count, row - c)
+        out += [(_row(r, b), o, k) for b, o, k in range_boxes(shape[1:], c, n)]
+        done, r = n, r + 1
+    whole = (count - done) // row
+    if whole:
+        out.append((Box((r,) + (0,) * (len(shape) - 1), (whole,) + shape[1:]), done, whole * row))
+        done, r = done + whole * row, r + whole
+    if count > done:  # the start of row r
+        out += [(_row(r, b), done + o, k) for b, o, k in range_boxes(shape[1:], 0, count - done)]
+    return out
+
+
+def _row(r: int, box: Box) -> Box:
+    return Box((r, *box.start), (1, *box.length))
+
+
+def permute_box(box: Box, dims: Sequence[int]) -> Box:
+    """``box`` in the tensor whose dim ``j`` is this one's dim ``dims[j]`` (``tensor.permute(dims)``)."""
+    return Box(tuple(box.start[d] for d in dims), tuple(box.length[d] for d in dims))

@@ -472,7 +472,8 @@ def test_a_tensor_in_another_layout_than_the_base_checkpoints_is_warned_about(
             continue
         assert ("2 published tensor(s) have another shape than in the base checkpoint in hf_config_dir (e.g. "
                 "'embed_tokens.weight': [40, 16] published, [16, 40] there (the same dims in another order: a "
-                "transposed layout))") in text, text
+                "transposed layout)), so the fleet will not load these snapshots as that checkpoint's tensors: "
+                "publish them in its layout") in text, text
         assert "names differ" not in text, text
 
 
@@ -521,6 +522,71 @@ def test_fused_experts_are_published_per_expert_bit_exact(tmp_path: Path, caplog
             assert (got[name].shape, got[name].data.tobytes()) == (raw.shape, raw.data.tobytes()), name
 
 
+def test_fused_experts_in_a_transposed_checkpoint_layout_are_published_bit_exact(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """split=transpose_fused_experts publishes the fused experts as Qwen3-VL-MoE's checkpoints store them, their
+    last two dims swapped, through a full snapshot and a delta, bit exact; a base checkpoint in that layout then
+    gives no shape warning, and one in the model's layout does. A part split per expert and transposed (a
+    per-expert checkpoint that stores each weight transposed) is published likewise."""
+    from safetensors.torch import save_file
+
+    from fsdp_hotload import transpose_fused_experts
+
+    experts, hidden, inter = 3, 8, 4
+    torch.manual_seed(0)
+    model = FusedMoe(experts, hidden, inter)
+    mlp = model.model.layers[0].mlp
+
+    def per_expert_transposed(path: str, shape: tuple[int, ...]) -> list[tuple[Any, ...]] | None:
+        if not path.endswith("down_proj"):
+            return None
+        return [(f"{path}.{e}", e * hidden * inter, (hidden, inter), (1, 0)) for e in range(experts)]
+
+    def layouts() -> list[dict[str, torch.Tensor]]:  # what each split publishes, from the live weights
+        common = {"model.embed_tokens.weight": model.model.embed_tokens.weight,
+                  "model.layers.0.mlp.gate.weight": mlp.gate.weight, "lm_head.weight": model.lm_head.weight}
+        down = "model.layers.0.mlp.experts.down_proj"
+        return [{**common, "model.layers.0.mlp.experts.gate_up_proj": mlp.experts.gate_up_proj.transpose(1, 2),
+                 down: mlp.experts.down_proj.transpose(1, 2)},
+                {**common, "model.layers.0.mlp.experts.gate_up_proj": mlp.experts.gate_up_proj,
+                 **{f"{down}.{e}": mlp.experts.down_proj[e].t() for e in range(experts)}}]
+
+    for i, split in enumerate([transpose_fused_experts, per_expert_transposed]):
+        hf, bucket = tmp_path / f"hf{i}", tmp_path / f"bucket{i}"
+        hf.mkdir()
+        (hf / "config.json").write_text("{}")
+        save_file({k: v.detach().contiguous() for k, v in layouts()[i].items()}, str(hf / "model.safetensors"))
+        cfg = HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf), full_every=2, busy_policy="wait")
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="fsdp_hotload"):
+            hot = HotloadCallback(model, cfg, split=split)
+        assert "shape" not in caplog.text and "base checkpoint" not in caplog.text, caplog.text
+        expected = []
+        with hot:
+            for step in range(2):
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(torch.randn_like(p) * 0.1 * (torch.rand_like(p) < 0.3))
+                hot.step(step)
+                hot.wait()
+                expected.append({k: RawTensor.from_any(v.detach().bfloat16().contiguous())
+                                 for k, v in layouts()[i].items()})
+        assert [(m.kind, m.ok) for m in hot.metrics] == [("full", True), ("delta", True)]
+        rebuilt = rebuild_accepted(bucket, hot.metrics)
+        for m, want_raw in zip(hot.metrics, expected):
+            got = rebuilt[m.identity]
+            assert sorted(got) == sorted(want_raw)
+            for name, raw in want_raw.items():
+                assert (got[name].shape, got[name].data.tobytes()) == (raw.shape, raw.data.tobytes()), name
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fsdp_hotload"):  # the model's layout against a transposed checkpoint
+        HotloadCallback(model, HotloadConfig(bucket_url=str(tmp_path / "c"), hf_config_dir=str(tmp_path / "hf0")
+                                             )).close()
+    assert ("'model.layers.0.mlp.experts.down_proj': [3, 8, 4] published, [3, 4, 8] there (the same dims in another "
+            "order: a transposed layout)), so the fleet will not load these snapshots as that checkpoint's tensors: "
+            "pass split=transpose_fused_experts") in caplog.text, caplog.text
+
+
 def test_a_split_must_tile_its_tensor(tmp_path: Path) -> None:
     """A split that leaves elements out would publish a model without them; one that overlaps, some twice."""
     from fsdp_hotload.fsdp import full_tensor_specs
@@ -551,8 +617,11 @@ def _raises(path: str, shape: tuple[int, ...]) -> list[tuple[str, int, tuple[int
     lambda p, s: [(p + ".a", None, (4, 8, 4))] if p.endswith("down_proj") else None,  # no first element
     lambda p, s: "parts" if p.endswith("down_proj") else None,  # not a list of parts
     lambda p, s: [(p + ".a", 0, (-4, -32))] if p.endswith("down_proj") else None,  # negative dims, 128 elements
+    lambda p, s: [(p + ".a", 0, (4, 8, 4), (0, 0, 1))] if p.endswith("down_proj") else None,  # not an order
+    lambda p, s: [(p + ".a", 0, (4, 8, 4), (0, 2))] if p.endswith("down_proj") else None,  # too few dims
+    lambda p, s: [(p + ".a", 0, (4, 8, 4), (0, 2, 1), "x")] if p.endswith("down_proj") else None,  # five items
     _raises,
-], ids=["pair", "int-shape", "none-start", "str", "negative-dims", "raises"])
+], ids=["pair", "int-shape", "none-start", "str", "negative-dims", "repeated-dim", "short-order", "five", "raises"])
 def test_a_malformed_split_is_refused_naming_the_tensor(split: Any) -> None:
     """A split is user code run over every tensor of the model: whatever goes wrong in it or in what it returns
     is a ValueError that names the tensor it was dividing, never an unpacking or comparison error from inside

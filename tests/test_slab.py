@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fsdp_hotload.arc.boxes import Box
-from fsdp_hotload.slab import Slab
+from fsdp_hotload.slab import Slab, permute_box, range_boxes
 
 SHAPES = [(6,), (3, 4), (2, 3, 4), (3, 1, 2, 2), (1, 5)]
 
@@ -80,3 +80,32 @@ def test_a_part_in_another_layout_does_not_fit() -> None:
     assert slab is not None and (slab.dim, slab.index, slab.lo, slab.hi) == (1, (1,), 4, 8)
     assert slab.fits((4, 4)) and slab.fits((1, 4, 4)) and slab.fits((1, 1, 4, 4))
     assert not slab.fits((16,)) and not slab.fits((4, 2, 2)) and not slab.fits((2, 8))
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(2, 2, 2, 3)])
+def test_range_boxes_cover_every_range_in_order_with_few_boxes(shape: tuple[int, ...]) -> None:
+    """Every range of every shape: the boxes hold exactly its elements, in order, each box's run at its offset."""
+    n = math.prod(shape)
+    full = np.arange(n).reshape(shape)
+    for start in range(n):
+        for count in range(1, n - start + 1):
+            boxes = range_boxes(shape, start, count)
+            assert len(boxes) <= 2 * len(shape) - 1, (shape, start, count, boxes)
+            pos = 0
+            for box, offset, k in boxes:
+                got = full[tuple(slice(a, a + m) for a, m in zip(box.start, box.length))].reshape(-1)
+                assert offset == pos and k == box.numel == got.size
+                assert np.array_equal(got, np.arange(start + pos, start + pos + k)), (shape, start, count, box)
+                pos += k
+            assert pos == count
+    assert range_boxes(shape, 0, 0) == []
+
+
+def test_a_permuted_box_holds_the_permuted_tensors_elements() -> None:
+    full = np.arange(60).reshape(3, 4, 5)
+    box = Box((1, 0, 2), (2, 3, 2))
+    for dims in itertools.permutations(range(3)):
+        moved = permute_box(box, dims)
+        want = full[1:3, 0:3, 2:4].transpose(dims).reshape(-1)
+        got = full.transpose(dims)[tuple(slice(a, a + m) for a, m in zip(moved.start, moved.length))].reshape(-1)
+        assert np.array_equal(got, want), dims

@@ -182,14 +182,14 @@ class Stager:
         src: list[torch.Tensor] = []
         for g, view in zip(self._groups, views):
             if g.stop - g.start == 1:
-                dst.append(view)
-                src.append(srcs[g.start].detach().reshape(-1))
+                dst.append(_as_source(view, srcs[g.start]))
+                src.append(srcs[g.start].detach())
             elif all(map(operator.is_, srcs[g.start:g.stop], g.members)):
                 dst.append(view)
                 src.append(g.merged)
             else:
-                dst += [self.view(buf, self.slices[k]) for k in range(g.start, g.stop)]
-                src += [srcs[k].detach().reshape(-1) for k in range(g.start, g.stop)]
+                dst += [_as_source(self.view(buf, self.slices[k]), srcs[k]) for k in range(g.start, g.stop)]
+                src += [srcs[k].detach() for k in range(g.start, g.stop)]
         return dst, src
 
     # ------------------------------------------------------------------ background thread
@@ -306,6 +306,13 @@ def copy_groups(sources: Sequence[torch.Tensor], slices: Sequence[Slice]) -> lis
         groups.append(CopyGroup(start, k, members, merged))
         start = k
     return groups
+
+
+def _as_source(view: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """The slot ``view`` (1-D) shaped as ``source``. Why: a permuted part's source is a strided N-D view whose C
+    order is the published one; copied into the same shape, it is read in that order in the one copy, where
+    flattening it first would copy it twice."""
+    return view if source.dim() == 1 else view.view(source.shape)
 
 
 def _follows(a: torch.Tensor, b: torch.Tensor, sa: Slice, sb: Slice) -> bool:

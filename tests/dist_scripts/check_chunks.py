@@ -101,7 +101,7 @@ def gather(obj: Any, group: Any = None) -> list[Any]:
 def chunk_bytes(chunks: list) -> list[tuple[str, str, Any, bytes]]:
     out = []
     for c in chunks:
-        cast = c.source.to(getattr(torch, torch_name(c.dtype)))
+        cast = c.source.to(getattr(torch, torch_name(c.dtype))).contiguous()  # a transposed part's is strided
         out.append((c.name, c.space, c.box, RawTensor.from_any(cast.cpu()).data.tobytes()))
     return out
 
@@ -142,7 +142,8 @@ def verify(label: str, model: nn.Module, names: list[str] | None, chunks: list |
         ref = RawTensor.from_any(full[name])
         expect((ref.shape, ref.dtype) == (shape, dtype), f"{label}: {name}: {ref.dtype}{ref.shape}, not {dtype}{shape}")
     for c in chunks:
-        expect(c.source.dim() == 1 and c.source.numel() == c.box.numel > 0, f"{label}: bad source for {c.name}")
+        expect(c.source.numel() == c.box.numel > 0 and (c.source.dim() == 1 or c.source.shape == c.box.length),
+               f"{label}: bad source for {c.name}")
     # (b) every element owned exactly once, one copy of a box several ranks hold (FSDP over part of the ranks)
     kept = [chunks[i] for i in assign_chunks(gather([c.meta() for c in chunks]), specs)[dist.get_rank()]]
     if "tp" not in label:
@@ -157,14 +158,15 @@ def verify(label: str, model: nn.Module, names: list[str] | None, chunks: list |
 
 def split_rows(path: str, shape: tuple[int, ...]) -> list[tuple[str, int, tuple[int, ...]]] | None:
     """Parts of uneven rows, as a fused MoE tensor has its experts' parts: ranges that FSDP1's flat shards and
-    FSDP2's row shards cut anywhere, and blocks of rows of lin2, whose columns tensor parallelism shards (fsdp+tp).
-    ``shape`` (0, 0) asks for the names only."""
+    FSDP2's row shards cut anywhere, and blocks of rows of lin2, whose columns tensor parallelism shards (fsdp+tp);
+    each first part transposed. ``shape`` (0, 0) asks for the names only."""
     rows = {"model.odd": [0, 2, 3], "model.layers.0.lin1.weight": [0, 2, 3, 5],
             "model.layers.0.lin2.weight": [0, 2, 3, 6]}.get(path)
     if rows is None:
         return None
-    cols = shape[1]
-    return [(f"{path}.part{i}", a * cols, (b - a, cols)) for i, (a, b) in enumerate(zip(rows, rows[1:]))]
+    cols = shape[1]  # the first part is published transposed (a checkpoint storing it so): cut into boxes
+    return [(f"{path}.part{i}", a * cols, (b - a, cols), (1, 0) if i == 0 else None)
+            for i, (a, b) in enumerate(zip(rows, rows[1:]))]
 
 
 def bump(model: nn.Module) -> None:
@@ -194,10 +196,11 @@ def check_all(label: str, model: nn.Module, *, dtypes: dict[str, torch.dtype], u
 
     renamed = [rename(n) for n in untied if rename(n) is not None]
     verify(f"{label}/rename", model, renamed, rename=rename, tie_word_embeddings=True)
-    split_names = [part for n in names for part, _start, _shape in (split_rows(n, (0, 0)) or [(n, 0, ())])]
+    split_names = [part[0] for n in names for part in (split_rows(n, (0, 0)) or [(n,)])]
     split = verify(f"{label}/split", model, split_names, split=split_rows, tie_word_embeddings=False)
     if "tp" in label:  # lin2 is row-wise parallel: its TP shards are column blocks, cut to each part's rows above
-        held = [(c.space, c.box.length[-1]) for c in split if c.name.startswith("model.layers.0.lin2.weight.part")]
+        held = [(c.space, c.box.length[0 if c.name.endswith("part0") else -1])  # its columns (part0: transposed)
+                for c in split if c.name.startswith("model.layers.0.lin2.weight.part")]
         expect(held and all(h == ("shape", 3 - dist.get_rank() % 2) for h in held), f"{label}: lin2 parts {held}")
         for parts in ([(".a", 0, (15,)), (".b", 15, (15,))],  # rows 0-2, but not in their (3, 5) layout
                       [(".a", 0, (7,)), (".b", 7, (23,))]):  # not whole rows
