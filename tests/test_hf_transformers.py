@@ -217,3 +217,52 @@ def test_checkpoint_names_from_transformers_publish_what_save_pretrained_writes(
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor.reshape(-1)), name
+
+
+def test_qwen3_vl_moe_experts_publish_in_their_checkpoint_layout(tmp_path: Path, caplog: pytest.LogCaptureFixture
+                                                                  ) -> None:
+    """Qwen3-VL-MoE: transformers 5's model holds its experts as (E, 2I, H) and (E, H, I), its checkpoints as
+    (E, H, 2I) and (E, I, H) under the same names. Against a base checkpoint in that layout the model's own
+    layout is warned about, with the fix; with split=transpose_fused_experts there is no warning, the snapshot
+    holds the checkpoint's shapes, and transformers loads it into exactly the trainer's weights."""
+    import logging
+
+    from safetensors.torch import save_file
+
+    from fsdp_hotload import HotloadCallback, HotloadConfig, transpose_fused_experts
+
+    config = transformers.Qwen3VLMoeConfig(
+        text_config=dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, head_dim=8,
+                         num_attention_heads=2, num_key_value_heads=1, moe_intermediate_size=12, num_experts=3,
+                         num_experts_per_tok=2),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=16))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    state = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    experts = [k for k in state if k.endswith((".experts.gate_up_proj", ".experts.down_proj"))]
+    assert len(experts) == 2 and all(state[k].shape[1] != state[k].shape[2] for k in experts)
+    base = tmp_path / "base"
+    config.save_pretrained(base)  # the checkpoint: experts transposed, every other tensor as the model holds it
+    on_disk = {k: (v.transpose(1, 2) if k in experts else v).contiguous() for k, v in state.items()}
+    save_file({k: v.clone() for k, v in on_disk.items()}, str(base / "model.safetensors"))
+    fix = "pass split=transpose_fused_experts"
+    for kwargs, warned in [({}, True), ({"split": transpose_fused_experts}, False)]:
+        caplog.clear()
+        bucket = tmp_path / f"bucket{len(kwargs)}"
+        with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+            hot = HotloadCallback(model, HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(base)), **kwargs)
+        assert (fix in caplog.text) is warned, caplog.text
+        assert "names differ" not in caplog.text, caplog.text
+        with hot:
+            hot.step(0)
+        if warned:
+            continue
+        folder = bucket / hot.metrics[-1].identity
+        published = check_index(folder)
+        assert sorted(published) == sorted(on_disk)
+        for name, tensor in on_disk.items():
+            assert torch.equal(published[name].view(torch.int16), tensor.view(torch.int16)), name
+        loaded = transformers.AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.bfloat16)
+        got = loaded.state_dict()
+        for name, tensor in state.items():  # transformers transposes them back on loading: the trainer's weights
+            assert torch.equal(got[name].view(torch.int16), tensor.view(torch.int16)), name
