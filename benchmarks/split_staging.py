@@ -7,7 +7,11 @@ against one cast-copy of the same bytes into a preallocated buffer, measured in 
 against staging each chunk by a copy of its own (always timed too: how it was before runs of adjacent chunks were
 copied together).
 
+``--transposed`` times ``split=transpose_fused_experts`` instead (Qwen3-VL-MoE's checkpoint layout): one chunk per
+fused tensor, its source the shard viewed with the last two dims swapped, so the staging copy reads it strided.
+
     python benchmarks/split_staging.py [--layers 16] [--experts 128] [--inter 64] [--hidden 128] [--device cpu]
+                                       [--transposed]
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fsdp_hotload.arc.boxes import Box  # noqa: E402
 from fsdp_hotload.engine.staging import CopyGroup, Stager  # noqa: E402
-from fsdp_hotload.naming import split_fused_experts  # noqa: E402
+from fsdp_hotload.naming import split_fused_experts, transpose_fused_experts  # noqa: E402
 from fsdp_hotload.publish import WholeChunk  # noqa: E402
 
 from machine_info import machine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
@@ -48,6 +52,7 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--transposed", action="store_true", help="publish the fused tensors whole, last two dims swapped")
     args = p.parse_args()
     device = torch.device(args.device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -60,6 +65,11 @@ def main() -> int:
             t = torch.randn(shape, device=device)
             fused.append(t)
             flat = t.view(-1)
+            if args.transposed:
+                for name, _start, part, dims in transpose_fused_experts(path, shape) or []:
+                    moved = tuple(part[d] for d in dims)
+                    chunks.append(WholeChunk(name, moved, "BF16", "shape", Box.whole(moved), t.permute(*dims)))
+                continue
             for name, start, part in split_fused_experts(path, shape) or []:
                 n = part[0] * part[1]
                 chunks.append(WholeChunk(name, part, "BF16", "flat", Box.flat(0, n), flat[start:start + n]))
