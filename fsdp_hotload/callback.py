@@ -96,9 +96,10 @@ class HotloadCallback:
             tie_word_embeddings = hf_tie_word_embeddings(config.hf_config_dir)
         # A transformers model is published under its checkpoint's names where transformers says how (the same
         # answer on every rank); a split or rename of the caller's own is taken as it is.
+        self._base = base_tensor_shapes(config.hf_config_dir)  # headers only; None without weights there
         self.names_plan = None if not hf_names or split is not None or rename is not None else checkpoint_names(
             model, lambda: full_tensor_specs(model, tie_word_embeddings=tie_word_embeddings,
-                                             include_buffers=include_buffers))
+                                             include_buffers=include_buffers), self._base)
         if self.names_plan is not None:
             split, rename = self.names_plan.split, self.names_plan.rename
         self._chunk_kwargs: dict[str, Any] = dict(
@@ -164,11 +165,16 @@ class HotloadCallback:
             what = [f"{plan.split_tensors} tensor(s) split per expert"] if plan.split_tensors else []
             what += [f"{len(plan.changed)} name(s) changed, e.g. {a!r} to {b!r}"
                      for a, b in list(plan.changed.items())[:1]]
-            log.info("hotload: publishing under the names transformers' save_pretrained writes for this model (%s); "
-                     "hf_names=False turns this off", "; ".join(what))
+            if plan.transposed:
+                log.info("hotload: publishing %d tensor(s) with their last two dims swapped, as the base checkpoint "
+                         "stores them and transformers transposes them on loading (e.g. %r); hf_names=False turns "
+                         "this off", len(plan.transposed), plan.transposed[0])
+            else:
+                log.info("hotload: publishing under the names transformers' save_pretrained writes for this model "
+                         "(%s); hf_names=False turns this off", "; ".join(what))
         kw = {k: v for k, v in self._chunk_kwargs.items() if k not in ("snapshot_dtype", "dtype_overrides")}
         policy = DtypePolicy.of(self.config.snapshot_dtype, self.config.dtype_overrides)
-        base = base_tensor_shapes(self.config.hf_config_dir)
+        base = self._base
         own = {k: v for k, v in self._chunk_kwargs.items() if k not in ("rename", "split")}
         # hf_names already checked the published names and shapes against transformers' (its plan gives those)
         saved = None if base is not None or plan is not None else transformers_saved_shapes(

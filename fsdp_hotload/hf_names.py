@@ -6,8 +6,10 @@ always its checkpoint's, and the fleet loads by the checkpoint's. Where every te
 one of the model's tensors renamed, or a contiguous range of one (``naming.split_fused_experts``), the callback can
 publish under the checkpoint's names with no copy. :func:`checkpoint_names` finds the ``split`` and ``rename`` that
 do so and checks them against transformers' own revert: the names at the model's real shapes (on meta tensors, no
-memory), and which elements each part holds on a small probe whose values are their positions. Anything else (a
-transposed or interleaved layout, an unknown conversion) gives None, and the start-up names check warns instead.
+memory), and which elements each part holds on a small probe whose values are their positions. A tensor that
+transformers transposes on loading is published transposed where the base checkpoint stores it so (Qwen3-VL-MoE's
+experts; transformers' own ``save_pretrained`` keeps the model's layout, so only the base's shapes can tell).
+Anything else (an interleaved layout, an unknown conversion) gives None, and the start-up checks warn instead.
 
 Example::
 
@@ -37,6 +39,7 @@ class NamesPlan:
     rename: Rename
     split_tensors: int  # the model's tensors divided into parts
     changed: dict[str, str]  # published name -> checkpoint name, where they differ
+    transposed: tuple[str, ...] = ()  # tensors published with their last two dims swapped, as the base stores them
 
 
 def _revert() -> Callable[[Any, dict[str, Any]], dict[str, Any]] | None:
@@ -77,10 +80,13 @@ def transformers_saved_shapes(model: Any, specs: Specs) -> dict[str, tuple[int, 
         return None
 
 
-def checkpoint_names(model: Any, specs: Specs) -> NamesPlan | None:
+def checkpoint_names(model: Any, specs: Specs, base: dict[str, tuple[int, ...] | None] | None = None
+                     ) -> NamesPlan | None:
     """The ``split`` and ``rename`` that publish ``model`` under the names its ``save_pretrained`` writes, checked
     against transformers' revert; None when the names are already those, or the model is not a transformers model,
-    or its conversion is not renames and expert splits (see the module docstring)."""
+    or its conversion is not renames and expert splits (see the module docstring). Where the names are already
+    those, tensors that transformers transposes on loading and that the base checkpoint (``base``: its shapes by
+    name, ``hf_config.base_tensor_shapes``) stores transposed are published so (:func:`_transposes`)."""
     revert = _revert()
     if revert is None or not is_transformers_model(model):
         return None
@@ -90,8 +96,13 @@ def checkpoint_names(model: Any, specs: Specs) -> NamesPlan | None:
     try:
         saved = revert(model, {n: torch.empty(s, device="meta") for n, s in own})
         saved_shapes = {k: tuple(v.shape) for k, v in saved.items()}
-        if set(saved_shapes) == {n for n, _s in own}:
-            return None  # nothing to change (renames within the same names do not exist)
+        if set(saved_shapes) == {n for n, _s in own}:  # renames within the same names do not exist
+            transposed = _transposes(model, own, base)
+            if not transposed:
+                return None
+            names = set(transposed)
+            return NamesPlan(lambda path, shape: [(path, 0, shape, (0, 2, 1))] if path in names else None,
+                             lambda name: name, 0, {}, tuple(transposed))
         probe, parts, origin = {}, {}, {}
         at = 0
         for name, shape in own:
@@ -134,6 +145,33 @@ def checkpoint_names(model: Any, specs: Specs) -> NamesPlan | None:
         return None  # the real shapes must give the checkpoint's names and shapes exactly
     changed = {k: v for k, v in rename.items() if k != v}
     return NamesPlan(split, lambda name: rename.get(name, name), split_tensors, changed)
+
+
+def _transposes(model: Any, own: list[tuple[str, tuple[int, ...]]], base: dict[str, tuple[int, ...] | None] | None
+                ) -> list[str]:
+    """The model's 3-D tensors that transformers' conversion mapping transposes (dims 1 and 2) on loading and that
+    the base checkpoint holds under the same name with those dims swapped: its layout, which the fleet loads (for
+    Qwen3-VL-MoE's experts, ``naming.transpose_fused_experts``). Both must say so: a shape alone could also be a
+    reshape. Empty when either cannot tell."""
+    if not base:
+        return []
+    candidates = [n for n, s in own if len(s) == 3 and s[1] != s[2] and base.get(n) == (s[0], s[2], s[1])]
+    if not candidates:
+        return []
+    import re
+
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import Transpose, WeightConverter
+
+        patterns = [p for c in get_model_conversion_mapping(model, add_legacy=False)
+                    if isinstance(c, WeightConverter) and any(
+                        isinstance(op, Transpose) and {int(op.dim0), int(op.dim1)} == {1, 2} for op in c.operations)
+                    for p in c.target_patterns]
+        return [n for n in candidates if any(re.search(p, n) for p in patterns)]
+    except Exception as exc:  # noqa: BLE001 - another transformers: the start-up shapes check warns instead
+        log.debug("hotload: transformers' transposes could not be read: %s", exc)
+        return []
 
 
 def _probe_shape(name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:

@@ -222,9 +222,10 @@ def test_checkpoint_names_from_transformers_publish_what_save_pretrained_writes(
 def test_qwen3_vl_moe_experts_publish_in_their_checkpoint_layout(tmp_path: Path, caplog: pytest.LogCaptureFixture
                                                                   ) -> None:
     """Qwen3-VL-MoE: transformers 5's model holds its experts as (E, 2I, H) and (E, H, I), its checkpoints as
-    (E, H, 2I) and (E, I, H) under the same names. Against a base checkpoint in that layout the model's own
-    layout is warned about, with the fix; with split=transpose_fused_experts there is no warning, the snapshot
-    holds the checkpoint's shapes, and transformers loads it into exactly the trainer's weights."""
+    (E, H, 2I) and (E, I, H) under the same names. With the base checkpoint in hf_config_dir, hf_names (the default)
+    publishes them transposed, as does split=transpose_fused_experts: no warning, the snapshot holds the
+    checkpoint's shapes, and transformers loads it into exactly the trainer's weights. With hf_names off the model's
+    own layout is published and warned about, with the fix."""
     import logging
 
     from safetensors.torch import save_file
@@ -246,12 +247,16 @@ def test_qwen3_vl_moe_experts_publish_in_their_checkpoint_layout(tmp_path: Path,
     on_disk = {k: (v.transpose(1, 2) if k in experts else v).contiguous() for k, v in state.items()}
     save_file({k: v.clone() for k, v in on_disk.items()}, str(base / "model.safetensors"))
     fix = "pass split=transpose_fused_experts"
-    for kwargs, warned in [({}, True), ({"split": transpose_fused_experts}, False)]:
+    cases: list[tuple[dict[str, Any], bool]] = [({"hf_names": False}, True), ({}, False),
+                                                ({"split": transpose_fused_experts}, False)]
+    for i, (kwargs, warned) in enumerate(cases):
         caplog.clear()
-        bucket = tmp_path / f"bucket{len(kwargs)}"
-        with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        bucket = tmp_path / f"bucket{i}"
+        with caplog.at_level(logging.INFO, logger="fsdp_hotload"):
             hot = HotloadCallback(model, HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(base)), **kwargs)
         assert (fix in caplog.text) is warned, caplog.text
+        derived = "publishing 2 tensor(s) with their last two dims swapped, as the base checkpoint stores them"
+        assert (derived in caplog.text) is (not kwargs), caplog.text
         assert "names differ" not in caplog.text, caplog.text
         with hot:
             hot.step(0)
