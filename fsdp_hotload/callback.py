@@ -16,6 +16,7 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -96,7 +97,8 @@ class HotloadCallback:
             tie_word_embeddings = hf_tie_word_embeddings(config.hf_config_dir)
         # A transformers model is published under its checkpoint's names where transformers says how (the same
         # answer on every rank); a split or rename of the caller's own is taken as it is.
-        self._base = base_tensor_shapes(config.hf_config_dir)  # headers only; None without weights there
+        # the base checkpoint's shapes (headers only; None without weights there), read at most once, when needed
+        self._base = functools.cache(lambda: base_tensor_shapes(config.hf_config_dir))
         self.names_plan = None if not hf_names or split is not None or rename is not None else checkpoint_names(
             model, lambda: full_tensor_specs(model, tie_word_embeddings=tie_word_embeddings,
                                              include_buffers=include_buffers), self._base)
@@ -174,7 +176,7 @@ class HotloadCallback:
                          "(%s); hf_names=False turns this off", "; ".join(what))
         kw = {k: v for k, v in self._chunk_kwargs.items() if k not in ("snapshot_dtype", "dtype_overrides")}
         policy = DtypePolicy.of(self.config.snapshot_dtype, self.config.dtype_overrides)
-        base = self._base
+        base = self._base()
         own = {k: v for k, v in self._chunk_kwargs.items() if k not in ("rename", "split")}
         # hf_names already checked the published names and shapes against transformers' (its plan gives those)
         saved = None if base is not None or plan is not None else transformers_saved_shapes(

@@ -29,6 +29,7 @@ from .naming import Rename, Split, split_fused_experts
 log = logging.getLogger("fsdp_hotload")
 
 Specs = Callable[[], Iterable[tuple[str, tuple[int, ...], str]]]
+Base = Callable[[], "dict[str, tuple[int, ...] | None] | None"]  # the base checkpoint's shapes, read when asked
 
 
 @dataclass(frozen=True)
@@ -80,12 +81,11 @@ def transformers_saved_shapes(model: Any, specs: Specs) -> dict[str, tuple[int, 
         return None
 
 
-def checkpoint_names(model: Any, specs: Specs, base: dict[str, tuple[int, ...] | None] | None = None
-                     ) -> NamesPlan | None:
+def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> NamesPlan | None:
     """The ``split`` and ``rename`` that publish ``model`` under the names its ``save_pretrained`` writes, checked
     against transformers' revert; None when the names are already those, or the model is not a transformers model,
     or its conversion is not renames and expert splits (see the module docstring). Where the names are already
-    those, tensors that transformers transposes on loading and that the base checkpoint (``base``: its shapes by
+    those, tensors that transformers transposes on loading and that the base checkpoint (``base()``: its shapes by
     name, ``hf_config.base_tensor_shapes``) stores transposed are published so (:func:`_transposes`)."""
     revert = _revert()
     if revert is None or not is_transformers_model(model):
@@ -147,16 +147,13 @@ def checkpoint_names(model: Any, specs: Specs, base: dict[str, tuple[int, ...] |
     return NamesPlan(split, lambda name: rename.get(name, name), split_tensors, changed)
 
 
-def _transposes(model: Any, own: list[tuple[str, tuple[int, ...]]], base: dict[str, tuple[int, ...] | None] | None
-                ) -> list[str]:
+def _transposes(model: Any, own: list[tuple[str, tuple[int, ...]]], base: Base | None) -> list[str]:
     """The model's 3-D tensors that transformers' conversion mapping transposes (dims 1 and 2) on loading and that
     the base checkpoint holds under the same name with those dims swapped: its layout, which the fleet loads (for
     Qwen3-VL-MoE's experts, ``naming.transpose_fused_experts``). Both must say so: a shape alone could also be a
-    reshape. Empty when either cannot tell."""
-    if not base:
-        return []
-    candidates = [n for n, s in own if len(s) == 3 and s[1] != s[2] and base.get(n) == (s[0], s[2], s[1])]
-    if not candidates:
+    reshape. Empty when either cannot tell; the base's headers are read only when the mapping names a tensor."""
+    candidates = [(n, s) for n, s in own if len(s) == 3 and s[1] != s[2]]
+    if base is None or not candidates:
         return []
     import re
 
@@ -168,10 +165,12 @@ def _transposes(model: Any, own: list[tuple[str, tuple[int, ...]]], base: dict[s
                     if isinstance(c, WeightConverter) and any(
                         isinstance(op, Transpose) and {int(op.dim0), int(op.dim1)} == {1, 2} for op in c.operations)
                     for p in c.target_patterns]
-        return [n for n in candidates if any(re.search(p, n) for p in patterns)]
+        candidates = [(n, s) for n, s in candidates if any(re.search(p, n) for p in patterns)]
     except Exception as exc:  # noqa: BLE001 - another transformers: the start-up shapes check warns instead
         log.debug("hotload: transformers' transposes could not be read: %s", exc)
         return []
+    shapes = base() if candidates else None
+    return [n for n, s in candidates if shapes and shapes.get(n) == (s[0], s[2], s[1])]
 
 
 def _probe_shape(name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
