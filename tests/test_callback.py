@@ -497,6 +497,24 @@ def test_fused_experts_are_published_per_expert_bit_exact(tmp_path: Path, caplog
     with caplog.at_level("WARNING", logger="fsdp_hotload"):
         hot = HotloadCallback(model, cfg, split=split_fused_experts)
     assert "base checkpoint" not in caplog.text and "MoE" not in caplog.text, caplog.text
+    mlp = model.model.layers[0].mlp
+
+    def published() -> dict[str, torch.Tensor]:
+        want = {"model.embed_tokens.weight": model.model.embed_tokens.weight,
+                "model.layers.0.mlp.gate.weight": mlp.gate.weight, "lm_head.weight": model.lm_head.weight}
+        for e in range(experts):
+            want[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] = mlp.experts.gate_up_proj[e, :inter]
+            want[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] = mlp.experts.gate_up_proj[e, inter:]
+            want[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] = mlp.experts.down_proj[e]
+        return want
+
+    _two_publishes_bit_exact(model, hot, published, bucket)
+
+
+def _two_publishes_bit_exact(model: nn.Module, hot: HotloadCallback, published: Any, bucket: Path) -> None:
+    """Two sparse updates of ``model``, each published by ``hot`` (a full snapshot, then a delta); each rebuilt
+    snapshot must hold exactly what ``published()`` (name -> tensor, in the published layout) gave at its step,
+    cast to bf16. Closes ``hot``."""
     expected = []
     with hot:
         for step in range(2):
@@ -505,14 +523,8 @@ def test_fused_experts_are_published_per_expert_bit_exact(tmp_path: Path, caplog
                     p.add_(torch.randn_like(p) * 0.1 * (torch.rand_like(p) < 0.3))
             hot.step(step)
             hot.wait()
-            mlp = model.model.layers[0].mlp
-            want = {"model.embed_tokens.weight": model.model.embed_tokens.weight,
-                    "model.layers.0.mlp.gate.weight": mlp.gate.weight, "lm_head.weight": model.lm_head.weight}
-            for e in range(experts):
-                want[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] = mlp.experts.gate_up_proj[e, :inter]
-                want[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] = mlp.experts.gate_up_proj[e, inter:]
-                want[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] = mlp.experts.down_proj[e]
-            expected.append({k: RawTensor.from_any(v.detach().bfloat16().contiguous()) for k, v in want.items()})
+            expected.append({k: RawTensor.from_any(v.detach().bfloat16().contiguous())
+                             for k, v in published().items()})
     assert [(m.kind, m.ok) for m in hot.metrics] == [("full", True), ("delta", True)]
     rebuilt = rebuild_accepted(bucket, hot.metrics)
     for m, want_raw in zip(hot.metrics, expected):
@@ -561,23 +573,7 @@ def test_fused_experts_in_a_transposed_checkpoint_layout_are_published_bit_exact
         with caplog.at_level("WARNING", logger="fsdp_hotload"):
             hot = HotloadCallback(model, cfg, split=split)
         assert "shape" not in caplog.text and "base checkpoint" not in caplog.text, caplog.text
-        expected = []
-        with hot:
-            for step in range(2):
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p.add_(torch.randn_like(p) * 0.1 * (torch.rand_like(p) < 0.3))
-                hot.step(step)
-                hot.wait()
-                expected.append({k: RawTensor.from_any(v.detach().bfloat16().contiguous())
-                                 for k, v in layouts()[i].items()})
-        assert [(m.kind, m.ok) for m in hot.metrics] == [("full", True), ("delta", True)]
-        rebuilt = rebuild_accepted(bucket, hot.metrics)
-        for m, want_raw in zip(hot.metrics, expected):
-            got = rebuilt[m.identity]
-            assert sorted(got) == sorted(want_raw)
-            for name, raw in want_raw.items():
-                assert (got[name].shape, got[name].data.tobytes()) == (raw.shape, raw.data.tobytes()), name
+        _two_publishes_bit_exact(model, hot, lambda i=i: layouts()[i], bucket)
     caplog.clear()
     with caplog.at_level("WARNING", logger="fsdp_hotload"):  # the model's layout against a transposed checkpoint
         HotloadCallback(model, HotloadConfig(bucket_url=str(tmp_path / "c"), hf_config_dir=str(tmp_path / "hf0")
