@@ -174,3 +174,38 @@ def test_close_gives_up_on_every_rank_when_one_rank_s_write_hangs(tmp_path: Path
     assert "uploading" in json.loads(Path(f"{out}.1").read_text())["error"]
     committed = sorted(p.parent.name for p in bucket.glob("*/hotload.commit.json"))
     assert len(committed) == 1 and committed[0].startswith("step-000000-"), committed
+
+
+def test_parts_published_transposed_from_fsdp2_shards_are_bit_exact(tmp_path: Path) -> None:
+    """Fused experts (transpose_fused_experts, 3 experts split 2 + 1), a ``Shard(1)`` weight transposed whole (boxes
+    of columns) and row blocks transposed, one cut mid-row by the ranks' boundary: every accepted snapshot, full and
+    delta, rebuilt from the bucket is the gathered state, split and permuted, bit for bit (transposed_publish.py)."""
+    bucket, hf, out = tmp_path / "bucket", tmp_path / "hf", tmp_path / "result.json"
+    bucket.mkdir(), hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    run_torchrun(str(SCRIPTS / "transposed_publish.py"), 2,
+                 ["--bucket", str(bucket), "--out", str(out), "--hf-dir", str(hf), "--steps", "6", "--full-every", "3"],
+                 timeout=120)
+    res = json.loads(out.read_text())
+    snaps = res["snapshots"]
+    assert [(s["kind"], s["ok"]) for s in snaps] == [("full", True), ("delta", True), ("delta", True)] * 2, snaps
+    for s in snaps:
+        assert s["names_match"] and not s["shape_mismatch"] and not s["byte_mismatch"], s
+    assert res["placements"]["model.layers.0.mlp.cols.weight"] == ["Shard(dim=1)"], res["placements"]
+    module, layer = res["module_shapes"], "model.layers.0.mlp."
+    assert module[layer + "experts.gate_up_proj"] == [3, 6, 5] and module[layer + "cols.weight"] == [6, 4]
+    # published in the permuted order, not the model's: a permutation ignored would fail here
+    assert all(s["shapes"] == {layer + "experts.gate_up_proj": [3, 5, 6], layer + "experts.down_proj": [3, 3, 5],
+                               layer + "cols.weight": [4, 6], layer + "gate.weight": [3, 5],
+                               layer + "rows.0.weight": [3, 2], layer + "rows.1.weight": [6, 4],
+                               layer + "rows.2.weight": [3, 2]} for s in snaps), snaps[0]["shapes"]
+    boxes = [{(name, json.dumps(box)) for name, _space, box in chunks} for chunks in res["chunks"]]
+    # the Shard(1) weight: each rank's columns are rows of the published tensor (the box path)
+    assert (layer + "cols.weight", json.dumps({"start": [0, 0], "length": [2, 6]})) in boxes[0], boxes
+    assert (layer + "cols.weight", json.dumps({"start": [2, 0], "length": [2, 6]})) in boxes[1], boxes
+    # row block 1 ((4, 6) before its dims are swapped) is cut by the ranks' boundary inside its row 2: rank 0 holds
+    # rows 0-1 and the start of row 2, rank 1 the rest of row 2 and row 3, as boxes of the published (6, 4) tensor
+    # (range_boxes: whole rows, a partial last row, a partial first row)
+    cut = [sorted(json.loads(b)["start"] + json.loads(b)["length"] for n, b in rank if n == layer + "rows.1.weight")
+           for rank in boxes]
+    assert cut == [[[0, 0, 6, 2], [0, 2, 2, 1]], [[0, 3, 6, 1], [2, 2, 4, 1]]], cut
