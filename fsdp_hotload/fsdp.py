@@ -24,7 +24,7 @@ Example::
 
     chunks = local_chunks(model, tie_word_embeddings=True)
     for c in chunks:                      # c.box is in c.space ("flat": (numel,), "shape": c.shape)
-        staging[c.name].copy_(c.source)   # the engine casts fp32 masters to c.dtype ("BF16") while copying
+        staging[c.name].view(c.source.shape).copy_(c.source)   # the engine casts fp32 masters to c.dtype ("BF16")
 """
 from __future__ import annotations
 

@@ -115,7 +115,11 @@ def _check_same_specs(specs_by_rank: Sequence[Sequence[TensorSpec]]) -> None:
     for r, other in enumerate(specs_by_rank):
         if list(other) != list(specs_by_rank[0]):
             diff = sorted(set(map(repr, other)) ^ set(map(repr, specs_by_rank[0])))[:3]
-            raise OwnershipError(f"ranks 0 and {r} see different tensor specs (e.g. {', '.join(diff)})")
+            hint = ""
+            if [(n, d) for n, _s, d in other] == [(n, d) for n, _s, d in specs_by_rank[0]]:  # shapes alone differ
+                hint = ("; only shapes differ: does every rank read the same base checkpoint in hf_config_dir "
+                        "(hf_names publishes a tensor transposed where its headers store it so)?")
+            raise OwnershipError(f"ranks 0 and {r} see different tensor specs (e.g. {', '.join(diff)}){hint}")
 
 
 def assign_chunks(chunks_from_all_ranks: Sequence[Sequence[_ChunkLike]],

@@ -206,8 +206,10 @@ Shape = tuple[int, ...]
 def base_tensor_shapes(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, Shape | None] | None:
     """The tensors of the base checkpoint in ``hf_config_dir``, by name, each with its shape where a
     ``*.safetensors`` header there gives it (only headers are read, no weights): its index's ``weight_map`` names,
-    else those of the headers. None when the folder holds no weights (config and tokenizer only) or they cannot be
-    read: there is then nothing to compare with."""
+    else those of the headers. With an index, a file that is absent or unreadable (a Git LFS pointer) leaves its
+    tensors' shapes unknown. None when the folder holds no weights (config and tokenizer only), or, without an
+    index, a header cannot be read: there is then nothing to compare with. Never raises: what it reads only feeds
+    start-up checks."""
     if hf_config_dir is None:
         return None
     path = os.fspath(hf_config_dir)
@@ -216,7 +218,7 @@ def base_tensor_shapes(hf_config_dir: str | os.PathLike[str] | None) -> dict[str
         if os.path.isfile(index):
             with open(index, "rb") as fh:
                 weight_map = json.loads(fh.read()).get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
+            if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(k, str) for k in weight_map):
                 return None
             files = sorted({f for f in weight_map.values() if isinstance(f, str)})
         else:
@@ -225,27 +227,39 @@ def base_tensor_shapes(hf_config_dir: str | os.PathLike[str] | None) -> dict[str
                            if e.name.endswith(".safetensors") and e.is_file(follow_symlinks=True))
         shapes: dict[str, Shape | None] = {name: None for name in weight_map}
         for name in files:
-            file = os.path.join(path, name)
-            if weight_map and not os.path.isfile(file):  # an index without its files: names only
-                continue
-            header = _header(file)
+            header = _header(os.path.join(path, name))
             if header is None:
+                if weight_map:  # names only, from the index
+                    continue
                 return None
-            shapes.update((k, tuple(int(d) for d in v["shape"])) for k, v in header.items()
+            shapes.update((k, _shape(v)) for k, v in header.items()
                           if k != "__metadata__" and (not weight_map or k in weight_map))
         return shapes or None
-    except (OSError, ValueError, AttributeError, KeyError, TypeError, struct.error):
+    except Exception as exc:  # noqa: BLE001 - any malformed index (deep nesting, odd types): no comparison
+        log.debug("hotload: the base checkpoint's index in %s could not be read: %s", path, exc)
         return None
 
 
 def _header(file: str) -> dict[str, Any] | None:
-    """A safetensors file's header (None when it claims more than any header may hold)."""
-    with open(file, "rb") as fh:
-        (size,) = struct.unpack("<Q", fh.read(8))
-        if size > MAX_HEADER_BYTES:
-            return None
-        header = json.loads(fh.read(size))
+    """A safetensors file's header, or None when the file is absent, is not one (a Git LFS pointer claims more
+    than any header may hold) or holds malformed JSON."""
+    try:
+        with open(file, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            if size > MAX_HEADER_BYTES:
+                return None
+            header = json.loads(fh.read(size))
+    except Exception:  # noqa: BLE001 - OSError, struct.error, bad JSON, RecursionError: not a header
+        return None
     return header if isinstance(header, dict) else None
+
+
+def _shape(entry: Any) -> Shape | None:
+    """A header entry's shape: a list of non-negative integers, else unknown."""
+    dims = entry.get("shape") if isinstance(entry, dict) else None
+    if not isinstance(dims, list) or not all(type(d) is int and d >= 0 for d in dims):
+        return None
+    return tuple(dims)
 
 
 def names_note(published: Iterable[str], base: Iterable[str] | None, *, saved: Iterable[str] | None = None

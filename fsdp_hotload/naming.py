@@ -251,8 +251,10 @@ def transpose_fused_experts(path: str, shape: tuple[int, ...]) -> list[Part] | N
     ``<p>.experts.down_proj`` as ``(E, I, H)``, under the names transformers 5's model uses, while the model holds
     them as ``(E, 2I, H)`` and ``(E, H, I)`` (transformers transposes them on loading, and its ``save_pretrained``
     keeps the model's layout). The fleet loads by the checkpoint's layout. Each rank's part is its shard viewed
-    transposed, so no bytes move until the staging copy, which reads them in the published order. Every other
-    path is left alone.
+    transposed, so no bytes move until the staging copy, which reads them in the published order. Square ones
+    (``H == 2I``) are transposed too: the checkpoint's layout is transposed whatever the shapes (transformers,
+    telling the layouts apart by shape, cannot load such a checkpoint right, and the start-up check cannot see
+    it). Every other path is left alone.
 
     Example::
 

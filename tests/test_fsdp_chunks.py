@@ -313,6 +313,21 @@ def test_check_ownership_rejects_duplicate_specs() -> None:
         check_ownership([], [*SPECS, ("a", (10,), "BF16")])
 
 
+def test_ranks_that_see_other_specs_are_told_which_and_why_shapes_alone_may_differ() -> None:
+    """Ranks must publish the same tensors. Where only shapes differ, the likely cause is a base checkpoint that
+    one rank reads and another does not (hf_names transposes by its headers): the error says so."""
+    from fsdp_hotload.fsdp_verify import _check_same_specs
+
+    ours = [("e.gate_up_proj", (3, 8, 4), "BF16"), ("n", (4,), "BF16")]
+    swapped = [("e.gate_up_proj", (3, 4, 8), "BF16"), ("n", (4,), "BF16")]
+    _check_same_specs([ours, list(ours)])
+    with pytest.raises(OwnershipError, match=r"ranks 0 and 1 see different tensor specs .*only shapes differ: "
+                                             r"does every rank read the same base checkpoint in hf_config_dir"):
+        _check_same_specs([ours, swapped])
+    with pytest.raises(OwnershipError, match=r"ranks 0 and 2 see different tensor specs \(e\.g\. .*'m'.*\)$"):
+        _check_same_specs([ours, ours, [*ours, ("m", (1,), "BF16")]])
+
+
 # ------------------------------------------------------------------------------------------------ torchrun
 
 

@@ -188,3 +188,54 @@ def test_additional_chat_templates_are_carried_and_survive_a_rebuild(tmp_path: P
     apply_paths(str(full), str(delta), str(out))  # the reference rebuild keeps the folder too
     assert (out / "additional_chat_templates" / "tool_use.jinja").read_text() == "{{ tools }}"
     assert (out / "chat_template.jinja").read_text() == "{{ messages }}"
+
+
+def _raw_safetensors(path: Path, header: bytes) -> None:
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+
+
+def test_base_tensor_shapes_reads_headers_and_never_raises(tmp_path: Path) -> None:
+    """The base checkpoint's shapes feed only start-up checks: whatever the folder holds, they come back or None,
+    never an exception (one would stop rank 0 alone, after its publisher started). With an index, a file that is
+    not a safetensors file (a Git LFS pointer) or holds a malformed header leaves its tensors' shapes unknown and
+    keeps the names; a dim that is not a non-negative integer is unknown too."""
+    from safetensors.torch import save_file
+
+    from fsdp_hotload.hf_config import base_tensor_shapes
+
+    good = tmp_path / "good"
+    good.mkdir()
+    save_file({"a.weight": torch.zeros(2, 3), "b.bias": torch.zeros(4)}, str(good / "model.safetensors"))
+    assert base_tensor_shapes(good) == {"a.weight": (2, 3), "b.bias": (4,)}
+    assert base_tensor_shapes(None) is None and base_tensor_shapes(tmp_path / "absent") is None
+
+    odd = {"inf": b'{"x": {"dtype": "F32", "shape": [1e400], "data_offsets": [0, 4]}}',
+           "nan": b'{"x": {"dtype": "F32", "shape": [NaN], "data_offsets": [0, 4]}}',
+           "str": b'{"x": {"dtype": "F32", "shape": "12", "data_offsets": [0, 4]}}',
+           "neg": b'{"x": {"dtype": "F32", "shape": [-1, true], "data_offsets": [0, 4]}}',
+           "deep": b"[" * 200_000, "list": b"[1, 2]", "bad": b'{"x": '}
+    for label, header in odd.items():
+        bare = tmp_path / label
+        bare.mkdir()
+        _raw_safetensors(bare / "model.safetensors", header)
+        got = base_tensor_shapes(bare)
+        assert got in (None, {"x": None}), (label, got)  # without an index: unknown, nothing raised
+        indexed = tmp_path / f"{label}-indexed"
+        indexed.mkdir()
+        _raw_safetensors(indexed / "model-00001-of-00002.safetensors", header)
+        save_file({"a.weight": torch.zeros(2, 3)}, str(indexed / "model-00002-of-00002.safetensors"))
+        weight_map = {"x": "model-00001-of-00002.safetensors", "a.weight": "model-00002-of-00002.safetensors"}
+        (indexed / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        assert base_tensor_shapes(indexed) == {"x": None, "a.weight": (2, 3)}, label
+
+    lfs = tmp_path / "lfs"
+    lfs.mkdir()
+    (lfs / "model-00001-of-00001.safetensors").write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 123\n")
+    (lfs / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a.weight": "model-00001-of-00001.safetensors"}}))
+    assert base_tensor_shapes(lfs) == {"a.weight": None}  # the names, as before any header was read
+    (lfs / "model.safetensors.index.json").write_text("[" * 200_000)
+    assert base_tensor_shapes(lfs) is None
+    (lfs / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"1": 2, "3": None}}))
+    assert base_tensor_shapes(lfs) == {"1": None, "3": None}
