@@ -131,7 +131,10 @@ class HotloadCallback:
             self._close_comms()
             raise
         if self.engine.rank == 0:
-            self._warn_about_model()
+            try:
+                self._warn_about_model()
+            except Exception as exc:  # noqa: BLE001 - advice only: it must not stop rank 0 alone, the others running
+                log.warning("hotload: the start-up checks of the model's names, dtypes and shapes failed: %r", exc)
         self._layout = [(c.name, c.box) for c in walked]
         self._views = [c.source for c in chunks]
         self._buffer_idx = self._buffer_chunks(chunks)

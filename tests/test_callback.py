@@ -583,6 +583,23 @@ def test_fused_experts_in_a_transposed_checkpoint_layout_are_published_bit_exact
             "pass split=transpose_fused_experts") in caplog.text, caplog.text
 
 
+def test_a_start_up_check_that_fails_is_told_and_publishing_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """The start-up checks run on rank 0 only, after the publisher started: an error in one would stop rank 0 alone
+    while the other ranks go on to their first collective. It is logged instead, and the callback publishes."""
+    import fsdp_hotload.callback as callback_module
+
+    def broken(*_a: Any, **_k: Any) -> str | None:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(callback_module, "shapes_note", broken)
+    with caplog.at_level("WARNING", logger="fsdp_hotload"):
+        with HotloadCallback(Net(), HotloadConfig(bucket_url=str(tmp_path / "b"), busy_policy="wait")) as hot:
+            hot.step(0)
+    assert "start-up checks of the model's names, dtypes and shapes failed: RecursionError" in caplog.text
+    assert [(m.kind, m.ok) for m in hot.metrics] == [("full", True)]
+
+
 def test_a_split_must_tile_its_tensor(tmp_path: Path) -> None:
     """A split that leaves elements out would publish a model without them; one that overlaps, some twice."""
     from fsdp_hotload.fsdp import full_tensor_specs
