@@ -35,15 +35,33 @@ def expert_parts(device: str) -> list[WholeChunk]:
                        Box.flat(0, 20), flat[20 * k:20 * (k + 1)]) for k in range(6)]
 
 
-@pytest.mark.parametrize("layout", ["tensors", "parts"])
+def transposed_parts(device: str) -> list[WholeChunk]:
+    """Parts published with their dims permuted (``transpose_fused_experts``, a per-expert part with dims (1, 0)):
+    strided N-D sources, which the staging copy reads in the published order."""
+    g = torch.Generator(device="cpu").manual_seed(2)
+    gate_up = (torch.randn(3, 8, 5, generator=g) * 0.02).to(device)
+    down = (torch.randn(3, 5, 4, generator=g) * 0.02).to(device)
+    out = [WholeChunk("experts.gate_up_proj", (3, 5, 8), "BF16", "shape", Box.whole((3, 5, 8)),
+                      gate_up.permute(0, 2, 1))]
+    return out + [WholeChunk(f"experts.{e}.down_proj.weight", (4, 5), "BF16", "shape", Box.whole((4, 5)), down[e].t())
+                  for e in range(3)]
+
+
+LAYOUTS = {"tensors": chunks, "parts": expert_parts, "transposed": transposed_parts}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("cache_on", ["device", "host"])
 def test_device_diff_matches_host_diff(cache_on: str, layout: str) -> None:
-    cs = chunks("cuda") if layout == "tensors" else expert_parts("cuda")
+    cs = LAYOUTS[layout]("cuda")
     st = Stager(cs, slots=1, cache_on=cache_on)
     buf = st.acquire(wait=False)
     assert buf is not None and buf.device.type == "cuda"
     st.wait_event(st.stage(buf))
     host_before = buf.cpu().numpy().copy()
+    for c, s in zip(cs, st.slices):  # each chunk's bytes in its box's C order (a permuted source: the published one)
+        want = c.source.to(torch.bfloat16 if c.dtype == "BF16" else torch.int64).contiguous().reshape(-1)
+        assert np.array_equal(host_before[s.offset:s.offset + s.nbytes], want.view(torch.uint8).cpu().numpy()), c.name
     st.promote(buf)
     with torch.no_grad():
         for c in cs:
