@@ -349,7 +349,8 @@ def test_an_fp16_model_published_as_bf16_is_warned_about(tmp_path: Path, caplog:
     nothing; with the matching snapshot_dtype there is nothing to say."""
     model = Net().half()
     with caplog.at_level("WARNING", logger="fsdp_hotload"):
-        HotloadCallback(model, HotloadConfig(bucket_url=str(tmp_path / "a"), dtype_overrides={"nope.*": "keep"})).close()
+        HotloadCallback(model, HotloadConfig(bucket_url=str(tmp_path / "a"),
+                                             dtype_overrides={"nope.*": "keep"})).close()
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "6 float16 tensor(s) ('embed_tokens.weight' and 5 more) are published as bfloat16" in text, text
     assert "dtype_overrides glob 'nope.*' matches no floating tensor" in text, text
