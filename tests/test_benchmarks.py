@@ -201,3 +201,6 @@ def test_split_staging_benchmark_copies_runs_of_parts() -> None:
                  "8", "--reps", "2"], 120)
     assert "48 parts of 4 fused tensors" in proc.stdout and "staged in 4 copies" in proc.stdout, proc.stdout
     assert "one copy per chunk" in proc.stdout and "machine:" in proc.stdout
+    proc = _run([str(BENCH / "split_staging.py"), "--layers", "2", "--experts", "8", "--inter", "4", "--hidden",
+                 "8", "--reps", "2", "--transposed"], 120)
+    assert "4 parts of 4 fused tensors" in proc.stdout and "Stager.stage" in proc.stdout, proc.stdout
