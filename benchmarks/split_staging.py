@@ -3,8 +3,9 @@
 ``split=split_fused_experts`` publishes every expert's gate, up and down weights as tensors of their own, each a
 range of a fused parameter, so a rank stages thousands of chunks, each a view next to the last. What is timed is
 ``Stager.stage`` of those chunks (fp32 masters cast to bf16, as the callback's hook or its helper thread runs it)
-against one cast-copy of the same bytes into a preallocated buffer, measured in the same run (the floor), and
-against staging each chunk by a copy of its own (always timed too: how it was before runs of adjacent chunks were
+against one cast-copy of the same bytes into a preallocated buffer, measured in the same run (the floor), also
+given the chunks' views as a list (the callback's call, which checks the sources it is given), and against
+staging each chunk by a copy of its own (always timed too: how it was before runs of adjacent chunks were
 copied together).
 
 ``--transposed`` times ``split=transpose_fused_experts`` instead (Qwen3-VL-MoE's checkpoint layout): one chunk per
@@ -82,6 +83,8 @@ def main() -> int:
         st.wait_event(st.stage(buf))
 
     staged_s = median_s(stage, args.reps, sync)
+    views = [c.source for c in chunks]  # what the callback passes each publish: the chunks' own views, listed anew
+    given_s = median_s(lambda: st.wait_event(st.stage(buf, views)), args.reps, sync)
     st._groups = [CopyGroup(k, k + 1, (c.source,), None) for k, c in enumerate(chunks)]  # one copy per chunk
     st._dst.clear()
     per_chunk_s = median_s(stage, args.reps, sync)
@@ -92,6 +95,7 @@ def main() -> int:
           f"staged in {runs} copies")
     print(f"{'one cast-copy (floor)':>28}: {copy_s * 1e3:8.2f} ms")
     print(f"{'Stager.stage':>28}: {staged_s * 1e3:8.2f} ms  ({staged_s / copy_s:.2f}x the floor)")
+    print(f"{'given the views (callback)':>28}: {given_s * 1e3:8.2f} ms  ({given_s / copy_s:.2f}x the floor)")
     print(f"{'one copy per chunk':>28}: {per_chunk_s * 1e3:8.2f} ms  ({per_chunk_s / copy_s:.2f}x the floor, "
           f"{(per_chunk_s - copy_s) / len(chunks) * 1e6:.1f} us per chunk over it)")
     print(f"machine: {machine()}")

@@ -192,6 +192,17 @@ def test_adjacent_chunks_are_staged_in_one_copy_and_given_sources_are_still_read
     with torch.no_grad():
         base.mul_(3)  # the same views, new values: the run reads them
     assert staged(None) == expected(own)
+    # own views are not counted again each publish (a split MoE model has tens of thousands); any other source is,
+    # since a copy would broadcast a one-element tensor over its whole chunk
+    wrong = list(own)
+    wrong[4] = torch.zeros(1)
+    buf = st.acquire(wait=False)
+    assert buf is not None
+    with pytest.raises(ValueError, match="chunk 'e4': source has 1 elements, the chunk 24"):
+        st.stage(buf, wrong)
+    with pytest.raises(ValueError, match="5 source tensors for 6 chunks"):
+        st.stage(buf, own[:5])
+    st.release(buf)
 
 
 def test_device_diff_of_adjacent_chunks_is_cut_back_into_each_chunks_changes() -> None:

@@ -105,7 +105,8 @@ class Stager:
         self._work = torch.cuda.Stream(self.device) if self.cuda else None  # the publisher's device work
         self._copier: ThreadPoolExecutor | None = None  # host copies off the trainer's thread (``background``)
         self._views: dict[int, list[np.ndarray]] = {}  # host_views by buffer address
-        self._groups = copy_groups([c.source for c in self.chunks], self.slices)
+        self._own = [c.source for c in self.chunks]  # checked above
+        self._groups = copy_groups(self._own, self.slices)
         self._dst: dict[int, list[torch.Tensor]] = {}  # each group's slot view, by buffer address
 
     def _alloc(self, device: torch.device) -> torch.Tensor:
@@ -136,7 +137,7 @@ class Stager:
         thread, returning a Future: the caller must then keep the sources unchanged until it is done (the
         callback waits for it before the next optimizer step).
         """
-        srcs = [c.source for c in self.chunks] if sources is None else self._checked(sources)
+        srcs = self._own if sources is None else self._checked(sources)
         if self.cuda:
             assert self._stream is not None
             main = torch.cuda.current_stream(self.device)
@@ -156,12 +157,16 @@ class Stager:
 
     def _checked(self, sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Caller-given sources, one per chunk with the chunk's element count. Why: a copy broadcasts, so a
-        source of one element would fill its whole chunk and be published without any error."""
+        source of one element would fill its whole chunk and be published without any error. The chunks' own
+        sources, which the callback passes while the model's storage is unchanged, were checked at construction:
+        one identity pass skips them (a split MoE model has tens of thousands, ~0.4 us each to count)."""
         srcs = list(sources)
         if len(srcs) != len(self.chunks):
             raise ValueError(f"{len(srcs)} source tensors for {len(self.chunks)} chunks (one per chunk, in order)")
+        if all(map(operator.is_, srcs, self._own)):
+            return self._own  # which _pairs knows without looking again
         for c, s, src in zip(self.chunks, self.slices, srcs):
-            if int(src.numel()) != s.numel:
+            if src is not c.source and int(src.numel()) != s.numel:
                 raise ValueError(f"chunk {c.name!r}: source has {src.numel()} elements, the chunk {s.numel}")
         return srcs
 
@@ -180,11 +185,12 @@ class Stager:
                 .view(self.slices[g.start].torch_dtype) for g in self._groups]
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
+        own = srcs is self._own
         for g, view in zip(self._groups, views):
             if g.stop - g.start == 1:
                 dst.append(_as_source(view, srcs[g.start]))
                 src.append(srcs[g.start].detach())
-            elif all(map(operator.is_, srcs[g.start:g.stop], g.members)):
+            elif own or all(map(operator.is_, srcs[g.start:g.stop], g.members)):
                 dst.append(view)
                 src.append(g.merged)
             else:
