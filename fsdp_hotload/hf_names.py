@@ -113,20 +113,24 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
                 continue
             n = small[0] * small[1] * small[2]
             probe[name] = torch.arange(at, at + n, dtype=torch.int64).reshape(small)
+            parts[(at, small)] = (name, name)  # saved whole (a checkpoint that keeps the experts fused)
             for part, start, part_shape in split_fused_experts(name, small) or []:
-                parts[(at + start, part_shape)] = part
+                parts[(at + start, part_shape)] = (part, name)
             at += n
         rename: dict[str, str] = {}
+        divided: set[str] = set()  # fused tensors saved per expert
         for target, t in revert(model, probe).items():
             t = t[0] if isinstance(t, list) else t
             if t.device.type == "meta":
                 source = origin.get(id(t))
-            else:  # a probe part: which of our parts holds exactly these elements, in this order
+            else:  # a probe part: which of our parts (or whole tensors) holds exactly these elements, in this order
                 flat = t.reshape(-1)
                 first = int(flat[0]) if flat.numel() else -1
-                source = parts.get((first, tuple(t.shape)))
+                source, whole = parts.get((first, tuple(t.shape)), (None, None))
                 if source is not None and not torch.equal(flat, torch.arange(first, first + flat.numel())):
                     source = None
+                if source is not None and source != whole:
+                    divided.add(whole)
             if source is None or source in rename:
                 log.debug("hotload: transformers saves %r as nothing hotload can publish in place", target)
                 return None
@@ -134,17 +138,16 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
     except Exception as exc:  # noqa: BLE001 - an unknown conversion: the start-up names check warns instead
         log.debug("hotload: transformers' checkpoint names could not be followed: %s", exc)
         return None
-    split = split_fused_experts if parts else None
+    split = None if not divided else (
+        lambda path, shape: split_fused_experts(path, shape) if path in divided else None)
     published: list[tuple[str, tuple[int, ...]]] = []  # at the real shapes
-    split_tensors = 0
     for name, shape in own:
-        split_up = split_fused_experts(name, shape) if split is not None else None
+        split_up = split_fused_experts(name, shape) if name in divided else None
         published += [(p, tuple(sh)) for p, _start, sh in split_up] if split_up else [(name, shape)]
-        split_tensors += bool(split_up)
     if len(rename) != len(published) or {rename.get(p): sh for p, sh in published} != saved_shapes:
         return None  # the real shapes must give the checkpoint's names and shapes exactly
     changed = {k: v for k, v in rename.items() if k != v}
-    return NamesPlan(split, lambda name: rename.get(name, name), split_tensors, changed)
+    return NamesPlan(split, lambda name: rename.get(name, name), len(divided), changed)
 
 
 def _transposes(model: Any, own: list[tuple[str, tuple[int, ...]]], base: Base | None) -> list[str]:

@@ -221,7 +221,9 @@ def split_fused_experts(path: str, shape: tuple[int, ...]) -> list[tuple[str, in
 
     * ``<p>.experts.gate_up_proj``, shape ``(E, 2I, H)``: ``<p>.experts.<e>.gate_proj.weight`` is ``[e, :I]`` and
       ``<p>.experts.<e>.up_proj.weight`` is ``[e, I:]``, each ``(I, H)``;
-    * ``<p>.experts.down_proj``, shape ``(E, H, I)``: ``<p>.experts.<e>.down_proj.weight`` is ``[e]``.
+    * ``<p>.experts.down_proj``, shape ``(E, H, I)``: ``<p>.experts.<e>.down_proj.weight`` is ``[e]``;
+    * ``<p>.experts.up_proj``, shape ``(E, I, H)``, of experts without a gate (Nemotron-H):
+      ``<p>.experts.<e>.up_proj.weight`` is ``[e]``.
 
     Each is a contiguous range of the fused tensor, so the split moves no bytes. Models whose checkpoints keep
     experts fused (gpt-oss, Llama 4, with a transposed layout) must not use it. Every other path is left alone.
@@ -238,9 +240,9 @@ def split_fused_experts(path: str, shape: tuple[int, ...]) -> list[tuple[str, in
         return [part for e in range(experts) for part in (
             (f"{head}{e}.gate_proj.weight", 2 * e * half, (rows // 2, cols)),
             (f"{head}{e}.up_proj.weight", (2 * e + 1) * half, (rows // 2, cols)))]
-    if path.endswith(".experts.down_proj"):
-        head = path[:-len("down_proj")]
-        return [(f"{head}{e}.down_proj.weight", e * rows * cols, (rows, cols)) for e in range(experts)]
+    if path.endswith((".experts.down_proj", ".experts.up_proj")):
+        head, proj = path.rsplit(".", 1)
+        return [(f"{head}.{e}.{proj}.weight", e * rows * cols, (rows, cols)) for e in range(experts)]
     return None
 
 

@@ -182,7 +182,14 @@ def test_names_transformers_would_not_save_are_warned_about(tmp_path: Path, capl
             assert said in caplog.text and warned in caplog.text, caplog.text
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "deepseek_v3", "llama"])
+# model type -> (tensors split per expert, names changed): the qwen2_moe family only splits, Mixtral also renames,
+# Nemotron-H's experts have no gate (a fused up_proj), GraniteMoE's checkpoints keep the experts fused under other
+# names (renamed whole), a Llama needs nothing
+PLANS = {"qwen3_moe": (True, False), "mixtral": (True, True), "deepseek_v3": (True, False),
+         "nemotron_h": (True, True), "granitemoe": (False, True), "llama": None}
+
+
+@pytest.mark.parametrize("kind", sorted(PLANS))
 def test_checkpoint_names_from_transformers_publish_what_save_pretrained_writes(kind: str) -> None:
     """hf_names: the split and rename derived from transformers' conversion mapping give exactly the tensors its
     revert (what save_pretrained writes) gives, names and elements; a model whose names are its checkpoint's gets
@@ -200,16 +207,24 @@ def test_checkpoint_names_from_transformers_publish_what_save_pretrained_writes(
             moe_intermediate_size=8, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
             n_shared_experts=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
             v_head_dim=4, n_group=1, topk_group=1, **common),
+        "nemotron_h": lambda: transformers.NemotronHConfig(
+            hybrid_override_pattern="E*", layers_block_type=["moe", "attention"], n_routed_experts=3,
+            num_experts_per_tok=2, moe_intermediate_size=8, moe_shared_expert_intermediate_size=8, mamba_num_heads=2,
+            mamba_head_dim=8, ssm_state_size=8, n_groups=1, head_dim=8, **common),
+        "granitemoe": lambda: transformers.GraniteMoeConfig(num_local_experts=3, num_experts_per_tok=2, **common),
         "llama": lambda: transformers.LlamaConfig(**common),
     }[kind]()
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # every element its own value, so that a part taken from the wrong place shows
+        for p in model.parameters():
+            p.normal_()
     plan = checkpoint_names(model, lambda: full_tensor_specs(model, tie_word_embeddings=False))
-    if kind == "llama":
+    if PLANS[kind] is None:
         assert plan is None
         return
-    assert plan is not None and plan.split is not None
-    assert bool(plan.changed) is (kind == "mixtral")  # the qwen2_moe family only splits; Mixtral also renames
+    assert plan is not None
+    assert ((plan.split is not None), bool(plan.changed)) == PLANS[kind], (plan.split_tensors, plan.changed)
     chunks = local_chunks(model, split=plan.split, rename=plan.rename, tie_word_embeddings=False,
                           snapshot_dtype="F32")
     want = revert_weight_conversion(model, dict(model.state_dict()))
