@@ -167,7 +167,7 @@ class HotloadCallback:
         without its weights in ``hf_config_dir``, not those transformers would save for the model)."""
         plan = self.names_plan
         if plan is not None:
-            what = [f"{plan.split_tensors} tensor(s) split per expert"] if plan.split_tensors else []
+            what = [f"{plan.split_tensors} tensor(s) split into the checkpoint's"] if plan.split_tensors else []
             what += [f"{len(plan.changed)} name(s) changed, e.g. {a!r} to {b!r}"
                      for a, b in list(plan.changed.items())[:1]]
             if plan.transposed:

@@ -3,13 +3,15 @@
 Why: transformers 5 loads a checkpoint through a conversion mapping (renamed modules; each projection of a MoE
 block's experts fused into one 3-D parameter) and reverts it when it saves, so a model's attribute names are not
 always its checkpoint's, and the fleet loads by the checkpoint's. Where every tensor ``save_pretrained`` writes is
-one of the model's tensors renamed, or a contiguous range of one (``naming.split_fused_experts``), the callback can
-publish under the checkpoint's names with no copy. :func:`checkpoint_names` finds the ``split`` and ``rename`` that
-do so and checks them against transformers' own revert: the names at the model's real shapes (on meta tensors, no
-memory), and which elements each part holds on a small probe whose values are their positions. A tensor that
-transformers transposes on loading is published transposed where the base checkpoint stores it so (Qwen3-VL-MoE's
-experts; transformers' own ``save_pretrained`` keeps the model's layout, so only the base's shapes can tell).
-Anything else (an interleaved layout, an unknown conversion) gives None, and the start-up checks warn instead.
+one of the model's tensors renamed, or a contiguous range of one (``naming.split_fused_experts``; rows of a tensor
+the model concatenated on loading), the callback can publish under the checkpoint's names with no copy.
+:func:`checkpoint_names` finds the ``split`` and ``rename`` that do so and checks them against transformers' own
+revert: the names at the model's real shapes (on meta tensors, no memory), and which elements each part holds on a
+small probe whose values are their positions (a fused expert tensor at a few rows and columns; another tensor the
+revert changes at one value per row). A tensor that transformers transposes on loading is published transposed where
+the base checkpoint stores it so (Qwen3-VL-MoE's experts; transformers' own ``save_pretrained`` keeps the model's
+layout, so only the base's shapes can tell). Anything else (an interleaved layout, an unknown conversion) gives
+None, and the start-up checks warn instead.
 
 Example::
 
@@ -19,7 +21,10 @@ Example::
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -30,6 +35,8 @@ log = logging.getLogger("fsdp_hotload")
 
 Specs = Callable[[], Iterable[tuple[str, tuple[int, ...], str]]]
 Base = Callable[[], "dict[str, tuple[int, ...] | None] | None"]  # the base checkpoint's shapes, read when asked
+# Most rows of a tensor that the revert changes, probed one value per row (8 bytes each): larger ones get no plan.
+MAX_PROBE_ROWS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -38,7 +45,7 @@ class NamesPlan:
 
     split: Split | None
     rename: Rename
-    split_tensors: int  # the model's tensors divided into parts
+    split_tensors: int  # the model's tensors divided into parts (per expert, or into ranges of rows)
     changed: dict[str, str]  # published name -> checkpoint name, where they differ
     transposed: tuple[str, ...] = ()  # tensors published with their last two dims swapped, as the base stores them
 
@@ -94,8 +101,9 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
 
     own = [(n, tuple(int(d) for d in s)) for n, s, _d in specs()]
     try:
-        saved = revert(model, {n: torch.empty(s, device="meta") for n, s in own})
-        saved_shapes = {k: tuple(v.shape) for k, v in saved.items()}
+        metas = {n: torch.empty(s, device="meta") for n, s in own}
+        saved = revert(model, dict(metas))
+        saved_shapes = {k: tuple(_first(v).shape) for k, v in saved.items()}
         if set(saved_shapes) == {n for n, _s in own}:  # renames within the same names do not exist
             transposed = _transposes(model, own, base)
             if not transposed:
@@ -103,12 +111,22 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
             names = set(transposed)
             return NamesPlan(lambda path, shape: [(path, 0, shape, (0, 2, 1))] if path in names else None,
                              lambda name: name, 0, {}, tuple(transposed))
+        kept = {id(_first(v)) for v in saved.values()}  # tensors the revert passes on as they are (renamed or not)
         probe, parts, origin = {}, {}, {}
+        rows: list[tuple[int, int, str, tuple[int, ...]]] = []  # (first value, rows, name, real shape)
         at = 0
         for name, shape in own:
             small = _probe_shape(name, shape)
+            if small is None and shape and id(metas[name]) not in kept and shape[0] <= MAX_PROBE_ROWS:
+                # changed by the revert: one value per row at the real row count, so that a cut along dim 0 (the
+                # reverse of a concatenation) shows which rows each saved tensor is
+                probe[name] = torch.arange(at, at + shape[0], dtype=torch.int64).reshape(
+                    (shape[0],) + (1,) * (len(shape) - 1))
+                rows.append((at, shape[0], name, shape))
+                at += shape[0]
+                continue
             if small is None:  # not split: a meta tensor of its own, found again by identity
-                probe[name] = torch.empty(shape, device="meta")
+                probe[name] = metas[name]
                 origin[id(probe[name])] = name
                 continue
             n = small[0] * small[1] * small[2]
@@ -119,17 +137,20 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
             at += n
         rename: dict[str, str] = {}
         divided: set[str] = set()  # fused tensors saved per expert
+        cut: dict[str, list[tuple[str, int, tuple[int, ...]]]] = {}  # tensors saved as ranges of rows
         for target, t in revert(model, probe).items():
-            t = t[0] if isinstance(t, list) else t
+            t = _first(t)
             if t.device.type == "meta":
                 source = origin.get(id(t))
             else:  # a probe part: which of our parts (or whole tensors) holds exactly these elements, in this order
                 flat = t.reshape(-1)
                 first = int(flat[0]) if flat.numel() else -1
                 source, whole = parts.get((first, tuple(t.shape)), (None, None))
+                if source is None:
+                    source, whole = _rows_of(rows, first, tuple(t.shape), target, cut)
                 if source is not None and not torch.equal(flat, torch.arange(first, first + flat.numel())):
                     source = None
-                if source is not None and source != whole:
+                if source is not None and source != whole and whole not in cut:
                     divided.add(whole)
             if source is None or source in rename:
                 log.debug("hotload: transformers saves %r as nothing hotload can publish in place", target)
@@ -138,16 +159,47 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
     except Exception as exc:  # noqa: BLE001 - an unknown conversion: the start-up names check warns instead
         log.debug("hotload: transformers' checkpoint names could not be followed: %s", exc)
         return None
-    split = None if not divided else (
-        lambda path, shape: split_fused_experts(path, shape) if path in divided else None)
+    for name, pieces in cut.items():  # each tensor's rows, all of them, once and in order
+        pieces.sort(key=lambda p: p[1])
+        real = dict(own)[name]
+        if [p[1] for p in pieces] != list(itertools.accumulate((math.prod(p[2]) for p in pieces[:-1]), initial=0)) \
+                or sum(math.prod(p[2]) for p in pieces) != math.prod(real):
+            return None
+
+    def split(path: str, shape: tuple[int, ...]) -> list[tuple[str, int, tuple[int, ...]]] | None:
+        return split_fused_experts(path, shape) if path in divided else cut.get(path)
+
     published: list[tuple[str, tuple[int, ...]]] = []  # at the real shapes
     for name, shape in own:
-        split_up = split_fused_experts(name, shape) if name in divided else None
+        split_up = split(name, shape)
         published += [(p, tuple(sh)) for p, _start, sh in split_up] if split_up else [(name, shape)]
     if len(rename) != len(published) or {rename.get(p): sh for p, sh in published} != saved_shapes:
         return None  # the real shapes must give the checkpoint's names and shapes exactly
     changed = {k: v for k, v in rename.items() if k != v}
-    return NamesPlan(split, lambda name: rename.get(name, name), len(divided), changed)
+    return NamesPlan(split if divided or cut else None, lambda name: rename.get(name, name), len(divided) + len(cut),
+                     changed)
+
+
+def _first(t: Any) -> Any:
+    return t[0] if isinstance(t, list) else t
+
+
+def _rows_of(rows: list[tuple[int, int, str, tuple[int, ...]]], first: int, shape: tuple[int, ...], target: str,
+             cut: dict[str, list[tuple[str, int, tuple[int, ...]]]]) -> tuple[str | None, str | None]:
+    """Which rows of which row-probed tensor a saved tensor of ``shape`` starting at value ``first`` is: the whole
+    tensor (renamed: its name twice), or a range of its rows, recorded in ``cut`` as a part published under
+    ``target`` at the real shape (its name is then ``target``). (None, None) when it is neither."""
+    i = bisect.bisect_right([r[0] for r in rows], first) - 1
+    if i < 0 or not shape:
+        return None, None
+    at, count, name, real = rows[i]
+    n = shape[0]
+    if shape[1:] != (1,) * (len(real) - 1) or first - at + n > count:
+        return None, None  # not whole rows of this one tensor (a cut along another dim, or across two tensors)
+    if n == count:
+        return name, name
+    cut.setdefault(name, []).append((target, (first - at) * math.prod(real[1:]), (n,) + real[1:]))
+    return target, name
 
 
 def _transposes(model: Any, own: list[tuple[str, tuple[int, ...]]], base: Base | None) -> list[str]:

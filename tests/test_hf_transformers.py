@@ -182,11 +182,12 @@ def test_names_transformers_would_not_save_are_warned_about(tmp_path: Path, capl
             assert said in caplog.text and warned in caplog.text, caplog.text
 
 
-# model type -> (tensors split per expert, names changed): the qwen2_moe family only splits, Mixtral also renames,
+# model type -> (tensors split, names changed): the qwen2_moe family only splits experts, Mixtral also renames,
 # Nemotron-H's experts have no gate (a fused up_proj), GraniteMoE's checkpoints keep the experts fused under other
-# names (renamed whole), a Llama needs nothing
+# names (renamed whole), OLMo-Hybrid's keep q/k/v convolutions apart that its model concatenates (ranges of rows),
+# a Llama needs nothing
 PLANS = {"qwen3_moe": (True, False), "mixtral": (True, True), "deepseek_v3": (True, False),
-         "nemotron_h": (True, True), "granitemoe": (False, True), "llama": None}
+         "nemotron_h": (True, True), "granitemoe": (False, True), "olmo_hybrid": (True, True), "llama": None}
 
 
 @pytest.mark.parametrize("kind", sorted(PLANS))
@@ -212,6 +213,8 @@ def test_checkpoint_names_from_transformers_publish_what_save_pretrained_writes(
             num_experts_per_tok=2, moe_intermediate_size=8, moe_shared_expert_intermediate_size=8, mamba_num_heads=2,
             mamba_head_dim=8, ssm_state_size=8, n_groups=1, head_dim=8, **common),
         "granitemoe": lambda: transformers.GraniteMoeConfig(num_local_experts=3, num_experts_per_tok=2, **common),
+        "olmo_hybrid": lambda: transformers.AutoConfig.for_model("olmo_hybrid", pad_token_id=0, eos_token_id=2,
+                                                                 head_dim=8, **common),
         "llama": lambda: transformers.LlamaConfig(**common),
     }[kind]()
     torch.manual_seed(0)
