@@ -16,6 +16,7 @@ from fsdp_hotload import HotloadCallback, HotloadConfig
 from fsdp_hotload.arc.dtypes import RawTensor
 from fsdp_hotload.callback import hf_tie_word_embeddings
 from fsdp_hotload.emulator import HotLoadEmulator
+from tests.moe import fused_moe_layer
 from tests.snapshots import rebuild_accepted
 
 
@@ -384,13 +385,7 @@ class FusedMoe(nn.Module):
         super().__init__()
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(20, hidden)
-        layer = nn.Module()
-        layer.mlp = nn.Module()
-        layer.mlp.gate = nn.Linear(hidden, experts, bias=False)
-        layer.mlp.experts = nn.Module()
-        layer.mlp.experts.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * inter, hidden))
-        layer.mlp.experts.down_proj = nn.Parameter(torch.randn(experts, hidden, inter))
-        self.model.layers = nn.ModuleList([layer])
+        self.model.layers = nn.ModuleList([fused_moe_layer(experts, hidden, inter)])
         self.lm_head = nn.Linear(hidden, 20, bias=False)
 
 

@@ -42,6 +42,7 @@ from fsdp_hotload import HotloadCallback, HotloadConfig, transpose_fused_experts
 from fsdp_hotload.arc.dtypes import RawTensor  # noqa: E402
 from fsdp_hotload.fsdp_verify import gather_full_state  # noqa: E402
 from tests.dist_util import finish  # noqa: E402
+from tests.moe import fused_moe_layer  # noqa: E402
 from tests.snapshots import rebuild_accepted  # noqa: E402
 
 EXPERTS, HIDDEN, INTER = 3, 5, 3
@@ -56,12 +57,7 @@ class TransposedMoe(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.model = nn.Module()
-        layer = nn.Module()
-        layer.mlp = nn.Module()
-        layer.mlp.gate = nn.Linear(HIDDEN, EXPERTS, bias=False)
-        layer.mlp.experts = nn.Module()
-        layer.mlp.experts.gate_up_proj = nn.Parameter(torch.randn(EXPERTS, 2 * INTER, HIDDEN))
-        layer.mlp.experts.down_proj = nn.Parameter(torch.randn(EXPERTS, HIDDEN, INTER))
+        layer = fused_moe_layer(EXPERTS, HIDDEN, INTER)
         layer.mlp.cols = nn.Linear(4, 6, bias=False)  # weight (6, 4): FSDP shards its columns (evenly: FSDP2
         # refuses uneven sharding on a dim other than 0)
         layer.mlp.rows = nn.Linear(4, 9, bias=False)  # weight (9, 4): published per row block
