@@ -95,10 +95,10 @@ class HotloadCallback:
         self.config = config
         if tie_word_embeddings is None:
             tie_word_embeddings = hf_tie_word_embeddings(config.hf_config_dir)
+        # The base checkpoint's shapes (headers only; None without weights there), read at most once, when needed.
+        self._base = functools.cache(lambda: base_tensor_shapes(config.hf_config_dir))
         # A transformers model is published under its checkpoint's names where transformers says how (the same
         # answer on every rank); a split or rename of the caller's own is taken as it is.
-        # the base checkpoint's shapes (headers only; None without weights there), read at most once, when needed
-        self._base = functools.cache(lambda: base_tensor_shapes(config.hf_config_dir))
         self.names_plan = None if not hf_names or split is not None or rename is not None else checkpoint_names(
             model, lambda: full_tensor_specs(model, tie_word_embeddings=tie_word_embeddings,
                                              include_buffers=include_buffers), self._base)

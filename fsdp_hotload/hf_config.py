@@ -320,15 +320,15 @@ def shapes_note(published: Iterable[tuple[str, Shape]], checkpoint: dict[str, Sh
     shape, which the fleet's loader refuses on every publish."""
     if not checkpoint:
         return None
-    bad = [(n, tuple(s), checkpoint[n]) for n, s in published
-           if checkpoint.get(n) is not None and tuple(checkpoint[n] or ()) != tuple(s)]
+    bad = [(n, tuple(s), theirs) for n, s in published
+           if (theirs := checkpoint.get(n)) is not None and tuple(theirs) != tuple(s)]
     if not bad:
         return None
     name, ours, theirs = bad[0]
-    same = " (the same dims in another order: a transposed layout)" if sorted(ours) == sorted(theirs or ()) else ""
+    same = " (the same dims in another order: a transposed layout)" if sorted(ours) == sorted(theirs) else ""
     experts = all(n.endswith(_FUSED_EXPERT_SUFFIXES) and len(s) == 3 and t == (s[0], s[2], s[1]) for n, s, t in bad)
     fix = (": pass split=transpose_fused_experts to HotloadCallback (the layout of Qwen3-VL-MoE's checkpoints)"
            if experts else ": publish them in its layout (a split's part may give a dims order)")
     return (f"{len(bad)} published tensor(s) have another shape than in {where} (e.g. {name!r}: {list(ours)} "
-            f"published, {list(theirs or ())} there{same}), so the fleet will not load these snapshots as that "
+            f"published, {list(theirs)} there{same}), so the fleet will not load these snapshots as that "
             f"checkpoint's tensors{fix}")

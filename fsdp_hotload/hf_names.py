@@ -82,7 +82,7 @@ def transformers_saved_shapes(model: Any, specs: Specs) -> dict[str, tuple[int, 
 
     try:
         saved = revert(model, {n: torch.empty(s, device="meta") for n, s, _d in specs()})
-        return {k: tuple(int(d) for d in (v[0] if isinstance(v, list) else v).shape) for k, v in saved.items()}
+        return {k: tuple(int(d) for d in _first(v).shape) for k, v in saved.items()}
     except Exception as exc:  # noqa: BLE001 - a warning's input: its absence must not stop training
         log.debug("hotload: transformers could not name the checkpoint's tensors: %s", exc)
         return None
@@ -91,7 +91,7 @@ def transformers_saved_shapes(model: Any, specs: Specs) -> dict[str, tuple[int, 
 def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> NamesPlan | None:
     """The ``split`` and ``rename`` that publish ``model`` under the names its ``save_pretrained`` writes, checked
     against transformers' revert; None when the names are already those, or the model is not a transformers model,
-    or its conversion is not renames and expert splits (see the module docstring). Where the names are already
+    or its conversion is not renames and contiguous ranges (see the module docstring). Where the names are already
     those, tensors that transformers transposes on loading and that the base checkpoint (``base()``: its shapes by
     name, ``hf_config.base_tensor_shapes``) stores transposed are published so (:func:`_transposes`)."""
     revert = _revert()
