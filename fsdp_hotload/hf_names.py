@@ -8,7 +8,7 @@ the model concatenated on loading), the callback can publish under the checkpoin
 :func:`checkpoint_names` finds the ``split`` and ``rename`` that do so and checks them against transformers' own
 revert: the names at the model's real shapes (on meta tensors, no memory), and which elements each part holds on a
 small probe whose values are their positions (a fused expert tensor at a few rows and columns; another tensor the
-revert changes at one value per row). A tensor that transformers transposes on loading is published transposed where
+revert changes at its real rows, each of a few distinct small dims). A tensor that transformers transposes on loading is published transposed where
 the base checkpoint stores it so (Qwen3-VL-MoE's experts; transformers' own ``save_pretrained`` keeps the model's
 layout, so only the base's shapes can tell). Anything else (an interleaved layout, an unknown conversion) gives
 None, and the start-up checks warn instead.
@@ -35,8 +35,8 @@ log = logging.getLogger("fsdp_hotload")
 
 Specs = Callable[[], Iterable[tuple[str, tuple[int, ...], str]]]
 Base = Callable[[], "dict[str, tuple[int, ...] | None] | None"]  # the base checkpoint's shapes, read when asked
-# Most rows of a tensor that the revert changes, probed one value per row (8 bytes each): larger ones get no plan.
-MAX_PROBE_ROWS = 1 << 22
+# Most values of the probe of a tensor that the revert changes (8 bytes each, see _row_probe): larger get no plan.
+MAX_PROBE_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -113,17 +113,19 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
                              lambda name: name, 0, {}, tuple(transposed))
         kept = {id(_first(v)) for v in saved.values()}  # tensors the revert passes on as they are (renamed or not)
         probe, parts, origin = {}, {}, {}
-        rows: list[tuple[int, int, str, tuple[int, ...]]] = []  # (first value, rows, name, real shape)
+        rows: list[tuple[int, tuple[int, ...], str, tuple[int, ...]]] = []  # (first value, probe, name, real shape)
         at = 0
         for name, shape in own:
             small = _probe_shape(name, shape)
-            if small is None and shape and id(metas[name]) not in kept and shape[0] <= MAX_PROBE_ROWS:
-                # changed by the revert: one value per row at the real row count, so that a cut along dim 0 (the
-                # reverse of a concatenation) shows which rows each saved tensor is
-                probe[name] = torch.arange(at, at + shape[0], dtype=torch.int64).reshape(
-                    (shape[0],) + (1,) * (len(shape) - 1))
-                rows.append((at, shape[0], name, shape))
-                at += shape[0]
+            row = _row_probe(shape) if small is None and id(metas[name]) not in kept else None
+            if row is not None:
+                # changed by the revert: its real rows, each a few positions long (distinct sizes), so that a cut
+                # along dim 0 (the reverse of a concatenation) shows which rows each saved tensor is, and anything
+                # done within the rows (a transpose, a reordering) shows as other shapes or values
+                n = math.prod(row)
+                probe[name] = torch.arange(at, at + n, dtype=torch.int64).reshape(row)
+                rows.append((at, row, name, shape))
+                at += n
                 continue
             if small is None:  # not split: a meta tensor of its own, found again by identity
                 probe[name] = metas[name]
@@ -184,21 +186,34 @@ def _first(t: Any) -> Any:
     return t[0] if isinstance(t, list) else t
 
 
-def _rows_of(rows: list[tuple[int, int, str, tuple[int, ...]]], first: int, shape: tuple[int, ...], target: str,
-             cut: dict[str, list[tuple[str, int, tuple[int, ...]]]]) -> tuple[str | None, str | None]:
+def _row_probe(shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The probe shape of a tensor the revert changes: its rows, each of distinct small dims (2, 3, 5, ...); None
+    for a 0-d tensor, one of more than 7 dims, or one whose probe would exceed ``MAX_PROBE_ELEMENTS``."""
+    if not shape or len(shape) > 1 + len(_ROW_DIMS):
+        return None
+    row = (shape[0], *_ROW_DIMS[:len(shape) - 1])
+    return row if math.prod(row) <= MAX_PROBE_ELEMENTS else None
+
+
+_ROW_DIMS = (2, 3, 5, 7, 11, 13)
+
+
+def _rows_of(rows: list[tuple[int, tuple[int, ...], str, tuple[int, ...]]], first: int, shape: tuple[int, ...],
+             target: str, cut: dict[str, list[tuple[str, int, tuple[int, ...]]]]) -> tuple[str | None, str | None]:
     """Which rows of which row-probed tensor a saved tensor of ``shape`` starting at value ``first`` is: the whole
     tensor (renamed: its name twice), or a range of its rows, recorded in ``cut`` as a part published under
     ``target`` at the real shape (its name is then ``target``). (None, None) when it is neither."""
     i = bisect.bisect_right([r[0] for r in rows], first) - 1
     if i < 0 or not shape:
         return None, None
-    at, count, name, real = rows[i]
-    n = shape[0]
-    if shape[1:] != (1,) * (len(real) - 1) or first - at + n > count:
-        return None, None  # not whole rows of this one tensor (a cut along another dim, or across two tensors)
-    if n == count:
+    at, row, name, real = rows[i]
+    per_row = math.prod(row[1:])
+    offset, n = first - at, shape[0]
+    if shape[1:] != row[1:] or offset % per_row or offset + n * per_row > math.prod(row):
+        return None, None  # not whole rows of this one tensor (changed within rows, or across two tensors)
+    if n == row[0]:
         return name, name
-    cut.setdefault(name, []).append((target, (first - at) * math.prod(real[1:]), (n,) + real[1:]))
+    cut.setdefault(name, []).append((target, offset // per_row * math.prod(real[1:]), (n,) + real[1:]))
     return target, name
 
 

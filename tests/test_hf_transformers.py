@@ -289,3 +289,79 @@ def test_qwen3_vl_moe_experts_publish_in_their_checkpoint_layout(tmp_path: Path,
         got = loaded.state_dict()
         for name, tensor in state.items():  # transformers transposes them back on loading: the trainer's weights
             assert torch.equal(got[name].view(torch.int16), tensor.view(torch.int16)), name
+
+
+def _fake_model(model_type: str, params: dict[str, tuple[int, ...]], mapping: list[Any]) -> Any:
+    """A transformers model of ``params`` whose checkpoints ``mapping`` converts on loading (registered for a
+    model type of its own), every element its own random value."""
+    from torch import nn
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+
+    class Config(transformers.PretrainedConfig):
+        pass
+
+    Config.model_type = model_type
+
+    class Model(transformers.PreTrainedModel):
+        config_class = Config
+
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            for path, shape in params.items():
+                mod: nn.Module = self
+                *parents, leaf = path.split(".")
+                for p in parents:
+                    if not hasattr(mod, p):
+                        setattr(mod, p, nn.Module())
+                    mod = getattr(mod, p)
+                setattr(mod, leaf, nn.Parameter(torch.randn(shape)))
+
+        def _init_weights(self, module: Any) -> None:
+            pass
+
+    register_checkpoint_conversion_mapping(model_type, mapping, overwrite=True)
+    return Model(Config())
+
+
+def test_checkpoint_names_follow_rows_cut_apart_and_nothing_changed_within_rows() -> None:
+    """A checkpoint's q, k and v that the model concatenates on loading are published as the model tensor's ranges
+    of rows, exactly transformers' revert; where the conversion also changes anything within the rows (a transpose
+    of two equal dims, a reordering of the columns) there is no plan, never a plan that publishes other elements
+    under the checkpoint's names."""
+    from transformers.core_model_loading import ConversionOps, Concatenate, Transpose, WeightConverter
+
+    from fsdp_hotload.fsdp import full_tensor_specs, local_chunks
+    from fsdp_hotload.hf_names import checkpoint_names
+
+    class FlipColumns(ConversionOps):
+        def convert(self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str],
+                    **kwargs: Any) -> dict[str, Any]:
+            t = next(iter(input_dict.values()))
+            return {target_patterns[0]: (t[0] if isinstance(t, list) else t).flip(-1).contiguous()}
+
+        @property
+        def reverse_op(self) -> ConversionOps:
+            return FlipColumns()
+
+    qkv = ["b.q", "b.k", "b.v"]
+    cases = {
+        "hotload_fake_concat": ({"b.qkv": (6, 3), "n": (3,)}, [WeightConverter(qkv, "b.qkv", [Concatenate(0)])], True),
+        "hotload_fake_concat_t": ({"b.qkv": (6, 3, 3)},
+                                  [WeightConverter(qkv, "b.qkv", [Concatenate(0), Transpose(1, 2)])], False),
+        "hotload_fake_t": ({"a.w": (2, 4, 4)}, [WeightConverter("a.w_ck", "a.w", [Transpose(1, 2)])], False),
+        "hotload_fake_flip": ({"c.w": (5, 7)}, [WeightConverter("c.w_ck", "c.w", [FlipColumns()])], False),
+    }
+    for model_type, (params, mapping, planned) in cases.items():
+        torch.manual_seed(0)
+        model = _fake_model(model_type, params, mapping)
+        plan = checkpoint_names(model, lambda: full_tensor_specs(model, tie_word_embeddings=False))
+        assert (plan is not None) is planned, model_type
+        if plan is None:
+            continue
+        want = revert_weight_conversion(model, dict(model.state_dict()))
+        chunks = local_chunks(model, split=plan.split, rename=plan.rename, tie_word_embeddings=False,
+                              snapshot_dtype="F32")
+        got = {c.name: c.source for c in chunks}
+        assert sorted(got) == sorted(want) == ["b.k", "b.q", "b.v", "n"], model_type
+        for name, tensor in want.items():
+            assert torch.equal(got[name], tensor.reshape(-1)), name
