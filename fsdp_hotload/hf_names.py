@@ -8,10 +8,10 @@ the model concatenated on loading), the callback can publish under the checkpoin
 :func:`checkpoint_names` finds the ``split`` and ``rename`` that do so and checks them against transformers' own
 revert: the names at the model's real shapes (on meta tensors, no memory), and which elements each part holds on a
 small probe whose values are their positions (a fused expert tensor at a few rows and columns; another tensor the
-revert changes at its real rows, each of a few distinct small dims). A tensor that transformers transposes on loading is published transposed where
-the base checkpoint stores it so (Qwen3-VL-MoE's experts; transformers' own ``save_pretrained`` keeps the model's
-layout, so only the base's shapes can tell). Anything else (an interleaved layout, an unknown conversion) gives
-None, and the start-up checks warn instead.
+revert changes at its real rows, each of a few distinct small dims). A tensor that transformers transposes on
+loading is published transposed where the base checkpoint stores it so (Qwen3-VL-MoE's experts; transformers' own
+``save_pretrained`` keeps the model's layout, so only the base's shapes can tell). Anything else (an interleaved
+layout, an unknown conversion) gives None, and the start-up checks warn instead.
 
 Example::
 
