@@ -161,9 +161,10 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
     except Exception as exc:  # noqa: BLE001 - an unknown conversion: the start-up names check warns instead
         log.debug("hotload: transformers' checkpoint names could not be followed: %s", exc)
         return None
+    shapes = dict(own)
     for name, pieces in cut.items():  # each tensor's rows, all of them, once and in order
         pieces.sort(key=lambda p: p[1])
-        real = dict(own)[name]
+        real = shapes[name]
         if [p[1] for p in pieces] != list(itertools.accumulate((math.prod(p[2]) for p in pieces[:-1]), initial=0)) \
                 or sum(math.prod(p[2]) for p in pieces) != math.prod(real):
             return None
@@ -203,7 +204,7 @@ def _rows_of(rows: list[tuple[int, tuple[int, ...], str, tuple[int, ...]]], firs
     """Which rows of which row-probed tensor a saved tensor of ``shape`` starting at value ``first`` is: the whole
     tensor (renamed: its name twice), or a range of its rows, recorded in ``cut`` as a part published under
     ``target`` at the real shape (its name is then ``target``). (None, None) when it is neither."""
-    i = bisect.bisect_right([r[0] for r in rows], first) - 1
+    i = bisect.bisect_right(rows, first, key=lambda r: r[0]) - 1
     if i < 0 or not shape:
         return None, None
     at, row, name, real = rows[i]
