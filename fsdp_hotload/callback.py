@@ -79,7 +79,7 @@ class HotloadCallback:
 
     Names: wrapper segments are stripped; ``split`` (e.g. :func:`~fsdp_hotload.naming.split_fused_experts` for a
     transformers 5 MoE model) divides a tensor into the checkpoint's tensors, ``rename`` then maps each name
-    (None drops it), and ``tie_word_embeddings`` (default: the HF config's) leaves out a tied ``lm_head``. With
+    (None drops it; ``(name, position)`` joins the tensors given that name along dim 0, in position order), and ``tie_word_embeddings`` (default: the HF config's) leaves out a tied ``lm_head``. With
     neither ``split`` nor ``rename`` given, a transformers model whose ``save_pretrained`` writes other names (a
     MoE model's experts, renamed modules) gets both from transformers' own conversion mapping where it can be
     followed in place (``hf_names``, :mod:`fsdp_hotload.hf_names`).
@@ -168,6 +168,7 @@ class HotloadCallback:
         plan = self.names_plan
         if plan is not None:
             what = [f"{plan.split_tensors} tensor(s) split into the checkpoint's"] if plan.split_tensors else []
+            what += [f"{plan.joined} tensor(s) joined into the checkpoint's"] if plan.joined else []
             what += [f"{len(plan.changed)} name(s) changed, e.g. {a!r} to {b!r}"
                      for a, b in list(plan.changed.items())[:1]]
             if plan.transposed:

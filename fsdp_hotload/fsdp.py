@@ -15,6 +15,8 @@ live in memory", without any communication and without copying data:
 * Split tensors (``split=``, e.g. fused MoE experts published per expert): each part is a range of its tensor's
   flattened elements, so a rank's part of it is its pieces of the tensor cut to that range (:class:`Segment`); of
   a tensor sharded along another dim, each part must be a slab of it (one expert, or a range of its rows).
+* Joined tensors (``rename`` giving several tensors one name at positions, e.g. q, k and v published as one
+  ``qkv``): each block's part on this rank is moved down by the rows before the block (:class:`Joined`).
 
 Chunk ``source`` tensors are views into the framework's own storage (the sharded, full-precision master
 copy), so staging at publish time is at most one device copy per chunk (one per run of adjacent chunks, such as a
@@ -37,8 +39,8 @@ from torch import nn
 from .arc.boxes import Box
 from .arc.dtypes import numel
 from .dtype_policy import DtypePolicy
-from .fsdp_sources import (FLAT, SHAPE, Segment, _DTensorSource, _dtensor_type, _Fsdp1Source, _fsdp1_type,
-                           _fsdp2_type, _is_flat_param, _PlainSource, _Source, split_slots)
+from .fsdp_sources import (FLAT, SHAPE, Joined, Segment, _DTensorSource, _dtensor_type, _Fsdp1Source,
+                           _fsdp1_type, _fsdp2_type, _is_flat_param, _PlainSource, _Source, split_slots)
 from .naming import Rename, Split, clean_name, plan_names
 
 TensorSpec = tuple[str, tuple[int, ...], str]
@@ -210,8 +212,8 @@ def _plan(
     model: nn.Module, rename: Rename | None, tie_word_embeddings: bool | None, include_buffers: bool,
     split: Split | None = None,
 ) -> list[tuple[str, _Source, list[str]]]:
-    """(published name, source, cleaned paths of that source with this name's own path first); a split's parts
-    are named before ``rename`` sees them."""
+    """(published name, source, cleaned paths of that source with this name's own path first; of a joined tensor,
+    its blocks' paths in order); a split's parts are named before ``rename`` sees them."""
     slots = split_slots(_slots(model, include_buffers), split)
     paths_of: dict[int, list[str]] = {}
     for raw, src in slots:
@@ -222,10 +224,18 @@ def _plan(
             first.setdefault(id(src.base), id(src))
     planned = plan_names([(raw, first.get(id(src), id(src))) for raw, src in slots], rename=rename,
                          tie_word_embeddings=tie_word_embeddings)
+    blocks: dict[str, list[tuple[int, str, _Source]]] = {}  # a joined tensor's blocks, by its name
+    for name, i, position in planned:
+        if position is not None:
+            blocks.setdefault(name, []).append((position, *slots[i]))
     out = []
-    for name, i in planned:
+    for name, i, position in planned:
         raw, src = slots[i]
-        out.append((name, src, [raw, *(p for p in paths_of[id(src)] if p != raw)]))
+        if position is None:
+            out.append((name, src, [raw, *(p for p in paths_of[id(src)] if p != raw)]))
+        elif name in blocks:  # the joined tensor, where its first block was
+            members = [(path, part) for _pos, path, part in sorted(blocks.pop(name), key=lambda b: b[0])]
+            out.append((name, Joined(name, members), [path for path, _part in members]))
     return out
 
 

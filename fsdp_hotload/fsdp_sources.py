@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import importlib
+import itertools
 from typing import Any
 
 import torch
@@ -116,6 +117,11 @@ class _Source:
         """(space, box, source view) for each non-empty part this rank owns (see ``LocalChunk.source``)."""
         raise NotImplementedError
 
+    def boxed(self) -> bool:
+        """Whether :meth:`pieces` gives boxes of the shape (``shape`` space) rather than ranges of the flattened
+        tensor; the same answer on every rank (from the layout, never from this rank's share)."""
+        return False
+
 
 class _PlainSource(_Source):
     """A tensor every rank holds whole (replicated): owned by global rank 0."""
@@ -152,6 +158,9 @@ class _DTensorSource(_Source):
         """Whether every rank's part is a range of the flattened tensor: sharded along dim 0 only (the same answer
         on every rank, from the placements)."""
         return all(int(pl.dim) == 0 for pl in self.dt.placements if hasattr(pl, "dim"))  # Shard, _StridedShard
+
+    def boxed(self) -> bool:
+        return not self.flat_layout()
 
     def pieces(self, name: str) -> list[tuple[str, Box, torch.Tensor]]:
         dt = self.dt
@@ -272,6 +281,9 @@ class Segment(_Source):
     def dtype(self) -> torch.dtype:
         return self.base.dtype()
 
+    def boxed(self) -> bool:
+        return self.perm is not None or self.base.boxed()
+
     def pieces(self, name: str) -> list[tuple[str, Box, torch.Tensor]]:
         slab = None
         if isinstance(self.base, _DTensorSource) and not self.base.flat_layout():  # decided alike on every rank
@@ -308,6 +320,49 @@ class Segment(_Source):
         if self.perm is None:
             return out + [(SHAPE, bx, v) for bx, v in boxes]
         return [(SHAPE, permute_box(bx, self.perm), v.view(bx.length).permute(self.perm)) for bx, v in boxes]
+
+
+class Joined(_Source):
+    """A published tensor that is several tensors concatenated along dim 0, in order (a checkpoint that keeps q, k
+    and v as one tensor; ``rename`` gave them one name at different positions): its pieces are the members',
+    moved down by the rows before each. Members must agree in dtype and in every dim after the first.
+
+    Why no copy: each member's part on this rank is already a range (or boxes) of the joined tensor, so the rank
+    publishes it where it lies, as it does a split's part."""
+
+    def __init__(self, name: str, members: list[tuple[str, _Source]]) -> None:
+        self.members = members  # (path, source) in the joined order
+        shapes = [src.shape() for _p, src in members]
+        dtypes = {src.dtype() for _p, src in members}
+        if any(not sh or sh[1:] != shapes[0][1:] for sh in shapes) or len(dtypes) > 1:
+            listed = ", ".join(f"{p!r} {sh} {src.dtype()}" for (p, src), sh in zip(members, shapes))
+            raise ValueError(f"tensor {name!r} joins {listed} along dim 0: every block must have at least one dim, "
+                             "the same dims after the first and the same dtype")
+        self._shape = (sum(sh[0] for sh in shapes), *shapes[0][1:])
+        self.rows = [0, *itertools.accumulate(sh[0] for sh in shapes)][:-1]  # each member's first row
+
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    def dtype(self) -> torch.dtype:
+        return self.members[0][1].dtype()
+
+    def boxed(self) -> bool:
+        return any(src.boxed() for _p, src in self.members)
+
+    def pieces(self, name: str) -> list[tuple[str, Box, torch.Tensor]]:
+        boxed, per_row = self.boxed(), numel(self._shape[1:])
+        out = []
+        for (_path, src), row in zip(self.members, self.rows):
+            for space, box, view in src.pieces(name):
+                if space == SHAPE:
+                    out.append((SHAPE, Box((box.start[0] + row, *box.start[1:]), box.length), view))
+                elif not boxed:
+                    out.append((FLAT, Box.flat(box.start[0] + row * per_row, box.length[0]), view))
+                else:  # one member is boxed, so all are: this range as boxes of the member, then moved down
+                    out += [(SHAPE, Box((bx.start[0] + row, *bx.start[1:]), bx.length), view[o:o + k])
+                            for bx, o, k in range_boxes(src.shape(), box.start[0], box.length[0])]
+        return out
 
 
 def split_slots(slots: list[tuple[str, _Source]], split: Split | None) -> list[tuple[str, _Source]]:

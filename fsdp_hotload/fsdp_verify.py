@@ -21,8 +21,8 @@ from .arc.boxes import Box, check_tiling
 from .arc.dtypes import numel, torch_name
 from .arc.errors import FormatError
 from .dtype_policy import DtypePolicy
-from .fsdp import (FLAT, SHAPE, LocalChunk, OwnershipError, Rename, Segment, TensorSpec, _ChunkLike, _dtensor_type,
-                   _fsdp1_type, _fsdp2_type, _plan, full_tensor_specs, local_chunks, space_shape)
+from .fsdp import (FLAT, SHAPE, Joined, LocalChunk, OwnershipError, Rename, Segment, TensorSpec, _ChunkLike,
+                   _dtensor_type, _fsdp1_type, _fsdp2_type, _plan, full_tensor_specs, local_chunks, space_shape)
 from .naming import Split, clean_name
 
 
@@ -61,20 +61,28 @@ def gather_full_state(
     by_path: dict[str, Any] = {clean_name(k): v for k, v in state.items()}
     out: dict[str, torch.Tensor] = {}
     for name, src, paths in _plan(model, rename, tie_word_embeddings, include_buffers, split):
-        if isinstance(src, Segment):  # a split's part: its range of the whole tensor
-            paths = [src.base_path]
-        found = next((by_path[p] for p in paths if p in by_path), None)
-        if found is None:
-            raise KeyError(f"tensor {name!r} (path {paths[0]!r}) is missing from the framework's state dict")
-        t = found.detach()
-        if isinstance(src, Segment):  # cut where the state is: the host gets each part, not the whole per part
-            t = t.reshape(-1)[src.start:src.start + numel(src.part_shape)].reshape(src.part_shape)
-            t = t if src.perm is None else t.permute(src.perm)
-        t = t.to("cpu")
+        if isinstance(src, Joined):
+            t = torch.cat([_full(name, part, [path], by_path) for path, part in src.members])
+        else:
+            t = _full(name, src, paths, by_path)
         if t.is_floating_point():
             t = t.to(getattr(torch, torch_name(policy.code(name, src.dtype()))))
         out[name] = t.contiguous()
     return out
+
+
+def _full(name: str, src: Any, paths: list[str], by_path: dict[str, Any]) -> torch.Tensor:
+    """The full tensor of one source (a split's part: cut from its whole tensor) from the state dict, on the host."""
+    if isinstance(src, Segment):  # a split's part: its range of the whole tensor
+        paths = [src.base_path]
+    found = next((by_path[p] for p in paths if p in by_path), None)
+    if found is None:
+        raise KeyError(f"tensor {name!r} (path {paths[0]!r}) is missing from the framework's state dict")
+    t = found.detach()
+    if isinstance(src, Segment):  # cut where the state is: the host gets each part, not the whole per part
+        t = t.reshape(-1)[src.start:src.start + numel(src.part_shape)].reshape(src.part_shape)
+        t = t if src.perm is None else t.permute(src.perm)
+    return t.to("cpu")
 
 
 def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], ctrl: Any) -> list[int]:

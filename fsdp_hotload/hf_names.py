@@ -4,7 +4,8 @@ Why: transformers 5 loads a checkpoint through a conversion mapping (renamed mod
 block's experts fused into one 3-D parameter) and reverts it when it saves, so a model's attribute names are not
 always its checkpoint's, and the fleet loads by the checkpoint's. Where every tensor ``save_pretrained`` writes is
 one of the model's tensors renamed, or a contiguous range of one (``naming.split_fused_experts``; rows of a tensor
-the model concatenated on loading), the callback can publish under the checkpoint's names with no copy.
+the model concatenated on loading), or several of the model's tensors joined along dim 0 (a checkpoint's ``qkv``
+that the model splits on loading), the callback can publish under the checkpoint's names with no copy.
 :func:`checkpoint_names` finds the ``split`` and ``rename`` that do so and checks them against transformers' own
 revert: the names at the model's real shapes (on meta tensors, no memory), and which elements each part holds on a
 small probe whose values are their positions (a fused expert tensor at a few rows and columns; another tensor the
@@ -44,10 +45,11 @@ class NamesPlan:
     """How the model's tensors become the checkpoint's: ``split`` (None: nothing split) then ``rename``."""
 
     split: Split | None
-    rename: Rename
+    rename: Rename  # may give (name, position): a block of a tensor joined along dim 0
     split_tensors: int  # the model's tensors divided into parts (per expert, or into ranges of rows)
     changed: dict[str, str]  # published name -> checkpoint name, where they differ
     transposed: tuple[str, ...] = ()  # tensors published with their last two dims swapped, as the base stores them
+    joined: int = 0  # the model's tensors published as blocks of one (``rename`` gives them a name and position)
 
 
 def _revert() -> Callable[[Any, dict[str, Any]], dict[str, Any]] | None:
@@ -91,7 +93,7 @@ def transformers_saved_shapes(model: Any, specs: Specs) -> dict[str, tuple[int, 
 def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> NamesPlan | None:
     """The ``split`` and ``rename`` that publish ``model`` under the names its ``save_pretrained`` writes, checked
     against transformers' revert; None when the names are already those, or the model is not a transformers model,
-    or its conversion is not renames and contiguous ranges (see the module docstring). Where the names are already
+    or its conversion is not renames, contiguous ranges and joins along dim 0 (see the module docstring). Where the names are already
     those, tensors that transformers transposes on loading and that the base checkpoint (``base()``: its shapes by
     name, ``hf_config.base_tensor_shapes``) stores transposed are published so (:func:`_transposes`)."""
     revert = _revert()
@@ -154,6 +156,10 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
                     source = None
                 if source is not None and source != whole and whole not in cut:
                     divided.add(whole)
+                blocks = _joined(rows, t) if source is None else None
+                if blocks and not any(b in rename for b in blocks):  # several whole tensors, concatenated
+                    rename.update((b, (target, i)) for i, b in enumerate(blocks))
+                    continue
             if source is None or source in rename:
                 log.debug("hotload: transformers saves %r as nothing hotload can publish in place", target)
                 return None
@@ -176,11 +182,23 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
     for name, shape in own:
         split_up = split(name, shape)
         published += [(p, tuple(sh)) for p, _start, sh in split_up] if split_up else [(name, shape)]
-    if len(rename) != len(published) or {rename.get(p): sh for p, sh in published} != saved_shapes:
+    result: dict[str, tuple[int, ...]] = {}
+    joins: dict[str, list[tuple[int, tuple[int, ...]]]] = {}  # a joined tensor's (position, block shape)
+    for p, sh in published:
+        target = rename.get(p)
+        if isinstance(target, tuple):
+            joins.setdefault(target[0], []).append((target[1], sh))
+        else:
+            result[target] = sh
+    for target, blocks in joins.items():
+        blocks.sort()
+        result[target] = (sum(sh[0] for _i, sh in blocks), *blocks[0][1][1:])
+    if len(rename) != len(published) or result != saved_shapes:
         return None  # the real shapes must give the checkpoint's names and shapes exactly
-    changed = {k: v for k, v in rename.items() if k != v}
+    changed = {k: v if isinstance(v, str) else v[0] for k, v in rename.items() if k != v}
+    joined = sum(1 for v in rename.values() if isinstance(v, tuple))
     return NamesPlan(split if divided or cut else None, lambda name: rename.get(name, name), len(divided) + len(cut),
-                     changed)
+                     changed, joined=joined)
 
 
 def _first(t: Any) -> Any:
@@ -216,6 +234,25 @@ def _rows_of(rows: list[tuple[int, tuple[int, ...], str, tuple[int, ...]]], firs
         return name, name
     cut.setdefault(name, []).append((target, offset // per_row * math.prod(real[1:]), (n,) + real[1:]))
     return target, name
+
+
+def _joined(rows: list[tuple[int, tuple[int, ...], str, tuple[int, ...]]], t: Any) -> list[str] | None:
+    """The row-probed tensors that a saved probe ``t`` is, whole and concatenated along dim 0 in this order (the
+    reverse of a split on loading: q, k and v saved as one), or None when it is not two or more of them."""
+    import torch
+
+    flat, pos, blocks = t.reshape(-1), 0, []
+    while pos < flat.numel():
+        first = int(flat[pos])
+        i = bisect.bisect_left(rows, first, key=lambda r: r[0])
+        if i == len(rows) or rows[i][0] != first or tuple(t.shape[1:]) != rows[i][1][1:]:
+            return None  # not the start of a row-probed tensor with these dims after the first
+        n = math.prod(rows[i][1])
+        if pos + n > flat.numel() or not torch.equal(flat[pos:pos + n], torch.arange(first, first + n)):
+            return None
+        blocks.append(rows[i][2])
+        pos += n
+    return blocks if len(blocks) > 1 else None
 
 
 def _transposes(model: Any, own: list[tuple[str, tuple[int, ...]]], base: Base | None) -> list[str]:

@@ -35,7 +35,10 @@ LEADING_SEGMENTS: frozenset[str] = frozenset({"module"})
 # The output projection that HF drops from a checkpoint when ``tie_word_embeddings`` is set.
 TIED_OUTPUT_SUFFIX = "lm_head.weight"
 
-Rename = Callable[[str], "str | None"]
+# A rename maps a cleaned path (a split's part: its name) to the published name, None to leave the tensor out, or
+# ``(name, position)`` for a tensor that is one block of ``name``: the tensors given that name are concatenated
+# along dim 0 in the order of their positions (a checkpoint that keeps q, k and v as one ``qkv`` tensor).
+Rename = Callable[[str], "str | tuple[str, int] | None"]
 # A split maps a tensor's cleaned path and full shape to the published tensors that tile it, each a contiguous
 # range of its flattened elements: ``(name, first element, shape)``, or ``(name, first element, shape, dims)`` for
 # one published as ``part.view(shape).permute(dims)`` (a checkpoint that stores it transposed); None publishes the
@@ -83,16 +86,25 @@ def is_tied_output(name: str) -> bool:
     return name == TIED_OUTPUT_SUFFIX or name.endswith("." + TIED_OUTPUT_SUFFIX)
 
 
-def apply_rename(raw: str, rename: Rename | None) -> str | None:
-    """The published name for a cleaned path: ``rename(raw)`` (None drops the tensor) or ``raw`` itself."""
+def apply_rename(raw: str, rename: Rename | None) -> tuple[str, int | None] | None:
+    """The published name for a cleaned path, with its position where it is a block of a joined tensor:
+    ``rename(raw)`` (None drops the tensor) or ``raw`` itself."""
     if rename is None:
-        return raw
+        return raw, None
     out = rename(raw)
     if out is None:
         return None
-    if not isinstance(out, str) or not out:
-        raise ValueError(f"rename({raw!r}) returned {out!r}; expected a non-empty str or None to drop the tensor")
-    return out
+    name, position = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
+    if position is not None:
+        try:
+            position = None if isinstance(position, bool) else _whole(position)
+        except (TypeError, ValueError):
+            position = None
+        name = name if position is not None else None  # a position that is not a whole number: refused below
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"rename({raw!r}) returned {out!r}; expected a non-empty str, (name, int position) for a "
+                         "block of a tensor joined along dim 0, or None to drop the tensor")
+    return name, position
 
 
 def plan_names(
@@ -100,12 +112,13 @@ def plan_names(
     *,
     rename: Rename | None = None,
     tie_word_embeddings: bool | None = None,
-) -> list[tuple[str, int]]:
+) -> list[tuple[str, int, int | None]]:
     """Choose the published names for a model's tensors.
 
     ``slots`` lists every place a tensor is registered, in module order, as ``(cleaned path, key)``; slots
     that share a tensor (tied weights, a module reachable by two paths) have equal keys. Returns
-    ``(published name, index of the slot it comes from)`` in slot order.
+    ``(published name, index of the slot it comes from, position)`` in slot order; the position is None except
+    for the blocks of a tensor joined along dim 0 (``rename`` gave ``(name, position)``), which share the name.
 
     Tied tensors follow the HF convention: with ``tie_word_embeddings=True`` the ``lm_head.weight`` name of a
     tensor shared with the input embedding is omitted (an ``lm_head`` shared with nothing is an error); every
@@ -114,30 +127,30 @@ def plan_names(
     ``save_pretrained`` leaves the key out when it equals the model class's default, which is True for some
     classes (GPT-2) and False for others (Llama), and transformers ties the module's weights only when it is True.
     """
-    named: list[tuple[str, int]] = []
+    named: list[tuple[str, int, int | None]] = []
     for i, (raw, _key) in enumerate(slots):
         out = apply_rename(raw, rename)
         if out is not None:
-            named.append((out, i))
+            named.append((out[0], i, out[1]))
 
-    by_key: dict[Hashable, list[tuple[str, int]]] = {}
-    for out, i in named:
-        by_key.setdefault(slots[i][1], []).append((out, i))
+    by_key: dict[Hashable, list[tuple[str, int, int | None]]] = {}
+    for entry in named:
+        by_key.setdefault(slots[entry[1]][1], []).append(entry)
 
     keep: set[int] = set()
     for group in by_key.values():
         # Names that point at the same tensor twice (same module under two paths, renamed alike) collapse.
-        distinct: dict[str, int] = {}
-        for out, i in group:
-            distinct.setdefault(out, i)
-        outputs = [n for n in distinct if is_tied_output(n)]
-        inputs = [n for n in distinct if not is_tied_output(n)]
+        distinct: dict[tuple[str, int | None], int] = {}
+        for out, i, position in group:
+            distinct.setdefault((out, position), i)
+        outputs = [n for n in distinct if is_tied_output(n[0])]
+        inputs = [n for n in distinct if not is_tied_output(n[0])]
         if outputs and (tie_word_embeddings or (tie_word_embeddings is None and inputs)):
             # Only the output projection is left out (the receiver ties it to the input embedding); any other
             # name sharing a tensor is published as it is without tying.
             if not inputs:
                 raise ValueError(
-                    f"tie_word_embeddings=True but {outputs[0]!r} is a tensor of its own, not shared with the "
+                    f"tie_word_embeddings=True but {outputs[0][0]!r} is a tensor of its own, not shared with the "
                     "input embedding; publishing without it would lose weights. Pass tie_word_embeddings=False "
                     "(or None), or tie the weights in the model."
                 )
@@ -145,15 +158,22 @@ def plan_names(
         else:
             keep.update(distinct.values())
 
-    result = [(out, i) for out, i in named if i in keep]
-    seen: dict[str, int] = {}
-    for out, i in result:
-        if out in seen:
-            raise ValueError(
-                f"two different tensors would be published as {out!r}: {slots[seen[out]][0]!r} and "
-                f"{slots[i][0]!r} (check the rename function)"
-            )
-        seen[out] = i
+    result = [entry for entry in named if entry[1] in keep]
+    by_name: dict[str, list[tuple[int, int | None]]] = {}
+    for out, i, position in result:
+        by_name.setdefault(out, []).append((i, position))
+    for out, entries in by_name.items():
+        first: dict[int | None, int] = {}  # position -> slot
+        for i, position in entries:
+            if position in first:  # two whole tensors, or two blocks at one position
+                j, how = first[position], "" if position is None else f" at position {position}"
+            elif first and (position is None or None in first):
+                j, how = next(iter(first.values())), " (one whole, one as a block of a tensor joined along dim 0)"
+            else:
+                first[position] = i
+                continue
+            raise ValueError(f"two different tensors would be published as {out!r}{how}: {slots[j][0]!r} and "
+                             f"{slots[i][0]!r} (check the rename function)")
     return result
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -45,33 +46,40 @@ def test_clean_name_rejects_paths_without_a_name(raw: str) -> None:
         clean_name(raw)
 
 
+def _pairs(slots: list[tuple[str, str]], **kw: Any) -> list[tuple[str, int]]:
+    """``plan_names`` without the positions, which are None unless a rename joins tensors."""
+    plan = plan_names(slots, **kw)
+    assert all(position is None for _n, _i, position in plan)
+    return [(n, i) for n, i, _position in plan]
+
+
 def test_plan_names_tie_rename_and_collisions() -> None:
     slots = [("model.embed_tokens.weight", "E"), ("model.norm.weight", "N"), ("lm_head.weight", "E")]
-    assert [n for n, _ in plan_names(slots, tie_word_embeddings=False)] == [
+    assert [n for n, _ in _pairs(slots, tie_word_embeddings=False)] == [
         "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
-    assert plan_names(slots, tie_word_embeddings=True) == [("model.embed_tokens.weight", 0), ("model.norm.weight", 1)]
+    assert _pairs(slots, tie_word_embeddings=True) == [("model.embed_tokens.weight", 0), ("model.norm.weight", 1)]
     # the config does not say (GPT-2's save_pretrained leaves out its default, True): the model's own tying decides
-    assert plan_names(slots) == plan_names(slots, tie_word_embeddings=True)
+    assert _pairs(slots) == _pairs(slots, tie_word_embeddings=True)
     untied = [("model.embed_tokens.weight", "E"), ("lm_head.weight", "L")]
-    assert [n for n, _ in plan_names(untied)] == ["model.embed_tokens.weight", "lm_head.weight"]
+    assert [n for n, _ in _pairs(untied)] == ["model.embed_tokens.weight", "lm_head.weight"]
     # the input name wins even when the output name comes first
-    reversed_plan = plan_names(slots[::-1], tie_word_embeddings=True)
+    reversed_plan = _pairs(slots[::-1], tie_word_embeddings=True)
     assert reversed_plan == [("model.norm.weight", 1), ("model.embed_tokens.weight", 2)]
-    drop_norm = plan_names(slots, rename=lambda n: None if "norm" in n else "x." + n, tie_word_embeddings=False)
+    drop_norm = _pairs(slots, rename=lambda n: None if "norm" in n else "x." + n, tie_word_embeddings=False)
     assert drop_norm == [("x.model.embed_tokens.weight", 0), ("x.lm_head.weight", 2)]
     with pytest.raises(ValueError, match="separate|of its own"):
-        plan_names([("model.embed_tokens.weight", "E"), ("lm_head.weight", "L")], tie_word_embeddings=True)
+        _pairs([("model.embed_tokens.weight", "E"), ("lm_head.weight", "L")], tie_word_embeddings=True)
     # an lm_head registered twice under one name is still a tensor of its own
     with pytest.raises(ValueError, match="of its own"):
-        plan_names([("model.embed_tokens.weight", "E"), ("lm_head.weight", "L"), ("lm_head.weight", "L")],
+        _pairs([("model.embed_tokens.weight", "E"), ("lm_head.weight", "L"), ("lm_head.weight", "L")],
                    tie_word_embeddings=True)
     # tying leaves out lm_head only: two other modules sharing one tensor both keep their names, as untied
     shared = [("model.embed_tokens.weight", "E"), ("a.w", "S"), ("b.w", "S"), ("lm_head.weight", "E")]
-    assert plan_names(shared, tie_word_embeddings=True) == [("model.embed_tokens.weight", 0), ("a.w", 1), ("b.w", 2)]
+    assert _pairs(shared, tie_word_embeddings=True) == [("model.embed_tokens.weight", 0), ("a.w", 1), ("b.w", 2)]
     with pytest.raises(ValueError, match="'w'.*'model.embed_tokens.weight'.*'model.norm.weight'"):
-        plan_names(slots, rename=lambda n: "w")
+        _pairs(slots, rename=lambda n: "w")
     with pytest.raises(ValueError, match="non-empty str"):
-        plan_names(slots, rename=lambda n: "")
+        _pairs(slots, rename=lambda n: "")
 
 
 # ------------------------------------------------------------------------------------------ plain module
@@ -96,6 +104,52 @@ class Tied(nn.Module):
         self.model = Inner()
         self.lm_head = nn.Linear(4, 7, bias=False)
         self.lm_head.weight = self.model.embed_tokens.weight
+
+
+def test_plan_names_joins_blocks_by_position_and_names_clashes() -> None:
+    slots = [("a.q", "Q"), ("a.k", "K"), ("a.v", "V"), ("a.o", "O")]
+    qkv = {"a.q": ("a.qkv", 0), "a.k": ("a.qkv", 2), "a.v": ("a.qkv", 1)}
+    assert plan_names(slots, rename=lambda n: qkv.get(n, n)) == [
+        ("a.qkv", 0, 0), ("a.qkv", 1, 2), ("a.qkv", 2, 1), ("a.o", 3, None)]
+    with pytest.raises(ValueError, match=r"'a.qkv' at position 0: 'a.q' and 'a.k'"):
+        plan_names(slots, rename=lambda n: ("a.qkv", 0) if n in qkv else n)
+    with pytest.raises(ValueError, match=r"'a.qkv' \(one whole, one as a block .*\): 'a.q' and 'a.o'"):
+        plan_names(slots, rename=lambda n: qkv.get(n, "a.qkv"))
+    for bad in [("a.qkv", "0"), ("a.qkv", 1.5), ("a.qkv", True), ("", 0), (None, 1)]:
+        with pytest.raises(ValueError, match=r"rename\('a.q'\) returned .*int position"):
+            plan_names(slots, rename=lambda n, bad=bad: bad)
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(4, 5), nn.Linear(4, 3), nn.Linear(4, 3)
+
+
+def test_a_rename_joins_tensors_into_one_published_tensor() -> None:
+    """q, k and v (weights and biases) published as one ``qkv`` tensor each: their data in place, moved down."""
+    model = Attention()
+
+    def rename(name: str) -> tuple[str, int]:
+        proj, kind = name.split(".")
+        return f"qkv.{kind}", "qkv".index(proj[0])
+
+    specs = full_tensor_specs(model, rename=rename)
+    assert specs == [("qkv.weight", (11, 4), "BF16"), ("qkv.bias", (11,), "BF16")]
+    chunks = local_chunks(model, rename=rename)
+    assert [(c.name, c.space, c.box) for c in chunks] == [
+        ("qkv.weight", "flat", Box.flat(0, 20)), ("qkv.weight", "flat", Box.flat(20, 12)),
+        ("qkv.weight", "flat", Box.flat(32, 12)), ("qkv.bias", "flat", Box.flat(0, 5)),
+        ("qkv.bias", "flat", Box.flat(5, 3)), ("qkv.bias", "flat", Box.flat(8, 3))]
+    assert chunks[1].source.data_ptr() == model.k_proj.weight.data_ptr()  # views, not copies
+    check_ownership([chunks], specs)
+    full = gather_full_state(model, rename=rename)
+    want = torch.cat([model.q_proj.weight, model.k_proj.weight, model.v_proj.weight]).detach().to(torch.bfloat16)
+    assert torch.equal(full["qkv.weight"], want)
+    model.v_proj.weight = nn.Parameter(torch.randn(3, 5))
+    with pytest.raises(ValueError, match=r"'qkv.weight' joins 'q_proj.weight' \(5, 4\).*'v_proj.weight' \(3, 5\)"):
+        local_chunks(model, rename=rename)
 
 
 def test_plain_module_one_whole_chunk_per_tensor_as_views() -> None:

@@ -185,9 +185,26 @@ def test_names_transformers_would_not_save_are_warned_about(tmp_path: Path, capl
 # model type -> (tensors split, names changed): the qwen2_moe family only splits experts, Mixtral also renames,
 # Nemotron-H's experts have no gate (a fused up_proj), GraniteMoE's checkpoints keep the experts fused under other
 # names (renamed whole), OLMo-Hybrid's keep q/k/v convolutions apart that its model concatenates (ranges of rows),
-# a Llama needs nothing
+# HRM-Text's fuse the gate and up projections, and the attention's gate, q, k and v, that its model keeps apart
+# (joined), a Llama needs nothing
 PLANS = {"qwen3_moe": (True, False), "mixtral": (True, True), "deepseek_v3": (True, False),
-         "nemotron_h": (True, True), "granitemoe": (False, True), "olmo_hybrid": (True, True), "llama": None}
+         "nemotron_h": (True, True), "granitemoe": (False, True), "olmo_hybrid": (True, True),
+         "hrm_text": (False, True), "llama": None}
+
+
+def _published(model: Any, plan: Any) -> dict[str, torch.Tensor]:
+    """What the callback would publish under ``plan`` (F32), each tensor put together from its chunks."""
+    from fsdp_hotload.fsdp import full_tensor_specs, local_chunks
+
+    kw: dict[str, Any] = dict(split=plan.split, rename=plan.rename, tie_word_embeddings=False, snapshot_dtype="F32")
+    out = {name: torch.full(shape, float("nan")) for name, shape, _dtype in full_tensor_specs(model, **kw)}
+    for c in local_chunks(model, **kw):
+        if c.space == "flat":
+            out[c.name].view(-1)[c.box.start[0]:c.box.start[0] + c.box.length[0]] = c.source.reshape(-1)
+        else:
+            out[c.name][tuple(slice(a, a + n) for a, n in zip(c.box.start, c.box.length))] = c.source.reshape(
+                c.box.length)
+    return out
 
 
 @pytest.mark.parametrize("kind", sorted(PLANS))
@@ -195,7 +212,7 @@ def test_checkpoint_names_from_transformers_publish_what_save_pretrained_writes(
     """hf_names: the split and rename derived from transformers' conversion mapping give exactly the tensors its
     revert (what save_pretrained writes) gives, names and elements; a model whose names are its checkpoint's gets
     no plan."""
-    from fsdp_hotload.fsdp import full_tensor_specs, local_chunks
+    from fsdp_hotload.fsdp import full_tensor_specs
     from fsdp_hotload.hf_names import checkpoint_names
 
     common: dict[str, Any] = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -215,6 +232,7 @@ def test_checkpoint_names_from_transformers_publish_what_save_pretrained_writes(
         "granitemoe": lambda: transformers.GraniteMoeConfig(num_local_experts=3, num_experts_per_tok=2, **common),
         "olmo_hybrid": lambda: transformers.AutoConfig.for_model("olmo_hybrid", pad_token_id=0, eos_token_id=2,
                                                                  head_dim=8, **common),
+        "hrm_text": lambda: transformers.AutoConfig.for_model("hrm_text", **common),
         "llama": lambda: transformers.LlamaConfig(**common),
     }[kind]()
     torch.manual_seed(0)
@@ -228,13 +246,12 @@ def test_checkpoint_names_from_transformers_publish_what_save_pretrained_writes(
         return
     assert plan is not None
     assert ((plan.split is not None), bool(plan.changed)) == PLANS[kind], (plan.split_tensors, plan.changed)
-    chunks = local_chunks(model, split=plan.split, rename=plan.rename, tie_word_embeddings=False,
-                          snapshot_dtype="F32")
+    assert (plan.joined > 0) == (kind == "hrm_text"), plan.joined
     want = revert_weight_conversion(model, dict(model.state_dict()))
-    got = {c.name: c.source for c in chunks}
+    got = _published(model, plan)
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
-        assert torch.equal(got[name], tensor.reshape(-1)), name
+        assert torch.equal(got[name], tensor), name
 
 
 def test_qwen3_vl_moe_experts_publish_in_their_checkpoint_layout(tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -365,3 +382,38 @@ def test_checkpoint_names_follow_rows_cut_apart_and_nothing_changed_within_rows(
         assert sorted(got) == sorted(want) == ["b.k", "b.q", "b.v", "n"], model_type
         for name, tensor in want.items():
             assert torch.equal(got[name], tensor.reshape(-1)), name
+
+
+def test_checkpoint_names_join_tensors_the_model_keeps_apart() -> None:
+    """A checkpoint's tensor that the model splits on loading (q, k and v of unequal rows; gate and up, saved up
+    first) is published as the model's tensors joined in the checkpoint's order, exactly transformers' revert;
+    where the blocks are interleaved or joined along another dim than 0 there is no plan."""
+    from transformers.core_model_loading import Chunk, Interleave, Split, WeightConverter
+
+    from fsdp_hotload.fsdp import full_tensor_specs
+    from fsdp_hotload.hf_names import checkpoint_names
+
+    qkv, ff = ["b.q", "b.k", "b.v"], ["m.up", "m.gate"]
+    cases = {
+        "hotload_fake_split": ({"b.q": (4, 3), "b.k": (2, 3), "b.v": (2, 3), "b.o": (3, 3)},
+                               [WeightConverter("b.qkv", qkv, [Split(0)])], ["b.o", "b.qkv"]),
+        "hotload_fake_chunk": ({"m.gate": (4, 3), "m.up": (4, 3), "m.gate_b": (4,), "m.up_b": (4,)},
+                               [WeightConverter("m.ff", ff, [Chunk(0)]),
+                                WeightConverter("m.ff_b", ["m.up_b", "m.gate_b"], [Chunk(0)])], ["m.ff", "m.ff_b"]),
+        "hotload_fake_interleaved": ({"m.gate": (4, 3), "m.up": (4, 3)},
+                                     [WeightConverter("m.ff", ff, [Interleave(0), Chunk(0)])], None),
+        "hotload_fake_columns": ({"m.gate": (4, 3), "m.up": (4, 3)}, [WeightConverter("m.ff", ff, [Chunk(1)])], None),
+    }
+    for model_type, (params, mapping, names) in cases.items():
+        torch.manual_seed(0)
+        model = _fake_model(model_type, params, mapping)
+        plan = checkpoint_names(model, lambda: full_tensor_specs(model, tie_word_embeddings=False))
+        assert (plan is not None) is (names is not None), model_type
+        if plan is None:
+            continue
+        want = revert_weight_conversion(model, dict(model.state_dict()))
+        got = _published(model, plan)
+        assert sorted(got) == sorted(want) == names, model_type
+        for name, tensor in want.items():
+            assert torch.equal(got[name], tensor), name
+    assert plan is None  # the last case

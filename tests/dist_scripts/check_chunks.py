@@ -169,6 +169,38 @@ def split_rows(path: str, shape: tuple[int, ...]) -> list[tuple[str, int, tuple[
             for i, (a, b) in enumerate(zip(rows, rows[1:]))]
 
 
+# Tensors published as blocks of one, joined along dim 0 (``rename`` gives (name, position)), out of module order:
+# flat ranges of every layout, boxes of a transposed part (and, under tensor parallelism, of the column-sharded
+# lin2) and both in one tensor ("model.mixed": its flat blocks become boxes too).
+JOINS = {"model.layers.1.lin1.weight": ("model.joined.weight", 0),
+         "model.embed_tokens.weight": ("model.joined.weight", 1),
+         "model.layers.0.lin1.weight.part2": ("model.joined.weight", 2),
+         "model.layers.0.lin1.weight.part1": ("model.joined.weight", 3),
+         "model.layers.0.lin1.weight.part0": ("model.mixed", 0), "model.odd.part1": ("model.mixed", 1),
+         "model.layers.1.lin2.weight": ("model.rows", 0), "model.layers.0.lin2.weight.part2": ("model.rows", 1),
+         "model.layers.0.lin2.weight.part1": ("model.rows", 2)}
+
+
+def check_joined(label: str, model: nn.Module, split_names: list[str]) -> None:
+    """Joined tensors (JOINS) rebuild the gathered state, which is itself the blocks' own tensors concatenated."""
+    names: list[str] = []
+    for n in split_names:
+        joined = JOINS.get(n, (n, None))[0]
+        if joined not in names:
+            names.append(joined)
+    kw: dict[str, Any] = dict(split=split_rows, tie_word_embeddings=False, rename=lambda n: JOINS.get(n, n))
+    chunks = verify(f"{label}/joined", model, names, **kw)
+    spaces = {c.name: c.space for c in chunks}
+    expect(spaces.get("model.mixed", "shape") == "shape", f"{label}: model.mixed in {spaces.get('model.mixed')}")
+    full = gather_full_state(model, **kw)
+    parts = gather_full_state(model, split=split_rows, tie_word_embeddings=False)
+    for joined in ("model.joined.weight", "model.mixed", "model.rows"):
+        blocks = sorted((pos, n) for n, (j, pos) in JOINS.items() if j == joined)
+        want = torch.cat([parts[n] for _pos, n in blocks])
+        expect(torch.equal(full[joined], want), f"{label}: {joined} is not its blocks concatenated in order")
+    expect(tuple(full["model.joined.weight"].shape) == (5 + VOCAB + 2 + 1, DIM), f"{label}: joined shape")
+
+
 def bump(model: nn.Module) -> None:
     """An in-place update of every parameter's local data, the way an optimizer step writes it."""
     with torch.no_grad():
@@ -210,6 +242,7 @@ def check_all(label: str, model: nn.Module, *, dtypes: dict[str, torch.dtype], u
                 expect(False, f"{label}: the split {parts} of a column-sharded tensor was accepted")
             except NotImplementedError as exc:
                 expect("must each be a slab" in str(exc) and "lin2" in str(exc), f"{label}: {exc}")
+    check_joined(label, model, split_names)
     verify_ownership(model)
     before = {k: RawTensor.from_any(v).data.copy() for k, v in gather_full_state(model).items()}
     bump(model)

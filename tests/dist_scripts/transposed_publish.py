@@ -1,4 +1,5 @@
-"""Parts published with their dims permuted (a checkpoint that stores tensors transposed), under FSDP2 on 2 ranks.
+"""Parts published with their dims permuted (a checkpoint that stores tensors transposed), and tensors joined along
+dim 0 (a checkpoint that keeps q, k and v as one), under FSDP2 on 2 ranks.
 
 Why: a permuted part's chunk on each rank is a strided view of the rank's shard (``Segment.pieces``): a dim-0
 shard's flat range cut into boxes of the part (``slab.range_boxes``), or a ``Shard(1)`` box cut to the part's
@@ -21,6 +22,10 @@ The model (published names and shapes after the split):
   row 2, so rank 0 holds its rows 0-1 and the start of row 2, rank 1 the end of row 2 and row 3 (range_boxes'
   whole rows, partial last and partial first row).
 - ``model.layers.0.mlp.gate.weight`` (3, 5): published as it is.
+- ``model.layers.0.self_attn.{q,k,v}_proj.weight`` (5, 4), (3, 4), (3, 4): published as one
+  ``model.layers.0.self_attn.qkv_proj.weight`` (11, 4) by ``rename`` (dim-0 shards 3 + 2, 2 + 1 and 2 + 1 rows:
+  each rank holds three flat ranges of it), and row blocks 0 and 2 above as one ``model.layers.0.mlp.rows.ends``
+  (6, 2), block 2 first (boxes of transposed parts, moved down).
 
 Results go to --out as JSON: rank 0's comparison per accepted snapshot, the published shapes, every rank's chunks.
 """
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -61,6 +67,9 @@ class TransposedMoe(nn.Module):
         layer.mlp.cols = nn.Linear(4, 6, bias=False)  # weight (6, 4): FSDP shards its columns (evenly: FSDP2
         # refuses uneven sharding on a dim other than 0)
         layer.mlp.rows = nn.Linear(4, 9, bias=False)  # weight (9, 4): published per row block
+        layer.self_attn = nn.Module()
+        for proj, rows in (("q_proj", 5), ("k_proj", 3), ("v_proj", 3)):
+            setattr(layer.self_attn, proj, nn.Linear(4, rows, bias=False))
         self.model.layers = nn.ModuleList([layer])
 
 
@@ -75,6 +84,17 @@ def split(path: str, shape: tuple[int, ...]) -> list[tuple[Any, ...]] | None:
         return [(f"model.layers.0.mlp.rows.{i}.weight", start, part, (1, 0))
                 for i, (start, part) in enumerate(ROW_BLOCKS)]
     return None
+
+
+def rename(name: str) -> str | tuple[str, int]:
+    """q, k and v joined as ``qkv_proj`` (in that order); row blocks 2 and 0 joined as ``rows.ends``."""
+    qkv = re.fullmatch(r"(.*\.self_attn)\.([qkv])_proj\.weight", name)
+    if qkv:
+        return f"{qkv[1]}.qkv_proj.weight", "qkv".index(qkv[2])
+    blocks = {"model.layers.0.mlp.rows.2.weight": 0, "model.layers.0.mlp.rows.0.weight": 1}
+    if name in blocks:
+        return "model.layers.0.mlp.rows.ends", blocks[name]
+    return name
 
 
 def raw_of(full: dict[str, torch.Tensor]) -> dict[str, tuple[list[int], bytes]]:
@@ -112,7 +132,7 @@ def main() -> None:
                         busy_policy="wait")
     gen = torch.Generator().manual_seed(100 + rank)  # each rank updates its own shards differently
     expected: dict[str, dict[str, tuple[list[int], bytes]]] = {}
-    with HotloadCallback(model, cfg, split=split) as hot:
+    with HotloadCallback(model, cfg, split=split, rename=rename) as hot:
         chunks = [(c.name, c.space, c.box.to_json()) for c in hot.engine.chunks]
         for step in range(args.steps):
             if step:
@@ -123,7 +143,7 @@ def main() -> None:
                         local.add_(torch.randn(local.shape, generator=gen) * 0.5 * mask)
             hot.step(step)
             hot.wait()
-            full = gather_full_state(model, split=split)  # collective: every rank calls it
+            full = gather_full_state(model, split=split, rename=rename)  # collective: every rank calls it
             if rank == 0:
                 expected[hot.metrics[-1].identity] = raw_of(full)
         metrics = list(hot.metrics)
