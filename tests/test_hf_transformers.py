@@ -1,10 +1,11 @@
 """Snapshots as the fleet's Hugging Face loader reads them: transformers' ``from_pretrained`` on every step.
 
-One torchrun job (2 ranks, gloo, FSDP2 per decoder layer and root) trains five tiny random models built from their
-configs, a Llama with tied embeddings, a Qwen2 (q/k/v biases) without, and the MoE models Qwen3-MoE and Mixtral
+One torchrun job (2 ranks, gloo, FSDP2 per decoder layer and root) trains tiny random models built from their
+configs, a Llama with tied embeddings, a Qwen2 (q/k/v biases) without, the MoE models Qwen3-MoE and Mixtral
 (transformers 5 fuses their experts: Qwen3-MoE published under the names derived from transformers, ``hf_names``;
 Mixtral with the README's ``split_fused_experts`` and ``rename``; Qwen3-MoE once more with its experts sharded along
-their columns and rows), and publishes every step with a full snapshot every third
+their columns and rows) and HRM-Text (whose checkpoints join the projections its model keeps apart, ``hf_names``),
+and publishes every step with a full snapshot every third
 (dist_scripts/hf_train_publish.py). Each full snapshot folder is loaded as it is; each delta is first rebuilt on
 its parent with ``hotload apply``. Every load must report no missing, unexpected or mismatched key and give exactly
 the trainer's gathered state cast to bf16; the base folder's config, generation config and tokenizer travel
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.slow
 
 # (model type, tie_word_embeddings); the MoE model's 3 experts are split 2 + 1 by FSDP2 over 2 ranks
 CASES = {"llama_tied": ("llama", True), "qwen2_untied": ("qwen2", False), "qwen3_moe": ("qwen3_moe", False),
-         "mixtral": ("mixtral", False), "qwen3_moe_cols": ("qwen3_moe", False)}
+         "mixtral": ("mixtral", False), "qwen3_moe_cols": ("qwen3_moe", False), "hrm_text": ("hrm_text", False)}
 # FSDP shards these cases' fused experts along another dim than 0 (each rank holds columns of every expert's
 # gate and up parts, and half the rows of its down part), as torchtitan does with more ranks than experts
 EXPERT_DIMS = {"qwen3_moe_cols": {"gate_up_proj": 2, "down_proj": 1}}
@@ -56,7 +57,8 @@ def write_base_folder(folder: Path, kind: str, tie: bool) -> None:
     if kind == "mixtral":  # the same, under other names (block_sparse_moe, w1/w3/w2)
         common.update(num_local_experts=3, num_experts_per_tok=2)
     config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-              "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}[kind](**common)
+              "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
+              "hrm_text": lambda **kw: transformers.AutoConfig.for_model("hrm_text", **kw)}[kind](**common)
     config.dtype = torch.bfloat16
     config.save_pretrained(folder)
     transformers.GenerationConfig(bos_token_id=1, eos_token_id=2, do_sample=True, temperature=0.7).save_pretrained(

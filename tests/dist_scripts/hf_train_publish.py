@@ -4,8 +4,8 @@ For each ``--case`` folder (holding ``hf/``: config.json, generation config, tok
 random model from the config (no download), wraps each decoder layer and then the root with ``fully_shard`` (the
 fused experts along the dims ``<case>/fsdp.json`` gives, where there is one), trains
 a few AdamW steps (fp32 masters) and publishes every step through ``HotloadCallback`` into ``<case>/bucket``,
-without signalling (Mixtral with the README's ``split`` and ``rename``, Qwen3-MoE with the names derived from
-transformers, ``hf_names``). After each publish rank 0 saves the
+without signalling (Mixtral with the README's ``split`` and ``rename``, Qwen3-MoE and HRM-Text, whose checkpoints
+join the projections its model keeps apart, with the names derived from transformers, ``hf_names``). After each publish rank 0 saves the
 framework's own gathered full state dict (``get_model_state_dict``) as ``save_pretrained`` would write it (its
 ``revert_weight_conversion``: fused experts split per expert), cast to bf16, as
 ``<case>/out/expected-<identity>.safetensors`` (a tied weight under every name the model registers it by), and at
@@ -53,6 +53,12 @@ def expert_placement(model: torch.nn.Module, spec: Path) -> Callable[[torch.nn.P
     return lambda p: Shard(dims[names[id(p)]]) if names.get(id(p)) in dims else None
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every ``layers`` list's modules (``model.layers``; HRM-Text's ``L_module.layers`` and ``H_module.layers``)."""
+    return [layer for name, mod in model.named_modules() if name.rsplit(".", 1)[-1] == "layers"
+            and isinstance(mod, torch.nn.ModuleList) for layer in mod]
+
+
 def run_case(case: Path, steps: int, full_every: int) -> None:
     """Train and publish one model; rank 0 writes the expected states and the publish records."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -64,7 +70,7 @@ def run_case(case: Path, steps: int, full_every: int) -> None:
     config = AutoConfig.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     place = expert_placement(model, case / "fsdp.json")
-    for layer in model.model.layers:
+    for layer in decoder_layers(model):
         fully_shard(layer, shard_placement_fn=place)
     fully_shard(model)
     if place is not None:  # the layout asked for is the layout FSDP made
