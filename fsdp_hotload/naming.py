@@ -97,10 +97,11 @@ def apply_rename(raw: str, rename: Rename | None) -> tuple[str, int | None] | No
     name, position = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
     if position is not None:
         try:
-            position = None if isinstance(position, bool) else _whole(position)
+            if isinstance(position, bool):
+                raise TypeError(position)
+            position = _whole(position)
         except (TypeError, ValueError):
-            position = None
-        name = name if position is not None else None  # a position that is not a whole number: refused below
+            name = None  # a position that is not a whole number: refused below
     if not isinstance(name, str) or not name:
         raise ValueError(f"rename({raw!r}) returned {out!r}; expected a non-empty str, (name, int position) for a "
                          "block of a tensor joined along dim 0, or None to drop the tensor")
