@@ -93,9 +93,10 @@ def transformers_saved_shapes(model: Any, specs: Specs) -> dict[str, tuple[int, 
 def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> NamesPlan | None:
     """The ``split`` and ``rename`` that publish ``model`` under the names its ``save_pretrained`` writes, checked
     against transformers' revert; None when the names are already those, or the model is not a transformers model,
-    or its conversion is not renames, contiguous ranges and joins along dim 0 (see the module docstring). Where the names are already
-    those, tensors that transformers transposes on loading and that the base checkpoint (``base()``: its shapes by
-    name, ``hf_config.base_tensor_shapes``) stores transposed are published so (:func:`_transposes`)."""
+    or its conversion is not renames, contiguous ranges and joins along dim 0 (see the module docstring). Where the
+    names are already those, tensors that transformers transposes on loading and that the base checkpoint
+    (``base()``: its shapes by name, ``hf_config.base_tensor_shapes``) stores transposed are published so
+    (:func:`_transposes`)."""
     revert = _revert()
     if revert is None or not is_transformers_model(model):
         return None
