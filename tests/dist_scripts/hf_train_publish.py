@@ -5,8 +5,8 @@ random model from the config (no download), wraps each decoder layer and then th
 fused experts along the dims ``<case>/fsdp.json`` gives, where there is one), trains
 a few AdamW steps (fp32 masters) and publishes every step through ``HotloadCallback`` into ``<case>/bucket``,
 without signalling (Mixtral with the README's ``split`` and ``rename``, Qwen3-MoE and HRM-Text, whose checkpoints
-join the projections its model keeps apart, with the names derived from transformers, ``hf_names``). After each publish rank 0 saves the
-framework's own gathered full state dict (``get_model_state_dict``) as ``save_pretrained`` would write it (its
+join the projections its model keeps apart, with the names derived from transformers, ``hf_names``). After each
+publish rank 0 saves the framework's own gathered full state dict (``get_model_state_dict``) as ``save_pretrained`` would write it (its
 ``revert_weight_conversion``: fused experts split per expert), cast to bf16, as
 ``<case>/out/expected-<identity>.safetensors`` (a tied weight under every name the model registers it by), and at
 the end the publish records as ``<case>/out/metrics.json``. The test then loads the snapshots with transformers'
