@@ -80,8 +80,9 @@ class HotloadCallback:
     Names: wrapper segments are stripped; ``split`` (e.g. :func:`~fsdp_hotload.naming.split_fused_experts` for a
     transformers 5 MoE model) divides a tensor into the checkpoint's tensors, ``rename`` then maps each name
     (None drops it; ``(name, position)`` joins the tensors given that name along dim 0, in position order), and
-    ``tie_word_embeddings`` (default: the HF config's) leaves out a tied ``lm_head``. With neither ``split`` nor ``rename`` given, a transformers model whose ``save_pretrained`` writes other names (a
-    MoE model's experts, renamed modules) gets both from transformers' own conversion mapping where it can be
+    ``tie_word_embeddings`` (default: the HF config's) leaves out a tied ``lm_head``. With neither ``split`` nor
+    ``rename`` given, a transformers model whose ``save_pretrained`` writes other names (a MoE model's experts,
+    renamed modules, joined projections) gets both from transformers' own conversion mapping where it can be
     followed in place (``hf_names``, :mod:`fsdp_hotload.hf_names`).
     """
 
