@@ -169,7 +169,7 @@ class HotloadCallback:
         plan = self.names_plan
         if plan is not None:
             what = [f"{plan.split_tensors} tensor(s) split into the checkpoint's"] if plan.split_tensors else []
-            what += [f"{plan.joined} tensor(s) joined into the checkpoint's"] if plan.joined else []
+            what += [f"{plan.joined} of the checkpoint's tensor(s) joined from the model's"] if plan.joined else []
             what += [f"{len(plan.changed)} name(s) changed, e.g. {a!r} to {b!r}"
                      for a, b in list(plan.changed.items())[:1]]
             if plan.transposed:

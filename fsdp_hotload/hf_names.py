@@ -4,15 +4,16 @@ Why: transformers 5 loads a checkpoint through a conversion mapping (renamed mod
 block's experts fused into one 3-D parameter) and reverts it when it saves, so a model's attribute names are not
 always its checkpoint's, and the fleet loads by the checkpoint's. Where every tensor ``save_pretrained`` writes is
 one of the model's tensors renamed, or a contiguous range of one (``naming.split_fused_experts``; rows of a tensor
-the model concatenated on loading), or several of the model's tensors joined along dim 0 (a checkpoint's ``qkv``
-that the model splits on loading), the callback can publish under the checkpoint's names with no copy.
+the model concatenated on loading), or runs of rows of the model's tensors joined along dim 0 (a checkpoint's
+``qkv`` that the model splits on loading), the callback can publish under the checkpoint's names with no copy.
 :func:`checkpoint_names` finds the ``split`` and ``rename`` that do so and checks them against transformers' own
 revert: the names at the model's real shapes (on meta tensors, no memory), and which elements each part holds on a
 small probe whose values are their positions (a fused expert tensor at a few rows and columns; another tensor the
 revert changes at its real rows, each of a few distinct small dims). A tensor that transformers transposes on
 loading is published transposed where the base checkpoint stores it so (Qwen3-VL-MoE's experts; transformers' own
-``save_pretrained`` keeps the model's layout, so only the base's shapes can tell). Anything else (an interleaved
-layout, an unknown conversion) gives None, and the start-up checks warn instead.
+``save_pretrained`` keeps the model's layout, so only the base's shapes can tell). Anything else (values reordered
+within rows, more than ``MAX_ROW_RUNS`` runs of rows in one saved tensor, an unknown conversion) gives None, and
+the start-up checks warn instead.
 
 Example::
 
@@ -38,6 +39,11 @@ Specs = Callable[[], Iterable[tuple[str, tuple[int, ...], str]]]
 Base = Callable[[], "dict[str, tuple[int, ...] | None] | None"]  # the base checkpoint's shapes, read when asked
 # Most values of the probe of a tensor that the revert changes (8 bytes each, see _row_probe): larger get no plan.
 MAX_PROBE_ELEMENTS = 1 << 22
+# Most runs of rows of the model's tensors that one saved tensor may be made of. A join has a few (q, k and v); a
+# permutation of rows (RoPE's, an interleave of gate and up rows) has one per row or two, each a chunk that the hook
+# copies and every delta carries (a vision tower's q and k permuted for RoPE: ~120k chunks, a hook of 0.3-1 s and
+# deltas 4x larger and 20x slower than the model published as it is), so such a checkpoint gets no plan.
+MAX_ROW_RUNS = 64
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,7 @@ class NamesPlan:
     split_tensors: int  # the model's tensors divided into parts (per expert, or into ranges of rows)
     changed: dict[str, str]  # published name -> checkpoint name, where they differ
     transposed: tuple[str, ...] = ()  # tensors published with their last two dims swapped, as the base stores them
-    joined: int = 0  # the model's tensors published as blocks of one (``rename`` gives them a name and position)
+    joined: int = 0  # the checkpoint's tensors published as blocks joined along dim 0 (``rename`` gives positions)
 
 
 def _revert() -> Callable[[Any, dict[str, Any]], dict[str, Any]] | None:
@@ -140,7 +146,7 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
             for part, start, part_shape in split_fused_experts(name, small) or []:
                 parts[(at + start, part_shape)] = (part, name)
             at += n
-        rename: dict[str, str] = {}
+        rename: dict[str, str | tuple[str, int]] = {}
         divided: set[str] = set()  # fused tensors saved per expert
         cut: dict[str, list[tuple[str, int, tuple[int, ...]]]] = {}  # tensors saved as ranges of rows
         for target, t in revert(model, probe).items():
@@ -151,15 +157,26 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
                 flat = t.reshape(-1)
                 first = int(flat[0]) if flat.numel() else -1
                 source, whole = parts.get((first, tuple(t.shape)), (None, None))
-                if source is None:
-                    source, whole = _rows_of(rows, first, tuple(t.shape), target, cut)
                 if source is not None and not torch.equal(flat, torch.arange(first, first + flat.numel())):
                     source = None
-                if source is not None and source != whole and whole not in cut:
+                if source is not None and source != whole:
                     divided.add(whole)
-                blocks = _joined(rows, t) if source is None else None
-                if blocks and not any(b in rename for b in blocks):  # several whole tensors, concatenated
-                    rename.update((b, (target, i)) for i, b in enumerate(blocks))
+                runs = _row_runs(rows, t) if source is None else None
+                if runs and len(runs) > MAX_ROW_RUNS:
+                    log.debug("hotload: transformers saves %r as %d runs of rows of the model's tensors, which would "
+                              "cost a chunk each on every publish", target, len(runs))
+                    return None
+                if runs and not any(name in rename for name, *_rest in runs):
+                    # rows of the model's tensors, in order: one tensor renamed, a range of its rows, or several
+                    # such runs joined (a qkv the model splits on loading; rows permuted, as for RoPE)
+                    for i, (name, row, n, real) in enumerate(runs):
+                        key = target if len(runs) == 1 else (target, i)
+                        if row == 0 and n == real[0]:
+                            rename[name] = key
+                            continue
+                        part = target if len(runs) == 1 else f"{target}[{i}]"
+                        cut.setdefault(name, []).append((part, row * math.prod(real[1:]), (n, *real[1:])))
+                        rename[part] = key
                     continue
             if source is None or source in rename:
                 log.debug("hotload: transformers saves %r as nothing hotload can publish in place", target)
@@ -197,7 +214,7 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
     if len(rename) != len(published) or result != saved_shapes:
         return None  # the real shapes must give the checkpoint's names and shapes exactly
     changed = {k: v if isinstance(v, str) else v[0] for k, v in rename.items() if k != v}
-    joined = sum(1 for v in rename.values() if isinstance(v, tuple))
+    joined = len({v[0] for v in rename.values() if isinstance(v, tuple)})
     return NamesPlan(split if divided or cut else None, lambda name: rename.get(name, name), len(divided) + len(cut),
                      changed, joined=joined)
 
@@ -207,53 +224,44 @@ def _first(t: Any) -> Any:
 
 
 def _row_probe(shape: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The probe shape of a tensor the revert changes: its rows, each of distinct small dims (2, 3, 5, ...); None
-    for a 0-d tensor, one of more than 7 dims, or one whose probe would exceed ``MAX_PROBE_ELEMENTS``."""
+    """The probe shape of a tensor the revert changes: its rows, each of distinct small odd dims (3, 5, 7, ...: a
+    reordering within rows that halves a dim, such as an interleave of pairs, fails on them rather than being a
+    no-op, as it would be on a dim of 2); None for a 0-d tensor, one of more than 7 dims, or one whose probe would
+    exceed ``MAX_PROBE_ELEMENTS``."""
     if not shape or len(shape) > 1 + len(_ROW_DIMS):
         return None
     row = (shape[0], *_ROW_DIMS[:len(shape) - 1])
     return row if math.prod(row) <= MAX_PROBE_ELEMENTS else None
 
 
-_ROW_DIMS = (2, 3, 5, 7, 11, 13)
+_ROW_DIMS = (3, 5, 7, 11, 13, 17)
 
 
-def _rows_of(rows: list[tuple[int, tuple[int, ...], str, tuple[int, ...]]], first: int, shape: tuple[int, ...],
-             target: str, cut: dict[str, list[tuple[str, int, tuple[int, ...]]]]) -> tuple[str | None, str | None]:
-    """Which rows of which row-probed tensor a saved tensor of ``shape`` starting at value ``first`` is: the whole
-    tensor (renamed: its name twice), or a range of its rows, recorded in ``cut`` as a part published under
-    ``target`` at the real shape (its name is then ``target``). (None, None) when it is neither."""
-    i = bisect.bisect_right(rows, first, key=lambda r: r[0]) - 1
-    if i < 0 or not shape:
-        return None, None
-    at, row, name, real = rows[i]
-    per_row = math.prod(row[1:])
-    offset, n = first - at, shape[0]
-    if shape[1:] != row[1:] or offset % per_row or offset + n * per_row > math.prod(row):
-        return None, None  # not whole rows of this one tensor (changed within rows, or across two tensors)
-    if n == row[0]:
-        return name, name
-    cut.setdefault(name, []).append((target, offset // per_row * math.prod(real[1:]), (n,) + real[1:]))
-    return target, name
-
-
-def _joined(rows: list[tuple[int, tuple[int, ...], str, tuple[int, ...]]], t: Any) -> list[str] | None:
-    """The row-probed tensors that a saved probe ``t`` is, whole and concatenated along dim 0 in this order (the
-    reverse of a split on loading: q, k and v saved as one), or None when it is not two or more of them."""
+def _row_runs(rows: list[tuple[int, tuple[int, ...], str, tuple[int, ...]]],
+              t: Any) -> list[tuple[str, int, int, tuple[int, ...]]] | None:
+    """A saved probe ``t`` as runs of whole rows of the row-probed tensors, in its order: ``(name, first row,
+    rows, real shape)`` per run; None where it is anything else (values within rows reordered or transposed, rows of
+    other dims, values of no row-probed tensor)."""
     import torch
 
-    flat, pos, blocks = t.reshape(-1), 0, []
-    while pos < flat.numel():
-        first = int(flat[pos])
-        i = bisect.bisect_left(rows, first, key=lambda r: r[0])
-        if i == len(rows) or rows[i][0] != first or tuple(t.shape[1:]) != rows[i][1][1:]:
-            return None  # not the start of a row-probed tensor with these dims after the first
-        n = math.prod(rows[i][1])
-        if pos + n > flat.numel() or not torch.equal(flat[pos:pos + n], torch.arange(first, first + n)):
-            return None
-        blocks.append(rows[i][2])
-        pos += n
-    return blocks if len(blocks) > 1 else None
+    flat = t.reshape(-1)
+    if t.dim() == 0 or not flat.numel():
+        return None
+    breaks = (torch.nonzero(flat[1:] != flat[:-1] + 1).reshape(-1) + 1).tolist()  # where values stop following
+    out: list[tuple[str, int, int, tuple[int, ...]]] = []
+    for start, end in zip([0, *breaks], [*breaks, flat.numel()]):
+        value = int(flat[start])
+        while start < end:  # one run of values may span two tensors probed one after the other
+            i = bisect.bisect_right(rows, value, key=lambda r: r[0]) - 1
+            if i < 0:
+                return None
+            at, row, name, real = rows[i]
+            per_row, n = math.prod(row[1:]), min(end - start, at + math.prod(row) - value)
+            if tuple(t.shape[1:]) != row[1:] or n <= 0 or (value - at) % per_row or n % per_row:
+                return None
+            out.append((name, (value - at) // per_row, n // per_row, real))
+            start, value = start + n, value + n
+    return out
 
 
 def _transposes(model: Any, own: list[tuple[str, tuple[int, ...]]], base: Base | None) -> list[str]:

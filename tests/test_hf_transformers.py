@@ -310,9 +310,9 @@ def test_qwen3_vl_moe_experts_publish_in_their_checkpoint_layout(tmp_path: Path,
             assert torch.equal(got[name].view(torch.int16), tensor.view(torch.int16)), name
 
 
-def _fake_model(model_type: str, params: dict[str, tuple[int, ...]], mapping: list[Any]) -> Any:
+def _fake_model(model_type: str, params: dict[str, tuple[int, ...]], mapping: list[Any], **config: Any) -> Any:
     """A transformers model of ``params`` whose checkpoints ``mapping`` converts on loading (registered for a
-    model type of its own), every element its own random value."""
+    model type of its own; ``config``: its config's attributes), every element its own random value."""
     from torch import nn
     from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 
@@ -339,7 +339,7 @@ def _fake_model(model_type: str, params: dict[str, tuple[int, ...]], mapping: li
             pass
 
     register_checkpoint_conversion_mapping(model_type, mapping, overwrite=True)
-    return Model(Config())
+    return Model(Config(**config))
 
 
 def test_checkpoint_names_follow_rows_cut_apart_and_nothing_changed_within_rows() -> None:
@@ -388,14 +388,17 @@ def test_checkpoint_names_follow_rows_cut_apart_and_nothing_changed_within_rows(
 
 def test_checkpoint_names_join_tensors_the_model_keeps_apart() -> None:
     """A checkpoint's tensor that the model splits on loading (q, k and v of unequal rows; gate and up, saved up
-    first) is published as the model's tensors joined in the checkpoint's order, exactly transformers' revert;
-    where the blocks are interleaved or joined along another dim than 0 there is no plan."""
-    from transformers.core_model_loading import Chunk, Interleave, Split, WeightConverter
+    first), or whose rows it reorders (interleaved gate and up rows; q and k permuted for RoPE, alone and within a
+    fused qkv, as Kimi-K2.5's vision tower), is published as the model's tensors, or ranges of their rows, joined in
+    the checkpoint's order: exactly transformers' revert. Where the conversion reorders values within rows, joins
+    along another dim than 0, or would cut a tensor into more runs of rows than MAX_ROW_RUNS there is no plan."""
+    from transformers.core_model_loading import Chunk, Interleave, PermuteForRope, Split, WeightConverter
 
     from fsdp_hotload.fsdp import full_tensor_specs
     from fsdp_hotload.hf_names import checkpoint_names
 
     qkv, ff = ["b.q", "b.k", "b.v"], ["m.up", "m.gate"]
+    rope = PermuteForRope(permute_layer_names=["q", "k"])
     cases = {
         "hotload_fake_split": ({"b.q": (4, 3), "b.k": (2, 3), "b.v": (2, 3), "b.o": (3, 3)},
                                [WeightConverter("b.qkv", qkv, [Split(0)])], ["b.o", "b.qkv"]),
@@ -403,12 +406,22 @@ def test_checkpoint_names_join_tensors_the_model_keeps_apart() -> None:
                                [WeightConverter("m.ff", ff, [Chunk(0)]),
                                 WeightConverter("m.ff_b", ["m.up_b", "m.gate_b"], [Chunk(0)])], ["m.ff", "m.ff_b"]),
         "hotload_fake_interleaved": ({"m.gate": (4, 3), "m.up": (4, 3)},
-                                     [WeightConverter("m.ff", ff, [Interleave(0), Chunk(0)])], None),
+                                     [WeightConverter("m.ff", ff, [Interleave(0), Chunk(0)])], ["m.ff"]),
+        "hotload_fake_rope": ({"a.q": (8, 3), "a.k": (8, 3), "a.q_b": (8,)},
+                              [WeightConverter("a.q_ck", "a.q", [PermuteForRope()]),
+                               WeightConverter("a.k_ck", "a.k", [PermuteForRope()]),
+                               WeightConverter("a.q_b_ck", "a.q_b", [PermuteForRope()])],
+                              ["a.k_ck", "a.q_b_ck", "a.q_ck"]),
+        "hotload_fake_rope_qkv": ({"b.q": (8, 3), "b.k": (8, 3), "b.v": (8, 3)},
+                                  [WeightConverter("b.wqkv", qkv, [Chunk(0), rope])], ["b.wqkv"]),
+        # a permutation of more rows than MAX_ROW_RUNS (one chunk per run): refused, as at a real model's size
+        "hotload_fake_rope_big": ({"a.q": (68, 3)}, [WeightConverter("a.q_ck", "a.q", [PermuteForRope()])], None),
+        "hotload_fake_within_rows": ({"m.gate": (4, 6)}, [WeightConverter("m.g", "m.gate", [Interleave(1)])], None),
         "hotload_fake_columns": ({"m.gate": (4, 3), "m.up": (4, 3)}, [WeightConverter("m.ff", ff, [Chunk(1)])], None),
     }
     for model_type, (params, mapping, names) in cases.items():
         torch.manual_seed(0)
-        model = _fake_model(model_type, params, mapping)
+        model = _fake_model(model_type, params, mapping, num_attention_heads=2)
         plan = checkpoint_names(model, lambda: full_tensor_specs(model, tie_word_embeddings=False))
         assert (plan is not None) is (names is not None), model_type
         if plan is None:
@@ -418,4 +431,6 @@ def test_checkpoint_names_join_tensors_the_model_keeps_apart() -> None:
         assert sorted(got) == sorted(want) == names, model_type
         for name, tensor in want.items():
             assert torch.equal(got[name], tensor), name
+        joined = {"split": 1, "chunk": 2, "interleaved": 1, "rope": 3, "rope_qkv": 1}  # b.o is only renamed
+        assert plan.joined == joined[model_type.removeprefix("hotload_fake_")], (model_type, plan.joined)
     assert plan is None  # the last case
