@@ -152,6 +152,25 @@ def test_a_rename_joins_tensors_into_one_published_tensor() -> None:
         local_chunks(model, rename=rename)
 
 
+def test_the_readmes_fused_qkv_rename_publishes_q_k_v_as_one() -> None:
+    """The README's example of a joining rename, run as written there."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = re.search(r"```python\n(def fused_qkv.*?)\n\n", text, re.S)
+    assert code, "the README's fused_qkv example is gone"
+    scope: dict[str, Any] = {"re": re}
+    exec(code[1], scope)  # noqa: S102 - our own README's snippet
+    model, layer = nn.Module(), nn.Module()
+    layer.self_attn = attn = Attention()
+    model.layers = nn.ModuleList([layer])
+    assert full_tensor_specs(model, rename=scope["fused_qkv"]) == [
+        ("layers.0.self_attn.qkv_proj.weight", (11, 4), "BF16"), ("layers.0.self_attn.qkv_proj.bias", (11,), "BF16")]
+    full = gather_full_state(model, rename=scope["fused_qkv"])
+    want = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach().to(torch.bfloat16)
+    assert torch.equal(full["layers.0.self_attn.qkv_proj.bias"], want)
+
+
 def test_plain_module_one_whole_chunk_per_tensor_as_views() -> None:
     model = Tied()
     state = model.state_dict()
