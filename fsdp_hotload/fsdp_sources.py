@@ -265,24 +265,29 @@ class _Fsdp1Source(_Source):
 
 class Segment(_Source):
     """A published tensor that is the contiguous range ``[start, start + numel(part_shape))`` of another tensor's
-    flattened elements (see ``naming.Split``), viewed as ``part_shape`` and, with ``perm``, permuted: its pieces are
-    the base's, cut to that range (a base sharded along another dim than 0: each box cut to the part's slab,
-    :mod:`.slab`; a permuted part: each range cut into boxes, which are permuted). The segments of one walk share
-    ``seen``, so a base's pieces are worked out once, not once per part (thousands per MoE layer)."""
+    flattened elements (see ``naming.Split``), viewed as ``part_shape`` and, with ``perm``, permuted, and with
+    ``as_shape`` reshaped: its pieces are the base's, cut to that range (a base sharded along another dim than 0:
+    each box cut to the part's slab, :mod:`.slab`; a permuted part: each range cut into boxes, which are permuted;
+    a reshaped one: each permuted box cut into runs of the flattened tensor, :func:`_flat_runs`). The segments of one
+    walk share ``seen``, so a base's pieces are worked out once, not once per part (thousands per MoE layer)."""
 
     def __init__(self, base: _Source, base_path: str, start: int, part_shape: tuple[int, ...],
-                 perm: tuple[int, ...] | None, seen: dict[int, list[tuple[str, Box, torch.Tensor]]]) -> None:
+                 perm: tuple[int, ...] | None, seen: dict[int, list[tuple[str, Box, torch.Tensor]]],
+                 as_shape: tuple[int, ...] | None = None) -> None:
         self.base, self.base_path, self.start, self.part_shape = base, base_path, int(start), part_shape
-        self.perm, self._seen = perm, seen
+        self.perm, self._seen, self.as_shape = perm, seen, as_shape
+
+    def permuted_shape(self) -> tuple[int, ...]:
+        return self.part_shape if self.perm is None else tuple(self.part_shape[d] for d in self.perm)
 
     def shape(self) -> tuple[int, ...]:
-        return self.part_shape if self.perm is None else tuple(self.part_shape[d] for d in self.perm)
+        return self.permuted_shape() if self.as_shape is None else self.as_shape
 
     def dtype(self) -> torch.dtype:
         return self.base.dtype()
 
     def boxed(self) -> bool:
-        return self.perm is not None or self.base.boxed()
+        return self.as_shape is None and (self.perm is not None or self.base.boxed())
 
     def pieces(self, name: str) -> list[tuple[str, Box, torch.Tensor]]:
         slab = None
@@ -317,9 +322,30 @@ class Segment(_Source):
             else:
                 boxes += [(bx, view[a - lo + o:a - lo + o + k]) for bx, o, k in
                           range_boxes(self.part_shape, a - self.start, b - a)]
-        if self.perm is None:
-            return out + [(SHAPE, bx, v) for bx, v in boxes]
-        return [(SHAPE, permute_box(bx, self.perm), v.view(bx.length).permute(self.perm)) for bx, v in boxes]
+        if self.perm is not None:
+            boxes = [(permute_box(bx, self.perm), v.view(bx.length).permute(self.perm)) for bx, v in boxes]
+        if self.as_shape is not None:  # published reshaped: ranges of it (a range of the part is one already)
+            return out + [(FLAT, run, view) for bx, v in boxes for run, view in
+                          _flat_runs(bx, v if self.perm else v.view(bx.length), self.permuted_shape())]
+        return out + [(SHAPE, bx, v) for bx, v in boxes]
+
+
+def _flat_runs(box: Box, view: torch.Tensor, shape: tuple[int, ...]) -> list[tuple[Box, torch.Tensor]]:
+    """A box of a C-ordered tensor of ``shape`` (its elements in ``view``, shaped as the box) as ranges of the
+    flattened tensor, each with the part of ``view`` that holds it in its order. The dims after the last one the
+    box does not span whole stay together, so a box of whole rows is one range, one of part of each row a range
+    per row."""
+    lead = max((d for d in range(len(shape)) if box.length[d] != shape[d]), default=-1)  # the last partial dim
+    if lead < 0:
+        return [(Box.flat(0, numel(shape)), view)]
+    count = box.length[lead] * numel(shape[lead + 1:])
+    out = []
+    for idx in itertools.product(*(range(n) for n in box.length[:lead])):
+        first = 0
+        for d in range(len(shape)):  # the run's first element, raveled
+            first = first * shape[d] + (box.start[d] + idx[d] if d < lead else box.start[d] if d == lead else 0)
+        out.append((Box.flat(first, count), view[idx]))
+    return out
 
 
 class Joined(_Source):
@@ -377,7 +403,7 @@ def split_slots(slots: list[tuple[str, _Source]], split: Split | None) -> list[t
         parts = split_parts(split, path, src.shape())
         if parts is None:
             out.append((path, src))
-        for name, start, shape, perm in parts or []:
-            key = (id(src), start, shape, perm)
-            out.append((name, made.setdefault(key, Segment(src, path, start, shape, perm, seen))))
+        for name, start, shape, perm, as_shape in parts or []:
+            key = (id(src), start, shape, perm, as_shape)
+            out.append((name, made.setdefault(key, Segment(src, path, start, shape, perm, seen, as_shape))))
     return out

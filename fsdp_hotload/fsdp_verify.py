@@ -82,6 +82,7 @@ def _full(name: str, src: Any, paths: list[str], by_path: dict[str, Any]) -> tor
     if isinstance(src, Segment):  # cut where the state is: the host gets each part, not the whole per part
         t = t.reshape(-1)[src.start:src.start + numel(src.part_shape)].reshape(src.part_shape)
         t = t if src.perm is None else t.permute(src.perm)
+        t = t if src.as_shape is None else t.reshape(src.as_shape)
     return t.to("cpu")
 
 

@@ -41,11 +41,13 @@ TIED_OUTPUT_SUFFIX = "lm_head.weight"
 Rename = Callable[[str], "str | tuple[str, int] | None"]
 # A split maps a tensor's cleaned path and full shape to the published tensors that tile it, each a contiguous
 # range of its flattened elements: ``(name, first element, shape)``, or ``(name, first element, shape, dims)`` for
-# one published as ``part.view(shape).permute(dims)`` (a checkpoint that stores it transposed); None publishes the
-# tensor as it is.
+# one published as ``part.view(shape).permute(dims)`` (a checkpoint that stores it transposed), or ``(name, first
+# element, shape, dims, as_shape)`` for one published as ``part.view(shape).permute(dims).reshape(as_shape)`` (rows
+# reordered in groups, as a checkpoint's q and k permuted for RoPE); None publishes the tensor as it is.
 Split = Callable[[str, "tuple[int, ...]"], "list[tuple[Any, ...]] | None"]
-# A checked part: name, first element, shape (before ``dims``), ``dims`` (None: in that order).
-Part = tuple[str, int, tuple[int, ...], "tuple[int, ...] | None"]
+# A checked part: name, first element, shape (before ``dims``), ``dims`` (None: in that order), and the published
+# shape where it is not the permuted one (None: it is).
+Part = tuple[str, int, tuple[int, ...], "tuple[int, ...] | None", "tuple[int, ...] | None"]
 
 # Parameter-name segments of unmerged low-rank adapters (peft's LoRA and its DoRA magnitudes).
 ADAPTER_SEGMENTS: frozenset[str] = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B",
@@ -180,7 +182,7 @@ def plan_names(
 
 def split_parts(split: Split, path: str, shape: tuple[int, ...]) -> list[Part] | None:
     """``split(path, shape)``, checked: its parts by first element, with int starts and dims, tiling the tensor,
-    each as ``(name, first element, shape, dims or None)``.
+    each as ``(name, first element, shape, dims or None, published shape or None)``.
 
     Why: a split is user code run over every tensor of the model, and what goes wrong in it or in what it returns
     would otherwise surface as an unpacking or comparison error from inside the walk, with no word of which
@@ -199,22 +201,29 @@ def split_parts(split: Split, path: str, shape: tuple[int, ...]) -> list[Part] |
     for part in parts:
         try:
             name, start, dims, *order = part
-            if len(order) > 1:
+            if len(order) > 2:
                 raise ValueError(part)
             start, dims = _whole(start), tuple(_whole(d) for d in dims)
             perm = None if not order or order[0] is None else tuple(_whole(d) for d in order[0])
+            as_shape = None if len(order) < 2 or order[1] is None else tuple(_whole(d) for d in order[1])
         except (TypeError, ValueError):
-            raise ValueError(f"{where} returned the part {part!r}: expected (name, first element, shape) or (name, "
-                             "first element, shape, dims order), the element and the dims integers") from None
+            raise ValueError(f"{where} returned the part {part!r}: expected (name, first element, shape), (name, "
+                             "first element, shape, dims order) or (name, first element, shape, dims order, "
+                             "published shape), the element and the dims integers") from None
         if not isinstance(name, str) or not name or any(d <= 0 for d in dims):
             raise ValueError(f"{where} returned the part {part!r}: expected a non-empty name and dims above 0")
         if perm is not None and sorted(perm) != list(range(len(dims))):
             raise ValueError(f"{where} returned the part {part!r}: its dims order {list(perm)} is not an order of "
                              f"its {len(dims)} dims")
-        out.append((name, start, dims, None if perm == tuple(range(len(dims))) else perm))
+        if as_shape is not None and (math.prod(as_shape) != math.prod(dims) or any(d <= 0 for d in as_shape)):
+            raise ValueError(f"{where} returned the part {part!r}: its published shape {list(as_shape)} does not "
+                             f"hold its {math.prod(dims)} elements")
+        perm = None if perm == tuple(range(len(dims))) else perm
+        permuted = dims if perm is None else tuple(dims[d] for d in perm)
+        out.append((name, start, dims, perm, None if as_shape == permuted else as_shape))
     out.sort(key=lambda p: p[1])
     pos = 0
-    for name, start, dims, _perm in out:
+    for name, start, dims, _perm, _as_shape in out:
         if start != pos:
             raise ValueError(f"{where} must return (name, start, shape) parts that tile the tensor's elements in "
                              f"order; the part at element {pos} is {(name, start, dims)}")
@@ -267,7 +276,7 @@ def split_fused_experts(path: str, shape: tuple[int, ...]) -> list[tuple[str, in
     return None
 
 
-def transpose_fused_experts(path: str, shape: tuple[int, ...]) -> list[Part] | None:
+def transpose_fused_experts(path: str, shape: tuple[int, ...]) -> list[tuple[Any, ...]] | None:
     """A ``split`` that publishes transformers 5's fused expert tensors whole, with their last two dims swapped.
 
     Why: Qwen3-VL-MoE's checkpoints store ``<p>.experts.gate_up_proj`` as ``(E, H, 2I)`` and

@@ -628,9 +628,13 @@ def _raises(path: str, shape: tuple[int, ...]) -> list[tuple[str, int, tuple[int
     lambda p, s: [(p + ".a", 0, (-4, -32))] if p.endswith("down_proj") else None,  # negative dims, 128 elements
     lambda p, s: [(p + ".a", 0, (4, 8, 4), (0, 0, 1))] if p.endswith("down_proj") else None,  # not an order
     lambda p, s: [(p + ".a", 0, (4, 8, 4), (0, 2))] if p.endswith("down_proj") else None,  # too few dims
-    lambda p, s: [(p + ".a", 0, (4, 8, 4), (0, 2, 1), "x")] if p.endswith("down_proj") else None,  # five items
+    lambda p, s: [(p + ".a", 0, (4, 8, 4), (0, 2, 1), "x")] if p.endswith("down_proj") else None,  # a str shape
+    lambda p, s: [(p + ".a", 0, (4, 8, 4), None, (4, 30))] if p.endswith("down_proj") else None,  # 120 elements
+    lambda p, s: [(p + ".a", 0, (4, 8, 4), None, (-4, -32))] if p.endswith("down_proj") else None,  # negative
+    lambda p, s: [(p + ".a", 0, (4, 8, 4), None, (128,), 0)] if p.endswith("down_proj") else None,  # six items
     _raises,
-], ids=["pair", "int-shape", "none-start", "str", "negative-dims", "repeated-dim", "short-order", "five", "raises"])
+], ids=["pair", "int-shape", "none-start", "str", "negative-dims", "repeated-dim", "short-order", "str-as-shape",
+        "as-shape-count", "as-shape-negative", "six", "raises"])
 def test_a_malformed_split_is_refused_naming_the_tensor(split: Any) -> None:
     """A split is user code run over every tensor of the model: whatever goes wrong in it or in what it returns
     is a ValueError that names the tensor it was dividing, never an unpacking or comparison error from inside

@@ -142,7 +142,8 @@ def verify(label: str, model: nn.Module, names: list[str] | None, chunks: list |
         ref = RawTensor.from_any(full[name])
         expect((ref.shape, ref.dtype) == (shape, dtype), f"{label}: {name}: {ref.dtype}{ref.shape}, not {dtype}{shape}")
     for c in chunks:
-        expect(c.source.numel() == c.box.numel > 0 and (c.source.dim() == 1 or c.source.shape == c.box.length),
+        expect(c.source.numel() == c.box.numel > 0  # N-D sources read in C order: a box's shape, or a range's
+               and (c.source.dim() == 1 or c.space == "flat" or c.source.shape == c.box.length),
                f"{label}: bad source for {c.name}")
     # (b) every element owned exactly once, one copy of a box several ranks hold (FSDP over part of the ranks)
     kept = [chunks[i] for i in assign_chunks(gather([c.meta() for c in chunks]), specs)[dist.get_rank()]]
@@ -159,7 +160,11 @@ def verify(label: str, model: nn.Module, names: list[str] | None, chunks: list |
 def split_rows(path: str, shape: tuple[int, ...]) -> list[tuple[str, int, tuple[int, ...]]] | None:
     """Parts of uneven rows, as a fused MoE tensor has its experts' parts: ranges that FSDP1's flat shards and
     FSDP2's row shards cut anywhere, and blocks of rows of lin2, whose columns tensor parallelism shards (fsdp+tp);
-    each first part transposed. ``shape`` (0, 0) asks for the names only."""
+    each first part transposed. The second layer's lin1 is published regrouped (each row's two halves of columns
+    apart: viewed as (5, 2, 3), permuted to (2, 5, 3) and published as (10, 3)), as ranges of it: a rank's rows are
+    two ranges. ``shape`` (0, 0) asks for the names only."""
+    if path == "model.layers.1.lin1.weight":  # (5, 6) as (5, 2, 3) -> (2, 5, 3), published as (10, 3)
+        return [(f"{path}.mixed", 0, (5, 2, 3), (1, 0, 2), (10, 3))]
     rows = {"model.odd": [0, 2, 3], "model.layers.0.lin1.weight": [0, 2, 3, 5],
             "model.layers.0.lin2.weight": [0, 2, 3, 6]}.get(path)
     if rows is None:
@@ -172,8 +177,7 @@ def split_rows(path: str, shape: tuple[int, ...]) -> list[tuple[str, int, tuple[
 # Tensors published as blocks of one, joined along dim 0 (``rename`` gives (name, position)), out of module order:
 # flat ranges of every layout, boxes of a transposed part (and, under tensor parallelism, of the column-sharded
 # lin2) and both in one tensor ("model.mixed": its flat blocks become boxes too).
-JOINS = {"model.layers.1.lin1.weight": ("model.joined.weight", 0),
-         "model.embed_tokens.weight": ("model.joined.weight", 1),
+JOINS = {"model.embed_tokens.weight": ("model.joined.weight", 1),
          "model.layers.0.lin1.weight.part2": ("model.joined.weight", 2),
          "model.layers.0.lin1.weight.part1": ("model.joined.weight", 3),
          "model.layers.0.lin1.weight.part0": ("model.mixed", 0), "model.odd.part1": ("model.mixed", 1),
@@ -198,7 +202,7 @@ def check_joined(label: str, model: nn.Module, split_names: list[str]) -> None:
         blocks = sorted((pos, n) for n, (j, pos) in JOINS.items() if j == joined)
         want = torch.cat([parts[n] for _pos, n in blocks])
         expect(torch.equal(full[joined], want), f"{label}: {joined} is not its blocks concatenated in order")
-    expect(tuple(full["model.joined.weight"].shape) == (5 + VOCAB + 2 + 1, DIM), f"{label}: joined shape")
+    expect(tuple(full["model.joined.weight"].shape) == (VOCAB + 2 + 1, DIM), f"{label}: joined shape")
 
 
 def bump(model: nn.Module) -> None:
