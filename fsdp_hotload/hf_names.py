@@ -149,6 +149,7 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
         rename: dict[str, str | tuple[str, int]] = {}
         divided: set[str] = set()  # fused tensors saved per expert
         cut: dict[str, list[tuple[str, int, tuple[int, ...]]]] = {}  # tensors saved as ranges of rows
+        regrouped: dict[str, tuple[str, tuple[int, int, int]]] = {}  # tensors saved with their rows regrouped
         for target, t in revert(model, probe).items():
             t = _first(t)
             if t.device.type == "meta":
@@ -161,22 +162,25 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
                     source = None
                 if source is not None and source != whole:
                     divided.add(whole)
-                runs = _row_runs(rows, t) if source is None else None
+                runs = _segments(_row_runs(rows, t)) if source is None else None
                 if runs and len(runs) > MAX_ROW_RUNS:
                     log.debug("hotload: transformers saves %r as %d runs of rows of the model's tensors, which would "
                               "cost a chunk each on every publish", target, len(runs))
                     return None
                 if runs and not any(name in rename for name, *_rest in runs):
-                    # rows of the model's tensors, in order: one tensor renamed, a range of its rows, or several
-                    # such runs joined (a qkv the model splits on loading; rows permuted, as for RoPE)
-                    for i, (name, row, n, real) in enumerate(runs):
+                    # rows of the model's tensors, in order: one tensor renamed, a range of its rows, a tensor with
+                    # its rows regrouped (RoPE's permutation), or several of these joined (a qkv the model splits)
+                    for i, (name, row, n, real, groups) in enumerate(runs):
                         key = target if len(runs) == 1 else (target, i)
-                        if row == 0 and n == real[0]:
-                            rename[name] = key
-                            continue
                         part = target if len(runs) == 1 else f"{target}[{i}]"
-                        cut.setdefault(name, []).append((part, row * math.prod(real[1:]), (n, *real[1:])))
-                        rename[part] = key
+                        if groups is not None:
+                            regrouped[name] = (part, groups)
+                            rename[part] = key
+                        elif row == 0 and n == real[0]:
+                            rename[name] = key
+                        else:
+                            cut.setdefault(name, []).append((part, row * math.prod(real[1:]), (n, *real[1:])))
+                            rename[part] = key
                     continue
             if source is None or source in rename:
                 log.debug("hotload: transformers saves %r as nothing hotload can publish in place", target)
@@ -193,13 +197,17 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
                 or sum(math.prod(p[2]) for p in pieces) != math.prod(real):
             return None
 
-    def split(path: str, shape: tuple[int, ...]) -> list[tuple[str, int, tuple[int, ...]]] | None:
+    def split(path: str, shape: tuple[int, ...]) -> list[tuple[Any, ...]] | None:
+        if path in regrouped:  # rows (a, b, c) as (a, c, b): part.view(a, b, c, ...).permute(0, 2, 1, ...)
+            part, (a, b, c) = regrouped[path]
+            dims = (0, 2, 1, *range(3, len(shape) + 2))
+            return [(part, 0, (a, b, c, *shape[1:]), dims, tuple(shape))]
         return split_fused_experts(path, shape) if path in divided else cut.get(path)
 
     published: list[tuple[str, tuple[int, ...]]] = []  # at the real shapes
-    for name, shape in own:
-        split_up = split(name, shape)
-        published += [(p, tuple(sh)) for p, _start, sh in split_up] if split_up else [(name, shape)]
+    for name, shape in own:  # each part as (name, start, shape) or (name, start, shape, dims, published shape)
+        published += [(part[0], tuple(part[-1] if len(part) == 5 else part[2])) for part in split(name, shape) or []] \
+            or [(name, shape)]
     result: dict[str, tuple[int, ...]] = {}
     joins: dict[str, list[tuple[int, tuple[int, ...]]]] = {}  # a joined tensor's (position, block shape)
     for p, sh in published:
@@ -215,8 +223,8 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
         return None  # the real shapes must give the checkpoint's names and shapes exactly
     changed = {k: v if isinstance(v, str) else v[0] for k, v in rename.items() if k != v}
     joined = len({v[0] for v in rename.values() if isinstance(v, tuple)})
-    return NamesPlan(split if divided or cut else None, lambda name: rename.get(name, name), len(divided) + len(cut),
-                     changed, joined=joined)
+    return NamesPlan(split if divided or cut or regrouped else None, lambda name: rename.get(name, name),
+                     len(divided) + len(cut) + len(regrouped), changed, joined=joined)
 
 
 def _first(t: Any) -> Any:
@@ -262,6 +270,47 @@ def _row_runs(rows: list[tuple[int, tuple[int, ...], str, tuple[int, ...]]],
             out.append((name, (value - at) // per_row, n // per_row, real))
             start, value = start + n, value + n
     return out
+
+
+def _segments(runs: list[tuple[str, int, int, tuple[int, ...]]] | None
+              ) -> list[tuple[str, int, int, tuple[int, ...], tuple[int, int, int] | None]] | None:
+    """``runs`` (:func:`_row_runs`) with each stretch of runs that is one tensor's rows, all of them once,
+    regrouped, as one: ``(name, 0, rows, real shape, (a, b, c))`` where the saved rows are the model's viewed as
+    ``(a, b, c)`` with the last two swapped (RoPE's permutation within each head: (heads, 2, half); an interleave of
+    two halves: (1, 2, half)); other runs as they are, with None."""
+    if runs is None:
+        return None
+    import torch
+
+    out: list[tuple[str, int, int, tuple[int, ...], tuple[int, int, int] | None]] = []
+    i = 0
+    while i < len(runs):
+        j = i
+        while j + 1 < len(runs) and runs[j + 1][0] == runs[i][0]:
+            j += 1
+        name, real = runs[i][0], runs[i][3]
+        order = torch.cat([torch.arange(row, row + n) for _name, row, n, _real in runs[i:j + 1]])
+        groups = _regrouping(order) if j > i and order.numel() == real[0] else None
+        out += [(name, 0, real[0], real, groups)] if groups else [(*r, None) for r in runs[i:j + 1]]
+        i = j + 1
+    return out
+
+
+def _regrouping(order: Any) -> tuple[int, int, int] | None:
+    """The ``(a, b, c)`` for which the model's rows ``0..n-1`` viewed as ``(a, b, c)`` with the last two dims swapped
+    are ``order`` (the model's row for each saved row), or None. Saved row 1 is the model's row ``c`` and the model's
+    row 1 is saved row ``b``: one candidate, checked whole."""
+    import torch
+
+    n = order.numel()
+    if n < 4 or int(order[0]) != 0:
+        return None
+    c, at = int(order[1]), (order == 1).nonzero().reshape(-1)
+    b = int(at[0]) if at.numel() else 0
+    if b < 2 or c < 2 or n % (b * c):
+        return None
+    a = n // (b * c)
+    return (a, b, c) if torch.equal(order, torch.arange(n).view(a, b, c).transpose(1, 2).reshape(-1)) else None
 
 
 def _transposes(model: Any, own: list[tuple[str, tuple[int, ...]]], base: Base | None) -> list[str]:

@@ -178,8 +178,8 @@ def test_close_gives_up_on_every_rank_when_one_rank_s_write_hangs(tmp_path: Path
 
 def test_parts_published_transposed_or_joined_from_fsdp2_shards_are_bit_exact(tmp_path: Path) -> None:
     """Fused experts (transpose_fused_experts, 3 experts split 2 + 1), a ``Shard(1)`` weight transposed whole (boxes
-    of columns), row blocks transposed, one cut mid-row by the ranks' boundary, q/k/v joined into one tensor and two
-    transposed row blocks joined: every accepted snapshot, full and delta, rebuilt from the bucket is the gathered
+    of columns), row blocks transposed, one cut mid-row by the ranks' boundary, q/k/v joined into one tensor (q's
+    rows regrouped as for RoPE) and two transposed row blocks joined: every accepted snapshot, full and delta, rebuilt from the bucket is the gathered
     state, split, permuted and joined, bit for bit (transposed_publish.py)."""
     bucket, hf, out = tmp_path / "bucket", tmp_path / "hf", tmp_path / "result.json"
     bucket.mkdir(), hf.mkdir()
@@ -200,7 +200,7 @@ def test_parts_published_transposed_or_joined_from_fsdp2_shards_are_bit_exact(tm
     assert all(s["shapes"] == {layer + "experts.gate_up_proj": [3, 5, 6], layer + "experts.down_proj": [3, 3, 5],
                                layer + "cols.weight": [4, 6], layer + "gate.weight": [3, 5],
                                layer + "rows.ends": [6, 2], layer + "rows.1.weight": [6, 4],
-                               qkv: [11, 4]} for s in snaps), snaps[0]["shapes"]
+                               qkv: [12, 4]} for s in snaps), snaps[0]["shapes"]
     boxes = [{(name, json.dumps(box)) for name, _space, box in chunks} for chunks in res["chunks"]]
     # the Shard(1) weight: each rank's columns are rows of the published tensor (the box path)
     assert (layer + "cols.weight", json.dumps({"start": [0, 0], "length": [2, 6]})) in boxes[0], boxes
@@ -211,10 +211,11 @@ def test_parts_published_transposed_or_joined_from_fsdp2_shards_are_bit_exact(tm
     cut = [sorted(json.loads(b)["start"] + json.loads(b)["length"] for n, b in rank if n == layer + "rows.1.weight")
            for rank in boxes]
     assert cut == [[[0, 0, 6, 2], [0, 2, 2, 1]], [[0, 3, 6, 1], [2, 2, 4, 1]]], cut
-    # q (5 rows), k and v (3 each) joined: dim-0 shards of 3 + 2, 2 + 1 and 2 + 1 rows, each moved down by the
-    # blocks before it, so each rank holds three ranges of the (11, 4) tensor
+    # q (6 rows, regrouped: rank 0's model rows 0-2 are its rows 0, 2 and 4), k and v (3 each) joined: dim-0 shards
+    # of 3 + 3, 2 + 1 and 2 + 1 rows, each moved down by the blocks before it, as ranges of the (12, 4) tensor
     ranges = [sorted(json.loads(b)["start"] + json.loads(b)["length"] for n, b in rank if n == qkv) for rank in boxes]
-    assert ranges == [[[0, 12], [20, 8], [32, 8]], [[12, 8], [28, 4], [40, 4]]], ranges
+    assert ranges == [[[0, 4], [8, 4], [16, 4], [24, 8], [36, 8]], [[4, 4], [12, 4], [20, 4], [32, 4], [44, 4]]], \
+        ranges
     # row blocks 2 (first) and 0, each (3, 2) once transposed: boxes of the joined (6, 2), block 0's moved down 3
     ends = [sorted(json.loads(b)["start"] + json.loads(b)["length"] for n, b in rank if n == layer + "rows.ends")
             for rank in boxes]

@@ -388,13 +388,14 @@ def test_checkpoint_names_follow_rows_cut_apart_and_nothing_changed_within_rows(
 
 def test_checkpoint_names_join_tensors_the_model_keeps_apart() -> None:
     """A checkpoint's tensor that the model splits on loading (q, k and v of unequal rows; gate and up, saved up
-    first), or whose rows it reorders (interleaved gate and up rows; q and k permuted for RoPE, alone and within a
-    fused qkv, as Kimi-K2.5's vision tower), is published as the model's tensors, or ranges of their rows, joined in
-    the checkpoint's order: exactly transformers' revert. Where the conversion reorders values within rows, joins
-    along another dim than 0, or would cut a tensor into more runs of rows than MAX_ROW_RUNS there is no plan."""
+    first), or whose rows it reorders (interleaved gate and up rows; q and k permuted for RoPE, alone, at a real
+    size and within a fused qkv, as Kimi-K2.5's vision tower), is published as the model's tensors, ranges of their
+    rows or their rows regrouped, joined in the checkpoint's order: exactly transformers' revert. Where the
+    conversion reorders values within rows, joins along another dim than 0, or would cut tensors into more runs of
+    rows than MAX_ROW_RUNS (rows of two tensors interleaved) there is no plan."""
     from transformers.core_model_loading import Chunk, Interleave, PermuteForRope, Split, WeightConverter
 
-    from fsdp_hotload.fsdp import full_tensor_specs
+    from fsdp_hotload.fsdp import full_tensor_specs, local_chunks
     from fsdp_hotload.hf_names import checkpoint_names
 
     qkv, ff = ["b.q", "b.k", "b.v"], ["m.up", "m.gate"]
@@ -414,8 +415,12 @@ def test_checkpoint_names_join_tensors_the_model_keeps_apart() -> None:
                               ["a.k_ck", "a.q_b_ck", "a.q_ck"]),
         "hotload_fake_rope_qkv": ({"b.q": (8, 3), "b.k": (8, 3), "b.v": (8, 3)},
                                   [WeightConverter("b.wqkv", qkv, [Chunk(0), rope])], ["b.wqkv"]),
-        # a permutation of more rows than MAX_ROW_RUNS (one chunk per run): refused, as at a real model's size
-        "hotload_fake_rope_big": ({"a.q": (68, 3)}, [WeightConverter("a.q_ck", "a.q", [PermuteForRope()])], None),
+        # rows regrouped (RoPE's permutation) at any size: one part, a chunk per range of whole groups
+        "hotload_fake_rope_big": ({"a.q": (1152, 3)}, [WeightConverter("a.q_ck", "a.q", [PermuteForRope()])],
+                                  ["a.q_ck"]),
+        # rows of two tensors interleaved: a run per row, each a chunk; more than MAX_ROW_RUNS are refused
+        "hotload_fake_interleaved_big": ({"m.gate": (40, 3), "m.up": (40, 3)},
+                                         [WeightConverter("m.ff", ff, [Interleave(0), Chunk(0)])], None),
         "hotload_fake_within_rows": ({"m.gate": (4, 6)}, [WeightConverter("m.g", "m.gate", [Interleave(1)])], None),
         "hotload_fake_columns": ({"m.gate": (4, 3), "m.up": (4, 3)}, [WeightConverter("m.ff", ff, [Chunk(1)])], None),
     }
@@ -431,6 +436,9 @@ def test_checkpoint_names_join_tensors_the_model_keeps_apart() -> None:
         assert sorted(got) == sorted(want) == names, model_type
         for name, tensor in want.items():
             assert torch.equal(got[name], tensor), name
-        joined = {"split": 1, "chunk": 2, "interleaved": 1, "rope": 3, "rope_qkv": 1}  # b.o is only renamed
+        joined = {"split": 1, "chunk": 2, "interleaved": 1, "rope": 0, "rope_qkv": 1, "rope_big": 0}
         assert plan.joined == joined[model_type.removeprefix("hotload_fake_")], (model_type, plan.joined)
+        if "rope" in model_type:  # regrouped rows: one chunk per tensor (one process holds them whole)
+            chunks = local_chunks(model, split=plan.split, rename=plan.rename, tie_word_embeddings=False)
+            assert len(chunks) == len(params), (model_type, [(c.name, c.box) for c in chunks])
     assert plan is None  # the last case

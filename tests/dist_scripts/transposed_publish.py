@@ -22,9 +22,10 @@ The model (published names and shapes after the split):
   row 2, so rank 0 holds its rows 0-1 and the start of row 2, rank 1 the end of row 2 and row 3 (range_boxes'
   whole rows, partial last and partial first row).
 - ``model.layers.0.mlp.gate.weight`` (3, 5): published as it is.
-- ``model.layers.0.self_attn.{q,k,v}_proj.weight`` (5, 4), (3, 4), (3, 4): published as one
-  ``model.layers.0.self_attn.qkv_proj.weight`` (11, 4) by ``rename`` (dim-0 shards 3 + 2, 2 + 1 and 2 + 1 rows:
-  each rank holds three flat ranges of it), and row blocks 0 and 2 above as one ``model.layers.0.mlp.rows.ends``
+- ``model.layers.0.self_attn.{q,k,v}_proj.weight`` (6, 4), (3, 4), (3, 4): published as one
+  ``model.layers.0.self_attn.qkv_proj.weight`` (12, 4) by ``rename`` (dim-0 shards 3 + 3, 2 + 1 and 2 + 1 rows),
+  q with its rows regrouped as RoPE's permutation does (viewed as (1, 2, 3), published as (1, 3, 2): each rank's
+  three rows are every other row of it), and row blocks 0 and 2 above as one ``model.layers.0.mlp.rows.ends``
   (6, 2), block 2 first (boxes of transposed parts, moved down).
 
 Results go to --out as JSON: rank 0's comparison per accepted snapshot, the published shapes, every rank's chunks.
@@ -53,6 +54,7 @@ from tests.snapshots import rebuild_accepted  # noqa: E402
 
 EXPERTS, HIDDEN, INTER = 3, 5, 3
 COLS = "model.layers.0.mlp.cols.weight"
+Q = "model.layers.0.self_attn.q_proj.weight"
 ROWS = "model.layers.0.mlp.rows.weight"
 ROW_BLOCKS: list[tuple[int, tuple[int, int]]] = [(0, (2, 3)), (6, (4, 6)), (30, (2, 3))]  # (first element, shape)
 
@@ -68,7 +70,7 @@ class TransposedMoe(nn.Module):
         # refuses uneven sharding on a dim other than 0)
         layer.mlp.rows = nn.Linear(4, 9, bias=False)  # weight (9, 4): published per row block
         layer.self_attn = nn.Module()
-        for proj, rows in (("q_proj", 5), ("k_proj", 3), ("v_proj", 3)):
+        for proj, rows in (("q_proj", 6), ("k_proj", 3), ("v_proj", 3)):
             setattr(layer.self_attn, proj, nn.Linear(4, rows, bias=False))
         self.model.layers = nn.ModuleList([layer])
 
@@ -80,6 +82,8 @@ def split(path: str, shape: tuple[int, ...]) -> list[tuple[Any, ...]] | None:
         return fused
     if path == COLS:
         return [(path, 0, shape, (1, 0))]
+    if path == Q:  # rows regrouped as RoPE's permutation does within a head: (1, 2, 3) -> (1, 3, 2), published (6, 4)
+        return [(path, 0, (1, 2, 3, 4), (0, 2, 1, 3), (6, 4))]
     if path == ROWS:
         return [(f"model.layers.0.mlp.rows.{i}.weight", start, part, (1, 0))
                 for i, (start, part) in enumerate(ROW_BLOCKS)]
