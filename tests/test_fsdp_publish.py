@@ -179,8 +179,8 @@ def test_close_gives_up_on_every_rank_when_one_rank_s_write_hangs(tmp_path: Path
 def test_parts_published_transposed_or_joined_from_fsdp2_shards_are_bit_exact(tmp_path: Path) -> None:
     """Fused experts (transpose_fused_experts, 3 experts split 2 + 1), a ``Shard(1)`` weight transposed whole (boxes
     of columns), row blocks transposed, one cut mid-row by the ranks' boundary, q/k/v joined into one tensor (q's
-    rows regrouped as for RoPE) and two transposed row blocks joined: every accepted snapshot, full and delta, rebuilt from the bucket is the gathered
-    state, split, permuted and joined, bit for bit (transposed_publish.py)."""
+    rows regrouped as for RoPE) and two transposed row blocks joined: every accepted snapshot, full and delta,
+    rebuilt from the bucket is the gathered state, split, permuted and joined, bit for bit (transposed_publish.py)."""
     bucket, hf, out = tmp_path / "bucket", tmp_path / "hf", tmp_path / "result.json"
     bucket.mkdir(), hf.mkdir()
     (hf / "config.json").write_text("{}")
