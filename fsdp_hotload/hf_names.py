@@ -39,10 +39,11 @@ Specs = Callable[[], Iterable[tuple[str, tuple[int, ...], str]]]
 Base = Callable[[], "dict[str, tuple[int, ...] | None] | None"]  # the base checkpoint's shapes, read when asked
 # Most values of the probe of a tensor that the revert changes (8 bytes each, see _row_probe): larger get no plan.
 MAX_PROBE_ELEMENTS = 1 << 22
-# Most runs of rows of the model's tensors that one saved tensor may be made of. A join has a few (q, k and v); a
-# permutation of rows (RoPE's, an interleave of gate and up rows) has one per row or two, each a chunk that the hook
-# copies and every delta carries (a vision tower's q and k permuted for RoPE: ~120k chunks, a hook of 0.3-1 s and
-# deltas 4x larger and 20x slower than the model published as it is), so such a checkpoint gets no plan.
+# Most runs of rows of the model's tensors that one saved tensor may be made of. A join has a few (q, k and v), and
+# one tensor's rows regrouped (RoPE's permutation) count as one; rows of two tensors interleaved have one per row,
+# each a chunk that the hook copies and every delta carries (as runs, a vision tower's q and k came to ~120k chunks,
+# a hook of 0.3-1 s and deltas 4x larger and 20x slower than the model published as it is: benchmarks/RESULTS.md),
+# so such a checkpoint gets no plan.
 MAX_ROW_RUNS = 64
 
 
