@@ -5,7 +5,8 @@ block's experts fused into one 3-D parameter) and reverts it when it saves, so a
 always its checkpoint's, and the fleet loads by the checkpoint's. Where every tensor ``save_pretrained`` writes is
 one of the model's tensors renamed, or a contiguous range of one (``naming.split_fused_experts``; rows of a tensor
 the model concatenated on loading), or runs of rows of the model's tensors joined along dim 0 (a checkpoint's
-``qkv`` that the model splits on loading), the callback can publish under the checkpoint's names with no copy.
+``qkv`` that the model splits on loading; a tensor's rows regrouped, as RoPE's permutation within each head does,
+count as one run, a reshaped permuted part), the callback can publish under the checkpoint's names with no copy.
 :func:`checkpoint_names` finds the ``split`` and ``rename`` that do so and checks them against transformers' own
 revert: the names at the model's real shapes (on meta tensors, no memory), and which elements each part holds on a
 small probe whose values are their positions (a fused expert tensor at a few rows and columns; another tensor the
