@@ -152,6 +152,7 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
         divided: set[str] = set()  # fused tensors saved per expert
         cut: dict[str, list[tuple[str, int, tuple[int, ...]]]] = {}  # tensors saved as ranges of rows
         regrouped: dict[str, tuple[str, tuple[int, int, int]]] = {}  # tensors saved with their rows regrouped
+        stacked: set[str] = set()  # fused tensors whose parts are saved stacked, each projection of all experts
         for target, t in revert(model, probe).items():
             t = _first(t)
             if t.device.type == "meta":
@@ -164,6 +165,12 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
                     source = None
                 if source is not None and source != whole:
                     divided.add(whole)
+                per_expert = _stacked(parts, t) if source is None else None
+                if per_expert and not any(part in rename for part, _whole in per_expert):
+                    # one expert's part per index of dim 0: a checkpoint that stacks each projection of the experts
+                    rename.update((part, (target, e)) for e, (part, _whole) in enumerate(per_expert))
+                    stacked.update(whole for _part, whole in per_expert)
+                    continue
                 runs = _segments(_row_runs(rows, t)) if source is None else None
                 if runs and len(runs) > MAX_ROW_RUNS:
                     log.debug("hotload: transformers saves %r as %d runs of rows of the model's tensors, which would "
@@ -204,6 +211,8 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
             part, (a, b, c) = regrouped[path]
             dims = (0, 2, 1, *range(3, len(shape) + 2))
             return [(part, 0, (a, b, c, *shape[1:]), dims, tuple(shape))]
+        if path in stacked:  # each expert's part a block (1, rows, cols) of the stacked tensor
+            return [(part, start, (1, *dims)) for part, start, dims in split_fused_experts(path, shape) or []]
         return split_fused_experts(path, shape) if path in divided else cut.get(path)
 
     published: list[tuple[str, tuple[int, ...]]] = []  # at the real shapes
@@ -225,8 +234,8 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
         return None  # the real shapes must give the checkpoint's names and shapes exactly
     changed = {k: v if isinstance(v, str) else v[0] for k, v in rename.items() if k != v}
     joined = len({v[0] for v in rename.values() if isinstance(v, tuple)})
-    return NamesPlan(split if divided or cut or regrouped else None, lambda name: rename.get(name, name),
-                     len(divided) + len(cut) + len(regrouped), changed, joined=joined)
+    return NamesPlan(split if divided or cut or regrouped or stacked else None, lambda name: rename.get(name, name),
+                     len(divided | stacked) + len(cut) + len(regrouped), changed, joined=joined)
 
 
 def _first(t: Any) -> Any:
@@ -272,6 +281,23 @@ def _row_runs(rows: list[tuple[int, tuple[int, ...], str, tuple[int, ...]]],
             out.append((name, (value - at) // per_row, n // per_row, real))
             start, value = start + n, value + n
     return out
+
+
+def _stacked(parts: dict[tuple[int, tuple[int, ...]], tuple[str, str]], t: Any) -> list[tuple[str, str]] | None:
+    """The fused experts' parts (``(part, fused tensor)``, see ``split_fused_experts``) that a saved probe ``t`` is,
+    one per index of its first dim, in order (Step-3.7's checkpoints stack each projection of the experts, ``(E, I,
+    H)``, where the model fuses gate and up along their rows), or None."""
+    import torch
+
+    out = []
+    for block in t if t.dim() >= 2 else []:
+        flat = block.reshape(-1)
+        first = int(flat[0]) if flat.numel() else -1
+        hit = parts.get((first, tuple(block.shape)))
+        if hit is None or hit[0] == hit[1] or not torch.equal(flat, torch.arange(first, first + flat.numel())):
+            return None
+        out.append(hit)
+    return out or None
 
 
 def _segments(runs: list[tuple[str, int, int, tuple[int, ...]]] | None
