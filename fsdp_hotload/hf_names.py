@@ -151,7 +151,9 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
         rename: dict[str, str | tuple[str, int]] = {}
         divided: set[str] = set()  # fused tensors saved per expert
         cut: dict[str, list[tuple[str, int, tuple[int, ...]]]] = {}  # tensors saved as ranges of rows
-        regrouped: dict[str, tuple[str, tuple[int, int, int]]] = {}  # tensors saved with their rows regrouped
+        # tensors saved with dim d regrouped, (part, d, b, c): viewed as (n / (b c), b, c), the last two swapped (c
+        # None: n / b)
+        regrouped: dict[str, tuple[str, int, int, int | None]] = {}
         stacked: set[str] = set()  # fused tensors whose parts are saved stacked, each projection of all experts
         for target, t in revert(model, probe).items():
             t = _first(t)
@@ -162,6 +164,11 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
                 first = int(flat[0]) if flat.numel() else -1
                 source, whole = parts.get((first, tuple(t.shape)), (None, None))
                 if source is not None and not torch.equal(flat, torch.arange(first, first + flat.numel())):
+                    if source == whole and target not in rename and _halves_interleaved(flat, first, tuple(t.shape)):
+                        # a fused expert tensor saved with its two halves' rows interleaved in each expert (Inkling-2)
+                        regrouped[whole] = (target, 1, 2, None)
+                        rename[target] = target
+                        continue
                     source = None
                 if source is not None and source != whole:
                     divided.add(whole)
@@ -183,7 +190,7 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
                         key = target if len(runs) == 1 else (target, i)
                         part = target if len(runs) == 1 else f"{target}[{i}]"
                         if groups is not None:
-                            regrouped[name] = (part, groups)
+                            regrouped[name] = (part, 0, groups[1], groups[2])
                             rename[part] = key
                         elif row == 0 and n == real[0]:
                             rename[name] = key
@@ -207,10 +214,12 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
             return None
 
     def split(path: str, shape: tuple[int, ...]) -> list[tuple[Any, ...]] | None:
-        if path in regrouped:  # rows (a, b, c) as (a, c, b): part.view(a, b, c, ...).permute(0, 2, 1, ...)
-            part, (a, b, c) = regrouped[path]
-            dims = (0, 2, 1, *range(3, len(shape) + 2))
-            return [(part, 0, (a, b, c, *shape[1:]), dims, tuple(shape))]
+        if path in regrouped:  # dim d as (a, b, c), published as (a, c, b): a permuted part, reshaped back
+            part, d, b, c = regrouped[path]
+            c = c or shape[d] // b
+            view = (*shape[:d], shape[d] // (b * c), b, c, *shape[d + 1:])
+            dims = (*range(d + 1), d + 2, d + 1, *range(d + 3, len(shape) + 2))
+            return [(part, 0, view, dims, tuple(shape))]
         if path in stacked:  # each expert's part a block (1, rows, cols) of the stacked tensor
             return [(part, start, (1, *dims)) for part, start, dims in split_fused_experts(path, shape) or []]
         return split_fused_experts(path, shape) if path in divided else cut.get(path)
@@ -281,6 +290,17 @@ def _row_runs(rows: list[tuple[int, tuple[int, ...], str, tuple[int, ...]]],
             out.append((name, (value - at) // per_row, n // per_row, real))
             start, value = start + n, value + n
     return out
+
+
+def _halves_interleaved(flat: Any, first: int, shape: tuple[int, ...]) -> bool:
+    """Whether a fused expert tensor's probe (``(E, R, C)`` from value ``first``) is saved as ``flat`` with the rows
+    of its two halves interleaved in each expert: viewed as ``(E, 2, R / 2, C)``, dims 1 and 2 swapped."""
+    import torch
+
+    if len(shape) != 3 or shape[1] % 2:
+        return False
+    want = torch.arange(first, first + flat.numel()).view(shape[0], 2, shape[1] // 2, shape[2]).transpose(1, 2)
+    return torch.equal(flat, want.reshape(-1))
 
 
 def _stacked(parts: dict[tuple[int, tuple[int, ...]], tuple[str, str]], t: Any) -> list[tuple[str, str]] | None:

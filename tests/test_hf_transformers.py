@@ -389,11 +389,11 @@ def test_checkpoint_names_follow_rows_cut_apart_and_nothing_changed_within_rows(
 def test_checkpoint_names_join_tensors_the_model_keeps_apart() -> None:
     """A checkpoint's tensor that the model splits on loading (q, k and v of unequal rows; gate and up, saved up
     first; experts stacked per projection, fused by the model along their rows), or whose rows it reorders
-    (interleaved gate and up rows; q and k permuted for RoPE, alone, at a real size and within a fused qkv, as
-    Kimi-K2.5's vision tower), is published as the model's tensors, ranges of their
-    rows or their rows regrouped, joined in the checkpoint's order: exactly transformers' revert. Where the
-    conversion reorders values within rows, joins along another dim than 0, or would cut tensors into more runs of
-    rows than MAX_ROW_RUNS (rows of two tensors interleaved) there is no plan."""
+    (interleaved gate and up rows; the rows of fused experts' two halves interleaved; q and k permuted for RoPE,
+    alone, at a real size and within a fused qkv, as Kimi-K2.5's vision tower), is published as the model's
+    tensors, ranges of their rows or their rows regrouped, joined in the checkpoint's order: exactly transformers'
+    revert. Where the conversion reorders values within rows, joins along another dim than 0, or would cut tensors
+    into more runs of rows than MAX_ROW_RUNS (rows of two tensors interleaved) there is no plan."""
     from transformers.core_model_loading import Chunk, Concatenate, Interleave, PermuteForRope, Split, WeightConverter
 
     from fsdp_hotload.fsdp import full_tensor_specs, local_chunks
@@ -422,6 +422,13 @@ def test_checkpoint_names_join_tensors_the_model_keeps_apart() -> None:
                                  [WeightConverter(["moe.gate_proj.weight", "moe.up_proj.weight"],
                                                   "mlp.experts.gate_up_proj", [Concatenate(dim=1)])],
                                  ["l.mlp.experts.down_proj", "l.moe.gate_proj.weight", "l.moe.up_proj.weight"]),
+        # fused experts whose checkpoint interleaves the rows of the two halves in each expert (Inkling-2): one
+        # part, regrouped along dim 1
+        "hotload_fake_experts_interleaved": ({"l.mlp.experts.gate_up_proj": (3, 8, 5),
+                                              "l.mlp.experts.down_proj": (3, 5, 4)},
+                                             [WeightConverter("mlp.experts.w13_weight", "mlp.experts.gate_up_proj",
+                                                              [Interleave(1)])],
+                                             ["l.mlp.experts.down_proj", "l.mlp.experts.w13_weight"]),
         # rows regrouped (RoPE's permutation) at any size: one part, a chunk per range of whole groups
         "hotload_fake_rope_big": ({"a.q": (1152, 3)}, [WeightConverter("a.q_ck", "a.q", [PermuteForRope()])],
                                   ["a.q_ck"]),
@@ -443,9 +450,10 @@ def test_checkpoint_names_join_tensors_the_model_keeps_apart() -> None:
         assert sorted(got) == sorted(want) == names, model_type
         for name, tensor in want.items():
             assert torch.equal(got[name], tensor), name
-        joined = {"split": 1, "chunk": 2, "interleaved": 1, "stacked": 2, "rope": 0, "rope_qkv": 1, "rope_big": 0}
+        joined = {"split": 1, "chunk": 2, "interleaved": 1, "stacked": 2, "experts_interleaved": 0, "rope": 0,
+                  "rope_qkv": 1, "rope_big": 0}
         assert plan.joined == joined[model_type.removeprefix("hotload_fake_")], (model_type, plan.joined)
-        if "rope" in model_type:  # regrouped rows: one chunk per tensor (one process holds them whole)
+        if "rope" in model_type or "experts_interleaved" in model_type:  # regrouped: a chunk per tensor here
             chunks = local_chunks(model, split=plan.split, rename=plan.rename, tie_word_embeddings=False)
             assert len(chunks) == len(params), (model_type, [(c.name, c.box) for c in chunks])
     assert plan is None  # the last case
