@@ -163,7 +163,7 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
                 flat = t.reshape(-1)
                 first = int(flat[0]) if flat.numel() else -1
                 source, whole = parts.get((first, tuple(t.shape)), (None, None))
-                if source is not None and not torch.equal(flat, torch.arange(first, first + flat.numel())):
+                if source is not None and not _consecutive(flat, first):
                     if source == whole and target not in rename and _halves_interleaved(flat, first, tuple(t.shape)):
                         # a fused expert tensor saved with its two halves' rows interleaved in each expert (Inkling-2)
                         regrouped[whole] = (target, 1, 2, None)
@@ -292,6 +292,13 @@ def _row_runs(rows: list[tuple[int, tuple[int, ...], str, tuple[int, ...]]],
     return out
 
 
+def _consecutive(flat: Any, first: int) -> bool:
+    """Whether a probe's values are ``first, first + 1, ...``: elements in the order the model holds them."""
+    import torch
+
+    return torch.equal(flat, torch.arange(first, first + flat.numel()))
+
+
 def _halves_interleaved(flat: Any, first: int, shape: tuple[int, ...]) -> bool:
     """Whether a fused expert tensor's probe (``(E, R, C)`` from value ``first``) is saved as ``flat`` with the rows
     of its two halves interleaved in each expert: viewed as ``(E, 2, R / 2, C)``, dims 1 and 2 swapped."""
@@ -307,14 +314,12 @@ def _stacked(parts: dict[tuple[int, tuple[int, ...]], tuple[str, str]], t: Any) 
     """The fused experts' parts (``(part, fused tensor)``, see ``split_fused_experts``) that a saved probe ``t`` is,
     one per index of its first dim, in order (Step-3.7's checkpoints stack each projection of the experts, ``(E, I,
     H)``, where the model fuses gate and up along their rows), or None."""
-    import torch
-
     out = []
     for block in t if t.dim() >= 2 else []:
         flat = block.reshape(-1)
         first = int(flat[0]) if flat.numel() else -1
         hit = parts.get((first, tuple(block.shape)))
-        if hit is None or hit[0] == hit[1] or not torch.equal(flat, torch.arange(first, first + flat.numel())):
+        if hit is None or hit[0] == hit[1] or not _consecutive(flat, first):
             return None
         out.append(hit)
     return out or None
@@ -331,16 +336,13 @@ def _segments(runs: list[tuple[str, int, int, tuple[int, ...]]] | None
     import torch
 
     out: list[tuple[str, int, int, tuple[int, ...], tuple[int, int, int] | None]] = []
-    i = 0
-    while i < len(runs):
-        j = i
-        while j + 1 < len(runs) and runs[j + 1][0] == runs[i][0]:
-            j += 1
-        name, real = runs[i][0], runs[i][3]
-        order = torch.cat([torch.arange(row, row + n) for _name, row, n, _real in runs[i:j + 1]])
-        groups = _regrouping(order) if j > i and order.numel() == real[0] else None
-        out += [(name, 0, real[0], real, groups)] if groups else [(*r, None) for r in runs[i:j + 1]]
-        i = j + 1
+    for _name, stretch in itertools.groupby(runs, key=lambda r: r[0]):  # consecutive runs of one tensor
+        stretch = list(stretch)
+        name, real = stretch[0][0], stretch[0][3]
+        groups = None
+        if len(stretch) > 1 and sum(n for _n, _row, n, _real in stretch) == real[0]:
+            groups = _regrouping(torch.cat([torch.arange(row, row + n) for _n, row, n, _real in stretch]))
+        out += [(name, 0, real[0], real, groups)] if groups else [(*r, None) for r in stretch]
     return out
 
 
