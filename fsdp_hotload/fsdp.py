@@ -41,7 +41,7 @@ from .arc.dtypes import numel
 from .dtype_policy import DtypePolicy
 from .fsdp_sources import (FLAT, SHAPE, Joined, Segment, _DTensorSource, _dtensor_type, _Fsdp1Source,
                            _fsdp1_type, _fsdp2_type, _is_flat_param, _PlainSource, _Source, split_slots)
-from .naming import Rename, Split, clean_name, plan_names
+from .naming import HELD_MODULE_ATTR, Rename, Split, clean_name, plan_names
 
 TensorSpec = tuple[str, tuple[int, ...], str]
 
@@ -165,6 +165,16 @@ def _framework_maps(
     return by_slot, fsdp1_by_module, by_tensor
 
 
+def wrapper_paths(model: nn.Module) -> frozenset[str]:
+    """The raw paths through which DDP or DataParallel hold the model (``"module"``, ``"_orig_mod.module"``).
+
+    Why by type: ``module`` is also a plausible attribute of a model itself, which must keep its name.
+    """
+    holders = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    return frozenset(f"{prefix}.{HELD_MODULE_ATTR}" if prefix else HELD_MODULE_ATTR
+                     for prefix, mod in model.named_modules(remove_duplicate=False) if isinstance(mod, holders))
+
+
 def _slots(model: nn.Module, include_buffers: bool) -> list[tuple[str, _Source]]:
     """Every place a tensor is registered, as (cleaned path, source), in ``state_dict`` order.
 
@@ -182,9 +192,10 @@ def _slots(model: nn.Module, include_buffers: bool) -> list[tuple[str, _Source]]
         return src
 
     slots: list[tuple[str, _Source]] = []
+    wrapped = wrapper_paths(model)
 
     def add(prefix: str, attr: str, src: _Source) -> None:
-        slots.append((clean_name(f"{prefix}.{attr}" if prefix else attr), src))
+        slots.append((clean_name(f"{prefix}.{attr}" if prefix else attr, wrapped), src))
 
     for prefix, mod in model.named_modules(remove_duplicate=False):
         done: set[str] = set()

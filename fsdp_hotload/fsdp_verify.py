@@ -22,7 +22,8 @@ from .arc.dtypes import numel, torch_name
 from .arc.errors import FormatError
 from .dtype_policy import DtypePolicy
 from .fsdp import (FLAT, SHAPE, Joined, LocalChunk, OwnershipError, Rename, Segment, TensorSpec, _ChunkLike,
-                   _dtensor_type, _fsdp1_type, _fsdp2_type, _plan, full_tensor_specs, local_chunks, space_shape)
+                   _dtensor_type, _fsdp1_type, _fsdp2_type, _plan, full_tensor_specs, local_chunks, space_shape,
+                   wrapper_paths)
 from .naming import Split, clean_name
 
 
@@ -58,7 +59,8 @@ def gather_full_state(
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
     else:
         state = model.state_dict()
-    by_path: dict[str, Any] = {clean_name(k): v for k, v in state.items()}
+    wrapped = wrapper_paths(model)
+    by_path: dict[str, Any] = {clean_name(k, wrapped): v for k, v in state.items()}
     out: dict[str, torch.Tensor] = {}
     for name, src, paths in _plan(model, rename, tie_word_embeddings, include_buffers, split):
         if isinstance(src, Joined):

@@ -10,11 +10,13 @@ Example::
 
     clean_name("_orig_mod.model._fsdp_wrapped_module.layers.0._checkpoint_wrapped_module.mlp.weight")
     # -> "model.layers.0.mlp.weight"
+    clean_name("module.lm_head.weight", wrapped={"module"})    # a DDP model
+    # -> "lm_head.weight"
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Hashable, Iterable, Sequence
+from typing import Any, Callable, Container, Hashable, Iterable, Sequence
 
 # Attribute names that wrappers insert between a module and the module they wrap. They are stripped wherever
 # they appear: no HF model uses them as real submodule names.
@@ -27,10 +29,10 @@ WRAPPER_SEGMENTS: frozenset[str] = frozenset(
     {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod", "_fpw_module", "_flat_param"}
 )
 
-# DDP keeps the model as ``.module``. Unlike the segments above, "module" is a plausible real attribute name
-# deeper in a model, so it is only stripped at the front of the path (possibly interleaved with other wrappers,
-# e.g. ``_orig_mod.module.`` for a compiled DDP model).
-LEADING_SEGMENTS: frozenset[str] = frozenset({"module"})
+# DDP and DataParallel keep the model as ``.module``. Unlike the segments above, "module" is a plausible real
+# attribute name (a model's own top-level ``self.module``), so it is stripped only where the adapter found such a
+# wrapper holding it (``wrapped`` of :func:`clean_name`, from :func:`fsdp_hotload.fsdp.wrapper_paths`).
+HELD_MODULE_ATTR = "module"
 
 # The output projection that HF drops from a checkpoint when ``tie_word_embeddings`` is set.
 TIED_OUTPUT_SUFFIX = "lm_head.weight"
@@ -54,14 +56,19 @@ ADAPTER_SEGMENTS: frozenset[str] = frozenset({"lora_A", "lora_B", "lora_embeddin
                                               "lora_magnitude_vector"})
 
 
-def clean_name(name: str) -> str:
+def clean_name(name: str, wrapped: Container[str] = frozenset()) -> str:
     """Strip wrapper segments from a parameter/buffer path, leaving the name the unwrapped model would use.
 
-    Raises ValueError when nothing is left (the path named a wrapper itself, not a tensor).
+    ``wrapped`` holds the raw paths (``"module"``, ``"_orig_mod.module"``) through which a DDP-style wrapper holds
+    the model; those segments go too, and any other ``module`` stays. Raises ValueError when nothing is left (the
+    path named a wrapper itself, not a tensor).
     """
-    parts = [p for p in name.split(".") if p not in WRAPPER_SEGMENTS]
-    while parts and parts[0] in LEADING_SEGMENTS:
-        parts.pop(0)
+    parts: list[str] = []
+    raw = ""
+    for seg in name.split("."):
+        raw = f"{raw}.{seg}" if raw else seg
+        if seg not in WRAPPER_SEGMENTS and raw not in wrapped:
+            parts.append(seg)
     if not parts or any(p == "" for p in parts):
         raise ValueError(f"tensor path {name!r} has no name left after stripping wrapper segments")
     return ".".join(parts)

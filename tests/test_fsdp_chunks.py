@@ -12,7 +12,7 @@ from torch import nn
 
 from fsdp_hotload.arc.boxes import Box
 from fsdp_hotload.arc.dtypes import RawTensor
-from fsdp_hotload.fsdp import ChunkMeta, OwnershipError, full_tensor_specs, local_chunks
+from fsdp_hotload.fsdp import ChunkMeta, OwnershipError, full_tensor_specs, local_chunks, tensor_paths
 from fsdp_hotload.fsdp_verify import check_ownership, gather_full_state
 from fsdp_hotload.naming import clean_name, plan_names
 from tests.dist_util import SCRIPTS, run_torchrun
@@ -28,19 +28,51 @@ from tests.dist_util import SCRIPTS, run_torchrun
         ("_fsdp_wrapped_module.model.layers.0._fsdp_wrapped_module.mlp.weight", "model.layers.0.mlp.weight"),
         ("_orig_mod.model.embed_tokens.weight", "model.embed_tokens.weight"),
         ("model.layers.3._checkpoint_wrapped_module.self_attn.q_proj.bias", "model.layers.3.self_attn.q_proj.bias"),
-        ("module.lm_head.weight", "lm_head.weight"),
-        ("_orig_mod.module._fsdp_wrapped_module.model.norm.weight", "model.norm.weight"),
-        ("module._orig_mod.model.norm.weight", "model.norm.weight"),
         ("_fsdp_wrapped_module.model.layers.1._fsdp_wrapped_module._flat_param", "model.layers.1"),
-        # "module" deeper in a path is a real submodule name, not DDP's wrapper
+        # "module" is a real attribute name unless a DDP-style wrapper holds the model there
         ("model.adapter.module.weight", "model.adapter.module.weight"),
+        ("module.lm_head.weight", "module.lm_head.weight"),
     ],
 )
 def test_clean_name(raw: str, clean: str) -> None:
     assert clean_name(raw) == clean
 
 
-@pytest.mark.parametrize("raw", ["_fsdp_wrapped_module._flat_param", "module", "model..weight"])
+@pytest.mark.parametrize(
+    "raw, wrapped, clean",
+    [
+        ("module.lm_head.weight", {"module"}, "lm_head.weight"),
+        ("module.module.weight", {"module"}, "module.weight"),
+        ("_orig_mod.module._fsdp_wrapped_module.model.norm.weight", {"_orig_mod.module"}, "model.norm.weight"),
+        ("module._orig_mod.model.norm.weight", {"module"}, "model.norm.weight"),
+        ("model.module.weight", {"module"}, "model.module.weight"),
+    ],
+)
+def test_clean_name_drops_the_segments_a_wrapper_holds_the_model_by(raw: str, wrapped: set[str], clean: str) -> None:
+    assert clean_name(raw, wrapped) == clean
+
+
+def test_a_models_own_top_level_module_attribute_keeps_its_name() -> None:
+    """Only DDP's and DataParallel's ``module`` is a wrapper; a model's own attribute of that name is published."""
+    class Own(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Linear(3, 2)
+            self.head = nn.Linear(2, 2, bias=False)
+
+    model = Own()
+    names = ["module.weight", "module.bias", "head.weight"]
+    assert [s[0] for s in full_tensor_specs(model)] == names
+    assert [c.name for c in local_chunks(model)] == names
+    assert list(gather_full_state(model)) == names
+    wrapped = nn.DataParallel(model)  # holds the model as .module: that segment goes, the model's own stays
+    assert [n for n, _p in wrapped.named_parameters()] == [f"module.{n}" for n in names]
+    assert [s[0] for s in full_tensor_specs(wrapped)] == names
+    assert list(gather_full_state(wrapped)) == names
+    assert tensor_paths(torch.compile(wrapped)) == names
+
+
+@pytest.mark.parametrize("raw", ["_fsdp_wrapped_module._flat_param", "_orig_mod", "model..weight"])
 def test_clean_name_rejects_paths_without_a_name(raw: str) -> None:
     with pytest.raises(ValueError, match="no name left"):
         clean_name(raw)

@@ -1,7 +1,7 @@
 """Run under torchrun (gloo, CPU): every rank's chunks reproduce the framework's full state dict bit for bit.
 
 For each wrapping (FSDP2, FSDP2 HSDP and FSDP2 over tensor parallelism on 4 ranks, FSDP1 with use_orig_params
-False and True) of a small model with awkward shapes, every rank checks that:
+False and True, DDP) of a small model with awkward shapes, every rank checks that:
   (a) the chunks of all ranks, each source cast to the chunk dtype and scattered at its box, rebuild exactly
       the tensors of ``gather_full_state`` (the framework's own full-state-dict path);
   (b) ``assign_chunks`` accepts the union of all ranks' chunks (every element owned exactly once, after
@@ -342,6 +342,9 @@ def main() -> None:
         check_all("fsdp+tp", fsdp_tp(world), dtypes=dtypes, forward=False)
     check_all("fsdp1/orig=False", fsdp1(False, checkpointing=False), dtypes=dtypes)
     check_all("fsdp1/orig=True+ckpt", fsdp1(True, checkpointing=True), dtypes=dtypes)
+    # DDP: every rank holds every tensor whole (rank 0 publishes them); its ``module.`` is not in the names
+    check_all("ddp", nn.parallel.DistributedDataParallel(build()), dtypes=dtypes)
+    check_all("ddp+compile", torch.compile(nn.parallel.DistributedDataParallel(build())), dtypes=dtypes, forward=False)
     dist.barrier()
     print(f"RANK {rank} OK {CHECKS}", flush=True)
     finish()
