@@ -253,6 +253,11 @@ class HotloadConfig(BaseModel):
                 raise ValueError(f"hotload_api_url {mask_url(self.hotload_api_url)!r} is plain http to another host, "
                                  "which would send the API key unencrypted: use https, or set "
                                  "hotload_api_allow_http for a gateway on a trusted private network")
+            from .fireworks_http import check_url
+
+            # The client's own checks (scheme, host, port, no query), here so that the error names this field
+            # (or its variable or flag) at construction, not the client's base_url when the callback is built.
+            check_url(self.hotload_api_url, self.hotload_api_allow_http, "hotload_api_url")
         return self
 
     @property

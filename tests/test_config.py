@@ -81,3 +81,24 @@ def test_an_empty_path_is_refused_by_name(field: str, monkeypatch: pytest.Monkey
     with pytest.raises(ValueError, match=f"{field} is empty"):
         HotloadConfig(bucket_url="/tmp/b", **{field: " "})
     assert getattr(HotloadConfig(bucket_url="/tmp/b", **{field: None}), field) is None
+
+
+@pytest.mark.parametrize("url", ["api.fireworks.ai", "ftp://api.fireworks.ai", "https://", "https://host:99999",
+                                 "https://api.fireworks.ai/?x=1"])
+def test_a_hot_load_url_the_client_cannot_use_is_refused_naming_the_field(tmp_path: Path, url: str) -> None:
+    """Such a URL passed the config and failed only when the callback was built, as 'base_url ...', a name the
+    user never set (and, from a variable or a flag, without naming it)."""
+    with pytest.raises(ValueError, match="hotload_api_url") as info:
+        HotloadConfig(bucket_url=str(tmp_path), hotload_api_url=url, account_id="a", model_id="m",
+                      deployment_id="d", hf_config_dir=str(tmp_path))
+    assert "base_url" not in str(info.value)
+
+
+def test_a_bad_hot_load_url_from_the_environment_names_its_variable(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """from_env and the Megatron flags name the variable a field came from, found in the message."""
+    for name, value in dict(BUCKET_URL=str(tmp_path), HOTLOAD_API_URL="api.fireworks.ai", ACCOUNT_ID="a",
+                            MODEL_ID="m", DEPLOYMENT_ID="d", HF_CONFIG_DIR=str(tmp_path)).items():
+        monkeypatch.setenv("HOTLOAD_" + name, value)
+    with pytest.raises(ValueError, match=r"\(HOTLOAD_HOTLOAD_API_URL\)"):
+        HotloadConfig.from_env()
