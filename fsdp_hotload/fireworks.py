@@ -75,6 +75,8 @@ from .fireworks_models import (
 from .fireworks_names import API_KEY_ENV, Secret, clean_api_key, clean_headers, deployment_name, model_name
 
 log = logging.getLogger(__name__)
+#: Shorter secrets (an emulator's made-up key) are not removed from messages: they would match ordinary text.
+MIN_REDACTED = 4
 
 __all__ = [
     "API_KEY_ENV",
@@ -223,9 +225,10 @@ class HotLoadClient:
     def redact(self, text: str) -> str:
         """``text`` with the key and the extra headers' values (a gateway's secret) removed, also in the escaped
         forms ``repr`` of a str or bytes and a JSON string give them. For text a server sent (a replica's error)
-        that is logged outside the client's own errors."""
-        secrets = [self._api_key.get(), *(v for v in self.additional_headers.values() if len(v) >= 4)]
-        for secret in secrets:
+        that is logged outside the client's own errors. Values under :data:`MIN_REDACTED` characters are left:
+        they would match ordinary text (a key ``k`` for the emulator cut every ``k`` out of every message)."""
+        secrets = [self._api_key.get(), *self.additional_headers.values()]
+        for secret in (s for s in secrets if len(s) >= MIN_REDACTED):
             for form in {secret, repr(secret)[1:-1], repr(secret.encode())[2:-1], json.dumps(secret)[1:-1]}:
                 text = text.replace(form, "<redacted>")
         return text

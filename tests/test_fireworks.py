@@ -615,3 +615,17 @@ def test_extra_header_values_are_redacted_from_errors(server: tuple[str, Scripte
     assert script.requests[0]["headers"]["x-gateway-token"] == secret  # the file's newline stripped, then sent
     assert secret not in str(info.value) and "<redacted>" in str(info.value)
     assert all(secret not in r.getMessage() for r in caplog.records)
+
+
+def test_a_short_api_key_leaves_error_text_readable(caplog: pytest.LogCaptureFixture) -> None:
+    """The emulator takes any key, and a one-letter one (FIREWORKS_API_KEY=k) was cut out of every word of every
+    error and retry line ('chec<redacted> that ...'). Like header values, keys under 4 characters are not
+    searched for: they would match ordinary text."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = make_client(f"http://127.0.0.1:{port}", api_key="k", retry_budget_s=0.05)
+    with pytest.raises(HotLoadError) as info:  # the timeout quotes the last poll's error, hint included
+        client.wait_manager(timeout_s=0.2)
+    assert "<redacted>" not in str(info.value) and "check that" in str(info.value), str(info.value)
+    assert all("<redacted>" not in r.getMessage() for r in caplog.records)
