@@ -203,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .arc.folder import apply_paths, diff_paths, inspect_path, verify_paths
     from .identity import validate_identity
 
+    code = EXIT_OK  # verify's result, known before its table is printed
     try:
         for path in [getattr(args, k) for k in ("parent", "new", "delta", "path") if hasattr(args, k)]:
             if not os.path.exists(path):
@@ -240,6 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.cmd == "verify":
             report = verify_paths(args.parent, args.delta, expected_parent=args.parent_identity,
                                   progress=Progress("verify"))
+            code = EXIT_OK if report.ok else EXIT_VERIFY
             _print_table(report, show_status=True)
             for e in report.errors:
                 print(f"error: {e}", file=sys.stderr)
@@ -247,11 +249,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             if hint:
                 print(f"hint: {hint}", file=sys.stderr)
             print("verified: all checksums match" if report.ok else "verification FAILED")
-            return EXIT_OK if report.ok else EXIT_VERIFY
         elif args.cmd == "inspect":
             report = inspect_path(args.path)
             print(f"kind: {report.kind}" + (f"  parent: {report.parent}" if report.parent else ""))
             _print_table(report, show_status=False)
+        sys.stdout.flush()  # here, where a closed pipe is caught below, not at exit
+    except BrokenPipeError:
+        # The reader stopped early (``| head``): not a failure of the command. Later writes, and the flush at
+        # exit, go nowhere instead of raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return code
     except FileNotFoundError as exc:
         print(f"error: no such file or folder: {exc.filename or exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -263,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as exc:  # includes UnusableInputError and the marker's identity rules
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    return EXIT_OK
+    return code
 
 
 if __name__ == "__main__":

@@ -259,3 +259,26 @@ def test_diff_and_apply_carry_and_mark_sub_folder_files(snapshots: tuple[Path, P
         assert (out / "additional_chat_templates" / "tool_use.jinja").read_text() == "{{ tools }}"
         files = json.loads((out / "hotload.commit.json").read_text())["files"]
         assert files["additional_chat_templates/tool_use.jinja"] == {"size": 11}, sorted(files)
+
+
+def run_into_closed_pipe(*args: str) -> subprocess.CompletedProcess[str]:
+    """The command with its stdout a pipe nobody reads any more, as in ``hotload inspect SNAP | head -1``."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run([*HOTLOAD, *map(str, args)], stdout=write, stderr=subprocess.PIPE, text=True,
+                              timeout=120)
+    finally:
+        os.close(write)
+
+
+def test_output_cut_short_by_its_reader_is_not_an_error(snapshots: tuple[Path, Path], tmp_path: Path) -> None:
+    """``| head`` closing the pipe made inspect print 'error: [Errno 32] Broken pipe' and exit 2 (bad usage);
+    verify's exit status must still say whether the delta verified."""
+    a, b = snapshots
+    d = tmp_path / "delta"
+    assert run("diff", a, b, d).returncode == 0
+    for args, code in (((("inspect", d)), 0), (("verify", a, d), 0), (("verify", a, d, "--parent-identity", "x"), 1)):
+        res = run_into_closed_pipe(*args)
+        assert res.returncode == code and "Broken pipe" not in res.stderr, (args, res.returncode, res.stderr)
+        assert "Traceback" not in res.stderr and "Exception ignored" not in res.stderr, res.stderr
