@@ -159,6 +159,18 @@ def test_a_background_copys_wait_counts_once_in_blocking_ms(tmp_path: Path) -> N
     assert sum(reported) <= blocked * 1e3 + 100, (blocked, reported)  # counted twice, it would be ~300 ms over
 
 
+@pytest.mark.parametrize("where", ["under-a-file", "a-folder"])
+def test_a_metrics_path_that_cannot_be_written_fails_construction_naming_it(tmp_path: Path, where: str) -> None:
+    """A path under a file failed with a bare 'File exists: <its folder>', and a folder was accepted, every
+    publish then logging that its metrics were lost."""
+    (tmp_path / "a-file").write_text("")
+    path = tmp_path / "a-file" / "m.jsonl" if where == "under-a-file" else tmp_path
+    cfg = HotloadConfig(bucket_url=str(tmp_path / "bucket"), metrics_path=str(path))
+    chunk = WholeChunk("a", (64,), "BF16", "flat", Box.flat(0, 64), torch.zeros(64))
+    with pytest.raises(OSError, match="^metrics_path "):  # the test's name is in tmp_path
+        Publisher([chunk], [TensorSpec("a", (64,), "BF16")], cfg)
+
+
 @pytest.mark.parametrize("broken", ["hf_config_dir", "metrics_path"])
 def test_a_publisher_that_fails_at_construction_leaves_no_thread_behind(tmp_path: Path, broken: str) -> None:
     """A construction that failed on the HF folder or the metrics path left the signaller's worker thread

@@ -58,7 +58,7 @@ class MetricsSink:
         self.records: list[PublishMetrics] = []
         self._lock = threading.Lock()
         if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            check_appendable(path)
 
     def emit(self, m: PublishMetrics) -> None:
         with self._lock:
@@ -69,3 +69,18 @@ class MetricsSink:
                 with open(self.path, "a") as f:
                     f.write(m.line() + "\n")
         (log.info if m.ok else log.warning)("hotload: %s", m.summary())
+
+
+def check_appendable(path: str) -> None:
+    """OSError naming ``metrics_path`` unless ``path`` can be appended to (its folder is made, the file created
+    empty). Why here: a folder given as the path, or one under a file, lost every publish's record later, each
+    with a warning, or failed with an error that named neither the field nor the path."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"metrics_path {path!r} is a folder: name a file in it (metrics.jsonl, say)")
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise OSError(f"metrics_path {path!r} cannot be written ({exc}): name a file in a writable folder") \
+            from None
