@@ -358,3 +358,15 @@ def test_frame_header_matches_libzstd_layout(n: int) -> None:
         assert ref[:len(header)] == header
     else:
         assert ours.window_size == 1 << 17
+
+
+@pytest.mark.parametrize("variable, value", [("HOTLOAD_ARC_ONE_CALL", "false"), ("HOTLOAD_ARC_ONE_CALL", "off"),
+                                             ("HOTLOAD_ARC_ENCODER", "zip")])
+def test_a_bad_codec_switch_is_refused_naming_its_variable(monkeypatch: pytest.MonkeyPatch, variable: str,
+                                                          value: str) -> None:
+    """Only ``0`` turned the one-call path off, so ``false`` or ``off`` kept it on in silence; a bad encoder name
+    was reported without the variable it came from. Both fail where the encoder is chosen (the publisher's
+    construction), naming the variable."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(FormatError, match=variable):
+        ArcV2().encoder_info

@@ -27,7 +27,7 @@ from .dense import BLOCK_BYTES, DenseDelta, run_tables
 from .dtypes import UINT_BY_SIZE
 from .errors import FormatError
 from .kernels import diff_positions, scatter_xor
-from .zstd_seq import encoder_status, one_call_status, sequence_encoder
+from .zstd_seq import encoder_status, one_call_allowed, one_call_status, sequence_encoder
 
 
 @dataclass(frozen=True)
@@ -218,7 +218,9 @@ class ArcV2:
         encoder, level = self._choice, self.level
         choice = encoder or os.environ.get("HOTLOAD_ARC_ENCODER", "auto")
         if choice not in ("auto", "sequences", "stream"):
-            raise FormatError(f"arc_v2 encoder {choice!r}: expected auto, sequences or stream")
+            source = "" if encoder else " (HOTLOAD_ARC_ENCODER)"
+            raise FormatError(f"arc_v2 encoder {choice!r}{source}: expected auto, sequences or stream")
+        one_call_allowed()  # the other switch, checked here too: the first delta would fail in the background
         self._seq = sequence_encoder(level) if choice != "stream" else None
         if choice == "sequences" and self._seq is None:
             raise FormatError(f"arc_v2 encoder 'sequences' is unavailable: {encoder_status()}")

@@ -310,6 +310,16 @@ _ONE_CALL: bool | None = None  # decided once per process, at the first delta (s
 _ONE_CALL_REASON = ""
 
 
+def one_call_allowed() -> bool:
+    """False where ``HOTLOAD_ARC_ONE_CALL=0`` turns the one-call path off. Any value but ``0`` and ``1`` is a
+    FormatError naming the variable: only ``0`` turned it off, so ``false`` or ``off`` kept it on in silence."""
+    value = os.environ.get("HOTLOAD_ARC_ONE_CALL", "1").strip()
+    if value not in ("0", "1"):
+        raise FormatError(f"HOTLOAD_ARC_ONE_CALL={value!r}: expected 0 (encode block by block) or 1 (one compiled "
+                          "call per chunk, the default)")
+    return value == "1"
+
+
 def one_call_status() -> tuple[bool, str]:
     """Whether delta chunks are encoded in one compiled call (:mod:`~fsdp_hotload.arc.seq_delta`), and why not.
 
@@ -324,7 +334,7 @@ def one_call_status() -> tuple[bool, str]:
         if _ONE_CALL is None:
             if enc is None:
                 _ONE_CALL, _ONE_CALL_REASON = False, "block by block (no sequence encoder)"
-            elif os.environ.get("HOTLOAD_ARC_ONE_CALL", "1") == "0":
+            elif not one_call_allowed():
                 _ONE_CALL, _ONE_CALL_REASON = False, "block by block (HOTLOAD_ARC_ONE_CALL=0)"
             else:
                 _ONE_CALL, _ONE_CALL_REASON = _try_one_call(enc.lib)
