@@ -290,11 +290,11 @@ class HotLoadClient:
                 cancelled = True
             except ssl.SSLCertVerificationError as exc:
                 unsendable = f"{what}: TLS certificate verification failed: {exc}"
-                hint = "check the base_url host name and the system CA certificates"
+                hint = "check the host name of base_url (hotload_api_url) and the system CA certificates"
             except http.client.InvalidURL as exc:  # an HTTPException, yet no retry can send it
                 unsendable = f"{what}: the URL cannot be sent: {exc}"
-                hint = "check base_url, control_plane_url and the account and deployment ids (no spaces or control " \
-                    "characters)"
+                hint = "check base_url (hotload_api_url), control_plane_url and the account and deployment ids (no " \
+                    "spaces or control characters)"
             except (OSError, http.client.HTTPException) as exc:
                 failure = f"{type(exc).__name__}: {exc}"
             except Exception as exc:  # noqa: BLE001 - e.g. ValueError/UnicodeError for a bad header value
@@ -305,7 +305,8 @@ class HotLoadClient:
                 if 200 <= status < 300:
                     if oversized:
                         raise HotLoadBodyError(f"{what} returned a body over {MAX_RESPONSE_BYTES} bytes",
-                                               hint="check that base_url points at the Fireworks hot-load API")
+                                               hint="check that base_url (hotload_api_url) points at the "
+                                               "Fireworks hot-load API")
                     return self._parse_json(what, data)
                 if status not in RETRYABLE_STATUS:
                     raise self._http_error(what, status, data, attempt, rheaders)
@@ -327,7 +328,7 @@ class HotLoadClient:
                     self.redact(
                         f"{what}: no answer after {attempt} attempt(s) over {time.monotonic() - start:.1f}s: {failure}"
                     ),
-                    hint="check that base_url is reachable from this host (proxy, firewall, DNS); "
+                    hint="check that base_url (hotload_api_url) is reachable from this host (proxy, firewall, DNS); "
                     "raise retry_budget_s for flaky networks (HotloadConfig: ready_timeout_s, capped at 300 s)",
                 )
             log.warning("%s failed (%s); retry %d in %.1fs", what, self.redact(failure), attempt, delay)
@@ -363,7 +364,8 @@ class HotLoadClient:
         except ValueError:
             raise HotLoadBodyError(
                 f"{what} returned a body that is not JSON: {self._redact_body(data)[:200]!r}",
-                hint="check that base_url points at the Fireworks API (or a gateway that forwards it)",
+                hint="check that base_url (hotload_api_url) points at the Fireworks API (or a gateway that "
+                "forwards it)",
             ) from None
 
     # --------------------------------------------------------------------------------------------- API
@@ -450,7 +452,7 @@ class HotLoadClient:
             raise HotLoadResponseError(
                 f"{what}: unrecognized hot-load status response format: {where}: {err['msg']} "
                 f"in {self.redact(json.dumps(data))[:200]}",
-                hint="check that base_url points at the hot-load gateway of this deployment",
+                hint="check that base_url (hotload_api_url) points at the hot-load gateway of this deployment",
             ) from None
 
     def wait_manager(self, *, timeout_s: float = 300.0) -> HotLoadStatus:
@@ -517,8 +519,8 @@ class HotLoadClient:
                           f"{self.deployment_name} reported no replica (its hot-load manager is not up)")
                 raise HotLoadTimeout(
                     self.redact(f"{waited} within {timeout_s:g}s; last state: {state}"),
-                    hint="loads of large snapshots take minutes: raise timeout_s, check the deployment's "
-                    "replicas are up, and publish a full snapshot if the chain is stuck",
+                    hint="loads of large snapshots take minutes: raise timeout_s (HotloadConfig: ready_timeout_s), "
+                    "check the deployment's replicas are up, and publish a full snapshot if the chain is stuck",
                 )
             if self._canceller.wait(min(self.poll_interval_s, remaining)):
                 waited = f"waiting for {identity!r}" if identity is not None else "waiting for a replica"

@@ -49,13 +49,13 @@ _HINTS: dict[int, str] = {
     "hot-load and training APIs)",
     403: "the key lacks permission for this account or deployment: check account_id and deployment_id, and that "
     "the key belongs to that account",
-    404: "not found: check base_url, account_id and deployment_id, and that the deployment was created with "
-    "hot-load enabled",
+    404: "not found: check base_url (hotload_api_url), account_id and deployment_id, and that the deployment was "
+    "created with hot-load enabled",
     405: "the server does not allow this method on this path: check that base_url (hotload_api_url) points at "
     "the hot-load API, with no extra path",
     408: "the server timed out reading the request: check the network path and retry",
     409: "conflict: every snapshot needs a new identity; publish under a fresh identity",
-    410: "gone: the deployment or the route was removed; check deployment_id and base_url",
+    410: "gone: the deployment or the route was removed; check deployment_id and base_url (hotload_api_url)",
     415: "the server did not accept the request's Content-Type: additional_headers must not replace "
     "'Content-Type: application/json'",
     429: "rate limited and the retry budget is spent: signal and poll less often, or raise retry_budget_s "

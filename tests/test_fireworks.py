@@ -629,3 +629,18 @@ def test_a_short_api_key_leaves_error_text_readable(caplog: pytest.LogCaptureFix
         client.wait_manager(timeout_s=0.2)
     assert "<redacted>" not in str(info.value) and "check that" in str(info.value), str(info.value)
     assert all("<redacted>" not in r.getMessage() for r in caplog.records)
+
+
+def test_hints_name_the_config_fields_behind_the_client_parameters(server: tuple[str, Scripted]) -> None:
+    """A publisher's errors come from this client, whose hints said 'check base_url' and 'raise timeout_s':
+    names a HotloadConfig user never set. They now also give the field (hotload_api_url, ready_timeout_s)."""
+    url, script = server
+    client = make_client(url)
+    script.push(404, {"error": {"message": "no such deployment"}})
+    with pytest.raises(HotLoadError) as info:
+        client.signal("s1")
+    assert "hotload_api_url" in str(info.value), str(info.value)
+    script.default = (200, status_body(("s0", True, "done", "s0")), {})
+    with pytest.raises(HotLoadTimeout) as timeout:
+        client.wait_ready("s1", timeout_s=0.1)
+    assert "ready_timeout_s" in str(timeout.value), str(timeout.value)
