@@ -94,22 +94,10 @@ class HotloadCallback:
 
         self.model = model
         self.config = config
-        if tie_word_embeddings is None:
-            tie_word_embeddings = hf_tie_word_embeddings(config.hf_config_dir)
-        # The base checkpoint's shapes (headers only; None without weights there), read at most once, when needed.
-        self._base = functools.cache(lambda: base_tensor_shapes(config.hf_config_dir))
-        # A transformers model is published under its checkpoint's names where transformers says how (the same
-        # answer on every rank); a split or rename of the caller's own is taken as it is.
-        self.names_plan = None if not hf_names or split is not None or rename is not None else checkpoint_names(
-            model, lambda: full_tensor_specs(model, tie_word_embeddings=tie_word_embeddings,
-                                             include_buffers=include_buffers), self._base)
-        if self.names_plan is not None:
-            split, rename = self.names_plan.split, self.names_plan.rename
-        self._chunk_kwargs: dict[str, Any] = dict(
-            snapshot_dtype=config.snapshot_dtype, dtype_overrides=config.dtype_overrides, rename=rename,
-            tie_word_embeddings=tie_word_embeddings, include_buffers=include_buffers, split=split)
         comm: Comm
         ctrl: Comm
+        # The side groups first: creating them is collective, so a rank that failed before it would leave the
+        # others waiting there. Whatever fails on one rank after it fails every rank, in agree_on_chunks.
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             timeout = config.side_group_timeout_s  # background thread / main thread:
             comm, ctrl = GlooComm.create(timeout), GlooComm.create(timeout)
@@ -117,14 +105,21 @@ class HotloadCallback:
             comm = ctrl = LocalComm()
         self._comms = [comm, ctrl]
         try:
-            self._fingerprint = storage_fingerprint(model)
-            walked = local_chunks(model, **self._chunk_kwargs)
+            walked: list[Any] = []
+            self._specs: list[Any] = []
+            problem: Exception | None = None
+            try:
+                self._plan_names(split, rename, tie_word_embeddings, include_buffers, hf_names)
+                self._fingerprint = storage_fingerprint(model)
+                walked = local_chunks(model, **self._chunk_kwargs)
+                self._specs = full_tensor_specs(model, **self._chunk_kwargs)
+                if not self._specs:  # the same on every rank
+                    raise ValueError("the model has no tensor to publish (no parameters or buffers, or the rename "
+                                     "function returned None for all of them)")
+            except Exception as exc:  # noqa: BLE001 - raised by agree_on_chunks, on every rank
+                problem = exc
             self.walks = 1  # model walks for chunk views (the first here; again only when storage changed)
-            self._specs = full_tensor_specs(model, **self._chunk_kwargs)
-            if not self._specs:  # the same on every rank, so all of them raise here
-                raise ValueError("the model has no tensor to publish (no parameters or buffers, or the rename "
-                                 "function returned None for all of them)")
-            self._kept = agree_on_chunks(walked, self._specs, ctrl)
+            self._kept = agree_on_chunks(walked, self._specs, ctrl, problem)
             chunks = [walked[i] for i in self._kept]
             specs = [TensorSpec(n, tuple(s), d) for n, s, d in self._specs]
             self.engine = Publisher(chunks, specs, config, comm=comm, ctrl=ctrl, **engine_kwargs)
@@ -141,6 +136,25 @@ class HotloadCallback:
         self._buffer_idx = self._buffer_chunks(chunks)
         self._step = 0
         self._hooks: list[Any] = []
+
+    def _plan_names(self, split: Split | None, rename: Callable[[str], str | None] | None,
+                    tie_word_embeddings: bool | None, include_buffers: bool, hf_names: bool) -> None:
+        """The chunk arguments: the split and rename to publish under (the caller's, else hf_names' plan)."""
+        config, model = self.config, self.model
+        if tie_word_embeddings is None:
+            tie_word_embeddings = hf_tie_word_embeddings(config.hf_config_dir)
+        # The base checkpoint's shapes (headers only; None without weights there), read at most once, when needed.
+        self._base = functools.cache(lambda: base_tensor_shapes(config.hf_config_dir))
+        # A transformers model is published under its checkpoint's names where transformers says how (the same
+        # answer on every rank); a split or rename of the caller's own is taken as it is.
+        self.names_plan = None if not hf_names or split is not None or rename is not None else checkpoint_names(
+            model, lambda: full_tensor_specs(model, tie_word_embeddings=tie_word_embeddings,
+                                             include_buffers=include_buffers), self._base)
+        if self.names_plan is not None:
+            split, rename = self.names_plan.split, self.names_plan.rename
+        self._chunk_kwargs: dict[str, Any] = dict(
+            snapshot_dtype=config.snapshot_dtype, dtype_overrides=config.dtype_overrides, rename=rename,
+            tie_word_embeddings=tie_word_embeddings, include_buffers=include_buffers, split=split)
 
     def step(self, step: int | None = None) -> bool:
         """Call right after ``optimizer.step()``; returns True if a snapshot was started at this step.

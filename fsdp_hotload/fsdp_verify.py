@@ -88,9 +88,12 @@ def _full(name: str, src: Any, paths: list[str], by_path: dict[str, Any]) -> tor
     return t.to("cpu")
 
 
-def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], ctrl: Any) -> list[int]:
+def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], ctrl: Any,
+                    failed: BaseException | None = None) -> list[int]:
     """Collective over ``ctrl`` (a :class:`~fsdp_hotload.engine.comm.Comm`), at construction: which of this
     rank's chunks it publishes (:func:`assign_chunks`), decided on rank 0 from every rank's chunk metadata.
+    ``failed``: this rank's set-up failed before (reading ``hf_config_dir``, walking the model); it raises that,
+    and the other ranks an OwnershipError naming it.
 
     Why here and not at the first publish: a rank whose tensors are still on the ``meta`` device, on two devices,
     or that sees other tensors than rank 0 would otherwise fail alone inside the publisher's set-up while the
@@ -98,7 +101,9 @@ def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], c
     """
     devices = sorted({str(c.source.device) for c in chunks})
     problem = None
-    if "meta" in devices:
+    if failed is not None:
+        problem = f"its set-up failed: {type(failed).__name__}: {failed}"
+    elif "meta" in devices:
         problem = ("its tensors are on the meta device: create the HotloadCallback after the weights are "
                    "materialised (to_empty() and init, or loading a checkpoint)")
     elif len(devices) > 1:
@@ -117,6 +122,8 @@ def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], c
         except OwnershipError as exc:
             verdict = str(exc)
     verdict = ctrl.broadcast(verdict)
+    if failed is not None:
+        raise failed
     if isinstance(verdict, str):
         raise OwnershipError(verdict)
     return verdict.get(ctrl.rank, list(range(len(chunks))))

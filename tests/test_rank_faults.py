@@ -2,6 +2,7 @@
 raises alone stops staging a step the others stage, and from then on every snapshot pairs two different steps."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -129,3 +130,28 @@ def test_a_snapshot_missing_a_file_that_no_rank_reported_failing_is_never_commit
         assert pub.storage.list(identity) == []
     finally:
         pub.close()
+
+
+def test_a_set_up_failing_on_one_rank_fails_construction_on_every_rank(tmp_path: Path) -> None:
+    """torchrun, 2 ranks (dist_scripts/setup_failure.py): rank 0's metrics file or hf_config_dir, or a rename that
+    raises on rank 1. The failing rank raises its own error; the other raises at once, naming that rank and the
+    error, instead of returning a callback whose first publish waits out the side group's timeout."""
+    from tests.dist_util import SCRIPTS, run_torchrun
+
+    hf, empty = tmp_path / "hf", tmp_path / "empty"
+    hf.mkdir()
+    empty.mkdir()
+    (hf / "config.json").write_text('{"model_type": "llama"}')
+    run_torchrun(str(SCRIPTS / "setup_failure.py"), 2, ["--bucket", str(tmp_path / "bucket"), "--hf-dir", str(hf),
+                                                        "--empty-dir", str(empty), "--out", str(tmp_path)])
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    failing = {"metrics": 0, "hf_config_dir": 0, "rename": 1}
+    own = {"metrics": ("IsADirectoryError", "metrics_path"), "hf_config_dir": ("FileNotFoundError", "config.json"),
+           "rename": ("KeyError", "no checkpoint name")}
+    for case, bad in failing.items():
+        kind, text, _s = ranks[bad][case]
+        assert (kind, own[case][1] in text) == (own[case][0], True), (case, ranks[bad][case])
+        kind, text, took = ranks[1 - bad][case]
+        assert kind in ("RuntimeError", "OwnershipError") and f"rank {bad}" in text and own[case][1] in text, \
+            (case, ranks[1 - bad][case])
+        assert took < 60, (case, took)  # at once: not after the side group's timeout (120 s)

@@ -299,3 +299,26 @@ def _as_tensor(blob: Blob) -> Any:
     if view.readonly:
         view = memoryview(bytearray(view))
     return torch.frombuffer(view.cast("B"), dtype=torch.uint8)
+
+
+def agree_on_start(ctrl: Comm, problem: BaseException | None, value: Any) -> Any:
+    """Collective at construction: rank 0's ``value`` on every rank, or, where any rank's set-up failed
+    (``problem``), an error on every rank: a failed rank raises its own, the others a RuntimeError naming it.
+
+    Why: a rank that raised alone (rank 0 with an unreadable ``hf_config_dir``, a node without s3fs or without
+    the API key in its environment) would leave the others training into the first publish's collective, where
+    they wait out the side group's timeout instead of failing at start.
+    """
+    gathered = ctrl.gather(None if problem is None else f"{type(problem).__name__}: {problem}")
+    verdict: Any = None
+    if gathered is not None:
+        failed = [(r, text) for r, text in enumerate(gathered) if text is not None]
+        verdict = ("failed", failed) if failed else ("ok", value)
+    kind, agreed = ctrl.broadcast(verdict)
+    if problem is not None:
+        raise problem
+    if kind == "failed":
+        rank, first = agreed[0]
+        more = f" (and {len(agreed) - 1} other rank(s))" if len(agreed) > 1 else ""
+        raise RuntimeError(f"hotload could not start: rank {rank}{more} failed to set up: {first}")
+    return agreed

@@ -52,7 +52,7 @@ from ..layout import ShardPlan, TensorSpec, plan_shards
 from ..storage import Storage
 from .assemble import Piece, assemble_delta_file, assemble_full_file, assign_owners
 from .cadence import Cadence, next_step
-from .comm import Comm, LocalComm, exchange_objects
+from .comm import Comm, LocalComm, agree_on_start, exchange_objects
 from .encode import ChunkEncoder, auto_workers
 from .exits import deadline_after, gave_up_message, left, track
 from .jobs import Job, Outcome, PublishError, RankStatus, summarize
@@ -89,10 +89,33 @@ class Publisher:
                 raise ValueError(f"chunk {c.name!r} ({c.dtype}{list(c.shape)}) does not match the tensor specs "
                                  f"({spec})")
         self.owners = assign_owners(self.plan, self.world)
-        self.storage = storage or Storage(config.bucket_url, config.storage_options,
-                                          max_concurrency=config.upload_concurrency)
-        self.stager = Stager(self.chunks, slots=config.max_inflight, cache_on=config.cache_on)
-        self.codec = get_codec(config.codec)
+        self.signaller: Signaller | None = None
+        made: list[Any] = []  # closed if the set-up fails on any rank
+        problem: BaseException | None = None
+        try:  # set-up that can fail on some ranks only (rank 0 alone reads hf_config_dir and writes the metrics)
+            self.storage = storage or Storage(config.bucket_url, config.storage_options,
+                                              max_concurrency=config.upload_concurrency)
+            self.stager = Stager(self.chunks, slots=config.max_inflight, cache_on=config.cache_on)
+            made.append(self.stager)
+            self.codec = get_codec(config.codec)
+            self.metrics = MetricsSink(config.metrics_path if self.rank == 0 else None)
+            base_files = hf_aux_files(config.hf_config_dir) if self.rank == 0 else {}  # read once: tokenizers are big
+            self._aux = carried_files(base_files, [s.dtype for s in specs])
+            self.signaller = signaller if signaller is not None else (  # last of what may fail: it starts a thread
+                Signaller.from_config(config) if (self.rank == 0 or config.send_hints) else None)
+            if signaller is None and self.signaller is not None:
+                made.append(self.signaller)
+        except Exception as exc:  # noqa: BLE001 - raised by agree_on_start, on every rank
+            problem = exc
+        try:
+            # Identities must agree on every rank (rank 0 picks the suffix) and never repeat across publisher
+            # instances, even within one process (a restarted publisher must not reuse an identity).
+            self.session = agree_on_start(self.ctrl, problem, session or secrets.token_hex(4))
+            new_identity(0, prefix=config.identity_prefix, session=self.session)  # a bad session fails here
+        except BaseException:
+            for part in made:
+                part.close()
+            raise
         if self.rank == 0 and hasattr(self.codec, "encoder_info"):
             log.info("%s encoder: %s", self.codec.name, self.codec.encoder_info)
         # The codec's kernels load (or compile) now, beside the trainer's set-up: in the first delta they would
@@ -101,15 +124,6 @@ class Publisher:
         self._warm_up = None if warm is None else start_warm_up(
             warm, name=f"hotload-warmup-{self.rank}", nice=config.background_nice, what=f"the {self.codec.name} codec")
         self.cadence = Cadence(config.full_every, config.max_chain_length)
-        # Identities must agree on every rank (rank 0 picks the suffix) and never repeat across publisher
-        # instances, even within one process (a restarted publisher must not reuse an identity).
-        self.session = self.ctrl.broadcast(session or secrets.token_hex(4))
-        new_identity(0, prefix=config.identity_prefix, session=self.session)  # a bad session fails here, not later
-        self.metrics = MetricsSink(config.metrics_path if self.rank == 0 else None)
-        base_files = hf_aux_files(config.hf_config_dir) if self.rank == 0 else {}  # read once: tokenizers are big
-        self._aux = carried_files(base_files, [s.dtype for s in specs])
-        self.signaller = signaller if signaller is not None else (  # after what may fail: it starts a thread
-            Signaller.from_config(config) if (self.rank == 0 or config.send_hints) else None)
         if self.rank == 0 and self.signaller is not None:
             self.signaller.extra_fields_ignore = dropped_config_keys(base_files, self._aux)
             warn_if_side_group_short(config)
