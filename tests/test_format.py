@@ -639,3 +639,66 @@ def test_header_bound_is_the_safetensors_one_and_the_writer_keeps_to_it(monkeypa
     build_header(items, None)
     with pytest.raises(FormatError, match="header"):
         build_header([*items, ("t8", "U8", [1], 1)], None)
+
+
+def _one_byte_file(shape: list[int], nbytes: int = 1) -> bytes:
+    """A safetensors file whose one U8 tensor holds ``nbytes`` bytes and whose header gives it ``shape``."""
+    text = json.dumps({"w": {"dtype": "U8", "shape": shape, "data_offsets": [0, nbytes]}}).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + bytes(nbytes)
+
+
+@pytest.mark.parametrize("shape,match", [
+    ([10**4000] * 2, "more than"),  # a product of 8,001 digits: formatting it into the message raised ValueError
+    ([2**62] * 4, "more than"),
+    ([1] * 65, "65 dimensions"),  # one byte, but no numpy array has 65 dimensions
+])
+def test_header_shapes_are_bounded(shape: list[int], match: str) -> None:
+    """Shapes in a header are untrusted: their rank and byte count are bounded before anything multiplies them
+    out, and a bad one is a format error naming the tensor (is_delta_file just says no)."""
+    blob = _one_byte_file(shape)
+    with pytest.raises(FormatError, match=match) as info:
+        parse_header(blob, filename="f.safetensors")
+    assert "tensor 'w'" in str(info.value) and "f.safetensors" in str(info.value)
+    assert not is_delta_file(blob)
+    assert parse_header(_one_byte_file([1] * 64)).entries["w"].shape == (1,) * 64
+    assert parse_header(_one_byte_file([0, 2**62, 2**62], 0)).entries["w"].nbytes == 0
+    if len(shape) > 64:  # and no writer of ours produces what the reader refuses
+        wide = RawTensor("U8", tuple(shape), np.zeros(1, np.uint8))
+        with pytest.raises(FormatError, match=match):
+            save_file({"w": wide})
+        with pytest.raises(FormatError, match=match):
+            encode_delta_file({"w": wide}, {"w": wide}, parent_identity="p")
+
+
+def _staircase(rank: int, split: int) -> tuple[tuple[int, ...], list[Box]]:
+    """A cube of 2^split cells (padded with dimensions of 1 to ``rank``) tiled by its corner cell and the
+    ``split`` slabs of the rest: a valid table whose corner count sends the tiling check to its painted map."""
+    space = (2,) * split + (1,) * (rank - split)
+    boxes = [Box((0,) * rank, (1,) * rank)]
+    for j in range(split):
+        length = [1] * j + [1] + list(space[j + 1:])
+        boxes.append(Box(tuple([0] * j + [1] + [0] * (rank - j - 1)), tuple(length)))
+    return space, boxes
+
+
+@pytest.mark.parametrize("shape,space,match", [
+    ([1] * 64 + [8], "flat", "65 dimensions"),
+    ([2**62] * 4, "shape", "more than"),
+    ("staircase", "shape", "65 dimensions"),  # a valid table; at rank 65 numpy failed inside the tiling check
+])
+def test_table_shapes_are_bounded(shape: object, space: str, match: str) -> None:
+    """The same bounds for the tensor table's shapes, before the tiling check sees them."""
+    parent, blob = _golden_delta()
+    stored = parse_header(blob).entries["w"].nbytes
+    if shape == "staircase":
+        check_tiling(*reversed(_staircase(64, 23)))  # the same table within numpy's rank is checked and valid
+        shape, boxes = _staircase(65, 23)
+    else:
+        boxes = [Box.whole(shape) if space == "shape" else Box.flat(0, 8)]
+    chunks = [{**b.to_json(), "offset": 0, "size": 0} for b in boxes]
+    chunks[-1]["size"] = stored  # the last chunk holds the stored payload, the others none
+    bad = _corrupt_header(blob, _edit_table(lambda t: t["w"].update(shape=list(shape), space=space, chunks=chunks)))
+    with pytest.raises(FormatError, match=match) as info:
+        read_delta_info(bad, filename="d.safetensors")
+    assert "tensor 'w'" in str(info.value) and "d.safetensors" in str(info.value)

@@ -22,7 +22,7 @@ import numpy as np
 from .adler import combine
 from .boxes import Box, check_tiling, gather, scatter
 from .codecs import element_diff, get_codec
-from .dtypes import RawTensor, itemsize, numel
+from .dtypes import RawTensor, check_shape, numel
 from .errors import ArcError, ChecksumError, FormatError, MismatchError
 from .stio import Header, build_header, parse_header, parse_json
 
@@ -72,6 +72,7 @@ def delta_header(tensors: Sequence[TensorDelta], *, parent_identity: str,
     for t in tensors:
         _check_space(t.space, {"tensor": t.name})
         try:
+            check_shape(list(t.shape), t.dtype)  # as read_delta_info will
             check_tiling([b for b, _ in t.chunks], t.space_shape)
         except ArcError as exc:
             raise exc.at(tensor=t.name) from None
@@ -170,16 +171,14 @@ def _parse_tensor(name: str, info: Any, entry: Any) -> TensorDelta:
     if not isinstance(info, dict):
         raise FormatError("tensor entry is not an object")
     dtype, shape, adler, codec, space = (info.get(k) for k in ("dtype", "shape", "adler32", "codec", "space"))
-    itemsize(str(dtype))
-    if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
-        raise FormatError(f"bad shape {shape!r}")
+    shape = check_shape(shape, str(dtype))
     if type(adler) is not int or not 0 <= adler < 2**32:
         raise FormatError(f"bad adler32 {adler!r}")
     get_codec(str(codec))
     _check_space(str(space), {})
     if entry.dtype != "U8" or len(entry.shape) != 1:
         raise FormatError(f"payload is stored as {entry.dtype}{list(entry.shape)}, want a U8 vector")
-    t = TensorDelta(name, str(dtype), tuple(shape), adler, str(codec), str(space))
+    t = TensorDelta(name, str(dtype), shape, adler, str(codec), str(space))
     chunks = info.get("chunks")
     if not isinstance(chunks, list):
         raise FormatError("chunk table is not a list")

@@ -77,6 +77,35 @@ def numel(shape: Iterable[int]) -> int:
     return n
 
 
+MAX_RANK = 64  # numpy's limit (NPY_MAXDIMS): the tiling check and the decoder build arrays of the tensor's rank
+MAX_NBYTES = 2**63 - 1  # numpy's index range: no tensor we can hold is larger
+
+
+def check_shape(shape: Any, code: str) -> tuple[int, ...]:
+    """A shape read from an untrusted header, checked: a list of at most 64 non-negative ints, for at most
+    ``MAX_NBYTES`` bytes of dtype ``code`` (itself checked). Raises FormatError without a location (callers add it).
+
+    Why: JSON admits any rank and any integer. Multiplying out tens of thousands of 19-digit dimensions takes
+    minutes (each product is longer than the last), a product of a few hundred of them is too long for Python to
+    format into an error message (a ValueError, not a format error), and more than 64 dimensions make numpy fail
+    inside the tiling check. Here the product stops as soon as it passes the bound, so the check is linear.
+    """
+    size = itemsize(code)
+    if not isinstance(shape, list):
+        raise FormatError(f"bad shape {shape!r}")
+    if len(shape) > MAX_RANK:
+        raise FormatError(f"shape of {len(shape)} dimensions (at most {MAX_RANK} are supported)")
+    if not all(type(s) is int and s >= 0 for s in shape):
+        raise FormatError(f"bad shape {shape!r}")
+    if 0 not in shape:
+        limit, n = MAX_NBYTES // size, 1
+        for s in shape:
+            n *= s
+            if n > limit:
+                raise FormatError(f"shape of {len(shape)} dimensions holds more than {MAX_NBYTES} bytes of {code}")
+    return tuple(shape)
+
+
 @dataclass(frozen=True)
 class RawTensor:
     """A tensor as bytes: dtype code, shape, and a flat C-order little-endian ``uint8`` array."""

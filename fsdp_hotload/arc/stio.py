@@ -19,7 +19,7 @@ from typing import Any, BinaryIO, Mapping, Sequence
 
 import numpy as np
 
-from .dtypes import DTYPES, RawTensor, numel
+from .dtypes import DTYPES, RawTensor, check_shape, numel
 from .errors import FormatError
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors reference reader refuses longer headers (MAX_HEADER_SIZE)
@@ -83,16 +83,18 @@ def parse_header(data: bytes | memoryview, *, filename: str = "<bytes>", total_s
         dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise FormatError(f"unsupported dtype {dtype!r}", file=filename, tensor=name)
-        if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
-            raise FormatError(f"bad shape {shape!r}", file=filename, tensor=name)
+        try:
+            shape = check_shape(shape, dtype)
+        except FormatError as exc:
+            raise exc.at(file=filename, tensor=name) from None
         if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int and o >= 0 for o in offs)):
             raise FormatError(f"bad data_offsets {offs!r}", file=filename, tensor=name)
         begin, end = offs
-        want = numel(tuple(shape)) * DTYPES[dtype][0]
+        want = numel(shape) * DTYPES[dtype][0]
         if end < begin or end - begin != want:
             raise FormatError(f"data_offsets {offs} hold {end - begin} bytes, shape needs {want}", file=filename,
                               tensor=name)
-        entries.append(Entry(name, dtype, tuple(shape), begin, end))
+        entries.append(Entry(name, dtype, shape, begin, end))
     entries.sort(key=lambda e: (e.begin, e.end))
     pos = 0
     for e in entries:
@@ -146,6 +148,10 @@ def build_header(items: Sequence[tuple[str, str, Sequence[int], int]], metadata:
             raise FormatError("duplicate tensor name", tensor=name)
         if dtype not in DTYPES:
             raise FormatError(f"unsupported dtype {dtype!r}", tensor=name)
+        try:  # a shape that parse_header would refuse: every reader of ours would refuse the file
+            check_shape([int(s) for s in shape], dtype)
+        except FormatError as exc:
+            raise exc.at(tensor=name) from None
         if pos % DTYPES[dtype][0]:
             raise FormatError(f"{dtype} data would start at byte {pos} of the data section, not a multiple of its "
                               f"item size; write tensors in data_order()", tensor=name)
