@@ -315,10 +315,16 @@ class HotloadConfig(BaseModel):
                 raise ValueError(f"invalid hotload setting {var}: {exc}") from None
         env_fields = set(values)
         values.update(overrides)
+
+        def label(field: str) -> str:  # a missing field, from the environment alone, is its variable's to set
+            if field in env_fields or (field not in values and not source and prefix):
+                return prefix + field.upper()
+            return name_of(field)
+
         try:
             return cls(**values)
         except ValidationError as exc:
-            names = error_names(exc, lambda f: prefix + f.upper() if f in env_fields else name_of(f))
+            names = error_names(exc, label)
             raise ValueError(f"invalid hotload settings from {source or prefix + '* environment variables'} "
                              f"({names or 'see below'}):\n{exc}") from None
 

@@ -102,3 +102,15 @@ def test_a_bad_hot_load_url_from_the_environment_names_its_variable(tmp_path: Pa
         monkeypatch.setenv("HOTLOAD_" + name, value)
     with pytest.raises(ValueError, match=r"\(HOTLOAD_HOTLOAD_API_URL\)"):
         HotloadConfig.from_env()
+
+
+def test_a_required_setting_missing_from_the_environment_is_named_by_its_variable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building from the environment, the user sets a missing field through its variable: that is its name."""
+    for var in [k for k in os.environ if k.startswith("HOTLOAD_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("HOTLOAD_FULL_EVERY", "3")
+    with pytest.raises(ValueError, match=r"environment variables \(HOTLOAD_BUCKET_URL\)"):
+        HotloadConfig.from_env()
+    with pytest.raises(ValueError, match=r"environment variables \(bucket_url\)"):  # an override the code gives
+        HotloadConfig.from_env(bucket_url=None)
