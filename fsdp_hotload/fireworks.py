@@ -480,19 +480,20 @@ class HotLoadClient:
         deadline = time.monotonic() + timeout_s
         last: HotLoadStatus | None = None
         last_error: str | None = None
+        what = f"status poll for {identity!r}" if identity is not None else "status poll for a replica"
         while True:
             try:
                 st = self.status(deadline=deadline)
             except HotLoadBodyError as exc:  # not JSON at all (a proxy's page): the reference client polls on
                 last_error = str(exc)
-                log.warning("status poll for %r failed: %s", identity, last_error)
+                log.warning("%s failed: %s", what, last_error)
             except (HotLoadResponseError, HotLoadRequestError, HotLoadCancelled):
                 raise
             except HotLoadError as exc:
                 if fatal_while_polling(exc.status_code, signalled=identity is not None):
                     raise
                 last_error = str(exc)
-                log.warning("status poll for %r failed: %s", identity, last_error)
+                log.warning("%s failed: %s", what, last_error)
             else:
                 last, last_error = st, None
                 if on_poll is not None:

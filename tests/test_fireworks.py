@@ -629,6 +629,8 @@ def test_a_short_api_key_leaves_error_text_readable(caplog: pytest.LogCaptureFix
         client.wait_manager(timeout_s=0.2)
     assert "<redacted>" not in str(info.value) and "check that" in str(info.value), str(info.value)
     assert all("<redacted>" not in r.getMessage() for r in caplog.records)
+    polls = [r.getMessage() for r in caplog.records if "status poll" in r.getMessage()]
+    assert polls and all(m.startswith("status poll for a replica failed") for m in polls), polls  # not "for None"
 
 
 def test_hints_name_the_config_fields_behind_the_client_parameters(server: tuple[str, Scripted]) -> None:
