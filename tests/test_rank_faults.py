@@ -155,3 +155,31 @@ def test_a_set_up_failing_on_one_rank_fails_construction_on_every_rank(tmp_path:
         assert kind in ("RuntimeError", "OwnershipError") and f"rank {bad}" in text and own[case][1] in text, \
             (case, ranks[1 - bad][case])
         assert took < 60, (case, took)  # at once: not after the side group's timeout (120 s)
+
+
+def test_a_publisher_set_up_failing_on_one_rank_fails_every_rank(tmp_path: Path) -> None:
+    """In-process ranks: rank 1's chunk does not match the specs, or rank 0's metrics_path is a folder. The failing
+    rank raises its own error and the other a RuntimeError naming it, both at construction: nobody is left with a
+    publisher whose first collective the failed rank never joins."""
+    n = 64
+    specs = [TensorSpec("a", (n,), "BF16"), TensorSpec("b", (n,), "BF16")]
+    for case in ("chunk", "metrics"):
+        data, ctrl = Meeting(2, timeout_s=20), Meeting(2, timeout_s=20)
+        raised: dict[int, BaseException | None] = {0: None, 1: None}
+
+        def make(rank: int, case: str = case, data: Meeting = data, ctrl: Meeting = ctrl) -> None:
+            dtype = "F16" if case == "chunk" and rank == 1 else "BF16"
+            chunk = WholeChunk("ab"[rank], (n,), dtype, "flat", Box.flat(0, n), torch.zeros(n, dtype=torch.bfloat16))
+            cfg = HotloadConfig(bucket_url=str(tmp_path / case), metrics_path=str(tmp_path) if case == "metrics"
+                                else None)
+            try:
+                Publisher([chunk], specs, cfg, comm=ThreadComm(data, rank, 2), ctrl=ThreadComm(ctrl, rank, 2)).close()
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                raised[rank] = exc
+
+        run_ranks(make, 2, timeout_s=60)
+        bad = 1 if case == "chunk" else 0
+        own, other = raised[bad], raised[1 - bad]
+        assert isinstance(own, ValueError if case == "chunk" else IsADirectoryError), (case, own)
+        assert isinstance(other, RuntimeError) and f"rank {bad} failed to set up" in str(other), (case, other)
+        assert str(own) in str(other), (case, other)

@@ -83,16 +83,16 @@ class Publisher:
         self.rank, self.world = self.comm.rank, self.comm.world
         self.chunks = list(chunks)
         self.plan: ShardPlan = plan_shards(specs, max_file_bytes=config.max_file_bytes)
-        for c in self.chunks:
-            spec = self.plan.specs.get(c.name)
-            if spec is None or tuple(spec.shape) != tuple(c.shape) or spec.dtype != c.dtype:
-                raise ValueError(f"chunk {c.name!r} ({c.dtype}{list(c.shape)}) does not match the tensor specs "
-                                 f"({spec})")
         self.owners = assign_owners(self.plan, self.world)
         self.signaller: Signaller | None = None
         made: list[Any] = []  # closed if the set-up fails on any rank
         problem: BaseException | None = None
         try:  # set-up that can fail on some ranks only (rank 0 alone reads hf_config_dir and writes the metrics)
+            for c in self.chunks:
+                spec = self.plan.specs.get(c.name)
+                if spec is None or tuple(spec.shape) != tuple(c.shape) or spec.dtype != c.dtype:
+                    raise ValueError(f"chunk {c.name!r} ({c.dtype}{list(c.shape)}) does not match the tensor specs "
+                                     f"({spec})")
             self.storage = storage or Storage(config.bucket_url, config.storage_options,
                                               max_concurrency=config.upload_concurrency)
             self.stager = Stager(self.chunks, slots=config.max_inflight, cache_on=config.cache_on)
