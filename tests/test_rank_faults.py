@@ -183,3 +183,66 @@ def test_a_publisher_set_up_failing_on_one_rank_fails_every_rank(tmp_path: Path)
         assert isinstance(own, ValueError if case == "chunk" else IsADirectoryError), (case, own)
         assert isinstance(other, RuntimeError) and f"rank {bad} failed to set up" in str(other), (case, other)
         assert str(own) in str(other), (case, other)
+
+
+class _LateTimeoutComm(ThreadComm):
+    """Rank 1's side group times out receiving step ``at``'s outcome after rank 0 sent it, as gloo does when
+    the root's send completed and the receiver's wait had already run out: rank 0 goes on, rank 1 is broken."""
+
+    def __init__(self, *args: Any, fail_step_outcome: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fail = fail_step_outcome
+
+    def broadcast(self, obj: Any) -> Any:
+        value = super().broadcast(obj)
+        if self.fail and self.rank == 1 and value is not None:
+            self.fail = False
+            raise TimeoutError("injected: the side group's collective timed out")
+        return value
+
+
+@pytest.mark.parametrize("policy", ["skip", "wait"])
+def test_close_after_a_side_group_timeout_on_one_rank_never_waits_on_the_other(tmp_path: Path, policy: str) -> None:
+    """After a collective fails on rank 1 only, rank 1 stops publishing and skipped the vote on the newest step at
+    close, while rank 0, whose side group was fine, voted and waited for it until the trainer group's timeout
+    (over an hour by default). Both must close at once, and publish nothing more. (With the wait policy rank 0
+    breaks too at its next snapshot, which rank 1 no longer joins: it closes right after the failed outcome.)"""
+    import time
+
+    bucket = str(tmp_path / "bucket")
+    names, n = ["a", "b"], 1024
+    tensors = [torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)]
+    specs = [TensorSpec(name, (n,), "BF16") for name in names]
+    cfg = HotloadConfig(bucket_url=bucket, busy_policy=policy, full_every=100)
+    data, ctrl = Meeting(2, timeout_s=3.0), Meeting(2, timeout_s=3.0)
+    pubs: list[Any] = [None, None]
+    took: dict[int, float] = {}
+    raised: dict[int, list[str]] = {0: [], 1: []}
+
+    def make(rank: int) -> None:
+        chunk = WholeChunk(names[rank], (n,), "BF16", "flat", Box.flat(0, n), tensors[rank])
+        pubs[rank] = Publisher([chunk], specs, cfg, comm=_LateTimeoutComm(data, rank, 2, fail_step_outcome=True),
+                               ctrl=ThreadComm(ctrl, rank, 2))
+
+    def train(rank: int) -> None:
+        pub = pubs[rank]
+        for step in range(3 if policy == "skip" else 1):
+            tensors[rank].fill_(step)
+            try:
+                pub.publish(step)
+            except PublishError as exc:
+                raised[rank].append(str(exc))
+            pub.wait()
+        t0 = time.monotonic()
+        try:
+            pub.close()
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            raised[rank].append(f"close: {exc!r}")
+        took[rank] = time.monotonic() - t0
+
+    for target in (make, train):
+        run_ranks(target, 2, timeout_s=60)
+    assert pubs[1].stopped is not None and pubs[0].stopped is None
+    assert raised[0] == [] and len(raised[1]) == 1 and "injected" in raised[1][0], raised  # raised once, on rank 1
+    assert max(took.values()) < 2.0, took
+    assert [m.step for m in pubs[0].metrics.records] == [0]

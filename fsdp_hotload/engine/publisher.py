@@ -272,8 +272,8 @@ class Publisher:
             sources = self._sources_fn if sources is None else sources
             wanted = self.latest_step > self._last_staged
             why = self._final_objection(sources) if wanted else None
-            vote = int(not wanted or why is not None)  # no vote on a side group known to be broken
-            if self.world > 1 and self._broken is None and self.ctrl.allreduce_max_async(vote)():
+            vote = int(not wanted or why is not None)  # a broken rank votes too: ctrl is not the group that broke
+            if self.world > 1 and self.ctrl.allreduce_max_async(vote)():
                 why = why or ("another rank cannot publish it" if wanted else None)  # one vote: all ranks, or none
                 wanted = False
             if why is not None:
