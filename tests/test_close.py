@@ -446,3 +446,40 @@ def test_a_publisher_dropped_with_snapshots_queued_publishes_them_first(tmp_path
         time.sleep(0.05)
     assert not left, left  # then collected all the same: its thread ended
     assert [c.identity.split("-")[1] for c in list_committed(Storage(bucket))] == ["000000", "000001", "000002"]
+
+
+@pytest.mark.parametrize("kind", ["tensors", "callback"])
+def test_close_frees_the_staging_slots_and_the_cache(tmp_path: Path, kind: str) -> None:
+    """A closed publisher kept its staging slots and cache (twice the rank's shard, device memory on a GPU
+    trainer) for as long as anything held it: a ``with`` block's name, a trainer attribute, or ``cb`` while a new
+    callback is built after a resharding, when both callbacks' buffers were held at once."""
+    import gc
+    import weakref
+
+    from fsdp_hotload import HotloadCallback
+
+    cfg = config(str(tmp_path / "bucket"), None, tmp_path, busy_policy="wait", max_inflight=2)
+    if kind == "tensors":
+        model = make_model()
+        pub: Any = TensorPublisher(model, cfg)
+        for step in range(3):
+            train_step(model, step)
+            pub.publish(step, model)
+    else:
+        net = torch.nn.Linear(64, 32)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        pub = HotloadCallback(net, cfg)
+        pub.attach(opt)  # the background copy of a CPU trainer: its last job stays the one to fence
+        for _ in range(3):
+            net(torch.randn(4, 64)).sum().backward()
+            opt.step()
+    pub.wait()
+    stager = pub.engine.stager
+    assert stager.cache is not None and stager.free_slots() == 2
+    buffers = [weakref.ref(b) for b in (*stager._free, stager.cache)]
+    pub.close()
+    gc.collect()
+    assert [r() is None for r in buffers] == [True] * 3, "a closed publisher still holds its buffers"
+    assert [m.ok for m in pub.metrics] == [True] * 3
+    with pytest.raises(RuntimeError, match="closed"):
+        pub.engine.publish(3)

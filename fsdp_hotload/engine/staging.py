@@ -94,6 +94,7 @@ class Stager:
         self.nbytes = pos
         self._free: list[torch.Tensor] = [self._alloc(self.device) for _ in range(slots)]
         self._cond = threading.Condition()
+        self._closed = False
         self.cache: torch.Tensor | None = None  # bytes of the last accepted snapshot
         self.cache_on = cache_on
         self.cuda = self.device.type == "cuda"
@@ -121,6 +122,8 @@ class Stager:
     def acquire(self, wait: bool) -> torch.Tensor | None:
         with self._cond:
             while not self._free:
+                if self._closed:
+                    raise RuntimeError("staging is closed: its buffers were freed")
                 if not wait:
                     return None
                 self._cond.wait()
@@ -276,9 +279,18 @@ class Stager:
         return time.perf_counter() - t0
 
     def close(self) -> None:
+        """Stop the copy helper and let go of every buffer. Why: a closed publisher's owner is often still held
+        (a ``with`` block's name, a callback replaced after a resharding while the new one is built), and the slots
+        and cache are twice the rank's shard, in device memory on a GPU trainer. A later :meth:`acquire` raises."""
         if self._copier is not None:
             self._copier.shutdown(wait=True)
             self._copier = None
+        with self._cond:
+            self._free, self.cache, self._spare = [], None, None
+            self._views.clear()
+            self._dst.clear()
+            self._closed = True
+            self._cond.notify_all()
 
 
 @dataclass(frozen=True)
