@@ -483,3 +483,55 @@ def test_close_frees_the_staging_slots_and_the_cache(tmp_path: Path, kind: str) 
     assert [m.ok for m in pub.metrics] == [True] * 3
     with pytest.raises(RuntimeError, match="closed"):
         pub.engine.publish(3)
+
+
+def test_a_watchdogs_close_gives_up_on_time_while_the_trainer_waits_for_a_slot(tmp_path: Path) -> None:
+    """With the wait policy a trainer whose snapshot is stuck (a hung write) waits in publish() for the slot; a
+    watchdog's close(timeout=) then waited for that publish, for as long as the write hung, instead of giving up
+    after its timeout. It must give up on time, and the trainer's publish must stop waiting and raise."""
+    import time
+
+    import fsspec
+
+    from fsdp_hotload.engine import PublishError
+    from fsdp_hotload.storage import Storage
+
+    bucket = str(tmp_path / "bucket")
+    fs = _HangingWeightWrites(fsspec.filesystem("file"))
+    model = make_model()
+    pub = TensorPublisher(model, config(bucket, None, tmp_path, busy_policy="wait"), storage=Storage(bucket, fs=fs))
+    pub.publish(0, model)
+    pub.wait()
+    fs.armed = True
+    assert pub.publish(1, model)
+    assert fs.stuck.wait(10)
+    trainer_error: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            pub.publish(2, model)  # waits for step 1's slot
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            trainer_error.append(exc)
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    time.sleep(0.2)
+    unstick = threading.Timer(20, fs.release.set)  # the write returns at last (only a failing run gets here)
+    unstick.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PublishError, match="gave up after 0.5 s"):
+            pub.close(timeout=0.5)
+        assert time.monotonic() - t0 < 5, "close() waited for the trainer's publish, past its timeout"
+        trainer.join(5)
+        assert not trainer.is_alive(), "the trainer still waits for a slot of a closed publisher"
+        assert len(trainer_error) == 1 and "closed" in str(trainer_error[0]), trainer_error
+        assert pub.engine.closed and pub.engine.abandoned
+    finally:
+        fs.release.set()
+        unstick.cancel()
+        trainer.join(30)
+    assert pub.engine._thread is not None
+    pub.engine._thread.join(30)
+    assert not pub.engine._thread.is_alive()
+    assert [(m.step, m.ok) for m in pub.metrics] == [(0, True), (1, False)]

@@ -14,10 +14,14 @@ Example::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import queue
 import time
 import weakref
 from typing import Any
+
+from .jobs import PublishError
 
 log = logging.getLogger("fsdp_hotload")
 
@@ -55,3 +59,22 @@ def gave_up_message(timeout: float | None, pending: int, rank: int, where: str) 
     return (f"close() gave up after {timeout:g} s (close_timeout_s) with {pending} snapshot(s) still publishing on "
             f"rank {rank}: {where}. They are dropped: none not yet committed will be, so the fleet keeps the last "
             "snapshot it accepted (one already signalled may still load); the stuck call is left to a daemon thread")
+
+
+def abandon(pub: Any, timeout: float | None, raise_errors: bool) -> None:
+    """close()'s deadline passed: leave the stuck snapshots of ``pub`` (a Publisher) to the daemon threads (the
+    process may exit) and free nothing under them: the publisher thread frees its helpers once the stuck call
+    returns, if it does (the side groups stay for the process's exit); snapshots still queued are dropped, and a
+    publish() waiting for a slot (the wait policy) raises instead of waiting on."""
+    pub.closed = pub.abandoned = True
+    pub._broken = pub._broken or PublishError("close() gave up on the snapshots in flight")
+    pub.stager.refuse()
+    if pub.signaller is not None:  # a thread stuck polling the deployment ends now, not at ready_timeout_s
+        pub.signaller.cancel()
+    with contextlib.suppress(queue.Full):  # (never full: the running job left it) the thread ends after it
+        pub._queue.put_nowait(None)
+    msg = gave_up_message(timeout, pub._pending, pub.rank, pub._prog.describe(time.perf_counter(), pub.latest_step))
+    err = pub._errors.take()
+    log.error("hotload: %s%s", msg, "" if err is None else f" (an earlier publish failed: {err})")
+    if raise_errors:
+        raise PublishError(msg) from err

@@ -31,7 +31,6 @@ Example::
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import secrets
@@ -54,7 +53,7 @@ from .assemble import Piece, assemble_delta_file, assemble_full_file, assign_own
 from .cadence import Cadence, next_step
 from .comm import Comm, LocalComm, agree_on_start, exchange_objects
 from .encode import ChunkEncoder, auto_workers
-from .exits import deadline_after, gave_up_message, left, track
+from .exits import abandon, deadline_after, left, track
 from .jobs import Job, Outcome, PublishError, RankStatus, summarize
 from .metrics import MetricsSink
 from .pool import DaemonPool, StoredError, serve_weakly, start_warm_up, stop_dropped, weak_getter
@@ -156,7 +155,7 @@ class Publisher:
         self._given_sources = False  # the newest publish() brought its own tensors (close must be given them)
         self._sources_fn: Callable[[], Sequence[torch.Tensor]] | None = None  # or a function, which close reuses
         self.closed = False
-        self.abandoned = False  # close() timed out with snapshots in flight (see _abandon)
+        self.abandoned = False  # close() timed out with snapshots in flight (see exits.abandon)
         self._started = time.time()  # snapshots other sessions commit after this are a live publisher's (retention)
         # publish() and close() may run on different threads: a publish that had passed the closed check could
         # queue its snapshot behind close()'s stop marker, where nothing ever runs it (and its slot stays taken).
@@ -363,12 +362,17 @@ class Publisher:
         vote: the weights may be half updated.
 
         ``timeout`` (default ``config.close_timeout_s``; None waits as long as the snapshots take) bounds the waits
-        for snapshots in flight: past it, they are abandoned (:meth:`_abandon`) and PublishError is raised."""
+        for snapshots in flight: past it, they are abandoned (:func:`.exits.abandon`) and PublishError is raised."""
         final_error: Exception | None = None
         self._close_called = True
         timeout = self.config.close_timeout_s if timeout is None else timeout
         deadline = deadline_after(timeout)
-        with self._api_lock:
+        # Bounded too: with the wait policy, a publish() on the trainer's thread waits for a slot behind a stuck one.
+        if not self._api_lock.acquire(timeout=-1 if deadline is None else left(deadline)):
+            if not self.closed:
+                abandon(self, timeout, raise_errors)
+            return
+        try:
             if self.closed:
                 return
             if self._pending and self.rank == 0:  # readiness can take minutes: say what close() waits for
@@ -383,10 +387,12 @@ class Publisher:
                 except Exception as exc:  # noqa: BLE001 - raised once the threads are stopped
                     final_error = exc
             self._closing = True
+        finally:
+            self._api_lock.release()
         try:
             self.wait(left(deadline))
         except TimeoutError:
-            self._abandon(timeout, raise_errors)
+            abandon(self, timeout, raise_errors)
             return
         self.closed = True
         if self._thread is not None:
@@ -405,23 +411,6 @@ class Publisher:
         err = self._errors.take()  # closing on an exception path: the caller's error wins, this one is still told
         if err is not None:
             log.warning("hotload: a publish failed before close (not raised: closing on another error): %s", err)
-
-    def _abandon(self, timeout: float | None, raise_errors: bool) -> None:
-        """close()'s deadline passed: leave the stuck snapshots to the daemon threads (the process may exit) and
-        free nothing under them: the publisher thread frees its helpers once the stuck call returns, if it does
-        (the side groups stay for the process's exit); snapshots still queued are dropped."""
-        self.closed = self.abandoned = True
-        self._broken = self._broken or PublishError("close() gave up on the snapshots in flight")
-        if self.signaller is not None:  # a thread stuck polling the deployment ends now, not at ready_timeout_s
-            self.signaller.cancel()
-        with contextlib.suppress(queue.Full):  # (never full: the running job left it) the thread ends after it
-            self._queue.put_nowait(None)
-        msg = gave_up_message(timeout, self._pending, self.rank,
-                              self._prog.describe(time.perf_counter(), self.latest_step))
-        err = self._errors.take()
-        log.error("hotload: %s%s", msg, "" if err is None else f" (an earlier publish failed: {err})")
-        if raise_errors:
-            raise PublishError(msg) from err
 
     def _free(self) -> None:
         """Stop the helper threads and free the buffers; after the publisher thread ended (an abandoned one's

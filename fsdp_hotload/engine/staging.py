@@ -121,9 +121,9 @@ class Stager:
 
     def acquire(self, wait: bool) -> torch.Tensor | None:
         with self._cond:
-            while not self._free:
+            while not self._free or self._closed:
                 if self._closed:
-                    raise RuntimeError("staging is closed: its buffers were freed")
+                    raise RuntimeError("publisher is closed: its staging slots are refused")
                 if not wait:
                     return None
                 self._cond.wait()
@@ -281,7 +281,7 @@ class Stager:
     def close(self) -> None:
         """Stop the copy helper and let go of every buffer. Why: a closed publisher's owner is often still held
         (a ``with`` block's name, a callback replaced after a resharding while the new one is built), and the slots
-        and cache are twice the rank's shard, in device memory on a GPU trainer. A later :meth:`acquire` raises."""
+        and cache are twice the rank's shard, in device memory on a GPU trainer. Later acquires raise."""
         if self._copier is not None:
             self._copier.shutdown(wait=True)
             self._copier = None
@@ -289,6 +289,12 @@ class Stager:
             self._free, self.cache, self._spare = [], None, None
             self._views.clear()
             self._dst.clear()
+        self.refuse()
+
+    def refuse(self) -> None:
+        """From now on :meth:`acquire` raises, also in a caller waiting there. Why: once its publisher gave up on a
+        stuck snapshot, a trainer waiting for that snapshot's slot (the wait policy) would wait as long as it."""
+        with self._cond:
             self._closed = True
             self._cond.notify_all()
 
