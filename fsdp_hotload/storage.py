@@ -35,7 +35,8 @@ from .masking import mask_url
 from .storage_errors import (_BACKEND_PACKAGES, ErrorClass, MissingBackendError,  # noqa: F401 (re-exported)
                              StorageError, backend_install_hint, backoff_delay, classify_error)
 from .storage_paths import OBJECT_STORE_PROTOCOLS, check_options, check_relpath, normalise_root
-from .storage_s3 import DeadlineCalls, ThrottleAnswers, abort_open_uploads, is_s3_root, owned_retries
+from .storage_s3 import (DeadlineCalls, ThrottleAnswers, abort_open_uploads, delete_checked, is_s3_root,
+                         owned_retries)
 
 __all__ = ["Storage", "StorageStats", "StorageError", "MissingBackendError", "FileInfo", "ErrorClass",
            "classify_error", "backoff_delay", "backend_install_hint", "TMP_PREFIX", "COMMIT_MARKER", "CommitInfo",
@@ -507,7 +508,10 @@ class Storage:
 
         def rm() -> None:
             try:
-                self._fs.rm(path, recursive=True, **self._deadline())
+                if self._chunked and hasattr(self._fs, "call_s3"):  # s3fs's rm ignores the keys S3 refused
+                    delete_checked(self._fs, path, self._deadline())
+                else:
+                    self._fs.rm(path, recursive=True, **self._deadline())
             except FileNotFoundError:
                 pass
             self._fs.invalidate_cache(path)

@@ -15,9 +15,10 @@ from typing import Any, Callable
 
 import fsspec.core
 
-from .storage_errors import is_throttle
+from .storage_errors import ErrorClass, classify_error, is_throttle
 
-__all__ = ["is_s3_root", "owned_retries", "DeadlineCalls", "ThrottleAnswers", "abort_open_uploads"]
+__all__ = ["is_s3_root", "owned_retries", "DeadlineCalls", "ThrottleAnswers", "abort_open_uploads",
+           "DeleteRefused", "delete_checked"]
 
 logger = logging.getLogger("fsdp_hotload.storage")
 
@@ -72,6 +73,46 @@ def abort_open_uploads(fs: Any, path: str, deadline: dict[str, float]) -> None:
                            **deadline)
     except Exception as exc:  # noqa: BLE001 - the put's own error is what the caller needs to see
         logger.warning("could not abort open multipart uploads of %s: %s", path, exc)
+
+
+class DeleteRefused(OSError):
+    """Keys a DeleteObjects request left in place. ``response`` holds the first refusal's code the way botocore's
+    errors do, so :func:`~fsdp_hotload.storage_errors.classify_error` retries InternalError or SlowDown and
+    raises AccessDenied at once."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.response = {"Error": {"Code": code, "Message": message}}
+
+
+_BATCH = 1000  # keys per DeleteObjects request, S3's limit
+# Worst first: a refusal no retry fixes decides what the caller is told.
+_RANK = {ErrorClass.FATAL: 0, ErrorClass.NOT_FOUND: 0, ErrorClass.THROTTLE: 1, ErrorClass.TRANSIENT: 2}
+
+
+def delete_checked(fs: Any, path: str, deadline: dict[str, float]) -> None:
+    """Delete the object ``path`` and every object below it; raise :class:`DeleteRefused` for any key the store
+    did not delete.
+
+    Why not ``fs.rm``: S3 answers DeleteObjects with HTTP 200 and an error per key it refused (AccessDenied from
+    a bucket policy, InternalError, SlowDown), and s3fs drops those. A refused delete then passed for a done
+    one: retention, which deletes a snapshot's commit marker before its files, went on to delete the files of a
+    snapshot that was still committed.
+    """
+    bucket = fs.split_path(path)[0]
+    # Names from the listing keep a folder placeholder's trailing "/", which split_path would strip.
+    keys = [name[len(bucket) + 1:] for name in fs.find(path, **deadline)]
+    for start in range(0, len(keys), _BATCH):
+        batch = keys[start:start + _BATCH]
+        out = fs.call_s3("delete_objects", Bucket=bucket,
+                         Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}, **deadline)
+        refused = [e for e in out.get("Errors") or [] if e.get("Code") != "NoSuchKey"]  # gone is deleted
+        if refused:
+            first = min(refused, key=lambda e: _RANK[classify_error(DeleteRefused("", str(e.get("Code"))))])
+            code = str(first.get("Code"))
+            raise DeleteRefused(f"{len(refused)} of {len(batch)} objects not deleted; {bucket}/{first.get('Key')}: "
+                                f"{code}: {first.get('Message') or '(no message)'}", code)
+    fs.invalidate_cache(path)
 
 
 class ThrottleAnswers:

@@ -337,3 +337,81 @@ class StallingProxy:
         for sock in self._sockets:
             with contextlib.suppress(OSError):
                 sock.close()
+
+
+class DeleteErrorsProxy:
+    """An HTTP proxy in front of a real S3 server that answers some DeleteObjects requests itself, the way S3
+    reports keys it could not delete: HTTP 200 with an ``<Error>`` (``code``) per key, and nothing deleted.
+    Every other request is forwarded unchanged.
+
+    ``fail`` decides per DeleteObjects request body (the XML naming the keys) whether to answer with errors;
+    ``answered`` counts those answers.
+
+    Example::
+
+        with DeleteErrorsProxy(s3_server.endpoint_url, "InternalError", lambda body: True) as proxy:
+            options = {**s3_server.storage_options, "endpoint_url": proxy.url}
+    """
+
+    def __init__(self, upstream_url: str, code: str, fail: Callable[[bytes], bool]) -> None:
+        import http.client
+        import re
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import urlsplit
+
+        target = urlsplit(upstream_url)
+        proxy = self
+        self.answered = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _any(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                query = urlsplit(self.path).query.split("&")
+                if self.command == "POST" and "delete" in query and fail(body):
+                    proxy.answered += 1
+                    keys = re.findall(rb"<Key>(.*?)</Key>", body)
+                    errors = b"".join(b"<Error><Key>%s</Key><Code>%s</Code><Message>refused</Message></Error>"
+                                      % (k, code.encode()) for k in keys)
+                    self._reply(200, {"Content-Type": "application/xml"},
+                                b'<?xml version="1.0" encoding="UTF-8"?><DeleteResult>%s</DeleteResult>' % errors)
+                    return
+                conn = http.client.HTTPConnection(target.hostname or "127.0.0.1", target.port or 80, timeout=30)
+                try:
+                    conn.request(self.command, self.path, body=body,
+                                 headers={k: v for k, v in self.headers.items() if k.lower() != "connection"})
+                    resp = conn.getresponse()
+                    data = resp.read()
+                    headers = {k: v for k, v in resp.getheaders()
+                               if k.lower() not in ("transfer-encoding", "connection", "content-length")}
+                    self._reply(resp.status, headers, data, head=self.command == "HEAD",
+                                length=resp.getheader("Content-Length"))
+                finally:
+                    conn.close()
+
+            def _reply(self, status: int, headers: dict[str, str], data: bytes, *, head: bool = False,
+                       length: str | None = None) -> None:
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", length if head and length is not None else str(len(data)))
+                self.end_headers()
+                if not head:
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def __enter__(self) -> "DeleteErrorsProxy":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()

@@ -23,8 +23,8 @@ from fsdp_hotload.retention import (
     read_commit_marker,
     write_commit_marker,
 )
-from fsdp_hotload.storage import Storage
-from tests.s3_fixture import S3Server  # the s3_server fixture comes from tests/conftest.py
+from fsdp_hotload.storage import Storage, StorageError
+from tests.s3_fixture import DeleteErrorsProxy, S3Server  # the s3_server fixture comes from tests/conftest.py
 
 
 @pytest.fixture
@@ -428,3 +428,24 @@ def test_a_killed_writer_s_temp_files_alone_still_mark_a_finished_run_s_folder(t
     deleted = apply_retention(st, keep_last=5, session="11111111", since=now)
     assert deleted == ["step-000007-deadbeef"]
     assert set(st.list_dirs()) == {"step-000003-11111111", "step-000008-deadbeef"}
+
+
+def test_a_refused_marker_delete_stops_retention_before_the_files_go(s3_server: S3Server) -> None:
+    """Retention deletes a snapshot's marker before its files, so that no committed snapshot ever lacks them. A
+    marker S3 refused to delete (HTTP 200 with a per-key AccessDenied) passed for deleted, and the files went."""
+    uri = s3_server.unique_uri("refused-marker")
+    direct = Storage(uri, s3_server.storage_options)
+    files = {"model-00000.safetensors": {"size": 3}}
+    for info in (CommitInfo("A", "full", None, files, 1.0), CommitInfo("B", "delta", "A", files, 2.0),
+                 CommitInfo("C", "full", None, files, 3.0)):
+        _publish(direct, info)
+    refuse_markers = lambda body: COMMIT_MARKER.encode() in body  # noqa: E731
+    with DeleteErrorsProxy(s3_server.endpoint_url, "AccessDenied", refuse_markers) as proxy:
+        st = Storage(uri, {**s3_server.storage_options, "endpoint_url": proxy.url})
+        with pytest.raises(StorageError, match="AccessDenied"):
+            apply_retention(st, keep_last=1)
+        assert proxy.answered == 1
+    for info in list_committed(direct):  # every snapshot that is still committed still has its files
+        assert {rel: direct.size(f"{info.identity}/{rel}") for rel in info.files} == {
+            rel: meta["size"] for rel, meta in info.files.items()}
+    assert [c.identity for c in list_committed(direct)] == ["A", "B", "C"]

@@ -26,7 +26,7 @@ from fsdp_hotload.storage import (
     backoff_delay,
     classify_error,
 )
-from tests.s3_fixture import (FaultyFileSystem, S3Server, StallingProxy, access_denied_error,
+from tests.s3_fixture import (DeleteErrorsProxy, FaultyFileSystem, S3Server, StallingProxy, access_denied_error,
                                no_such_upload_error, slowdown_error)
 
 # The s3_server fixture comes from tests/conftest.py (tests.s3_fixture).
@@ -779,3 +779,23 @@ def test_a_request_timeout_answer_is_not_reported_as_a_missed_deadline() -> None
     finally:
         server.shutdown()
     assert "call_timeout_s" not in str(info.value) and "not read from or written to" in str(info.value), info.value
+
+
+def test_keys_s3_refuses_to_delete_are_not_reported_deleted(s3_server: S3Server) -> None:
+    """S3 answers DeleteObjects with HTTP 200 and an error for each key it did not delete; s3fs's rm dropped
+    those, so a refused delete passed for a done one. A transient refusal is now retried, a permanent one
+    raised at once, and the objects are still there."""
+    uri = s3_server.unique_uri("refused")
+    refusals = iter([True])  # only the first DeleteObjects is refused
+    with DeleteErrorsProxy(s3_server.endpoint_url, "InternalError", lambda body: next(refusals, False)) as proxy:
+        st = Storage(uri, {**s3_server.storage_options, "endpoint_url": proxy.url}, base_backoff_s=0.0001)
+        st.put_many({"snap/a.bin": b"a", "snap/b.bin": b"b", "other/c.bin": b"c"})
+        st.delete_prefix("snap")
+        assert proxy.answered == 1 and st.stats.retries == 1
+        assert st.list() == ["other/c.bin"]
+    with DeleteErrorsProxy(s3_server.endpoint_url, "AccessDenied", lambda body: True) as proxy:
+        st = Storage(uri, {**s3_server.storage_options, "endpoint_url": proxy.url}, base_backoff_s=0.0001)
+        with pytest.raises(StorageError, match="AccessDenied") as info:
+            st.delete_prefix("other/c.bin")
+        assert info.value.attempts == 1 and proxy.answered == 1  # a refusal retrying cannot fix
+        assert st.list() == ["other/c.bin"]
