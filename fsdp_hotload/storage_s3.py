@@ -11,6 +11,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Callable
 
 import fsspec.core
@@ -123,6 +124,10 @@ class ThrottleAnswers:
     showed ``throttled == 0`` while each put paid botocore's backoff. The hook sits on the filesystem's botocore
     client, which s3fs may replace (a refreshed session): :meth:`ensure` hooks the current one. The filesystem
     must be this Storage's own (not fsspec's shared instance), or other Storages' answers would be counted too.
+
+    The client holds the hook, and s3fs's finalizer (which closes the client's session once the filesystem is
+    collected) holds the client; so the hook reaches this object weakly, or the Storage and its filesystem,
+    client and open connections would never be collected.
     """
 
     def __init__(self, fs: Any, count: Callable[[], None]) -> None:
@@ -134,7 +139,14 @@ class ThrottleAnswers:
     def ensure(self) -> None:
         client = self._fs.s3  # connects on first use (no request is sent)
         if client is not self._client:
-            client.meta.events.register("needs-retry.s3", self._on_answer)
+            method = weakref.WeakMethod(self._on_answer)
+
+            def on_answer(**kwargs: Any) -> None:
+                bound = method()
+                if bound is not None:
+                    bound(**kwargs)
+
+            client.meta.events.register("needs-retry.s3", on_answer)
             self._client = client
 
     def _on_answer(self, response: Any = None, **_: Any) -> None:

@@ -799,3 +799,19 @@ def test_keys_s3_refuses_to_delete_are_not_reported_deleted(s3_server: S3Server)
             st.delete_prefix("other/c.bin")
         assert info.value.attempts == 1 and proxy.answered == 1  # a refusal retrying cannot fix
         assert st.list() == ["other/c.bin"]
+
+
+def test_a_dropped_s3_storage_is_freed_with_its_client(s3_server: S3Server) -> None:
+    """The throttle counter's hook on the botocore client held the Storage, and s3fs's finalizer (which closes
+    the client's session when the filesystem is collected) holds that client: every S3 Storage, its client and
+    its pool of open connections lived until the process exited. A publisher made per run leaked one each."""
+    import gc
+    import weakref
+
+    st = Storage(s3_server.unique_uri("freed"), s3_server.storage_options)
+    st.put_bytes("snap/a.bin", b"payload")
+    assert st.list() == ["snap/a.bin"]
+    refs = [weakref.ref(st), weakref.ref(st.fs)]
+    del st
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
