@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
 from .identity import validate_identity
+from .storage_errors import StorageError
 
 if TYPE_CHECKING:
     from .storage import Storage
@@ -360,6 +361,55 @@ def _store_time_of_newest(storage: Storage, committed: list[CommitInfo], session
     return max(times) if times else math.inf
 
 
+#: How long ago an upload of a session that is not live (see :func:`live_sessions`) must have begun, by the
+#: store's clock, before retention aborts it: far longer than one file's upload takes under Storage's deadlines.
+ABANDONED_UPLOAD_AGE_S = 3 * 3600.0
+_uploads_unlisted: set[str] = set()  # roots whose open uploads could not be listed (warned once per process)
+
+
+def _abort_abandoned_uploads(storage: Storage, committed: list[CommitInfo], session: str, live: set[str],
+                             newest_own: int) -> None:
+    """Abort the open multipart uploads (S3) that no writer will finish.
+
+    Why: a writer killed mid-upload leaves its uploads open; the store keeps (and bills) their parts for good,
+    and no listing, so no other pass here, sees them. Only shard uploads, flat under a name a publisher makes,
+    are judged: this session's up to its newest commit go (every write up to there has ended; later ones are
+    in flight), and a session's that is not live once begun ``ABANDONED_UPLOAD_AGE_S`` ago. Live sessions'
+    uploads stay.
+    """
+    now: float | None = None  # the store's time, read only when an upload of another session is there to judge
+    try:
+        uploads = storage.open_uploads()
+    except StorageError as exc:  # e.g. a policy without s3:ListBucketMultipartUploads: retention goes on
+        if storage.uri("") not in _uploads_unlisted:
+            _uploads_unlisted.add(storage.uri(""))
+            logger.warning("hotload: retention cannot list the open multipart uploads under %s, so those a killed "
+                           "writer left are not aborted (a bucket lifecycle rule can): %s", storage.uri(""), exc)
+        return
+    for upload in uploads:
+        identity, _, name = upload.relpath.partition("/")
+        if not (PUBLISHED_NAME.fullmatch(identity) and SHARD_FILE.fullmatch(name)):
+            continue
+        owner = session_of(identity)
+        if owner == session:
+            if _step_of(identity) > newest_own:
+                continue
+        else:
+            if owner in live or upload.initiated is None:
+                continue
+            if now is None:
+                now = min(time.time(), _store_time_of_newest(storage, committed, session))
+            if upload.initiated >= now - ABANDONED_UPLOAD_AGE_S:
+                continue
+        try:
+            storage.abort_upload(upload)
+        except StorageError as exc:
+            logger.warning("hotload: could not abort the open upload of %s: %s", storage.uri(upload.relpath), exc)
+            return  # the next pass tries again
+        logger.info("retention: aborted the open upload of %s, left by a %s", storage.uri(upload.relpath),
+                    "failed upload of this run" if owner == session else "finished run")
+
+
 def retain_after(storage: Storage, keep_last: int, identity: str, *, session: str, since: float) -> None:
     """:func:`apply_retention` once ``identity`` is served, protecting it: a problem is logged, not raised, since
     the snapshot is served already and the next publish tries again."""
@@ -378,7 +428,8 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
     their chains, and a warning names it: another publisher is live under this root. Folders without a marker
     that a finished session left (a crash mid-upload) go too, once every file in them is ``INCOMPLETE_GRACE_S``
     older than ``since`` (or than the store's time of this session's newest commit, when that is earlier), and
-    only under names a publisher makes (``PUBLISHED_NAME``).
+    only under names a publisher makes (``PUBLISHED_NAME``). On S3, the multipart uploads such a folder's writer
+    left open go too (see :func:`_abort_abandoned_uploads`).
 
     Children go before parents, and each snapshot loses its commit marker before its files, so a crash half way
     leaves no committed snapshot whose chain or files are gone.
@@ -444,6 +495,7 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
                 storage.delete_prefix(identity)
                 deleted.append(identity)
                 logger.info("retention: deleted %s, left incomplete by a finished run", storage.uri(identity))
+        _abort_abandoned_uploads(storage, committed, session, set(live), newest_own)
     if delete_incomplete and committed:
         newest = committed[-1].created_at
         for identity in dirs:

@@ -35,8 +35,8 @@ from .masking import mask_url
 from .storage_errors import (_BACKEND_PACKAGES, ErrorClass, MissingBackendError,  # noqa: F401 (re-exported)
                              StorageError, backend_install_hint, backoff_delay, classify_error)
 from .storage_paths import OBJECT_STORE_PROTOCOLS, check_options, check_relpath, normalise_root
-from .storage_s3 import (DeadlineCalls, ThrottleAnswers, abort_open_uploads, delete_checked, is_s3_root,
-                         owned_retries)
+from .storage_s3 import (DeadlineCalls, OpenUpload, ThrottleAnswers, abort_open_uploads, abort_upload,
+                         delete_checked, is_s3_root, list_uploads, owned_retries)
 
 __all__ = ["Storage", "StorageStats", "StorageError", "MissingBackendError", "FileInfo", "ErrorClass",
            "classify_error", "backoff_delay", "backend_install_hint", "TMP_PREFIX", "COMMIT_MARKER", "CommitInfo",
@@ -497,6 +497,19 @@ class Storage:
             if entry.get("type") == "directory":
                 names.add(entry["name"].rstrip("/").rsplit("/", 1)[-1])
         return sorted(names)
+
+    def open_uploads(self) -> list[OpenUpload]:
+        """Multipart uploads under the root that were neither completed nor aborted (a writer killed mid-upload):
+        no listing shows them, yet S3 keeps and bills their parts. Only S3 reports them; elsewhere ``[]``."""
+        if not (self._chunked and hasattr(self._fs, "call_s3")):
+            return []
+        return self._run("list_uploads", "", lambda: list_uploads(self._fs, self._fs_root, self._deadline()))
+
+    def abort_upload(self, upload: OpenUpload) -> None:
+        """Abort one upload :meth:`open_uploads` reported (its parts are deleted); one already gone is fine."""
+        rel = check_relpath(upload.relpath, self._shown)
+        self._run("abort_upload", rel, lambda: abort_upload(self._fs, self._path(rel), upload.upload_id,
+                                                             self._deadline()))
 
     def delete_prefix(self, prefix: str) -> None:
         """Delete everything below ``prefix`` (or the single object it names). Missing is not an error. An

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import weakref
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Callable
 
 import fsspec.core
@@ -19,7 +21,7 @@ import fsspec.core
 from .storage_errors import ErrorClass, classify_error, is_throttle
 
 __all__ = ["is_s3_root", "owned_retries", "DeadlineCalls", "ThrottleAnswers", "abort_open_uploads",
-           "DeleteRefused", "delete_checked"]
+           "DeleteRefused", "delete_checked", "OpenUpload", "list_uploads", "abort_upload"]
 
 logger = logging.getLogger("fsdp_hotload.storage")
 
@@ -74,6 +76,42 @@ def abort_open_uploads(fs: Any, path: str, deadline: dict[str, float]) -> None:
                            **deadline)
     except Exception as exc:  # noqa: BLE001 - the put's own error is what the caller needs to see
         logger.warning("could not abort open multipart uploads of %s: %s", path, exc)
+
+
+@dataclass(frozen=True)
+class OpenUpload:
+    """A multipart upload neither completed nor aborted: ``relpath`` from the storage root, and when it began
+    (seconds since the epoch, by the store's clock; None when the store does not say)."""
+
+    relpath: str
+    upload_id: str
+    initiated: float | None
+
+
+def list_uploads(fs: Any, root: str, deadline: dict[str, float]) -> list[OpenUpload]:
+    """Every open multipart upload below the directory ``root`` (``bucket/prefix``), all pages."""
+    bucket, key, _ = fs.split_path(root)
+    prefix = f"{key}/" if key else ""
+    out: list[OpenUpload] = []
+    page: dict[str, str] = {}
+    while True:
+        listing = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **page, **deadline)
+        for upload in listing.get("Uploads") or []:
+            when = upload.get("Initiated")
+            out.append(OpenUpload(upload["Key"][len(prefix):], upload["UploadId"],
+                                  when.timestamp() if isinstance(when, datetime) else None))
+        if not listing.get("IsTruncated"):
+            return out
+        page = {"KeyMarker": listing.get("NextKeyMarker", ""), "UploadIdMarker": listing.get("NextUploadIdMarker", "")}
+
+
+def abort_upload(fs: Any, path: str, upload_id: str, deadline: dict[str, float]) -> None:
+    """Abort one multipart upload of ``path`` (``bucket/key``); one already gone (NoSuchUpload) is done."""
+    bucket, key, _ = fs.split_path(path)
+    try:
+        fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id, **deadline)
+    except FileNotFoundError:  # s3fs's NoSuchUpload: completed or aborted meanwhile
+        pass
 
 
 class DeleteRefused(OSError):

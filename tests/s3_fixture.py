@@ -345,7 +345,8 @@ class DeleteErrorsProxy:
     Every other request is forwarded unchanged.
 
     ``fail`` decides per DeleteObjects request body (the XML naming the keys) whether to answer with errors;
-    ``answered`` counts those answers.
+    ``answered`` counts those answers. With ``deny_uploads``, listing multipart uploads is refused (HTTP 403
+    AccessDenied), as under a policy without ``s3:ListBucketMultipartUploads``.
 
     Example::
 
@@ -353,7 +354,8 @@ class DeleteErrorsProxy:
             options = {**s3_server.storage_options, "endpoint_url": proxy.url}
     """
 
-    def __init__(self, upstream_url: str, code: str, fail: Callable[[bytes], bool]) -> None:
+    def __init__(self, upstream_url: str, code: str, fail: Callable[[bytes], bool], *,
+                 deny_uploads: bool = False) -> None:
         import http.client
         import re
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -376,6 +378,10 @@ class DeleteErrorsProxy:
                                       % (k, code.encode()) for k in keys)
                     self._reply(200, {"Content-Type": "application/xml"},
                                 b'<?xml version="1.0" encoding="UTF-8"?><DeleteResult>%s</DeleteResult>' % errors)
+                    return
+                if deny_uploads and self.command == "GET" and "uploads" in query:
+                    self._reply(403, {"Content-Type": "application/xml"},
+                                b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>")
                     return
                 conn = http.client.HTTPConnection(target.hostname or "127.0.0.1", target.port or 80, timeout=30)
                 try:

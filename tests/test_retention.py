@@ -449,3 +449,54 @@ def test_a_refused_marker_delete_stops_retention_before_the_files_go(s3_server: 
         assert {rel: direct.size(f"{info.identity}/{rel}") for rel in info.files} == {
             rel: meta["size"] for rel, meta in info.files.items()}
     assert [c.identity for c in list_committed(direct)] == ["A", "B", "C"]
+
+
+def test_a_crashed_writer_s_open_multipart_uploads_are_aborted(s3_server: S3Server) -> None:
+    """A trainer killed mid-upload leaves its multipart uploads open: no listing shows them, yet S3 keeps (and
+    bills) their parts for good, and retention, which deletes what a crash left, never saw them. It now aborts
+    those no writer will finish, and no other."""
+    uri = s3_server.unique_uri("uploads")
+    st = Storage(uri, s3_server.storage_options)
+    client, bucket = s3_server.client(), s3_server.bucket
+    prefix = uri.split(f"s3://{bucket}/", 1)[1]
+    shard = "model-00001-of-00002.safetensors"
+    files = {shard: {"size": 3}}
+    own, finished, other = "a1b2c3d4", "0badc0de", "feedface"
+    now = time.time()
+    _publish(st, CommitInfo(f"step-000004-{own}", "full", None, files, now))
+    _publish(st, CommitInfo(f"step-000001-{finished}", "full", None, files, now - 7 * 3600))
+    _publish(st, CommitInfo(f"step-000002-{other}", "full", None, files, now))
+    names = [f"step-000003-{own}/{shard}",       # this run's failed snapshot, below its newest commit
+             f"step-000004-{own}/{shard}",       # a timed-out attempt under this run's committed snapshot
+             f"step-000008-{own}/{shard}",       # this run's next snapshot, uploading now
+             f"step-000003-{other}/{shard}",     # a live run's upload
+             f"step-000009-{finished}/{shard}",  # the finished run's crash
+             f"step-000009-{finished}/notes/{shard}", "qwen3-8b/model.safetensors"]  # not a publisher's
+    for name in names:
+        client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/{name}")
+
+    def open_uploads() -> list[str]:
+        listing = client.list_multipart_uploads(Bucket=bucket, Prefix=f"{prefix}/")
+        return sorted(u["Key"][len(prefix) + 1:] for u in listing.get("Uploads", []))
+
+    assert apply_retention(st, keep_last=3, session=own, since=now) == []
+    # moto dates every upload years back, so the finished run's counts as abandoned; the live run's, as old,
+    # and this run's in flight stay.
+    assert open_uploads() == sorted(names[2:4] + names[5:])
+
+
+def test_retention_goes_on_where_open_uploads_cannot_be_listed(s3_server: S3Server,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """Listing multipart uploads is a permission of its own (s3:ListBucketMultipartUploads), often not granted:
+    retention then deletes as before and says once why no upload is aborted."""
+    uri = s3_server.unique_uri("no-uploads-listing")
+    files = {"model-00000.safetensors": {"size": 3}}
+    with DeleteErrorsProxy(s3_server.endpoint_url, "AccessDenied", lambda body: False, deny_uploads=True) as proxy:
+        st = Storage(uri, {**s3_server.storage_options, "endpoint_url": proxy.url})
+        for i in range(3):
+            _publish(st, CommitInfo(f"step-00000{i}-a1b2c3d4", "full", None, files, time.time() + i))
+        with caplog.at_level("WARNING", logger="fsdp_hotload.retention"):
+            for _ in range(2):
+                apply_retention(st, keep_last=1, session="a1b2c3d4", since=time.time())
+        assert [c.identity for c in list_committed(st)] == ["step-000002-a1b2c3d4"]
+    assert sum("cannot list the open multipart uploads" in r.getMessage() for r in caplog.records) == 1
