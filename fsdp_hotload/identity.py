@@ -100,6 +100,9 @@ def new_identity(step: int, *, prefix: str = "step", session: str | None = None)
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
     for label, value in (("prefix", prefix), ("session", session)):
         problem = None if value is None else _segment_problem(value)
+        if problem is None and label == "session" and value is not None and "-" in value:
+            # retention reads a snapshot's session back as its identity's last "-" field
+            problem = "must not contain '-' (the identity's last '-' field is the session)"
         if problem is not None:
             raise ValueError(f"{label} {_short(value)}: {problem}")
     return validate_identity(f"{prefix}-{step:06d}-{session if session is not None else process_session()}")

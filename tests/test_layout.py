@@ -556,6 +556,8 @@ def test_new_identity_format_and_session() -> None:
         new_identity(1, prefix="a/b")
     with pytest.raises(ValueError, match="session '': must not be empty"):
         new_identity(1, session="")
+    with pytest.raises(ValueError, match="session 'run-1': must not contain '-'"):
+        new_identity(1, session="run-1")  # retention would take "1" for its session, and keep its snapshots
     with pytest.raises(ValueError, match="the limit is 128"):
         new_identity(1, prefix="p" * 120)
 
