@@ -535,3 +535,55 @@ def test_a_watchdogs_close_gives_up_on_time_while_the_trainer_waits_for_a_slot(t
     pub.engine._thread.join(30)
     assert not pub.engine._thread.is_alive()
     assert [(m.step, m.ok) for m in pub.metrics] == [(0, True), (1, False)]
+
+
+def test_a_rank_whose_close_times_out_still_votes_so_the_others_do_not_wait_for_it(tmp_path: Path) -> None:
+    """In-process ranks. Rank 0's write hangs past its close(timeout=0.5); the write returns at 2 s, so rank 1's
+    close (no deadline) sees the snapshot end and votes on publishing the newest step. Rank 0 used to give up
+    before that vote and never take part in it, leaving rank 1 waiting in it until the trainer group's timeout
+    (over an hour by default; 10 s here). Rank 0 now votes (against) past its deadline, and the vote waits for
+    rank 1; the snapshot ended meanwhile, so both close without an error and it is committed."""
+    import time
+
+    import fsspec
+
+    from fsdp_hotload.storage import Storage
+
+    bucket = str(tmp_path / "bucket")
+    names, n = ["a", "b"], 1024
+    specs = [TensorSpec(name, (n,), "BF16") for name in names]
+    cfg = HotloadConfig(bucket_url=bucket, full_every=100)
+    data, ctrl = Meeting(2, timeout_s=30.0), Meeting(2, timeout_s=10.0)
+    hanging = _HangingWeightWrites(fsspec.filesystem("file"))
+    pubs: list[Any] = [None, None]
+    raised: dict[int, BaseException | None] = {0: None, 1: None}
+    took: dict[int, float] = {}
+
+    def make(rank: int) -> None:
+        chunk = WholeChunk(names[rank], (n,), "BF16", "flat", Box.flat(0, n), torch.zeros(n, dtype=torch.bfloat16))
+        storage = Storage(bucket, fs=hanging) if rank == 0 else Storage(bucket)
+        pubs[rank] = Publisher([chunk], specs, cfg, comm=ThreadComm(data, rank, 2), ctrl=ThreadComm(ctrl, rank, 2),
+                               storage=storage)
+
+    def run(rank: int) -> None:
+        pubs[rank].publish(0)
+        pubs[rank].publish(1)  # skipped (busy): the newest step, which close votes on
+        t0 = time.monotonic()
+        try:
+            pubs[rank].close(timeout=0.5 if rank == 0 else None)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            raised[rank] = exc
+        took[rank] = time.monotonic() - t0
+
+    run_ranks(make, 2)
+    hanging.armed = True
+    unstick = threading.Timer(2.0, hanging.release.set)
+    unstick.start()
+    try:
+        run_ranks(run, 2, timeout_s=60)
+    finally:
+        hanging.release.set()
+        unstick.cancel()
+    assert raised == {0: None, 1: None}, raised  # rank 1: not the vote's own TimeoutError (rank 0 never voted)
+    assert max(took.values()) < 8, took
+    assert [(m.step, m.ok) for m in pubs[0].metrics.records] == [(0, True)]  # step 1 not published: rank 0 was late

@@ -258,11 +258,17 @@ class Publisher:
         another thread than the training steps (the weights may be changing), or when the newest ``publish``
         brought its own tensors and they are not given again (a function given there is called again). Every
         rank must call it (``close`` does, with ``config.publish_on_close``, unless it closes on an exception).
-        ``timeout`` bounds that wait (TimeoutError, before any vote)."""
+        ``timeout`` bounds that wait: past it this rank still votes (against), so that a rank whose wait ended in
+        time is not left waiting for its vote, and raises TimeoutError if snapshots are still in flight after the
+        vote, which waits for the other ranks to reach it (at their own deadlines, or once the snapshots end)."""
         with self._api_lock:
             if self._closing:
                 raise RuntimeError("publisher is closed")
-            self.wait(timeout)
+            late: TimeoutError | None = None
+            try:
+                self.wait(timeout)
+            except TimeoutError as exc:
+                late = exc
             if self._agreed_busy is not None:  # an agreement for a step that never came: read it, it pairs
                 self._agreed_busy()
                 self._agreed_busy = None
@@ -271,10 +277,14 @@ class Publisher:
             sources = self._sources_fn if sources is None else sources
             wanted = self.latest_step > self._last_staged
             why = self._final_objection(sources) if wanted else None
+            if wanted and late is not None:
+                why = why or "close()'s timeout passed while snapshots were in flight"
             vote = int(not wanted or why is not None)  # a broken rank votes too: ctrl is not the group that broke
             if self.world > 1 and self.ctrl.allreduce_max_async(vote)():
                 why = why or ("another rank cannot publish it" if wanted else None)  # one vote: all ranks, or none
                 wanted = False
+            if late is not None and self._pending:
+                raise late
             if why is not None:
                 log.warning("hotload: the newest step %d is not published at close: %s (the last snapshot sent: "
                             "step %d)", self.latest_step, why, self._last_staged)
