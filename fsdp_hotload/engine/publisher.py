@@ -51,10 +51,11 @@ from ..layout import ShardPlan, TensorSpec, plan_shards
 from ..storage import Storage
 from .assemble import Piece, assemble_delta_file, assemble_full_file, assign_owners
 from .cadence import Cadence, next_step
+from .commit import Committer
 from .comm import Comm, LocalComm, agree_on_start, exchange_objects
 from .encode import ChunkEncoder, auto_workers
 from .exits import abandon, deadline_after, left, track
-from .jobs import Job, Outcome, PublishError, RankStatus, summarize
+from .jobs import Job, Outcome, PublishError, RankStatus
 from .metrics import MetricsSink
 from .pool import DaemonPool, StoredError, serve_weakly, start_warm_up, stop_dropped, weak_getter
 from .progress import ProgressLog, PublishProgress
@@ -126,7 +127,8 @@ class Publisher:
         if self.rank == 0 and self.signaller is not None:
             self.signaller.extra_fields_ignore = dropped_config_keys(base_files, self._aux)
             warn_if_side_group_short(config)
-        self._manifests: dict[str, bytes] = {}
+        self.committer = Committer(self.plan, self.storage, config, self._aux, self.signaller, session=self.session,
+                                   started=time.time())  # snapshots others commit after this are a live run's
         self._cache_parts: list[tuple[int, int]] = [(0, 0)] * len(self.chunks)
         workers = config.encode_workers or auto_workers(self.stager.device)
         self.encoder = ChunkEncoder(self.chunks, self.stager, self.codec, workers=workers,
@@ -156,7 +158,6 @@ class Publisher:
         self._sources_fn: Callable[[], Sequence[torch.Tensor]] | None = None  # or a function, which close reuses
         self.closed = False
         self.abandoned = False  # close() timed out with snapshots in flight (see exits.abandon)
-        self._started = time.time()  # snapshots other sessions commit after this are a live publisher's (retention)
         # publish() and close() may run on different threads: a publish that had passed the closed check could
         # queue its snapshot behind close()'s stop marker, where nothing ever runs it (and its slot stays taken).
         self._api_lock = threading.RLock()
@@ -587,46 +588,6 @@ class Publisher:
 
     def _finish(self, job: Job, identity: str, kind: str, parent: str | None,
                 statuses: list[RankStatus] | None) -> Outcome:
-        """Rank 0: manifests, commit marker, signal, wait. Nothing is signalled unless every file is durable."""
+        """Rank 0: manifests, commit marker, signal, wait (:class:`~.commit.Committer`)."""
         assert statuses is not None
-        m, files, errors = summarize(job, identity, kind, statuses, self.plan.total_size)
-        if not errors and set(files) != set(self.plan.files):
-            errors.append(f"files missing after upload: {sorted(set(self.plan.files) - set(files))}")
-        if self.abandoned:  # close() said it was dropped: a stuck call that returned late must not commit it
-            errors.append("close() gave up on it (close_timeout_s)")
-        committed = False
-        try:
-            if errors:
-                raise PublishError("; ".join(errors))
-            self._prog.stage("writing the manifests and the commit marker")
-            self._write_manifests(identity, kind, parent, files)
-            committed = True
-            if self.signaller is not None:
-                t0 = time.perf_counter()
-                self._prog.stage("signalling and waiting until every replica serves it")
-                ready_s = self.signaller.signal_and_wait(identity, parent if kind == "delta" else None,
-                                                         on_poll=self._prog.polled)
-                m.signal_s = time.perf_counter() - t0 - ready_s
-                m.ready_s = ready_s
-            m.ok = True
-        except Exception as exc:  # noqa: BLE001 - any failure ends this chain; the next publish is full
-            m.error = str(exc)  # served identities only change on success; the next publish is full
-            if not committed:  # every rank's writes have ended (gathered): nothing will read this folder
-                from ..retention import discard_snapshot
-
-                discard_snapshot(self.storage, identity)
-        m.total_s = time.perf_counter() - job.t_hook  # hook to every replica ready: retention comes after
-        if m.ok and self.config.keep_last:
-            from ..retention import retain_after
-
-            self._prog.stage("served; applying retention (keep_last)")
-            retain_after(self.storage, self.config.keep_last, identity, session=self.session, since=self._started)
-        return Outcome(m.ok, m.error, m)
-
-    def _write_manifests(self, identity: str, kind: str, parent: str | None, files: dict[str, int]) -> None:
-        from ..retention import commit_snapshot
-
-        if not self._manifests:  # the plan never changes: serialise it once
-            self._manifests = {"model.safetensors.index.json": self.plan.to_index_json(),
-                               "model.weight.spec.json": self.plan.to_spec_json()}
-        commit_snapshot(self.storage, identity, kind, parent, files, {**self._aux, **self._manifests})
+        return self.committer.finish(job, identity, kind, parent, statuses, self._prog, abandoned=self.abandoned)

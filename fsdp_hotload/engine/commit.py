@@ -1,0 +1,78 @@
+"""Rank 0's end of a snapshot: manifests and commit marker, the signal and the wait for readiness, retention.
+
+Why apart from the publisher: this step sees only the shard plan, the storage, the signaller and what every rank
+reported, never chunks, buffers or threads, so it stays a narrow interface between storage and signalling.
+
+Example::
+
+    committer = Committer(plan, storage, config, aux_files, signaller, session="a1b2c3d4", started=time.time())
+    outcome = committer.finish(job, "step-000040-a1b2c3d4", "delta", parent, statuses, progress)
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..config import HotloadConfig
+from ..layout import ShardPlan
+from ..storage import Storage
+from .jobs import Job, Outcome, PublishError, RankStatus, summarize
+from .signal import Signaller
+
+
+class Committer:
+    """Commits, signals and retains the snapshots of one publisher (on rank 0). ``aux``: the non-weight files
+    every snapshot carries (config, tokenizer); ``started``: the publisher's start, for retention."""
+
+    def __init__(self, plan: ShardPlan, storage: Storage, config: HotloadConfig, aux: dict[str, bytes],
+                 signaller: Signaller | None, *, session: str, started: float) -> None:
+        self.plan, self.storage, self.config, self.aux = plan, storage, config, aux
+        self.signaller, self.session, self.started = signaller, session, started
+        self._manifests: dict[str, bytes] = {}
+
+    def finish(self, job: Job, identity: str, kind: str, parent: str | None, statuses: list[RankStatus],
+               prog: Any, *, abandoned: bool = False) -> Outcome:
+        """Manifests, commit marker, signal, wait. Nothing is signalled unless every file is durable; a snapshot
+        not committed is deleted (every rank's writes have ended: the statuses were gathered). ``abandoned``:
+        close() gave up on it, so a stuck call that returned late must not commit it."""
+        m, files, errors = summarize(job, identity, kind, statuses, self.plan.total_size)
+        if not errors and set(files) != set(self.plan.files):
+            errors.append(f"files missing after upload: {sorted(set(self.plan.files) - set(files))}")
+        if abandoned:
+            errors.append("close() gave up on it (close_timeout_s)")
+        committed = False
+        try:
+            if errors:
+                raise PublishError("; ".join(errors))
+            prog.stage("writing the manifests and the commit marker")
+            self._write_manifests(identity, kind, parent, files)
+            committed = True
+            if self.signaller is not None:
+                t0 = time.perf_counter()
+                prog.stage("signalling and waiting until every replica serves it")
+                ready_s = self.signaller.signal_and_wait(identity, parent if kind == "delta" else None,
+                                                         on_poll=prog.polled)
+                m.signal_s = time.perf_counter() - t0 - ready_s
+                m.ready_s = ready_s
+            m.ok = True
+        except Exception as exc:  # noqa: BLE001 - any failure ends this chain; the next publish is full
+            m.error = str(exc)  # served identities only change on success
+            if not committed:
+                from ..retention import discard_snapshot
+
+                discard_snapshot(self.storage, identity)
+        m.total_s = time.perf_counter() - job.t_hook  # hook to every replica ready: retention comes after
+        if m.ok and self.config.keep_last:
+            from ..retention import retain_after
+
+            prog.stage("served; applying retention (keep_last)")
+            retain_after(self.storage, self.config.keep_last, identity, session=self.session, since=self.started)
+        return Outcome(m.ok, m.error, m)
+
+    def _write_manifests(self, identity: str, kind: str, parent: str | None, files: dict[str, int]) -> None:
+        from ..retention import commit_snapshot
+
+        if not self._manifests:  # the plan never changes: serialise it once
+            self._manifests = {"model.safetensors.index.json": self.plan.to_index_json(),
+                               "model.weight.spec.json": self.plan.to_spec_json()}
+        commit_snapshot(self.storage, identity, kind, parent, files, {**self.aux, **self._manifests})
