@@ -67,7 +67,12 @@ def hf_aux_files(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, byte
     path = os.fspath(hf_config_dir)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"HF config folder {path!r} does not exist or is not a folder")
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    config_path = os.path.join(path, "config.json")
+    if os.path.islink(config_path) and not os.path.exists(config_path):
+        raise FileNotFoundError(f"HF config folder {path!r}: config.json is a link to {os.readlink(config_path)!r}, "
+                                "which does not exist (a copy of an HF cache snapshot folder without its blobs?); "
+                                "copy it with the links followed (cp -L), or point at the cache's snapshot folder")
+    if not os.path.isfile(config_path):
         raise FileNotFoundError(
             f"HF config folder {path!r} has no config.json; point it at the base model's folder (the one with "
             "config.json and the tokenizer files)"
@@ -100,9 +105,14 @@ def _read_matching(folder: str, prefix: str, wanted: Callable[[str], bool]) -> d
     ``prefix + name``."""
     out: dict[str, bytes] = {}
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-        if wanted(entry.name) and not entry.name.startswith(".") and entry.is_file(follow_symlinks=True):
+        if not wanted(entry.name) or entry.name.startswith("."):
+            continue
+        if entry.is_file(follow_symlinks=True):
             with open(entry.path, "rb") as fh:
                 out[prefix + entry.name] = fh.read()
+        elif entry.is_symlink() and not os.path.exists(entry.path):  # would otherwise be left out without a word
+            log.warning("hotload: %s is a link to %r, which does not exist: the snapshots do not carry it",
+                        entry.path, os.readlink(entry.path))
     return out
 
 

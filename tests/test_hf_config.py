@@ -239,3 +239,20 @@ def test_base_tensor_shapes_reads_headers_and_never_raises(tmp_path: Path) -> No
     assert base_tensor_shapes(lfs) is None
     (lfs / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"1": 2, "3": None}}))
     assert base_tensor_shapes(lfs) == {"1": None, "3": None}
+
+
+def test_links_to_missing_files_are_told_not_skipped_in_silence(tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """A copy of an HF cache snapshot folder without its blobs holds links to nothing: a tokenizer file was left
+    out of every snapshot without a word, and a dangling config.json was reported as missing."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "tokenizer_config.json").symlink_to(tmp_path / "blobs" / "gone")
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        files = hf_aux_files(tmp_path)
+    assert set(files) == {"config.json"}
+    assert any("tokenizer_config.json is a link to" in r.getMessage() and "does not exist" in r.getMessage()
+               for r in caplog.records), caplog.text
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").symlink_to(tmp_path / "blobs" / "gone2")
+    with pytest.raises(FileNotFoundError, match=r"config.json is a link to .*gone2.*cp -L"):
+        hf_aux_files(tmp_path)
