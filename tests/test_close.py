@@ -301,7 +301,8 @@ def test_close_gives_up_on_a_hung_write_after_its_timeout(tmp_path: Path, caplog
     model = make_model()
     timeout = 0.5
     with HotLoadEmulator(bucket, replicas=2, api_key=API_KEY) as emu:
-        cfg = config(bucket, emu, tmp_path, close_timeout_s=3600 if how == "argument" else timeout)
+        cfg = config(bucket, emu, tmp_path, close_timeout_s=3600 if how == "argument" else timeout,
+                     progress_log_s=0.1)
         pub = TensorPublisher(model, cfg, storage=Storage(bucket, fs=fs))
         pub.publish(0, model)
         pub.wait()
@@ -324,6 +325,10 @@ def test_close_gives_up_on_a_hung_write_after_its_timeout(tmp_path: Path, caplog
         assert timeout <= took < timeout + 5, took
         assert pub.engine.closed and pub.engine.abandoned
         assert re.search(gave_up, caplog.text), caplog.text
+        reported = pub.engine._progress.lines
+        assert reported > 0  # the stuck snapshot was reported while close() waited
+        time.sleep(0.5)
+        assert pub.engine._progress.lines == reported  # not after close() gave up on it
         pub.close()  # closed: a second call returns at once
         fs.release.set()  # the stuck write returns: the snapshot it belonged to is dropped, not committed
         assert pub.engine._thread is not None

@@ -71,9 +71,10 @@ def abandon(pub: Any, timeout: float | None, raise_errors: bool) -> None:
     pub.stager.refuse()
     if pub.signaller is not None:  # a thread stuck polling the deployment ends now, not at ready_timeout_s
         pub.signaller.cancel()
+    msg = gave_up_message(timeout, pub._pending, pub.rank, pub._prog.describe(time.perf_counter(), pub.latest_step))
+    pub._progress.close()  # the dropped snapshot is not reported on while the stuck call lasts
     with contextlib.suppress(queue.Full):  # (never full: the running job left it) the thread ends after it
         pub._queue.put_nowait(None)
-    msg = gave_up_message(timeout, pub._pending, pub.rank, pub._prog.describe(time.perf_counter(), pub.latest_step))
     err = pub._errors.take()
     log.error("hotload: %s%s", msg, "" if err is None else f" (an earlier publish failed: {err})")
     if raise_errors:
