@@ -212,8 +212,11 @@ class HotloadCallback:
 
     def _buffer_chunks(self, chunks: list[Any]) -> list[int]:
         """Chunks that read a module buffer. Forward passes update buffers (BatchNorm running statistics, step
-        counters) in place, so a copy that overlaps the next forward would read them half updated."""
-        ptrs = {b.untyped_storage().data_ptr() for b in self.model.buffers() if b.numel()}
+        counters) in place, so a copy that overlaps the next forward would read them half updated. A DTensor
+        buffer (tensor parallelism replicates the buffers of the modules it parallelises) is matched by its local
+        tensor, which the chunk views: the wrapper itself has no storage to read."""
+        held = (getattr(b, "_local_tensor", b) for b in self.model.buffers())
+        ptrs = {t.untyped_storage().data_ptr() for t in held if t.numel()}
         return [i for i, c in enumerate(chunks)
                 if c.source.numel() and c.source.untyped_storage().data_ptr() in ptrs]
 

@@ -220,3 +220,17 @@ def test_parts_published_transposed_or_joined_from_fsdp2_shards_are_bit_exact(tm
     ends = [sorted(json.loads(b)["start"] + json.loads(b)["length"] for n, b in rank if n == layer + "rows.ends")
             for rank in boxes]
     assert ends == [[[3, 0, 3, 2]], [[0, 0, 3, 2]]], ends
+
+
+def test_replicated_dtensor_buffers_of_tensor_parallel_modules_are_published(tmp_path: Path) -> None:
+    """``parallelize_module`` turns the buffers of the modules it parallelises into replicated DTensors, whose
+    storage cannot be read: the callback failed to start. See dist_scripts/tp_buffers.py."""
+    bucket, hf, out = tmp_path / "bucket", tmp_path / "hf", tmp_path / "result.json"
+    bucket.mkdir(), hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "tiny"}')
+    run_torchrun(str(SCRIPTS / "tp_buffers.py"), 2, ["--bucket", str(bucket), "--hf-dir", str(hf), "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["buffer_types"] == ["DTensor"]
+    assert res["buffered"] == 2  # rank 0 publishes both buffers, cloned at the hook before the next forward
+    assert res["steps"] == [0, 1, 2, 3, 4] and all(res["ok"]), res
+    assert all(res["exact"]), res
