@@ -386,9 +386,33 @@ class Joined(_Source):
                 elif not boxed:
                     out.append((FLAT, Box.flat(box.start[0] + row * per_row, box.length[0]), view))
                 else:  # one member is boxed, so all are: this range as boxes of the member, then moved down
-                    out += [(SHAPE, Box((bx.start[0] + row, *bx.start[1:]), bx.length), view[o:o + k])
-                            for bx, o, k in range_boxes(src.shape(), box.start[0], box.length[0])]
+                    out += [(SHAPE, Box((bx.start[0] + row, *bx.start[1:]), bx.length), part)
+                            for bx, part in _range_as_boxes(src.shape(), box.start[0], view)]
         return out
+
+
+def _range_as_boxes(shape: tuple[int, ...], start: int, view: torch.Tensor) -> list[tuple[Box, torch.Tensor]]:
+    """Elements ``[start, start + view.numel())`` of a C-ordered tensor of ``shape``, which ``view`` holds in its own
+    C order, as boxes of that tensor (:func:`~fsdp_hotload.slab.range_boxes`), each with the view of its elements.
+
+    Why not slices of ``view``: a range of a part published reshaped is held by an N-D strided view (its run of the
+    permuted part, :func:`_flat_runs`), and slicing that counts rows of its first dim, not elements. Such a view is
+    cut along its first dim until each box's elements are one box of it (or it is 1-D, where a slice is a range)."""
+    if view.dim() <= 1:
+        return [(bx, view[o:o + k]) for bx, o, k in range_boxes(shape, start, int(view.numel()))]
+    out = []
+    for bx, o, k in range_boxes(shape, start, int(view.numel())):
+        (held, _o, _k), *more = range_boxes(tuple(view.shape), o, k)  # a range of the view is boxes of it
+        part = None if more else view[tuple(slice(a, a + n) for a, n in zip(held.start, held.length))]
+        try:
+            part = None if part is None else part.view(bx.length)  # read in the box's shape, as boxes are
+        except RuntimeError:  # its strides do not allow that shape
+            part = None
+        if part is None:
+            rows = int(view[0].numel())
+            return [piece for i in range(view.shape[0]) for piece in _range_as_boxes(shape, start + i * rows, view[i])]
+        out.append((bx, part))
+    return out
 
 
 def split_slots(slots: list[tuple[str, _Source]], split: Split | None) -> list[tuple[str, _Source]]:

@@ -445,6 +445,14 @@ def test_fsdp_chunks_rebuild_gathered_state(nproc: int) -> None:
         assert f"RANK {rank} OK " in result.stdout, result.stdout
 
 
+def test_a_reshaped_part_joined_with_a_boxed_one_rebuilds_gathered_state() -> None:
+    """A joined tensor with one boxed block gives every block as boxes; a block published reshaped is held by N-D
+    views of the shard, which were sliced by rows instead of elements. See dist_scripts/joined_reshaped.py."""
+    result = run_torchrun(str(SCRIPTS / "joined_reshaped.py"), 2, [])
+    for rank in range(2):
+        assert f"RANK {rank} OK " in result.stdout, result.stdout
+
+
 def test_a_non_contiguous_tensor_is_refused_on_every_rank(tmp_path: Path) -> None:
     run_torchrun(str(SCRIPTS / "noncontiguous.py"), 2, ["--out", str(tmp_path)])
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
