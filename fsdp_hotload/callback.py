@@ -116,11 +116,13 @@ class HotloadCallback:
                 if not self._specs:  # the same on every rank
                     raise ValueError("the model has no tensor to publish (no parameters or buffers, or the rename "
                                      "function returned None for all of them)")
+                buffers = set(self._buffer_chunks(walked))
             except Exception as exc:  # noqa: BLE001 - raised by agree_on_chunks, on every rank
                 problem = exc
             self.walks = 1  # model walks for chunk views (the first here; again only when storage changed)
             self._kept = agree_on_chunks(walked, self._specs, ctrl, problem)
             chunks = [walked[i] for i in self._kept]
+            self._buffer_idx = [j for j, i in enumerate(self._kept) if i in buffers]
             specs = [TensorSpec(n, tuple(s), d) for n, s, d in self._specs]
             self.engine = Publisher(chunks, specs, config, comm=comm, ctrl=ctrl, **engine_kwargs)
         except BaseException:
@@ -133,7 +135,6 @@ class HotloadCallback:
                 log.warning("hotload: the start-up checks of the model's names, dtypes and shapes failed: %r", exc)
         self._layout = [(c.name, c.box) for c in walked]
         self._views = [c.source for c in chunks]
-        self._buffer_idx = self._buffer_chunks(chunks)
         self._step = 0
         self._hooks: list[Any] = []
 
