@@ -231,3 +231,16 @@ def test_device_diff_of_adjacent_chunks_is_cut_back_into_each_chunks_changes() -
             got.check()
             assert got.n == want.n and np.array_equal(got.idx, want.idx)
             assert np.array_equal(got.old, want.old) and np.array_equal(got.new, want.new)
+
+
+def test_a_cpu_shard_on_a_gpu_machine_takes_no_pinned_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pinned host memory serves only copies to and from a CUDA device. A shard on the CPU (FSDP with CPU offload
+    of the parameters, on a GPU machine) never crosses to a device, yet its slots and cache were pinned whenever
+    CUDA was available: page-locked, and rounded up to a power of two by torch's pinned-memory cache (a 17.5 GB
+    slot locks 32 GB), on exactly the trainers that offload because host memory is short. Here CUDA is said to be
+    available; a CPU build cannot pin at all, so a request to pin fails the construction."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for cache_on in ("device", "host"):
+        st = Stager(chunks("cpu"), slots=2, cache_on=cache_on)
+        assert st._spare is not None and st._spare.device.type == "cpu" and not st._spare.is_pinned()
+        assert all(b.device.type == "cpu" and not b.is_pinned() for b in st._free)

@@ -111,7 +111,10 @@ class Stager:
         self._dst: dict[int, list[torch.Tensor]] = {}  # each group's slot view, by buffer address
 
     def _alloc(self, device: torch.device) -> torch.Tensor:
-        pin = device.type == "cpu" and torch.cuda.is_available()
+        """One buffer of the slot layout on ``device``. Host memory is pinned only for a CUDA shard (its host
+        cache): nothing else crosses to a device, and pinned memory is page-locked and rounded up to a power of
+        two, which a CPU shard on a GPU machine (parameters offloaded to the CPU) cannot spare."""
+        pin = device.type == "cpu" and self.device.type == "cuda"
         return torch.empty(self.nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
 
     # ------------------------------------------------------------------ main thread
