@@ -186,3 +186,21 @@ def test_attached_callback_on_cuda_round_trips(tmp_path) -> None:  # type: ignor
     rebuilt = rebuild_accepted(tmp_path / "bucket", hot.metrics)
     for m, want in zip(hot.metrics, states):
         assert {k: t.sha256() for k, t in rebuilt[m.identity].items()} == want
+
+
+def test_casts_to_several_dtypes_stage_each_chunk_in_its_own_dtype() -> None:
+    """fp32 masters published as bf16, one tensor overridden to fp16 and one to fp8: every chunk holds its own
+    cast of its source, byte for byte as the CPU casts it (finite values round to nearest even on both). One
+    batched copy over all of them took the CUDA kernel's fused path with the first destination's dtype for all."""
+    g = torch.Generator(device="cpu").manual_seed(4)
+    host = [torch.randn(n, generator=g) * 0.5 for n in (4096, 1000, 512, 4096)]  # sources of one dtype: fused
+    codes = ["BF16", "F16", "F8_E4M3", "BF16"]
+    cs = [WholeChunk(f"t{i}", (t.numel(),), code, "flat", Box.flat(0, t.numel()), t.cuda())
+          for i, (t, code) in enumerate(zip(host, codes))]
+    st = Stager(cs, slots=1)
+    buf = st.acquire(wait=False)
+    assert buf is not None
+    st.wait_event(st.stage(buf))
+    got = buf.cpu()
+    for c, s, t in zip(cs, st.slices, host):
+        assert torch.equal(got[s.offset:s.offset + s.nbytes], t.to(s.torch_dtype).view(torch.uint8)), c.dtype

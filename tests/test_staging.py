@@ -244,3 +244,35 @@ def test_a_cpu_shard_on_a_gpu_machine_takes_no_pinned_memory(monkeypatch: pytest
         st = Stager(chunks("cpu"), slots=2, cache_on=cache_on)
         assert st._spare is not None and st._spare.device.type == "cpu" and not st._spare.is_pinned()
         assert all(b.device.type == "cpu" and not b.is_pinned() for b in st._free)
+
+
+def test_each_batched_copy_has_one_destination_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks cast to different dtypes (fp32 masters published as bf16, one tensor overridden to fp16, one to
+    fp8) must not share one ``torch._foreach_copy_`` call. Why: its CUDA kernel (torch 2.4 on, until
+    pytorch/pytorch#173383 was fixed) takes the fused path whenever the sources share a dtype, and casts every
+    pair to the first destination's dtype: the fp16 chunk then holds bf16 bits, and a 1-byte chunk is written
+    2 bytes per element, over the next chunk. The CPU kernel copies pair by pair, so only the calls show it here."""
+    from fsdp_hotload.arc.boxes import Box
+    from fsdp_hotload.publish import WholeChunk
+
+    calls: list[tuple[set[torch.dtype], set[torch.dtype]]] = []
+    real = torch._foreach_copy_
+
+    def recording(dst: list[torch.Tensor], src: list[torch.Tensor], *args: object, **kwargs: object) -> None:
+        calls.append(({d.dtype for d in dst}, {s.dtype for s in src}))
+        real(dst, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", recording)
+    torch.manual_seed(0)
+    srcs = [torch.randn(n) * 0.5 for n in (40, 24, 16, 40)]  # fp32 masters, contiguous and of one dtype
+    codes = ["BF16", "F16", "F8_E4M3", "BF16"]
+    cs = [WholeChunk(f"t{i}", (s.numel(),), code, "flat", Box.flat(0, s.numel()), s)
+          for i, (s, code) in enumerate(zip(srcs, codes))]
+    st = Stager(cs, slots=1)
+    buf = st.acquire(wait=False)
+    assert buf is not None
+    st.wait_event(st.stage(buf))
+    assert calls and all(len(dst) == 1 and len(src) == 1 for dst, src in calls), calls
+    for s, src in zip(st.slices, srcs):
+        want = src.to(s.torch_dtype).view(torch.uint8)
+        assert torch.equal(buf[s.offset:s.offset + s.nbytes], want)

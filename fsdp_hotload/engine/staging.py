@@ -350,22 +350,32 @@ def _follows(a: torch.Tensor, b: torch.Tensor, sa: Slice, sb: Slice) -> bool:
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """All chunk copies (with casts) in one call where torch offers it: one call means one GIL release, so a busy
-    publisher thread cannot make the trainer wait to retake the GIL between chunks. Copies without a cast move
-    integers of the same width: a floating copy may go through float on a device and rewrite NaN payloads, and
-    the snapshot must hold the trainer's exact bytes."""
+    """All chunk copies (with casts) in one call per pair of dtypes where torch offers it: one call means one GIL
+    release, so a busy publisher thread cannot make the trainer wait to retake the GIL between chunks. Copies
+    without a cast move integers of the same width: a floating copy may go through float on a device and rewrite
+    NaN payloads, and the snapshot must hold the trainer's exact bytes.
+
+    Why one call per (destination, source) dtype pair, not one for all: torch's CUDA ``_foreach_copy_`` (2.4 on,
+    until pytorch/pytorch#173383 was fixed) takes its fused path whenever the sources share a dtype and casts every
+    pair to the first destination's dtype, so fp32 masters published as bf16 with one tensor overridden to fp16 or
+    fp8 gave that tensor bf16 bits, or wrote 2 bytes per element over the next chunk."""
     if not dst:
         return
-    for i, (d, s) in enumerate(zip(dst, src)):
+    groups: dict[tuple[torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for d, s in zip(dst, src):
         if d.dtype == s.dtype and d.is_floating_point():
             bits = _SIGNED[d.element_size()]
-            dst[i], src[i] = d.view(bits), s.view(bits)
+            d, s = d.view(bits), s.view(bits)
+        ds, ss = groups.setdefault((d.dtype, s.dtype), ([], []))
+        ds.append(d)
+        ss.append(s)
     foreach = getattr(torch, "_foreach_copy_", None)
-    if foreach is not None:
-        foreach(dst, src)
-    else:  # pragma: no cover - older torch
-        for d, s in zip(dst, src):
-            d.copy_(s, non_blocking=True)
+    for ds, ss in groups.values():
+        if foreach is not None:
+            foreach(ds, ss)
+        else:  # pragma: no cover - older torch
+            for d, s in zip(ds, ss):
+                d.copy_(s, non_blocking=True)
 
 
 def device_diff(new: torch.Tensor, old: torch.Tensor, slices: Sequence[Slice], block: int = DIFF_BLOCK
