@@ -204,3 +204,22 @@ def test_casts_to_several_dtypes_stage_each_chunk_in_its_own_dtype() -> None:
     got = buf.cpu()
     for c, s, t in zip(cs, st.slices, host):
         assert torch.equal(got[s.offset:s.offset + s.nbytes], t.to(s.torch_dtype).view(torch.uint8)), c.dtype
+
+
+def test_a_chunk_past_int32_elements_is_staged_whole() -> None:
+    """A chunk of more than 2**31 elements (an FSDP1 flat shard's run of views is one copy) is staged whole and
+    in place. Before torch 2.8 the CUDA foreach copy computed block offsets in 32-bit ints: past 2**31 elements
+    it read and wrote outside the tensors (an illegal memory access; pytorch/pytorch#156261)."""
+    n = (1 << 31) + (1 << 16)
+    if torch.cuda.mem_get_info()[0] < 4 * 2 * n + (1 << 30):  # source, slot, cache, the comparison's mask
+        pytest.skip("needs ~19 GB of free device memory")
+    src = torch.empty(n, dtype=torch.int16, device="cuda")
+    src[:] = 7
+    src[-(1 << 20):] = torch.arange(1 << 20, device="cuda", dtype=torch.int32).to(torch.int16)
+    c = WholeChunk("big", (n,), "BF16", "flat", Box.flat(0, n), src.view(torch.bfloat16))
+    st = Stager([c], slots=1)
+    buf = st.acquire(wait=False)
+    assert buf is not None
+    st.wait_event(st.stage(buf))
+    torch.cuda.synchronize()
+    assert torch.equal(st.view(buf, st.slices[0]).view(torch.int16), src)

@@ -276,3 +276,37 @@ def test_each_batched_copy_has_one_destination_dtype(monkeypatch: pytest.MonkeyP
     for s, src in zip(st.slices, srcs):
         want = src.to(s.torch_dtype).view(torch.uint8)
         assert torch.equal(buf[s.offset:s.offset + s.nbytes], want)
+
+
+def test_tensors_past_int32_elements_are_not_batched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy of 2**31 elements or more (an FSDP1 flat shard's run of views, a fused expert tensor on few ranks)
+    must not go to ``torch._foreach_copy_``: before torch 2.8 (pytorch/pytorch#156261) its CUDA kernels computed
+    each block's offset in 32-bit ints and read and wrote outside the tensors (an illegal memory access, which
+    ends the CUDA context). The limit is lowered here so that small tensors stand for such large ones."""
+    from fsdp_hotload.arc.boxes import Box
+    from fsdp_hotload.engine import staging
+    from fsdp_hotload.publish import WholeChunk
+
+    monkeypatch.setattr(staging, "_FOREACH_MAX_NUMEL", 100, raising=False)
+    seen: list[int] = []
+    real = torch._foreach_copy_
+
+    def recording(dst: list[torch.Tensor], src: list[torch.Tensor], *args: object, **kwargs: object) -> None:
+        seen.extend(int(d.numel()) for d in dst)
+        real(dst, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", recording)
+    torch.manual_seed(0)
+    base = torch.randn(300)
+    srcs = [base[:40], torch.randn(101), torch.randn(7)]
+    cs = [WholeChunk(f"t{i}", (s.numel(),), "BF16", "flat", Box.flat(0, s.numel()), s) for i, s in enumerate(srcs)]
+    cs += [WholeChunk(f"p{k}", (20,), "BF16", "flat", Box.flat(0, 20), base[40 + 20 * k:60 + 20 * k])
+           for k in range(13)]
+    st = Stager(cs, slots=1)
+    assert max(g.merged.numel() for g in st._groups if g.merged is not None) == 260  # 13 adjacent parts: one run
+    buf = st.acquire(wait=False)
+    assert buf is not None
+    st.wait_event(st.stage(buf))
+    assert seen and max(seen) <= 100, seen
+    for c, s in zip(cs, st.slices):
+        assert torch.equal(buf[s.offset:s.offset + s.nbytes], c.source.to(torch.bfloat16).view(torch.uint8)), c.name
