@@ -273,6 +273,8 @@ def test_each_batched_copy_has_one_destination_dtype(monkeypatch: pytest.MonkeyP
     assert buf is not None
     st.wait_event(st.stage(buf))
     assert calls and all(len(dst) == 1 and len(src) == 1 for dst, src in calls), calls
+    # and none casts to an 8-bit float: older torch has no fused kernel for it, and a batch of them alone took it
+    assert torch.float8_e4m3fn not in set().union(*(dst for dst, _src in calls)), calls
     for s, src in zip(st.slices, srcs):
         want = src.to(s.torch_dtype).view(torch.uint8)
         assert torch.equal(buf[s.offset:s.offset + s.nbytes], want)

@@ -38,6 +38,9 @@ _SIGNED = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 DIFF_BLOCK = 1 << 22  # elements per device-diff step (the device temporaries are ~13 bytes per element)
 _NO_STATIC_NONZERO: set[str] = set()  # device types whose torch has no nonzero_static kernel (see _positions)
 _FOREACH_MAX_NUMEL = (1 << 31) - 1  # larger copies go through copy_ (see _copy_all)
+# dtypes every torch since 2.4 dispatches in its CUDA foreach copy, as destination and as source (see _copy_all)
+_FOREACH_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                             torch.int16, torch.int8, torch.uint8, torch.bool})
 
 
 class ChunkLike(Protocol):
@@ -359,7 +362,9 @@ def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     Why one call per (destination, source) dtype pair, not one for all: torch's CUDA ``_foreach_copy_`` (2.4 on,
     until pytorch/pytorch#173383 was fixed) takes its fused path whenever the sources share a dtype and casts every
     pair to the first destination's dtype, so fp32 masters published as bf16 with one tensor overridden to fp16 or
-    fp8 gave that tensor bf16 bits, or wrote 2 bytes per element over the next chunk. Why a copy of more than
+    fp8 gave that tensor bf16 bits, or wrote 2 bytes per element over the next chunk. Casts to or from 8-bit
+    floats (single tensors) use ``copy_``: a batch of them alone would reach that fused path, which torch's
+    older kernels do not dispatch for 8-bit floats (an error where ``copy_`` casts). Why a copy of more than
     ``_FOREACH_MAX_NUMEL`` elements (an FSDP1 flat shard's run of views, a fused expert tensor on few ranks) goes
     through ``copy_``: before torch 2.8 (pytorch/pytorch#156261) the CUDA foreach kernels computed each block's
     offset in 32-bit ints, and read and wrote outside the tensors; ``copy_`` splits its work into 32-bit pieces."""
@@ -370,7 +375,7 @@ def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         if d.dtype == s.dtype and d.is_floating_point():
             bits = _SIGNED[d.element_size()]
             d, s = d.view(bits), s.view(bits)
-        if d.numel() > _FOREACH_MAX_NUMEL:
+        if d.numel() > _FOREACH_MAX_NUMEL or d.dtype not in _FOREACH_DTYPES or s.dtype not in _FOREACH_DTYPES:
             d.copy_(s)
             continue
         ds, ss = groups.setdefault((d.dtype, s.dtype), ([], []))
