@@ -202,6 +202,9 @@ def test_adjacent_chunks_are_staged_in_one_copy_and_given_sources_are_still_read
         st.stage(buf, wrong)
     with pytest.raises(ValueError, match="5 source tensors for 6 chunks"):
         st.stage(buf, own[:5])
+    wrong[4] = torch.zeros(24, device="meta")  # another device: its work would not be waited for on a GPU
+    with pytest.raises(ValueError, match="chunk 'e4': source is on meta, the shard on cpu"):
+        st.stage(buf, wrong)
     st.release(buf)
 
 

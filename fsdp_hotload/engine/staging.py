@@ -166,8 +166,9 @@ class Stager:
         return None
 
     def _checked(self, sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Caller-given sources, one per chunk with the chunk's element count. Why: a copy broadcasts, so a
-        source of one element would fill its whole chunk and be published without any error. The chunks' own
+        """Caller-given sources, one per chunk with the chunk's element count, on the shard's device. Why: a copy
+        broadcasts, so a source of one element would fill its whole chunk and be published without any error; and
+        a source on another device is copied without waiting for that device's work (on GPUs). The chunks' own
         sources, which the callback passes while the model's storage is unchanged, were checked at construction:
         one identity pass skips them (a split MoE model has tens of thousands, ~0.4 us each to count)."""
         srcs = list(sources)
@@ -176,8 +177,12 @@ class Stager:
         if all(map(operator.is_, srcs, self._own)):
             return self._own  # which _pairs knows without looking again
         for c, s, src in zip(self.chunks, self.slices, srcs):
-            if src is not c.source and int(src.numel()) != s.numel:
+            if src is c.source:
+                continue
+            if int(src.numel()) != s.numel:
                 raise ValueError(f"chunk {c.name!r}: source has {src.numel()} elements, the chunk {s.numel}")
+            if src.device != self.device:  # the side stream waits only for this device's stream
+                raise ValueError(f"chunk {c.name!r}: source is on {src.device}, the shard on {self.device}")
         return srcs
 
     def _copy_host(self, buf: torch.Tensor, srcs: Sequence[torch.Tensor]) -> None:
