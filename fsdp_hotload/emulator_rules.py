@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,21 @@ log = logging.getLogger(__name__)
 
 class LoadError(Exception):
     """A snapshot could not be loaded; the message names the file/tensor and the reason."""
+
+
+#: The file whose presence makes the service treat a snapshot folder as a LoRA adapter (protocol §2.2, §6.4).
+LORA_MARKER = "adapter_config.json"
+
+
+def carries_lora_marker(get_bytes: Callable[[str], bytes], identity: str) -> bool:
+    """Whether ``<identity>/adapter_config.json`` exists. Why look: the service tells LoRA from full weights by
+    the folder's contents, not by the signal, so a full-parameter publisher that carried the file by mistake
+    gets an adapter load (never its weights served), and with delta metadata a crashed serving container."""
+    try:
+        get_bytes(f"{identity}/{LORA_MARKER}")
+    except Exception:  # noqa: BLE001 - absent: each storage backend raises its own error type
+        return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ from typing import Any
 
 from .arc import (ArcError, RawTensor, apply_delta_file, code_from_name, is_delta_file, load_file, read_delta_info,
                   torch_name)
-from .emulator_rules import BaseModelSpec, LoadError, check_config, check_full_layout, check_quantization
+from .emulator_rules import (LORA_MARKER, BaseModelSpec, LoadError, carries_lora_marker, check_config,
+                             check_full_layout, check_quantization)
 from .fireworks_models import HotLoadRequest, validate_filename
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,10 @@ def load_snapshot(
 
     A full snapshot's layout is checked before any shard is downloaded: one layer per file and, when
     ``base_shapes`` is given, the base model's tensor names and shapes (a delta keeps its parent's layout)."""
+    if carries_lora_marker(get_bytes, identity):
+        raise LoadError(f"{identity}/{LORA_MARKER}: this folder is a LoRA adapter to the service (the file is its "
+                        "marker), so its weights are never served as the deployment's; the emulator serves "
+                        "full-parameter snapshots only, which must not carry the file")
     weight_map, tensor_map = read_layout(get_bytes, identity)
     config = _read_json(get_bytes, identity, CONFIG_FILE)
     check_quantization(identity, config, tensor_map)
@@ -410,6 +415,9 @@ class Deployment:
         identity = req.identity
         meta = req.incremental_snapshot_metadata
         previous = meta.previous_snapshot_identity if meta is not None else None
+        if meta is not None and carries_lora_marker(self.settings.get_bytes, identity):  # read outside the lock
+            raise SignalRejected(400, f"{identity!r} holds {LORA_MARKER}, so it is a LoRA snapshot, which never "
+                                      "carries incremental_snapshot_metadata (LoRA snapshots are always complete)")
         with self.lock:
             if not self.manager_up():
                 self.premature_signals += 1

@@ -132,3 +132,33 @@ def test_a_quantization_config_needs_quantized_tensors(tmp_path: Path, with_base
         with pytest.raises(HotLoadError, match="has a quantization_config, but model.weight.spec.json lists no "
                                                "quantized tensor"):
             client.wait_ready("step-000001-aaaaaaaa", timeout_s=30)
+
+
+def test_a_snapshot_with_the_lora_marker_is_never_loaded_as_full_weights(tmp_path: Path) -> None:
+    """``adapter_config.json`` makes the service treat a snapshot folder as a LoRA adapter (§2.2, §6.4): a full
+    signal for it never becomes the deployment's weights, and a delta signal for it is refused (§10; the SDK
+    notes that delta metadata on a LoRA snapshot crashes the serving container). A publisher that carried the
+    file by mistake must fail here as on a deployment, not be served."""
+    from tests.emulator_fixture import perturb, write_delta_snapshot
+
+    marker = json.dumps({"peft_type": "LORA", "base_model_name_or_path": "m", "r": 8})
+    bucket = tmp_path / "bucket"
+    with HotLoadEmulator(str(bucket), replicas=1, api_key=EMULATOR_API_KEY) as emu:
+        client = client_for(emu)
+        m1 = tiny_model(0)
+        write_full_snapshot(bucket, "step-1", m1)
+        client.signal("step-1")
+        client.wait_ready("step-1", timeout_s=30)
+
+        m2 = perturb(m1, seed=2)
+        (write_full_snapshot(bucket, "step-2", m2) / "adapter_config.json").write_text(marker)
+        client.signal("step-2")
+        with pytest.raises(HotLoadError, match="adapter_config.json"):
+            client.wait_ready("step-2", timeout_s=30)
+        assert served(emu) == ("step-1", sha256_map(m1))
+
+        (write_delta_snapshot(bucket, "step-3", "step-1", m1, m2) / "adapter_config.json").write_text(marker)
+        with pytest.raises(HotLoadError, match="adapter_config.json") as info:
+            client.signal("step-3", previous_identity="step-1")
+        assert info.value.status_code == 400
+        assert served(emu) == ("step-1", sha256_map(m1))
