@@ -353,7 +353,18 @@ class HotLoadClient:
             status_code=status,
             server_message=message,
             hint=hint_for(status, location),
+            response_text=self._response_text(data),
         )
+
+    def _response_text(self, data: bytes) -> str:
+        """The whole error body with the secrets removed. A JSON body is re-encoded first: a server that echoes a
+        header escapes it (``\\/`` for '/', ``\\u00xx``), which the raw text does not match."""
+        text = data.decode("utf-8", errors="replace")
+        try:
+            text = json.dumps(json.loads(text))
+        except (ValueError, RecursionError):
+            pass
+        return self.redact(text)
 
     def _parse_json(self, what: str, data: bytes) -> Any:
         """The JSON body, or None for an empty one: kept apart from a literal ``{}``, which is an answer."""
@@ -407,7 +418,9 @@ class HotLoadClient:
         try:
             result = self._request("POST", HOT_LOAD_PATH, body(with_cache), extra_headers=extra)
         except HotLoadError as exc:
-            text = (exc.server_message or "").lower()
+            # The whole response, as the reference client reads it: the message extracted for display
+            # (error.message, a gRPC status' message, the first 200 characters) may not name the field.
+            text = (exc.response_text or exc.server_message or "").lower()
             if not (
                 with_cache
                 and exc.status_code == 400

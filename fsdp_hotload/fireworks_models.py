@@ -56,7 +56,9 @@ class HotLoadError(RuntimeError):
     """A hot-load request failed, or a snapshot failed to load.
 
     ``status_code`` is the HTTP status (None for network failures and load failures), ``server_message`` the
-    message extracted from the response body, ``hint`` a sentence saying what to do.
+    message extracted from the response body, ``response_text`` the whole body as text with the client's secrets
+    removed (what the older-server fallback matches: the extracted message can leave the field name out),
+    ``hint`` a sentence saying what to do.
     """
 
     def __init__(
@@ -66,9 +68,11 @@ class HotLoadError(RuntimeError):
         status_code: int | None = None,
         server_message: str | None = None,
         hint: str | None = None,
+        response_text: str | None = None,
     ) -> None:
         self.status_code = status_code
         self.server_message = server_message
+        self.response_text = response_text
         self.hint = hint
         super().__init__(f"{message}; what to do: {hint}" if hint else message)
 

@@ -646,3 +646,21 @@ def test_hints_name_the_config_fields_behind_the_client_parameters(server: tuple
     with pytest.raises(HotLoadTimeout) as timeout:
         client.wait_ready("s1", timeout_s=0.1)
     assert "ready_timeout_s" in str(timeout.value), str(timeout.value)
+
+
+@pytest.mark.parametrize("body", [
+    {"error": {"message": "Extra inputs are not permitted", "field": "reset_prompt_cache", "value": True}},
+    {"code": 3, "message": "Extra inputs are not permitted", "details": [{"field": "reset_prompt_cache"}]},
+    ("1 validation error for HotLoadRequest: " + "x" * 200 + " Extra inputs are not permitted, field: "
+     "'reset_prompt_cache', value: True").encode(),
+])
+def test_reset_prompt_cache_fallback_reads_the_whole_response(server: tuple[str, Scripted], body: Any) -> None:
+    """The reference client falls back on a 400 whose response text names both the field and the pydantic
+    rejection; the message a client extracts for display (error.message, or the first 200 characters) may leave
+    the field name out, and without the fallback every signal to an older server fails."""
+    url, script = server
+    script.push(400, body)
+    client = make_client(url)
+    client.signal("s1", reset_prompt_cache="all")
+    assert script.bodies() == [{"identity": "s1", "reset_prompt_cache": "all"}, {"identity": "s1"}]
+    assert client.send_reset_prompt_cache is False

@@ -128,7 +128,7 @@ def test_a_header_value_echoed_json_escaped_is_redacted(echo_server: str, caplog
     with caplog.at_level(logging.DEBUG), pytest.raises(HotLoadError) as info:
         client.signal("step-1")
     assert "gateway refused token <redacted>" in str(info.value), str(info.value)
-    for text in (str(info.value), info.value.server_message or "", caplog.text):
+    for text in (str(info.value), info.value.server_message or "", info.value.response_text or "", caplog.text):
         assert secret not in text and secret.replace("/", "\\/") not in text
 
 
