@@ -513,6 +513,10 @@ class HotLoadClient:
                     on_poll(st)
                 if identity is None and st.replicas:
                     return st
+                # Readiness first, as the reference wait does: a replica that serves the snapshot may still report
+                # an error for it (a repeated signal's second load), and every replica serving it is the answer.
+                if identity is not None and st.is_ready(identity):
+                    return st
                 failed = st.failed_replicas(identity) if identity is not None else []
                 if failed:
                     raise HotLoadError(
@@ -521,8 +525,6 @@ class HotLoadClient:
                         hint="the deployment keeps serving its previous snapshot; read the ledger for the error, "
                         "fix the snapshot, and publish a new full snapshot (a failed load ends the delta chain)",
                     )
-                if identity is not None and st.is_ready(identity):
-                    return st
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 if last is None:

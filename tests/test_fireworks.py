@@ -368,6 +368,16 @@ def test_wait_ready_fails_fast_on_error_for_this_identity(server: tuple[str, Scr
     assert len(script.requests) == 1
 
 
+def test_every_replica_serving_the_identity_is_ready_despite_an_error_for_it(server: tuple[str, Scripted]) -> None:
+    """The reference wait tests readiness before the error stage (§3.3): a replica that serves the snapshot and
+    still reports an error for it (a repeated signal's second load, say) does not fail a snapshot every replica
+    serves."""
+    url, script = server
+    script.default = (200, status_body(("s1", True, "done", "s1"), ("s1", True, "error", "s1")), {})
+    assert make_client(url).wait_ready("s1", timeout_s=10).is_ready("s1")
+    assert len(script.requests) == 1
+
+
 def test_stale_error_is_ignored(server: tuple[str, Scripted]) -> None:
     url, script = server
     script.push(200, status_body(("s0", True, "error", "s-old"), ("s0", True, "pending", "s1")))
