@@ -354,6 +354,7 @@ class HotLoadClient:
             server_message=message,
             hint=hint_for(status, location),
             response_text=self._response_text(data),
+            attempts=attempts,
         )
 
     def _response_text(self, data: bytes) -> str:
@@ -418,6 +419,14 @@ class HotLoadClient:
         try:
             result = self._request("POST", HOT_LOAD_PATH, body(with_cache), extra_headers=extra)
         except HotLoadError as exc:
+            if exc.status_code == 409 and exc.attempts > 1:
+                # A conflict for a signal sent again (an answer lost, a 5xx): the identity is new to this run, so
+                # the likely conflict is with the earlier attempt, which the server took. The readiness wait
+                # that follows tells whether it did.
+                log.warning("signal of %r to %s: HTTP 409 after %d attempts, taken as an earlier attempt accepted; "
+                            "waiting for readiness decides (%s)", identity, self.deployment_name, exc.attempts,
+                            exc.server_message)
+                return {}
             # The whole response, as the reference client reads it: the message extracted for display
             # (error.message, a gRPC status' message, the first 200 characters) may not name the field.
             text = (exc.response_text or exc.server_message or "").lower()

@@ -58,7 +58,8 @@ class HotLoadError(RuntimeError):
     ``status_code`` is the HTTP status (None for network failures and load failures), ``server_message`` the
     message extracted from the response body, ``response_text`` the whole body as text with the client's secrets
     removed (what the older-server fallback matches: the extracted message can leave the field name out),
-    ``hint`` a sentence saying what to do.
+    ``hint`` a sentence saying what to do, ``attempts`` how many times the request was sent (an answer to a
+    retry may be about an earlier attempt the server took).
     """
 
     def __init__(
@@ -69,11 +70,13 @@ class HotLoadError(RuntimeError):
         server_message: str | None = None,
         hint: str | None = None,
         response_text: str | None = None,
+        attempts: int = 1,
     ) -> None:
         self.status_code = status_code
         self.server_message = server_message
         self.response_text = response_text
         self.hint = hint
+        self.attempts = attempts
         super().__init__(f"{message}; what to do: {hint}" if hint else message)
 
 

@@ -282,6 +282,23 @@ def test_client_errors_are_not_retried(server: tuple[str, Scripted]) -> None:
     assert len(script.requests) == 1
 
 
+def test_a_conflict_for_a_retried_signal_is_the_earlier_attempt_accepted(server: tuple[str, Scripted],
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """The first attempt's answer is lost (a 502 from a proxy after the server took it); the retry then meets a
+    server that already has that identity. Every identity is new to its run, so a 409 to a retry is the earlier
+    attempt accepted: the signal succeeds and the readiness wait decides, instead of failing a loading snapshot."""
+    url, script = server
+    script.push(502, {"error": {"message": "upstream reset"}})
+    script.push(409, {"error": {"message": "identity s1 already exists"}})
+    client = make_client(url)
+    with caplog.at_level(logging.WARNING):
+        assert client.signal("s1") == {}
+    assert len(script.requests) == 2
+    assert "HTTP 409 after 2 attempts" in caplog.text
+    script.default = (200, status_body(("s1", True, "done", "s1")), {})
+    assert client.wait_ready("s1", timeout_s=5).is_ready("s1")
+
+
 def test_connection_refused_is_retried_then_raised() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
