@@ -152,7 +152,7 @@ class Stager:
             assert self._stream is not None
             main = torch.cuda.current_stream(self.device)
             self._stream.wait_stream(main)
-            with torch.cuda.stream(self._stream):
+            with torch.no_grad(), torch.cuda.stream(self._stream):
                 _copy_all(*self._pairs(buf, srcs))
                 event = torch.cuda.Event()
                 event.record(self._stream)
@@ -202,15 +202,15 @@ class Stager:
         src: list[torch.Tensor] = []
         own = srcs is self._own
         for g, view in zip(self._groups, views):
-            if g.stop - g.start == 1:
+            if g.stop - g.start == 1:  # no detach(): called under no_grad (one per chunk and publish adds up)
                 dst.append(_as_source(view, srcs[g.start]))
-                src.append(srcs[g.start].detach())
+                src.append(srcs[g.start])
             elif own or all(map(operator.is_, srcs[g.start:g.stop], g.members)):
                 dst.append(view)
                 src.append(g.merged)
             else:
                 dst += [_as_source(self.view(buf, self.slices[k]), srcs[k]) for k in range(g.start, g.stop)]
-                src += [srcs[k].detach() for k in range(g.start, g.stop)]
+                src += srcs[g.start:g.stop]
         return dst, src
 
     # ------------------------------------------------------------------ background thread
