@@ -68,6 +68,10 @@ def hf_tie_word_embeddings(hf_config_dir: str | None) -> bool | None:
     return value if isinstance(value, bool) else None
 
 
+#: From this many chunks on a rank, rank 0 suggests ``gc.freeze()`` at start (README: Many tensors).
+MANY_CHUNKS = 20_000
+
+
 class HotloadCallback:
     """Publishes a (possibly sharded) model's weights every ``config.publish_every`` steps.
 
@@ -128,6 +132,10 @@ class HotloadCallback:
         except BaseException:
             self._close_comms()
             raise
+        if self.engine.rank == 0 and len(chunks) >= MANY_CHUNKS:
+            log.info("hotload: %d chunks on this rank; the interpreter's full garbage collections over that many "
+                     "objects hold the GIL for a while on the publisher's thread: calling gc.freeze() once the model, "
+                     "the optimizer and this callback are built keeps them short (README: Many tensors)", len(chunks))
         if self.engine.rank == 0:
             try:
                 self._warn_about_model()

@@ -643,3 +643,19 @@ def test_a_malformed_split_is_refused_naming_the_tensor(split: Any) -> None:
 
     with pytest.raises(ValueError, match=r"split\('model\.layers\.0\.mlp\.experts\.down_proj', \(4, 8, 4\)\)"):
         full_tensor_specs(FusedMoe(), split=split)
+
+
+def test_many_chunks_bring_the_gc_freeze_advice_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """From MANY_CHUNKS chunks on, rank 0 says at start how to keep the interpreter's full collections short."""
+    import fsdp_hotload.callback as callback
+
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))  # 4 chunks
+    for threshold, told in ((4, True), (5, False)):
+        monkeypatch.setattr(callback, "MANY_CHUNKS", threshold)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="fsdp_hotload"):
+            HotloadCallback(model, HotloadConfig(bucket_url=str(tmp_path / f"b{threshold}"))).close()
+        advice = [r.getMessage() for r in caplog.records if "gc.freeze()" in r.getMessage()]
+        assert len(advice) == int(told), advice
+        assert not told or advice[0].startswith("hotload: 4 chunks on this rank"), advice
