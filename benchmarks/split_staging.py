@@ -28,7 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fsdp_hotload.arc.boxes import Box  # noqa: E402
-from fsdp_hotload.engine.staging import CopyGroup, Stager  # noqa: E402
+from fsdp_hotload.engine.copies import CopyGroup  # noqa: E402
+from fsdp_hotload.engine.staging import Stager  # noqa: E402
 from fsdp_hotload.naming import split_fused_experts, transpose_fused_experts  # noqa: E402
 from fsdp_hotload.publish import WholeChunk  # noqa: E402
 
@@ -86,7 +87,8 @@ def main() -> int:
     views = [c.source for c in chunks]  # what the callback passes each publish: the chunks' own views, listed anew
     given_s = median_s(lambda: st.wait_event(st.stage(buf, views)), args.reps, sync)
     st._groups = [CopyGroup(k, k + 1, (c.source,), None) for k, c in enumerate(chunks)]  # one copy per chunk
-    st._dst.clear()
+    st._plans.clear()
+    st._where = []
     per_chunk_s = median_s(stage, args.reps, sync)
     whole = torch.cat([t.view(-1) for t in fused])
     out = torch.empty(whole.numel(), dtype=torch.bfloat16, device=device)

@@ -207,6 +207,6 @@ def test_split_staging_benchmark_copies_runs_of_parts() -> None:
 
 
 def test_tensor_count_benchmark_publishes_fulls_and_deltas_at_every_count() -> None:
-    proc = _run([str(BENCH / "tensor_count.py"), "--counts", "300,600", "--steps", "2"], 120)
+    proc = _run([str(BENCH / "tensor_count.py"), "--counts", "300,600", "--steps", "3"], 120)
     assert "| 300 |" in proc.stdout and "| 600 |" in proc.stdout and "machine:" in proc.stdout, proc.stdout
     assert "cost per tensor at 600 over that at 300" in proc.stdout, proc.stdout

@@ -289,10 +289,10 @@ def test_tensors_past_int32_elements_are_not_batched(monkeypatch: pytest.MonkeyP
     each block's offset in 32-bit ints and read and wrote outside the tensors (an illegal memory access, which
     ends the CUDA context). The limit is lowered here so that small tensors stand for such large ones."""
     from fsdp_hotload.arc.boxes import Box
-    from fsdp_hotload.engine import staging
+    from fsdp_hotload.engine import copies
     from fsdp_hotload.publish import WholeChunk
 
-    monkeypatch.setattr(staging, "_FOREACH_MAX_NUMEL", 100, raising=False)
+    monkeypatch.setattr(copies, "_FOREACH_MAX_NUMEL", 100, raising=False)
     seen: list[int] = []
     real = torch._foreach_copy_
 
@@ -315,3 +315,76 @@ def test_tensors_past_int32_elements_are_not_batched(monkeypatch: pytest.MonkeyP
     assert seen and max(seen) <= 100, seen
     for c, s in zip(cs, st.slices):
         assert torch.equal(buf[s.offset:s.offset + s.nbytes], c.source.to(torch.bfloat16).view(torch.uint8)), c.name
+
+
+def test_the_copy_plan_is_made_once_per_buffer_and_given_sources_never_stay_in_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each buffer's copies are batched once (sorting tens of thousands of copies by dtype pair on every publish
+    cost the trainer ~2 us per chunk). Sources given in place of a chunk's own (a buffer cloned for a background
+    copy) are put into a copy of the plan for that publish only: the next publish reads the chunk's own source
+    again. A given source of another shape, or one inside a run of adjacent chunks, is copied pair by pair."""
+    from fsdp_hotload.arc.boxes import Box
+    from fsdp_hotload.engine import copies
+    from fsdp_hotload.publish import WholeChunk
+
+    made: list[int] = []
+    real = copies.CopyPlan.of
+
+    def counting(dst: list[torch.Tensor], src: list[torch.Tensor]) -> object:
+        made.append(len(dst))
+        return real(dst, src)
+
+    monkeypatch.setattr(copies.CopyPlan, "of", staticmethod(counting))
+    torch.manual_seed(0)
+    base = torch.randn(60)
+    nan = torch.tensor([float("nan")] * 4, dtype=torch.bfloat16).view(torch.int16)
+    nan[1] = 0x7FC1  # a NaN payload that a floating copy may rewrite
+    srcs = [torch.randn(3, 5), torch.randn(8, dtype=torch.bfloat16), nan.view(torch.bfloat16),
+            torch.arange(6, dtype=torch.int64), base[:20], base[20:40]]
+    codes = ["BF16", "BF16", "BF16", "I64", "BF16", "BF16"]
+    cs = [WholeChunk(f"t{i}", tuple(s.shape), code, "flat", Box.whole(tuple(s.shape)), s)
+          for i, (s, code) in enumerate(zip(srcs, codes))]
+    st = Stager(cs, slots=2)
+    assert [(g.start, g.stop) for g in st._groups][-1] == (4, 6)  # the two adjacent views: one run
+
+    def chunk_bytes(buf: torch.Tensor) -> list[bytes]:  # the padding between chunks is never written
+        return [bytes(buf[s.offset:s.offset + s.nbytes].numpy()) for s in st.slices]
+
+    def staged(sources: list[torch.Tensor] | None) -> list[bytes]:
+        buf = st.acquire(wait=False)
+        assert buf is not None
+        st.wait_event(st.stage(buf, sources))
+        st.release(buf)
+        return chunk_bytes(buf)
+
+    def expected(given: list[torch.Tensor]) -> list[bytes]:
+        return [bytes(src.to(s.torch_dtype).contiguous().view(torch.uint8).numpy()) for s, src in zip(st.slices, given)]
+
+    own = [c.source for c in cs]
+    first, second = st.acquire(wait=False), st.acquire(wait=False)
+    assert first is not None and second is not None
+    for buf in (first, second, first):
+        st.wait_event(st.stage(buf))
+        assert chunk_bytes(buf) == expected(own)
+    st.release(first)
+    st.release(second)
+    assert made == [5, 5], "one plan per buffer (5 copies: the run is one), made once"
+    for k in (0, 1, 2, 3):  # a cast copy, bf16 and bf16 NaN bits moved as integers, an int64 chunk
+        given = list(own)
+        given[k] = own[k].clone() if k == 2 else own[k] * 3
+        if k == 2:
+            given[k].view(torch.int16)[2] = 0x7FC3  # another payload: kept only if moved as an integer
+        assert staged(given) == expected(given) != expected(own), k
+        assert staged(list(own)) == staged(None) == expected(own), f"chunk {k}'s given source stayed in the plan"
+    assert made == [5, 5], "sources given in place of the chunks' own are patched into the plan"
+    reshaped = list(own)
+    reshaped[0] = own[0].reshape(5, 3) * 2  # the same elements, another shape: the destination view differs
+    assert staged(reshaped) == expected(reshaped)
+    in_run = list(own)
+    in_run[5] = own[5] + 1  # one member of the run: its copy no longer reads the run's views
+    assert staged(in_run) == expected(in_run)
+    assert made == [5, 5, 5, 6]
+    with torch.no_grad():
+        base.mul_(2)
+        own[0].add_(1)
+    assert staged(None) == expected(own), "the plan reads the sources' current values"

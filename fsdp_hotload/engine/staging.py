@@ -8,8 +8,9 @@ work (the diff, reading a full snapshot, filling a host cache) runs on a second 
 queues behind, or holds up, the training stream; the diff walks each chunk (adjacent chunks of one element size as
 one range) in blocks of ``DIFF_BLOCK`` elements, so its device temporaries stay below ~52 MB (bf16) however many
 values changed. On the CPU it can hand the copy to a helper thread (``background=True``); the caller then fences
-before the next update. The cache is one more buffer with the same layout holding the bytes of the last accepted
-snapshot; after an accepted publish the slot and the cache swap roles (no copy).
+before the next update. The copies into each buffer are batched once and kept (``copies.CopyPlan``). The cache is
+one more buffer with the same layout holding the bytes of the last accepted snapshot; after an accepted publish the
+slot and the cache swap roles (no copy).
 
 Example::
 
@@ -25,7 +26,6 @@ import operator
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, ContextManager, Protocol, Sequence
 
 import numpy as np
@@ -33,14 +33,10 @@ import torch
 
 from ..arc.codecs import ElementDiff, element_diff
 from ..arc.dtypes import UINT_BY_SIZE, itemsize, torch_name
+from .copies import SIGNED, CopyPlan, Slice, as_source, copy_groups, window
 
-_SIGNED = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 DIFF_BLOCK = 1 << 22  # elements per device-diff step (the device temporaries are ~13 bytes per element)
 _NO_STATIC_NONZERO: set[str] = set()  # device types whose torch has no nonzero_static kernel (see _positions)
-_FOREACH_MAX_NUMEL = (1 << 31) - 1  # larger copies go through copy_ (see _copy_all)
-# dtypes every torch since 2.4 dispatches in its CUDA foreach copy, as destination and as source (see _copy_all)
-_FOREACH_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-                             torch.int16, torch.int8, torch.uint8, torch.bool})
 
 
 class ChunkLike(Protocol):
@@ -58,17 +54,6 @@ class ChunkLike(Protocol):
     def box(self) -> Any: ...
     @property
     def source(self) -> torch.Tensor: ...
-
-
-@dataclass(frozen=True)
-class Slice:
-    """Where one chunk lives inside a flat slot buffer."""
-
-    offset: int  # bytes
-    nbytes: int
-    numel: int
-    itemsize: int
-    torch_dtype: torch.dtype
 
 
 class Stager:
@@ -112,7 +97,10 @@ class Stager:
         self._views: dict[int, list[np.ndarray]] = {}  # host_views by buffer address
         self._own = [c.source for c in self.chunks]  # checked above
         self._groups = copy_groups(self._own, self.slices)
-        self._dst: dict[int, list[torch.Tensor]] = {}  # each group's slot view, by buffer address
+        self._plans: dict[int, CopyPlan] = {}  # the own sources' copies into each buffer, by buffer address
+        self._where: list[tuple[int, int, bool] | None] = []  # each chunk's place in every plan (see _plan)
+        self._own_src: list[torch.Tensor] = []  # each copy group's source in the plans
+        self._bits: list[bool] = []  # whether each group is copied as integers (no cast)
 
     def _alloc(self, device: torch.device) -> torch.Tensor:
         """One buffer of the slot layout on ``device``. Host memory is pinned only for a CUDA shard (its host
@@ -147,13 +135,13 @@ class Stager:
         thread, returning a Future: the caller must then keep the sources unchanged until it is done (the
         callback waits for it before the next optimizer step).
         """
-        srcs = self._own if sources is None else self._checked(sources)
+        srcs, changed = (self._own, []) if sources is None else self._checked(sources)
         if self.cuda:
             assert self._stream is not None
             main = torch.cuda.current_stream(self.device)
             self._stream.wait_stream(main)
             with torch.no_grad(), torch.cuda.stream(self._stream):
-                _copy_all(*self._pairs(buf, srcs))
+                self._copy(buf, srcs, changed)
                 event = torch.cuda.Event()
                 event.record(self._stream)
             main.wait_event(event)  # the next optimizer step waits for the copy on the device, not on the host
@@ -161,55 +149,120 @@ class Stager:
         if background:
             if self._copier is None:
                 self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotload-stage")
-            return self._copier.submit(self._copy_host, buf, srcs)
-        self._copy_host(buf, srcs)
+            return self._copier.submit(self._copy_host, buf, srcs, changed)
+        self._copy_host(buf, srcs, changed)
         return None
 
-    def _checked(self, sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Caller-given sources, one per chunk with the chunk's element count, on the shard's device. Why: a copy
-        broadcasts, so a source of one element would fill its whole chunk and be published without any error; and
-        a source on another device is copied without waiting for that device's work (on GPUs). The chunks' own
-        sources, which the callback passes while the model's storage is unchanged, were checked at construction:
-        one identity pass skips them (a split MoE model has tens of thousands, ~0.4 us each to count)."""
+    def _checked(self, sources: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+        """Caller-given sources, one per chunk with the chunk's element count, on the shard's device, and the
+        indices of those that are not the chunk's own. Why: a copy broadcasts, so a source of one element would
+        fill its whole chunk and be published without any error; and a source on another device is copied without
+        waiting for that device's work (on GPUs). The chunks' own sources, which the callback passes while the
+        model's storage is unchanged, were checked at construction: one identity pass skips them (a split MoE
+        model has tens of thousands, ~0.4 us each to count)."""
         srcs = list(sources)
         if len(srcs) != len(self.chunks):
             raise ValueError(f"{len(srcs)} source tensors for {len(self.chunks)} chunks (one per chunk, in order)")
-        if all(map(operator.is_, srcs, self._own)):
-            return self._own  # which _pairs knows without looking again
-        for c, s, src in zip(self.chunks, self.slices, srcs):
-            if src is c.source:
-                continue
+        changed = [k for k, same in enumerate(map(operator.is_, srcs, self._own)) if not same]
+        if not changed:
+            return self._own, changed  # which _copy knows without looking again
+        for k in changed:
+            src, s = srcs[k], self.slices[k]
             if int(src.numel()) != s.numel:
-                raise ValueError(f"chunk {c.name!r}: source has {src.numel()} elements, the chunk {s.numel}")
+                raise ValueError(f"chunk {self.chunks[k].name!r}: source has {src.numel()} elements, the chunk "
+                                 f"{s.numel}")
             if src.device != self.device:  # the side stream waits only for this device's stream
-                raise ValueError(f"chunk {c.name!r}: source is on {src.device}, the shard on {self.device}")
-        return srcs
+                raise ValueError(f"chunk {self.chunks[k].name!r}: source is on {src.device}, the shard on "
+                                 f"{self.device}")
+        return srcs, changed
 
-    def _copy_host(self, buf: torch.Tensor, srcs: Sequence[torch.Tensor]) -> None:
+    def _copy_host(self, buf: torch.Tensor, srcs: Sequence[torch.Tensor], changed: Sequence[int]) -> None:
         with torch.no_grad():  # thread-local: set here, on whichever thread copies
-            _copy_all(*self._pairs(buf, srcs))
+            self._copy(buf, srcs, changed)
+
+    def _copy(self, buf: torch.Tensor, srcs: Sequence[torch.Tensor], changed: Sequence[int]) -> None:
+        """Stage ``srcs`` into ``buf`` (under ``no_grad``): by the buffer's plan, with the ``changed`` chunks'
+        sources put in place of their own where they fit it, else pair by pair."""
+        plan = self._plan(buf)
+        if changed:
+            plan = self._patched(plan, srcs, changed)
+        if plan is None:
+            plan = CopyPlan.of(*self._pairs(buf, srcs))[0]
+        plan.run()
+
+    def _plan(self, buf: torch.Tensor) -> CopyPlan:
+        """The copies that stage the chunks' own sources into ``buf``, batched once per buffer and kept.
+
+        Why: sorting tens of thousands of copies into batches by dtype pair, and making each chunk's slot view,
+        cost the trainer's thread ~1 us per chunk on every publish, twice what the copies take. A plan holds one
+        window of the buffer per copy (:func:`~.copies.window`) and the sources once for all buffers (an integer view of
+        each one copied without a cast). The buffers live as long as the stager and only swap roles."""
+        plan = self._plans.get(buf.data_ptr())
+        if plan is None:
+            if not self._where:
+                self._own_src, self._bits = [], []
+                for g in self._groups:
+                    src = self._own[g.start] if g.merged is None else g.merged
+                    bits = src.dtype == self.slices[g.start].torch_dtype and src.is_floating_point()
+                    self._own_src.append(src.view(SIGNED[src.element_size()]) if bits else src)
+                    self._bits.append(bits)
+            plan, where = CopyPlan.of(self._destinations(buf), self._own_src)
+            if not self._where:
+                self._where = [None] * len(self.chunks)
+                for g, (batch, pos, _), bits in zip(self._groups, where, self._bits):
+                    if g.merged is None:
+                        self._where[g.start] = (batch, pos, bits)
+            self._plans[buf.data_ptr()] = plan
+        return plan
+
+    def _destinations(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """Each copy group's window of ``buf`` for the own sources: in their shape, as integers where not cast."""
+        out = []
+        for g, src, bits in zip(self._groups, self._own_src, self._bits):
+            first, last = self.slices[g.start], self.slices[g.stop - 1]
+            kind = SIGNED[first.itemsize] if bits else first.torch_dtype
+            shape = (last.offset + last.nbytes - first.offset) // first.itemsize if src.dim() == 1 else src.shape
+            out.append(window(buf, first.offset, kind, shape))
+        return out
+
+    def _patched(self, plan: CopyPlan, srcs: Sequence[torch.Tensor], changed: Sequence[int]) -> CopyPlan | None:
+        """``plan`` with the ``changed`` chunks' sources in place of their own (a buffer cloned for a background
+        copy, a model walked again), or None where one does not fit: it is part of a run copied as one, or its
+        dtype or shape differs from its own (the copy's destination view and batch would differ)."""
+        batches, singles = list(plan.batches), list(plan.singles)
+        copied: set[int] = set()
+        for k in changed:
+            where, src, own = self._where[k], srcs[k], self._own[k]
+            if where is None or src.dtype != own.dtype or src.shape != own.shape:
+                return None
+            batch, pos, bits = where
+            if bits:
+                src = src.view(SIGNED[src.element_size()])
+            if batch < 0:
+                singles[pos] = (singles[pos][0], src)
+                continue
+            if batch not in copied:
+                copied.add(batch)
+                batches[batch] = (batches[batch][0], list(batches[batch][1]))
+            batches[batch][1][pos] = src
+        return CopyPlan(batches, singles)
 
     def _pairs(self, buf: torch.Tensor, srcs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The copies that stage ``srcs`` into ``buf``: one per group of chunks whose sources are still the
-        adjacent views the group was made of (:func:`copy_groups`), one per chunk otherwise (sources given anew,
-        a buffer cloned for a background copy)."""
-        views = self._dst.get(buf.data_ptr())
-        if views is None:
-            views = self._dst[buf.data_ptr()] = [
-                buf[self.slices[g.start].offset:self.slices[g.stop - 1].offset + self.slices[g.stop - 1].nbytes]
-                .view(self.slices[g.start].torch_dtype) for g in self._groups]
+        adjacent views the group was made of (:func:`copy_groups`), one per chunk otherwise."""
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         own = srcs is self._own
-        for g, view in zip(self._groups, views):
+        for g in self._groups:
             if g.stop - g.start == 1:  # no detach(): called under no_grad (one per chunk and publish adds up)
-                dst.append(_as_source(view, srcs[g.start]))
+                dst.append(as_source(self.view(buf, self.slices[g.start]), srcs[g.start]))
                 src.append(srcs[g.start])
             elif own or all(map(operator.is_, srcs[g.start:g.stop], g.members)):
-                dst.append(view)
+                first, last = self.slices[g.start], self.slices[g.stop - 1]
+                dst.append(buf[first.offset:last.offset + last.nbytes].view(first.torch_dtype))
                 src.append(g.merged)
             else:
-                dst += [_as_source(self.view(buf, self.slices[k]), srcs[k]) for k in range(g.start, g.stop)]
+                dst += [as_source(self.view(buf, self.slices[k]), srcs[k]) for k in range(g.start, g.stop)]
                 src += srcs[g.start:g.stop]
         return dst, src
 
@@ -300,7 +353,7 @@ class Stager:
         with self._cond:
             self._free, self.cache, self._spare = [], None, None
             self._views.clear()
-            self._dst.clear()
+            self._plans.clear()
         self.refuse()
 
     def refuse(self) -> None:
@@ -309,90 +362,6 @@ class Stager:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-
-
-@dataclass(frozen=True)
-class CopyGroup:
-    """Chunks ``start`` to ``stop`` (exclusive), staged by one copy of ``merged`` when more than one."""
-
-    start: int
-    stop: int
-    members: tuple[torch.Tensor, ...]  # the chunk sources the group was made of
-    merged: torch.Tensor | None  # one view over all of them (None for a single chunk)
-
-
-def copy_groups(sources: Sequence[torch.Tensor], slices: Sequence[Slice]) -> list[CopyGroup]:
-    """Runs of chunks whose sources follow each other in one storage (same dtype, contiguous) and whose slot slices
-    follow each other (same snapshot dtype): each run is staged by one copy.
-
-    Why: a split tensor is thousands of chunks (every part of every expert of a MoE model), each a view next to
-    the last. Copied one by one, the per-chunk cost of the copy call (3-5 us on a CPU) made staging 6,144 such
-    chunks take 3x a single cast-copy of the same bytes (benchmarks/split_staging.py), on the trainer's thread
-    where a GPU copy is launched."""
-    groups: list[CopyGroup] = []
-    start = 0
-    for k in range(1, len(sources) + 1):
-        if k < len(sources) and _follows(sources[k - 1], sources[k], slices[k - 1], slices[k]):
-            continue
-        members = tuple(sources[start:k])
-        merged = None
-        if k - start > 1:
-            first = members[0].detach()
-            merged = first.as_strided((sum(int(m.numel()) for m in members),), (1,), first.storage_offset())
-        groups.append(CopyGroup(start, k, members, merged))
-        start = k
-    return groups
-
-
-def _as_source(view: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """The slot ``view`` (1-D) shaped as ``source``. Why: a permuted part's source is a strided N-D view whose C
-    order is the published one; copied into the same shape, it is read in that order in the one copy, where
-    flattening it first would copy it twice."""
-    return view if source.dim() == 1 else view.view(source.shape)
-
-
-def _follows(a: torch.Tensor, b: torch.Tensor, sa: Slice, sb: Slice) -> bool:
-    return (sb.offset == sa.offset + sa.nbytes and sb.torch_dtype == sa.torch_dtype and a.dtype == b.dtype
-            and a.device == b.device and a.dim() == b.dim() == 1 and a.is_contiguous() and b.is_contiguous()
-            and a.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size())
-
-
-def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """All chunk copies (with casts) in one call per pair of dtypes where torch offers it: one call means one GIL
-    release, so a busy publisher thread cannot make the trainer wait to retake the GIL between chunks. Copies
-    without a cast move integers of the same width: a floating copy may go through float on a device and rewrite
-    NaN payloads, and the snapshot must hold the trainer's exact bytes.
-
-    Why one call per (destination, source) dtype pair, not one for all: torch's CUDA ``_foreach_copy_`` (2.4 on,
-    until pytorch/pytorch#173383 was fixed) takes its fused path whenever the sources share a dtype and casts every
-    pair to the first destination's dtype, so fp32 masters published as bf16 with one tensor overridden to fp16 or
-    fp8 gave that tensor bf16 bits, or wrote 2 bytes per element over the next chunk. Casts to or from 8-bit
-    floats (single tensors) use ``copy_``: a batch of them alone would reach that fused path, which torch's
-    older kernels do not dispatch for 8-bit floats (an error where ``copy_`` casts). Why a copy of more than
-    ``_FOREACH_MAX_NUMEL`` elements (an FSDP1 flat shard's run of views, a fused expert tensor on few ranks) goes
-    through ``copy_``: before torch 2.8 (pytorch/pytorch#156261) the CUDA foreach kernels computed each block's
-    offset in 32-bit ints, and read and wrote outside the tensors; ``copy_`` splits its work into 32-bit pieces."""
-    if not dst:
-        return
-    groups: dict[tuple[torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    for d, s in zip(dst, src):
-        if d.dtype == s.dtype and d.is_floating_point():
-            bits = _SIGNED[d.element_size()]
-            d, s = d.view(bits), s.view(bits)
-        if d.numel() > _FOREACH_MAX_NUMEL or d.dtype not in _FOREACH_DTYPES or s.dtype not in _FOREACH_DTYPES:
-            d.copy_(s)
-            continue
-        ds, ss = groups.setdefault((d.dtype, s.dtype), ([], []))
-        ds.append(d)
-        ss.append(s)
-    foreach = getattr(torch, "_foreach_copy_", None)
-    for ds, ss in groups.values():
-        if foreach is not None:
-            foreach(ds, ss)
-        else:  # pragma: no cover - older torch
-            for d, s in zip(ds, ss):
-                d.copy_(s, non_blocking=True)
 
 
 def device_diff(new: torch.Tensor, old: torch.Tensor, slices: Sequence[Slice], block: int = DIFF_BLOCK
@@ -446,7 +415,7 @@ def _range_diffs(new: torch.Tensor, old: torch.Tensor, slices: Sequence[Slice], 
 
     def pair(i: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = slices[i]
-        kind = _SIGNED[s.itemsize]
+        kind = SIGNED[s.itemsize]
         a = new[s.offset:s.offset + s.nbytes].view(kind)[start:start + n]
         b = old[s.offset:s.offset + s.nbytes].view(kind)[start:start + n]
         return a, b.to(a.device, non_blocking=True)  # a pinned host cache: queued, in order
@@ -457,7 +426,7 @@ def _range_diffs(new: torch.Tensor, old: torch.Tensor, slices: Sequence[Slice], 
         per_chunk[i] += c
     pin = new.device.type == "cuda"
     host = [(torch.empty(c, dtype=torch.int64, pin_memory=pin),
-             *(torch.empty(c, dtype=_SIGNED[s.itemsize], pin_memory=pin) for _ in range(2)))
+             *(torch.empty(c, dtype=SIGNED[s.itemsize], pin_memory=pin) for _ in range(2)))
             for s, c in zip(slices, per_chunk)]
     filled = [0] * len(slices)
 
