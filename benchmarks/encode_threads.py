@@ -43,15 +43,15 @@ def best_encode(enc: ChunkEncoder, buf: torch.Tensor, parts: list[tuple[int, int
     """Best wall time of ``repeat`` encodes, the diff seconds of that run, and the last run's chunks.
 
     One untimed encode comes first: it starts the threads and warms the caches, so it must not be the figure."""
-    out, _ = enc.encode(buf, "delta", parts)
+    out = enc.encode(buf, "delta", parts)
     best, best_diff = float("inf"), 0.0
     for _ in range(repeat):
         t0 = time.perf_counter()
-        out, diff_s = enc.encode(buf, "delta", parts)
+        out = enc.encode(buf, "delta", parts)
         total = time.perf_counter() - t0
         if total < best:
-            best, best_diff = total, diff_s
-    return best, best_diff, out
+            best, best_diff = total, out.diff_s
+    return best, best_diff, list(zip(out.payloads, out.parts, out.changed))
 
 
 def main() -> int:
@@ -81,7 +81,7 @@ def main() -> int:
         enc = ChunkEncoder(chunks, st, codec, workers=n)
         best, best_diff, out = best_encode(enc, buf, parts, args.repeat)
         enc.close()
-        got = [(bytes(e.payload), e.parts, e.changed) for e in out]
+        got = [(bytes(payload), parts, changed) for payload, parts, changed in out]
         if first is None:
             first = got
         elif got != first:

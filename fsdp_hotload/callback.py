@@ -28,6 +28,7 @@ from .config import HotloadConfig
 from .dtype_policy import DtypePolicy
 from .engine.cadence import next_step
 from .engine.comm import Comm, GlooComm, LocalComm
+from .engine.copies import storage_ptr
 from .engine.metrics import PublishMetrics
 from .engine.publisher import Publisher
 from .fsdp import full_tensor_specs, local_chunks, source_dtypes, storage_fingerprint, tensor_paths
@@ -225,9 +226,8 @@ class HotloadCallback:
         buffer (tensor parallelism replicates the buffers of the modules it parallelises) is matched by its local
         tensor, which the chunk views: the wrapper itself has no storage to read."""
         held = (getattr(b, "_local_tensor", b) for b in self.model.buffers())
-        ptrs = {t.untyped_storage().data_ptr() for t in held if t.numel()}
-        return [i for i, c in enumerate(chunks)
-                if c.source.numel() and c.source.untyped_storage().data_ptr() in ptrs]
+        ptrs = {storage_ptr(t) for t in held if t.numel()}
+        return [i for i, c in enumerate(chunks) if c.source.numel() and storage_ptr(c.source) in ptrs]
 
     def _background_sources(self) -> list[torch.Tensor]:
         """The sources for a copy that overlaps the next forward: buffers are cloned now (they are small),

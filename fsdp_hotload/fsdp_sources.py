@@ -92,13 +92,22 @@ def _is_flat_param(p: Any) -> bool:
 
 
 def _view_1d(t: torch.Tensor, name: str) -> torch.Tensor:
-    t = t.detach()
     if not t.is_contiguous():
         raise ValueError(
             f"tensor {name!r} is not contiguous (stride {tuple(t.stride())} for shape {tuple(t.shape)}); "
             "chunks must be views of the framework's storage, so make the parameter contiguous"
         )
-    return t.view(-1)
+    return _flat_alias(t, 0, t.numel())
+
+
+def _flat_alias(t: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    """Elements ``start`` to ``start + n`` of contiguous ``t``'s memory as a 1-D tensor without autograd, which
+    sees every later in-place update of ``t``. Why not ``t.detach().view(-1)``: that view keeps the detached tensor
+    alive as its base, one more Python object per chunk for every full garbage collection to walk (tens of
+    thousands of chunks on an MoE model). A tensor subclass (which may hold no storage of its own) is viewed."""
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        return t.detach().view(-1)[start:start + n]
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t, t.storage_offset() + start, (n,), (1,))
 
 
 # ---------------------------------------------------------------------------------------------------- sources
@@ -257,10 +266,10 @@ class _Fsdp1Source(_Source):
         if int(info.intra_param_end_idx) - start + 1 != n or start + n > int(self.flat._numels[self.index]):
             raise RuntimeError(f"tensor {name!r}: inconsistent FSDP shard metadata {info}")
         local = self._local_shard()
-        view = local[int(info.offset_in_shard):int(info.offset_in_shard) + n]
-        if view.numel() != n:
+        at = int(info.offset_in_shard)
+        if at < 0 or at + n > local.numel():
             raise RuntimeError(f"tensor {name!r}: shard range {info} exceeds the local shard ({local.numel()})")
-        return [(FLAT, Box.flat(start, n), view)]
+        return [(FLAT, Box.flat(start, n), _flat_alias(local, at, n))]
 
 
 class Segment(_Source):

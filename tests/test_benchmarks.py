@@ -140,11 +140,11 @@ def test_encode_threads_leaves_the_warm_up_run_out_of_the_best_time(monkeypatch:
         def __init__(self, chunks: object, st: object, codec: object, workers: int) -> None:
             self.calls = 0
 
-        def encode(self, buf: object, kind: str, parts: object) -> tuple[list[object], float]:
+        def encode(self, buf: object, kind: str, parts: object) -> object:
             self.calls += 1
             if self.calls > 1:  # every timed run takes 50 ms; only the warm-up is instant
                 time.sleep(0.05)
-            return [SimpleNamespace(payload=b"x", parts=(0, 0), changed=1)], 0.0
+            return SimpleNamespace(payloads=[b"x"], parts=[(0, 0)], changed=[1], diff_s=0.0)
 
         def close(self) -> None:
             pass

@@ -18,7 +18,7 @@ from fsdp_hotload.arc.boxes import Box
 from fsdp_hotload.arc.codecs import ArcV2, ElementDiff, get_codec
 from fsdp_hotload.arc.dtypes import numel
 from fsdp_hotload.config import HotloadConfig
-from fsdp_hotload.engine.encode import ChunkEncoder, EncodedChunk, auto_workers
+from fsdp_hotload.engine.encode import ChunkEncoder, Encoded, auto_workers
 from fsdp_hotload.engine.staging import Stager
 from fsdp_hotload.publish import TensorPublisher, WholeChunk
 from tests.snapshots import rebuild_accepted
@@ -48,14 +48,14 @@ def _space(c: WholeChunk) -> tuple[int, ...]:
     return (numel(c.shape),) if c.space == "flat" else tuple(c.shape)
 
 
-def _staged(seed: int) -> tuple[list[WholeChunk], Stager, torch.Tensor, list[EncodedChunk]]:
+def _staged(seed: int) -> tuple[list[WholeChunk], Stager, torch.Tensor, Encoded]:
     """A stager whose cache holds the chunks' bytes, then a new slot staged after an RL-like update."""
     cs = _chunks()
     st = Stager(cs, slots=1)
     first = st.acquire(wait=False)
     assert first is not None
     st.wait_event(st.stage(first))
-    full, _ = ChunkEncoder(cs, st, get_codec("arc_v2")).encode(first, "full", [(0, 0)] * len(cs))
+    full = ChunkEncoder(cs, st, get_codec("arc_v2")).encode(first, "full", [(0, 0)] * len(cs))
     st.promote(first)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -70,8 +70,8 @@ def _staged(seed: int) -> tuple[list[WholeChunk], Stager, torch.Tensor, list[Enc
     return cs, st, buf, full
 
 
-def _bytes(e: EncodedChunk) -> tuple[bytes, tuple[int, int], int]:
-    return bytes(e.payload), e.parts, e.changed
+def _bytes(e: Encoded) -> list[tuple[bytes, tuple[int, int], int]]:
+    return [(bytes(p), parts, changed) for p, parts, changed in zip(e.payloads, e.parts, e.changed)]
 
 
 class DiffFirstArcV2:
@@ -93,25 +93,25 @@ class DiffFirstArcV2:
 def test_threads_write_the_bytes_one_thread_writes_and_they_decode_to_the_staged_bytes(codec: str) -> None:
     cs, st, buf, full = _staged(seed=1)
     assert st.cache is not None
-    parts = [e.parts for e in full]
+    parts = full.parts
     impl: Any = DiffFirstArcV2() if codec == "arc_v2 diff first" else get_codec(codec)
     outs = {}
     for workers in (1, 3):
         enc = ChunkEncoder(cs, st, impl, workers=workers)
-        outs[workers] = [enc.encode(buf, kind, parts)[0] for kind in ("delta", "full")]
+        outs[workers] = [enc.encode(buf, kind, parts) for kind in ("delta", "full")]
         enc.close()
-    assert [[_bytes(e) for e in run] for run in outs[3]] == [[_bytes(e) for e in run] for run in outs[1]]
+    assert [_bytes(run) for run in outs[3]] == [_bytes(run) for run in outs[1]]
     delta, new_full = outs[3]
-    assert sum(e.changed for e in delta) > 0
-    for c, s, d, f in zip(cs, st.slices, delta, new_full):
+    assert sum(delta.changed) > 0
+    for c, s, d, f in zip(cs, st.slices, _bytes(delta), _bytes(new_full)):
         old = st.cache[s.offset:s.offset + s.nbytes].numpy()
         new = buf[s.offset:s.offset + s.nbytes].numpy()
         out = np.empty_like(new)
-        impl.decode(d.payload, old, s.itemsize, out)
-        assert out.tobytes() == new.tobytes() == bytes(f.payload), c.name
+        impl.decode(d[0], old, s.itemsize, out)
+        assert out.tobytes() == new.tobytes() == f[0], c.name
         want = chunk_parts(new, c.box, _space(c), s.itemsize, s.itemsize * numel(c.shape))
-        assert d.parts == f.parts == want, c.name  # shares updated from the changes alone equal a full pass
-        assert d.changed == int(np.count_nonzero(old.view(f"u{s.itemsize}") != new.view(f"u{s.itemsize}")))
+        assert d[1] == f[1] == want, c.name  # shares updated from the changes alone equal a full pass
+        assert d[2] == int(np.count_nonzero(old.view(f"u{s.itemsize}") != new.view(f"u{s.itemsize}")))
 
 
 class FailingArcV2(DiffFirstArcV2):
@@ -137,7 +137,7 @@ def test_a_failing_chunk_fails_the_encode_after_every_thread_let_go_of_the_buffe
     codec = FailingArcV2(bad_bytes=st.slices[0].nbytes)  # the largest chunk: submitted, and failing, first
     enc = ChunkEncoder(cs, st, codec, workers=2)
     with pytest.raises(RuntimeError, match="injected encode failure"):
-        enc.encode(buf, "delta", [e.parts for e in full])
+        enc.encode(buf, "delta", full.parts)
     raised = time.monotonic()
     assert len(codec.ended) == len(cs) - 1 and max(codec.ended) <= raised
     enc.close()

@@ -13,9 +13,8 @@ Example::
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -24,7 +23,7 @@ from .boxes import Box, check_tiling, gather, scatter
 from .codecs import element_diff, get_codec
 from .dtypes import RawTensor, check_shape, numel
 from .errors import ArcError, ChecksumError, FormatError, MismatchError
-from .stio import Header, build_header, parse_header, parse_json
+from .stio import Header, build_header, json_entry, parse_header, parse_json
 
 FORMAT_NAME = "hotload-arc"
 FORMAT_VERSION = "1"
@@ -64,11 +63,23 @@ def _check_space(space: str, where: dict[str, str]) -> None:
         raise FormatError(f"chunk space {space!r} is not one of {SPACES}", **where)
 
 
-def delta_header(tensors: Sequence[TensorDelta], *, parent_identity: str,
+def delta_header(tensors: Iterable[TensorDelta], *, parent_identity: str,
                  extra_metadata: Mapping[str, str] | None = None) -> bytes:
     """Header bytes of a delta file; checks that each tensor's chunks tile it exactly."""
-    table: dict[str, Any] = {}
+    return _delta_header(tensors, parent_identity, extra_metadata, None)
+
+
+def _delta_header(tensors: Iterable[TensorDelta], parent_identity: str, extra_metadata: Mapping[str, str] | None,
+                  payloads: list[bytes | np.ndarray] | None) -> bytes:
+    """:func:`delta_header`, reading ``tensors`` once and appending their payloads to ``payloads`` in file order.
+
+    Why once, and the table written out tensor by tensor (the same bytes as one ``json.dumps(table,
+    sort_keys=True)``): a publisher hands in a generator, so that no object per tensor outlives that tensor's entry
+    here; held for a whole file of thousands of tensors, such objects reach the garbage collector's oldest
+    generation and set off full collections, which hold the GIL, on the publisher's threads."""
+    table: dict[str, str] = {}
     items = []
+    codecs: set[str] = set()
     for t in tensors:
         _check_space(t.space, {"tensor": t.name})
         try:
@@ -80,25 +91,27 @@ def delta_header(tensors: Sequence[TensorDelta], *, parent_identity: str,
         for box, payload in t.chunks:
             chunks.append({**box.to_json(), "offset": pos, "size": len(payload)})
             pos += len(payload)
-        table[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "adler32": int(t.adler32), "codec": t.codec,
-                         "space": t.space, "chunks": chunks}
+            if payloads is not None:
+                payloads.append(payload)
+        table[t.name] = json_entry(t.name, {"dtype": t.dtype, "shape": list(t.shape), "adler32": int(t.adler32),
+                                            "codec": t.codec, "space": t.space, "chunks": chunks}, sort_keys=True)
         items.append((t.name, "U8", (pos,), pos))
-    codecs = {t.codec for t in tensors}
+        codecs.add(t.codec)
     meta = {K_FORMAT: FORMAT_NAME, K_VERSION: FORMAT_VERSION, K_KIND: "delta", K_PARENT: parent_identity,
             K_COMPRESSION: codecs.pop() if len(codecs) == 1 else "mixed", K_CHECKSUM: CHECKSUM_FORMAT,
-            K_TENSORS: json.dumps(table, separators=(",", ":"), sort_keys=True)}
+            K_TENSORS: "{" + ",".join(table[name] for name in sorted(table)) + "}"}
     if extra_metadata:
         meta.update({k: v for k, v in extra_metadata.items() if k not in meta})
     return build_header(items, meta)
 
 
-def build_delta_file(tensors: Sequence[TensorDelta], *, parent_identity: str,
+def build_delta_file(tensors: Iterable[TensorDelta], *, parent_identity: str,
                      extra_metadata: Mapping[str, str] | None = None) -> bytes:
-    """The whole delta file in memory (payloads are compressed, so this is small)."""
-    parts = [delta_header(tensors, parent_identity=parent_identity, extra_metadata=extra_metadata)]
-    for t in tensors:
-        parts.extend(p for _, p in t.chunks)
-    return b"".join(parts)
+    """The whole delta file in memory (payloads are compressed, so this is small). ``tensors`` is read once, so a
+    generator of them keeps no more than one tensor's objects alive at a time."""
+    payloads: list[bytes | np.ndarray] = []
+    header = _delta_header(tensors, parent_identity, extra_metadata, payloads)
+    return b"".join([header, *payloads])
 
 
 def encode_tensor(name: str, parent: RawTensor, new: RawTensor, codec: str = "arc_v2") -> TensorDelta:

@@ -131,21 +131,31 @@ def data_order(dtypes: Mapping[str, str]) -> list[str]:
     return sorted(dtypes, key=lambda name: -DTYPES[dtypes[name]][0])
 
 
+def json_entry(key: str, value: object, sort_keys: bool = False) -> str:
+    """``"key":value`` as ``json.dumps`` of a dict holding it writes it (compact separators)."""
+    return json.dumps(key) + ":" + json.dumps(value, separators=(",", ":"), sort_keys=sort_keys)
+
+
 def build_header(items: Sequence[tuple[str, str, Sequence[int], int]], metadata: Mapping[str, str] | None) -> bytes:
     """Header bytes (length prefix included) for tensors ``(name, dtype, shape, nbytes)`` written in that order.
 
     The order must keep every tensor aligned to its item size (use :func:`data_order`); a FormatError names the
     first tensor that would not be.
     """
-    head: dict[str, object] = {}
+    # Each entry is written out as it is checked, not kept as a dict until one json.dumps of them all: a file of
+    # thousands of tensors then held a few objects per tensor, which lived long enough to reach the garbage
+    # collector's oldest generation and set off full collections (they hold the GIL) on the publisher's threads.
+    entries: list[str] = []
     if metadata:
-        head["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        entries.append(json_entry("__metadata__", {str(k): str(v) for k, v in metadata.items()}))
+    names: set[str] = set()
     pos = 0
     for name, dtype, shape, nbytes in items:
         if name == "__metadata__":  # readers take this key for the string map, with or without metadata here
             raise FormatError("'__metadata__' is reserved by safetensors and cannot name a tensor", tensor=name)
-        if name in head:
+        if name in names:
             raise FormatError("duplicate tensor name", tensor=name)
+        names.add(name)
         if dtype not in DTYPES:
             raise FormatError(f"unsupported dtype {dtype!r}", tensor=name)
         try:  # a shape that parse_header would refuse: every reader of ours would refuse the file
@@ -155,9 +165,10 @@ def build_header(items: Sequence[tuple[str, str, Sequence[int], int]], metadata:
         if pos % DTYPES[dtype][0]:
             raise FormatError(f"{dtype} data would start at byte {pos} of the data section, not a multiple of its "
                               f"item size; write tensors in data_order()", tensor=name)
-        head[name] = {"dtype": dtype, "shape": [int(s) for s in shape], "data_offsets": [pos, pos + int(nbytes)]}
+        entries.append(json_entry(name, {"dtype": dtype, "shape": [int(s) for s in shape],
+                                     "data_offsets": [pos, pos + int(nbytes)]}))
         pos += int(nbytes)
-    text = json.dumps(head, separators=(",", ":")).encode("utf-8")
+    text = ("{" + ",".join(entries) + "}").encode("utf-8")
     text += b" " * (-len(text) % 8)
     if len(text) > MAX_HEADER_BYTES:  # no reader would load the file
         raise FormatError(f"header of {len(items)} tensors is {len(text)} bytes, more than safetensors reads "

@@ -12,7 +12,7 @@ Example::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -28,9 +28,14 @@ FULL_FILE_METADATA = {"format": "pt"}
 from ..layout import ShardPlan
 
 
-@dataclass
-class Piece:
-    """One rank's part of one tensor, on its way to the file owner."""
+class Piece(NamedTuple):
+    """One rank's part of one tensor, on its way to the file owner.
+
+    Until its file is assembled a piece travels as a plain tuple of these fields (:data:`RawPiece`;
+    ``Piece._make`` names them). Why: the publisher holds one per chunk from the encode to the assembly, long
+    enough to reach the garbage collector's oldest generation, and an exact tuple of strings, ints, bytes and
+    arrays drops out of the collector's lists at its first collection, where any other object stays; at tens of
+    thousands of chunks, objects per piece set off a full collection (which holds the GIL) every publish or two."""
 
     tensor: str
     space: str
@@ -42,6 +47,9 @@ class Piece:
     @property
     def box(self) -> Box:
         return Box(self.start, self.length)
+
+
+RawPiece = tuple[str, str, tuple[int, ...], tuple[int, ...], bytes | np.ndarray, tuple[int, int]]  # see Piece
 
 
 def assign_owners(plan: ShardPlan, world: int) -> dict[str, int]:
@@ -94,15 +102,27 @@ def assemble_full_file(plan: ShardPlan, filename: str, pieces: list[Piece]) -> b
     return out
 
 
-def assemble_delta_file(plan: ShardPlan, filename: str, pieces: list[Piece], *, parent_identity: str,
+def assemble_delta_file(plan: ShardPlan, filename: str, pieces: Sequence[RawPiece], *, parent_identity: str,
                         codec: str) -> bytes:
-    """A delta file from every rank's encoded chunks; each tensor's Adler-32 is combined from the shares."""
-    by_tensor = _pieces_by_tensor(filename, pieces)
-    deltas = []
-    for name in plan.files[filename]:
-        spec = plan.specs[name]
-        ps = by_tensor.get(name, [])
-        space = ps[0].space if ps else "flat"
-        adler = combine([p.parts for p in ps], spec.nbytes)
-        deltas.append(TensorDelta(name, spec.dtype, spec.shape, adler, codec, space, [(p.box, p.data) for p in ps]))
-    return build_delta_file(deltas, parent_identity=parent_identity)
+    """A delta file from every rank's encoded chunks (plain tuples or Pieces); each tensor's Adler-32 is combined
+    from the shares. The tensors are handed to the file's writer one at a time, so no object per tensor or piece
+    lives through the whole file (see :class:`Piece` for why that matters)."""
+    names = plan.files[filename]
+    where = {name: i for i, name in enumerate(names)}
+    ordered = sorted((p for p in pieces if p[0] in where), key=lambda p: (where[p[0]], p[2]))
+
+    def tensors() -> Iterator[TensorDelta]:
+        at = 0
+        for name in names:
+            group = []
+            while at < len(ordered) and ordered[at][0] == name:
+                group.append(Piece._make(ordered[at]))
+                at += 1
+            if len({p.space for p in group}) > 1:
+                raise ValueError(f"{filename}: tensor {name!r} arrived in mixed chunk spaces")
+            spec = plan.specs[name]
+            space = group[0].space if group else "flat"
+            adler = combine([p.parts for p in group], spec.nbytes)
+            yield TensorDelta(name, spec.dtype, spec.shape, adler, codec, space, [(p.box, p.data) for p in group])
+
+    return build_delta_file(tensors(), parent_identity=parent_identity)

@@ -38,7 +38,7 @@ class CopyGroup:
 
     start: int
     stop: int
-    members: tuple[torch.Tensor, ...]  # the chunk sources the group was made of
+    members: tuple[torch.Tensor, ...]  # the chunk sources a run was made of (empty for a single chunk)
     merged: torch.Tensor | None  # one view over all of them (None for a single chunk)
 
 
@@ -55,9 +55,10 @@ def copy_groups(sources: Sequence[torch.Tensor], slices: Sequence[Slice]) -> lis
     for k in range(1, len(sources) + 1):
         if k < len(sources) and _follows(sources[k - 1], sources[k], slices[k - 1], slices[k]):
             continue
-        members = tuple(sources[start:k])
+        members: tuple[torch.Tensor, ...] = ()  # a single chunk's is not needed: kept, it is one more GC object
         merged = None
         if k - start > 1:
+            members = tuple(sources[start:k])
             first = members[0].detach()
             merged = first.as_strided((sum(int(m.numel()) for m in members),), (1,), first.storage_offset())
         groups.append(CopyGroup(start, k, members, merged))
@@ -85,10 +86,17 @@ def as_source(view: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     return view if source.dim() == 1 else view.view(source.shape)
 
 
+def storage_ptr(t: torch.Tensor) -> int:
+    """The address of the memory ``t`` is a view of, as ``t.untyped_storage().data_ptr()``. Why not that: the
+    first call makes a Python object for the storage that torch then keeps for the storage's life, one more object
+    for every collection of the garbage collector to walk, per parameter (tens of thousands on some models)."""
+    return int(t.data_ptr()) - int(t.storage_offset()) * t.element_size()
+
+
 def _follows(a: torch.Tensor, b: torch.Tensor, sa: Slice, sb: Slice) -> bool:
     return (sb.offset == sa.offset + sa.nbytes and sb.torch_dtype == sa.torch_dtype and a.dtype == b.dtype
             and a.device == b.device and a.dim() == b.dim() == 1 and a.is_contiguous() and b.is_contiguous()
-            and a.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.numel() > 0 and storage_ptr(a) == storage_ptr(b)
             and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size())
 
 

@@ -10,15 +10,16 @@ step. The bytes are the same whatever the number of threads; only the order in w
 Example::
 
     enc = ChunkEncoder(chunks, stager, get_codec("arc_v2"), workers=4)
-    out = enc.encode(slot, "delta", cache_parts)     # publisher thread; EncodedChunk per chunk, in chunk order
+    out = enc.encode(slot, "delta", cache_parts)     # publisher thread; out.payloads[i]: chunk i's payload
     enc.close()
 """
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
-from concurrent.futures import Future, wait
+from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -36,11 +37,23 @@ log = logging.getLogger("fsdp_hotload")
 AUTO_MAX_WORKERS = 4  # beyond this the largest chunk and the memory bus, not cores, bound a GPU rank's encode
 
 
-@dataclass(frozen=True)
-class EncodedChunk:
-    payload: bytes | np.ndarray  # a delta's codec payload, or a full snapshot's raw bytes (uint8)
-    parts: tuple[int, int]  # this chunk's Adler-32 shares of the new bytes
-    changed: int  # elements that differ from the cache (0 for a full snapshot)
+EncodedChunk = tuple[bytes | np.ndarray, tuple[int, int], int]  # (payload, parts, changed): see :class:`Encoded`
+
+
+@dataclass
+class Encoded:
+    """Every chunk's encoding, in chunk order, as columns.
+
+    Why columns, not an object per chunk: a publish holds the encodings from the encode to the routing, long
+    enough for them to reach the garbage collector's oldest generation, and at tens of thousands of chunks such
+    objects alone set off a full collection, which holds the GIL, every publish or two (``benchmarks/RESULTS.md``).
+    Bytes, arrays and tuples of ints are not tracked by the collector; a list is one object.
+    """
+
+    payloads: list[bytes | np.ndarray]  # a delta's codec payload, or a full snapshot's raw bytes (uint8)
+    parts: list[tuple[int, int]]  # each chunk's Adler-32 shares of the new bytes
+    changed: list[int]  # elements that differ from the cache (0 for a full snapshot)
+    diff_s: float = 0.0  # the device diff's seconds (0 on the host path)
 
 
 def auto_workers(device: torch.device, cpu_count: int | None = None, local_ranks: int | None = None) -> int:
@@ -75,10 +88,9 @@ class ChunkEncoder:
         # Largest chunks first: with several threads, a big chunk started last would end the publish alone.
         self._order = sorted(range(len(self.chunks)), key=lambda i: -stager.slices[i].nbytes)
 
-    def encode(self, buf: torch.Tensor, kind: str, cache_parts: Sequence[tuple[int, int]]
-               ) -> tuple[list[EncodedChunk], float]:
-        """Every chunk of ``buf`` encoded as ``kind`` ("full" or "delta"), in chunk order, and the seconds the
-        device diff took (0 on the host path). ``cache_parts`` are the cache's Adler-32 shares per chunk."""
+    def encode(self, buf: torch.Tensor, kind: str, cache_parts: Sequence[tuple[int, int]]) -> Encoded:
+        """Every chunk of ``buf`` encoded as ``kind`` ("full" or "delta"), in chunk order. ``cache_parts`` are
+        the cache's Adler-32 shares per chunk."""
         cache = self.stager.cache
         dense = (kind == "delta" and cache is not None and buf.device.type == "cpu" and cache.device.type == "cpu"
                  and hasattr(self.codec, "encode_delta"))
@@ -97,12 +109,32 @@ class ChunkEncoder:
             return self._chunk(i, buf, old, new, diffs, cache_parts[i])
 
         if self.workers == 1 or len(self.chunks) < 2:
-            return [one(i) for i in range(len(self.chunks))], diff_s
+            return _columns([one(i) for i in range(len(self.chunks))], diff_s)
         if self._pool is None:  # started from the publisher's thread, so its workers inherit that thread's nice
             self._pool = DaemonPool(self.workers, self._name)
-        futures: dict[int, Future[EncodedChunk]] = {i: self._pool.submit(one, i) for i in self._order}
-        wait(futures.values())  # every worker is done with the buffers before the slot can be released
-        return [futures[i].result() for i in range(len(self.chunks))], diff_s
+        out: list[EncodedChunk | None] = [None] * len(self.chunks)
+        errors: dict[int, BaseException] = {}
+        taken = iter(self._order)  # each worker takes the next chunk: one task per worker, not one per chunk
+        lock = threading.Lock()
+
+        def work() -> None:
+            while True:
+                with lock:
+                    i = next(taken, None)
+                if i is None:
+                    return
+                try:
+                    out[i] = one(i)
+                except BaseException as exc:  # noqa: BLE001 - raised below, once every worker is done
+                    errors[i] = exc
+
+        futures = [self._pool.submit(work) for _ in range(min(self.workers, len(self.chunks)))]
+        wait(futures)  # every worker is done with the buffers before the slot can be released
+        for f in futures:
+            f.result()
+        if errors:
+            raise errors[min(errors)]
+        return _columns(out, diff_s)
 
     def _chunk(self, i: int, buf: torch.Tensor, old: list[np.ndarray] | None, new: list[np.ndarray] | None,
                diffs: list[ElementDiff] | None, cached: tuple[int, int]) -> EncodedChunk:
@@ -114,17 +146,22 @@ class ChunkEncoder:
             if tables is None:
                 tables = self._runs[i] = run_tables(c.box.runs(space), s.itemsize)
             payload, changed, delta = self.codec.encode_delta(old[i], new[i], s.itemsize, tables, total)
-            return EncodedChunk(payload, add_parts(cached, delta), int(changed))
+            return payload, add_parts(cached, delta), int(changed)
         if diffs is not None:
             d = diffs[i]
             parts = update_parts(cached, global_elements(d.idx, c.box, space), d.old, d.new, s.itemsize, total)
-            return EncodedChunk(self.codec.encode(d), parts, int(d.changed))
+            return self.codec.encode(d), parts, int(d.changed)
         # The staged bytes themselves (a view on a host slot, which nothing writes until this publish settles;
         # a copy from a device): a full snapshot is the whole shard, so a copy here is that much memory more.
         raw = self.stager.host_bytes(buf, s)
-        return EncodedChunk(raw, chunk_parts(raw, c.box, space, s.itemsize, total), 0)
+        return raw, chunk_parts(raw, c.box, space, s.itemsize, total), 0
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+
+
+def _columns(chunks: Sequence[Any], diff_s: float) -> Encoded:
+    # Not zip(*chunks): that holds an iterator object per chunk while it runs, enough to reach the oldest generation.
+    return Encoded([c[0] for c in chunks], [c[1] for c in chunks], [c[2] for c in chunks], diff_s)

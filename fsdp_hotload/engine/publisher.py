@@ -49,7 +49,7 @@ from ..identity import new_identity
 from ..hf_config import carried_files, dropped_config_keys, hf_aux_files
 from ..layout import ShardPlan, TensorSpec, plan_shards
 from ..storage import Storage
-from .assemble import Piece, assemble_delta_file, assemble_full_file, assign_owners
+from .assemble import Piece, RawPiece, assemble_delta_file, assemble_full_file, assign_owners
 from .cadence import Cadence, next_step
 from .commit import Committer
 from .comm import Comm, LocalComm, agree_on_start, exchange_objects
@@ -479,7 +479,7 @@ class Publisher:
         parent = self.cadence.accepted
         identity = new_identity(job.step, prefix=self.config.identity_prefix, session=self.session)
         st = RankStatus(self.rank, kind, identity, parent)
-        outgoing: list[list[Piece]] = [[] for _ in range(self.world)]
+        outgoing: list[list[RawPiece]] = [[] for _ in range(self.world)]
         new_parts: list[tuple[int, int]] = []
         carried, self._carried = self._carried, None
         prog = self._prog = self._progress.begin(identity, kind, job.step, job.t_hook)
@@ -527,21 +527,21 @@ class Publisher:
                 log.warning("hotload: could not record the metrics of %s: %s", identity, exc)
         return outcome
 
-    def _encode(self, buf: torch.Tensor, kind: str, outgoing: list[list[Piece]], st: RankStatus
+    def _encode(self, buf: torch.Tensor, kind: str, outgoing: list[list[RawPiece]], st: RankStatus
                 ) -> list[tuple[int, int]]:
         t0 = time.perf_counter()
-        encoded, st.diff_s = self.encoder.encode(buf, kind, self._cache_parts)
-        for c, s, e in zip(self.chunks, self.stager.slices, encoded):
+        encoded = self.encoder.encode(buf, kind, self._cache_parts)
+        st.diff_s = encoded.diff_s
+        st.changed += sum(encoded.changed)
+        for c, s, payload, parts in zip(self.chunks, self.stager.slices, encoded.payloads, encoded.parts):
             st.elements += s.numel
-            st.changed += e.changed
-            if s.numel:
+            if s.numel:  # a plain tuple until its file's assembly (see Piece)
                 owner = self.owners[self.plan.file_of(c.name)]
-                outgoing[owner].append(Piece(c.name, c.space, tuple(c.box.start), tuple(c.box.length), e.payload,
-                                             e.parts))
+                outgoing[owner].append((c.name, c.space, tuple(c.box.start), tuple(c.box.length), payload, parts))
         st.encode_s = time.perf_counter() - t0 - st.diff_s
-        return [e.parts for e in encoded]
+        return encoded.parts
 
-    def _route(self, outgoing: list[list[Piece]], st: RankStatus) -> list[list[Piece]]:
+    def _route(self, outgoing: list[list[RawPiece]], st: RankStatus) -> list[list[RawPiece]]:
         """Every rank's pieces of the files this rank owns, from ``outgoing[r]``, this rank's pieces for rank r
         (emptied here). A full snapshot's pieces are the rank's whole shard: see :func:`exchange_objects` for
         how none is copied more than the move needs. This rank's own failure there fails the snapshot."""
@@ -549,12 +549,12 @@ class Publisher:
         st.error = st.error or error
         return [pieces or [] for pieces in incoming]
 
-    def _write_owned(self, identity: str, kind: str, parent: str | None, incoming: list[list[Piece]],
+    def _write_owned(self, identity: str, kind: str, parent: str | None, incoming: list[list[RawPiece]],
                      st: RankStatus) -> None:
-        by_file: dict[str, list[Piece]] = {f: [] for f, r in self.owners.items() if r == self.rank}
+        by_file: dict[str, list[RawPiece]] = {f: [] for f, r in self.owners.items() if r == self.rank}
         for pieces in incoming:
             for p in pieces:
-                by_file[self.plan.file_of(p.tensor)].append(p)
+                by_file[self.plan.file_of(p[0])].append(p)
             pieces.clear()  # by_file holds them now, and lets each file's go once it is assembled
         before = self.storage.stats.snapshot()
         t0 = time.perf_counter()
@@ -562,7 +562,7 @@ class Publisher:
         def write(filename: str) -> tuple[str, int]:
             pieces = by_file.pop(filename)
             if kind == "full":
-                blob: bytes | bytearray = assemble_full_file(self.plan, filename, pieces)
+                blob: bytes | bytearray = assemble_full_file(self.plan, filename, [Piece._make(p) for p in pieces])
             else:
                 assert parent is not None
                 blob = assemble_delta_file(self.plan, filename, pieces, parent_identity=parent,
