@@ -100,7 +100,9 @@ class ChunkEncoder:
                    "one pass per chunk" if dense else f"{buf.device.type} diff, then the changes of each chunk")
             log.info("%s deltas: %s; %d encode thread(s) per rank", self.codec.name, how, self.workers)
         old = self.stager.host_views(cache) if dense and cache is not None else None
-        new = self.stager.host_views(buf) if dense else None
+        # A host slot's chunks as the numpy views kept per buffer: a full snapshot's chunk cut as a tensor, then
+        # made an array, holds that tensor object until the file is written (one per chunk for the collector).
+        new = self.stager.host_views(buf) if dense or (kind == "full" and buf.device.type == "cpu") else None
         t0 = time.perf_counter()
         diffs = self.stager.diff(buf) if kind == "delta" and not dense else None
         diff_s = time.perf_counter() - t0
@@ -153,7 +155,7 @@ class ChunkEncoder:
             return self.codec.encode(d), parts, int(d.changed)
         # The staged bytes themselves (a view on a host slot, which nothing writes until this publish settles;
         # a copy from a device): a full snapshot is the whole shard, so a copy here is that much memory more.
-        raw = self.stager.host_bytes(buf, s)
+        raw = new[i] if new is not None else self.stager.host_bytes(buf, s)
         return raw, chunk_parts(raw, c.box, space, s.itemsize, total), 0
 
     def close(self) -> None:
