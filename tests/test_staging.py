@@ -319,10 +319,11 @@ def test_tensors_past_int32_elements_are_not_batched(monkeypatch: pytest.MonkeyP
 
 def test_the_copy_plan_is_made_once_per_buffer_and_given_sources_never_stay_in_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each buffer's copies are batched once (sorting tens of thousands of copies by dtype pair on every publish
-    cost the trainer ~2 us per chunk). Sources given in place of a chunk's own (a buffer cloned for a background
-    copy) are put into a copy of the plan for that publish only: the next publish reads the chunk's own source
-    again. A given source of another shape, or one inside a run of adjacent chunks, is copied pair by pair."""
+    """Each buffer's copies are batched once, at construction (sorting tens of thousands of copies by dtype pair on
+    every publish cost the trainer ~2 us per chunk; at the first publishes, ~3 us per chunk and buffer). Sources
+    given in place of a chunk's own (a buffer cloned for a background copy) are put into a copy of the plan for
+    that publish only: the next publish reads the chunk's own source again. A given source of another shape, or
+    one inside a run of adjacent chunks, is copied pair by pair."""
     from fsdp_hotload.arc.boxes import Box
     from fsdp_hotload.engine import copies
     from fsdp_hotload.publish import WholeChunk
@@ -346,6 +347,7 @@ def test_the_copy_plan_is_made_once_per_buffer_and_given_sources_never_stay_in_i
           for i, (s, code) in enumerate(zip(srcs, codes))]
     st = Stager(cs, slots=2)
     assert [(g.start, g.stop) for g in st._groups][-1] == (4, 6)  # the two adjacent views: one run
+    assert made == [5, 5, 5], "one plan per buffer (two slots, the cache's), made at construction (5 copies)"
 
     def chunk_bytes(buf: torch.Tensor) -> list[bytes]:  # the padding between chunks is never written
         return [bytes(buf[s.offset:s.offset + s.nbytes].numpy()) for s in st.slices]
@@ -368,7 +370,7 @@ def test_the_copy_plan_is_made_once_per_buffer_and_given_sources_never_stay_in_i
         assert chunk_bytes(buf) == expected(own)
     st.release(first)
     st.release(second)
-    assert made == [5, 5], "one plan per buffer (5 copies: the run is one), made once"
+    assert made == [5, 5, 5], "no plan made again"
     for k in (0, 1, 2, 3):  # a cast copy, bf16 and bf16 NaN bits moved as integers, an int64 chunk
         given = list(own)
         given[k] = own[k].clone() if k == 2 else own[k] * 3
@@ -376,14 +378,14 @@ def test_the_copy_plan_is_made_once_per_buffer_and_given_sources_never_stay_in_i
             given[k].view(torch.int16)[2] = 0x7FC3  # another payload: kept only if moved as an integer
         assert staged(given) == expected(given) != expected(own), k
         assert staged(list(own)) == staged(None) == expected(own), f"chunk {k}'s given source stayed in the plan"
-    assert made == [5, 5], "sources given in place of the chunks' own are patched into the plan"
+    assert made == [5, 5, 5], "sources given in place of the chunks' own are patched into the plan"
     reshaped = list(own)
     reshaped[0] = own[0].reshape(5, 3) * 2  # the same elements, another shape: the destination view differs
     assert staged(reshaped) == expected(reshaped)
     in_run = list(own)
     in_run[5] = own[5] + 1  # one member of the run: its copy no longer reads the run's views
     assert staged(in_run) == expected(in_run)
-    assert made == [5, 5, 5, 6]
+    assert made == [5, 5, 5, 5, 6]
     with torch.no_grad():
         base.mul_(2)
         own[0].add_(1)
