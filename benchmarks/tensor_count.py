@@ -3,10 +3,9 @@
 Real checkpoints hold 50k-100k+ tensors (DeepSeek-V3: ~91k; an MoE published per expert), and a cost that grows
 faster than the count only shows there. For each count this builds a plain module of that many 4x4 fp32
 parameters (500 per layer, one layer per file) and times, in one process: ``HotloadCallback(...)``, the hook
-(``step()``: the first two, which make each staging buffer's copy plan, and the median of the rest), and the
-background work of a full and of a delta snapshot (hook to
-durable, the hook taken off). The baseline, measured in the same run, is one ``torch._foreach_copy_`` casting
-every parameter to bf16: the least any hook can do. The last lines give each figure's cost per tensor at the
+(``step()``: the larger of the first two, where one-off costs would show, and the median of the rest), and the
+background work of a full and of a delta snapshot (hook to durable, the hook taken off). The baseline, measured in
+the same run, is one ``torch._foreach_copy_`` casting every parameter to bf16: the least any hook can do. The last lines give each figure's cost per tensor at the
 largest count over that at the smallest: about 1 where the cost is linear in the count.
 
     python benchmarks/tensor_count.py [--counts 10000,40000] [--steps 6]
