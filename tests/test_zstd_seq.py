@@ -213,6 +213,37 @@ def test_sparse_call_writes_the_block_paths_frame(n_items: int, itemsize: int, d
 
 
 @needs_libzstd
+@pytest.mark.parametrize("itemsize", [1, 2, 4])
+@pytest.mark.parametrize("gap", range(zstd_seq.MIN_RUN - 1, zstd_seq.MIN_RUN + 4))
+def test_zero_runs_near_the_threshold_give_the_same_frame_on_every_path(itemsize: int, gap: int) -> None:
+    """Zero runs of about ``MIN_RUN`` bytes at a chunk's start, between changes (inside a word and across words),
+    at each block's end and start, and at the chunk's end: the sparse call, which finds its zero runs from the
+    changed positions, and the dense one-call path write the block path's frame byte for byte."""
+    assert zstd_seq.one_call_status() == (True, "one call per chunk")
+    block_len = zstd_seq.MAX_BLOCK
+    n = (2 * block_len + 8 * gap + 40) // itemsize * itemsize
+    xor = np.zeros(n, dtype=np.uint8)
+    marks = [gap, 2 * gap + 1]  # a leading run of gap bytes, then a run of gap bytes between two changes
+    for q in range(8):  # runs of gap to gap + 2 bytes, starting at different offsets within a word
+        marks.append(marks[-1] + gap + 1 + q % 3)
+    for end in (block_len, 2 * block_len):  # gap zero bytes before a block's end, and gap after the next block's start
+        marks += [end - 1 - gap, end + gap]
+    marks.append(n - 1 - gap)  # a trailing run of gap bytes
+    xor[[m for m in marks if 0 <= m < n]] = 0xA5
+    rng = np.random.default_rng(gap)
+    old = rng.integers(0, 256, size=n, dtype=np.uint8)
+    new = old ^ xor
+    u = np.dtype(f"<u{itemsize}")
+    idx = np.flatnonzero((xor.view(u) != 0)).astype(np.int64)
+    want = zstd_seq.SequenceEncoder(ENC.lib, one_call=False).encode([xor.data], n)  # type: ignore[union-attr]
+    one = zstd_seq.SequenceEncoder(ENC.lib, one_call=True)  # type: ignore[union-attr]
+    assert one.encode_sparse(idx, old.view(u)[idx], new.view(u)[idx], n, itemsize) == want
+    tables = run_tables([(0, n // itemsize)], itemsize)
+    assert one.encode_delta(old, new, itemsize, tables, n)[0] == want
+    assert _decode_both_ways(want, n) == xor.tobytes()
+
+
+@needs_libzstd
 def test_sparse_call_refuses_positions_out_of_order_or_range() -> None:
     """Positions come from a device; a wrong one must fail the chunk, not write outside the block."""
     one = zstd_seq.SequenceEncoder(ENC.lib, one_call=True)  # type: ignore[union-attr]

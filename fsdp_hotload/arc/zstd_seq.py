@@ -216,7 +216,7 @@ class SequenceEncoder:
         st = self._state()
         out, head_len = _frame_buffer(nbytes)
         end, status = seq_delta.encode_sparse_chunk(idx, old, new, nbytes, itemsize, st.xor, st.seqs, st.dst,
-                                                    st.cctx, _TABLE, MIN_RUN, out, head_len)
+                                                    st.cctx, MIN_RUN, out, head_len)
         return _finish(st, out, end, status)
 
     def _append(self, st: _ThreadState, x: np.ndarray, out: bytearray) -> int:
