@@ -282,11 +282,12 @@ def local_chunks(
     return chunks
 
 
-def storage_fingerprint(model: nn.Module) -> tuple[tuple[int, int], ...]:
-    """Identity and data pointer of every tensor that chunk sources can be views of, in module order.
+def storage_fingerprint(model: nn.Module) -> tuple[int, ...]:
+    """Identity and data pointer of every tensor that chunk sources can be views of, in module order (one flat
+    tuple: ``(id, pointer, id, pointer, ...)``).
 
     Why: walking the model for chunks costs milliseconds on the trainer's thread (names, placements, FSDP1
-    metadata), while this costs about a microsecond per tensor. Equal fingerprints mean every parameter and
+    metadata), while this costs ~0.2 us per tensor. Equal fingerprints mean every parameter and
     buffer object is the same and still owns the same memory, so views taken earlier still see the live
     values; a replaced parameter, a moved model or FSDP1's CPU-offload copy changes it. Held views keep their
     memory alive, so an address cannot be reused while they exist.
@@ -299,16 +300,21 @@ def storage_fingerprint(model: nn.Module) -> tuple[tuple[int, int], ...]:
         if storage_fingerprint(model) != fp:
             chunks = local_chunks(model)
     """
-    out: list[tuple[int, int]] = []
+    out: list[int] = []
+    add = out.extend
     for mod in model.modules():
         for group in (mod._parameters, mod._buffers):
             for t in group.values():
                 if t is None:
                     continue
+                cls = type(t)
+                if cls is nn.Parameter or cls is torch.Tensor:  # nothing to look through: a third less time
+                    add((id(t), t.data_ptr()))
+                    continue
                 local = getattr(t, "_local_tensor", None)  # FSDP2 DTensor
                 if local is None:
                     local = getattr(t, "_local_shard", None)  # FSDP1 flat parameter
-                out.append((id(t), int((t if local is None else local).data_ptr())))
+                add((id(t), int((t if local is None else local).data_ptr())))
     return tuple(out)
 
 

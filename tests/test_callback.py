@@ -78,7 +78,8 @@ def _expected(model: nn.Module) -> dict[str, str]:
 
 def test_replaced_parameter_is_walked_again(tmp_path: Path) -> None:
     """Chunk views are cached while the model's storage is unchanged; replacing a parameter (as loading with
-    assign=True or a user's surgery does) must make the next publish read the new tensor, not the old one."""
+    assign=True or a user's surgery does), or its ``.data``, must make the next publish read the new tensor, not
+    the old one."""
     bucket, hf = tmp_path / "bucket", tmp_path / "hf"
     bucket.mkdir(), hf.mkdir()
     (hf / "config.json").write_text('{"model_type": "net", "tie_word_embeddings": false}')
@@ -97,6 +98,11 @@ def test_replaced_parameter_is_walked_again(tmp_path: Path) -> None:
             hot.step(3)
             hot.wait()
             assert hot.walks == 2
+            assert _served(emu) == [(hot.metrics[-1].identity, _expected(model))]
+            model.layers[0].weight.data = torch.randn(16, 16)  # the same Parameter object on new memory
+            hot.step(4)
+            hot.wait()
+            assert hot.walks == 3
             assert _served(emu) == [(hot.metrics[-1].identity, _expected(model))]
     assert all(m.ok for m in hot.metrics) and hot.metrics[-1].kind == "delta"
 
