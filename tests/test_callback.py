@@ -711,6 +711,36 @@ def test_the_callback_keeps_few_python_objects_per_tensor(tmp_path: Path) -> Non
     assert per_tensor <= 9.5, per_tensor
 
 
+def test_the_manifests_are_made_at_construction_not_in_a_publish(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The index and weight spec are made from a dict per tensor: made at the first commit, at 40k tensors they
+    set off a full garbage collection (~0.25 s holding the GIL) on the publisher's thread while the trainer ran.
+    They are made when the callback is built now; no publish makes them, and every snapshot carries them."""
+    from fsdp_hotload.layout import ShardPlan
+
+    model = Net()
+    hot = HotloadCallback(model, HotloadConfig(bucket_url=str(tmp_path / "b"), busy_policy="wait", full_every=2,
+                                               progress_log_s=None))
+    want = {"model.safetensors.index.json": hot.engine.plan.to_index_json(),
+            "model.weight.spec.json": hot.engine.plan.to_spec_json()}
+
+    def refuse(self: ShardPlan) -> bytes:
+        raise AssertionError("manifests made during a publish")
+
+    monkeypatch.setattr(ShardPlan, "to_index_json", refuse)
+    monkeypatch.setattr(ShardPlan, "to_spec_json", refuse)
+    with hot:
+        for step in range(3):
+            with torch.no_grad():
+                model.layers[0].weight.add_(0.25)
+            hot.step(step)
+            hot.wait()
+    assert [m.kind for m in hot.metrics] == ["full", "delta", "full"] and all(m.ok for m in hot.metrics)
+    for m in hot.metrics:
+        for name, blob in want.items():
+            assert (tmp_path / "b" / m.identity / name).read_bytes() == blob
+
+
 def test_a_publish_holds_few_tracked_objects_per_chunk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Objects a publish holds for long (from the encode to a file's assembly, or through a whole file) reach the
     garbage collector's oldest generation and set off full collections, which hold the GIL and walk every object

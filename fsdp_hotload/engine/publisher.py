@@ -129,6 +129,8 @@ class Publisher:
             warn_if_side_group_short(config)
         self.committer = Committer(self.plan, self.storage, config, self._aux, self.signaller, session=self.session,
                                    started=time.time())  # snapshots others commit after this are a live run's
+        if self.rank == 0:
+            self.committer.prepare()
         self._cache_parts: list[tuple[int, int]] = [(0, 0)] * len(self.chunks)
         workers = config.encode_workers or auto_workers(self.stager.device)
         self.encoder = ChunkEncoder(self.chunks, self.stager, self.codec, workers=workers,
