@@ -138,11 +138,7 @@ def scan_block(a: np.ndarray, b: np.ndarray, x: np.ndarray, lpos: int, run_lstar
     words = x[:nw * 8].view(np.uint64)
     wa = a[:nw * 8].view(np.uint64)  # scalar loads only, so a chunk that starts off an 8-byte boundary is fine
     wb = b[:nw * 8].view(np.uint64)
-    nonzero = np.empty(nw, dtype=np.int32)
-    j = 0
-    for q in range(nw):  # no branch: every word is written, and the count moves past the nonzero ones
-        nonzero[j] = q
-        j += words[q] != 0
+    nonzero, j = _nonzero_words(words)
     for i in range(j):
         q = np.int64(nonzero[i])
         v = words[q]
@@ -206,6 +202,18 @@ def _emit(seqs: np.ndarray, k: int, lit_start: int, zero_at: int, zeros: int) ->
 
 
 @njit(**_JIT)
+def _nonzero_words(words: np.ndarray) -> tuple[np.ndarray, int]:
+    """Where the nonzero words are: the first ``count`` entries of the returned array. Every word is written and
+    the count moves past the nonzero ones, so there is no branch to mispredict (see :func:`scan_block`)."""
+    out = np.empty(words.size, dtype=np.int32)
+    count = 0
+    for q in range(words.size):
+        out[count] = q
+        count += words[q] != 0
+    return out, count
+
+
+@njit(**_JIT)
 def _byte_sums(w: np.uint64) -> tuple[int, int]:
     """The sum of a little-endian word's eight bytes, and their sum weighted by position (byte j counts j times).
 
@@ -262,11 +270,7 @@ def zero_run_sequences(x: np.ndarray, words: np.ndarray, seqs: np.ndarray, min_r
     k = 0
     lit_start = 0
     prev = -1  # last nonzero byte
-    nonzero = np.empty(words.size, dtype=np.int32)
-    j = 0
-    for q in range(words.size):  # the nonzero words listed without a branch, as in scan_block
-        nonzero[j] = q
-        j += words[q] != 0
+    nonzero, j = _nonzero_words(words)
     for i in range(j):
         q = np.int64(nonzero[i])
         v = words[q]
