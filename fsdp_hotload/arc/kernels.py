@@ -156,10 +156,10 @@ def scan_block(a: np.ndarray, b: np.ndarray, x: np.ndarray, lpos: int, run_lstar
         if runs:
             p = base + table[m, 0]
             if p - prev - 1 > min_run:
-                k = _emit(seqs, k, lit_start, prev + 1, p - prev - 1)
+                k = emit_zero_run(seqs, k, lit_start, prev + 1, p - prev - 1)
                 lit_start = p
             if table[m, 3]:
-                k = _emit(seqs, k, lit_start, base + table[m, 2], table[m, 3])
+                k = emit_zero_run(seqs, k, lit_start, base + table[m, 2], table[m, 3])
                 lit_start = base + table[m, 2] + table[m, 3]
             prev = base + table[m, 1]
     tail = words.size * 8
@@ -192,8 +192,10 @@ def zero_run_table(min_run: int) -> np.ndarray:
 
 
 @njit(**_JIT)
-def _emit(seqs: np.ndarray, k: int, lit_start: int, zero_at: int, zeros: int) -> int:
-    # Literals up to and including the run's first zero byte, then a match at offset 1 that repeats it.
+def emit_zero_run(seqs: np.ndarray, k: int, lit_start: int, zero_at: int, zeros: int) -> int:
+    """Row ``k`` of ``seqs`` for a run of ``zeros`` zero bytes at ``zero_at``, after literals from ``lit_start``:
+    the literals up to and including the run's first zero byte, then a match at offset 1 that repeats it.
+    Returns the next row."""
     seqs[k, 0] = 1
     seqs[k, 1] = zero_at + 1 - lit_start
     seqs[k, 2] = zeros - 1
@@ -246,11 +248,11 @@ def _zero_run_end(x: np.ndarray, start: int, seqs: np.ndarray, k: int, lit_start
     for p in range(start, n):
         if x[p] != 0:
             if p - prev - 1 > min_run:
-                k = _emit(seqs, k, lit_start, prev + 1, p - prev - 1)
+                k = emit_zero_run(seqs, k, lit_start, prev + 1, p - prev - 1)
                 lit_start = p
             prev = p
     if n - prev - 1 > min_run:
-        k = _emit(seqs, k, lit_start, prev + 1, n - prev - 1)
+        k = emit_zero_run(seqs, k, lit_start, prev + 1, n - prev - 1)
     return k
 
 
@@ -278,10 +280,10 @@ def zero_run_sequences(x: np.ndarray, words: np.ndarray, seqs: np.ndarray, min_r
         base = q * 8
         p = base + table[m, 0]
         if p - prev - 1 > min_run:
-            k = _emit(seqs, k, lit_start, prev + 1, p - prev - 1)
+            k = emit_zero_run(seqs, k, lit_start, prev + 1, p - prev - 1)
             lit_start = p
         if table[m, 3]:
-            k = _emit(seqs, k, lit_start, base + table[m, 2], table[m, 3])
+            k = emit_zero_run(seqs, k, lit_start, base + table[m, 2], table[m, 3])
             lit_start = base + table[m, 2] + table[m, 3]
         prev = base + table[m, 1]
     return _zero_run_end(x, words.size * 8, seqs, k, lit_start, prev, min_run)

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from numba import njit, types
 
-from .kernels import _emit, scan_block
+from .kernels import emit_zero_run, scan_block
 
 _MOD = 65521
 MAX_BLOCK = 1 << 17
@@ -162,12 +162,12 @@ def encode_sparse_chunk(idx: np.ndarray, old: np.ndarray, new: np.ndarray, n: in
                 x[p + t] = byte
                 if byte:  # the zero runs from the changes alone, as zero_run_sequences finds them in x
                     if p + t - last_nz - 1 > min_run:
-                        k = _emit(seqs, k, lit_start, last_nz + 1, p + t - last_nz - 1)
+                        k = emit_zero_run(seqs, k, lit_start, last_nz + 1, p + t - last_nz - 1)
                         lit_start = p + t
                     last_nz = p + t
             j += 1
         if x.size - last_nz - 1 > min_run:
-            k = _emit(seqs, k, lit_start, last_nz + 1, x.size - last_nz - 1)
+            k = emit_zero_run(seqs, k, lit_start, last_nz + 1, x.size - last_nz - 1)
         pos, last, status = _put_block(x, k, cctx_p, dst, seqs_p, out, pos, last)
         if status:
             return pos, status
