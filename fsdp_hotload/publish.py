@@ -42,6 +42,13 @@ class WholeChunk:
     source: torch.Tensor
 
 
+def _flat_in_place(value: Any) -> bool:
+    """Whether flattening ``value`` (as ``_as_torch(value).reshape(-1)``) gives a view of its memory, not a copy."""
+    if isinstance(value, torch.Tensor):
+        return value.is_contiguous()
+    return bool(isinstance(value, np.ndarray) and value.flags.c_contiguous)
+
+
 def _as_torch(value: Any) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.detach()
@@ -68,6 +75,13 @@ class TensorPublisher:
             n = t.numel()
             self.chunks.append(WholeChunk(name, tuple(t.shape), policy.code(name, t.dtype), "flat",
                                           Box.flat(0, n), t.reshape(-1)))
+        # A non-contiguous tensor (a transposed or sliced view, a strided array) cannot be flattened in place: its
+        # chunk holds a copy, frozen at construction. publish() without tensors then re-reads the caller's tensors.
+        copied = [name for name in self.names if not _flat_in_place(tensors[name])]
+        self._live: dict[str, Any] | None = {n: tensors[n] for n in self.names} if copied else None
+        if copied:
+            log.info("hotload: %d tensor(s) are not contiguous (first: %r); publish() without tensors copies them "
+                     "again at each publishing step", len(copied), copied[0])
         for note in policy.notes({c.name: c.source.dtype for c in self.chunks}):
             log.warning("hotload: %s", note)
         specs = [TensorSpec(c.name, c.shape, c.dtype) for c in self.chunks]
@@ -75,7 +89,16 @@ class TensorPublisher:
 
     def publish(self, step: int, tensors: Mapping[str, Any] | None = None) -> bool:
         """Stage ``tensors`` (or the ones given at construction) and publish them in the background."""
+        if tensors is None and self._live is not None:
+            return self.engine.publish(step, self._read_live)  # called only on steps that publish; close reuses it
         return self.engine.publish(step, self._sources(tensors))
+
+    def _read_live(self) -> list[torch.Tensor]:
+        """The construction tensors' current values, flattened (copies for the non-contiguous ones)."""
+        assert self._live is not None
+        sources = self._sources(self._live)
+        assert sources is not None  # a copied tensor never has its chunk's pointer
+        return sources
 
     def _sources(self, tensors: Mapping[str, Any] | None) -> list[torch.Tensor] | None:
         """Flat views of ``tensors`` in construction order; None when they are the construction tensors

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+import numpy as np
 import pytest
 import torch
 
@@ -278,6 +279,38 @@ def test_restart_starts_with_full(tmp_path: Path) -> None:
                     pub.wait()
             assert [m.kind for m in pub.metrics] == ["full", "delta", "delta"]
             assert served(emu)[0][1] == expected_sha(model)
+
+
+def test_publish_without_tensors_reads_non_contiguous_tensors_again(tmp_path: Path) -> None:
+    """A transposed view or a strided array cannot be flattened in place, so its chunk holds a copy made at
+    construction. ``publish(step)`` and the final publish of ``close()`` must still serve the values the trainer
+    holds at that step, byte for byte, not the construction ones."""
+    from tests.snapshots import rebuild_accepted
+
+    bucket = str(tmp_path / "bucket")
+    base = torch.zeros(48, 32)
+    arr = np.zeros((16, 24), dtype=np.float32)
+    tensors: dict[str, Any] = {"model.layers.0.mlp.up_proj.weight": base.t(),  # non-contiguous torch view
+                               "model.layers.0.self_attn.q_proj.weight": arr[:, ::2],  # strided numpy array
+                               "model.norm.weight": torch.ones(32)}  # contiguous: read in place, as before
+    assert not tensors["model.layers.0.mlp.up_proj.weight"].is_contiguous()
+    expected: list[dict[str, str]] = []
+    cfg = config(bucket, None, tmp_path, busy_policy="wait", full_every=3, publish_every=2)
+    with TensorPublisher(tensors, cfg) as pub:
+        for step in range(6):
+            base.add_(float(step + 1))
+            arr += np.float32(0.5)
+            tensors["model.norm.weight"].mul_(1.5)
+            if pub.publish(step):
+                expected.append(expected_sha({k: torch.as_tensor(v) for k, v in tensors.items()}))
+            pub.wait()
+        assert len(expected) == 3  # steps 0, 2 and 4; step 5 is left to close()
+        expected.append(expected_sha({k: torch.as_tensor(v) for k, v in tensors.items()}))
+    assert [m.step for m in pub.metrics] == [0, 2, 4, 5] and all(m.ok for m in pub.metrics)
+    assert "delta" in [m.kind for m in pub.metrics]
+    rebuilt = rebuild_accepted(bucket, pub.metrics)
+    got = [{k: t.sha256() for k, t in rebuilt[m.identity].items()} for m in pub.metrics]
+    assert got == expected
 
 
 def test_busy_policy_skip_and_wait(tmp_path: Path) -> None:
