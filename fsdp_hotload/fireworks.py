@@ -73,6 +73,7 @@ from .fireworks_models import (
     validate_identity,
 )
 from .fireworks_names import API_KEY_ENV, Secret, clean_api_key, clean_headers, deployment_name, model_name
+from .storage_errors import backoff_delay
 
 log = logging.getLogger(__name__)
 #: Shorter secrets (an emulator's made-up key) are not removed from messages: they would match ordinary text.
@@ -318,7 +319,7 @@ class HotLoadClient:
                 # Raised outside the except block so the original exception (whose text may hold the key) is
                 # not chained as __context__.
                 raise HotLoadRequestError(self.redact(unsendable), hint=hint)
-            delay = min(self.backoff_initial_s * (2 ** (attempt - 1)), self.backoff_max_s)
+            delay = backoff_delay(attempt, self.backoff_initial_s, self.backoff_max_s, 1.0)  # no jitter: one caller
             if wait_hint is not None:
                 delay = max(delay, min(wait_hint, self.backoff_max_s))
             if time.monotonic() + delay > end:

@@ -69,6 +69,21 @@ def test_an_attempt_never_outlasts_the_retry_budget() -> None:
             assert time.monotonic() - started < 3.0
 
 
+def test_retrying_without_backoff_past_a_thousand_attempts_ends_with_a_hot_load_error() -> None:
+    """With backoff_initial_s=0 a refused connection is retried at once; the delay came from 0 * 2**(attempt-1),
+    a float times an int that overflows past attempt 1025, so the call ended in OverflowError, which neither
+    callers nor wait_ready's polling expect."""
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    probe.close()  # nothing listens there now: every attempt is refused at once
+    client = make_client(url, retry_budget_s=3.0, backoff_initial_s=0.0, backoff_max_s=0.0)
+    with pytest.raises(HotLoadError, match="no answer after") as err:
+        client.signal("s1")
+    attempts = int(str(err.value).split("no answer after ")[1].split()[0])
+    assert attempts > 1100  # past the overflow, so the test says something
+
+
 def answering(status: int, body: bytes, *, trickle_s: float = 0.0, length: bool = True,
               headers: dict[str, str] | None = None) -> Any:
     """A handler class that answers every request with ``status``, ``headers`` and ``body``: a byte every
