@@ -16,7 +16,7 @@ import re
 import urllib.parse
 from typing import Any
 
-__all__ = ["MASK", "SECRET_NAME", "is_secret_name", "mask_secrets", "mask_url", "url_has_credentials"]
+__all__ = ["MASK", "SECRET_NAME", "is_secret_name", "mask_secrets", "mask_text", "mask_url", "url_has_credentials"]
 
 MASK = "**********"
 
@@ -31,6 +31,8 @@ SECRET_NAME = re.compile(
     re.IGNORECASE)
 # scheme://userinfo@ (the userinfo ends at the authority's last '@', as urllib reads it)
 _USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
+# the same inside free text, where a URL also ends at white space or a quote
+_TEXT_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s\"'<>]*@")
 
 
 def is_secret_name(name: object) -> bool:
@@ -55,6 +57,12 @@ def mask_url(text: str) -> str:
         name, eq, _value = item.partition("=")
         params.append(f"{name}={MASK}" if eq and is_secret_name(urllib.parse.unquote_plus(name)) else item)
     return f"{head}?{'&'.join(params)}{hash_}{fragment}"
+
+
+def mask_text(text: str) -> str:
+    """Free text (an exception's message) with the userinfo of every URL in it masked. Why: botocore and others
+    quote the endpoint URL they were given whole, ``user:password@`` included, in their error messages."""
+    return _TEXT_USERINFO.sub(lambda m: f"{m.group(1)}{MASK}@", text)
 
 
 def mask_secrets(value: Any) -> Any:

@@ -31,7 +31,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator, TypeVar
 import fsspec
 import fsspec.core
 
-from .masking import mask_url
+from .masking import mask_text, mask_url
 from .storage_errors import (_BACKEND_PACKAGES, ErrorClass, MissingBackendError,  # noqa: F401 (re-exported)
                              StorageError, backend_install_hint, backoff_delay, classify_error)
 from .storage_paths import OBJECT_STORE_PROTOCOLS, check_options, check_relpath, normalise_root
@@ -106,6 +106,19 @@ def _mtime_of(info: dict[str, Any]) -> float | None:
 # -- storage ----------------------------------------------------------------------------------------------------
 
 
+def _unless_masked(exc: BaseException) -> BaseException | None:
+    """``exc``, to chain under a new error; None when a message in its chain holds a URL's credentials, which the
+    new error's message masks: a chained exception prints whole in a traceback and would show them."""
+    e: BaseException | None = exc
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if mask_text(str(e)) != str(e):
+            return None
+        e = e.__cause__ or e.__context__
+    return exc
+
+
 def _protocols(fs: Any) -> frozenset[str]:
     proto = getattr(fs, "protocol", ())
     return frozenset([proto] if isinstance(proto, str) else proto)
@@ -171,8 +184,9 @@ class Storage:
                 try:
                     self._throttles = ThrottleAnswers(fs, lambda: self.stats.add(throttled=1))
                 except Exception as exc:  # noqa: BLE001 - botocore refused the client's settings
-                    raise StorageError(f"cannot open {self._shown}: {type(exc).__name__}: {exc}", uri=self._shown,
-                                       op="open", cause=exc) from exc
+                    detail = mask_text(str(exc))
+                    raise StorageError(f"cannot open {self._shown}: {type(exc).__name__}: {detail}", uri=self._shown,
+                                       op="open", cause=exc) from _unless_masked(exc)
         else:
             fs_root = fs._strip_protocol(self.root)
         self._fs = fs
@@ -209,7 +223,9 @@ class Storage:
             raise MissingBackendError(f"cannot open {shown}: missing backend package ({exc})", uri=shown,
                                       op="open", cause=exc) from exc
         except (ValueError, TypeError) as exc:
-            raise StorageError(f"cannot open {shown}: {exc}", uri=shown, op="open", cause=exc) from exc
+            detail = mask_text(str(exc))
+            raise StorageError(f"cannot open {shown}: {detail}", uri=shown, op="open",
+                               cause=exc) from _unless_masked(exc)
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
@@ -262,23 +278,25 @@ class Storage:
                 if kind is ErrorClass.NOT_FOUND:
                     if isinstance(exc, FileNotFoundError) and uri in str(exc):
                         raise
-                    raise FileNotFoundError(f"{uri}: {exc}") from exc  # s3fs's "bucket does not exist" names none
+                    detail = mask_text(str(exc))  # s3fs's "bucket does not exist" names no file: say which
+                    raise FileNotFoundError(f"{uri}: {detail}") from _unless_masked(exc)
                 counted = self._throttles is None and kind is ErrorClass.THROTTLE  # else counted as answered
                 if not kind.retryable or attempt >= self.max_attempts:
                     self.stats.add(failures=1, throttled=int(counted))
                     why = (f"after {attempt} attempts" if kind.retryable
                            else f"({kind.value} error, not retried)")
-                    detail = str(exc) or str(exc.__cause__ or "") or (  # s3fs's RequestTimeout is in the cause
+                    raw = str(exc) or str(exc.__cause__ or "") or (  # s3fs's RequestTimeout is in the cause
                         "no reply before the call's deadline (call_timeout_s)"
                         if type(exc).__name__ == "FSTimeoutError" else "(no message)")
+                    detail = mask_text(raw)
                     raise StorageError(f"{op} {uri} failed {why}: {type(exc).__name__}: {detail}", uri=uri,
-                                       op=op, attempts=attempt, cause=exc) from exc
+                                       op=op, attempts=attempt, cause=exc) from _unless_masked(exc)
                 throttled = kind is ErrorClass.THROTTLE
                 base = self.throttle_backoff_s if throttled else self.base_backoff_s
                 delay = backoff_delay(attempt, base, self.max_backoff_s, self._rng.random())
                 self.stats.add(retries=1, throttled=int(counted), backoff_seconds=delay)
                 logger.warning("%s %s: %s error (%s: %s); retry %d/%d in %.2fs", op, uri, kind.value,
-                               type(exc).__name__, exc, attempt, self.max_attempts - 1, delay)
+                               type(exc).__name__, mask_text(str(exc)), attempt, self.max_attempts - 1, delay)
                 self._sleep(delay)
 
     # -- writes ------------------------------------------------------------------------------------------

@@ -157,6 +157,23 @@ def test_storage_messages_mask_a_root_s_credentials() -> None:
     assert "TOPSECRET" not in str(info.value)
 
 
+def test_an_endpoint_s_password_quoted_in_an_open_error_is_masked() -> None:
+    """botocore quotes the endpoint it refuses whole ("Invalid endpoint: http://user:pw@..."): the StorageError
+    carried the password into logs and the metrics file, and its chained cause into tracebacks."""
+    import traceback
+
+    from fsdp_hotload.masking import mask_text
+    from fsdp_hotload.storage_errors import StorageError
+
+    options = {"endpoint_url": "http://minio:TOPSECRET@minio_host:9000", "key": "k", "secret": "s"}
+    with pytest.raises(StorageError, match="Invalid endpoint") as info:
+        Storage("s3://bkt/run", options)
+    printed = "".join(traceback.format_exception(info.value))
+    assert "TOPSECRET" not in printed and "minio_host:9000" in printed
+    assert mask_text('x "https://u:p@w@h:1/a?b" and s3://k@b/c, ftp://h/p@x') == (
+        'x "https://**********@h:1/a?b" and s3://**********@b/c, ftp://h/p@x')
+
+
 def test_the_clients_extra_headers_print_without_their_values() -> None:
     """A gateway's token sits in additional_headers: vars(client), a debugger or an error reporter that records
     locals printed the plain dict, value included."""
