@@ -19,7 +19,7 @@ from fsdp_hotload.arc import (Box, ChecksumError, FormatError, MismatchError, Ra
                               encode_delta_file, get_codec, is_delta_file, load_file, read_delta_info, save_file)
 from fsdp_hotload.arc.adler import add_parts, chunk_parts, combine, global_elements, update_parts
 from fsdp_hotload.arc import boxes as boxes_mod
-from fsdp_hotload.arc.boxes import check_tiling, gather
+from fsdp_hotload.arc.boxes import check_tiling, gather, scatter
 from fsdp_hotload.arc.codecs import ArcV2, zstd_decompress_exact, zstd_window_limit
 from fsdp_hotload.arc.dense import DenseDelta, run_tables
 from fsdp_hotload.arc.folder import verify_paths, weight_files
@@ -141,6 +141,25 @@ def test_chunked_round_trip_and_checksum_parts(codec: str, tiling: tuple[tuple[i
 
 
 @settings(max_examples=60, deadline=None)
+@given(tiling=tilings(), itemsize=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**31))
+def test_gather_and_scatter_follow_the_box_s_runs(tiling: tuple[tuple[int, ...], str, list[Box]], itemsize: int,
+                                                  seed: int) -> None:
+    """gather reads a box's bytes in box C order, the runs of Box.runs one after the other, and scatter writes
+    exactly those bytes back (they work on strided views, so that a box one column wide is not a Python loop
+    over its elements)."""
+    shape, space, boxes = tiling
+    sp = (int(np.prod(shape)),) if space == "flat" else shape
+    full = np.random.default_rng(seed).integers(0, 256, int(np.prod(shape)) * itemsize, dtype=np.uint8)
+    out = np.zeros_like(full)
+    for box in boxes:
+        want = b"".join(bytes(full[o * itemsize:(o + n) * itemsize]) for o, n in box.runs(sp))
+        got = gather(full, box, sp, itemsize)
+        assert bytes(got) == want
+        scatter(out, got.copy(), box, sp, itemsize)
+    assert bytes(out) == bytes(full)
+
+
+@settings(max_examples=60, deadline=None)
 @given(tiling=tilings(), dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.uint8, torch.int64]),
        density=st.sampled_from([0.0, 0.05, 0.5, 1.0]), block=st.sampled_from([8, 16, 64, 1 << 17]),
        encoder=st.sampled_from(ENCODERS), seed=st.integers(0, 2**31))
@@ -216,12 +235,13 @@ def test_golden_container_header() -> None:
     assert table["b"]["adler32"] == zlib.adler32(bytes(8))
     assert {k: v for k, v in table["w"].items() if k != "chunks"} == {
         "adler32": zlib.adler32(new_w.tobytes()), "codec": "arc_v2", "dtype": "F32", "shape": [8], "space": "flat"}
-    assert [dict(c, size=None) for c in table["w"]["chunks"]] == [{"start": [0], "length": [8], "offset": 0,
-                                                                   "size": None}]
+    assert [dict(c, size=None, crc32=None) for c in table["w"]["chunks"]] == [
+        {"start": [0], "length": [8], "offset": 0, "size": None, "crc32": None}]
     # Tensors are stored as U8 vectors in write order, payload = one zstd frame of the XOR bytes.
     assert [(e.name, e.dtype) for e in header.entries.values()] == [("w", "U8"), ("b", "U8")]
     e = header.entries["w"]
     frame = blob[header.data_start + e.begin:header.data_start + e.end]
+    assert table["w"]["chunks"][0]["crc32"] == zlib.crc32(frame)  # of the payload: CRC-32 as zlib computes it
     xor = np.frombuffer(zstandard.ZstdDecompressor().decompress(frame), dtype=np.uint8)
     expected = np.bitwise_xor(np.arange(8, dtype=np.float32).view(np.uint8), new_w.view(np.uint8))
     assert xor.tobytes() == expected.tobytes()
@@ -324,6 +344,34 @@ def test_corrupt_payload_byte_is_caught() -> None:
         bad[pos] ^= 0x40
         with pytest.raises((FormatError, ChecksumError)):
             apply_delta_file(parent, bytes(bad))
+
+
+def test_a_flipped_bit_that_keeps_the_adler32_is_caught_by_the_chunk_crc() -> None:
+    """One flipped bit of this 46-byte arc_v2 frame (found by fuzzing) decodes to 8 bytes off by +-32 in pairs
+    that leave the tensor's Adler-32 as it was: the file applied and served wrong weights without an error. The
+    chunk table's CRC-32 of each payload refuses it; a file written before that key existed still applies."""
+    old = bytes.fromhex("e724d26facd2aeb0daf2a972cd3fa02fd44f487078de451f5f6c246dee45"
+                        "3351e4d3ca3aca414c46c1682afad1a4022cb28c6202")
+    new = bytes.fromhex("e724d26fabd2ae1adaf2a972cd3fa02f774f48705dde9a6b5f6c246dee28"
+                        "3351e4d3ca3aca418246c1682a2ed1a4022cb28c6202")
+    frame = bytes.fromhex("28b52ffd20342d0100d800000000070000aa00a30000002500df74"
+                          "006d00ce00000000d400041000d924b6273b02")
+    parent = {"a": RawTensor("BF16", (26,), np.frombuffer(old, np.uint8).copy())}
+    td = TensorDelta("a", "BF16", (26,), zlib.adler32(new), "arc_v2", "flat", [(Box.flat(0, 26), frame)])
+    blob = build_delta_file([td], parent_identity="p")
+    assert bytes(apply_delta_file(parent, blob)["a"].data) == new
+    header = parse_header(blob)
+    flipped = bytearray(blob)
+    flipped[header.data_start + header.entries["a"].begin + 36] ^= 1 << 5
+    wrong = bytearray(frame)
+    wrong[36] ^= 1 << 5  # what the frame decodes to once flipped: other bytes, the same Adler-32
+    xor = zstandard.ZstdDecompressor().decompress(bytes(wrong))
+    assert bytes(a ^ b for a, b in zip(old, xor)) != new and zlib.adler32(bytes(a ^ b for a, b in zip(old, xor))) \
+        == zlib.adler32(new)
+    with pytest.raises(ChecksumError, match="chunk 0 fails its CRC-32"):
+        apply_delta_file(parent, bytes(flipped))
+    older = _corrupt_header(blob, _edit_table(lambda t: t["a"]["chunks"][0].pop("crc32")))
+    assert bytes(apply_delta_file(parent, older)["a"].data) == new
 
 
 def test_decompression_bomb_is_bounded() -> None:
@@ -652,6 +700,7 @@ def _one_byte_file(shape: list[int], nbytes: int = 1) -> bytes:
     ([10**4000] * 2, "more than"),  # a product of 8,001 digits: formatting it into the message raised ValueError
     ([2**62] * 4, "more than"),
     ([1] * 65, "65 dimensions"),  # one byte, but no numpy array has 65 dimensions
+    ([0, 2**70], "dimension 1 of"),  # no bytes, but no numpy array or torch tensor has that shape
 ])
 def test_header_shapes_are_bounded(shape: list[int], match: str) -> None:
     """Shapes in a header are untrusted: their rank and byte count are bounded before anything multiplies them

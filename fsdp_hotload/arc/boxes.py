@@ -195,18 +195,23 @@ def _check_painted(live: list[Box], space: Sequence[int]) -> None:
         view[...] = True
 
 
+def _box_view(full: np.ndarray, box: Box, space: Sequence[int], itemsize: int) -> np.ndarray:
+    """``box`` as a strided view of a tensor's flat byte array (one axis per dimension, then the item's bytes).
+    Why a view rather than a loop over :meth:`Box.runs`: a box one column wide has a run per element, and a loop
+    in Python over those made rebuilding a tensor split into columns ~500x slower than over one box."""
+    space = tuple(int(d) for d in space)
+    if full.ndim != 1 or not full.flags.c_contiguous:  # else reshape copies, and a scatter would be lost
+        raise ValueError("gather and scatter need a tensor's bytes as one flat contiguous array")
+    if full.size != numel(space) * itemsize:
+        raise FormatError(f"a {full.size}-byte array for a {list(space)} tensor of {itemsize}-byte items")
+    check_box_in(box, space)
+    return full.reshape(space + (itemsize,))[tuple(slice(s, s + n) for s, n in zip(box.start, box.length))]
+
+
 def gather(full: np.ndarray, box: Box, space: Sequence[int], itemsize: int) -> np.ndarray:
     """The bytes of ``box`` out of a tensor's flat byte array, in box C order (a view when contiguous)."""
-    runs = list(box.runs(space))
-    if len(runs) == 1:
-        off, n = runs[0]
-        return full[off * itemsize:(off + n) * itemsize]
-    out = np.empty(box.numel * itemsize, dtype=np.uint8)
-    pos = 0
-    for off, n in runs:
-        out[pos:pos + n * itemsize] = full[off * itemsize:(off + n) * itemsize]
-        pos += n * itemsize
-    return out
+    view = _box_view(full, box, space, itemsize)
+    return view.reshape(-1) if view.flags.c_contiguous else np.ascontiguousarray(view).reshape(-1)
 
 
 def scatter(full: np.ndarray, chunk: np.ndarray, box: Box, space: Sequence[int], itemsize: int) -> None:
@@ -214,7 +219,5 @@ def scatter(full: np.ndarray, chunk: np.ndarray, box: Box, space: Sequence[int],
     box is refused: numpy would broadcast a short one and cut a long one, publishing wrong weights in silence."""
     if chunk.size != box.numel * itemsize:
         raise FormatError(f"a chunk of {chunk.size} bytes for a box of {box.numel} elements of {itemsize} bytes")
-    pos = 0
-    for off, n in box.runs(space):
-        full[off * itemsize:(off + n) * itemsize] = chunk[pos:pos + n * itemsize]
-        pos += n * itemsize
+    view = _box_view(full, box, space, itemsize)
+    view[...] = chunk.reshape(view.shape)

@@ -3,7 +3,7 @@
 A delta file has the same name and tensor set as the parent file it applies to. Each tensor is stored as a
 ``U8`` vector holding its chunk payloads back to back; the header's string metadata records, per tensor, the
 original dtype and shape, the Adler-32 of the reconstructed bytes, the codec and the chunk table (the box of
-each chunk and the byte range of its payload). docs/FORMAT.md pins the layout byte for byte.
+each chunk, the byte range of its payload and that payload's CRC-32). docs/FORMAT.md pins the layout byte for byte.
 
 Example::
 
@@ -13,6 +13,7 @@ Example::
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
@@ -44,7 +45,8 @@ class TensorDelta:
     adler32: int
     codec: str
     space: str = "flat"
-    # (box, payload bytes) when built for writing; (box, (offset, size)) into the stored payload when read
+    # (box, payload bytes) when built for writing; (box, (offset, size, crc32 or None)) into the stored payload
+    # when read
     chunks: list[tuple[Box, Any]] = field(default_factory=list)
 
     @property
@@ -53,8 +55,8 @@ class TensorDelta:
 
     @property
     def payload_bytes(self) -> int:
-        """Bytes of the encoded chunks. A delta read by :func:`read_delta_info` holds ``(offset, size)`` ranges
-        instead of payloads (which it does not load): their sizes count, not the length of each pair."""
+        """Bytes of the encoded chunks. A delta read by :func:`read_delta_info` holds ``(offset, size, crc32)``
+        ranges instead of payloads (which it does not load): their sizes count, not the length of each tuple."""
         return sum(p[1] if isinstance(p, tuple) else len(p) for _, p in self.chunks)
 
 
@@ -89,7 +91,7 @@ def _delta_header(tensors: Iterable[TensorDelta], parent_identity: str, extra_me
             raise exc.at(tensor=t.name) from None
         chunks, pos = [], 0
         for box, payload in t.chunks:
-            chunks.append({**box.to_json(), "offset": pos, "size": len(payload)})
+            chunks.append({**box.to_json(), "offset": pos, "size": len(payload), "crc32": zlib.crc32(payload)})
             pos += len(payload)
             if payloads is not None:
                 payloads.append(payload)
@@ -140,7 +142,7 @@ class DeltaInfo:
 
     parent_identity: str
     compression_format: str
-    tensors: dict[str, TensorDelta]  # chunks hold (box, (offset, size)) placeholders: payloads are not read
+    tensors: dict[str, TensorDelta]  # chunks hold (box, (offset, size, crc32)) placeholders: payloads not read
     header: Header
 
 
@@ -198,11 +200,13 @@ def _parse_tensor(name: str, info: Any, entry: Any) -> TensorDelta:
     pos = 0
     for c in chunks:
         box = Box.from_json(c)
-        off, size = c.get("offset"), c.get("size")
+        off, size, crc = c.get("offset"), c.get("size"), c.get("crc32")
         if type(off) is not int or type(size) is not int or off != pos or size < 0:
             raise FormatError(f"chunk payload range offset={off!r} size={size!r} (expected offset {pos})")
+        if crc is not None and (type(crc) is not int or not 0 <= crc < 2**32):  # absent: written before it was
+            raise FormatError(f"bad chunk crc32 {crc!r}")
         pos += size
-        t.chunks.append((box, (off, size)))  # the payload range, not its bytes (see TensorDelta.chunks)
+        t.chunks.append((box, (off, size, crc)))  # the payload range, not its bytes (see TensorDelta.chunks)
     if pos != entry.nbytes:
         raise FormatError(f"chunk payloads cover {pos} bytes of a {entry.nbytes}-byte payload")
     check_tiling([b for b, _ in t.chunks], t.space_shape)
@@ -219,11 +223,17 @@ def apply_tensor(t: TensorDelta, parent: RawTensor, payload: np.ndarray, *, file
     codec = get_codec(t.codec)
     out = np.empty(parent.nbytes, dtype=np.uint8)
     space = t.space_shape
-    for box, (off, n) in t.chunks:
+    for i, (box, (off, n, *crc)) in enumerate(t.chunks):
+        frame = bytes(payload[off:off + n])
+        # Before decoding: one flipped bit of a zstd frame can decode to bytes that change in +-32 pairs, which
+        # keep the Adler-32 (found by fuzzing); a CRC-32 catches every error of up to 32 bits in the payload.
+        if crc and crc[0] is not None and zlib.crc32(frame) != crc[0]:
+            raise ChecksumError(f"the payload of chunk {i} fails its CRC-32 (corrupt in storage or in transit)",
+                                **where)
         base = gather(parent.data, box, space, size)
         piece = np.empty(box.numel * size, dtype=np.uint8)
         try:
-            codec.decode(bytes(payload[off:off + n]), np.ascontiguousarray(base), size, piece)
+            codec.decode(frame, np.ascontiguousarray(base), size, piece)
         except ArcError as exc:
             raise exc.at(**where) from None
         scatter(out, piece, box, space, size)

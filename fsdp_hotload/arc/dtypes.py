@@ -97,8 +97,13 @@ def check_shape(shape: Any, code: str) -> tuple[int, ...]:
         raise FormatError(f"shape of {len(shape)} dimensions (at most {MAX_RANK} are supported)")
     if not all(type(s) is int and s >= 0 for s in shape):
         raise FormatError(f"bad shape {shape!r}")
+    limit = MAX_NBYTES // size
+    big = next((i for i, s in enumerate(shape) if s > limit), None)  # also beside a 0: numpy cannot shape it
+    if big is not None:
+        raise FormatError(f"dimension {big} of a {len(shape)}-dimension shape holds more than {MAX_NBYTES} bytes "
+                          f"of {code}")
     if 0 not in shape:
-        limit, n = MAX_NBYTES // size, 1
+        n = 1
         for s in shape:
             n *= s
             if n > limit:
