@@ -253,6 +253,8 @@ class HotloadCallback:
             chunks = [walked[i] for i in self._kept]
             self._views, self._fingerprint = [c.source for c in chunks], fingerprint
             self._buffer_idx = self._buffer_chunks(chunks)
+            # Called by the engine after its fence, so no copy reads the old views: its copy plans let go of them.
+            self.engine.stager.rebind(self._views)
         return self._views
 
     def attach(self, *optimizers: torch.optim.Optimizer, first_step: int | None = None) -> None:

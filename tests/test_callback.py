@@ -1,6 +1,7 @@
 """HotloadCallback on a plain (unsharded) module in one process, driven by the optimizer hook."""
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import threading
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from fsdp_hotload import HotloadCallback, HotloadConfig
 from fsdp_hotload.arc.dtypes import RawTensor
@@ -94,13 +96,24 @@ def test_replaced_parameter_is_walked_again(tmp_path: Path) -> None:
                 hot.step(step)
                 hot.wait()
             assert hot.walks == 1
+            replaced = StorageWeakRef(model.layers[1].weight.untyped_storage())
             model.layers[1].weight = nn.Parameter(torch.randn(16, 16))
             hot.step(3)
             hot.wait()
             assert hot.walks == 2
             assert _served(emu) == [(hot.metrics[-1].identity, _expected(model))]
+            left = StorageWeakRef(model.layers[0].weight.untyped_storage())
             model.layers[0].weight.data = torch.randn(16, 16)  # the same Parameter object on new memory
             hot.step(4)
+            hot.wait()
+            assert hot.walks == 3
+            assert _served(emu) == [(hot.metrics[-1].identity, _expected(model))]
+            gc.collect()  # the memory the model let go of is not kept by the publisher (it was, to close())
+            assert replaced.expired() and left.expired()
+            with torch.no_grad():  # the new tensors, staged by the copy plans made again for them
+                model.layers[1].weight.add_(0.5)
+                model.layers[0].weight.mul_(2)
+            hot.step(5)
             hot.wait()
             assert hot.walks == 3
             assert _served(emu) == [(hot.metrics[-1].identity, _expected(model))]

@@ -97,6 +97,7 @@ class Publisher:
                                               max_concurrency=config.upload_concurrency)
             self.stager = Stager(self.chunks, slots=config.max_inflight, cache_on=config.cache_on)
             made.append(self.stager)
+            self.chunks = self.stager.chunks  # without their sources, which only the stager holds (see ChunkInfo)
             self.codec = get_codec(config.codec)
             self.metrics = MetricsSink(config.metrics_path if self.rank == 0 else None)
             base_files = hf_aux_files(config.hf_config_dir) if self.rank == 0 else {}  # read once: tokenizers are big

@@ -26,6 +26,7 @@ import operator
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, ContextManager, Protocol, Sequence
 
 import numpy as np
@@ -54,6 +55,19 @@ class ChunkLike(Protocol):
     def box(self) -> Any: ...
     @property
     def source(self) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """A chunk without its source tensor: what the engine keeps of it after construction. Why: a chunk's source
+    is a view of the model's memory, and only the copy plans may hold that (:meth:`Stager.rebind` replaces them),
+    so that memory the model lets go of (a checkpoint loaded with ``assign=True``) is freed, not kept to close()."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    space: str
+    box: Any
 
 
 class Stager:
@@ -96,6 +110,7 @@ class Stager:
         self._copier: ThreadPoolExecutor | None = None  # host copies off the trainer's thread (``background``)
         self._views: dict[int, list[np.ndarray]] = {}  # host_views by buffer address
         self._own = [c.source for c in self.chunks]  # checked above
+        self.chunks = [ChunkInfo(c.name, tuple(c.shape), c.dtype, c.space, c.box) for c in self.chunks]
         self._groups = copy_groups(self._own, self.slices)
         self._plans: dict[int, CopyPlan] = {}  # the own sources' copies into each buffer, by buffer address
         self._where: list[tuple[int, int, bool] | None] = []  # each chunk's place in every plan (see _plan)
@@ -181,6 +196,20 @@ class Stager:
                 raise ValueError(f"chunk {self.chunks[k].name!r}: source is on {src.device}, the shard on "
                                  f"{self.device}")
         return srcs, changed
+
+    def rebind(self, sources: Sequence[torch.Tensor]) -> None:
+        """Make ``sources`` the chunks' own, in place of those given at construction (the model's storage was
+        replaced: a checkpoint loaded with ``assign=True``, a parameter swapped). Why: the copy plans hold the
+        tensors they read, so the memory the model let go of stayed alive, a whole shard (device memory on a GPU
+        trainer), until close(). No copy may be running (the publisher calls this after its fence); the plans are
+        made again at the next copy into each buffer."""
+        srcs, changed = self._checked(sources)
+        if not changed:
+            return
+        self._own = list(srcs)
+        self._groups = copy_groups(self._own, self.slices)
+        self._plans.clear()
+        self._where, self._own_src, self._bits = [], [], []
 
     def _copy_host(self, buf: torch.Tensor, srcs: Sequence[torch.Tensor], changed: Sequence[int]) -> None:
         with torch.no_grad():  # thread-local: set here, on whichever thread copies
