@@ -232,14 +232,21 @@ class HotLoadEmulator:
 
     # ------------------------------------------------------------------------------------------ faults
 
-    def fail_next_loads(self, k: int, replica: int | None = None) -> None:
-        """The next ``k`` loads on ``replica`` (on every replica if None) end in stage "error"."""
+    def fail_next_loads(self, k: int, replica: int | None = None, deployment: str | None = None) -> None:
+        """The next ``k`` loads on ``replica`` (on every replica if None) of ``deployment`` (a name such as
+        ``"accounts/a/deployments/d"``; if None, of every deployment, also those no request has named yet, which
+        fail their first ``k`` loads) end in stage "error". Each deployment counts its own."""
         targets = range(self.replicas) if replica is None else [replica]
         if replica is not None and not 0 <= replica < self.replicas:
             raise ValueError(f"replica must be in [0, {self.replicas}), got {replica}")
+        if deployment is not None and not _DEPLOYMENT_RE.fullmatch(deployment):
+            raise ValueError(f"deployment must be a name such as 'accounts/a/deployments/d', got {deployment!r}")
+        with self._lock:
+            keys = [deployment] if deployment is not None else [*self._deployments, ""]
         with self.settings.lock:
-            for i in targets:
-                self.settings.fail_counts[i] = self.settings.fail_counts.get(i, 0) + k
+            for key in keys:
+                for i in targets:
+                    self.settings.fail_counts[(key, i)] = self.settings.fail_counts.get((key, i), 0) + k
 
     def set_load_delay(self, seconds: float) -> None:
         """Every load waits this long after its download starts (makes in-flight states observable)."""
@@ -283,6 +290,7 @@ class HotLoadEmulator:
         with self._lock:
             dep = self._deployments.get(key)
             if dep is None:
+                self.settings.new_deployment(key)
                 dep = Deployment(key, None, replicas=self.replicas, settings=self.settings)
                 self._deployments[key] = dep
         if model is not None:

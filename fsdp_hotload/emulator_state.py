@@ -62,20 +62,29 @@ class EmulatorSettings:
     manager_delay_s: float = 0.0
     compression_formats: tuple[str, ...] = ("arc_v2",)
     base: BaseModelSpec = field(default_factory=BaseModelSpec)  # what full snapshots are checked against (§6.2)
-    fail_counts: dict[int, int] = field(default_factory=dict)  # replica index -> loads left to fail
+    # (deployment key, replica index) -> loads left to fail; key "" holds what a deployment that no request has
+    # named yet takes when one does (see HotLoadEmulator.fail_next_loads)
+    fail_counts: dict[tuple[str, int], int] = field(default_factory=dict)
     record_error: Callable[[BaseException], None] = lambda exc: None
     # Rows and hints kept per deployment for reading (oldest dropped first), so a long-running emulator's memory
     # stays bounded; identity reuse and delta parents are still checked against every identity ever signalled.
     history_limit: int = 10_000
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def take_failure(self, replica: int) -> bool:
+    def take_failure(self, deployment: str, replica: int) -> bool:
         with self.lock:
-            left = self.fail_counts.get(replica, 0)
+            left = self.fail_counts.get((deployment, replica), 0)
             if left <= 0:
                 return False
-            self.fail_counts[replica] = left - 1
+            self.fail_counts[(deployment, replica)] = left - 1
             return True
+
+    def new_deployment(self, deployment: str) -> None:
+        """Give a deployment named for the first time the failures set for every deployment."""
+        with self.lock:
+            for (key, i), n in list(self.fail_counts.items()):
+                if key == "" and n > 0:
+                    self.fail_counts[(deployment, i)] = self.fail_counts.get((deployment, i), 0) + n
 
 
 # ---------------------------------------------------------------------------------------------------- loader
@@ -323,7 +332,7 @@ class Replica:
             self.busy, self.stage, self.target, self.error = True, "downloading", row.identity, None
             parent, parent_map, current = self.tensors, self.weight_map, self.current
         try:
-            if dep.settings.take_failure(self.index):
+            if dep.settings.take_failure(dep.key, self.index):
                 raise LoadError(f"injected fault: replica {self.index} fails this load (fail_next_loads)")
             started = time.monotonic()  # re-read each tick: set_load_delay(0) releases loads already waiting
             while time.monotonic() - started < dep.settings.load_delay_s and job.generation == dep.generation:

@@ -326,6 +326,32 @@ def test_fail_next_loads_on_one_replica(emulator: HotLoadEmulator) -> None:
     assert [i for i, _ in served(emulator)] == ["step-3", "step-3"]
 
 
+def test_fail_next_loads_counts_per_deployment(emulator: HotLoadEmulator) -> None:
+    """One emulator serves several deployments: "every replica" means every replica of each of them (the counters
+    were keyed by replica alone, so whichever deployment loaded first took the one failure), and ``deployment=``
+    names one."""
+    us, eu = client_for(emulator, deployment_id="us"), client_for(emulator, deployment_id="eu")
+    emulator.fail_next_loads(1)  # before any request named them: each fails its first load
+    for identity, seed in (("step-1", 1), ("step-2", 2), ("step-3", 3)):
+        write_full_snapshot(emulator.bucket, identity, tiny_model(seed))
+
+    def outcome(client: HotLoadClient, identity: str) -> str:
+        client.signal(identity)
+        try:
+            client.wait_ready(identity, timeout_s=30)
+            return "ready"
+        except HotLoadError as exc:
+            assert "injected fault" in str(exc)
+            return "failed"
+
+    assert [outcome(us, "step-1"), outcome(eu, "step-1")] == ["failed", "failed"]
+    assert [outcome(us, "step-2"), outcome(eu, "step-2")] == ["ready", "ready"]
+    emulator.fail_next_loads(1, deployment="accounts/acct/deployments/eu")
+    assert [outcome(us, "step-3"), outcome(eu, "step-3")] == ["ready", "failed"]
+    with pytest.raises(ValueError, match="deployment must be a name"):
+        emulator.fail_next_loads(1, deployment="eu")
+
+
 def test_reject_next_signals_is_retried_by_the_client(emulator: HotLoadEmulator) -> None:
     client = client_for(emulator)
     emulator.reject_next_signals(2, status=503, message="warming up")
