@@ -301,8 +301,9 @@ def main() -> None:
         every = _VARIANT.match(v).group(2)  # type: ignore[union-attr]
         cfg = HotloadConfig(bucket_url=args.bucket, hf_config_dir=args.hf_dir, identity_prefix=v,
                             busy_policy="wait" if v == "wait" else "skip", publish_every=int(every or 1),
-                            hotload_api_url=args.url if signal else None, account_id="bench", model_id="bench",
-                            deployment_id=f"dep-{v}" if signal else None, api_key=args.api_key if signal else None,
+                            hotload_api_url=args.url if signal else None, account_id="bench" if signal else None,
+                            model_id="bench" if signal else None, deployment_id=f"dep-{v}" if signal else None,
+                            api_key=args.api_key if signal else None,
                             poll_interval_s=args.poll, ready_timeout_s=120,
                             **({} if args.nice is None else {"background_nice": args.nice}))
         callbacks[v] = HotloadCallback(model, cfg)

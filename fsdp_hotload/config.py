@@ -258,6 +258,13 @@ class HotloadConfig(BaseModel):
             # The client's own checks (scheme, host, port, no query), here so that the error names this field
             # (or its variable or flag) at construction, not the client's base_url when the callback is built.
             check_url(self.hotload_api_url, self.hotload_api_allow_http, "hotload_api_url")
+        else:  # a forgotten URL would publish to storage only, every record ok, and the fleet would never move
+            given = [f for f in ("account_id", "model_id", "deployment_id", "hotload_api_headers", "reset_prompt_cache")
+                     if getattr(self, f)]
+            if given:
+                raise ValueError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} set but hotload_api_url is "
+                                 "not, so no snapshot would be signalled: set hotload_api_url too, or leave them unset "
+                                 "to publish to storage only")
         return self
 
     @property

@@ -22,10 +22,15 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
     os.environ["HOTLOAD_BUCKET_URL"] = str(tmp_path)
     os.environ["HOTLOAD_DEPLOYMENT_ID"] = '["a", "b"]'
     try:
-        cfg = HotloadConfig.from_env(full_every=5)
+        with pytest.raises(ValueError, match="deployment_id is set but hotload_api_url is not"):
+            HotloadConfig.from_env(full_every=5)  # would publish to storage only: the fleet would never move
+        cfg = HotloadConfig.from_env(full_every=5, hotload_api_url="https://api.example", account_id="x",
+                                     model_id="m", hf_config_dir=str(tmp_path))
         assert cfg.deployments == ["a", "b"] and cfg.full_every == 5
     finally:
         del os.environ["HOTLOAD_BUCKET_URL"], os.environ["HOTLOAD_DEPLOYMENT_ID"]
+    with pytest.raises(ValueError, match="account_id, model_id, reset_prompt_cache are set but hotload_api_url"):
+        HotloadConfig(bucket_url=str(tmp_path), account_id="x", model_id="m", reset_prompt_cache="all")
 
 
 @pytest.mark.parametrize("prefix", ["aux.run1", "NUL.x", "com1.v2"])
@@ -46,13 +51,13 @@ def test_values_that_would_fail_or_leak_later_are_refused_by_name(monkeypatch: p
     with pytest.raises(ValueError, match="api_key is empty"):
         HotloadConfig.from_env()
     monkeypatch.delenv("HOTLOAD_API_KEY")
-    with pytest.raises(ValueError, match=r"hotload_api_headers\['X-Token'\] contains a line break") as info:
-        HotloadConfig(bucket_url="/tmp/b", hotload_api_headers={"X-Token": "s3cr3t\nX-Evil: 1"})
-    assert "s3cr3t" not in str(info.value)
-    assert HotloadConfig(bucket_url="/tmp/b", hotload_api_headers={"X-Token": "s3cr3t\n"}).hotload_api_headers == {
-        "X-Token": "s3cr3t"}
     signalling = dict(bucket_url="/tmp/b", hotload_api_url="https://api.example", account_id="a", model_id="m",
                       hf_config_dir="/tmp")
+    with pytest.raises(ValueError, match=r"hotload_api_headers\['X-Token'\] contains a line break") as info:
+        HotloadConfig(**signalling, deployment_id="d", hotload_api_headers={"X-Token": "s3cr3t\nX-Evil: 1"})
+    assert "s3cr3t" not in str(info.value)
+    assert HotloadConfig(**signalling, deployment_id="d",
+                         hotload_api_headers={"X-Token": "s3cr3t\n"}).hotload_api_headers == {"X-Token": "s3cr3t"}
     with pytest.raises(ValueError, match="deployment_id names accounts/a/deployments/d more than once"):
         HotloadConfig(**signalling, deployment_id=["d", "accounts/a/deployments/d"])
     with pytest.raises(ValueError, match="belongs to account 'b'"):

@@ -29,11 +29,16 @@ def test_every_field_but_the_secrets_has_a_flag() -> None:
     assert set(SECRET_FIELDS) == {"api_key", "hotload_api_headers"}
 
 
+# What a deployment needs beside its id: without a URL the config refuses deployment_id (nothing would be signalled).
+SIGNAL = ["--hotload-hotload-api-url", "https://api.example", "--hotload-account-id", "a", "--hotload-model-id", "m",
+          "--hotload-hf-config-dir", "/tmp"]
+
+
 def test_round_trip() -> None:
     args = parser().parse_args([
         "--hotload-bucket-url", "s3://b/p", "--hotload-full-every", "25", "--hotload-deployment-id", '["a", "b"]',
         "--hotload-storage-options", '{"endpoint_url": "http://127.0.0.1:9000"}', "--hotload-ready-timeout-s",
-        "120.5", "--no-hotload-send-hints", "--hotload-codec", "arc_sparse_v1"])
+        "120.5", "--no-hotload-send-hints", "--hotload-codec", "arc_sparse_v1", *SIGNAL])
     cfg = config_from_args(args)
     assert cfg is not None
     assert (cfg.bucket_url, cfg.full_every, cfg.deployments, cfg.ready_timeout_s, cfg.send_hints, cfg.codec) == (
@@ -86,10 +91,14 @@ def test_every_field_round_trips_through_its_flag(deployment_id: Any, tmp_path: 
     ("12345", "12345"), ("true", "true"), ("Infinity", "Infinity"), ('"007"', "007"), ('["a", "b"]', ["a", "b"]),
     ("null", None)])
 def test_flags_and_env_read_a_value_alike(text: str, value: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = config_from_args(parser().parse_args(["--hotload-bucket-url", "/tmp/b", "--hotload-deployment-id", text]))
+    signal = SIGNAL if value is not None else []
+    cfg = config_from_args(parser().parse_args(["--hotload-bucket-url", "/tmp/b", "--hotload-deployment-id", text,
+                                                *signal]))
     assert cfg is not None and cfg.deployment_id == value
     monkeypatch.setenv("HOTLOAD_BUCKET_URL", "/tmp/b")
     monkeypatch.setenv("HOTLOAD_DEPLOYMENT_ID", text)
+    for flag, v in zip(signal[0::2], signal[1::2]):
+        monkeypatch.setenv("HOTLOAD_" + flag[len("--hotload-"):].replace("-", "_").upper(), v)
     assert HotloadConfig.from_env().deployment_id == value
 
 
@@ -323,7 +332,7 @@ def test_the_parsed_flags_load_back_from_a_megatron_checkpoint() -> None:
     torch = pytest.importorskip("torch")
     args = parser().parse_args(["--hotload-bucket-url", "/tmp/b", "--hotload-keep-last", "null",
                                 "--hotload-deployment-id", '["a", "b"]', "--hotload-progress-log-s", "null",
-                                "--hotload-progress-log-s", "5"])
+                                "--hotload-progress-log-s", "5", *SIGNAL])
     buf = io.BytesIO()
     torch.save({"args": args}, buf)
     buf.seek(0)
