@@ -230,13 +230,16 @@ def run_demo_cli(argv: list[str] | None = None) -> int:
         # Each run empties bucket/ and rewrites hf/: only in a folder an earlier demo made.
         p.error(f"--workdir {workdir} holds a bucket/ or hf/ folder that no demo made (no {DEMO_MARK}); "
                 "pick an empty or new folder")
-    shutil.rmtree(bucket, ignore_errors=True)
-    os.makedirs(bucket), os.makedirs(hf, exist_ok=True)
-    with open(mark, "w") as f:
-        f.write("made by hotload demo: its bucket/ and hf/ are replaced on every run\n")
-    for name in RESULT_FILES:  # a re-run in the same --workdir must not append to, or report, the last run's
-        if os.path.isfile(os.path.join(workdir, name)):
-            os.remove(os.path.join(workdir, name))
+    try:
+        shutil.rmtree(bucket, ignore_errors=True)
+        os.makedirs(bucket), os.makedirs(hf, exist_ok=True)
+        with open(mark, "w") as f:
+            f.write("made by hotload demo: its bucket/ and hf/ are replaced on every run\n")
+        for name in RESULT_FILES:  # a re-run in the same --workdir must not append to, or report, the last run's
+            if os.path.isfile(os.path.join(workdir, name)):
+                os.remove(os.path.join(workdir, name))
+    except OSError as exc:  # under a file, read-only, a bucket/ that is a file: one line, as every user error
+        p.error(f"--workdir {workdir} cannot be set up: {exc}")
     with open(os.path.join(hf, "config.json"), "w") as f:
         json.dump({"model_type": "llama", "vocab_size": VOCAB, "hidden_size": DIM, "intermediate_size": FFN,
                    "num_hidden_layers": LAYERS, "tie_word_embeddings": False}, f)

@@ -57,11 +57,16 @@ def test_help_describes_every_option() -> None:
 
 def test_a_workdir_the_demo_did_not_make_is_left_alone(tmp_path: Path) -> None:
     """Each run empties ``<workdir>/bucket``: a folder of the user's there is refused, not deleted, and a file
-    given as the workdir is a usage error, not a traceback."""
+    given as the workdir, or a folder that cannot be made or written, is a usage error, not a traceback."""
     (tmp_path / "bucket" / "precious").mkdir(parents=True)
     (tmp_path / "bucket" / "precious" / "data.txt").write_text("keep me")
     (tmp_path / "afile").write_text("x")
-    for workdir, says in ((tmp_path, "that no demo made"), (tmp_path / "afile", "is not a folder")):
+    (tmp_path / "made").mkdir()
+    (tmp_path / "made" / ".hotload-demo").write_text("x")  # a demo's folder whose bucket/ is now a file
+    (tmp_path / "made" / "bucket").write_text("x")
+    for workdir, says in ((tmp_path, "that no demo made"), (tmp_path / "afile", "is not a folder"),
+                          (tmp_path / "afile" / "sub", "cannot be set up"),
+                          (tmp_path / "made", "cannot be set up")):
         proc = subprocess.run([*DEMO, "--steps", "1", "--workdir", str(workdir)], capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
