@@ -288,9 +288,12 @@ class HotloadCallback:
             raise ValueError("attach() was given the same optimizer twice")
         if self.engine.closed:
             raise RuntimeError("HotloadCallback is closed: create a new one to publish again")
+        # checked here, as step() checks its steps: a float is refused, not truncated, and a step already taken is
+        # refused now, not from inside the first optimizer.step()
+        start = None if first_step is None else next_step(first_step, self.engine.latest_step)
         self.detach()
-        if first_step is not None:
-            self._step = int(first_step)
+        if start is not None:
+            self._step = start
         background = self.config.async_copy
         stepped: set[int] = set()
 

@@ -333,10 +333,12 @@ def test_a_step_seen_twice_is_refused_and_nothing_is_overwritten(tmp_path: Path)
         opt.step()
         with pytest.raises(ValueError, match="step 0 does not follow step 2"):
             hot.step(0)  # epoch 2 of `for step, batch in enumerate(loader)`
-        hot.attach(opt, first_step=2)
         with pytest.raises(ValueError, match="step 2 does not follow step 2"):
-            opt.step()
-        hot.detach()
+            hot.attach(opt, first_step=2)  # refused here, not from inside the next optimizer step
+        for bad in (3.7, "3", True):
+            with pytest.raises(ValueError, match=f"non-negative integer, got {bad!r}"):
+                hot.attach(opt, first_step=bad)  # type: ignore[arg-type]  (3.7 was truncated to 3)
+        opt.step()  # no hooks were left behind by the refused calls
         hot.wait()
         assert {p: p.read_bytes() for p in bucket.rglob("*") if p.is_file()} == before
         hot.step(3)
