@@ -215,6 +215,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"OUT {args.out} is a folder, but the inputs are files: name an output file")
             if os.path.exists(args.out) and any(os.path.samefile(args.out, p) for p in inputs):
                 raise ValueError(f"OUT {args.out} is one of the inputs: name a new file or folder")
+            if os.path.isdir(inputs[1]) and os.path.isdir(args.out) and os.listdir(args.out):
+                raise ValueError(f"OUT {args.out} already holds files: a snapshot there would be overwritten, and "
+                                 "the new one's commit marker would list the others as its own; name a new or empty "
+                                 "folder")
         if getattr(args, "parent_identity", None) is not None:  # diff records it in every delta file
             validate_identity(args.parent_identity, what="--parent-identity")
         if args.cmd == "diff":

@@ -153,7 +153,8 @@ def test_empty_or_partial_folders_never_verify(snapshots: tuple[Path, Path], tmp
 
 def test_failed_apply_or_diff_leaves_no_commit_marker(snapshots: tuple[Path, Path], tmp_path: Path) -> None:
     """An output folder holds a marker only if this run finished it: the input's marker is never copied, and a
-    previous run's marker is removed before anything is written."""
+    folder that already holds files (a snapshot, an earlier run's output) is refused untouched: written over, its
+    marker would have listed the files left there as the new snapshot's."""
     a, b = snapshots
     d, r = tmp_path / "delta", tmp_path / "step-r"
     assert run("diff", a, b, d).returncode == 0 and _marker(d).exists()
@@ -163,10 +164,13 @@ def test_failed_apply_or_diff_leaves_no_commit_marker(snapshots: tuple[Path, Pat
     blob = bytearray(victim.read_bytes())
     blob[-2] ^= 0xFF
     victim.write_bytes(bytes(blob))
-    for out in (r, tmp_path / "fresh"):  # a folder marked by an earlier run, and a new one
-        res = run("apply", a, d, out)
-        assert res.returncode == 1, res.stderr
-        assert not _marker(out).exists(), out
+    before = {p.name: p.read_bytes() for p in r.iterdir()}
+    res = run("apply", a, d, r)  # a folder an earlier run wrote and marked
+    assert res.returncode == 2 and "already holds files" in res.stderr and "Traceback" not in res.stderr
+    assert {p.name: p.read_bytes() for p in r.iterdir()} == before
+    res = run("apply", a, d, tmp_path / "fresh")
+    assert res.returncode == 1, res.stderr
+    assert not _marker(tmp_path / "fresh").exists()
     # a failed run writes no index naming weight files it never wrote (the index and config come last)
     assert not (tmp_path / "fresh" / "model.safetensors.index.json").exists()
     res = run("diff", a, b, tmp_path / "d3", "--codec", "no_such_codec")

@@ -32,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import secrets
 import sys
@@ -117,8 +118,9 @@ class Publisher:
             for part in made:
                 part.close()
             raise
-        if self.rank == 0 and hasattr(self.codec, "encoder_info"):
-            log.info("%s encoder: %s", self.codec.name, self.codec.encoder_info)
+        if self.rank == 0 and hasattr(self.codec, "encoder_info"):  # a warning if HOTLOAD_LIBZSTD's library failed
+            log.log(logging.WARNING if os.environ.get("HOTLOAD_LIBZSTD") and "unavailable" in self.codec.encoder_info
+                    else logging.INFO, "%s encoder: %s", self.codec.name, self.codec.encoder_info)
         # The codec's kernels load (or compile) now, beside the trainer's set-up: in the first delta they would
         # make it seconds longer than the rest (and, with the skip policy, skip steps).
         warm = getattr(self.codec, "warm_up", None)
