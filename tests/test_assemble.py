@@ -112,7 +112,7 @@ def test_delta_file_from_several_ranks_pieces_rebuilds_the_new_bytes() -> None:
     from fsdp_hotload.arc.adler import add_parts, chunk_parts
     from fsdp_hotload.arc.codecs import ArcV2
     from fsdp_hotload.arc.container import apply_delta_file
-    from fsdp_hotload.arc.dense import run_tables
+    from fsdp_hotload.arc.dense import box_run_tables
     from fsdp_hotload.engine.assemble import assemble_delta_file
 
     rng = np.random.default_rng(9)
@@ -135,7 +135,7 @@ def test_delta_file_from_several_ranks_pieces_rebuilds_the_new_bytes() -> None:
             sl = tuple(slice(s, s + m) for s, m in zip(b.start, b.length))
             old_b = np.ascontiguousarray(parent[name].reshape(shape)[sl]).view(np.uint8).reshape(-1)
             new_b = np.ascontiguousarray(new[name].reshape(shape)[sl]).view(np.uint8).reshape(-1)
-            payload, _, delta = codec.encode_delta(old_b, new_b, 2, run_tables(b.runs(shape), 2), total)
+            payload, _, delta = codec.encode_delta(old_b, new_b, 2, box_run_tables(b, shape, 2), total)
             parts = add_parts(chunk_parts(old_b, b, shape, 2, total), delta)
             pieces.append(Piece(name, space, tuple(b.start), tuple(b.length), payload, parts))
     random.Random(3).shuffle(pieces)

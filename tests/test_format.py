@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 from fsdp_hotload.arc import (Box, ChecksumError, FormatError, MismatchError, RawTensor, TensorDelta,
                               apply_delta_file, apply_tensor, build_delta_file, codec_names, element_diff,
                               encode_delta_file, get_codec, is_delta_file, load_file, read_delta_info, save_file)
-from fsdp_hotload.arc.adler import add_parts, chunk_parts, combine, global_elements, update_parts
+from fsdp_hotload.arc.adler import add_parts, chunk_parts, combine, global_elements, segment_parts, update_parts
 from fsdp_hotload.arc import boxes as boxes_mod
 from fsdp_hotload.arc.boxes import check_tiling, gather, scatter
 from fsdp_hotload.arc.codecs import ArcV2, zstd_decompress_exact, zstd_window_limit
-from fsdp_hotload.arc.dense import DenseDelta, run_tables
+from fsdp_hotload.arc.dense import DenseDelta, box_run_tables, run_tables
 from fsdp_hotload.arc.folder import verify_paths, weight_files
 from fsdp_hotload.arc.stio import build_header, parse_header
 from fsdp_hotload.arc.zstd_seq import SequenceEncoder, sequence_encoder
@@ -140,23 +140,61 @@ def test_chunked_round_trip_and_checksum_parts(codec: str, tiling: tuple[tuple[i
     assert bytes(out["w"].data) == bytes(new.data)
 
 
+def _box_elements(box: Box, sp: tuple[int, ...]) -> np.ndarray:
+    """Flat positions of a box's elements in box C order, by slicing an index map (the oracle for the runs)."""
+    return np.arange(int(np.prod(sp)), dtype=np.int64).reshape(sp)[tuple(slice(s, s + n) for s, n in
+                                                                         zip(box.start, box.length))].reshape(-1)
+
+
 @settings(max_examples=60, deadline=None)
 @given(tiling=tilings(), itemsize=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**31))
-def test_gather_and_scatter_follow_the_box_s_runs(tiling: tuple[tuple[int, ...], str, list[Box]], itemsize: int,
-                                                  seed: int) -> None:
-    """gather reads a box's bytes in box C order, the runs of Box.runs one after the other, and scatter writes
-    exactly those bytes back (they work on strided views, so that a box one column wide is not a Python loop
-    over its elements)."""
+def test_gather_scatter_and_runs_follow_the_box(tiling: tuple[tuple[int, ...], str, list[Box]], itemsize: int,
+                                                seed: int) -> None:
+    """gather reads a box's bytes in box C order and scatter writes exactly those bytes back (they work on strided
+    views, so that a box one column wide is not a Python loop over its elements); Box.run_offsets lists the same
+    elements as contiguous runs of one length, which the checksum shares and a delta's run tables are built on."""
     shape, space, boxes = tiling
     sp = (int(np.prod(shape)),) if space == "flat" else shape
     full = np.random.default_rng(seed).integers(0, 256, int(np.prod(shape)) * itemsize, dtype=np.uint8)
     out = np.zeros_like(full)
     for box in boxes:
-        want = b"".join(bytes(full[o * itemsize:(o + n) * itemsize]) for o, n in box.runs(sp))
+        elements = _box_elements(box, sp)
+        offs, n = box.run_offsets(sp)
+        assert offs.dtype == np.int64 and offs.size * n == elements.size
+        runs = [o + np.arange(n, dtype=np.int64) for o in offs]
+        assert np.array_equal(np.concatenate(runs) if runs else np.zeros(0, np.int64), elements)
+        tables = box_run_tables(box, sp, itemsize)
+        for got_t, want_t in zip(tables, run_tables([(int(o), n) for o in offs], itemsize)):
+            assert np.array_equal(got_t, want_t)
+        want = full.reshape(-1, itemsize)[elements].reshape(-1)
         got = gather(full, box, sp, itemsize)
-        assert bytes(got) == want
+        assert bytes(got) == bytes(want)
         scatter(out, got.copy(), box, sp, itemsize)
     assert bytes(out) == bytes(full)
+
+
+@pytest.mark.parametrize("shape,box", [
+    ((3, 70_001), Box((0, 1), (3, 70_000))),         # runs longer than the kernel's 64 KiB summing block
+    ((1, 300_000), Box((0, 0), (1, 300_000))),       # one run of several blocks
+    ((4096, 8), Box((0, 3), (4096, 1))),             # one column: a run per element
+    ((5, 6, 7), Box((1, 2, 3), (3, 4, 4))),          # three dimensions, none spanned fully
+])
+def test_chunk_parts_match_zlib_run_by_run(shape: tuple[int, ...], box: Box) -> None:
+    """The one-pass share kernel against zlib's Adler-32 of each run, placed by ``segment_parts``, for long runs,
+    runs of one element and a tensor beyond 4 GiB (its position weights need reducing before they multiply)."""
+    rng = np.random.default_rng(7)
+    full = rng.integers(0, 256, int(np.prod(shape)) * 2, dtype=np.uint8)
+    chunk = gather(full, box, shape, 2)
+    offs, n = box.run_offsets(shape)
+    for total in (full.size, full.size + (5 << 32) + 3):
+        a = b = 0
+        for r, o in enumerate(offs):
+            sa, sb = segment_parts(chunk[r * n * 2:(r + 1) * n * 2], int(o) * 2, total)
+            a, b = (a + sa) % 65521, (b + sb) % 65521
+        assert chunk_parts(chunk, box, shape, 2, total) == (a, b)
+        assert chunk_parts(bytes(chunk), box, shape, 2, total) == (a, b)
+    with pytest.raises(ValueError, match="-byte chunk for a box of"):
+        chunk_parts(chunk[:-2], box, shape, 2, full.size)
 
 
 @settings(max_examples=60, deadline=None)
@@ -180,7 +218,7 @@ def test_one_pass_host_delta(tiling: tuple[tuple[int, ...], str, list[Box]], dty
     for box in boxes:
         old_c = np.ascontiguousarray(gather(parent.data, box, sp, size))
         new_c = np.ascontiguousarray(gather(new.data, box, sp, size))
-        scan = DenseDelta(old_c, new_c, size, run_tables(box.runs(sp), size), total, block_bytes=block)
+        scan = DenseDelta(old_c, new_c, size, box_run_tables(box, sp, size), total, block_bytes=block)
         payload = codec.encode_xor_blocks(scan.blocks(), old_c.size)
         diff = element_diff(old_c, new_c, size)
         assert zstandard.decompress(payload) == zstandard.decompress(codec.encode(diff))
@@ -189,7 +227,7 @@ def test_one_pass_host_delta(tiling: tuple[tuple[int, ...], str, list[Box]], dty
         assert bytes(out) == bytes(new_c)
         assert scan.changed == diff.changed
         # what the publisher calls: the same XOR, count and share delta (one compiled call with libzstd)
-        one, changed, delta = codec.encode_delta(old_c, new_c, size, run_tables(box.runs(sp), size), total)
+        one, changed, delta = codec.encode_delta(old_c, new_c, size, box_run_tables(box, sp, size), total)
         assert zstandard.decompress(one) == zstandard.decompress(payload)
         assert (changed, delta) == (diff.changed, scan.parts_delta)
         parts.append(add_parts(chunk_parts(old_c, box, sp, size, total), scan.parts_delta))

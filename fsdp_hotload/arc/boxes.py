@@ -13,7 +13,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -58,25 +58,24 @@ class Box:
             raise FormatError("chunk box entries must be non-negative integers")
         return Box(tuple(start), tuple(length))
 
-    def runs(self, space: Sequence[int]) -> Iterator[tuple[int, int]]:
-        """Contiguous element runs ``(flat_offset, count)`` of this box inside ``space``, in box C order."""
+    def run_offsets(self, space: Sequence[int]) -> tuple[np.ndarray, int]:
+        """The box's contiguous runs of elements inside ``space``: each run's flat element offset (int64, in box C
+        order) and the one element count they share. Trailing dimensions the box spans fully merge into one run.
+        Arrays, not a generator: a box one column wide has a run per element, and a loop in Python over those
+        (the checksum of a full snapshot, a delta's run tables) took ~1.6 us per run."""
         nd = len(space)
         if nd == 0:
-            yield (0, 1)
-            return
+            return np.zeros(1, dtype=np.int64), 1
         if self.numel == 0:
-            return
-        # Merge trailing dimensions that the box covers fully: they form one contiguous run.
+            return np.zeros(0, dtype=np.int64), 0
         k = nd - 1
         while k > 0 and self.start[k] == 0 and self.length[k] == space[k]:
             k -= 1
-        run = numel(self.length[k:])
         strides = [numel(space[d + 1:]) for d in range(nd)]
-        outer = self.length[:k]
-        for idx in np.ndindex(*outer) if outer else [()]:
-            off = sum((self.start[d] + idx[d]) * strides[d] for d in range(k))
-            off += self.start[k] * strides[k]
-            yield (off, run)
+        offs = np.full(1, sum(self.start[d] * strides[d] for d in range(k + 1)), dtype=np.int64)
+        for d in range(k):  # outer dimensions, slowest first, so that the result is in box C order
+            offs = (offs[:, None] + np.arange(self.length[d], dtype=np.int64) * strides[d]).reshape(-1)
+        return offs, numel(self.length[k:])
 
 
 def check_box_in(box: Box, space: Sequence[int]) -> None:
@@ -197,7 +196,7 @@ def _check_painted(live: list[Box], space: Sequence[int]) -> None:
 
 def _box_view(full: np.ndarray, box: Box, space: Sequence[int], itemsize: int) -> np.ndarray:
     """``box`` as a strided view of a tensor's flat byte array (one axis per dimension, then the item's bytes).
-    Why a view rather than a loop over :meth:`Box.runs`: a box one column wide has a run per element, and a loop
+    Why a view rather than a loop over the box's runs: a box one column wide has a run per element, and a loop
     in Python over those made rebuilding a tensor split into columns ~500x slower than over one box."""
     space = tuple(int(d) for d in space)
     if full.ndim != 1 or not full.flags.c_contiguous:  # else reshape copies, and a scatter would be lost

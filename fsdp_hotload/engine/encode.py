@@ -28,7 +28,7 @@ import torch
 
 from ..arc.adler import add_parts, chunk_parts, global_elements, update_parts
 from ..arc.codecs import ElementDiff
-from ..arc.dense import run_tables
+from ..arc.dense import box_run_tables
 from ..arc.dtypes import numel
 from .pool import DaemonPool
 from .staging import ChunkLike, Stager
@@ -146,7 +146,7 @@ class ChunkEncoder:
         if old is not None and new is not None:
             tables = self._runs[i]
             if tables is None:
-                tables = self._runs[i] = run_tables(c.box.runs(space), s.itemsize)
+                tables = self._runs[i] = box_run_tables(c.box, space, s.itemsize)
             payload, changed, delta = self.codec.encode_delta(old[i], new[i], s.itemsize, tables, total)
             return payload, add_parts(cached, delta), int(changed)
         if diffs is not None:
