@@ -223,3 +223,31 @@ def test_a_chunk_past_int32_elements_is_staged_whole() -> None:
     st.wait_event(st.stage(buf))
     torch.cuda.synchronize()
     assert torch.equal(st.view(buf, st.slices[0]).view(torch.int16), src)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_shard_on_the_second_gpu_opens_no_context_on_the_first(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A rank on cuda:1 that never calls set_device: the publisher's threads (staging wait, device diff, host
+    copies) start on device 0, and leaving a stream context there created a CUDA context on GPU 0 (~0.5 GB per
+    rank of the node). Run in a fresh process, where nothing else touched GPU 0."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import torch
+        from fsdp_hotload import HotloadConfig
+        from fsdp_hotload.publish import TensorPublisher
+        w = torch.randn(4096, 64, device="cuda:1")
+        model = {{"model.layers.0.mlp.up_proj.weight": w}}
+        cfg = HotloadConfig(bucket_url={str(tmp_path / "bucket")!r}, busy_policy="wait")
+        with TensorPublisher(model, cfg) as pub:
+            for step in range(3):
+                w.add_(torch.rand_like(w) < 0.02)
+                pub.publish(step)
+        assert [m.kind for m in pub.metrics] == ["full", "delta", "delta"] and all(m.ok for m in pub.metrics)
+        print("context on GPU 0:", torch._C._cuda_hasPrimaryContext(0))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "context on GPU 0: False" in out.stdout, out.stdout

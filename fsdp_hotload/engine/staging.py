@@ -27,7 +27,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, ContextManager, Protocol, Sequence
+from typing import Any, ContextManager, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -161,11 +161,14 @@ class Stager:
             assert self._stream is not None
             main = torch.cuda.current_stream(self.device)
             self._stream.wait_stream(main)
-            with torch.no_grad(), torch.cuda.stream(self._stream):
-                self._copy(buf, srcs, changed)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-            main.wait_event(event)  # the next optimizer step waits for the copy on the device, not on the host
+            with self._on_device(), torch.no_grad(), torch.cuda.stream(self._stream):
+                try:
+                    self._copy(buf, srcs, changed)
+                finally:  # also after a copy that failed part way: the slot goes back, its copies may still run
+                    # blocking: the publisher thread sleeps in synchronize() instead of spinning a core
+                    event = torch.cuda.Event(blocking=True)
+                    event.record(self._stream)
+                    main.wait_event(event)  # the next optimizer step waits for the copy on the device, not the host
             return event
         if background:
             if self._copier is None:
@@ -302,11 +305,23 @@ class Stager:
         return dst, src
 
     # ------------------------------------------------------------------ background thread
-    def _on_work_stream(self) -> ContextManager[Any]:
+    def _on_device(self) -> ContextManager[Any]:
+        """The shard's device as the calling thread's current device, for the calls that follow. Why: a new
+        thread's current device is 0, and leaving a stream context on another device, or a CUDA call such as
+        an event's synchronize, made from it creates a CUDA context on GPU 0 (~0.5 GB) in every rank of the node.
+        The guard's exit switches back only to a device that already has one."""
+        return torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _on_work_stream(self) -> Iterator[None]:
         """Device work of the publisher thread goes to its own stream (a new thread's current stream is the
-        default one, which training uses). Every such piece of work ends in a host copy, which waits for it, so
-        nothing it reads can be staged into again before it is done."""
-        return torch.cuda.stream(self._work) if self._work is not None else contextlib.nullcontext()
+        default one, which training uses), on the shard's device. Every such piece of work ends in a host copy,
+        which waits for it, so nothing it reads can be staged into again before it is done."""
+        if self._work is None:
+            yield
+            return
+        with self._on_device(), torch.cuda.stream(self._work):
+            yield
 
     def host_bytes(self, buf: torch.Tensor, s: Slice) -> np.ndarray:
         """A chunk's staged bytes on the host (a view when the buffer is on the CPU)."""
@@ -375,7 +390,8 @@ class Stager:
         if isinstance(event, Future):
             event.result()
         elif event is not None:
-            event.synchronize()
+            with self._on_device():
+                event.synchronize()
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -385,6 +401,10 @@ class Stager:
         if self._copier is not None:
             self._copier.shutdown(wait=True)
             self._copier = None
+        if self._stream is not None and self._work is not None:  # no copy may still write a buffer let go of
+            with self._on_device():
+                self._stream.synchronize()
+                self._work.synchronize()
         with self._cond:
             self._free, self.cache, self._spare = [], None, None
             self._views.clear()
