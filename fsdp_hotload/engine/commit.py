@@ -50,6 +50,7 @@ class Committer:
         if abandoned:
             errors.append("close() gave up on it (close_timeout_s)")
         committed = False
+        t_signal: float | None = None
         try:
             if errors:
                 raise PublishError("; ".join(errors))
@@ -57,15 +58,17 @@ class Committer:
             self._write_manifests(identity, kind, parent, files)
             committed = True
             if self.signaller is not None:
-                t0 = time.perf_counter()
+                t_signal = time.perf_counter()
                 prog.stage("signalling and waiting until every replica serves it")
                 ready_s = self.signaller.signal_and_wait(identity, parent if kind == "delta" else None,
                                                          on_poll=prog.polled)
-                m.signal_s = time.perf_counter() - t0 - ready_s
+                m.signal_s = time.perf_counter() - t_signal - ready_s
                 m.ready_s = ready_s
             m.ok = True
         except Exception as exc:  # noqa: BLE001 - any failure ends this chain; the next publish is full
             m.error = str(exc)  # served identities only change on success
+            if t_signal is not None:  # a signal or readiness wait that failed: its time, both parts together
+                m.signal_s = time.perf_counter() - t_signal
             if not committed:
                 from ..retention import discard_snapshot
 

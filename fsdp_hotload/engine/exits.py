@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import logging
 import queue
+import threading
 import time
 import weakref
 from typing import Any
@@ -44,8 +45,13 @@ def _warn_unclosed() -> None:
 
 
 def deadline_after(timeout: float | None) -> float | None:
-    """A ``time.monotonic`` deadline ``timeout`` seconds from now (None: no deadline)."""
-    return None if timeout is None else time.monotonic() + timeout
+    """A ``time.monotonic`` deadline ``timeout`` seconds from now (None: no deadline; so is a timeout beyond
+    ``threading.TIMEOUT_MAX``, ``math.inf`` included, which no lock or condition accepts)."""
+    if timeout is None or timeout >= threading.TIMEOUT_MAX:
+        return None
+    if timeout != timeout:
+        raise ValueError("timeout is NaN: give seconds, or None to wait as long as it takes")
+    return time.monotonic() + timeout
 
 
 def left(deadline: float | None) -> float | None:

@@ -27,7 +27,7 @@ class PublishMetrics:
     encode_s: float = 0.0
     route_s: float = 0.0
     upload_s: float = 0.0
-    signal_s: float = 0.0
+    signal_s: float = 0.0  # a failed signal or readiness wait: all the time it took until it failed
     ready_s: float = 0.0
     total_s: float = 0.0  # hook to all replicas ready
     staleness_steps: int = 0  # trainer step when the fleet served it, minus this step

@@ -47,6 +47,7 @@ import torch
 from ..arc.codecs import get_codec
 from ..config import HotloadConfig
 from ..identity import new_identity
+from ..retention import SESSION
 from ..hf_config import carried_files, dropped_config_keys, hf_aux_files
 from ..layout import ShardPlan, TensorSpec, plan_shards
 from ..storage import Storage
@@ -113,7 +114,9 @@ class Publisher:
             # Identities must agree on every rank (rank 0 picks the suffix) and never repeat across publisher
             # instances, even within one process (a restarted publisher must not reuse an identity).
             self.session = agree_on_start(self.ctrl, problem, session or secrets.token_hex(4))
-            new_identity(0, prefix=config.identity_prefix, session=self.session)  # a bad session fails here
+            if not SESSION.fullmatch(self.session):  # retention only sweeps, and aborts uploads in, folders named so
+                raise ValueError(f"session {self.session!r}: must be 8 lowercase hex digits, as a publisher makes")
+            new_identity(0, prefix=config.identity_prefix, session=self.session)  # a bad prefix fails here
         except BaseException:
             for part in made:
                 part.close()
@@ -148,6 +151,7 @@ class Publisher:
         self._pending = 0
         self._idle = threading.Condition()
         self._skipped = 0
+        self._skipped_newest = False
         self._agreed_busy: Callable[[], int] | None = None
         self.early_agreement = False  # set while a caller starts each agreement with agree() (see there)
         self._copying: Job | None = None  # the job whose host copy runs on the stager's helper thread
@@ -199,6 +203,7 @@ class Publisher:
         self._stepping_thread = threading.get_ident()
         self._given_sources = sources is not None and not callable(sources)
         self._sources_fn = sources if callable(sources) else None
+        self._skipped_newest = False  # this step counted in _skipped (busy): not once close() publishes it
         if self.world == 1 or self.config.keep_training_on_error:  # with several ranks an error waits, see below
             self.raise_if_failed()  # after the step is recorded: close() then publishes it, as with several ranks
         if step % self.config.publish_every:
@@ -229,7 +234,7 @@ class Publisher:
         if buf is not None:
             self._start(step, buf, sources, background_copy, t0)
         else:
-            self._skipped += 1
+            self._skipped, self._skipped_newest = self._skipped + 1, True
         if not self.early_agreement:
             self.agree(step + self.config.publish_every)
         if raise_now or self._broken is not None:  # after the agreement's turn, which every rank must take
@@ -240,6 +245,7 @@ class Publisher:
                ) -> None:
         """Copy the sources into the slot ``buf`` and queue the snapshot for the background thread."""
         try:
+            self._ensure_thread()  # first: a thread that cannot start must not leave the slot taken and pending
             srcs = sources() if callable(sources) else sources
             event = self.stager.stage(buf, srcs, background=background_copy)
         except BaseException:
@@ -250,7 +256,6 @@ class Publisher:
         self._last_staged = step
         with self._idle:
             self._pending += 1
-        self._ensure_thread()
         self._queue.put((self, job))  # a queued job keeps the publisher alive until it is published
         self._copying = job if isinstance(event, Future) else None  # a CUDA event needs no fence
         self._skipped = 0
@@ -302,6 +307,7 @@ class Publisher:
             t0 = time.perf_counter()  # blocking_ms: the copy, as for any publish (not the wait for the others)
             buf = self.stager.acquire(wait=True)
             assert buf is not None
+            self._skipped -= self._skipped_newest
             self._start(self.latest_step, buf, sources, False, t0)
             return True
 
@@ -416,7 +422,7 @@ class Publisher:
             self._thread.join()
         if self._carried is not None:  # no later snapshot carried it
             self._errors.store(self._carried, self._staged)
-        self._free()
+        self._free(deadline)
         if raise_errors:
             if final_error is not None and self._errors.due(self._staged) and not self.config.keep_training_on_error:
                 log.error("hotload: publishing the newest step at close failed: %r", final_error)  # raised: the other
@@ -428,15 +434,15 @@ class Publisher:
         if err is not None:
             log.warning("hotload: a publish failed before close (not raised: closing on another error): %s", err)
 
-    def _free(self) -> None:
+    def _free(self, deadline: float | None = None) -> None:
         """Stop the helper threads and free the buffers; after the publisher thread ended (an abandoned one's
         thread calls it itself, once its stuck call returned)."""
         self._finalizer.detach()
         if self._uploads is not None:
             self._uploads.shutdown()
         self.encoder.close()
-        if self._warm_up is not None:
-            self._warm_up.join()
+        if self._warm_up is not None:  # a cold numba cache compiles for seconds: within close()'s deadline
+            self._warm_up.join(left(deadline))
         self.stager.close()
         if self.signaller is not None:
             self.signaller.close()
@@ -444,10 +450,11 @@ class Publisher:
 
     def _ensure_thread(self) -> None:
         if self._thread is None:  # at the publisher's nice, which the threads it starts inherit
-            self._thread = threading.Thread(target=serve_weakly, args=(weakref.ref(self), self._queue,
-                                                                       self.config.background_nice),
-                                            name=f"hotload-publisher-{self.rank}", daemon=True)
-            self._thread.start()
+            thread = threading.Thread(target=serve_weakly, args=(weakref.ref(self), self._queue,
+                                                                 self.config.background_nice),
+                                      name=f"hotload-publisher-{self.rank}", daemon=True)
+            thread.start()  # kept only once started: after "can't start new thread" the next publish tries again
+            self._thread = thread
 
     # ================================================================== background thread
     def _stopped(self) -> None:

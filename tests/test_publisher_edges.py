@@ -1,0 +1,142 @@
+"""Edges of the publisher's bookkeeping: a thread that cannot start, timeouts no lock accepts, a cold kernel cache
+at close(), and the counts a snapshot published at close reports. Real local-folder bucket; the bytes each case
+publishes are read back and compared with the trainer's."""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp_hotload.config import HotloadConfig
+from fsdp_hotload.engine.exits import deadline_after
+from fsdp_hotload.publish import TensorPublisher
+from tests.snapshots import rebuild_accepted
+from tests.test_publisher import hf_dir
+
+
+def _model() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return {"model.layers.0.mlp.up_proj.weight": torch.randn(64, 32, generator=g), "model.norm.weight": torch.ones(32)}
+
+
+def _config(tmp_path: Path, **kw: object) -> HotloadConfig:
+    return HotloadConfig(bucket_url=str(tmp_path / "bucket"), hf_config_dir=str(hf_dir(tmp_path)), **kw)
+
+
+def _bf16_bytes(model: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    return {k: v.bfloat16().view(torch.int16).numpy().tobytes() for k, v in model.items()}
+
+
+def _assert_bucket_serves(bucket: str, pub: TensorPublisher, model: dict[str, torch.Tensor]) -> None:
+    """The newest accepted snapshot, rebuilt from the bucket as the fleet would, holds the trainer's bytes."""
+    got = rebuild_accepted(bucket, pub.metrics)[pub.metrics[-1].identity]
+    assert {k: bytes(v.data) for k, v in got.items()} == _bf16_bytes(model)
+
+
+def test_a_publisher_thread_that_cannot_start_leaves_no_slot_taken(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """"can't start new thread" (a thread limit) at the first publish used to leave its slot taken and the snapshot
+    counted as pending: every later publish was skipped as busy without an error, and close() waited for ever."""
+    bucket = str(tmp_path / "bucket")
+    model = _model()
+    start = threading.Thread.start
+    refused: list[str] = []
+
+    def start_once_refused(self: threading.Thread) -> None:
+        if self.name.startswith("hotload-publisher") and not refused:
+            refused.append(self.name)
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start_once_refused)
+    pub = TensorPublisher(model, _config(tmp_path, busy_policy="wait"))
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        pub.publish(0)
+    assert refused and pub.engine.stager.free_slots() == 1 and pub.engine._pending == 0
+    for step in (1, 2):
+        model["model.norm.weight"].add_(0.5)
+        assert pub.publish(step)
+    pub.close(timeout=30)
+    assert [(m.step, m.ok) for m in pub.metrics] == [(1, True), (2, True)]
+    _assert_bucket_serves(bucket, pub, model)
+
+
+@pytest.mark.parametrize("timeout", [math.inf, 1e12])
+def test_close_and_wait_take_a_timeout_beyond_what_a_lock_accepts(tmp_path: Path, timeout: float) -> None:
+    """``close(timeout=math.inf)`` raised OverflowError from the lock and left the publisher open."""
+    bucket = str(tmp_path / "bucket")
+    model = _model()
+    pub = TensorPublisher(model, _config(tmp_path))
+    pub.publish(0)
+    pub.wait(timeout)
+    pub.close(timeout=timeout)
+    assert pub.engine.closed and not pub.engine._thread.is_alive()
+    assert [(m.step, m.ok) for m in pub.metrics] == [(0, True)]
+    _assert_bucket_serves(bucket, pub, model)
+    with pytest.raises(ValueError, match="NaN"):
+        deadline_after(math.nan)
+
+
+def test_close_keeps_its_timeout_while_the_kernels_still_compile(tmp_path: Path) -> None:
+    """A cold numba cache compiles for seconds on a background thread; close() joined it with no limit, past
+    ``close_timeout_s``."""
+    pub = TensorPublisher(_model(), _config(tmp_path))
+    release = threading.Event()
+    compiling = threading.Thread(target=release.wait, args=(60,), daemon=True)  # stands in for the compile
+    compiling.start()
+    pub.engine._warm_up = compiling
+    t0 = time.monotonic()
+    try:
+        pub.close(timeout=0.5)
+        took = time.monotonic() - t0
+    finally:
+        release.set()
+    assert pub.engine.closed
+    assert took < 30, f"close(timeout=0.5) took {took:.1f} s waiting for the compile"
+
+
+def test_a_step_published_at_close_is_not_counted_as_skipped(tmp_path: Path) -> None:
+    """The newest step, skipped while busy and then published at close, counted itself in ``skipped_before``."""
+    from fsdp_hotload.emulator import HotLoadEmulator
+
+    bucket = str(tmp_path / "bucket")
+    model = _model()
+    with HotLoadEmulator(bucket, replicas=1, api_key="k", load_delay_s=0.4) as emu:
+        cfg = HotloadConfig(bucket_url=bucket, hotload_api_url=emu.url, api_key="k", account_id="a",
+                            model_id="m", deployment_id="d", poll_interval_s=0.02, busy_policy="skip",
+                            hf_config_dir=str(hf_dir(tmp_path)))
+        started = []
+        with TensorPublisher(model, cfg) as pub:
+            for step in range(4):
+                model["model.norm.weight"].add_(0.25)
+                started.append(pub.publish(step))
+    assert started == [True, False, False, False]
+    assert [(m.step, m.ok, m.skipped_before) for m in pub.metrics] == [(0, True, 0), (3, True, 2)]
+    _assert_bucket_serves(bucket, pub, model)
+
+
+def test_a_failed_readiness_wait_reports_its_time(tmp_path: Path) -> None:
+    """A snapshot whose load failed on a replica was recorded with ``signal_s`` and ``ready_s`` 0: minutes of a
+    readiness timeout showed only in ``total_s``. The next publish is full and served bit-exact."""
+    from fsdp_hotload.emulator import HotLoadEmulator
+
+    bucket = str(tmp_path / "bucket")
+    model = _model()
+    with HotLoadEmulator(bucket, replicas=2, api_key="k") as emu:
+        emu.fail_next_loads(1, replica=1)
+        cfg = _config(tmp_path, hotload_api_url=emu.url, api_key="k", account_id="a", model_id="m",
+                      deployment_id="d", poll_interval_s=0.02, busy_policy="wait", keep_training_on_error=True)
+        with TensorPublisher(model, cfg) as pub:
+            for step in range(2):
+                model["model.norm.weight"].add_(0.25)
+                pub.publish(step)
+                pub.wait()
+    (failed, ok) = pub.metrics
+    assert not failed.ok and failed.signal_s > 0 and failed.ready_s == 0.0, failed
+    assert failed.total_s >= failed.signal_s
+    assert ok.ok and ok.kind == "full"
+    _assert_bucket_serves(bucket, pub, model)
