@@ -273,9 +273,11 @@ def _ancestors_closure(roots: Iterable[str], by_id: dict[str, CommitInfo]) -> se
 #: How much older than a publisher's start every file of a finished run's unmarked folder must be before that
 #: publisher's retention deletes it: an upload of a run still alive writes a file at least this often.
 INCOMPLETE_GRACE_S = 600.0
-_warned_sessions: set[str] = set()  # other live sessions already named in a warning (once per process)
+_warned_sessions: set[tuple[str, bool]] = set()  # (session, committed before this start) logged (once per process)
 SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 #: The names :func:`~fsdp_hotload.identity.new_identity` makes (prefix, six-digit step, 8-hex-digit session).
+#: The session part of those names: what a publisher picks (``secrets.token_hex(4)``).
+SESSION = re.compile(r"[0-9a-f]{8}")
 PUBLISHED_NAME = re.compile(r".+-\d{6,}-[0-9a-f]{8}")
 
 
@@ -329,23 +331,26 @@ def session_of(identity: str) -> str:
     return identity.rsplit("-", 1)[-1]
 
 
-#: A session that committed this long before a publisher started still counts as live for it: a trainer that
-#: publishes every few minutes may have committed just before this one started and nothing yet since, and the
-#: snapshot a deployment serves must not go (its clock may also run behind this one's).
+#: A session whose newest commit is younger than this is live: a trainer that publishes every few minutes may have
+#: committed a while ago and nothing since, and the snapshot its deployment serves must not go (its clock may also
+#: run behind this one's). Older, it is a finished run (a trainer restarted into the same bucket leaves one).
 LIVE_GRACE_S = 3600.0
 
 
-def live_sessions(snapshots: Iterable[CommitInfo], session: str, since: float) -> dict[str, list[str]]:
-    """Other publishers' sessions that committed a snapshot at or after ``since`` (this one's start) less
-    ``LIVE_GRACE_S``, with all their snapshots. Why: a bucket shared by two trainers (by mistake, or two
-    experiments under one root) must not lose one trainer's served snapshots to the other's retention; a session
-    silent for longer is a finished run, whose snapshots retention may delete as usual."""
+def live_sessions(snapshots: Iterable[CommitInfo], session: str, since: float, now: float | None = None
+                  ) -> dict[str, list[str]]:
+    """Other publishers' sessions that committed a snapshot since this one started (``since``), or less than
+    ``LIVE_GRACE_S`` before ``now`` (default: ``since``), with all their snapshots. Why: a bucket shared by two
+    trainers (by mistake, or two experiments under one root) must not lose one trainer's served snapshots to the
+    other's retention; a session silent for longer is a finished run, whose snapshots retention may delete as
+    usual. Judged at ``now`` for the runs before this one: a run that crashed just before its restart stays live
+    for an hour, not for the whole new run."""
+    cutoff = min(since, (since if now is None else now) - LIVE_GRACE_S)
     by_session: dict[str, list[CommitInfo]] = {}
     for snap in snapshots:
         if session_of(snap.identity) != session:
             by_session.setdefault(session_of(snap.identity), []).append(snap)
-    return {k: [s.identity for s in v] for k, v in by_session.items()
-            if max(s.created_at for s in v) >= since - LIVE_GRACE_S}
+    return {k: [s.identity for s in v] for k, v in by_session.items() if max(s.created_at for s in v) >= cutoff}
 
 
 def _store_time_of_newest(storage: Storage, committed: list[CommitInfo], session: str) -> float:
@@ -420,16 +425,18 @@ def retain_after(storage: Storage, keep_last: int, identity: str, *, session: st
 
 
 def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] = frozenset(), *,
-                    delete_incomplete: bool = False, session: str | None = None, since: float = 0.0) -> list[str]:
+                    delete_incomplete: bool = False, session: str | None = None, since: float = 0.0,
+                    now: float | None = None) -> list[str]:
     """Delete the snapshots :func:`plan_retention` gives up, and return their identities (in deletion order).
 
     With ``session`` (the caller's identity suffix) and ``since`` (when the caller started, ``time.time()``),
-    snapshots of another session that committed since then (or up to ``LIVE_GRACE_S`` before) are kept with
-    their chains, and a warning names it: another publisher is live under this root. Folders without a marker
-    that a finished session left (a crash mid-upload) go too, once every file in them is ``INCOMPLETE_GRACE_S``
-    older than ``since`` (or than the store's time of this session's newest commit, when that is earlier), and
-    only under names a publisher makes (``PUBLISHED_NAME``). On S3, the multipart uploads such a folder's writer
-    left open go too (see :func:`_abort_abandoned_uploads`).
+    snapshots of another session that committed since then, or within ``LIVE_GRACE_S`` of ``now`` (default:
+    ``time.time()``), are kept with their chains; a warning names a session that committed since this one
+    started: another publisher is live under this root. Folders without a marker that a finished session left (a crash
+    mid-upload) go too, once every file in them is ``INCOMPLETE_GRACE_S`` older than ``since`` (or than the
+    store's time of this session's newest commit, when that is earlier), and only under names a publisher makes
+    (``PUBLISHED_NAME``). On S3, the multipart uploads such a folder's writer left open go too (see
+    :func:`_abort_abandoned_uploads`).
 
     Children go before parents, and each snapshot loses its commit marker before its files, so a crash half way
     leaves no committed snapshot whose chain or files are gone.
@@ -446,18 +453,26 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
     protected = frozenset(protected)
     dirs = _snapshot_dirs(storage)
     committed = list_committed(storage, dirs=dirs)
-    live = live_sessions(committed, session, since) if session is not None else {}
+    by_id = {c.identity: c for c in committed}
+    now = time.time() if now is None else now
+    live = live_sessions(committed, session, since, now) if session is not None else {}
     if session is not None:
         for other, identities in live.items():
             protected |= frozenset(identities)
-            if other not in _warned_sessions:
-                _warned_sessions.add(other)
+            before = max(by_id[i].created_at for i in identities) < since  # a run before this one (a restart)
+            if (other, before) in _warned_sessions:
+                continue
+            _warned_sessions.add((other, before))
+            if before:
+                logger.info("hotload: keeping the snapshots of session %s (newest %s, committed before this "
+                            "publisher started) until it has been silent for %g s: a deployment may still serve "
+                            "them", other, identities[-1], LIVE_GRACE_S)
+            else:
                 logger.warning("hotload: another publisher (session %s, newest snapshot %s) commits snapshots under "
                                "%s too; retention keeps them. Give each trainer its own bucket_url: two trainers "
                                "signalling one deployment replace each other's weights and break each other's "
                                "delta chains", other, identities[-1], storage.uri(""))
     doomed = plan_retention(committed, keep_last, protected)
-    by_id = {c.identity: c for c in committed}
     deleted: list[str] = []
     for identity in sorted(doomed, key=lambda i: (by_id[i].created_at, i), reverse=True):
         storage.delete_prefix(_marker_path(identity))
@@ -482,15 +497,16 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
                 logger.info("retention: deleted %s, left by a failed delete or upload of this run",
                             storage.uri(identity))
                 continue
-            if session_of(identity) in {session, *live}:
+            # Only names a publisher makes: a model folder kept under the root ("qwen3-8b", its shards a day
+            # old) is also flat, unmarked and old, and is not a crashed upload. Tested before the listing, which
+            # would otherwise read such a folder whole on every publish.
+            if session_of(identity) in {session, *live} or not PUBLISHED_NAME.fullmatch(identity):
                 continue
             if cutoff is None:
                 cutoff = min(since, _store_time_of_newest(storage, committed, session)) - INCOMPLETE_GRACE_S
             infos = storage.list_info(identity, include_temp=True)
             times = [f.mtime for f in infos.values()]
-            # Only names a publisher makes: a model folder kept under the root ("qwen3-8b", its shards a day
-            # old) is also flat, unmarked and old, and is not a crashed upload.
-            if (PUBLISHED_NAME.fullmatch(identity) and _looks_like_ours(identity, infos) and times
+            if (_looks_like_ours(identity, infos) and times
                     and all(t is not None and t < cutoff for t in times)):
                 storage.delete_prefix(identity)
                 deleted.append(identity)

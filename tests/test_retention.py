@@ -500,3 +500,65 @@ def test_retention_goes_on_where_open_uploads_cannot_be_listed(s3_server: S3Serv
                 apply_retention(st, keep_last=1, session="a1b2c3d4", since=time.time())
         assert [c.identity for c in list_committed(st)] == ["step-000002-a1b2c3d4"]
     assert sum("cannot list the open multipart uploads" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_run_restarted_into_the_same_bucket_lets_the_crashed_runs_snapshots_go_after_the_grace(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Liveness is judged at each pass, not at this publisher's start: a crashed run that committed 50 minutes
+    before the restart kept every snapshot (fulls included) for the restarted run's whole life, and each restart
+    warned that "another publisher" shared the bucket. It is kept for the rest of its hour, said at INFO."""
+    from fsdp_hotload.retention import LIVE_GRACE_S
+
+    st = Storage(str(tmp_path))
+    start = time.time()
+    files = {"model-00001-of-00001.safetensors": {"size": 4}}
+    crashed = start - LIVE_GRACE_S + 600  # committed 50 minutes before the restart
+    _publish(st, CommitInfo("step-000010-bbbbbbbb", "full", None, files, crashed - 60))
+    _publish(st, CommitInfo("step-000011-bbbbbbbb", "delta", "step-000010-bbbbbbbb", files, crashed))
+    _publish(st, CommitInfo("step-000000-aaaaaaaa", "full", None, files, start + 5))
+    with caplog.at_level("INFO", logger="fsdp_hotload"):
+        assert apply_retention(st, keep_last=1, session="aaaaaaaa", since=start, now=start + 10) == []
+    assert "keeping the snapshots of session bbbbbbbb" in caplog.text and "another publisher" not in caplog.text
+    _publish(st, CommitInfo("step-000001-aaaaaaaa", "delta", "step-000000-aaaaaaaa", files, start + 700))
+    deleted = apply_retention(st, keep_last=1, session="aaaaaaaa", since=start, now=start + 700)
+    assert deleted == ["step-000011-bbbbbbbb", "step-000010-bbbbbbbb"]
+    assert sorted(st.list_dirs()) == ["step-000000-aaaaaaaa", "step-000001-aaaaaaaa"]
+
+
+def test_a_foreign_folder_with_a_name_no_publisher_makes_is_never_listed(tmp_path: Path) -> None:
+    """The unmarked-folder sweep listed every folder (recursively: one LIST per 1,000 keys on S3) before
+    testing its name, on every publish."""
+    listed: list[str] = []
+
+    class Counting(Storage):
+        def list_info(self, prefix: str, *args: object, **kwargs: object) -> dict:  # type: ignore[override]
+            listed.append(prefix)
+            return super().list_info(prefix, *args, **kwargs)  # type: ignore[arg-type]
+
+    st = Counting(str(tmp_path))
+    now = time.time()
+    _publish(st, CommitInfo("step-000003-11111111", "full", None, {"model-00001-of-00001.safetensors":
+                                                                     {"size": 4}}, now))
+    (tmp_path / "checkpoints").mkdir()
+    for k in range(5):
+        (tmp_path / "checkpoints" / f"model-0000{k}-of-00005.safetensors").write_bytes(b"x")
+    assert apply_retention(st, keep_last=1, session="11111111", since=now) == []
+    assert "checkpoints" not in listed and (tmp_path / "checkpoints").is_dir()
+
+
+@pytest.mark.parametrize("session", ["ABCDEF12", "run1", "abcdef123"])
+def test_a_session_retention_would_not_recognise_is_refused(tmp_path: Path, session: str) -> None:
+    """Retention sweeps a run's failed leftovers (and aborts its open uploads) only under names with an 8-hex
+    session: any other session published, and its leftovers stayed for good."""
+    import torch
+
+    from fsdp_hotload.arc.boxes import Box
+    from fsdp_hotload.config import HotloadConfig
+    from fsdp_hotload.engine.publisher import Publisher
+    from fsdp_hotload.layout import TensorSpec
+    from fsdp_hotload.publish import WholeChunk
+
+    t = torch.zeros(8)
+    with pytest.raises(ValueError, match="8 lowercase hex digits"):
+        Publisher([WholeChunk("a", (8,), "BF16", "flat", Box.flat(0, 8), t)], [TensorSpec("a", (8,), "BF16")],
+                  HotloadConfig(bucket_url=str(tmp_path / "bucket")), session=session)
