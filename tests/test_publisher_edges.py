@@ -140,3 +140,28 @@ def test_a_failed_readiness_wait_reports_its_time(tmp_path: Path) -> None:
     assert failed.total_s >= failed.signal_s
     assert ok.ok and ok.kind == "full"
     _assert_bucket_serves(bucket, pub, model)
+
+
+def test_close_says_so_when_the_newest_step_failed_and_training_went_on(tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """With ``keep_training_on_error`` the last step's failed publish was only one warning among many: close()
+    now says which step the fleet ends on. The step is not published again (its identity may be in the fleet)."""
+    from fsdp_hotload.emulator import HotLoadEmulator
+
+    bucket = str(tmp_path / "bucket")
+    model = _model()
+    with HotLoadEmulator(bucket, replicas=2, api_key="k") as emu:
+        cfg = _config(tmp_path, hotload_api_url=emu.url, api_key="k", account_id="a", model_id="m",
+                      deployment_id="d", poll_interval_s=0.02, busy_policy="wait", keep_training_on_error=True)
+        with caplog.at_level("WARNING", logger="fsdp_hotload"):
+            with TensorPublisher(model, cfg) as pub:
+                pub.publish(0)
+                pub.wait()
+                served = _bf16_bytes(model)
+                emu.fail_next_loads(1, replica=1)
+                model["model.norm.weight"].add_(0.25)
+                pub.publish(1)
+    assert [(m.step, m.ok) for m in pub.metrics] == [(0, True), (1, False)]
+    assert "the newest step 1 failed to publish (keep_training_on_error); the fleet ends on step 0" in caplog.text
+    got = rebuild_accepted(bucket, pub.metrics)[pub.metrics[0].identity]
+    assert {k: bytes(v.data) for k, v in got.items()} == served

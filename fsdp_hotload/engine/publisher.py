@@ -162,6 +162,7 @@ class Publisher:
         self._prog = PublishProgress("", "", -1, 0.0)  # the snapshot in flight, for the progress reports
         self.latest_step = -1
         self._last_staged = -1  # the newest step staged (publish_final publishes latest_step when it is newer)
+        self._last_accepted = -1  # the newest step the fleet accepted (every rank knows each outcome)
         self._stepping_thread: int | None = None  # the thread of the newest publish(): the one training
         self._given_sources = False  # the newest publish() brought its own tensors (close must be given them)
         self._sources_fn: Callable[[], Sequence[torch.Tensor]] | None = None  # or a function, which close reuses
@@ -285,6 +286,11 @@ class Publisher:
                 self._agreed_busy = None
             if self.config.keep_training_on_error:
                 self.raise_if_failed()  # logs it
+                if self.rank == 0 and self._last_accepted < self._last_staged == self.latest_step:
+                    # Not published again: a step's identity is never signalled twice (the fleet may hold it).
+                    log.warning("hotload: the newest step %d failed to publish (keep_training_on_error); the fleet "
+                                "ends on step %s", self.latest_step,
+                                self._last_accepted if self._last_accepted >= 0 else "none of this run")
             sources = self._sources_fn if sources is None else sources
             wanted = self.latest_step > self._last_staged
             why = self._final_objection(sources) if wanted else None
@@ -524,6 +530,7 @@ class Publisher:
         # free), so a later error must not release it again.
         job.settled = True
         if outcome.ok:
+            self._last_accepted = max(self._last_accepted, job.step)
             self.stager.promote(job.buf)
             self._cache_parts = new_parts
             self.cadence.on_success(identity, kind)
