@@ -520,7 +520,10 @@ class HotLoadClient:
             else:
                 last, last_error = st, None
                 if on_poll is not None:
-                    on_poll(st)
+                    try:
+                        on_poll(st)
+                    except Exception:  # noqa: BLE001 - a progress report must not fail a snapshot that loads
+                        log.warning("%s: the on_poll callback failed (the wait goes on)", what, exc_info=True)
                 if identity is None and st.replicas:
                     return st
                 # Readiness first, as the reference wait does: a replica that serves the snapshot may still report

@@ -23,8 +23,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from .hf_config import AUX_SUBFOLDERS
 from .identity import validate_identity
 from .storage_errors import StorageError
 
@@ -162,10 +163,13 @@ def write_commit_marker(storage: Storage, info: CommitInfo, *, verify: bool = Tr
 
 
 def commit_snapshot(storage: Storage, identity: str, kind: str, parent: str | None, weight_files: dict[str, int],
-                    small_files: dict[str, bytes]) -> None:
+                    small_files: dict[str, bytes], before_marker: Callable[[], None] | None = None) -> None:
     """Write a snapshot's small files (configs, tokenizer, index and spec), then its commit marker over them and
-    the weight files already uploaded (name: bytes). Why in this order: the marker is what readers wait for."""
+    the weight files already uploaded (name: bytes). Why in this order: the marker is what readers wait for.
+    ``before_marker`` may raise to leave the snapshot uncommitted (its writer was given up on meanwhile)."""
     storage.put_many({f"{identity}/{k}": v for k, v in small_files.items()})
+    if before_marker is not None:
+        before_marker()
     sizes = {**weight_files, **{k: len(v) for k, v in small_files.items()}}
     write_commit_marker(storage, CommitInfo(identity=identity, kind=kind,
                                             parent_identity=parent if kind == "delta" else None,
@@ -282,11 +286,14 @@ PUBLISHED_NAME = re.compile(r".+-\d{6,}-[0-9a-f]{8}")
 
 
 def _looks_like_ours(identity: str, files: dict[str, Any]) -> bool:
-    """Whether a directory without a marker could be a publisher's unfinished snapshot: flat (the publisher never
-    writes below ``<identity>/``) and holding at least one HF shard file, or the temp file of one (a writer killed
-    mid-upload leaves only those on a local root). Anything else is left alone."""
+    """Whether a directory without a marker could be a publisher's unfinished snapshot: flat but for the
+    sub-folders a snapshot carries from the base model (``hf_config.AUX_SUBFOLDERS``, written before the marker,
+    so a writer killed then leaves them), and holding at least one HF shard file, or the temp file of one (a
+    writer killed mid-upload leaves only those on a local root). Anything else is left alone."""
     names = [_final_name(path[len(identity) + 1:]) for path in files]
-    return bool(names) and all("/" not in n for n in names) and any(SHARD_FILE.fullmatch(n) for n in names)
+    nested = [n.split("/") for n in names if "/" in n]
+    return (bool(names) and all(len(p) == 2 and p[0] in AUX_SUBFOLDERS for p in nested)
+            and any(SHARD_FILE.fullmatch(n) for n in names))
 
 
 def _final_name(name: str) -> str:
@@ -447,8 +454,8 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
     trainer or rank may be mid-publish. Only turn it on when no publisher can be writing under this root. Its
     age test compares the store's file times with the trainer's ``created_at`` clock. Directories whose names
     are not identities are never touched, nor are those that do not look like a publisher's: a snapshot is flat
-    and holds HF shard files (``model-00001-of-00004.safetensors``), so a nested tree or a folder of other files
-    stays.
+    but for its chat templates' folder and holds HF shard files (``model-00001-of-00004.safetensors``), so another
+    nested tree or a folder of other files stays.
     """
     protected = frozenset(protected)
     dirs = _snapshot_dirs(storage)

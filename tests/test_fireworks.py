@@ -358,6 +358,22 @@ def test_wait_ready_needs_every_replica(server: tuple[str, Scripted]) -> None:
     assert st.replicas[0].model_extra == {"some_future_field": 1}
 
 
+def test_a_failing_progress_callback_does_not_fail_the_wait(server: tuple[str, Scripted],
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    url, script = server
+    script.push(200, status_body(("s0", True, "downloading", "s1"), ("s0", True, "downloading", "s1")))
+    script.default = (200, status_body(("s1", True, "done", "s1"), ("s1", True, "done", "s1")), {})
+    calls: list[int] = []
+
+    def report(_: HotLoadStatus) -> None:
+        calls.append(1)
+        raise KeyError("a bug in the progress report")
+
+    st = make_client(url).wait_ready("s1", timeout_s=10, on_poll=report)
+    assert st.is_ready("s1") and len(calls) == 2
+    assert "the on_poll callback failed (the wait goes on)" in caplog.text
+
+
 def test_wait_ready_timeout_message_shows_each_replica(server: tuple[str, Scripted]) -> None:
     url, script = server
     script.default = (200, status_body(("s1", True, "done", "s1"), ("s0", True, "downloading", "s1")), {})

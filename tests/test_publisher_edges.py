@@ -7,6 +7,7 @@ import math
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -165,3 +166,52 @@ def test_close_says_so_when_the_newest_step_failed_and_training_went_on(tmp_path
     assert "the newest step 1 failed to publish (keep_training_on_error); the fleet ends on step 0" in caplog.text
     got = rebuild_accepted(bucket, pub.metrics)[pub.metrics[0].identity]
     assert {k: bytes(v.data) for k, v in got.items()} == served
+
+
+class _HangingSpecWrite:
+    """A local filesystem whose write of a snapshot's spec file hangs once ``armed``, until ``release`` is set: a
+    write stuck after every weight file was uploaded, while the snapshot's small files are written."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.armed = inner, False
+        self.stuck, self.release = threading.Event(), threading.Event()
+
+    def open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
+        if self.armed and "w" in mode and "spec.json" in str(path):
+            self.stuck.set()
+            self.release.wait(60)
+        return self.inner.open(path, mode, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_commit_stuck_past_closes_deadline_is_never_committed(tmp_path: Path) -> None:
+    """close() gave up while the small files were being written; when the write returned, the commit marker was
+    still written (the give-up was read once, before), so a snapshot dropped by close() appeared in the bucket."""
+    import fsspec
+
+    from fsdp_hotload.engine import PublishError
+    from fsdp_hotload.retention import read_commit_marker
+    from fsdp_hotload.storage import Storage
+
+    bucket = str(tmp_path / "bucket")
+    fs = _HangingSpecWrite(fsspec.filesystem("file"))
+    model = _model()
+    storage = Storage(bucket, fs=fs)
+    pub = TensorPublisher(model, _config(tmp_path, busy_policy="wait"), storage=storage)
+    pub.publish(0)
+    pub.wait()
+    fs.armed = True
+    model["model.norm.weight"].add_(0.25)
+    assert pub.publish(1)
+    assert fs.stuck.wait(10)
+    with pytest.raises(PublishError, match="close\\(\\) gave up"):
+        pub.close(timeout=0.3)
+    fs.release.set()
+    pub.engine._thread.join(30)
+    assert not pub.engine._thread.is_alive()
+    assert [(m.step, m.ok) for m in pub.metrics] == [(0, True), (1, False)]
+    assert "close() gave up on it" in (pub.metrics[-1].error or "")
+    assert read_commit_marker(storage, pub.metrics[-1].identity) is None
+    assert sorted(p.name for p in Path(bucket).iterdir() if not p.name.startswith(".")) == [pub.metrics[0].identity]

@@ -562,3 +562,26 @@ def test_a_session_retention_would_not_recognise_is_refused(tmp_path: Path, sess
     with pytest.raises(ValueError, match="8 lowercase hex digits"):
         Publisher([WholeChunk("a", (8,), "BF16", "flat", Box.flat(0, 8), t)], [TensorSpec("a", (8,), "BF16")],
                   HotloadConfig(bucket_url=str(tmp_path / "bucket")), session=session)
+
+
+def test_a_run_killed_while_writing_its_chat_templates_leaves_nothing_for_good(tmp_path: Path) -> None:
+    """The small files go up before the marker, chat templates in ``additional_chat_templates/``: a folder left
+    with those counted as "not flat, not a snapshot" and no later run ever swept it. Other sub-folders still
+    mean a folder that is not a publisher's."""
+    from fsdp_hotload.retention import INCOMPLETE_GRACE_S
+
+    st = Storage(str(tmp_path))
+    now = time.time()
+    _publish(st, CommitInfo("step-000003-11111111", "full", None, {"model-00001-of-00001.safetensors":
+                                                                     {"size": 4}}, now))
+    old = now - INCOMPLETE_GRACE_S - 60
+    layouts = {"step-000001-deadbeef": "additional_chat_templates/tool_use.jinja",
+               "step-000002-deadbeef": "checkpoints/tool_use.jinja",
+               "step-000004-deadbeef": "additional_chat_templates/deeper/tool_use.jinja"}
+    for identity, extra in layouts.items():
+        for rel in ("model-00001-of-00001.safetensors", extra):
+            (tmp_path / identity / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / identity / rel).write_bytes(b"part")
+            os.utime(tmp_path / identity / rel, (old, old))
+    assert apply_retention(st, keep_last=1, session="11111111", since=now) == ["step-000001-deadbeef"]
+    assert sorted(st.list_dirs()) == ["step-000002-deadbeef", "step-000003-11111111", "step-000004-deadbeef"]

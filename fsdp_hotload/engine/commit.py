@@ -11,13 +11,15 @@ Example::
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ..config import HotloadConfig
 from ..layout import ShardPlan
 from ..storage import Storage
 from .jobs import Job, Outcome, PublishError, RankStatus, summarize
 from .signal import Signaller
+
+GAVE_UP = "close() gave up on it (close_timeout_s)"
 
 
 class Committer:
@@ -40,22 +42,23 @@ class Committer:
                                "model.weight.spec.json": self.plan.to_spec_json()}
 
     def finish(self, job: Job, identity: str, kind: str, parent: str | None, statuses: list[RankStatus],
-               prog: Any, *, abandoned: bool = False) -> Outcome:
+               prog: Any, *, abandoned: Callable[[], bool] = lambda: False) -> Outcome:
         """Manifests, commit marker, signal, wait. Nothing is signalled unless every file is durable; a snapshot
         not committed is deleted (every rank's writes have ended: the statuses were gathered). ``abandoned``:
-        close() gave up on it, so a stuck call that returned late must not commit it."""
+        close() gave up on it (asked again before the marker), so a stuck call that returned late must not commit
+        it."""
         m, files, errors = summarize(job, identity, kind, statuses, self.plan.total_size)
         if not errors and set(files) != set(self.plan.files):
             errors.append(f"files missing after upload: {sorted(set(self.plan.files) - set(files))}")
-        if abandoned:
-            errors.append("close() gave up on it (close_timeout_s)")
+        if abandoned():
+            errors.append(GAVE_UP)
         committed = False
         t_signal: float | None = None
         try:
             if errors:
                 raise PublishError("; ".join(errors))
             prog.stage("writing the manifests and the commit marker")
-            self._write_manifests(identity, kind, parent, files)
+            self._write_manifests(identity, kind, parent, files, abandoned)
             committed = True
             if self.signaller is not None:
                 t_signal = time.perf_counter()
@@ -81,8 +84,14 @@ class Committer:
             retain_after(self.storage, self.config.keep_last, identity, session=self.session, since=self.started)
         return Outcome(m.ok, m.error, m)
 
-    def _write_manifests(self, identity: str, kind: str, parent: str | None, files: dict[str, int]) -> None:
+    def _write_manifests(self, identity: str, kind: str, parent: str | None, files: dict[str, int],
+                         abandoned: Callable[[], bool]) -> None:
         from ..retention import commit_snapshot
 
+        def check() -> None:  # a write of the small files that hung past close()'s deadline
+            if abandoned():
+                raise PublishError(GAVE_UP)
+
         self.prepare()  # done at construction on the rank that commits; once in any case
-        commit_snapshot(self.storage, identity, kind, parent, files, {**self.aux, **self._manifests})
+        commit_snapshot(self.storage, identity, kind, parent, files, {**self.aux, **self._manifests},
+                        before_marker=check)

@@ -609,4 +609,4 @@ class Publisher:
                 statuses: list[RankStatus] | None) -> Outcome:
         """Rank 0: manifests, commit marker, signal, wait (:class:`~.commit.Committer`)."""
         assert statuses is not None
-        return self.committer.finish(job, identity, kind, parent, statuses, self._prog, abandoned=self.abandoned)
+        return self.committer.finish(job, identity, kind, parent, statuses, self._prog, abandoned=lambda: self.abandoned)
