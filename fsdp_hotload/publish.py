@@ -88,7 +88,10 @@ class TensorPublisher:
         self.engine = Publisher(self.chunks, specs, config, **engine_kwargs)
 
     def publish(self, step: int, tensors: Mapping[str, Any] | None = None) -> bool:
-        """Stage ``tensors`` (or the ones given at construction) and publish them in the background."""
+        """Stage ``tensors`` (or the ones given at construction) and publish them in the background.
+
+        On CUDA the copy is ordered after the work queued so far on the current stream only: tensors written on
+        another stream must be waited for first (``torch.cuda.current_stream().wait_stream(s)``)."""
         if tensors is None and self._live is not None:
             return self.engine.publish(step, self._read_live)  # called only on steps that publish; close reuses it
         return self.engine.publish(step, self._sources(tensors))
