@@ -22,8 +22,8 @@ import types
 import urllib.parse
 from typing import Any, Callable, Literal, Union, get_args, get_origin
 
-from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_serializer,
+                      field_validator, model_validator)
 
 from .masking import MASK, mask_secrets, mask_url, url_has_credentials
 
@@ -230,6 +230,17 @@ class HotloadConfig(BaseModel):
             elif name in ("bucket_url", "hotload_api_url") and isinstance(value, str):
                 value = mask_url(value)
             yield name, value
+
+    @field_serializer("storage_options", "hotload_api_headers", "bucket_url", "hotload_api_url", when_used="json")
+    def _masked_in_json(self, value: Any, info: Any) -> Any:
+        """The same masks in the JSON form (``model_dump_json``, ``model_dump(mode="json")``: what experiment
+        trackers and config logs store), as ``api_key`` already is. A config rebuilt from that JSON therefore
+        lacks those secrets, like the key: give them again (environment, storage options) where it is used."""
+        if info.field_name == "hotload_api_headers":
+            return {k: MASK for k in value}
+        if info.field_name == "storage_options":
+            return mask_secrets(value)
+        return mask_url(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _signalling_complete(self) -> "HotloadConfig":

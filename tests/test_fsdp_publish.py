@@ -103,7 +103,8 @@ def test_one_rank_upload_failure_is_never_served(tmp_path: Path) -> None:
     assert [(r["kind"], r["ok"]) for r in recs] == [("full", True), ("delta", True), ("delta", False),
                                                    ("full", True), ("delta", True), ("delta", True)]
     failed = recs[2]
-    assert not failed["serves_current"]  # nobody signalled it
+    assert not failed["serves_current"] and not failed["signalled"]  # nobody signalled it
+    assert all(r["signalled"] for r in recs if r["ok"])
     assert all(r["bit_exact"] for r in recs)  # whatever is served is exactly a snapshot's bytes
 
 

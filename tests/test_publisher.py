@@ -161,7 +161,9 @@ def test_failed_upload_is_never_signalled_and_next_is_full(tmp_path: Path) -> No
         pub.wait()
         failed = pub.metrics[-1]
         assert not failed.ok and "model-00002" in (failed.error or "")
-        assert [i for i, _ in served(emu)] == [first]  # never signalled
+        assert [i for i, _ in served(emu)] == [first]
+        (dep,) = emu.state()["deployments"].values()
+        assert [row["identity"] for row in dep["ledger"]] == [first]  # never signalled
         assert not storage.exists(f"{failed.identity}/hotload.commit.json")
         assert storage.list(failed.identity) == []  # the files that did upload are gone too
         with pytest.raises(PublishError, match="upload failed"):

@@ -340,9 +340,15 @@ def test_a_finished_runs_unmarked_folders_go_and_nothing_that_may_still_be_writt
         (tmp_path / identity).mkdir()
         (tmp_path / identity / name).write_bytes(b"part")
         os.utime(tmp_path / identity / name, (mtime, mtime))
+    half = tmp_path / "step-000015-deadbeef"  # one file old, one written just now: an upload still going on
+    half.mkdir()
+    for name, mtime in (("model-00001-of-00002.safetensors", old), ("model-00002-of-00002.safetensors", now)):
+        (half / name).write_bytes(b"part")
+        os.utime(half / name, (mtime, mtime))
     deleted = apply_retention(st, keep_last=5, session="11111111", since=now)
     assert deleted == ["step-000013-deadbeef"]
-    assert set(st.list_dirs()) == {"step-000003-11111111", "step-000004-22222222", *unmarked} - set(deleted)
+    assert set(st.list_dirs()) == {"step-000003-11111111", "step-000004-22222222", half.name,
+                                   *unmarked} - set(deleted)
 
 
 def test_a_trainer_clock_ahead_of_the_store_does_not_make_a_fresh_upload_look_abandoned(tmp_path: Path) -> None:
@@ -396,13 +402,14 @@ def test_an_own_folder_whose_delete_failed_goes_at_the_next_pass(tmp_path: Path)
         model["model.layers.0.w"].add_(1)
         pub.publish(step, model)
         pub.wait()
-    ahead = bucket / f"step-000009-{pub.engine.session}"  # as an upload in flight of this session looks
-    ahead.mkdir()
-    (ahead / "model-00001-of-00001.safetensors").write_bytes(b"part")
+    for ahead_step in (5, 9):  # as uploads in flight of this session look (the next step's too: max_inflight)
+        ahead = bucket / f"step-00000{ahead_step}-{pub.engine.session}"
+        ahead.mkdir()
+        (ahead / "model-00001-of-00001.safetensors").write_bytes(b"part")
     model["model.layers.0.w"].add_(1)
     pub.publish(4, model)
     pub.close()
-    assert sorted(p.name for p in bucket.iterdir()) == [f"step-00000{s}-{pub.engine.session}" for s in (4, 9)]
+    assert sorted(p.name for p in bucket.iterdir()) == [f"step-00000{s}-{pub.engine.session}" for s in (4, 5, 9)]
     assert (bucket / f"step-000004-{pub.engine.session}" / "hotload.commit.json").exists()
 
 
@@ -439,7 +446,9 @@ def test_a_refused_marker_delete_stops_retention_before_the_files_go(s3_server: 
     for info in (CommitInfo("A", "full", None, files, 1.0), CommitInfo("B", "delta", "A", files, 2.0),
                  CommitInfo("C", "full", None, files, 3.0)):
         _publish(direct, info)
-    refuse_markers = lambda body: COMMIT_MARKER.encode() in body  # noqa: E731
+    # Only a delete of markers alone is refused: were the files deleted first (with their marker in the same
+    # request), that request would go through and the snapshot would be gone.
+    refuse_markers = lambda body: COMMIT_MARKER.encode() in body and b".safetensors" not in body  # noqa: E731
     with DeleteErrorsProxy(s3_server.endpoint_url, "AccessDenied", refuse_markers) as proxy:
         st = Storage(uri, {**s3_server.storage_options, "endpoint_url": proxy.url})
         with pytest.raises(StorageError, match="AccessDenied"):
@@ -451,7 +460,8 @@ def test_a_refused_marker_delete_stops_retention_before_the_files_go(s3_server: 
     assert [c.identity for c in list_committed(direct)] == ["A", "B", "C"]
 
 
-def test_a_crashed_writer_s_open_multipart_uploads_are_aborted(s3_server: S3Server) -> None:
+def test_a_crashed_writer_s_open_multipart_uploads_are_aborted(s3_server: S3Server,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A trainer killed mid-upload leaves its multipart uploads open: no listing shows them, yet S3 keeps (and
     bills) their parts for good, and retention, which deletes what a crash left, never saw them. It now aborts
     those no writer will finish, and no other."""
@@ -483,6 +493,13 @@ def test_a_crashed_writer_s_open_multipart_uploads_are_aborted(s3_server: S3Serv
     # moto dates every upload years back, so the finished run's counts as abandoned; the live run's, as old,
     # and this run's in flight stay.
     assert open_uploads() == sorted(names[2:4] + names[5:])
+    # An upload of a run that is not live but began less than ABANDONED_UPLOAD_AGE_S ago (moto's dates made
+    # recent by a longer age) may be a run uploading its first snapshot: it stays.
+    late = f"step-000010-{finished}/{shard}"
+    client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/{late}")
+    monkeypatch.setattr("fsdp_hotload.retention.ABANDONED_UPLOAD_AGE_S", 1e11)
+    apply_retention(st, keep_last=3, session=own, since=now)
+    assert late in open_uploads()
 
 
 def test_retention_goes_on_where_open_uploads_cannot_be_listed(s3_server: S3Server,

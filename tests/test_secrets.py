@@ -35,11 +35,30 @@ SIGNALLING = dict(account_id="a", model_id="m", deployment_id="d", hf_config_dir
     {"config_kwargs": {"proxies": {"https": "http://proxy-user:TOPSECRET@proxy:3128"}}},
     {"client_kwargs": {"headers": {"Authorization": "Bearer TOPSECRET"}}},
     {"headers": {"X-Api-Key": "TOPSECRET"}},
+    {"password": "TOPSECRET"}, {"ftp_passwd": "TOPSECRET"}, {"credentials": {"user": "TOPSECRET"}},
+    {"client_kwargs": {"headers": {"Cookie": "session=TOPSECRET"}}}, {"connection_string": "TOPSECRET"},
+    {"ConnectionString": "TOPSECRET"}, {"auth": ["user", "TOPSECRET"]}, {"basic_auth": "TOPSECRET"},
+    {"sas": {"sig": "TOPSECRET"}}, {"url_signature": "TOPSECRET"},
+    {"endpoint_url": "https://minio:9000/?X-Amz-Signature=TOPSECRET&X-Amz-Credential=AKIA%2FTOPSECRET&part=1"},
 ])
-def test_every_credential_in_storage_options_is_masked_in_the_repr(options: dict[str, Any]) -> None:
+def test_every_credential_in_storage_options_is_masked_in_the_repr_and_json(options: dict[str, Any]) -> None:
     cfg = HotloadConfig(bucket_url="s3://b/p", storage_options=options)
     assert "TOPSECRET" not in repr(cfg) and "TOPSECRET" not in str(cfg), repr(cfg)
+    # the JSON form (model_dump_json, model_dump(mode="json"): what trackers and config logs store) too
+    assert "TOPSECRET" not in cfg.model_dump_json() and "TOPSECRET" not in json.dumps(cfg.model_dump(mode="json"))
     assert "TOPSECRET" in json.dumps(cfg.storage_options)  # intact for the storage
+    assert "TOPSECRET" in json.dumps(cfg.model_dump()["storage_options"])  # and in the Python form
+
+
+def test_the_json_form_masks_headers_and_url_passwords_and_keeps_the_rest() -> None:
+    cfg = HotloadConfig(bucket_url="sftp://user:TOPSECRET@host/snapshots", api_key="TOPSECRET-key",
+                        hotload_api_url="https://api.fireworks.ai", hotload_api_headers={"X-Gateway": "TOPSECRET"},
+                        storage_options={"region_name": "eu"}, **SIGNALLING)
+    shown = json.loads(cfg.model_dump_json())
+    assert "TOPSECRET" not in json.dumps(shown)
+    assert shown["bucket_url"] == "sftp://**********@host/snapshots" and shown["hotload_api_headers"] == {
+        "X-Gateway": "**********"}
+    assert shown["storage_options"] == {"region_name": "eu"} and shown["hotload_api_url"] == "https://api.fireworks.ai"
 
 
 def test_settings_that_look_alike_stay_readable() -> None:

@@ -115,6 +115,7 @@ def main() -> None:
             records.append({"step": step, "published_step": m.step, "kind": m.kind, "ok": m.ok, "identity": m.identity,
                             "ratio": m.ratio, "changed": m.changed_fraction,
                             "serves_current": all(i == m.identity for i, _ in reps),
+                            "signalled": m.identity in {r["identity"] for r in deployment_state(args.url)["ledger"]},
                             "bit_exact": all(expected.get(i) == shas for i, shas in reps),
                             "tensors": sorted(reps[0][1]), "dtypes": served_dtypes(args.url)})
     cb.close()
