@@ -119,3 +119,18 @@ def test_a_required_setting_missing_from_the_environment_is_named_by_its_variabl
         HotloadConfig.from_env()
     with pytest.raises(ValueError, match=r"environment variables \(bucket_url\)"):  # an override the code gives
         HotloadConfig.from_env(bucket_url=None)
+
+
+def test_max_file_bytes_takes_a_whole_number_but_not_the_text_5e9(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the README says: ``5e9`` in Python is a whole float and is taken; as text (a variable) it is refused,
+    naming the variable; a fraction of a byte is refused either way."""
+    assert HotloadConfig(bucket_url=str(tmp_path), max_file_bytes=5e9).max_file_bytes == 5_000_000_000
+    with pytest.raises(ValueError, match="max_file_bytes"):
+        HotloadConfig(bucket_url=str(tmp_path), max_file_bytes=1.5)
+    monkeypatch.setenv("HOTLOAD_BUCKET_URL", str(tmp_path))
+    monkeypatch.setenv("HOTLOAD_MAX_FILE_BYTES", "5e9")
+    with pytest.raises(ValueError, match=r"\(HOTLOAD_MAX_FILE_BYTES\)"):
+        HotloadConfig.from_env()
+    monkeypatch.setenv("HOTLOAD_MAX_FILE_BYTES", "5000000000")
+    assert HotloadConfig.from_env().max_file_bytes == 5_000_000_000

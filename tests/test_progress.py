@@ -91,6 +91,7 @@ def test_short_publishes_and_a_disabled_report_log_nothing(tmp_path: Path, caplo
                 train_step(model, step)
                 pub.publish(step, model)
                 pub.wait()
+            assert pub.engine._progress.interval_s == interval  # None stays None: no default interval behind it
         assert all(m.ok for m in pub.metrics)
     assert reports(caplog) == []
 

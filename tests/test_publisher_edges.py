@@ -215,3 +215,39 @@ def test_a_commit_stuck_past_closes_deadline_is_never_committed(tmp_path: Path) 
     assert "close() gave up on it" in (pub.metrics[-1].error or "")
     assert read_commit_marker(storage, pub.metrics[-1].identity) is None
     assert sorted(p.name for p in Path(bucket).iterdir() if not p.name.startswith(".")) == [pub.metrics[0].identity]
+
+
+def test_metrics_fields_hold_the_values_they_name(tmp_path: Path) -> None:
+    """Each field against what it names, measured independently: weight bytes on disk, elements changed by the
+    trainer, steps the trainer went on while a snapshot loaded, the emulator's load delay."""
+    import os
+
+    from fsdp_hotload.emulator import HotLoadEmulator
+
+    bucket = str(tmp_path / "bucket")
+    model = _model()
+    elements = sum(t.numel() for t in model.values())
+    with HotLoadEmulator(bucket, replicas=1, api_key="k", load_delay_s=0.4) as emu:
+        cfg = _config(tmp_path, hotload_api_url=emu.url, api_key="k", account_id="a", model_id="m",
+                      deployment_id="d", poll_interval_s=0.02, busy_policy="skip", publish_on_close=False)
+        with TensorPublisher(model, cfg) as pub:
+            assert pub.publish(0)
+            for step in (1, 2, 3):  # while step 0 loads: skipped, and the trainer is 3 steps ahead when it is served
+                assert not pub.publish(step)
+            pub.wait()
+            w = model["model.layers.0.mlp.up_proj.weight"].view(-1)
+            w[torch.tensor([0, 5, 99, 100, 1000, 2000, 2047])] += 1.0  # 7 elements, each a different bf16 value
+            assert pub.publish(4)
+            pub.wait()
+    full, delta = pub.metrics
+    files = pub.engine.plan.files
+    for m in (full, delta):
+        on_disk = sum(os.path.getsize(Path(bucket) / m.identity / f) for f in files)
+        assert m.ok and m.bytes_written == on_disk and m.files == len(files)
+        assert m.raw_bytes == 2 * elements and m.ratio == m.raw_bytes / m.bytes_written
+        assert m.upload_mb_s == pytest.approx(m.bytes_written / 1e6 / m.upload_s)
+        assert m.ready_s >= 0.3 and m.signal_s > 0 and m.total_s >= m.ready_s + m.signal_s
+    assert (full.kind, full.changed_fraction, full.staleness_steps, full.skipped_before) == ("full", None, 3, 0)
+    assert (delta.kind, delta.changed_fraction, delta.staleness_steps, delta.skipped_before) == (
+        "delta", 7 / elements, 0, 3)
+    _assert_bucket_serves(bucket, pub, model)
