@@ -28,6 +28,12 @@ from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, 
 from .masking import MASK, mask_secrets, mask_url, url_has_credentials
 
 ENV_PREFIX = "HOTLOAD_"
+#: Settings every rank must hold alike, checked when the publisher starts: they decide where snapshots go, what
+#: their bytes are, which step is published and how ranks vote at close. The rest (threads, timeouts, priorities,
+#: credentials) may differ per node.
+RANK_SHARED_FIELDS = ("bucket_url", "codec", "snapshot_dtype", "dtype_overrides", "max_file_bytes", "full_every",
+                      "max_chain_length", "publish_every", "identity_prefix", "busy_policy", "max_inflight",
+                      "publish_on_close", "keep_training_on_error", "send_hints")
 MAX_TIMEOUT_S = 30 * 24 * 3600.0  # a finite bound: gloo takes timeouts as integer milliseconds
 # HOTLOAD_* variables the package reads that are not config fields (codec switches read by arc/zstd_seq.py and
 # arc/codecs.py); from_env accepts these and rejects every other unknown HOTLOAD_* variable.
@@ -230,6 +236,10 @@ class HotloadConfig(BaseModel):
             elif name in ("bucket_url", "hotload_api_url") and isinstance(value, str):
                 value = mask_url(value)
             yield name, value
+
+    def shared_settings(self) -> dict[str, Any]:
+        """The :data:`RANK_SHARED_FIELDS` in their JSON form (credentials masked), for the ranks to compare."""
+        return self.model_dump(mode="json", include=set(RANK_SHARED_FIELDS))
 
     @field_serializer("storage_options", "hotload_api_headers", "bucket_url", "hotload_api_url", when_used="json")
     def _masked_in_json(self, value: Any, info: Any) -> Any:

@@ -3,6 +3,7 @@ raises alone stops staging a step the others stage, and from then on every snaps
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +186,40 @@ def test_a_publisher_set_up_failing_on_one_rank_fails_every_rank(tmp_path: Path)
         assert str(own) in str(other), (case, other)
 
 
+@pytest.mark.parametrize("case", ["codec", "plan"])
+def test_ranks_whose_settings_or_plan_differ_fail_at_construction(tmp_path: Path, case: str) -> None:
+    """Settings read per node (``HOTLOAD_*``) can differ: a rank with another codec had its pieces written under
+    the owner's codec name, a delta committed that no reader could decode. And a plan that fails on one rank only
+    (here: rank 1 given a tensor twice) left the other waiting for the side group's timeout. Both now fail every
+    rank at construction, naming the rank and what differs."""
+    n = 64
+    specs = [TensorSpec("a", (n,), "BF16"), TensorSpec("b", (n,), "BF16")]
+    data, ctrl = Meeting(2, timeout_s=20), Meeting(2, timeout_s=20)
+    raised: dict[int, BaseException | None] = {0: None, 1: None}
+
+    def make(rank: int) -> None:
+        chunk = WholeChunk("ab"[rank], (n,), "BF16", "flat", Box.flat(0, n), torch.zeros(n, dtype=torch.bfloat16))
+        codec = "arc_sparse_v1" if case == "codec" and rank == 1 else "arc_v2"
+        mine = specs + specs[:1] if case == "plan" and rank == 1 else specs
+        try:
+            Publisher([chunk], mine, HotloadConfig(bucket_url=str(tmp_path / "bucket"), codec=codec),
+                      comm=ThreadComm(data, rank, 2), ctrl=ThreadComm(ctrl, rank, 2)).close()
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            raised[rank] = exc
+
+    t0 = time.monotonic()
+    run_ranks(make, 2, timeout_s=60)
+    assert time.monotonic() - t0 < 15  # not after a collective's timeout
+    assert all(raised.values()), raised
+    if case == "codec":
+        for exc in raised.values():
+            assert isinstance(exc, RuntimeError) and "rank 1 failed to set up: its settings differ from rank 0's: " \
+                "codec (rank 1: 'arc_sparse_v1', rank 0: 'arc_v2')" in str(exc), exc
+    else:
+        assert not isinstance(raised[1], RuntimeError) and "rank 1 failed to set up" in str(raised[0]), raised
+    assert not (tmp_path / "bucket").exists() or not any((tmp_path / "bucket").iterdir())
+
+
 class _LateTimeoutComm(ThreadComm):
     """Rank 1's side group times out receiving step ``at``'s outcome after rank 0 sent it, as gloo does when
     the root's send completed and the receiver's wait had already run out: rank 0 goes on, rank 1 is broken."""
@@ -246,3 +281,72 @@ def test_close_after_a_side_group_timeout_on_one_rank_never_waits_on_the_other(t
     assert raised[0] == [] and len(raised[1]) == 1 and "injected" in raised[1][0], raised  # raised once, on rank 1
     assert max(took.values()) < 2.0, took
     assert [m.step for m in pubs[0].metrics.records] == [0]
+
+
+def test_a_rank_whose_encode_failed_sends_nothing_and_nobody_writes(tmp_path: Path) -> None:
+    """Rank 1's encode fails on step 1: it used to send empty piece lists, which the owners took for a rank with
+    nothing for them, so they assembled and uploaded files that could never be committed (a full snapshot's, all
+    of them) and reported unrelated "chunks cover ..." errors. Now nobody writes, the error names rank 1's encode,
+    and the next publish is full and bit-exact."""
+    import fsspec
+    from safetensors.torch import load_file
+
+    from fsdp_hotload.engine import PublishError
+    from fsdp_hotload.storage import Storage
+
+    bucket = str(tmp_path / "bucket")
+    names, n = ["model.layers.0.a", "model.layers.1.b"], 4096
+    tensors = [torch.zeros(n), torch.zeros(n)]
+    specs = [TensorSpec(name, (n,), "BF16") for name in names]
+    cfg = HotloadConfig(bucket_url=bucket, busy_policy="wait", max_file_bytes=n * 2, full_every=1)  # a file each
+    data, ctrl = Meeting(2), Meeting(2)
+    pubs: list[Any] = [None, None]
+    writes: list[str] = []
+
+    class Recording:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
+            if "w" in mode and "step-000001-" in str(path):
+                writes.append(str(path))
+            return self.inner.open(path, mode, *args, **kwargs)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    def make(rank: int) -> None:
+        chunk = WholeChunk(names[rank], (n,), "BF16", "flat", Box.flat(0, n), tensors[rank])
+        pubs[rank] = Publisher([chunk], specs, cfg, storage=Storage(bucket, fs=Recording(fsspec.filesystem("file"))),
+                               comm=ThreadComm(data, rank, 2), ctrl=ThreadComm(ctrl, rank, 2))
+    run_ranks(make, 2)
+    assert sorted(pubs[0].owners.values()) == [0, 1]  # each rank writes a file of its own
+    encode = pubs[1]._encode
+
+    def failing(buf: Any, kind: str, *args: Any) -> Any:
+        if pubs[1].latest_step == 1:
+            raise MemoryError("injected: encode failed")
+        return encode(buf, kind, *args)
+
+    pubs[1]._encode = failing
+    raised: dict[int, list[int]] = {0: [], 1: []}
+
+    def train(rank: int) -> None:
+        for step in range(3):
+            tensors[rank].fill_(step + 1.5 * rank)
+            try:
+                pubs[rank].publish(step)
+            except PublishError:
+                raised[rank].append(step)
+            pubs[rank].wait()
+        pubs[rank].close()
+
+    run_ranks(train, 2)
+    records = pubs[0].metrics.records
+    assert [(m.step, m.kind, m.ok) for m in records] == [(0, "full", True), (1, "full", False), (2, "full", True)]
+    assert "rank 1: encode failed" in (records[1].error or "") and "chunks cover" not in (records[1].error or "")
+    assert writes == [], writes
+    folder = Path(bucket) / records[2].identity
+    got = {k: v for f in folder.glob("model-*.safetensors") for k, v in load_file(str(f)).items()}
+    assert {k: v.view(torch.int16).numpy().tobytes() for k, v in got.items()} == {
+        name: t.bfloat16().view(torch.int16).numpy().tobytes() for name, t in zip(names, tensors)}

@@ -232,9 +232,10 @@ def _unframed(buf: Any, receive_big: Callable[[Any], Any]) -> Any:
     return loads(big.numpy())
 
 
-def exchange_objects(comm: Comm, outgoing: list[Any]) -> tuple[list[Any], str | None]:
+def exchange_objects(comm: Comm, outgoing: list[Any], *, failed: bool = False) -> tuple[list[Any], str | None]:
     """``outgoing[d]`` (picklable) goes to rank d (the list is emptied); returns what each rank sent this one
-    and this rank's error, if any.
+    and this rank's error, if any. ``failed``: this rank's part already failed, so it sends nothing, and every
+    peer reports that instead of writing files that cannot be committed (a full snapshot's, gigabytes).
 
     Why the error is returned, not raised: like every collective of a snapshot, the exchange must run on every
     rank, or the others wait for this one until the group's timeout. A rank that cannot pickle its objects (out
@@ -246,7 +247,7 @@ def exchange_objects(comm: Comm, outgoing: list[Any]) -> tuple[list[Any], str | 
     own = outgoing[comm.rank]
     error: str | None = None
     try:
-        blobs: list[Blob] = [b"" if r == comm.rank else dumps_buffer(o) for r, o in enumerate(outgoing)]
+        blobs: list[Blob] = [b"" if r == comm.rank or failed else dumps_buffer(o) for r, o in enumerate(outgoing)]
     except Exception as exc:  # noqa: BLE001
         error = f"rank {comm.rank}: routing failed: {exc!r}"
         blobs = [b""] * comm.world
@@ -301,19 +302,31 @@ def _as_tensor(blob: Blob) -> Any:
     return torch.frombuffer(view.cast("B"), dtype=torch.uint8)
 
 
-def agree_on_start(ctrl: Comm, problem: BaseException | None, value: Any) -> Any:
+def agree_on_start(ctrl: Comm, problem: BaseException | None, value: Any,
+                   shared: dict[str, Any] | None = None) -> Any:
     """Collective at construction: rank 0's ``value`` on every rank, or, where any rank's set-up failed
-    (``problem``), an error on every rank: a failed rank raises its own, the others a RuntimeError naming it.
+    (``problem``) or its ``shared`` settings differ from rank 0's, an error on every rank: a failed rank raises its
+    own, the others a RuntimeError naming it.
 
     Why: a rank that raised alone (rank 0 with an unreadable ``hf_config_dir``, a node without s3fs or without
     the API key in its environment) would leave the others training into the first publish's collective, where
-    they wait out the side group's timeout instead of failing at start.
+    they wait out the side group's timeout instead of failing at start. And settings read per node (``HOTLOAD_*``
+    variables) can differ: a rank with another codec had its pieces written under the owner's codec name, a
+    committed delta no reader could decode.
     """
-    gathered = ctrl.gather(None if problem is None else f"{type(problem).__name__}: {problem}")
+    gathered = ctrl.gather((None if problem is None else f"{type(problem).__name__}: {problem}", shared))
     verdict: Any = None
     if gathered is not None:
-        failed = [(r, text) for r, text in enumerate(gathered) if text is not None]
-        verdict = ("failed", failed) if failed else ("ok", value)
+        ref = gathered[0][1]
+        failed = [(r, text) for r, (text, _) in enumerate(gathered) if text is not None]
+        for r, (text, theirs) in enumerate(gathered):
+            if ref is None or theirs is None:  # a rank that failed has nothing to compare: its error is told
+                continue
+            differ = [k for k in sorted(set(ref) | set(theirs)) if theirs.get(k) != ref.get(k)]
+            if differ:
+                failed.append((r, "its settings differ from rank 0's: " + "; ".join(
+                    f"{k} (rank {r}: {theirs.get(k)!r}, rank 0: {ref.get(k)!r})" for k in differ)))
+        verdict = ("failed", sorted(failed)) if failed else ("ok", value)
     kind, agreed = ctrl.broadcast(verdict)
     if problem is not None:
         raise problem

@@ -31,6 +31,7 @@ Example::
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import queue
@@ -84,12 +85,12 @@ class Publisher:
         self._close_called = False  # close() was entered (the exit warning tells a blocked close from none)
         self.rank, self.world = self.comm.rank, self.comm.world
         self.chunks = list(chunks)
-        self.plan: ShardPlan = plan_shards(specs, max_file_bytes=config.max_file_bytes)
-        self.owners = assign_owners(self.plan, self.world)
         self.signaller: Signaller | None = None
         made: list[Any] = []  # closed if the set-up fails on any rank
         problem: BaseException | None = None
         try:  # set-up that can fail on some ranks only (rank 0 alone reads hf_config_dir and writes the metrics)
+            self.plan: ShardPlan = plan_shards(specs, max_file_bytes=config.max_file_bytes)
+            self.owners = assign_owners(self.plan, self.world)
             for c in self.chunks:
                 spec = self.plan.specs.get(c.name)
                 if spec is None or tuple(spec.shape) != tuple(c.shape) or spec.dtype != c.dtype:
@@ -113,7 +114,9 @@ class Publisher:
         try:
             # Identities must agree on every rank (rank 0 picks the suffix) and never repeat across publisher
             # instances, even within one process (a restarted publisher must not reuse an identity).
-            self.session = agree_on_start(self.ctrl, problem, session or secrets.token_hex(4))
+            shared = None if problem is not None else {  # the tensors too, for callers that did not compare them
+                **config.shared_settings(), "tensor specs": hashlib.sha256(self.plan.to_spec_json()).hexdigest()[:16]}
+            self.session = agree_on_start(self.ctrl, problem, session or secrets.token_hex(4), shared)
             if not SESSION.fullmatch(self.session):  # retention only sweeps, and aborts uploads in, folders named so
                 raise ValueError(f"session {self.session!r}: must be 8 lowercase hex digits, as a publisher makes")
             new_identity(0, prefix=config.identity_prefix, session=self.session)  # a bad prefix fails here
@@ -564,7 +567,7 @@ class Publisher:
         """Every rank's pieces of the files this rank owns, from ``outgoing[r]``, this rank's pieces for rank r
         (emptied here). A full snapshot's pieces are the rank's whole shard: see :func:`exchange_objects` for
         how none is copied more than the move needs. This rank's own failure there fails the snapshot."""
-        incoming, error = exchange_objects(self.comm, outgoing)
+        incoming, error = exchange_objects(self.comm, outgoing, failed=st.error is not None)
         st.error = st.error or error
         return [pieces or [] for pieces in incoming]
 
@@ -609,4 +612,5 @@ class Publisher:
                 statuses: list[RankStatus] | None) -> Outcome:
         """Rank 0: manifests, commit marker, signal, wait (:class:`~.commit.Committer`)."""
         assert statuses is not None
-        return self.committer.finish(job, identity, kind, parent, statuses, self._prog, abandoned=lambda: self.abandoned)
+        return self.committer.finish(job, identity, kind, parent, statuses, self._prog,
+                                     abandoned=lambda: self.abandoned)
