@@ -415,3 +415,40 @@ def test_a_bad_codec_switch_is_refused_naming_its_variable(monkeypatch: pytest.M
     monkeypatch.setenv(variable, value)
     with pytest.raises(FormatError, match=variable):
         ArcV2().encoder_info
+
+
+def test_kernel_caches_follow_the_sources_of_the_functions_they_call(tmp_path: Path) -> None:
+    """numba's cache=True rebuilds a function when its own file changes, not when a function it calls from
+    another file does: after an edit of ``kernels.py`` alone, ``seq_delta``'s cached kernels kept the old code.
+    ``jit_cache.refresh`` (run when ``fsdp_hotload.arc`` is imported) empties such caches. Two small modules in a
+    fresh folder, each run in its own process."""
+    pkg = tmp_path / "kern"
+    pkg.mkdir()
+    (pkg / "callee_mod.py").write_text("from numba import njit\n\n@njit(cache=True)\ndef callee(x):\n"
+                                       "    return x + 1\n")
+    (pkg / "caller_mod.py").write_text("from numba import njit\nfrom callee_mod import callee\n\n"
+                                       "@njit(cache=True)\ndef caller(x):\n    return callee(x) * 10\n")
+    script = ("import sys\nfrom pathlib import Path\nimport callee_mod, caller_mod\n"
+              "from fsdp_hotload.arc import jit_cache\n"
+              "if sys.argv[1] == 'refresh':\n"
+              "    jit_cache.refresh([callee_mod, caller_mod], Path(callee_mod.__file__).parent)\n"
+              "print(caller_mod.caller(1))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pkg), str(Path(__file__).resolve().parents[1])])}
+    env.pop("NUMBA_CACHE_DIR", None)
+
+    def run(mode: str) -> str:
+        out = subprocess.run([sys.executable, "-c", script, mode], cwd=pkg, env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.strip()
+
+    assert run("refresh") == "20"
+    assert list((pkg / "__pycache__").glob("caller_mod.caller-*.nbi"))  # cached
+    (pkg / "callee_mod.py").write_text("from numba import njit\n\n@njit(cache=True)\ndef callee(x):\n"
+                                       "    return x + 2\n")
+    assert run("plain") == "20"  # numba alone: the caller's cache still holds the old callee
+    assert run("refresh") == "30"
+    (index,) = (pkg / "__pycache__").glob("caller_mod.caller-*.nbi")
+    before = index.stat().st_mtime_ns
+    assert run("refresh") == "30"
+    assert index.stat().st_mtime_ns == before  # kept (not emptied again) while the sources stay as they are

@@ -21,6 +21,14 @@ from .stio import load_file, parse_header, save_file, write_file
 
 from . import sparse as _sparse  # noqa: F401  (registers arc_sparse_v1)
 
+from pathlib import Path as _Path
+
+from . import adler as _adler, jit_cache as _jit_cache, kernels as _kernels, seq_delta as _seq_delta
+from . import sparse_kernels as _sparse_kernels
+
+# Before any kernel is called: cached compiled code built from other sources than these is dropped (see jit_cache).
+_jit_cache.refresh([_adler, _kernels, _seq_delta, _sparse_kernels], _Path(__file__).parent)
+
 __all__ = [
     "ArcError", "ArcV2", "Box", "CHECKSUM_FORMAT", "ChecksumError", "Codec", "ElementDiff", "FormatError",
     "MismatchError", "RawTensor", "TensorDelta", "apply_delta_file", "apply_tensor", "build_delta_file",

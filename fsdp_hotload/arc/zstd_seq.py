@@ -42,7 +42,7 @@ from .dense import DenseDelta, run_tables
 from .errors import FormatError
 from .kernels import LANES, zero_run_sequences, zero_run_table
 
-MAX_BLOCK = 1 << 17  # zstd's largest block
+MAX_BLOCK = seq_delta.MAX_BLOCK  # zstd's largest block: one constant for the kernels and the buffers sized here
 MIN_RUN = 4  # shorter zero runs stay literals: a sequence costs more than a few Huffman-coded zeros
 _TABLE = zero_run_table(MIN_RUN)
 _WINDOW_LOG = 17  # matches are all at offset 1; the window only has to hold one block
@@ -117,7 +117,8 @@ class _ThreadState:
         self.cctx = lib.ZSTD_createCCtx()
         if not self.cctx:
             raise MemoryError("ZSTD_createCCtx failed")
-        weakref.finalize(self, lib.ZSTD_freeCCtx, self.cctx)
+        # Not at exit: a daemon encode thread may still be inside a call on this context then.
+        weakref.finalize(self, lib.ZSTD_freeCCtx, self.cctx).atexit = False
         for param, value in ((_C_LEVEL, level), (_C_MIN_MATCH, 3), (_C_CONTENT_SIZE, 0), (_C_CHECKSUM, 0),
                              (_C_DICT_ID, 0), (_C_VALIDATE_SEQUENCES, 1)):
             self.check(lib.ZSTD_CCtx_setParameter(self.cctx, param, value), f"setting parameter {param}")
