@@ -176,11 +176,14 @@ def _exact(out: bytes, size: int, what: str) -> bytes:
 class ArcV2:
     """``arc_v2``: XOR of the raw little-endian bytes against the parent, as one zstd frame per chunk.
 
-    The frame records its content size. It is built from a stream of XOR blocks, so no chunk-sized buffer is
-    ever allocated: :meth:`encode_xor_blocks` takes blocks straight from a one-pass host scan
+    The frame records its content size. It is built from a stream of XOR blocks, so no chunk-sized XOR is ever
+    made: :meth:`encode_xor_blocks` takes blocks straight from a one-pass host scan
     (:class:`~fsdp_hotload.arc.dense.DenseDelta`), and :meth:`encode` rebuilds them from a sparse diff (the
     device path: zeros plus the changed elements; with the sequence encoder in one GIL-free call per chunk,
-    :func:`~fsdp_hotload.arc.seq_delta.encode_sparse_chunk`). An unchanged chunk costs a few bytes.
+    :func:`~fsdp_hotload.arc.seq_delta.encode_sparse_chunk`). An unchanged chunk costs a few bytes. The one-call
+    path reserves room for the worst frame (every block stored raw: the chunk's size) and writes only the frame
+    into it, so the memory it touches is the frame's; the reservation itself is virtual memory, which a host with
+    strict overcommit (``vm.overcommit_memory=2``) counts in full, per encode thread.
 
     Two encoders write the frame: ``sequences`` (zero runs found by a numba kernel, entropy-coded by libzstd;
     smaller and cheaper, see :mod:`~fsdp_hotload.arc.zstd_seq`) where the system's libzstd allows it, else
