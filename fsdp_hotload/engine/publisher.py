@@ -48,7 +48,7 @@ import torch
 from ..arc.codecs import get_codec
 from ..config import HotloadConfig
 from ..identity import new_identity
-from ..retention import SESSION
+from ..retention import SESSION, discard_snapshot
 from ..hf_config import carried_files, dropped_config_keys, hf_aux_files
 from ..layout import ShardPlan, TensorSpec, plan_shards
 from ..storage import Storage
@@ -541,6 +541,8 @@ class Publisher:
             self._errors.store(PublishError(outcome.error or "publish failed"), job.seq)  # before the slot is free
             self.stager.release(job.buf)
             self.cadence.on_failure()
+            if st.files and outcome.metrics is not None and outcome.metrics.identity != identity:
+                discard_snapshot(self.storage, identity)  # staged another step than rank 0: its discard missed these
         if self.rank == 0 and outcome.metrics is not None:
             outcome.metrics.staleness_steps = max(self.latest_step - job.step, 0)
             try:
