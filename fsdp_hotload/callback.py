@@ -20,6 +20,8 @@ import functools
 import json
 import logging
 import os
+import threading
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -39,6 +41,10 @@ from .layout import TensorSpec
 from .naming import Split, adapter_note
 
 log = logging.getLogger("fsdp_hotload")
+# The callback attached to each optimizer: a second one (a notebook cell run again) takes its place, instead of
+# both publishing every step to one deployment and failing each other's deltas.
+_ATTACHED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[HotloadCallback]]" = \
+    weakref.WeakKeyDictionary()
 
 
 def hf_tie_word_embeddings(hf_config_dir: str | None) -> bool | None:
@@ -146,6 +152,8 @@ class HotloadCallback:
         self._views = [c.source for c in chunks]
         self._step = 0
         self._hooks: list[Any] = []
+        self._hooks_on = False  # whether attach()'s post-hooks publish (see detach)
+        self._hook_thread: int | None = None  # the thread that attached them
 
     def _plan_names(self, split: Split | None, rename: Callable[[str], str | None] | None,
                     tie_word_embeddings: bool | None, include_buffers: bool, hf_names: bool) -> None:
@@ -278,6 +286,12 @@ class HotloadCallback:
         published parameter, and nothing else may modify them in place between two optimizer steps; buffers,
         which forward passes update, are cloned at the hook instead.
 
+        A failed publish's error (unless ``config.keep_training_on_error``) is raised from the post-step hook, so
+        from inside ``optimizer.step()`` (or ``scaler.step()``) once the step's update is applied: what follows it
+        in the same ``try`` (``scaler.update()``, a scheduler's step) does not run, and a loop that catches the
+        error and goes on must still call them. With a fused optimizer (``fused=True``) a step the scaler skips
+        still runs the optimizer's step, and its hooks: it counts, and publishes an unchanged snapshot.
+
         With several ranks and ``busy_policy="skip"``, the pre-step hook also starts the ranks' agreement on
         whether the previous snapshot has finished, a forward and backward later than ``step()`` can: a
         publisher that keeps up publishes every step (``step()`` publishes at most every second step).
@@ -294,15 +308,28 @@ class HotloadCallback:
         self.detach()
         if start is not None:
             self._step = start
+        for opt in optimizers:
+            other = _ATTACHED.get(opt)
+            other = other() if other is not None else None
+            if other is not None and other is not self and other._hooks:
+                log.warning("hotload: another HotloadCallback was attached to this optimizer; its hooks are removed "
+                            "(close() it to stop its threads): two would publish every step to their deployments")
+                other.detach()
+            _ATTACHED[opt] = weakref.ref(self)
+        self._warn_unstepped(optimizers)
         background = self.config.async_copy
         stepped: set[int] = set()
+        self._hooks_on = True
 
         def pre(*_: Any) -> None:
-            self.fence()
-            self.engine.agree(self._step)  # a no-op while one is pending (several optimizers)
+            self.fence()  # also once detached from another thread: the step must not change weights being read
+            if self._hooks_on:
+                self.engine.agree(self._step)  # a no-op while one is pending (several optimizers)
 
         def post_of(i: int) -> Callable[..., None]:
             def post(*_: Any) -> None:
+                if not self._hooks_on:
+                    return
                 stepped.add(i)
                 if len(stepped) == len(optimizers):
                     stepped.clear()
@@ -311,7 +338,18 @@ class HotloadCallback:
 
         for i, opt in enumerate(optimizers):
             self._hooks += [opt.register_step_pre_hook(pre), opt.register_step_post_hook(post_of(i))]
+        self._hook_thread = threading.get_ident()
         self.engine.early_agreement = True
+
+    def _warn_unstepped(self, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+        """Trainable parameters that none of ``optimizers`` updates are published as they stand at each of their
+        steps: stale by a step, or read while another optimizer changes them (its step not waited for)."""
+        owned = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
+        missed = [name for name, p in self.model.named_parameters() if p.requires_grad and id(p) not in owned]
+        if missed:
+            log.warning("hotload: %d trainable parameter(s) are not updated by the optimizer(s) given to attach(), "
+                        "e.g. %s: attach every optimizer that updates the model, or they are published a step "
+                        "late (or mid-update)", len(missed), ", ".join(missed[:3]))
 
     def detach(self) -> None:
         """Remove the optimizer hooks of :meth:`attach` (waiting for a copy still reading the weights).
@@ -319,6 +357,14 @@ class HotloadCallback:
         The pre-step hooks go last, once that copy is done: when this runs on another thread than training
         (close() from a watchdog), the trainer's next optimizer step must still wait for the copy instead of
         changing the weights under it (the snapshot would hold the next step's weights under this step's name)."""
+        self._hooks_on = False  # from here the post-hooks publish nothing, whichever thread trains
+        if self._hooks and threading.get_ident() != self._hook_thread:
+            # Another thread (a watchdog's close()): removing hooks while the trainer's optimizer.step() iterates
+            # over them raises there ("OrderedDict mutated during iteration"). They stay, as no-ops.
+            self._hooks = []
+            self.engine.early_agreement = False
+            self.fence()
+            return
         pre, post = self._hooks[0::2], self._hooks[1::2]  # attach() adds them in pairs: (pre, post)
         self._hooks = []
         for h in post:
@@ -347,8 +393,12 @@ class HotloadCallback:
         try:
             self.engine.close(raise_errors=raise_errors, sources=self._sources, timeout=timeout)
         finally:
-            if self.engine.closed and not self.engine.abandoned:
-                self._close_comms()
+            if self.engine.closed:
+                # the views keep the model's memory alive (a whole shard, on a GPU): a closed callback that its
+                # owner still holds must not, once the model has let go of that memory
+                self._views, self._fingerprint = [], None
+                if not self.engine.abandoned:
+                    self._close_comms()
 
     def _close_comms(self) -> None:
         comms, self._comms = self._comms, []

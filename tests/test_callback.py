@@ -204,7 +204,7 @@ def test_close_from_another_thread_still_waits_for_the_copy_at_the_next_optimize
     closer = threading.Thread(target=hot.close)
     closer.start()
     deadline = time.monotonic() + 30
-    while opt._optimizer_step_post_hooks and time.monotonic() < deadline:  # close() has begun detaching
+    while hot._hooks_on and time.monotonic() < deadline:  # close() has begun detaching
         time.sleep(0.01)
     threading.Timer(1.0, go.set).start()  # the copy finishes later than the trainer's next step starts
     model(torch.randint(0, 40, (2, 8))).sum().backward()

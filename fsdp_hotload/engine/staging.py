@@ -409,6 +409,9 @@ class Stager:
             self._free, self.cache, self._spare = [], None, None
             self._views.clear()
             self._plans.clear()
+            # the chunks' sources too: views of the model's memory, which a closed publisher its owner still holds
+            # must not keep alive once the model has let go of it
+            self._own, self._groups, self._own_src, self._where, self._bits = [], [], [], [], []
         self.refuse()
 
     def refuse(self) -> None:

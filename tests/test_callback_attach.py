@@ -1,0 +1,122 @@
+"""attach() over a callback's life: a second callback on the same optimizer, a watchdog's close(), optimizers
+that miss parameters, and the memory a closed callback lets go of. One process, an unsharded module."""
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from fsdp_hotload import HotloadCallback, HotloadConfig
+from tests.snapshots import rebuild_accepted
+from tests.test_callback import Net, _expected, _setup
+
+
+def _train(model: Net, opt: torch.optim.Optimizer, steps: int) -> None:
+    for _ in range(steps):
+        model(torch.randint(0, 40, (2, 8))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_second_callback_on_the_same_optimizer_takes_the_place_of_the_first(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A notebook cell run again builds a second callback and attaches it to the same optimizer: both published
+    every step (to one deployment, each failing the other's deltas). The first one's hooks are now removed."""
+    bucket, hf = _setup(tmp_path)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf), busy_policy="wait")
+    first = HotloadCallback(model, cfg)
+    first.attach(opt)
+    _train(model, opt, 1)
+    second = HotloadCallback(model, cfg)
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        second.attach(opt)
+    assert "another HotloadCallback was attached to this optimizer" in caplog.text
+    assert len(opt._optimizer_step_post_hooks) == 1 and len(opt._optimizer_step_pre_hooks) == 1
+    _train(model, opt, 2)
+    second.wait()
+    want = _expected(model)
+    first.close()
+    second.close()
+    assert [m.step for m in first.metrics] == [0]
+    assert [m.step for m in second.metrics] == [0, 1] and all(m.ok for m in second.metrics)
+    rebuilt = rebuild_accepted(bucket, second.metrics)
+    assert {k: t.sha256() for k, t in rebuilt[second.metrics[-1].identity].items()} == want
+
+
+def test_a_watchdogs_close_leaves_the_optimizers_hooks_to_the_training_thread(tmp_path: Path) -> None:
+    """close() on another thread removed the hooks while the trainer's optimizer.step() iterated over them
+    ("OrderedDict mutated during iteration"). From another thread they now stay, as no-ops: no publish after it,
+    and the trainer's steps run on without an error."""
+    bucket, hf = _setup(tmp_path)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hot = HotloadCallback(model, HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf), busy_policy="wait"))
+    hot.attach(opt)
+    user_hook_calls: list[int] = []
+    opt.register_step_post_hook(lambda *_: user_hook_calls.append(1))  # after ours: iterated while close() runs
+    _train(model, opt, 2)
+    closer = threading.Thread(target=hot.close)
+    closer.start()
+    closer.join(30)
+    assert not closer.is_alive() and hot.engine.closed
+    published = [m.step for m in hot.metrics]
+    _train(model, opt, 3)  # the hooks are still registered, and do nothing
+    assert len(opt._optimizer_step_post_hooks) == 2 and user_hook_calls == [1] * 5
+    assert [m.step for m in hot.metrics] == published == [0, 1]
+
+
+def test_attach_names_trainable_parameters_no_given_optimizer_updates(tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    bucket, hf = _setup(tmp_path)
+    model = Net()
+    head = torch.optim.SGD(model.lm_head.parameters(), lr=0.1)
+    rest = torch.optim.SGD([p for n, p in model.named_parameters() if not n.startswith("lm_head")], lr=0.1)
+    model.embed_tokens.weight.requires_grad_(False)  # frozen: nobody needs to update it
+    with HotloadCallback(model, HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf))) as hot:
+        with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+            hot.attach(rest)
+        assert "1 trainable parameter(s) are not updated by the optimizer(s) given to attach(), e.g. " \
+               "lm_head.weight" in caplog.text
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+            hot.attach(rest, head)
+        assert "not updated by the optimizer" not in caplog.text
+
+
+def test_a_closed_callback_its_owner_still_holds_lets_the_model_memory_go(tmp_path: Path) -> None:
+    """The callback's views and the stager's copy sources kept every parameter's old memory alive after close()
+    (a whole shard on a GPU), for as long as the owner held the closed callback."""
+    bucket, hf = _setup(tmp_path)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hot = HotloadCallback(model, HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf), busy_policy="wait"))
+    hot.attach(opt)
+    _train(model, opt, 1)
+    hot.close()
+    old = [StorageWeakRef(p.untyped_storage()) for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()  # as an offload to another device does
+    gc.collect()
+    assert all(ref.expired() for ref in old), sum(not ref.expired() for ref in old)
+    assert hot.engine.closed  # still held here
+
+
+def test_detach_on_the_training_thread_still_removes_the_hooks(tmp_path: Path) -> None:
+    bucket, hf = _setup(tmp_path)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with HotloadCallback(model, HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf))) as hot:
+        hot.attach(opt)
+        t0 = time.monotonic()
+        hot.detach()
+        assert time.monotonic() - t0 < 10
+        assert not opt._optimizer_step_post_hooks and not opt._optimizer_step_pre_hooks
