@@ -18,13 +18,13 @@ next forward/backward, and the next ``optimizer.step()`` waits for it); ``--hook
 after ``optimizer.step()`` instead (a synchronous copy).
 
 Then prints one table: step time (median, p90, ratio to baseline, and the geometric mean of the per-round
-ratios of mean step times, i.e. of throughput, with its 95% confidence interval), CPU per step by thread role, hook blocking against a bare bf16 copy
-of the local shard, publishes completed/skipped, end-to-end latency (hook to all replicas ready), bytes written
-against a full snapshot per publish, staging memory against the bf16 shard, and whether each target is met. The
-step-time verdict is MET or MISSED only when the whole confidence interval says so, else INCONCLUSIVE: on a
-shared 2-core VM single rounds move by several points, and a verdict from one round would be a coin toss. Each
-phase's first steps (``--discard``) are not counted, and the publish they started is waited for before the
-counted steps begin (it is a delta across the other variants' steps).
+ratios of mean step times, i.e. of throughput, with its 95% confidence interval), CPU per step by thread role,
+hook blocking against a bare bf16 copy of the local shard, publishes completed/skipped, end-to-end latency (hook
+to all replicas ready), bytes written against a full snapshot per publish, staging memory against the bf16
+shard, and whether each target is met. The step-time verdict is MET or MISSED only when the whole confidence
+interval says so, else INCONCLUSIVE: on a shared 2-core VM single rounds move by several points, and a verdict
+from one round would be a coin toss. Each phase's first steps (``--discard``) are not counted, and the publish
+they started is waited for before the counted steps begin (it is a delta across the other variants' steps).
 
 Example::
 

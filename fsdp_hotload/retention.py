@@ -279,9 +279,9 @@ def _ancestors_closure(roots: Iterable[str], by_id: dict[str, CommitInfo]) -> se
 INCOMPLETE_GRACE_S = 600.0
 _warned_sessions: set[tuple[str, bool]] = set()  # (session, committed before this start) logged (once per process)
 SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-#: The names :func:`~fsdp_hotload.identity.new_identity` makes (prefix, six-digit step, 8-hex-digit session).
-#: The session part of those names: what a publisher picks (``secrets.token_hex(4)``).
+#: The session part of a publisher's names: what a publisher picks (``secrets.token_hex(4)``).
 SESSION = re.compile(r"[0-9a-f]{8}")
+#: The names :func:`~fsdp_hotload.identity.new_identity` makes (prefix, six-digit step, 8-hex-digit session).
 PUBLISHED_NAME = re.compile(r".+-\d{6,}-[0-9a-f]{8}")
 
 

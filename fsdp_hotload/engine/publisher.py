@@ -48,9 +48,9 @@ import torch
 from ..arc.codecs import get_codec
 from ..config import HotloadConfig
 from ..identity import new_identity
-from ..retention import SESSION, discard_snapshot
 from ..hf_config import carried_files, dropped_config_keys, hf_aux_files
 from ..layout import ShardPlan, TensorSpec, plan_shards
+from ..retention import SESSION, discard_snapshot
 from ..storage import Storage
 from .assemble import Piece, RawPiece, assemble_delta_file, assemble_full_file, assign_owners
 from .cadence import Cadence, next_step
