@@ -177,8 +177,6 @@ def test_close_gives_up_on_every_rank_when_one_rank_s_write_hangs(tmp_path: Path
     assert "uploading" in json.loads(Path(f"{out}.1").read_text())["error"]
     committed = sorted(p.parent.name for p in bucket.glob("*/hotload.commit.json"))
     assert len(committed) == 1 and committed[0].startswith("step-000000-"), committed
-    # and no rank left its files of a failed snapshot behind (rank 1's were under its own step's name)
-    assert sorted(p.name for p in bucket.iterdir() if not p.name.startswith(".")) == committed
 
 
 def test_parts_published_transposed_or_joined_from_fsdp2_shards_are_bit_exact(tmp_path: Path) -> None:
