@@ -58,6 +58,16 @@ def build_model(args: argparse.Namespace) -> nn.Module:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+def balanced_orders(n: int) -> list[list[int]]:
+    """Phase orders for the rounds: a Williams square, in which each variant follows every other one equally often
+    (over n rounds for even n, 2n for odd). Why: a phase may leave work behind (page-cache writeback, allocator
+    state) that slows the next; a cyclic rotation of 4 variants puts each one after the same variant in 5 of 6
+    rounds, so that carry-over lands on one variant. With 2 variants it is the rotation: [[0, 1], [1, 0]]."""
+    first = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]
+    rows = [[(x + r) % n for x in first] for r in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 else rows
+
+
 class PublisherProfile:
     """cProfile of every publish (``Publisher._run``) from now on, timed by the running thread's CPU clock.
 
@@ -357,8 +367,9 @@ def main() -> None:
     for v in variants:  # warm-up: allocator, first full snapshots, numba JIT (compiled on first use)
         run_phase(v, args.warmup, -1)
     profiler = PublisherProfile() if args.profile_dir else None
+    orders = balanced_orders(len(variants))
     for rnd in range(args.rounds):
-        order = variants[rnd % len(variants):] + variants[:rnd % len(variants)]
+        order = [variants[k] for k in orders[rnd % len(orders)]]
         for v in order:
             run_phase(v, args.phase_steps, rnd)
     t_train = time.perf_counter() - t_start

@@ -252,3 +252,17 @@ def test_tensor_count_benchmark_publishes_fulls_and_deltas_at_every_count() -> N
     proc = _run([str(BENCH / "tensor_count.py"), "--counts", "300,600", "--steps", "3"], 120)
     assert "| 300 |" in proc.stdout and "| 600 |" in proc.stdout and "machine:" in proc.stdout, proc.stdout
     assert "cost per tensor at 600 over that at 300" in proc.stdout, proc.stdout
+
+
+def test_phase_orders_put_each_variant_after_every_other_equally_often() -> None:
+    """A cyclic rotation of 4 variants put each one after the same variant in 5 of 6 rounds, so that whatever a
+    phase leaves behind landed on one variant; the orders are now a Williams square."""
+    from collections import Counter
+
+    orders = _bench_module("overhead_job").balanced_orders
+    for n in range(2, 7):
+        rows = orders(n)
+        assert all(sorted(row) == list(range(n)) for row in rows), rows
+        pairs = Counter((a, b) for row in rows for a, b in zip(row, row[1:]))
+        assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1, (n, pairs)
+    assert orders(2) == [[0, 1], [1, 0]]  # two variants: the rotation of the runs in RESULTS.md
