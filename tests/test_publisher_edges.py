@@ -251,3 +251,13 @@ def test_metrics_fields_hold_the_values_they_name(tmp_path: Path) -> None:
     assert (delta.kind, delta.changed_fraction, delta.staleness_steps, delta.skipped_before) == (
         "delta", 7 / elements, 0, 3)
     _assert_bucket_serves(bucket, pub, model)
+
+
+@pytest.mark.parametrize("keep_last, warned", [(1, True), (2, False), (None, False)])
+def test_keep_last_1_without_a_hot_load_api_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                            keep_last: int | None, warned: bool) -> None:
+    """With nothing to say what readers use, keep_last=1 deletes a snapshot as the next one commits, under a
+    reader still downloading it."""
+    with caplog.at_level("WARNING", logger="fsdp_hotload"):
+        TensorPublisher(_model(), _config(tmp_path, keep_last=keep_last)).close()
+    assert ("keep_last=1 without hotload_api_url" in caplog.text) is warned

@@ -127,6 +127,9 @@ class Publisher:
         if self.rank == 0 and hasattr(self.codec, "encoder_info"):  # a warning if HOTLOAD_LIBZSTD's library failed
             log.log(logging.WARNING if os.environ.get("HOTLOAD_LIBZSTD") and "unavailable" in self.codec.encoder_info
                     else logging.INFO, "%s encoder: %s", self.codec.name, self.codec.encoder_info)
+        if self.rank == 0 and config.keep_last == 1 and not config.hotload_api_url:
+            log.warning("hotload: keep_last=1 without hotload_api_url deletes each snapshot as soon as the next one "
+                        "commits, under readers that may still be downloading it: keep 2 or more")
         # The codec's kernels load (or compile) now, beside the trainer's set-up: in the first delta they would
         # make it seconds longer than the rest (and, with the skip policy, skip steps).
         warm = getattr(self.codec, "warm_up", None)
