@@ -34,7 +34,7 @@ import fsspec.core
 from .masking import mask_text, mask_url
 from .storage_errors import (_BACKEND_PACKAGES, ErrorClass, MissingBackendError,  # noqa: F401 (re-exported)
                              StorageError, backend_install_hint, backoff_delay, classify_error)
-from .storage_paths import OBJECT_STORE_PROTOCOLS, check_options, check_relpath, normalise_root
+from .storage_paths import LOCAL_PROTOCOLS, OBJECT_STORE_PROTOCOLS, check_options, check_relpath, normalise_root
 from .storage_s3 import (DeadlineCalls, OpenUpload, ThrottleAnswers, abort_open_uploads, abort_upload,
                          delete_checked, is_s3_root, list_uploads, owned_retries)
 
@@ -49,6 +49,8 @@ T = TypeVar("T")
 TMP_PREFIX = ".hotload-tmp-"
 #: S3 rejects multipart parts under 5 MiB (except the last one).
 MIN_PART_SIZE = 5 * 2**20
+MAX_PART_SIZE = 5 * 2**30  # S3's largest part, and its most parts per upload below
+MAX_PARTS = 10_000
 _COPY_BLOCK = 8 * 2**20
 
 
@@ -192,7 +194,9 @@ class Storage:
         self._fs = fs
         self._fs_root = str(fs_root).rstrip("/") or "/"
         protos = _protocols(fs)
-        self._local = bool(getattr(fs, "local_file", False))
+        # A caching layer (simplecache::s3://...) says local_file too, yet its paths are the store's: only a local
+        # protocol writes through a temp file and os.replace.
+        self._local = bool(getattr(fs, "local_file", False)) and bool(protos & LOCAL_PROTOCOLS)
         self._object_store = bool(protos & OBJECT_STORE_PROTOCOLS)
         # s3fs's pipe_file takes the multipart part size; other backends' may not.
         self._chunked = bool(protos & {"s3", "s3a"})
@@ -313,11 +317,12 @@ class Storage:
         try:
             if self._local:
                 self._run("put", rel, lambda: self._local_atomic_write(path, lambda f: f.write(view)))
-            elif self._object_store and nbytes > self.multipart_threshold and not isinstance(data, bytes):
-                # Large buffer views: stream in parts rather than copy the whole buffer into one bytes object.
-                step = self.part_size
+            elif self._object_store and nbytes > self.multipart_threshold:
+                # Part by part from views of the buffer: pipe_file sends ~10 parts at once, each a copy (320 MiB
+                # more for a 512 MiB object; a delta file is bytes), and went on sending after one had failed.
+                step = self._part_size(nbytes)
                 self._run("put", rel, lambda: self._stream_write(
-                    path, (view[off:off + step] for off in range(0, nbytes, step))))
+                    path, (view[off:off + step] for off in range(0, nbytes, step)), step))
             else:
                 payload = data if isinstance(data, (bytes, bytearray)) else view.tobytes()
                 kwargs = {"chunksize": self.part_size} if self._chunked else {}
@@ -348,7 +353,7 @@ class Storage:
             if self._local:
                 self._local_atomic_write(path, copy_into)
             elif size > self.multipart_threshold and self._object_store:
-                self._stream_write(path, blocks(self.part_size))
+                self._stream_write(path, blocks(self._part_size(size)), self._part_size(size))
             else:
                 with open(local_path, "rb") as src:
                     payload = src.read()
@@ -410,8 +415,14 @@ class Storage:
     def _local_atomic_write(self, path: str, write: Callable[[BinaryIO], Any]) -> None:
         """Write to a hidden temp name in the same directory, fsync, then rename over the target."""
         parent = os.path.dirname(path)
+        made: list[str] = []  # folders this write creates: each must be made durable in its own parent too
+        d = parent
+        while d and not os.path.isdir(d) and os.path.dirname(d) != d:
+            made.append(d)
+            d = os.path.dirname(d)
         self._fs.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, f"{TMP_PREFIX}{os.path.basename(path)[:200]}.{uuid.uuid4().hex[:12]}")
+        short = os.path.basename(path).encode()[:200].decode(errors="ignore")  # a name's limit is in bytes
+        tmp = os.path.join(parent, f"{TMP_PREFIX}{short}.{uuid.uuid4().hex[:12]}")
         try:
             with self._fs.open(tmp, "wb") as f:
                 write(f)
@@ -423,17 +434,29 @@ class Storage:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        with contextlib.suppress(OSError):  # make the rename itself durable; some filesystems refuse, which is fine
-            dir_fd = os.open(parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+        # the rename itself durable, and every folder made for it (a snapshot folder that vanishes at a power loss
+        # after its commit marker was signalled); some filesystems refuse, which is fine
+        for folder in [parent] + [os.path.dirname(m) for m in made]:
+            with contextlib.suppress(OSError):
+                dir_fd = os.open(folder, os.O_RDONLY)
+                try:
+                    os.fsync(dir_fd)
+                finally:
+                    os.close(dir_fd)
 
-    def _stream_write(self, path: str, blocks: Iterable[bytes | memoryview]) -> None:
+    def _part_size(self, nbytes: int) -> int:
+        """The part size for an ``nbytes`` object: ``part_size``, or more where S3's 10,000 parts would not hold
+        it (a 50 GB file in 5 MiB parts failed at part 10,001, after sending the rest). Whole MiB."""
+        need = -(-nbytes // MAX_PARTS)
+        part = max(self.part_size, -(-need // 2**20) * 2**20)
+        if part > MAX_PART_SIZE:
+            raise ValueError(f"an object of {nbytes} bytes needs parts above S3's 5 GiB limit: lower max_file_bytes")
+        return part
+
+    def _stream_write(self, path: str, blocks: Iterable[bytes | memoryview], part_size: int | None = None) -> None:
         """Write a large object to an object store part by part; on failure abort, never commit a partial object.
         On S3 every request of the upload has a deadline (see :class:`~fsdp_hotload.storage_s3.DeadlineCalls`)."""
-        f = self._fs.open(path, "wb", block_size=self.part_size)
+        f = self._fs.open(path, "wb", block_size=part_size or self.part_size)
         if self._chunked and getattr(self._fs, "async_impl", False) and hasattr(self._fs, "call_s3"):
             f.fs = DeadlineCalls(f.fs, self._deadline)
         try:
@@ -535,6 +558,8 @@ class Storage:
         rel = check_relpath(prefix, self._shown, allow_empty=True)
         if not rel:
             raise ValueError(f"refusing to delete the whole storage root {self._shown}")
+        if any(c in rel for c in "*?["):  # fsspec's rm expands them on object stores and memory://: "*" is the root
+            raise ValueError(f"refusing to delete {rel!r} under {self._shown}: it has a glob character (* ? [)")
         path = self._path(rel)
 
         def rm() -> None:

@@ -87,7 +87,9 @@ _TRANSIENT_CLASS_NAMES = frozenset({
     "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
     "HTTPClientError", "ProxyConnectionError", "IncompleteRead", "ResponseStreamingError", "ClientPayloadError",
     "ServerDisconnectedError", "ClientConnectionError", "ServerTimeoutError", "RemoteDisconnected", "ProtocolError",
-    "ChunkedEncodingError", "ReadTimeout", "ConnectTimeout", "FSTimeoutError", "TransportError"})
+    "ChunkedEncodingError", "ReadTimeout", "ConnectTimeout", "FSTimeoutError", "TransportError",
+    # a body cut short on a read (botocore), a checksum that a damaged transfer failed, a proxy's 502 (requests)
+    "IncompleteReadError", "FlexibleChecksumError", "ProxyError"})
 _AUTH_CLASS_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
                                "RefreshError", "DefaultCredentialsError", "Forbidden", "Unauthorized"})
 _TRANSIENT_ERRNOS = frozenset(getattr(errno, name) for name in (

@@ -124,6 +124,12 @@ CASES: list[tuple[str, Callable[[], BaseException], ErrorClass]] = [
      ErrorClass.TRANSIENT),
     ("wrapped transient", lambda: _chained(OSError(errno.EIO, "boom"), ConnectionResetError()),
      ErrorClass.TRANSIENT),
+    ("botocore IncompleteReadError (a body cut short)", lambda: __import__("botocore.exceptions").exceptions
+     .IncompleteReadError(actual_bytes=3, expected_bytes=9), ErrorClass.TRANSIENT),
+    ("botocore FlexibleChecksumError", lambda: __import__("botocore.exceptions").exceptions
+     .FlexibleChecksumError(error_msg="crc32 mismatch"), ErrorClass.TRANSIENT),
+    ("requests ProxyError (gcsfs on a 502)", lambda: __import__("requests.exceptions").exceptions.ProxyError(
+        "502 Bad Gateway"), ErrorClass.TRANSIENT),
     ("PermissionError", lambda: PermissionError("denied"), ErrorClass.FATAL),
     ("AccessDenied translated by s3fs", lambda: access_denied_error(), ErrorClass.FATAL),
     ("AccessDenied raw", lambda: access_denied_error(translated=False), ErrorClass.FATAL),
@@ -815,3 +821,76 @@ def test_a_dropped_s3_storage_is_freed_with_its_client(s3_server: S3Server) -> N
     del st
     gc.collect()
     assert [r() for r in refs] == [None, None]
+
+
+def test_a_caching_layer_over_a_store_is_not_written_as_a_local_disk() -> None:
+    """``simplecache::`` says local_file too: writes took the temp-file-and-os.replace path, uploading the temp
+    object in full and then failing every put on a local rename (FileNotFoundError, not retried)."""
+    st = Storage(f"simplecache::memory://chain-{uuid.uuid4().hex[:8]}/root")
+    assert not st._local
+    st.put_bytes("step-000001-a1b2c3d4/model-00001-of-00001.safetensors", b"x" * 1000)
+    assert st.get_bytes("step-000001-a1b2c3d4/model-00001-of-00001.safetensors") == b"x" * 1000
+    assert st.list("step-000001-a1b2c3d4") == ["step-000001-a1b2c3d4/model-00001-of-00001.safetensors"]
+
+
+def test_part_sizes_keep_an_object_within_s3s_ten_thousand_parts(tmp_path: Path) -> None:
+    """5 MiB parts hold 48.8 GiB at most: a 50 GB file failed at part 10,001 after sending the rest."""
+    from fsdp_hotload.storage import MAX_PARTS, MAX_PART_SIZE
+
+    st = Storage(str(tmp_path), multipart_threshold=10 * 2**20)
+    assert st._part_size(100 * 2**20) == 5 * 2**20
+    for size in (50 * 10**9, 300 * 2**30, 4 * 10**12):
+        part = st._part_size(size)
+        assert part % 2**20 == 0 and -(-size // part) <= MAX_PARTS and part <= MAX_PART_SIZE, (size, part)
+    with pytest.raises(ValueError, match="5 GiB"):
+        st._part_size(MAX_PARTS * MAX_PART_SIZE + 1)
+
+
+def test_big_bytes_go_to_an_object_store_part_by_part(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A delta file is bytes: above the threshold it went through pipe_file, ~10 parts at once, each a copy of
+    its slice. It is now streamed from views like any large buffer, and lands whole."""
+    st = Storage(s3_server.unique_uri("bigbytes"), s3_server.storage_options, multipart_threshold=6 * 2**20)
+    piped: list[int] = []
+    monkeypatch.setattr(st, "_pipe_file", lambda path, payload, kwargs: piped.append(len(payload)))
+    data = os.urandom(13 * 2**20)
+    st.put_bytes("step-000001-a1b2c3d4/model.safetensors", data)
+    assert piped == [] and st.get_bytes("step-000001-a1b2c3d4/model.safetensors") == data
+
+
+@pytest.mark.parametrize("prefix", ["*", "step-[12]", "step-00000?-aa"])
+def test_delete_prefix_refuses_glob_characters(prefix: str) -> None:
+    """fsspec's rm expands them on object stores and memory://: "*" deleted the whole root past its guard."""
+    st = Storage(f"memory://glob-{uuid.uuid4().hex[:8]}")
+    st.put_bytes("step-1/a", b"1")
+    st.put_bytes("step-2/a", b"2")
+    with pytest.raises(ValueError, match="glob character"):
+        st.delete_prefix(prefix)
+    assert sorted(st.list_dirs()) == ["step-1", "step-2"]
+
+
+def test_a_local_write_makes_the_folders_it_created_durable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the file's own folder was fsynced: the snapshot folder itself, new in the root, could vanish at a
+    power loss after its marker was signalled. And a long name is cut to 200 bytes, not characters."""
+    synced: list[str] = []
+    real_open, real_fsync = os.open, os.fsync
+    fds: dict[int, str] = {}
+
+    def spy_open(path: Any, flags: int, *a: Any, **k: Any) -> int:
+        fd = real_open(path, flags, *a, **k)
+        fds[fd] = os.fspath(path)
+        return fd
+
+    def spy_fsync(fd: int) -> None:
+        if fd in fds:
+            synced.append(fds[fd])
+        real_fsync(fd)
+
+    st = Storage(str(tmp_path / "root"))
+    monkeypatch.setattr(os, "open", spy_open)
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    st.put_bytes("step-000001-a1b2c3d4/model-00001-of-00001.safetensors", b"abc")
+    root = str(tmp_path / "root")
+    assert os.path.join(root, "step-000001-a1b2c3d4") in synced and root in synced, synced
+    name = "模" * 82  # 246 bytes in UTF-8: a legal name, whose temp name must stay under the 255-byte limit
+    st.put_bytes(f"step-000001-a1b2c3d4/{name}", b"x")
+    assert st.get_bytes(f"step-000001-a1b2c3d4/{name}") == b"x"
