@@ -35,7 +35,7 @@ from .engine.metrics import PublishMetrics
 from .engine.publisher import Publisher
 from .fsdp import full_tensor_specs, local_chunks, source_dtypes, storage_fingerprint, tensor_paths
 from .fsdp_verify import agree_on_chunks
-from .hf_config import base_tensor_shapes, names_note, shapes_note
+from .hf_config import base_tensor_dtypes, base_tensor_shapes, names_note, narrowed_note, shapes_note
 from .hf_names import checkpoint_names, transformers_saved_shapes
 from .layout import TensorSpec
 from .naming import Split, adapter_note
@@ -223,7 +223,9 @@ class HotloadCallback:
         notes = [*policy.notes(source_dtypes(self.model, **kw)),
                  adapter_note(tensor_paths(self.model, include_buffers=False)),
                  names_note((name for name, _shape, _dtype in self._specs), base, saved=saved),
-                 shapes_note(((name, shape) for name, shape, _dtype in self._specs), base or saved, where=where)]
+                 shapes_note(((name, shape) for name, shape, _dtype in self._specs), base or saved, where=where),
+                 narrowed_note(((name, dtype) for name, _shape, dtype in self._specs),
+                               base_tensor_dtypes(self.config.hf_config_dir) if base is not None else None)]
         for note in notes:
             if note:
                 log.warning("hotload: %s", note)

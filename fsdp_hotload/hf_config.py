@@ -220,6 +220,22 @@ def base_tensor_shapes(hf_config_dir: str | os.PathLike[str] | None) -> dict[str
     tensors' shapes unknown. None when the folder holds no weights (config and tokenizer only), or, without an
     index, a header cannot be read: there is then nothing to compare with. Never raises: what it reads only feeds
     start-up checks."""
+    entries = _base_entries(hf_config_dir)
+    return None if entries is None else {k: _shape(v) for k, v in entries.items()}
+
+
+def base_tensor_dtypes(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, str] | None:
+    """The safetensors dtype codes (``F32``, ``BF16``, ...) of the base checkpoint's tensors whose headers give
+    one, by name; None as for :func:`base_tensor_shapes`."""
+    entries = _base_entries(hf_config_dir)
+    if entries is None:
+        return None
+    return {k: v["dtype"] for k, v in entries.items() if isinstance(v, dict) and isinstance(v.get("dtype"), str)}
+
+
+def _base_entries(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, Any] | None:
+    """The base checkpoint's header entries by name (None for a name only its index gives), as
+    :func:`base_tensor_shapes` reads them."""
     if hf_config_dir is None:
         return None
     path = os.fspath(hf_config_dir)
@@ -235,19 +251,51 @@ def base_tensor_shapes(hf_config_dir: str | os.PathLike[str] | None) -> dict[str
             weight_map = {}
             files = sorted(e.name for e in os.scandir(path)
                            if e.name.endswith(".safetensors") and e.is_file(follow_symlinks=True))
-        shapes: dict[str, Shape | None] = {name: None for name in weight_map}
+        entries: dict[str, Any] = {name: None for name in weight_map}
         for name in files:
             header = _header(os.path.join(path, name))
             if header is None:
                 if weight_map:  # names only, from the index
                     continue
                 return None
-            shapes.update((k, _shape(v)) for k, v in header.items()
-                          if k != "__metadata__" and (not weight_map or k in weight_map))
-        return shapes or None
+            entries.update((k, v) for k, v in header.items()
+                           if k != "__metadata__" and (not weight_map or k in weight_map))
+        return entries or None
     except Exception as exc:  # noqa: BLE001 - any malformed index (deep nesting, odd types): no comparison
         log.debug("hotload: the base checkpoint's index in %s could not be read: %s", path, exc)
         return None
+
+
+def narrowed_note(published: Iterable[tuple[str, str]], base: dict[str, str] | None) -> str | None:
+    """A warning when floating tensors the base checkpoint stores wider (``F32``) than others are published
+    narrower (``BF16``), named with the override that keeps them; else None.
+
+    Why: a model's authors keep some tensors in F32 on purpose (DeepSeek-V3's ``e_score_correction_bias``, which
+    steers MoE routing; norms in some checkpoints), and the fleet's loader keeps them so. Published as BF16 they
+    lose precision, and the fleet serves a routing the trainer never had, with no error anywhere."""
+    if not base:
+        return None
+    # Only where the base itself stores floats as narrow as those published: an all-F32 checkpoint (gpt2's) is
+    # published as BF16 by the config's choice, while F32 tensors among BF16 ones were kept wide on purpose.
+    narrowest = min((_float_bits(c) for c in base.values() if _is_float(c)), default=0)
+    bad = [(n, code, theirs) for n, code in published
+           if (theirs := base.get(n)) is not None and _is_float(code) and _is_float(theirs)
+           and narrowest <= _float_bits(code) < _float_bits(theirs)]
+    if not bad:
+        return None
+    name, ours, theirs = bad[0]
+    return (f"{len(bad)} tensor(s) the base checkpoint stores as a wider float are published narrower (e.g. "
+            f"{name!r}: {theirs} there, {ours} published): dtype_overrides={{{name!r}: 'keep'}} (a glob may name "
+            "them all) publishes them as the trainer holds them")
+
+
+def _is_float(code: str) -> bool:
+    return code.startswith(("F", "BF")) and code != "F8_E8M0"
+
+
+def _float_bits(code: str) -> int:
+    digits = "".join(ch for ch in code.split("_")[0] if ch.isdigit())
+    return int(digits) if digits else 0
 
 
 def _header(file: str) -> dict[str, Any] | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from .config import HotloadConfig
 from .dtype_policy import DtypePolicy
 from .engine.metrics import PublishMetrics
 from .engine.publisher import Publisher
+from .hf_config import base_tensor_dtypes, base_tensor_shapes, names_note, narrowed_note, shapes_note
 from .layout import TensorSpec
 
 log = logging.getLogger("fsdp_hotload")
@@ -55,6 +56,21 @@ def _as_torch(value: Any) -> torch.Tensor:
     if isinstance(value, np.ndarray):
         return torch.from_numpy(np.ascontiguousarray(value))
     raise TypeError(f"expected a torch tensor or numpy array, got {type(value).__name__}")
+
+
+def _warn_against_base(specs: Sequence[TensorSpec], hf_config_dir: str | None) -> None:
+    """Said once at start: names the base checkpoint lacks (a tied ``lm_head.weight``, a ``_orig_mod.`` prefix
+    from ``torch.compile``), other shapes, and tensors published narrower than it stores them. Why: the caller's
+    names are published as given, and the fleet refuses such snapshots on every publish, or serves them rounded."""
+    base = base_tensor_shapes(hf_config_dir)
+    if base is None:
+        return
+    notes = [names_note((s.name for s in specs), base),
+             shapes_note(((s.name, s.shape) for s in specs), base, where="the base checkpoint in hf_config_dir"),
+             narrowed_note(((s.name, s.dtype) for s in specs), base_tensor_dtypes(hf_config_dir))]
+    for note in notes:
+        if note:
+            log.warning("hotload: %s", note)
 
 
 class TensorPublisher:
@@ -86,6 +102,8 @@ class TensorPublisher:
             log.warning("hotload: %s", note)
         specs = [TensorSpec(c.name, c.shape, c.dtype) for c in self.chunks]
         self.engine = Publisher(self.chunks, specs, config, **engine_kwargs)
+        if self.engine.rank == 0:
+            _warn_against_base(specs, config.hf_config_dir)
 
     def publish(self, step: int, tensors: Mapping[str, Any] | None = None) -> bool:
         """Stage ``tensors`` (or the ones given at construction) and publish them in the background.

@@ -261,3 +261,48 @@ def test_keep_last_1_without_a_hot_load_api_is_warned_about(tmp_path: Path, capl
     with caplog.at_level("WARNING", logger="fsdp_hotload"):
         TensorPublisher(_model(), _config(tmp_path, keep_last=keep_last)).close()
     assert ("keep_last=1 without hotload_api_url" in caplog.text) is warned
+
+
+def test_tensor_publisher_warns_about_names_and_dtypes_the_base_checkpoint_disagrees_with(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A state dict published as given: a tied ``lm_head.weight`` the base does not have (the fleet refuses every
+    snapshot), and a bias the base keeps in F32 (DeepSeek-V3's routing bias) published as BF16, rounded. Both
+    were silent; both are named at start. The bytes are still published as asked."""
+    from safetensors.torch import save_file
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text('{"model_type": "llama", "tie_word_embeddings": true}')
+    save_file({"model.embed_tokens.weight": torch.zeros(8, 4, dtype=torch.bfloat16),
+               "model.layers.0.mlp.gate.e_score_correction_bias": torch.zeros(8, dtype=torch.float32)},
+              str(base / "model.safetensors"))
+    emb = torch.randn(8, 4)
+    model = {"model.embed_tokens.weight": emb, "lm_head.weight": emb,
+             "model.layers.0.mlp.gate.e_score_correction_bias": torch.randn(8)}
+    cfg = HotloadConfig(bucket_url=str(tmp_path / "bucket"), hf_config_dir=str(base))
+    with caplog.at_level("WARNING", logger="fsdp_hotload"):
+        TensorPublisher(model, cfg).close()
+    assert "'lm_head.weight'" in caplog.text
+    assert ("1 tensor(s) the base checkpoint stores as a wider float are published narrower (e.g. "
+            "'model.layers.0.mlp.gate.e_score_correction_bias': F32 there, BF16 published)") in caplog.text
+    caplog.clear()
+    keep = HotloadConfig(bucket_url=str(tmp_path / "bucket2"), hf_config_dir=str(base),
+                         dtype_overrides={"*.e_score_correction_bias": "keep"})
+    with caplog.at_level("WARNING", logger="fsdp_hotload"):
+        TensorPublisher({k: v for k, v in model.items() if k != "lm_head.weight"}, keep).close()
+    assert "narrower" not in caplog.text and "lm_head" not in caplog.text
+
+
+def test_an_all_f32_base_checkpoint_published_as_bf16_is_not_warned_about(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A checkpoint kept all in F32 (gpt2's) published as BF16 is the config's choice, not a tensor kept wide."""
+    from safetensors.torch import save_file
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text('{"model_type": "gpt2"}')
+    model = {"h.0.attn.c_attn.weight": torch.randn(4, 12), "h.0.ln_1.bias": torch.randn(4)}
+    save_file({k: v.clone() for k, v in model.items()}, str(base / "model.safetensors"))
+    with caplog.at_level("WARNING", logger="fsdp_hotload"):
+        TensorPublisher(model, HotloadConfig(bucket_url=str(tmp_path / "bucket"), hf_config_dir=str(base))).close()
+    assert "narrower" not in caplog.text and "base checkpoint" not in caplog.text
