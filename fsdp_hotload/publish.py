@@ -103,7 +103,10 @@ class TensorPublisher:
         specs = [TensorSpec(c.name, c.shape, c.dtype) for c in self.chunks]
         self.engine = Publisher(self.chunks, specs, config, **engine_kwargs)
         if self.engine.rank == 0:
-            _warn_against_base(specs, config.hf_config_dir)
+            try:
+                _warn_against_base(specs, config.hf_config_dir)
+            except Exception as exc:  # noqa: BLE001 - advice only: it must not stop rank 0 alone
+                log.warning("hotload: the start-up checks against the base checkpoint failed: %r", exc)
 
     def publish(self, step: int, tensors: Mapping[str, Any] | None = None) -> bool:
         """Stage ``tensors`` (or the ones given at construction) and publish them in the background.
