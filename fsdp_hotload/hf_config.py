@@ -97,7 +97,16 @@ def hf_aux_files(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, byte
         if modules:
             log.info("hotload: %s names no remote code (no auto_map), so its .py files are not carried: %s", path,
                      ", ".join(modules))
+    if not any(name.startswith(_TOKENIZER_PREFIXES) or name.endswith(".tiktoken") for name in out):
+        log.warning("hotload: %s holds no tokenizer file (tokenizer.json, tokenizer.model, vocab.json, ...), so the "
+                    "snapshots carry none, and a server that loads the tokenizer from the model's folder (vLLM's "
+                    "default) cannot start from them: point hf_config_dir at the base model's folder", path)
     return out
+
+
+# Names of the carried files that are a tokenizer's (any one is enough to load one).
+_TOKENIZER_PREFIXES = ("tokenizer", "vocab.", "merges.txt", "spiece.model", "sentencepiece.", "tekken.json",
+                       "tiktoken.model")
 
 
 def _read_matching(folder: str, prefix: str, wanted: Callable[[str], bool]) -> dict[str, bytes]:
@@ -186,22 +195,29 @@ def dtype_note(files: dict[str, bytes], dtypes: Iterable[str]) -> str | None:
             f"not serve the trainer's bytes: set snapshot_dtype to {named} if that is what the fleet loads")
 
 
+# The config keys that describe quantized weights: vLLM reads compressed-tensors' older ``compression_config`` too.
+_QUANTIZATION_KEYS = ("quantization_config", "compression_config")
+
+
 def without_unbacked_quantization(files: dict[str, bytes], dtypes: Iterable[str]) -> dict[str, bytes]:
-    """``files`` with ``quantization_config`` removed from ``config.json`` when none of ``dtypes`` (safetensors
-    codes of the published tensors) is quantized; unchanged otherwise, byte for byte."""
+    """``files`` with ``quantization_config`` (and ``compression_config``) removed from ``config.json`` when none
+    of ``dtypes`` (safetensors codes of the published tensors) is quantized; unchanged otherwise, byte for byte."""
     raw = files.get("config.json")
     if raw is None:
         return files
     config = json.loads(raw)
-    if not isinstance(config, dict) or "quantization_config" not in config:
+    if not isinstance(config, dict) or not any(k in config for k in _QUANTIZATION_KEYS):
         return files
     if any(str(d).upper().startswith(_QUANTIZED_PREFIXES) for d in dtypes):
         return files
-    quant = config.pop("quantization_config")
-    method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-    log.warning("hotload: the base config.json has a quantization_config (quant_method %s), but every published "
-                "tensor is 16 bits or wider; the snapshots' config.json leaves it out, since a server would "
-                "otherwise expect quantized weights and their scales", method)
+    for key in _QUANTIZATION_KEYS:
+        quant = config.pop(key, None)
+        if quant is None:
+            continue
+        method = quant.get("quant_method", quant.get("format", "?")) if isinstance(quant, dict) else "?"
+        log.warning("hotload: the base config.json has a %s (quant_method %s), but every published tensor is 16 "
+                    "bits or wider; the snapshots' config.json leaves it out, since a server would otherwise expect "
+                    "quantized weights and their scales", key, method)
     return {**files, "config.json": (json.dumps(config, indent=2) + "\n").encode()}
 
 
@@ -216,10 +232,11 @@ Shape = tuple[int, ...]
 def base_tensor_shapes(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, Shape | None] | None:
     """The tensors of the base checkpoint in ``hf_config_dir``, by name, each with its shape where a
     ``*.safetensors`` header there gives it (only headers are read, no weights): its index's ``weight_map`` names,
-    else those of the headers. With an index, a file that is absent or unreadable (a Git LFS pointer) leaves its
-    tensors' shapes unknown. None when the folder holds no weights (config and tokenizer only), or, without an
-    index, a header cannot be read: there is then nothing to compare with. Never raises: what it reads only feeds
-    start-up checks."""
+    else those of ``model.safetensors`` (transformers reads no other file there: a ``consolidated.safetensors``
+    beside it is Mistral's own format). With an index, a file that is absent or unreadable (a Git LFS pointer)
+    leaves its tensors' shapes unknown. None when the folder holds no weights (config and tokenizer only), or,
+    without an index, a header cannot be read: there is then nothing to compare with. Never raises: what it reads
+    only feeds start-up checks."""
     entries = _base_entries(hf_config_dir)
     return None if entries is None else {k: _shape(v) for k, v in entries.items()}
 
@@ -247,10 +264,9 @@ def _base_entries(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, Any
             if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(k, str) for k in weight_map):
                 return None
             files = sorted({f for f in weight_map.values() if isinstance(f, str)})
-        else:
+        else:  # one file, as transformers reads it: a consolidated.safetensors beside it is another format's
             weight_map = {}
-            files = sorted(e.name for e in os.scandir(path)
-                           if e.name.endswith(".safetensors") and e.is_file(follow_symlinks=True))
+            files = ["model.safetensors"] if os.path.isfile(os.path.join(path, "model.safetensors")) else []
         entries: dict[str, Any] = {name: None for name in weight_map}
         for name in files:
             header = _header(os.path.join(path, name))

@@ -256,3 +256,46 @@ def test_links_to_missing_files_are_told_not_skipped_in_silence(tmp_path: Path,
     (tmp_path / "config.json").symlink_to(tmp_path / "blobs" / "gone2")
     with pytest.raises(FileNotFoundError, match=r"config.json is a link to .*gone2.*cp -L"):
         hf_aux_files(tmp_path)
+
+
+def test_an_older_compression_config_without_quantized_tensors_is_left_out_too() -> None:
+    """vLLM reads compressed-tensors' ``compression_config`` as it reads ``quantization_config``: carried with BF16
+    weights, the fleet would build quantized layers with no scales to load."""
+    from fsdp_hotload.hf_config import dropped_config_keys
+
+    base = {"model_type": "llama", "compression_config": {"format": "pack-quantized"}, "hidden_size": 8}
+    files = {"config.json": json.dumps(base).encode()}
+    out = without_unbacked_quantization(files, ["BF16"])
+    assert json.loads(out["config.json"]) == {"model_type": "llama", "hidden_size": 8}
+    assert dropped_config_keys(files, out) == ["compression_config"]  # named in each signal's extra_fields_ignore
+    assert without_unbacked_quantization(files, ["BF16", "F8_E4M3"]) == files
+
+
+def test_a_base_folder_without_an_index_is_read_as_transformers_reads_it(tmp_path: Path) -> None:
+    """Without an index every *.safetensors was read: a Mistral consolidated.safetensors beside model.safetensors
+    added names no transformers model has, and a warning that they were not published."""
+    from safetensors.torch import save_file
+
+    from fsdp_hotload.hf_config import base_tensor_dtypes, base_tensor_shapes
+
+    save_file({"model.norm.weight": torch.zeros(4)}, str(tmp_path / "model.safetensors"))
+    save_file({"norm.weight": torch.zeros(4)}, str(tmp_path / "consolidated.safetensors"))
+    assert base_tensor_shapes(tmp_path) == {"model.norm.weight": (4,)}
+    assert base_tensor_dtypes(tmp_path) == {"model.norm.weight": "F32"}
+    (tmp_path / "model.safetensors").unlink()
+    assert base_tensor_shapes(tmp_path) is None  # Mistral's format alone: nothing to compare with
+
+
+@pytest.mark.parametrize("files, warned", [(["config.json"], True), (["config.json", "tokenizer.json"], False),
+                                           (["config.json", "tokenizer.model"], False),
+                                           (["config.json", "tekken.json"], False),
+                                           (["config.json", "vocab.json", "merges.txt"], False)])
+def test_a_base_folder_without_a_tokenizer_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                           files: list[str], warned: bool) -> None:
+    """A trainer's output folder (config.json only) passed as hf_config_dir: the snapshots carried no tokenizer,
+    and a server loading it from the model's folder could not start."""
+    for name in files:
+        (tmp_path / name).write_text("{}")
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        hf_aux_files(tmp_path)
+    assert ("holds no tokenizer file" in caplog.text) is warned
