@@ -35,7 +35,7 @@ from .engine.metrics import PublishMetrics
 from .engine.publisher import Publisher
 from .fsdp import full_tensor_specs, local_chunks, source_dtypes, storage_fingerprint, tensor_paths
 from .fsdp_verify import agree_on_chunks
-from .hf_config import base_tensor_dtypes, base_tensor_shapes, names_note, narrowed_note, shapes_note
+from .hf_config import base_tensors, names_note, narrowed_note, shapes_note
 from .hf_names import checkpoint_names, transformers_saved_shapes
 from .layout import TensorSpec
 from .naming import Split, adapter_note
@@ -162,7 +162,8 @@ class HotloadCallback:
         if tie_word_embeddings is None:
             tie_word_embeddings = hf_tie_word_embeddings(config.hf_config_dir)
         # The base checkpoint's shapes (headers only; None without weights there), read at most once, when needed.
-        self._base = functools.cache(lambda: base_tensor_shapes(config.hf_config_dir))
+        self._base_tensors = functools.cache(lambda: base_tensors(config.hf_config_dir))  # shapes, dtypes
+        self._base = lambda: self._base_tensors()[0]
         # A transformers model is published under its checkpoint's names where transformers says how (the same
         # answer on every rank); a split or rename of the caller's own is taken as it is.
         self.names_plan = None if not hf_names or split is not None or rename is not None else checkpoint_names(
@@ -225,7 +226,7 @@ class HotloadCallback:
                  names_note((name for name, _shape, _dtype in self._specs), base, saved=saved),
                  shapes_note(((name, shape) for name, shape, _dtype in self._specs), base or saved, where=where),
                  narrowed_note(((name, dtype) for name, _shape, dtype in self._specs),
-                               base_tensor_dtypes(self.config.hf_config_dir) if base is not None else None)]
+                               self._base_tensors()[1])]
         for note in notes:
             if note:
                 log.warning("hotload: %s", note)

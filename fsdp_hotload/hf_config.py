@@ -237,17 +237,19 @@ def base_tensor_shapes(hf_config_dir: str | os.PathLike[str] | None) -> dict[str
     leaves its tensors' shapes unknown. None when the folder holds no weights (config and tokenizer only), or,
     without an index, a header cannot be read: there is then nothing to compare with. Never raises: what it reads
     only feeds start-up checks."""
-    entries = _base_entries(hf_config_dir)
-    return None if entries is None else {k: _shape(v) for k, v in entries.items()}
+    return base_tensors(hf_config_dir)[0]
 
 
-def base_tensor_dtypes(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, str] | None:
-    """The safetensors dtype codes (``F32``, ``BF16``, ...) of the base checkpoint's tensors whose headers give
-    one, by name; None as for :func:`base_tensor_shapes`."""
+def base_tensors(hf_config_dir: str | os.PathLike[str] | None
+                 ) -> tuple[dict[str, Shape | None] | None, dict[str, str] | None]:
+    """The base checkpoint's shapes (as :func:`base_tensor_shapes`) and the safetensors dtype codes (``F32``,
+    ``BF16``, ...) of the tensors whose headers give one, from one read of its headers; ``(None, None)`` where
+    there is nothing to compare with."""
     entries = _base_entries(hf_config_dir)
     if entries is None:
-        return None
-    return {k: v["dtype"] for k, v in entries.items() if isinstance(v, dict) and isinstance(v.get("dtype"), str)}
+        return None, None
+    return ({k: _shape(v) for k, v in entries.items()},
+            {k: v["dtype"] for k, v in entries.items() if isinstance(v, dict) and isinstance(v.get("dtype"), str)})
 
 
 def _base_entries(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, Any] | None:

@@ -27,7 +27,7 @@ from .config import HotloadConfig
 from .dtype_policy import DtypePolicy
 from .engine.metrics import PublishMetrics
 from .engine.publisher import Publisher
-from .hf_config import base_tensor_dtypes, base_tensor_shapes, names_note, narrowed_note, shapes_note
+from .hf_config import base_tensors, names_note, narrowed_note, shapes_note
 from .layout import TensorSpec
 
 log = logging.getLogger("fsdp_hotload")
@@ -62,12 +62,12 @@ def _warn_against_base(specs: Sequence[TensorSpec], hf_config_dir: str | None) -
     """Said once at start: names the base checkpoint lacks (a tied ``lm_head.weight``, a ``_orig_mod.`` prefix
     from ``torch.compile``), other shapes, and tensors published narrower than it stores them. Why: the caller's
     names are published as given, and the fleet refuses such snapshots on every publish, or serves them rounded."""
-    base = base_tensor_shapes(hf_config_dir)
+    base, dtypes = base_tensors(hf_config_dir)
     if base is None:
         return
     notes = [names_note((s.name for s in specs), base),
              shapes_note(((s.name, s.shape) for s in specs), base, where="the base checkpoint in hf_config_dir"),
-             narrowed_note(((s.name, s.dtype) for s in specs), base_tensor_dtypes(hf_config_dir))]
+             narrowed_note(((s.name, s.dtype) for s in specs), dtypes)]
     for note in notes:
         if note:
             log.warning("hotload: %s", note)

@@ -270,12 +270,14 @@ def test_close_publishes_the_step_whose_publish_raised_the_stored_error(tmp_path
 class _HangingWeightWrites:
     """A filesystem whose weight-file writes hang once ``armed``, until ``release`` is set (a stuck NFS mount)."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, hangs: Any = None) -> None:
         self.inner, self.armed = inner, False
         self.stuck, self.release = threading.Event(), threading.Event()
+        # which written paths hang: by default the weight files
+        self.hangs = hangs or (lambda path: "safetensors" in path and "index" not in path)
 
     def open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
-        if self.armed and "w" in mode and "safetensors" in str(path) and "index" not in str(path):
+        if self.armed and "w" in mode and self.hangs(str(path)):
             self.stuck.set()
             self.release.wait(60)
         return self.inner.open(path, mode, *args, **kwargs)

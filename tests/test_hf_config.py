@@ -276,12 +276,12 @@ def test_a_base_folder_without_an_index_is_read_as_transformers_reads_it(tmp_pat
     added names no transformers model has, and a warning that they were not published."""
     from safetensors.torch import save_file
 
-    from fsdp_hotload.hf_config import base_tensor_dtypes, base_tensor_shapes
+    from fsdp_hotload.hf_config import base_tensor_shapes, base_tensors
 
     save_file({"model.norm.weight": torch.zeros(4)}, str(tmp_path / "model.safetensors"))
     save_file({"norm.weight": torch.zeros(4)}, str(tmp_path / "consolidated.safetensors"))
     assert base_tensor_shapes(tmp_path) == {"model.norm.weight": (4,)}
-    assert base_tensor_dtypes(tmp_path) == {"model.norm.weight": "F32"}
+    assert base_tensors(tmp_path)[1] == {"model.norm.weight": "F32"}
     (tmp_path / "model.safetensors").unlink()
     assert base_tensor_shapes(tmp_path) is None  # Mistral's format alone: nothing to compare with
 

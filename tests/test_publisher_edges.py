@@ -7,7 +7,6 @@ import math
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -168,24 +167,6 @@ def test_close_says_so_when_the_newest_step_failed_and_training_went_on(tmp_path
     assert {k: bytes(v.data) for k, v in got.items()} == served
 
 
-class _HangingSpecWrite:
-    """A local filesystem whose write of a snapshot's spec file hangs once ``armed``, until ``release`` is set: a
-    write stuck after every weight file was uploaded, while the snapshot's small files are written."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner, self.armed = inner, False
-        self.stuck, self.release = threading.Event(), threading.Event()
-
-    def open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
-        if self.armed and "w" in mode and "spec.json" in str(path):
-            self.stuck.set()
-            self.release.wait(60)
-        return self.inner.open(path, mode, *args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
 def test_a_commit_stuck_past_closes_deadline_is_never_committed(tmp_path: Path) -> None:
     """close() gave up while the small files were being written; when the write returned, the commit marker was
     still written (the give-up was read once, before), so a snapshot dropped by close() appeared in the bucket."""
@@ -196,7 +177,10 @@ def test_a_commit_stuck_past_closes_deadline_is_never_committed(tmp_path: Path) 
     from fsdp_hotload.storage import Storage
 
     bucket = str(tmp_path / "bucket")
-    fs = _HangingSpecWrite(fsspec.filesystem("file"))
+    from tests.test_close import _HangingWeightWrites
+
+    # a write stuck after every weight file was uploaded, while the snapshot's small files are written
+    fs = _HangingWeightWrites(fsspec.filesystem("file"), hangs=lambda path: "spec.json" in path)
     model = _model()
     storage = Storage(bucket, fs=fs)
     pub = TensorPublisher(model, _config(tmp_path, busy_policy="wait"), storage=storage)
