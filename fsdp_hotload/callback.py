@@ -47,6 +47,17 @@ _ATTACHED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[Hotload
     weakref.WeakKeyDictionary()
 
 
+def _optimizer_gone(ref: "weakref.ref[HotloadCallback]", kind: str) -> None:
+    """An attached optimizer was freed while its callback's hooks were on. Why say it: a training loop that
+    re-creates its optimizer (a schedule restart, a resumed run) without attaching the new one stops publishing
+    with no error at all, and the fleet serves a policy that grows older every step."""
+    cb = ref()
+    if cb is None or not cb._hooks_on or cb.engine.closed:
+        return
+    log.warning("hotload: the %s optimizer this HotloadCallback is attached to was freed (re-created?): nothing is "
+                "published from its steps any more; call attach() with the new optimizer(s)", kind)
+
+
 def hf_tie_word_embeddings(hf_config_dir: str | None) -> bool | None:
     """``tie_word_embeddings`` from the HF config.json, so snapshots name tied weights the way the receiver's
     model class expects (None when there is no config or it does not say). Multimodal configs keep the language
@@ -154,6 +165,7 @@ class HotloadCallback:
         self._hooks: list[Any] = []
         self._hooks_on = False  # whether attach()'s post-hooks publish (see detach)
         self._hook_thread: int | None = None  # the thread that attached them
+        self._watches: list[weakref.finalize] = []  # one per attached optimizer: see _optimizer_gone
 
     def _plan_names(self, split: Split | None, rename: Callable[[str], str | None] | None,
                     tie_word_embeddings: bool | None, include_buffers: bool, hf_names: bool) -> None:
@@ -322,6 +334,7 @@ class HotloadCallback:
         self._warn_unstepped(optimizers)
         background = self.config.async_copy
         stepped: set[int] = set()
+        count = len(optimizers)  # not the tuple: a hook that held it would keep its optimizer alive in a cycle
         self._hooks_on = True
 
         def pre(*_: Any) -> None:
@@ -334,13 +347,16 @@ class HotloadCallback:
                 if not self._hooks_on:
                     return
                 stepped.add(i)
-                if len(stepped) == len(optimizers):
+                if len(stepped) == count:
                     stepped.clear()
                     self._publish(None, background_copy=background)
             return post
 
         for i, opt in enumerate(optimizers):
             self._hooks += [opt.register_step_pre_hook(pre), opt.register_step_post_hook(post_of(i))]
+            watch = weakref.finalize(opt, _optimizer_gone, weakref.ref(self), type(opt).__name__)
+            watch.atexit = False  # at the interpreter's exit nothing stopped publishing that would have gone on
+            self._watches.append(watch)
         self._hook_thread = threading.get_ident()
         self.engine.early_agreement = True
 
@@ -361,6 +377,9 @@ class HotloadCallback:
         (close() from a watchdog), the trainer's next optimizer step must still wait for the copy instead of
         changing the weights under it (the snapshot would hold the next step's weights under this step's name)."""
         self._hooks_on = False  # from here the post-hooks publish nothing, whichever thread trains
+        for watch in self._watches:
+            watch.detach()
+        self._watches = []
         if self._hooks and threading.get_ident() != self._hook_thread:
             # Another thread (a watchdog's close()): removing hooks while the trainer's optimizer.step() iterates
             # over them raises there ("OrderedDict mutated during iteration"). They stay, as no-ops.

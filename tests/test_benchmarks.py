@@ -248,6 +248,12 @@ def test_split_staging_benchmark_copies_runs_of_parts() -> None:
     assert "4 parts of 4 fused tensors" in proc.stdout and "Stager.stage" in proc.stdout, proc.stdout
 
 
+def test_routing_exchange_benchmark_moves_the_payload_bit_exact() -> None:
+    proc = _run([str(BENCH / "routing_exchange.py"), "--gib", "0.005"], 120)  # exits 1 where the bytes differ
+    assert proc.stdout.count("bit-exact: True") == 2 and "errors: none" in proc.stdout, proc.stdout
+    assert "ratio exchange_objects / bare" in proc.stdout and "machine:" in proc.stdout, proc.stdout
+
+
 def test_tensor_count_benchmark_publishes_fulls_and_deltas_at_every_count() -> None:
     proc = _run([str(BENCH / "tensor_count.py"), "--counts", "300,600", "--steps", "3"], 120)
     assert "| 300 |" in proc.stdout and "| 600 |" in proc.stdout and "machine:" in proc.stdout, proc.stdout

@@ -120,3 +120,35 @@ def test_detach_on_the_training_thread_still_removes_the_hooks(tmp_path: Path) -
         hot.detach()
         assert time.monotonic() - t0 < 10
         assert not opt._optimizer_step_post_hooks and not opt._optimizer_step_pre_hooks
+
+
+def test_an_attached_optimizer_that_is_freed_is_warned_about(tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """A loop that re-creates its optimizer without attaching the new one stopped publishing with no word: the
+    hooks went with the old optimizer. Now a warning says so, at once (no cycle keeps the optimizer alive until
+    a collection); an optimizer replaced by attach(), or freed after close(), is not warned about."""
+    bucket, hf = _setup(tmp_path)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with HotloadCallback(model, HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf),
+                                              busy_policy="wait")) as hot:
+        hot.attach(opt)
+        _train(model, opt, 1)
+        with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+            opt = torch.optim.AdamW(model.parameters(), lr=0.1)  # the old one is freed here
+            assert "the AdamW optimizer this HotloadCallback is attached to was freed" in caplog.text
+            caplog.clear()
+            hot.attach(opt)
+            _train(model, opt, 1)
+            sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+            hot.attach(sgd)
+            opt = sgd  # the AdamW one is freed after attach() let it go: said nothing
+            gc.collect()
+            _train(model, opt, 1)
+            hot.wait()
+        assert "was freed" not in caplog.text
+        assert [m.step for m in hot.metrics] == [0, 1, 2] and all(m.ok for m in hot.metrics)
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        del opt
+        gc.collect()
+    assert "was freed" not in caplog.text

@@ -386,6 +386,26 @@ def test_bookkeeping_errors_after_a_served_snapshot_keep_the_chain(tmp_path: Pat
     assert any("retention after" in t for t in messages)
 
 
+@pytest.mark.parametrize("attempts", [1, 3])
+def test_storage_attempts_is_how_often_a_refused_write_is_tried(attempts: int, tmp_path: Path) -> None:
+    """The retry budget was fixed at 6 tries (~6 s of a refused endpoint, less than a MinIO restart takes), so
+    such an outage failed the publish and made the next one full. ``storage_attempts`` sets it."""
+    from tests.dist_util import free_port
+
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there: every connection is refused
+    cfg = config("s3://bkt/run", None, tmp_path, storage_attempts=attempts, busy_policy="wait",
+                 storage_options={"endpoint_url": endpoint, "key": "k", "secret": "s"})
+    model = make_model()
+    pub = TensorPublisher(model, cfg)
+    pub.publish(0, model)
+    pub.wait()
+    with pytest.raises(PublishError, match=f"after {attempts} attempts"):
+        pub.close()
+    stats = pub.engine.storage.stats  # every call failed (the files, then the cleanup), each after that many tries
+    assert stats.failures >= 1 and stats.retries == (attempts - 1) * stats.failures
+    assert [(m.step, m.ok) for m in pub.metrics] == [(0, False)]
+
+
 def test_a_failed_copy_gives_its_slot_back(tmp_path: Path) -> None:
     """A source that raises while staging reaches the caller, and its slot is free again: with one slot and the
     wait policy, a leaked slot would block the next publish for ever."""

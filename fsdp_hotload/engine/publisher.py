@@ -97,7 +97,8 @@ class Publisher:
                     raise ValueError(f"chunk {c.name!r} ({c.dtype}{list(c.shape)}) does not match the tensor specs "
                                      f"({spec})")
             self.storage = storage or Storage(config.bucket_url, config.storage_options,
-                                              max_concurrency=config.upload_concurrency)
+                                              max_concurrency=config.upload_concurrency,
+                                              max_attempts=config.storage_attempts)
             self.stager = Stager(self.chunks, slots=config.max_inflight, cache_on=config.cache_on)
             made.append(self.stager)
             self.chunks = self.stager.chunks  # without their sources, which only the stager holds (see ChunkInfo)
