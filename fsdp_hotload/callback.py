@@ -285,7 +285,9 @@ class HotloadCallback:
 
         Pass every optimizer that updates the model (e.g. Muon for matrices and AdamW for the rest): a snapshot
         is taken once all of them have stepped since the last one, so it never mixes two steps. Calling
-        ``attach`` again replaces the earlier optimizers (after an optimizer is re-created, say).
+        ``attach`` again replaces the earlier optimizers (after an optimizer is re-created, say). Optimizers
+        stepped during backward (one per parameter) are attached alike where every parameter gets a gradient at
+        every step; where one may not, its optimizer holds the snapshot back, so call ``step()`` after backward.
 
         Steps are counted from ``first_step`` (pass the resumed step when training restarts from a
         checkpoint, so identities carry the real step), else from where ``step()`` or an earlier attach left

@@ -14,7 +14,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from fsdp_hotload import HotloadCallback, HotloadConfig
 from tests.snapshots import rebuild_accepted
-from tests.test_callback import Net, _expected, _setup
+from tests.test_callback import Net, _expected, _setup, _slow_copies
 
 
 def _train(model: Net, opt: torch.optim.Optimizer, steps: int) -> None:
@@ -152,3 +152,35 @@ def test_an_attached_optimizer_that_is_freed_is_warned_about(tmp_path: Path,
         del opt
         gc.collect()
     assert "was freed" not in caplog.text
+
+
+@pytest.mark.parametrize("how", ["attach", "step"])
+def test_optimizer_in_backward_publishes_each_step_bit_exact(how: str, tmp_path: Path) -> None:
+    """An optimizer per parameter, stepped from its gradient hook during backward (to free each gradient at
+    once): attach() takes all of them, and a snapshot is taken once every one has stepped, its background copy
+    overlapping the next backward, whose first optimizer step waits for it; or step() is called after backward."""
+    bucket, hf = _setup(tmp_path)
+    model = Net()
+    opts = {p: torch.optim.AdamW([p], lr=0.05) for p in model.parameters()}
+
+    def step_in_backward(p: torch.Tensor) -> None:
+        opts[p].step()
+        opts[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step_in_backward)
+    hot = HotloadCallback(model, HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf), busy_policy="wait"))
+    _slow_copies(hot, 0.1)  # the copy still reads the weights while the next backward steps the optimizers
+    if how == "attach":
+        hot.attach(*opts.values())
+    wants = []
+    for step in range(4):
+        model(torch.randint(0, 40, (2, 8))).sum().backward()
+        if how == "step":
+            hot.step(step)
+        wants.append(_expected(model))
+    hot.close()
+    assert [(m.step, m.kind, m.ok) for m in hot.metrics] == [(0, "full", True)] + [(s, "delta", True) for s in (1, 2, 3)]
+    rebuilt = rebuild_accepted(bucket, hot.metrics)
+    for m, want in zip(hot.metrics, wants):
+        assert {k: t.sha256() for k, t in rebuilt[m.identity].items()} == want, m.step
