@@ -206,9 +206,15 @@ def without_unbacked_quantization(files: dict[str, bytes], dtypes: Iterable[str]
     if raw is None:
         return files
     config = json.loads(raw)
-    if not isinstance(config, dict) or not any(k in config for k in _QUANTIZATION_KEYS):
+    if not isinstance(config, dict) or any(str(d).upper().startswith(_QUANTIZED_PREFIXES) for d in dtypes):
         return files
-    if any(str(d).upper().startswith(_QUANTIZED_PREFIXES) for d in dtypes):
+    nested = [path for path in _quantization_paths(config) if "." in path]
+    if nested:
+        log.warning("hotload: the base config.json has %s, but every published tensor is 16 bits or wider; it is "
+                    "carried unchanged (the hot-load API can be told to ignore top-level keys only, so leaving out a "
+                    "nested one could fail the config check): a server that reads it expects quantized weights, so "
+                    "point hf_config_dir at a copy without it if the fleet fails to load", " and ".join(nested))
+    if not any(k in config for k in _QUANTIZATION_KEYS):
         return files
     for key in _QUANTIZATION_KEYS:
         quant = config.pop(key, None)
@@ -219,6 +225,17 @@ def without_unbacked_quantization(files: dict[str, bytes], dtypes: Iterable[str]
                     "bits or wider; the snapshots' config.json leaves it out, since a server would otherwise expect "
                     "quantized weights and their scales", key, method)
     return {**files, "config.json": (json.dumps(config, indent=2) + "\n").encode()}
+
+
+def _quantization_paths(config: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted paths of the quantization keys in ``config`` and the configs nested in it (``text_config``, ...)."""
+    found = []
+    for key, value in config.items():
+        if key in _QUANTIZATION_KEYS:
+            found.append(prefix + key)
+        elif isinstance(value, dict):
+            found += _quantization_paths(value, f"{prefix}{key}.")
+    return found
 
 
 # Parameters that transformers 5 fuses across a sparse MoE block's experts (one 3-D tensor per projection), while

@@ -29,6 +29,25 @@ def test_a_quantization_config_without_quantized_tensors_is_left_out(caplog: pyt
     assert without_unbacked_quantization(plain, ["BF16"]) is plain
 
 
+def test_a_nested_quantization_config_is_carried_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """A multimodal config can keep its quantization under ``text_config``. The server's config check can be told
+    to ignore top-level keys only, so the nested key stays, but a bf16 snapshot carrying it is said at start."""
+    base = {"model_type": "llava", "text_config": {"model_type": "llama", **{k: FP8_BASE[k] for k in
+                                                                            ("hidden_size", "quantization_config")}},
+            "vision_config": {"hidden_size": 8}}
+    files = {"config.json": json.dumps(base).encode()}
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        assert without_unbacked_quantization(files, ["BF16"]) is files
+    assert "has text_config.quantization_config, but every published tensor is 16 bits or wider" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        assert without_unbacked_quantization(files, ["BF16", "F8_E4M3"]) is files  # quantized weights: as it was
+        top = {"config.json": json.dumps({**base, "quantization_config": {"quant_method": "fp8"}}).encode()}
+        out = without_unbacked_quantization(top, ["BF16"])
+    assert json.loads(out["config.json"]) == base  # the top-level one left out, the nested one carried
+    assert "has text_config.quantization_config" in caplog.text and "quant_method fp8" in caplog.text
+
+
 def test_published_snapshot_config_drops_an_unbacked_fp8_quantization_config(tmp_path: Path) -> None:
     hf = tmp_path / "hf"
     hf.mkdir()
