@@ -169,7 +169,7 @@ class HotLoadEmulator:
         self._reject: list[tuple[int, str]] = []
         self._deployments: dict[str, Deployment] = {}
         self.settings = EmulatorSettings(
-            get_bytes=self._get_bytes, load_delay_s=float(load_delay_s), manager_delay_s=float(manager_delay_s),
+            get_bytes=self._get_bytes, list_files=self._list_files, load_delay_s=float(load_delay_s), manager_delay_s=float(manager_delay_s),
             compression_formats=tuple(compression_formats), base=base,
             record_error=self._record_error, history_limit=int(history_limit))
         self._server: ThreadingHTTPServer | None = None
@@ -271,14 +271,19 @@ class HotLoadEmulator:
         with self._lock:
             self._errors.append(exc)
 
-    def _get_bytes(self, relpath: str) -> bytes:
+    def _bucket(self) -> Any:
         with self._lock:
             if self._storage is None:
                 from .storage import Storage
 
                 self._storage = Storage(self.bucket, self.storage_options)
-            storage = self._storage
-        return storage.get_bytes(relpath)
+            return self._storage
+
+    def _get_bytes(self, relpath: str) -> bytes:
+        return self._bucket().get_bytes(relpath)
+
+    def _list_files(self, identity: str) -> dict[str, tuple[int, float | None]]:
+        return {k: (v.size, v.mtime) for k, v in self._bucket().list_info(identity).items()}
 
     def _existing(self, key: str) -> Deployment | None:
         """The deployment if a request has named it; the ledger endpoints use this so that reading or resetting an

@@ -56,6 +56,11 @@ class EmulatorSettings:
     """Knobs shared by every deployment of one emulator (read at use time, so tests can change them live)."""
 
     get_bytes: Callable[[str], bytes]
+    # The files under an identity's folder with their (size, mtime), listed when a signal arrives and again once a
+    # replica has read the snapshot: a file written, changed or removed in between fails the load. Why: the
+    # loads read lazily (after load_delay_s), so a publisher that signals before every file is durable would
+    # otherwise be served the files that appear later. None: not checked.
+    list_files: Callable[[str], dict[str, tuple[int, float | None]]] | None = None
     load_delay_s: float = 0.0
     # Seconds after a deployment's first request before its hot-load manager is up: until then GET reports no
     # replicas and a signal is refused (on the real service a signal that early can crash the serving container).
@@ -229,6 +234,7 @@ class LedgerRow:
     signalled_at: float
     per_replica: list[dict[str, Any]]
     metadata: dict[str, Any] | None = None  # incremental_snapshot_metadata as signalled, all of it
+    files: dict[str, tuple[int, float | None]] | None = None  # the identity's files when signalled (list_files)
 
     def to_dict(self) -> dict[str, Any]:
         return {"identity": self.identity, "kind": self.kind, "previous": self.previous,
@@ -244,6 +250,19 @@ class LedgerRow:
                  ("reset_prompt_cache", cache_policy(self.reset_prompt_cache), cache_policy(req.reset_prompt_cache)),
                  ("validation.extra_fields_ignore", sorted(set(self.ignore)), sorted(set(ignore))))
         return [name for name, had, asked in pairs if had != asked]
+
+
+def check_unchanged_since_signal(list_files: Callable[[str], dict[str, tuple[int, float | None]]] | None,
+                                 row: LedgerRow) -> None:
+    """Raise LoadError when the snapshot's files are not those its folder held when it was signalled."""
+    if list_files is None or row.files is None:
+        return
+    now = list_files(row.identity)
+    if now == row.files:
+        return
+    changed = sorted(k for k in set(now) | set(row.files) if now.get(k) != row.files.get(k))
+    raise LoadError(f"the files of {row.identity!r} changed after it was signalled ({len(changed)}: "
+                    f"{', '.join(changed[:3])}): a publisher must signal a snapshot only once every file is durable")
 
 
 def cache_policy(value: Any) -> str:
@@ -349,6 +368,7 @@ class Replica:
                 compression_format=row.compression_format, parent=parent, parent_weight_map=parent_map,
                 base_shapes=dep.settings.base.shapes, on_stage=lambda s: self._set_stage(job, s))
             check_config(config, dep.settings.base.config, row.ignore, row.identity)
+            check_unchanged_since_signal(dep.settings.list_files, row)
         except (LoadError, ArcError) as exc:
             self._fail(job, f"{type(exc).__name__}: {exc}")
             return
@@ -424,6 +444,7 @@ class Deployment:
         identity = req.identity
         meta = req.incremental_snapshot_metadata
         previous = meta.previous_snapshot_identity if meta is not None else None
+        files = self.settings.list_files(identity) if self.settings.list_files is not None else None  # unlocked
         if meta is not None and carries_lora_marker(self.settings.get_bytes, identity):  # read outside the lock
             raise SignalRejected(400, f"{identity!r} holds {LORA_MARKER}, so it is a LoRA snapshot, which never "
                                       "carries incremental_snapshot_metadata (LoRA snapshots are always complete)")
@@ -473,7 +494,7 @@ class Deployment:
                 metadata=meta.model_dump() if meta is not None else None,
                 reset_prompt_cache=req.reset_prompt_cache if req.reset_prompt_cache is not None else "all",
                 ignore=list(req.validation.extra_fields_ignore) if req.validation is not None else [],
-                signalled_at=time.time(),
+                signalled_at=time.time(), files=files,
                 per_replica=[{"replica": i, "stage": "pending", "ready_at": None, "error": None}
                              for i in range(len(self.replicas))])
             self.ledger.append(row)

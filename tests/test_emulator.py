@@ -265,6 +265,37 @@ def test_corrupted_delta_keeps_old_weights(emulator: HotLoadEmulator) -> None:
                for r in st.replicas)
 
 
+def test_files_written_after_the_signal_fail_the_load(emulator: HotLoadEmulator) -> None:
+    """Replicas read a snapshot after the signal (here load_delay_s later), so a publisher that signalled before
+    every file was durable was served the files that appeared meanwhile: the rule "signal only once every file
+    is durable" had no oracle. The folder is now listed at the signal and again after the read."""
+    client = client_for(emulator)
+    m1 = tiny_model(1)
+    emulator.set_load_delay(0.3)
+    client.signal("step-1")  # nothing uploaded yet
+    write_full_snapshot(emulator.bucket, "step-1", m1)
+    with pytest.raises(HotLoadError, match="changed after it was signalled"):
+        client.wait_ready("step-1", timeout_s=30)
+    assert [p["stage"] for p in settle(emulator, "step-1")] == ["error", "error"]
+    assert served(emulator) == [(None, {})] * 2
+    emulator.set_load_delay(0)
+    load_full(emulator, client, "step-2", seed=1)
+    m2 = tiny_model(1)
+    m3 = perturb(m2, seed=2)
+    folder = write_delta_snapshot(emulator.bucket, "step-3", "step-2", m2, m3)
+    victim = folder / "model-00001.safetensors"
+    good = victim.read_bytes()
+    victim.write_bytes(b"not yet")  # a shard still being written when the signal goes out
+    emulator.set_load_delay(0.3)
+    client.signal("step-3", previous_identity="step-2")
+    time.sleep(0.05)
+    victim.write_bytes(good)  # complete before any replica reads it
+    with pytest.raises(HotLoadError, match="model-00001.safetensors"):
+        client.wait_ready("step-3", timeout_s=30)
+    assert all("changed after it was signalled" in p["error"] for p in settle(emulator, "step-3"))
+    assert served(emulator) == [("step-2", sha256_map(m2))] * 2
+
+
 def test_delta_from_wrong_base_bytes_fails_the_checksum(emulator: HotLoadEmulator) -> None:
     """The trainer's cache diverged from what the deployment loaded: the delta decodes, Adler-32 catches it."""
     client = client_for(emulator)
