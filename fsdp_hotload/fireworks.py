@@ -40,6 +40,8 @@ from .fireworks_http import (
     RETRYABLE_STATUS,
     Canceller,
     Headers,
+    NotSent,
+    ProxyUnsupported,
     RequestCancelled,
     check_url,
     extract_server_message,
@@ -150,9 +152,10 @@ class HotLoadClient:
     """Signals snapshots to one Fireworks deployment and waits until they are served.
 
     Transient failures (connection errors, timeouts, 408/429/5xx) are retried with capped exponential backoff
-    (``backoff_initial_s`` doubling up to ``backoff_max_s``, ``Retry-After`` honoured as a floor) for at most
-    ``retry_budget_s`` seconds, attempts included (each is cut to what is left of the budget, ``timeout_s`` at
-    most); a repeated signal is safe because the server treats a re-signal of the same identity idempotently.
+    (``backoff_initial_s`` doubling up to ``backoff_max_s``; ``Retry-After`` is a floor, itself capped at
+    ``backoff_max_s``) for at most ``retry_budget_s`` seconds, attempts included (each is cut to what is left of the
+    budget, ``timeout_s`` at most); a repeated signal is safe because the server treats a re-signal of the same
+    identity idempotently.
 
     Example::
 
@@ -268,7 +271,8 @@ class HotLoadClient:
         end = start + self.retry_budget_s
         if deadline is not None:
             end = min(end, deadline)
-        attempt = 0
+        attempt = sent = 0  # sent: the attempts that may have reached the server
+        signal = method == "POST" and path == HOT_LOAD_PATH
         while True:
             attempt += 1
             if self._canceller.cancelled:
@@ -296,13 +300,19 @@ class HotLoadClient:
                 unsendable = f"{what}: the URL cannot be sent: {exc}"
                 hint = "check base_url (hotload_api_url), control_plane_url and the account and deployment ids (no " \
                     "spaces or control characters)"
+            except ProxyUnsupported as exc:
+                unsendable = f"{what}: {exc}"
+                hint = "set HTTPS_PROXY (HTTP_PROXY for an http:// API) to an http:// proxy, or name the API's host " \
+                    "in NO_PROXY"
             except (OSError, http.client.HTTPException) as exc:
                 failure = f"{type(exc).__name__}: {exc}"
+                sent += not isinstance(exc, NotSent)
             except Exception as exc:  # noqa: BLE001 - e.g. ValueError/UnicodeError for a bad header value
                 # Not transient, so not retried. The text may quote a header, the Authorization one included.
                 unsendable = f"{what}: the request could not be sent: {type(exc).__name__}: {exc}"
                 hint = "check additional_headers, the API key and source_url (printable ASCII only)"
             else:
+                sent += 1
                 if 200 <= status < 300:
                     if oversized:
                         raise HotLoadBodyError(f"{what} returned a body over {MAX_RESPONSE_BYTES} bytes",
@@ -310,7 +320,7 @@ class HotLoadClient:
                                                "Fireworks hot-load API")
                     return self._parse_json(what, data)
                 if status not in RETRYABLE_STATUS:
-                    raise self._http_error(what, status, data, attempt, rheaders)
+                    raise self._http_error(what, status, data, attempt, sent, rheaders, signal)
                 failure = f"HTTP {status}: {extract_server_message(data, self.redact)}"
                 wait_hint = retry_after(rheaders)
             if cancelled:
@@ -324,7 +334,7 @@ class HotLoadClient:
                 delay = max(delay, min(wait_hint, self.backoff_max_s))
             if time.monotonic() + delay > end:
                 if status is not None:
-                    raise self._http_error(what, status, data, attempt, rheaders)
+                    raise self._http_error(what, status, data, attempt, sent, rheaders, signal)
                 raise HotLoadError(
                     self.redact(
                         f"{what}: no answer after {attempt} attempt(s) over {time.monotonic() - start:.1f}s: {failure}"
@@ -343,8 +353,8 @@ class HotLoadClient:
         """The body with the key removed, before anything cuts it short: a key split by a cut is not found."""
         return self.redact(data.decode("utf-8", errors="replace")).encode()
 
-    def _http_error(self, what: str, status: int, data: bytes, attempts: int,
-                    headers: Mapping[str, str]) -> HotLoadError:
+    def _http_error(self, what: str, status: int, data: bytes, attempts: int, sent: int,
+                    headers: Mapping[str, str], signal: bool) -> HotLoadError:
         message = extract_server_message(data, self.redact)
         tries = f" after {attempts} attempts" if attempts > 1 else ""
         location = self.redact(headers["location"]) if 300 <= status < 400 and "location" in headers else None
@@ -353,9 +363,9 @@ class HotLoadClient:
             f"{what} returned HTTP {status}{moved}{tries}: {message}",
             status_code=status,
             server_message=message,
-            hint=hint_for(status, location),
+            hint=hint_for(status, location, signal=signal),
             response_text=self._response_text(data),
-            attempts=attempts,
+            attempts=sent,
         )
 
     def _response_text(self, data: bytes) -> str:

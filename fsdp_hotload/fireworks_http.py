@@ -25,6 +25,7 @@ import ssl
 import threading
 import time
 import urllib.parse
+import urllib.request
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
@@ -41,6 +42,8 @@ RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # redirect: the client never follows one, see hint_for.)
 _FATAL_POLL_STATUS = frozenset({400, 401, 403, 404, 405, 410, 415, 422})
 
+_NOT_A_SIGNAL_400 = ("the server rejected the request: check model_id (or account_id) and deployment_id, which "
+                     "the fireworks-model and fireworks-deployment headers carry, and hotload_api_headers")
 _HINTS: dict[int, str] = {
     400: "the server rejected the request: check the identity and incremental_snapshot_metadata "
     "(the previous identity must be the snapshot the deployment serves now; after a ledger reset or a failed "
@@ -65,11 +68,14 @@ _HINTS: dict[int, str] = {
 }
 
 
-def hint_for(status: int | None, location: str | None = None) -> str | None:
+def hint_for(status: int | None, location: str | None = None, *, signal: bool = True) -> str | None:
     """What to do about an HTTP ``status`` that ended a request (None when there is nothing specific to say);
-    ``location`` is a redirect's ``Location`` header."""
+    ``location`` is a redirect's ``Location`` header; ``signal``: the request was a signal (a 400 to a status
+    poll or a hint is not about the identity or the delta's parent, which only a signal carries)."""
     if status is None:
         return None
+    if status in (400, 422) and not signal:
+        return _NOT_A_SIGNAL_400
     if 300 <= status < 400:
         # Not followed on purpose: a redirect would carry the Authorization header to wherever it points.
         target = f" ({location})" if location else ""
@@ -291,17 +297,26 @@ def send_once(
     deadline = time.monotonic() + timeout
     if canceller is not None and canceller.cancelled:
         raise RequestCancelled("the client was cancelled")
-    if base.scheme == "https":
+    # An explicit port: given None, http.client re-parses the host, and an IPv6 literal ("::1") becomes host ":"
+    # on port 1.
+    host, port = base.hostname or "", base.port or (443 if base.scheme == "https" else 80)
+    url = base.path.rstrip("/") + path
+    proxy = proxy_for(base)
+    if proxy is None:
         conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-            base.hostname, base.port, timeout=timeout, context=context
-        )
-    else:
-        conn = http.client.HTTPConnection(base.hostname, base.port, timeout=timeout)
+            host, port, timeout=timeout, context=context) if base.scheme == "https" else \
+            http.client.HTTPConnection(host, port, timeout=timeout)
+    elif base.scheme == "https":  # a CONNECT tunnel through the proxy; TLS with the API's host end to end
+        conn = http.client.HTTPSConnection(proxy.hostname or "", proxy.port or 80, timeout=timeout, context=context)
+        conn.set_tunnel(host, port, headers=_proxy_auth(proxy))
+    else:  # plain HTTP: the proxy takes the absolute URL
+        conn = http.client.HTTPConnection(proxy.hostname or "", proxy.port or 80, timeout=timeout)
+        url = urllib.parse.urlunsplit((base.scheme, base.netloc, url, "", ""))
+        headers = {**headers, **_proxy_auth(proxy)}
     watchdog = _Watchdog(conn, deadline, canceller)
     try:
         try:
-            reply = _exchange(conn, method, base.path.rstrip("/") + path, payload, headers, deadline, timeout,
-                              watchdog)
+            reply = _exchange(conn, method, url, payload, headers, deadline, timeout, watchdog)
         except Exception:
             why = watchdog.finish()
             if why is None:
@@ -317,8 +332,48 @@ def send_once(
         conn.close()
 
 
+class ProxyUnsupported(ValueError):
+    """The environment names a proxy the client cannot use (not ``http://``)."""
+
+
+def proxy_for(base: urllib.parse.SplitResult) -> urllib.parse.SplitResult | None:
+    """The proxy a request to ``base`` goes through, as ``curl``, ``requests`` and boto (the snapshot uploads)
+    choose it: ``HTTPS_PROXY`` / ``HTTP_PROXY`` by the URL's scheme, unless ``NO_PROXY`` names the host; None for a
+    direct connection (always for a loopback host). Why: on clusters whose outbound traffic must pass a proxy, the
+    uploads went through it and every signal failed to resolve the API's host. Only an ``http://`` proxy is
+    supported (a TLS connection to the proxy itself is not), which is what such variables name almost always."""
+    url = urllib.request.getproxies().get(base.scheme)
+    if not url or is_loopback(base.hostname or "") or urllib.request.proxy_bypass(base.netloc):
+        return None  # a proxy cannot reach this host's loopback (a local emulator or gateway)
+    proxy = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+    if proxy.scheme != "http" or not proxy.hostname:
+        raise ProxyUnsupported(f"the {base.scheme} proxy set in the environment ({mask_url(url)}) is not "
+                               "supported: the hot-load client reaches the API through an http:// proxy only")
+    return proxy
+
+
+def _proxy_auth(proxy: urllib.parse.SplitResult) -> dict[str, str]:
+    """A ``Proxy-Authorization`` header from the proxy URL's ``user:password@`` part (percent-decoded)."""
+    if proxy.username is None:
+        return {}
+    import base64
+
+    pair = f"{urllib.parse.unquote(proxy.username)}:{urllib.parse.unquote(proxy.password or '')}"
+    return {"Proxy-Authorization": "Basic " + base64.b64encode(pair.encode()).decode("ascii")}
+
+
+class NotSent(ConnectionError):
+    """The connection (or a proxy's tunnel) could not be made: the request never reached the server. Why tell it
+    apart: an answer to a retry (a 409 for an identity already used) means the server took an earlier attempt
+    only if one was sent."""
+
+
 def _exchange(conn: http.client.HTTPConnection, method: str, url: str, payload: bytes | None,
               headers: dict[str, str], deadline: float, timeout: float, watchdog: _Watchdog) -> Reply:
+    try:
+        conn.connect()
+    except OSError as exc:
+        raise NotSent(f"{type(exc).__name__}: {exc}") from exc
     conn.request(method, url, body=payload, headers=headers)
     _time_left(conn, deadline, timeout, watchdog)
     resp = conn.getresponse()

@@ -58,8 +58,9 @@ class HotLoadError(RuntimeError):
     ``status_code`` is the HTTP status (None for network failures and load failures), ``server_message`` the
     message extracted from the response body, ``response_text`` the whole body as text with the client's secrets
     removed (what the older-server fallback matches: the extracted message can leave the field name out),
-    ``hint`` a sentence saying what to do, ``attempts`` how many times the request was sent (an answer to a
-    retry may be about an earlier attempt the server took).
+    ``hint`` a sentence saying what to do, ``attempts`` how many times the request may have reached the server
+    (tries whose connection failed are not counted: an answer to a retry may be about an earlier attempt the
+    server took only if one was sent).
     """
 
     def __init__(

@@ -180,7 +180,8 @@ def test_optimizer_in_backward_publishes_each_step_bit_exact(how: str, tmp_path:
             hot.step(step)
         wants.append(_expected(model))
     hot.close()
-    assert [(m.step, m.kind, m.ok) for m in hot.metrics] == [(0, "full", True)] + [(s, "delta", True) for s in (1, 2, 3)]
+    assert [(m.step, m.kind, m.ok) for m in hot.metrics] == [(0, "full", True)] + [(s, "delta", True)
+                                                                                 for s in (1, 2, 3)]
     rebuilt = rebuild_accepted(bucket, hot.metrics)
     for m, want in zip(hot.metrics, wants):
         assert {k: t.sha256() for k, t in rebuilt[m.identity].items()} == want, m.step

@@ -1,0 +1,282 @@
+"""How HotLoadClient reaches the API: through the proxy the environment names (a CONNECT tunnel for https, the
+absolute URL for http), directly for NO_PROXY and loopback hosts, and which attempts count as sent.
+
+Real servers on loopback: a forward proxy, a TLS server with a certificate from a CA made for the test (trusted
+through ``SSL_CERT_FILE``), the emulator behind the proxy under a host name that does not resolve.
+"""
+from __future__ import annotations
+
+import base64
+import datetime
+import json
+import select
+import socket
+import ssl
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsdp_hotload.emulator import HotLoadEmulator
+from fsdp_hotload.fireworks import HotLoadClient, HotLoadError, HotLoadRequestError
+from tests.emulator_fixture import EMULATOR_API_KEY, tiny_model, write_full_snapshot
+from tests.http_fixture import serve
+
+API_HOST = "hotload-api.test"  # never resolved here: only the proxy knows where it is
+_PROXY_VARS = ("http_proxy", "https_proxy", "no_proxy", "all_proxy")
+
+
+def _use_proxy(monkeypatch: pytest.MonkeyPatch, **values: str) -> None:
+    for name in _PROXY_VARS:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+
+
+@contextmanager
+def forward_proxy(routes: dict[str, tuple[str, int]]) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """An HTTP proxy on loopback: CONNECT tunnels and absolute-URL requests to the hosts in ``routes``
+    (``"host:port"`` -> where it really listens). Yields its URL and what it saw, one dict per request."""
+    seen: list[dict[str, Any]] = []
+
+    class Proxy(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_CONNECT(self) -> None:  # noqa: N802 - http.server's naming
+            seen.append({"method": "CONNECT", "target": self.path, "auth": self.headers.get("Proxy-Authorization")})
+            upstream = socket.create_connection(routes[self.path], timeout=10)
+            self.send_response(200, "Connection established")
+            self.end_headers()
+            self.wfile.flush()
+            pair = [self.connection, upstream]
+            while True:
+                ready, _, _ = select.select(pair, [], [], 10)
+                if not ready:
+                    break
+                done = False
+                for sock in ready:
+                    data = sock.recv(65536)
+                    if not data:
+                        done = True
+                        break
+                    (upstream if sock is self.connection else self.connection).sendall(data)
+                if done:
+                    break
+            upstream.close()
+            self.close_connection = True
+
+        def _forward(self) -> None:
+            seen.append({"method": self.command, "target": self.path, "auth": self.headers.get("Proxy-Authorization"),
+                         "authorization": self.headers.get("Authorization")})
+            netloc = self.path.split("://", 1)[1].split("/", 1)[0]
+            host, port = routes[netloc if ":" in netloc else f"{netloc}:80"]
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            headers = {k: v for k, v in self.headers.items() if k.lower() != "proxy-authorization"}
+            path = "/" + self.path.split("://", 1)[1].split("/", 1)[1]
+            with socket.create_connection((host, port), timeout=10) as up:
+                head = f"{self.command} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+                up.sendall(head.encode() + b"Connection: close\r\n\r\n" + body)
+                reply = b""
+                while chunk := up.recv(65536):
+                    reply += chunk
+            self.connection.sendall(reply)
+            self.close_connection = True
+
+        do_GET = do_POST = _forward  # noqa: N815
+
+    with serve(Proxy) as url:
+        yield url, seen
+
+
+def _tls_files(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A CA, and a server certificate it signs for API_HOST: (CA file, certificate file, key file)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "hotload test CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                                       data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                       crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+          .sign(ca_key, hashes.SHA256()))
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, API_HOST)]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(API_HOST)]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    paths = tmp_path / "ca.pem", tmp_path / "cert.pem", tmp_path / "key.pem"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return paths
+
+
+@contextmanager
+def tls_api(cert: Path, key: Path) -> Iterator[tuple[int, list[dict[str, Any]]]]:
+    """A TLS server answering every signal with {"status": "ok"}; yields its port and the requests it got."""
+    got: list[dict[str, Any]] = []
+
+    class Api(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            got.append({"path": self.path, "host": self.headers["Host"], "body": body,
+                        "authorization": self.headers.get("Authorization")})
+            out = b'{"status": "ok"}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Api)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+    httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield httpd.server_address[1], got
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def _client(url: str, **kw: Any) -> HotLoadClient:
+    opts: dict[str, Any] = dict(account_id="acct", model_id="m", deployment_id="dep", api_key=EMULATOR_API_KEY,
+                                backoff_initial_s=0.01, backoff_max_s=0.05, retry_budget_s=5, poll_interval_s=0.02)
+    opts.update(kw)
+    return HotLoadClient(url, **opts)
+
+
+def test_an_https_api_is_reached_through_the_proxys_tunnel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a cluster whose outbound traffic must pass a proxy, the uploads (boto) used HTTPS_PROXY and every signal
+    failed to resolve the API's host. Now the client tunnels through it, TLS checked against the API's name, and
+    sends the proxy's credentials to the proxy only."""
+    ca, cert, key = _tls_files(tmp_path)
+    with tls_api(cert, key) as (port, got), forward_proxy({f"{API_HOST}:443": ("127.0.0.1", port)}) as (proxy, seen):
+        _use_proxy(monkeypatch, https_proxy=proxy.replace("http://", "http://us%40er:p%3Ass@"),
+                   SSL_CERT_FILE=str(ca))
+        client = _client(f"https://{API_HOST}")
+        assert client.signal("step-1") == {"status": "ok"}
+    assert [(s["method"], s["target"]) for s in seen] == [("CONNECT", f"{API_HOST}:443")]
+    assert seen[0]["auth"] == "Basic " + base64.b64encode(b"us@er:p:ss").decode()
+    assert got == [{"path": "/hot_load/v1/models/hot_load", "host": API_HOST, "body": {"identity": "step-1"},
+                    "authorization": f"Bearer {EMULATOR_API_KEY}"}]
+
+
+def test_an_http_api_behind_the_proxy_is_signalled_and_polled(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The emulator under a name only the proxy can reach: a full snapshot signalled, waited for and served."""
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    with HotLoadEmulator(str(bucket), replicas=2, api_key=EMULATOR_API_KEY) as emu:
+        port = int(emu.url.rsplit(":", 1)[1])
+        with forward_proxy({f"{API_HOST}:80": ("127.0.0.1", port)}) as (proxy, seen):
+            _use_proxy(monkeypatch, http_proxy=proxy)
+            client = _client(f"http://{API_HOST}", allow_insecure=True)
+            write_full_snapshot(emu.bucket, "step-1", tiny_model(0))
+            client.signal("step-1")
+            client.wait_ready("step-1", timeout_s=30)
+        assert seen[0]["method"] == "POST" and seen[0]["target"] == f"http://{API_HOST}/hot_load/v1/models/hot_load"
+        assert all(s["target"].startswith(f"http://{API_HOST}/") and s["auth"] is None for s in seen)
+        assert any(s["method"] == "GET" for s in seen)
+        assert [r["identity"] for r in emu.state()["deployments"]["accounts/acct/deployments/dep"]["replicas"]] == \
+            ["step-1", "step-1"]
+
+
+def test_no_proxy_and_loopback_hosts_connect_directly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proxy cannot reach the trainer's loopback (a local emulator or gateway), and NO_PROXY names hosts that
+    must not go through it; an https:// proxy is refused by name, not by a failed handshake."""
+    with forward_proxy({}) as (proxy, seen):
+        for env in ({"http_proxy": proxy}, {"http_proxy": proxy, "no_proxy": "localhost"}):
+            _use_proxy(monkeypatch, **env)
+            for host in ("127.0.0.1", "localhost", "[::1]"):
+                client = _client(f"http://{host}:9", retry_budget_s=0.2)  # nothing listens on port 9
+                with pytest.raises(HotLoadError, match="ConnectionRefusedError|NotSent"):
+                    client.signal("step-1")
+        _use_proxy(monkeypatch, http_proxy=proxy, no_proxy=API_HOST)
+        with pytest.raises(HotLoadError, match="gaierror|NotSent"):  # resolved here, so not found
+            _client(f"http://{API_HOST}", allow_insecure=True, retry_budget_s=0.2).signal("step-1")
+        assert seen == []
+        _use_proxy(monkeypatch, https_proxy="https://user:hunter22@proxy.example:3128")
+        with pytest.raises(HotLoadRequestError, match="http:// proxy only") as err:
+            _client(f"https://{API_HOST}").signal("step-1")
+        assert "hunter22" not in str(err.value) and "NO_PROXY" in str(err.value)
+
+
+def test_an_ipv6_literal_without_a_port_gets_the_schemes_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given no port, http.client re-parsed the host: ``http://[::1]/`` went to host ':' on port 1."""
+    from fsdp_hotload.fireworks_http import send_once
+
+    _use_proxy(monkeypatch)
+    with pytest.raises(OSError) as err:  # nothing listens on [::1]:80 here (or no IPv6): refused, not a DNS error
+        send_once(__import__("urllib.parse").parse.urlsplit("http://[::1]"), "GET", "/x", None, {}, 2.0,
+                  ssl.create_default_context())
+    assert not isinstance(err.value.__cause__ or err.value, socket.gaierror), repr(err.value)
+
+
+def test_a_409_is_an_earlier_attempt_accepted_only_if_one_was_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that came up late answered the second try with 409: the signal was taken as accepted (by an
+    attempt that never left this host), and the readiness wait ran out ready_timeout_s later. Refused
+    connections are no longer counted as sent, so the 409 is raised."""
+    _use_proxy(monkeypatch)
+    posts: list[str] = []
+
+    class Conflict(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802
+            posts.append(self.path)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            out = b'{"error": {"message": "identity step-2 was already used"}}'
+            self.send_response(409)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Conflict, bind_and_activate=False)
+    httpd.server_bind()  # bound, not listening: connections are refused until server_activate()
+    port = httpd.server_address[1]
+    threading.Timer(0.3, lambda: (httpd.server_activate(), threading.Thread(
+        target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start())).start()
+    try:
+        client = _client(f"http://127.0.0.1:{port}", backoff_initial_s=0.1, backoff_max_s=0.2)
+        with pytest.raises(HotLoadError, match="HTTP 409") as err:
+            client.signal("step-2")
+        assert err.value.attempts == 1 and posts == ["/hot_load/v1/models/hot_load"]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_a_400_to_a_status_poll_points_at_the_model_and_deployment(tmp_path: Path) -> None:
+    """Every 400 got the signal's advice (the identity, the delta's parent), also a status poll's, which carries
+    neither: a wrong model_id is named by the headers it travels in."""
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    with HotLoadEmulator(str(bucket), replicas=1, api_key=EMULATOR_API_KEY) as emu:
+        _client(emu.url, model_id="m").status()  # the deployment now serves model m
+        with pytest.raises(HotLoadError, match="fireworks-model") as err:
+            _client(emu.url, model_id="other").status()
+    assert "check model_id" in str(err.value) and "incremental_snapshot_metadata" not in str(err.value)
