@@ -111,7 +111,7 @@ def _served(url: str) -> list[tuple[str | None, dict[str, str]]]:
     req = urllib.request.Request(f"{url}/emulator/v1/state", headers={"Authorization": f"Bearer {API_KEY}"})
     with urllib.request.urlopen(req, timeout=30) as resp:
         (dep,) = json.load(resp)["deployments"].values()
-    return [(r["identity"], {k: t["sha256"] for k, t in r["tensors"].items()}) for r in dep["replicas"]]
+    return [(r["identity"], {k: t["digest"] for k, t in r["tensors"].items()}) for r in dep["replicas"]]
 
 
 def job(args: argparse.Namespace) -> None:
@@ -159,7 +159,7 @@ def job(args: argparse.Namespace) -> None:
             full = gather_full_state(model)
             if rank == 0:
                 m = hot.metrics[-1]
-                want = {k: RawTensor.from_any(v).sha256() for k, v in full.items()}
+                want = {k: RawTensor.from_any(v).digest() for k, v in full.items()}
                 ok = m.ok and all(i == m.identity and shas == want for i, shas in _served(args.url))
                 rows.append({"kind": m.kind, "bytes": m.bytes_written, "raw": m.raw_bytes, "verified": ok})
                 changed = f"{100 * m.changed_fraction:.2f}%" if m.changed_fraction is not None else "-"

@@ -14,7 +14,7 @@ Endpoints (all answer JSON; errors are ``{"error": {"message": ...}}``):
 * ``DELETE|GET /v1/accounts/<a>/deployments/<d>/ledger`` — reset / read the ledger (oldest row first); GET of a
   deployment no request has named yet is 404, DELETE of one is a no-op (neither creates it)
 * ``GET /v1/accounts`` — account lookup, as the Fireworks SDK does it before building headers
-* ``GET /emulator/v1/state`` — every deployment's replicas (identity + per-tensor sha256) and ledger
+* ``GET /emulator/v1/state`` — every deployment's replicas (identity + per-tensor dtype, shape and digest: SHA-256 of the three) and ledger
 
 The two POSTs need ``Content-Type: application/json`` (else 415). Request bodies need a Content-Length
 (chunked bodies get 411) and must arrive in full within ``request_timeout_s`` of the connection opening (else

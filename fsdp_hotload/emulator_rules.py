@@ -148,8 +148,9 @@ def _listed(names: list[str]) -> str:
 
 
 def check_full_layout(identity: str, weight_map: Mapping[str, str], tensor_map: Mapping[str, Any],
-                      base_shapes: Mapping[str, tuple[int, ...]] | None) -> None:
-    """One layer per file, and (when the base model's shapes are known) the same tensor names and shapes."""
+                      base_shapes: Mapping[str, tuple[int, ...]] | None, reference: str = "the base model") -> None:
+    """One layer per file, and (when the base model's shapes are known) the same tensor names and shapes;
+    ``reference`` names what ``base_shapes`` come from in the errors."""
     files: dict[str, list[str]] = {}
     for name, fname in weight_map.items():
         files.setdefault(fname, []).append(name)
@@ -162,13 +163,13 @@ def check_full_layout(identity: str, weight_map: Mapping[str, str], tensor_map: 
         return
     missing = sorted(set(base_shapes) - set(weight_map))
     if missing:
-        raise LoadError(f"{identity}/{INDEX_FILENAME}: does not cover the base model: lacks {len(missing)} "
+        raise LoadError(f"{identity}/{INDEX_FILENAME}: does not cover {reference}: lacks {len(missing)} "
                         f"tensor(s): {_listed(missing)}")
     extra = sorted(set(weight_map) - set(base_shapes))
     if extra:
-        raise LoadError(f"{identity}/{INDEX_FILENAME}: names {len(extra)} tensor(s) the base model does not have: "
+        raise LoadError(f"{identity}/{INDEX_FILENAME}: names {len(extra)} tensor(s) {reference} does not have: "
                         f"{_listed(extra)}")
     for name in sorted(weight_map):
         if tuple(tensor_map[name]["shape"]) != tuple(base_shapes[name]):
             raise LoadError(f"{identity}/{SPEC_FILENAME}: tensor {name!r} has shape "
-                            f"{list(tensor_map[name]['shape'])}, the base model's is {list(base_shapes[name])}")
+                            f"{list(tensor_map[name]['shape'])}, {reference}'s is {list(base_shapes[name])}")

@@ -164,7 +164,8 @@ def load_snapshot(
     """Download and rebuild one snapshot; returns (tensors, weight_map, config). Raises LoadError/ArcError.
 
     A full snapshot's layout is checked before any shard is downloaded: one layer per file and, when
-    ``base_shapes`` is given, the base model's tensor names and shapes (a delta keeps its parent's layout)."""
+    ``base_shapes`` is given, the base model's tensor names and shapes, else those of the snapshot served now
+    (``parent``), as the service checks each snapshot against its base (a delta keeps its parent's layout)."""
     if carries_lora_marker(get_bytes, identity):
         raise LoadError(f"{identity}/{LORA_MARKER}: this folder is a LoRA adapter to the service (the file is its "
                         "marker), so its weights are never served as the deployment's; the emulator serves "
@@ -173,7 +174,11 @@ def load_snapshot(
     config = _read_json(get_bytes, identity, CONFIG_FILE)
     check_quantization(identity, config, tensor_map)
     if previous is None:
-        check_full_layout(identity, weight_map, tensor_map, base_shapes)
+        reference = "the base model"
+        if base_shapes is None and parent:  # no base model given: the snapshot served now stands in for it
+            base_shapes = {n: tuple(t.shape) for n, t in parent.items()}
+            reference = "the snapshot this replica serves"
+        check_full_layout(identity, weight_map, tensor_map, base_shapes, reference)
     else:
         if parent_weight_map is None:
             raise LoadError(f"delta {identity!r} needs parent {previous!r}, but this replica holds no weights")
@@ -216,7 +221,7 @@ def load_snapshot(
 
 
 def summarize(tensors: dict[str, RawTensor]) -> dict[str, dict[str, Any]]:
-    return {n: {"dtype": torch_name(t.dtype), "shape": list(t.shape), "sha256": t.sha256()}
+    return {n: {"dtype": torch_name(t.dtype), "shape": list(t.shape), "digest": t.digest()}
             for n, t in sorted(tensors.items())}
 
 

@@ -95,8 +95,8 @@ def write_delta_snapshot(bucket: Path | str, identity: str, parent_identity: str
     return folder
 
 
-def sha256_map(tensors: Mapping[str, RawTensor]) -> dict[str, str]:
-    return {n: t.sha256() for n, t in sorted(tensors.items())}
+def digest_map(tensors: Mapping[str, RawTensor]) -> dict[str, str]:
+    return {n: t.digest() for n, t in sorted(tensors.items())}
 
 
 @pytest.fixture

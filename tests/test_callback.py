@@ -57,12 +57,12 @@ def test_attach_publishes_every_optimizer_step(tmp_path: Path) -> None:
                 opt.step()  # the post-step hook stages the weights here
                 opt.zero_grad()
                 hot.wait()
-                want = {k: RawTensor.from_any(v.detach().bfloat16() if v.is_floating_point() else v).sha256()
+                want = {k: RawTensor.from_any(v.detach().bfloat16() if v.is_floating_point() else v).digest()
                         for k, v in model.state_dict().items()}
                 (dep,) = emu.state()["deployments"].values()
                 for rep in dep["replicas"]:
                     assert rep["identity"] == hot.metrics[-1].identity
-                    assert {k: t["sha256"] for k, t in rep["tensors"].items()} == want
+                    assert {k: t["digest"] for k, t in rep["tensors"].items()} == want
     assert [m.kind for m in hot.metrics] == ["full", "delta", "delta", "full", "delta"]
     assert [m.step for m in hot.metrics] == [0, 1, 2, 3, 4]
     assert all(m.ok and m.blocking_ms >= 0 for m in hot.metrics)
@@ -70,11 +70,11 @@ def test_attach_publishes_every_optimizer_step(tmp_path: Path) -> None:
 
 def _served(emu: HotLoadEmulator) -> list[tuple[str, dict[str, str]]]:
     (dep,) = emu.state()["deployments"].values()
-    return [(rep["identity"], {k: t["sha256"] for k, t in rep["tensors"].items()}) for rep in dep["replicas"]]
+    return [(rep["identity"], {k: t["digest"] for k, t in rep["tensors"].items()}) for rep in dep["replicas"]]
 
 
 def _expected(model: nn.Module) -> dict[str, str]:
-    return {k: RawTensor.from_any(v.detach().bfloat16() if v.is_floating_point() else v).sha256()
+    return {k: RawTensor.from_any(v.detach().bfloat16() if v.is_floating_point() else v).digest()
             for k, v in model.state_dict().items()}
 
 
@@ -175,7 +175,7 @@ def test_async_copy_waits_at_the_next_optimizer_step(tmp_path: Path) -> None:
     assert [m.kind for m in hot.metrics] == ["full", "delta", "delta"]
     rebuilt = rebuild_accepted(bucket, hot.metrics)
     for m, want in zip(hot.metrics, states):
-        assert {k: t.sha256() for k, t in rebuilt[m.identity].items()} == want
+        assert {k: t.digest() for k, t in rebuilt[m.identity].items()} == want
     # the first two copies were waited for at the next optimizer step (~0.2 s each)
     assert all(m.blocking_ms > 100 for m in hot.metrics[:2])
 
@@ -213,7 +213,7 @@ def test_close_from_another_thread_still_waits_for_the_copy_at_the_next_optimize
     assert not closer.is_alive() and hot.engine.closed
     assert [m.step for m in hot.metrics] == [0] and hot.metrics[0].ok
     rebuilt = rebuild_accepted(bucket, hot.metrics)
-    assert {k: t.sha256() for k, t in rebuilt[hot.metrics[0].identity].items()} == at_step_0
+    assert {k: t.digest() for k, t in rebuilt[hot.metrics[0].identity].items()} == at_step_0
 
 
 @pytest.mark.parametrize("config, tied", [
@@ -283,7 +283,7 @@ def test_buffers_a_forward_changes_are_published_as_they_were_at_the_step(tmp_pa
     rebuilt = rebuild_accepted(bucket, hot.metrics)
     assert len(hot.metrics) == 3
     for m, want in zip(hot.metrics, states):
-        assert {k: t.sha256() for k, t in rebuilt[m.identity].items()} == want
+        assert {k: t.digest() for k, t in rebuilt[m.identity].items()} == want
 
 
 def test_attach_to_several_optimizers_publishes_once_all_have_stepped(tmp_path: Path) -> None:
@@ -309,7 +309,7 @@ def test_attach_to_several_optimizers_publishes_once_all_have_stepped(tmp_path: 
     assert [m.step for m in hot.metrics] == [0, 1, 2, 3]
     rebuilt = rebuild_accepted(bucket, hot.metrics)
     for m, want in zip(hot.metrics, states):
-        assert {k: t.sha256() for k, t in rebuilt[m.identity].items()} == want
+        assert {k: t.digest() for k, t in rebuilt[m.identity].items()} == want
     with pytest.raises(ValueError, match="same optimizer twice"):
         HotloadCallback(model, HotloadConfig(bucket_url=str(bucket))).attach(opt_a, opt_a)
     with pytest.raises(RuntimeError, match="closed"):

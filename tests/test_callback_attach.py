@@ -48,7 +48,7 @@ def test_a_second_callback_on_the_same_optimizer_takes_the_place_of_the_first(
     assert [m.step for m in first.metrics] == [0]
     assert [m.step for m in second.metrics] == [0, 1] and all(m.ok for m in second.metrics)
     rebuilt = rebuild_accepted(bucket, second.metrics)
-    assert {k: t.sha256() for k, t in rebuilt[second.metrics[-1].identity].items()} == want
+    assert {k: t.digest() for k, t in rebuilt[second.metrics[-1].identity].items()} == want
 
 
 def test_a_watchdogs_close_leaves_the_optimizers_hooks_to_the_training_thread(tmp_path: Path) -> None:
@@ -184,4 +184,4 @@ def test_optimizer_in_backward_publishes_each_step_bit_exact(how: str, tmp_path:
                                                                                  for s in (1, 2, 3)]
     rebuilt = rebuild_accepted(bucket, hot.metrics)
     for m, want in zip(hot.metrics, wants):
-        assert {k: t.sha256() for k, t in rebuilt[m.identity].items()} == want, m.step
+        assert {k: t.digest() for k, t in rebuilt[m.identity].items()} == want, m.step

@@ -18,7 +18,7 @@ from fsdp_hotload.fireworks import HotLoadClient
 from tests.emulator_fixture import (
     EMULATOR_API_KEY,
     perturb,
-    sha256_map,
+    digest_map,
     tiny_model,
     write_delta_snapshot,
     write_full_snapshot,
@@ -90,7 +90,7 @@ def test_compression_formats_admits_sparse_deltas(tmp_path: Path) -> None:
                                      headers={"Authorization": f"Bearer {EMULATOR_API_KEY}"})
         with urllib.request.urlopen(req, timeout=10) as resp:
             (dep,) = json.load(resp)["deployments"].values()
-    assert {n: t["sha256"] for n, t in dep["replicas"][0]["tensors"].items()} == sha256_map(m2)
+    assert {n: t["digest"] for n, t in dep["replicas"][0]["tensors"].items()} == digest_map(m2)
 
 
 def test_clients_that_hang_up_print_no_traceback(tmp_path: Path) -> None:

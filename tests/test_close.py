@@ -103,7 +103,7 @@ def test_a_view_at_the_same_address_is_not_taken_for_the_construction_tensor(tmp
     pub.publish(0, {"w": w[0, :]})
     pub.close()
     rebuilt = rebuild_accepted(bucket, pub.metrics)[pub.metrics[0].identity]
-    assert rebuilt["w"].sha256() == RawTensor.from_any(w[0, :].contiguous()).sha256()
+    assert rebuilt["w"].digest() == RawTensor.from_any(w[0, :].contiguous()).digest()
 
 
 def test_close_calls_the_function_publish_was_given(tmp_path: Path) -> None:
@@ -121,7 +121,7 @@ def test_close_calls_the_function_publish_was_given(tmp_path: Path) -> None:
     records = pub.metrics.records
     assert [m.step for m in records] == [0, 2, 3]
     rebuilt = rebuild_accepted(bucket, records)[records[-1].identity]
-    assert rebuilt["w"].sha256() == RawTensor.from_any(live).sha256()
+    assert rebuilt["w"].digest() == RawTensor.from_any(live).digest()
 
 
 def test_tensors_given_to_publish_must_be_given_to_close(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -206,8 +206,8 @@ def test_ranks_vote_on_the_newest_step_at_close(tmp_path: Path, caplog: pytest.L
     if objector is None:
         assert [m.step for m in records] == [0, 4] and records[-1].skipped_before == 1
         rebuilt = rebuild_accepted(bucket, records)[records[-1].identity]
-        want = {name: RawTensor.from_any(t).sha256() for name, t in zip(names, tensors)}
-        assert {k: t.sha256() for k, t in rebuilt.items()} == want
+        want = {name: RawTensor.from_any(t).digest() for name, t in zip(names, tensors)}
+        assert {k: t.digest() for k, t in rebuilt.items()} == want
     else:
         assert [m.step for m in records] == [0]
         assert "step 4 is not published at close: another rank cannot publish it" in caplog.text

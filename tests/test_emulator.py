@@ -22,7 +22,7 @@ from tests.emulator_fixture import (  # the emulator and s3_server fixtures come
     CONFIG,
     EMULATOR_API_KEY,
     perturb,
-    sha256_map,
+    digest_map,
     tiny_model,
     write_delta_snapshot,
     write_full_snapshot,
@@ -80,7 +80,7 @@ def exchange(emu: HotLoadEmulator, method: str, path: str, body: bytes = b"", *,
 
 def served(emu: HotLoadEmulator) -> list[tuple[str | None, dict[str, str]]]:
     reps = emu.state()["deployments"][DEP]["replicas"]
-    return [(r["identity"], {n: t["sha256"] for n, t in r["tensors"].items()}) for r in reps]
+    return [(r["identity"], {n: t["digest"] for n, t in r["tensors"].items()}) for r in reps]
 
 
 def settle(emu: HotLoadEmulator, identity: str, timeout_s: float = 30) -> list[dict[str, Any]]:
@@ -110,23 +110,23 @@ def load_full(emu: HotLoadEmulator, client: HotLoadClient, identity: str, seed: 
 def test_full_then_delta_load_serves_exact_bytes(emulator: HotLoadEmulator) -> None:
     client = client_for(emulator)
     m1 = load_full(emulator, client, "step-1")
-    assert served(emulator) == [("step-1", sha256_map(m1))] * 2
+    assert served(emulator) == [("step-1", digest_map(m1))] * 2
     tensors = emulator.state()["deployments"][DEP]["replicas"][0]["tensors"]
     assert tensors["model.norm.weight"]["dtype"] == "bfloat16" and tensors["model.norm.weight"]["shape"] == [8]
 
     m2 = perturb(m1, seed=1)
-    assert sha256_map(m2) != sha256_map(m1)
+    assert digest_map(m2) != digest_map(m1)
     write_delta_snapshot(emulator.bucket, "step-2", "step-1", m1, m2)
     client.signal("step-2", previous_identity="step-1", reset_prompt_cache="new_session")
     st = client.wait_ready("step-2", timeout_s=30)
     assert [r.loading_state.stage for r in st.replicas if r.loading_state] == ["done", "done"]
-    assert served(emulator) == [("step-2", sha256_map(m2))] * 2
+    assert served(emulator) == [("step-2", digest_map(m2))] * 2
 
     m3 = perturb(m2, seed=2)
     write_delta_snapshot(emulator.bucket, "step-3", "step-2", m2, m3)
     client.signal("step-3", previous_identity="step-2")
     client.wait_ready("step-3", timeout_s=30)
-    assert served(emulator) == [("step-3", sha256_map(m3))] * 2
+    assert served(emulator) == [("step-3", digest_map(m3))] * 2
 
     ledger = emulator.state()["deployments"][DEP]["ledger"]
     assert [(r["identity"], r["kind"], r["previous"]) for r in ledger] == [
@@ -226,7 +226,7 @@ def test_delta_after_ledger_reset_is_rejected(emulator: HotLoadEmulator) -> None
         client.signal("step-2", previous_identity="step-1")
     assert info.value.status_code == 400
     m3 = load_full(emulator, client, "step-3", seed=3)
-    assert served(emulator) == [("step-3", sha256_map(m3))] * 2
+    assert served(emulator) == [("step-3", digest_map(m3))] * 2
 
 
 def test_ledger_reset_cancels_an_in_flight_load(emulator: HotLoadEmulator) -> None:
@@ -239,7 +239,7 @@ def test_ledger_reset_cancels_an_in_flight_load(emulator: HotLoadEmulator) -> No
     m2 = load_full(emulator, client, "step-2", seed=2)
     state = emulator.state()["deployments"][DEP]
     assert [r["identity"] for r in state["ledger"]] == ["step-2"]
-    assert served(emulator) == [("step-2", sha256_map(m2))] * 2
+    assert served(emulator) == [("step-2", digest_map(m2))] * 2
 
 
 # ------------------------------------------------------------------------------------------------ load failures
@@ -259,7 +259,7 @@ def test_corrupted_delta_keeps_old_weights(emulator: HotLoadEmulator) -> None:
     assert "stage='error'" in str(info.value)
     per_replica = settle(emulator, "step-2")
     assert all(p["stage"] == "error" and "model-00001.safetensors" in p["error"] for p in per_replica)
-    assert served(emulator) == [("step-1", sha256_map(m1))] * 2
+    assert served(emulator) == [("step-1", digest_map(m1))] * 2
     st = client.status()
     assert all(r.current_snapshot_identity == "step-1" and r.readiness and r.target == "step-2"
                for r in st.replicas)
@@ -293,7 +293,36 @@ def test_files_written_after_the_signal_fail_the_load(emulator: HotLoadEmulator)
     with pytest.raises(HotLoadError, match="model-00001.safetensors"):
         client.wait_ready("step-3", timeout_s=30)
     assert all("changed after it was signalled" in p["error"] for p in settle(emulator, "step-3"))
-    assert served(emulator) == [("step-2", sha256_map(m2))] * 2
+    assert served(emulator) == [("step-2", digest_map(m2))] * 2
+
+
+def test_a_full_snapshot_must_keep_the_served_names_and_shapes_and_its_labels_are_checked(
+        emulator: HotLoadEmulator) -> None:
+    """Without a base model (the tests' default) a full snapshot was checked against its own spec only, so one
+    that reshaped a tensor replaced the served one; and the served digests covered the bytes alone, so the same
+    bytes labelled F16 compared equal to the trainer's BF16. The snapshot served now stands in for the base, and
+    a digest covers dtype and shape too."""
+    import numpy as np
+
+    from fsdp_hotload.arc.dtypes import RawTensor
+
+    client = client_for(emulator)
+    m1 = load_full(emulator, client, "step-1")
+    reshaped = dict(m1)
+    norm = m1["model.norm.weight"]
+    reshaped["model.norm.weight"] = RawTensor("F32", (4,), norm.data)  # the same 16 bytes
+    write_full_snapshot(emulator.bucket, "step-2", reshaped)
+    client.signal("step-2")
+    with pytest.raises(HotLoadError, match=r"model.norm.weight.*has shape \[4\], the snapshot this replica serves"):
+        client.wait_ready("step-2", timeout_s=30)
+    assert served(emulator) == [("step-1", digest_map(m1))] * 2
+    relabelled = {**m1, "model.norm.weight": RawTensor("F16", norm.shape, norm.data)}
+    write_full_snapshot(emulator.bucket, "step-3", relabelled)
+    client.signal("step-3")
+    client.wait_ready("step-3", timeout_s=30)  # same names and shapes: served, and told apart by its digests
+    assert served(emulator) == [("step-3", digest_map(relabelled))] * 2
+    assert digest_map(relabelled) != digest_map(m1) and norm.sha256() == relabelled["model.norm.weight"].sha256()
+    assert RawTensor("BF16", (2, 4), norm.data).digest() != RawTensor("BF16", (4, 2), np.array(norm.data)).digest()
 
 
 def test_delta_from_wrong_base_bytes_fails_the_checksum(emulator: HotLoadEmulator) -> None:
@@ -306,7 +335,7 @@ def test_delta_from_wrong_base_bytes_fails_the_checksum(emulator: HotLoadEmulato
     with pytest.raises(HotLoadError, match="ChecksumError"):
         client.wait_ready("step-2", timeout_s=30)
     assert [p["stage"] for p in settle(emulator, "step-2")] == ["error", "error"]
-    assert served(emulator) == [("step-1", sha256_map(m1))] * 2
+    assert served(emulator) == [("step-1", digest_map(m1))] * 2
 
 
 def test_missing_file_is_a_load_error(emulator: HotLoadEmulator) -> None:
@@ -318,7 +347,7 @@ def test_missing_file_is_a_load_error(emulator: HotLoadEmulator) -> None:
     with pytest.raises(HotLoadError, match="model-00002.safetensors"):
         client.wait_ready("step-2", timeout_s=30)
     assert [p["stage"] for p in settle(emulator, "step-2")] == ["error", "error"]
-    assert served(emulator) == [("step-1", sha256_map(m1))] * 2
+    assert served(emulator) == [("step-1", digest_map(m1))] * 2
 
 
 def test_spec_must_cover_the_index(emulator: HotLoadEmulator) -> None:
@@ -471,7 +500,7 @@ def test_reads_snapshots_from_s3(tmp_path: Path, s3_server: Any) -> None:
         client.wait_ready("step-1", timeout_s=60)
         client.signal("step-2", previous_identity="step-1")
         client.wait_ready("step-2", timeout_s=60)
-        assert served(emu) == [("step-2", sha256_map(m2))]
+        assert served(emu) == [("step-2", digest_map(m2))]
 
 
 def test_cli_serves_until_interrupted(tmp_path: Path) -> None:
@@ -563,7 +592,7 @@ def test_emulator_state_docstring_example_runs(tmp_path: Path) -> None:
              "HotLoadRequest": HotLoadRequest, "Storage": Storage, "time": time, "bucket": str(tmp_path)}
     exec(compile(example, "emulator_state docstring", "exec"), scope)
     rep = scope["dep"].replicas[0]
-    assert rep.current == "step-1" and {n: t["sha256"] for n, t in rep.summary.items()} == sha256_map(model)
+    assert rep.current == "step-1" and {n: t["digest"] for n, t in rep.summary.items()} == digest_map(model)
 
 
 def test_a_delta_must_follow_the_load_queued_before_it(emulator: HotLoadEmulator) -> None:
@@ -628,7 +657,7 @@ def test_a_delta_whose_file_names_another_parent_than_the_signal_is_refused(emul
     with pytest.raises(HotLoadError, match="delta was made against 'step-0'"):
         client.wait_ready("step-2", timeout_s=30)
     assert [p["stage"] for p in settle(emulator, "step-2")] == ["error", "error"]
-    assert served(emulator) == [("step-1", sha256_map(m1))] * 2
+    assert served(emulator) == [("step-1", digest_map(m1))] * 2
 
 
 def test_a_replica_whose_parent_load_failed_refuses_the_queued_delta(emulator: HotLoadEmulator) -> None:
@@ -648,4 +677,4 @@ def test_a_replica_whose_parent_load_failed_refuses_the_queued_delta(emulator: H
     rows = settle(emulator, "step-3")
     assert [p["stage"] for p in rows] == ["done", "error"]
     assert "applies to 'step-2', but replica 1 serves 'step-1'" in (rows[1]["error"] or "")
-    assert served(emulator) == [("step-3", sha256_map(m3)), ("step-1", sha256_map(m1))]
+    assert served(emulator) == [("step-3", digest_map(m3)), ("step-1", digest_map(m1))]

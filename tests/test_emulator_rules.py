@@ -11,7 +11,7 @@ import pytest
 from fsdp_hotload.arc import RawTensor, save_file
 from fsdp_hotload.emulator import BaseModelSpec, HotLoadEmulator, run_emulator_cli
 from fsdp_hotload.fireworks import HotLoadClient, HotLoadError
-from tests.emulator_fixture import CONFIG, EMULATOR_API_KEY, sha256_map, shard_of, tiny_model, write_full_snapshot
+from tests.emulator_fixture import CONFIG, EMULATOR_API_KEY, digest_map, shard_of, tiny_model, write_full_snapshot
 
 DEP = "accounts/acct/deployments/dep"
 
@@ -40,7 +40,7 @@ def base_folder(path: Path, tensors: dict[str, RawTensor], *, sharded: bool = Fa
 
 def served(emu: HotLoadEmulator) -> tuple[str | None, dict[str, str]]:
     (rep,) = emu.state()["deployments"][DEP]["replicas"]
-    return rep["identity"], {k: t["sha256"] for k, t in rep["tensors"].items()}
+    return rep["identity"], {k: t["digest"] for k, t in rep["tensors"].items()}
 
 
 def expect_load_error(emu: HotLoadEmulator, bucket: Path, identity: str, tensors: dict[str, RawTensor],
@@ -63,7 +63,7 @@ def test_full_snapshots_must_cover_the_base_model(tmp_path: Path, sharded: bool)
         write_full_snapshot(bucket, "step-1", good)
         client.signal("step-1")
         client.wait_ready("step-1", timeout_s=30)
-        assert served(emu) == ("step-1", sha256_map(good))
+        assert served(emu) == ("step-1", digest_map(good))
 
         missing = {n: t for n, t in good.items() if n != "model.norm.weight"}
         expect_load_error(emu, bucket, "step-2", missing, r"does not cover the base model.*'model\.norm\.weight'")
@@ -79,7 +79,7 @@ def test_full_snapshots_must_cover_the_base_model(tmp_path: Path, sharded: bool)
         client.signal("step-5")
         with pytest.raises(HotLoadError, match="Config value mismatch for hidden_size"):
             client.wait_ready("step-5", timeout_s=30)
-        assert served(emu) == ("step-1", sha256_map(good)), "a refused snapshot must leave the weights alone"
+        assert served(emu) == ("step-1", digest_map(good)), "a refused snapshot must leave the weights alone"
 
 
 def test_full_snapshot_needs_one_layer_per_file(tmp_path: Path) -> None:
@@ -95,7 +95,7 @@ def test_full_snapshot_needs_one_layer_per_file(tmp_path: Path) -> None:
         write_full_snapshot(bucket, "step-3", model)  # head and tail together, one file per layer: accepted
         client.signal("step-3")
         client.wait_ready("step-3", timeout_s=30)
-        assert served(emu) == ("step-3", sha256_map(model))
+        assert served(emu) == ("step-3", digest_map(model))
 
 
 def test_base_model_folder_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -155,10 +155,10 @@ def test_a_snapshot_with_the_lora_marker_is_never_loaded_as_full_weights(tmp_pat
         client.signal("step-2")
         with pytest.raises(HotLoadError, match="adapter_config.json"):
             client.wait_ready("step-2", timeout_s=30)
-        assert served(emu) == ("step-1", sha256_map(m1))
+        assert served(emu) == ("step-1", digest_map(m1))
 
         (write_delta_snapshot(bucket, "step-3", "step-1", m1, m2) / "adapter_config.json").write_text(marker)
         with pytest.raises(HotLoadError, match="adapter_config.json") as info:
             client.signal("step-3", previous_identity="step-1")
         assert info.value.status_code == 400
-        assert served(emu) == ("step-1", sha256_map(m1))
+        assert served(emu) == ("step-1", digest_map(m1))

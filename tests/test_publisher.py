@@ -57,13 +57,13 @@ def train_step(model: dict[str, torch.Tensor], step: int) -> None:
 
 
 def expected_sha(model: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {k: RawTensor.from_any(v.bfloat16() if v.is_floating_point() else v).sha256() for k, v in model.items()}
+    return {k: RawTensor.from_any(v.bfloat16() if v.is_floating_point() else v).digest() for k, v in model.items()}
 
 
 def served(emu: HotLoadEmulator) -> list[tuple[str | None, dict[str, str]]]:
     deps = emu.state()["deployments"]
     (dep,) = deps.values()
-    return [(r["identity"], {k: t["sha256"] for k, t in r["tensors"].items()}) for r in dep["replicas"]]
+    return [(r["identity"], {k: t["digest"] for k, t in r["tensors"].items()}) for r in dep["replicas"]]
 
 
 def hf_dir(tmp_path: Path) -> Path:
@@ -311,7 +311,7 @@ def test_publish_without_tensors_reads_non_contiguous_tensors_again(tmp_path: Pa
     assert [m.step for m in pub.metrics] == [0, 2, 4, 5] and all(m.ok for m in pub.metrics)
     assert "delta" in [m.kind for m in pub.metrics]
     rebuilt = rebuild_accepted(bucket, pub.metrics)
-    got = [{k: t.sha256() for k, t in rebuilt[m.identity].items()} for m in pub.metrics]
+    got = [{k: t.digest() for k, t in rebuilt[m.identity].items()} for m in pub.metrics]
     assert got == expected
 
 
@@ -350,7 +350,7 @@ def test_several_deployments_follow_one_chain(tmp_path: Path) -> None:
                     for dep in state.values():
                         (rep,) = dep["replicas"]
                         assert rep["identity"] == pub.metrics[-1].identity
-                        assert {k: t["sha256"] for k, t in rep["tensors"].items()} == expected_sha(model)
+                        assert {k: t["digest"] for k, t in rep["tensors"].items()} == expected_sha(model)
     assert [(m.kind, m.ok) for m in pub.metrics] == [("full", True), ("delta", True), ("delta", False),
                                                     ("full", True), ("delta", True)]
 

@@ -315,7 +315,7 @@ def test_retention_keeps_a_live_publishers_snapshots_and_deletes_a_finished_runs
             (rep,) = state[f"accounts/{config(bucket, emu, tmp_path).account_id}/deployments/{dep}"]["replicas"]
             assert rep["identity"] == pub.metrics[-1].identity
             rebuilt = rebuild_accepted(bucket, pub.metrics)[pub.metrics[-1].identity]  # chain still in the bucket
-            assert {k: t.sha256() for k, t in rebuilt.items()} == expected_sha(model)
+            assert {k: t.digest() for k, t in rebuilt.items()} == expected_sha(model)
     warnings = [r.getMessage() for r in caplog.records if "another publisher" in r.getMessage()]
     assert len(warnings) == 2, warnings  # each live trainer names the other once
 

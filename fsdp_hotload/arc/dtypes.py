@@ -149,6 +149,14 @@ class RawTensor:
     def sha256(self) -> str:
         return hashlib.sha256(self.data).hexdigest()
 
+    def digest(self) -> str:
+        """SHA-256 over the dtype code, the shape and the bytes. Why not the bytes alone: the same bytes under
+        another dtype or shape (a bf16 tensor labelled F16, a transposed shape) load as other weights, so a check
+        of served weights against the trainer's must see the labels too."""
+        h = hashlib.sha256(f"{self.dtype}{list(self.shape)}:".encode())
+        h.update(self.data)
+        return h.hexdigest()
+
     def uint_view(self) -> np.ndarray:
         """The elements as unsigned integers of the same width (for element-wise bit comparisons)."""
         return self.data.view(UINT_BY_SIZE[self.itemsize])

@@ -37,7 +37,7 @@ def deployment_state(url: str) -> dict:
 
 
 def served(url: str) -> list[tuple[str | None, dict[str, str]]]:
-    return [(r["identity"], {k: t["sha256"] for k, t in r["tensors"].items()})
+    return [(r["identity"], {k: t["digest"] for k, t in r["tensors"].items()})
             for r in deployment_state(url)["replicas"]]
 
 
@@ -107,10 +107,10 @@ def main() -> None:
             faulty.arm(0)
         # as the job's config.json says, in the dtypes the config asks for
         full = gather_full_state(model, tie_word_embeddings=True, dtype_overrides=cfg.dtype_overrides)
-        by_step[step] = {k: RawTensor.from_any(v).sha256() for k, v in full.items()} if rank == 0 else {}
+        by_step[step] = {k: RawTensor.from_any(v).digest() for k, v in full.items()} if rank == 0 else {}
         if rank == 0 and not args.no_wait:
             m = cb.metrics[-1]
-            expected[m.identity] = {k: RawTensor.from_any(v).sha256() for k, v in full.items()}
+            expected[m.identity] = {k: RawTensor.from_any(v).digest() for k, v in full.items()}
             reps = served(args.url)
             records.append({"step": step, "published_step": m.step, "kind": m.kind, "ok": m.ok, "identity": m.identity,
                             "ratio": m.ratio, "changed": m.changed_fraction,
@@ -124,7 +124,7 @@ def main() -> None:
         # state after its step, and the fleet must serve the last one.
         reps = served(args.url)
         last = cb.metrics[-1]
-        rebuilt = {identity: {k: t.sha256() for k, t in tensors.items()}
+        rebuilt = {identity: {k: t.digest() for k, t in tensors.items()}
                    for identity, tensors in rebuild_accepted(args.bucket, cb.metrics).items()}
         records = [{"step": m.step, "kind": m.kind, "ok": m.ok, "identity": m.identity,
                     "skipped_before": m.skipped_before, "blocking_ms": m.blocking_ms,
