@@ -14,7 +14,8 @@ Endpoints (all answer JSON; errors are ``{"error": {"message": ...}}``):
 * ``DELETE|GET /v1/accounts/<a>/deployments/<d>/ledger`` — reset / read the ledger (oldest row first); GET of a
   deployment no request has named yet is 404, DELETE of one is a no-op (neither creates it)
 * ``GET /v1/accounts`` — account lookup, as the Fireworks SDK does it before building headers
-* ``GET /emulator/v1/state`` — every deployment's replicas (identity + per-tensor dtype, shape and digest: SHA-256 of the three) and ledger
+* ``GET /emulator/v1/state`` — every deployment's replicas (identity + per-tensor dtype, shape and digest:
+  SHA-256 of the three), ledger and hints
 
 The two POSTs need ``Content-Type: application/json`` (else 415). Request bodies need a Content-Length
 (chunked bodies get 411) and must arrive in full within ``request_timeout_s`` of the connection opening (else
@@ -111,7 +112,8 @@ class HotLoadEmulator:
     stalled or trickling client cannot hold a handler thread.
     ``manager_delay_s`` keeps each new deployment's hot-load manager down that long after its first request: GET
     reports no replicas, and signals and hints are refused with 503, counted in ``state()`` as
-    ``premature_signals`` and ``premature_hints``.
+    ``premature_signals`` and ``premature_hints``. A hint for a file not in the bucket yet is taken (the
+    service's answer is not documented) and counted as ``hints_before_file``.
     ``history_limit`` caps the ledger rows and hints each deployment keeps for reading (oldest dropped), so an
     emulator that runs for days stays bounded; identity reuse and delta parents are still checked against every
     identity signalled since the last ledger reset.
@@ -169,7 +171,8 @@ class HotLoadEmulator:
         self._reject: list[tuple[int, str]] = []
         self._deployments: dict[str, Deployment] = {}
         self.settings = EmulatorSettings(
-            get_bytes=self._get_bytes, list_files=self._list_files, load_delay_s=float(load_delay_s),
+            get_bytes=self._get_bytes, list_files=self._list_files, file_exists=lambda rel: self._bucket().exists(rel),
+            load_delay_s=float(load_delay_s),
             manager_delay_s=float(manager_delay_s),
             compression_formats=tuple(compression_formats), base=base,
             record_error=self._record_error, history_limit=int(history_limit))

@@ -61,6 +61,9 @@ class EmulatorSettings:
     # loads read lazily (after load_delay_s), so a publisher that signals before every file is durable would
     # otherwise be served the files that appear later. None: not checked.
     list_files: Callable[[str], dict[str, tuple[int, float | None]]] | None = None
+    # Whether a file exists (relpath from the bucket root): each hint records whether its file was there when the
+    # hint came. Not refused (the service's answer is not documented), counted in state() as hints_before_file.
+    file_exists: Callable[[str], bool] | None = None
     load_delay_s: float = 0.0
     # Seconds after a deployment's first request before its hot-load manager is up: until then GET reports no
     # replicas and a signal is refused (on the real service a signal that early can crash the serving container).
@@ -432,6 +435,7 @@ class Deployment:
         self.created = time.monotonic()
         self.premature_signals = 0  # signals sent before the manager was up (each would risk a crash)
         self.premature_hints = 0  # hints sent before the manager was up (inferred to carry the same risk)
+        self.hints_before_file = 0  # hints for a file not (yet) in the bucket: a publisher must hint durable files
 
     def manager_up(self) -> bool:
         return time.monotonic() - self.created >= self.settings.manager_delay_s
@@ -512,12 +516,20 @@ class Deployment:
         return {"status": "ok"}
 
     def hint(self, identity: str, filename: str, previous: str | None) -> None:
+        present: bool | None = None
+        if self.settings.file_exists is not None:  # read outside the lock
+            try:
+                present = self.settings.file_exists(f"{identity}/{filename}")
+            except Exception:  # noqa: BLE001 - a name no file can have (".."): not there
+                present = False
         with self.lock:
             if not self.manager_up():
                 self.premature_hints += 1
                 raise SignalRejected(503, "the hot-load manager is not initialised yet (GET reports no replicas); "
                                           "a hint this early could reach a serving container that is not ready")
-            self.hints.append({"identity": identity, "filename": filename, "previous": previous, "at": time.time()})
+            self.hints.append({"identity": identity, "filename": filename, "previous": previous, "at": time.time(),
+                               "file_present": present})
+            self.hints_before_file += present is False
 
     def reset_ledger(self) -> None:
         with self.lock:
@@ -539,7 +551,7 @@ class Deployment:
     def inspect(self) -> dict[str, Any]:
         with self.lock:
             return {"model": self.model, "premature_signals": self.premature_signals,
-                    "premature_hints": self.premature_hints,
+                    "premature_hints": self.premature_hints, "hints_before_file": self.hints_before_file,
                     "replicas": [r.inspect() for r in self.replicas],
                     "ledger": [r.to_dict() for r in self.ledger], "hints": [dict(h) for h in self.hints]}
 

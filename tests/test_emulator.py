@@ -444,8 +444,13 @@ def test_hint_is_recorded(emulator: HotLoadEmulator) -> None:
     code, body = raw(emulator, "POST", "/hot_load/v1/models/hot_load/hint",
                      {"snapshot": {"identity": "step-1"}, "filename": "x", "extra": 1})
     assert code == 400 and "field: 'extra'" in body["error"]["message"]
-    hints = emulator.state()["deployments"][DEP]["hints"]
-    assert [(h["identity"], h["filename"]) for h in hints] == [("step-1", "model-00001.safetensors")]
+    state = emulator.state()["deployments"][DEP]
+    assert [(h["identity"], h["filename"], h["file_present"]) for h in state["hints"]] == \
+        [("step-1", "model-00001.safetensors", False)]  # taken, and counted: a publisher hints durable files only
+    assert state["hints_before_file"] == 1
+    write_full_snapshot(emulator.bucket, "step-1", tiny_model(0))
+    client.hint("step-1", "model-00001.safetensors")
+    assert emulator.state()["deployments"][DEP]["hints"][-1]["file_present"] is True
 
 
 def test_history_is_bounded_but_identities_are_never_forgotten(tmp_path: Path) -> None:
@@ -631,7 +636,8 @@ def test_signals_wait_for_the_hot_load_manager(tmp_path: Path) -> None:
         assert [m.ok for m in pub.metrics] == [True, True]
         assert served(emu) == [(pub.metrics[-1].identity, expected_sha(model))] * 2
         (dep,) = emu.state()["deployments"].values()
-        assert dep["premature_signals"] == 0 and dep["premature_hints"] == 0
+        assert dep["premature_signals"] == 0 and dep["premature_hints"] == 0 and dep["hints_before_file"] == 0
+        assert dep["hints"] and all(h["file_present"] for h in dep["hints"])  # each hint follows its file's upload
         assert [r["identity"] for r in dep["ledger"]] == [first, pub.metrics[-1].identity]
         hinted = {h["identity"] for h in dep["hints"]}
         assert hinted == {pub.metrics[-1].identity}  # hints resume once the manager is known to be up
