@@ -172,8 +172,7 @@ class HotLoadEmulator:
         self._deployments: dict[str, Deployment] = {}
         self.settings = EmulatorSettings(
             get_bytes=self._get_bytes, list_files=self._list_files, file_exists=lambda rel: self._bucket().exists(rel),
-            load_delay_s=float(load_delay_s),
-            manager_delay_s=float(manager_delay_s),
+            load_delay_s=float(load_delay_s), manager_delay_s=float(manager_delay_s),
             compression_formats=tuple(compression_formats), base=base,
             record_error=self._record_error, history_limit=int(history_limit))
         self._server: ThreadingHTTPServer | None = None

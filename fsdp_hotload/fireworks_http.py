@@ -15,6 +15,7 @@ Example::
 """
 from __future__ import annotations
 
+import base64
 import contextlib
 import email.utils
 import http.client
@@ -356,8 +357,6 @@ def _proxy_auth(proxy: urllib.parse.SplitResult) -> dict[str, str]:
     """A ``Proxy-Authorization`` header from the proxy URL's ``user:password@`` part (percent-decoded)."""
     if proxy.username is None:
         return {}
-    import base64
-
     pair = f"{urllib.parse.unquote(proxy.username)}:{urllib.parse.unquote(proxy.password or '')}"
     return {"Proxy-Authorization": "Basic " + base64.b64encode(pair.encode()).decode("ascii")}
 
