@@ -158,7 +158,7 @@ class Publisher:
         self._pending = 0
         self._idle = threading.Condition()
         self._skipped = 0
-        self._skipped_newest = False
+        self._skipped_newest = False  # the newest step counted in _skipped (busy): not once close() publishes it
         self._agreed_busy: Callable[[], int] | None = None
         self.early_agreement = False  # set while a caller starts each agreement with agree() (see there)
         self._copying: Job | None = None  # the job whose host copy runs on the stager's helper thread
@@ -211,7 +211,7 @@ class Publisher:
         self._stepping_thread = threading.get_ident()
         self._given_sources = sources is not None and not callable(sources)
         self._sources_fn = sources if callable(sources) else None
-        self._skipped_newest = False  # this step counted in _skipped (busy): not once close() publishes it
+        self._skipped_newest = False
         if self.world == 1 or self.config.keep_training_on_error:  # with several ranks an error waits, see below
             self.raise_if_failed()  # after the step is recorded: close() then publishes it, as with several ranks
         if step % self.config.publish_every:
