@@ -18,9 +18,12 @@ from __future__ import annotations
 import base64
 import contextlib
 import email.utils
+import errno
 import http.client
 import ipaddress
 import json
+import os
+import select
 import socket
 import ssl
 import threading
@@ -28,7 +31,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 from .fireworks_names import API_KEY_ENV
 from .masking import mask_url, url_has_credentials
@@ -314,13 +317,15 @@ def send_once(
         conn = http.client.HTTPConnection(proxy.hostname or "", proxy.port or 80, timeout=timeout)
         url = urllib.parse.urlunsplit((base.scheme, base.netloc, url, "", ""))
         headers = {**headers, **_proxy_auth(proxy)}
+    # Resolution and connection under the deadline and the canceller, which http.client's own connect ignores.
+    conn._create_connection = lambda address, *_: _open(address, deadline, canceller)  # type: ignore[attr-defined]
     watchdog = _Watchdog(conn, deadline, canceller)
     try:
         try:
             reply = _exchange(conn, method, url, payload, headers, deadline, timeout, watchdog)
-        except Exception:
+        except Exception as exc:
             why = watchdog.finish()
-            if why is None:
+            if why is None or (why == "deadline" and isinstance(exc, NotSent)):  # a timed-out connect sent nothing
                 raise
             # Not chained: the reader's error (an end of file, a reset) only says the socket was shut down.
             raise _cut(why, timeout) from None
@@ -331,6 +336,115 @@ def send_once(
     finally:
         watchdog.finish()
         conn.close()
+
+
+def _open(address: tuple[str, int], deadline: float, canceller: Canceller | None) -> socket.socket:
+    """A connected socket to ``address`` (a name, or a literal), by the deadline and until cancelled.
+
+    Why not ``socket.create_connection``: its name lookup takes no timeout and cannot be interrupted (glibc waits
+    5 s per attempt per nameserver when one does not answer), and each address gets the full timeout, so a stalled
+    resolver or a dropped SYN held a signal, a status poll or ``close()`` past its deadline and past ``cancel()``.
+    Addresses are tried in the resolver's order, each with what is left of the time."""
+    host, port = address
+    last: OSError | None = None
+    for family, kind, proto, _, sockaddr in _resolve(host, port, deadline, canceller):
+        sock = socket.socket(family, kind, proto)
+        try:
+            _connect(sock, sockaddr, host, deadline, canceller)
+        except (TimeoutError, RequestCancelled):
+            sock.close()
+            raise
+        except OSError as exc:  # refused or unreachable: the next address may answer
+            sock.close()
+            last = exc
+        except BaseException:
+            sock.close()
+            raise
+        else:
+            return sock
+    raise last if last is not None else OSError(f"no address to connect to for {host}")
+
+
+class _Lookup:
+    """One name lookup in flight, shared by every request for the same host and port meanwhile: retries and
+    status polls against a stalled resolver wait on it rather than each leaving a thread behind."""
+
+    def __init__(self) -> None:
+        self.answer: list[object] = []  # the address list, or the lookup's exception, once it has ended
+        self.waiters: set[threading.Event] = set()
+
+
+_lookups: dict[tuple[str, int], _Lookup] = {}
+_lookups_lock = threading.Lock()
+
+
+def _resolve(host: str, port: int, deadline: float, canceller: Canceller | None) -> list[tuple[Any, ...]]:
+    """``getaddrinfo`` on a daemon thread, waited for until the deadline or a cancel. A lookup left behind ends
+    when the resolver gives up; its thread holds nothing of the client's."""
+    with contextlib.suppress(ValueError):  # a literal address: nothing to look up, nothing to wait for
+        ipaddress.ip_address(host.partition("%")[0])
+        return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST)
+    woken = threading.Event()
+    with _lookups_lock:
+        lookup = _lookups.get((host, port))
+        fresh = lookup is None
+        if lookup is None:
+            lookup = _lookups[(host, port)] = _Lookup()
+        lookup.waiters.add(woken)
+    if fresh:
+        threading.Thread(target=_look_up, args=(host, port, lookup), name="hotload-resolve", daemon=True).start()
+    if canceller is not None:
+        canceller.watch(woken)
+    try:
+        woken.wait(max(0.0, deadline - time.monotonic()))
+    finally:
+        if canceller is not None:
+            canceller.unwatch(woken)
+        with _lookups_lock:
+            lookup.waiters.discard(woken)
+    if canceller is not None and canceller.cancelled:
+        raise RequestCancelled("the client was cancelled while the API's host name was being resolved")
+    if not lookup.answer:
+        raise TimeoutError(f"resolving the host name {host!r} did not finish by the deadline")
+    failed = lookup.answer[0]
+    if isinstance(failed, BaseException):  # a fresh exception per waiter: one raised in several threads is shared
+        if isinstance(failed, socket.gaierror):
+            raise socket.gaierror(*failed.args)
+        raise OSError(f"resolving the host name {host!r}: {type(failed).__name__}: {failed}")
+    return cast("list[tuple[Any, ...]]", lookup.answer[0])
+
+
+def _look_up(host: str, port: int, lookup: _Lookup) -> None:
+    try:
+        answer: object = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
+    except BaseException as exc:  # noqa: BLE001 - handed to every waiter
+        answer = exc
+    with _lookups_lock:
+        lookup.answer.append(answer)
+        del _lookups[(host, port)]
+        for waiter in lookup.waiters:
+            waiter.set()
+
+
+def _connect(sock: socket.socket, sockaddr: tuple[Any, ...], host: str, deadline: float,
+             canceller: Canceller | None) -> None:
+    """A non-blocking connect, waited for in slices of at most 0.1 s so a cancel ends it (a blocking connect
+    cannot be woken from another thread). ``poll``, not ``select``: a trainer may hold over 1024 descriptors."""
+    sock.setblocking(False)
+    err = sock.connect_ex(sockaddr)
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    while err in (errno.EINPROGRESS, errno.EALREADY, errno.EWOULDBLOCK, errno.EINTR):
+        if canceller is not None and canceller.cancelled:
+            raise RequestCancelled("the client was cancelled while connecting to the API's host")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"connecting to {host} did not finish by the deadline")
+        if poller.poll(max(1, int(min(left, 0.1) * 1000))):  # writable, or an error: SO_ERROR says which
+            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    if err:
+        raise OSError(err, f"connecting to {host}: {os.strerror(err)}")
+    sock.settimeout(max(0.01, deadline - time.monotonic()))
 
 
 class ProxyUnsupported(ValueError):

@@ -1,0 +1,126 @@
+"""HotLoadClient's deadline and cancel() before a request is on the wire: a stalled name lookup and a connect
+whose SYN is never answered, against real sockets on loopback."""
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from fsdp_hotload.fireworks import HotLoadCancelled, HotLoadError, HotLoadTimeout
+from fsdp_hotload.fireworks_http import NotSent, send_once
+
+from tests.http_fixture import serve
+from tests.test_fireworks_transport import _cancel_after, answering, make_client
+
+STALLED = "stalled.hotload.test"
+READY = b'{"replicas": [{"current_snapshot_identity": "s1", "readiness": true}]}'
+
+
+@pytest.fixture
+def stalled_resolver(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
+    """Lookups of STALLED hang (as behind a nameserver that does not answer) until the test ends, then resolve
+    to loopback; every other name resolves as usual. Yields the count of lookups of STALLED started."""
+    real = socket.getaddrinfo
+    release = threading.Event()
+    started = {"lookups": 0}
+
+    def getaddrinfo(host: Any, port: Any, *args: Any, **kw: Any) -> Any:
+        if host != STALLED:
+            return real(host, port, *args, **kw)
+        started["lookups"] += 1
+        release.wait(30)
+        return real("127.0.0.1", port, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    try:
+        yield started
+    finally:
+        release.set()
+
+
+def _stalled_url(url: str) -> str:
+    return url.replace("127.0.0.1", STALLED)
+
+
+@pytest.mark.usefixtures("stalled_resolver")
+def test_a_stalled_name_lookup_cannot_hold_a_call_past_its_deadline() -> None:
+    """http.client looked the host up with getaddrinfo, which takes no timeout (glibc waits 5 s per attempt per
+    nameserver): a signal or a status poll waited as long as the resolver did, past retry_budget_s and the
+    wait's timeout_s."""
+    with serve(answering(200, READY)) as url:
+        client = make_client(_stalled_url(url), allow_insecure=True, retry_budget_s=1.0, timeout_s=30)
+        started = time.monotonic()
+        with pytest.raises(HotLoadError, match=f"resolving the host name '{STALLED}' did not finish"):
+            client.signal("s1")
+        assert time.monotonic() - started < 3.0
+        started = time.monotonic()
+        with pytest.raises(HotLoadTimeout, match="within 1s"):
+            client.wait_ready("s1", timeout_s=1.0)
+        assert time.monotonic() - started < 3.0
+
+
+def test_retries_against_a_stalled_resolver_share_one_lookup(stalled_resolver: dict[str, int]) -> None:
+    """Each retry and poll would otherwise leave a thread blocked in the resolver until it gives up."""
+    with serve(answering(503, b"busy")) as url:
+        client = make_client(_stalled_url(url), allow_insecure=True, retry_budget_s=1.0, backoff_initial_s=0.01,
+                             backoff_max_s=0.01)
+        with pytest.raises(HotLoadError, match="no answer after"):
+            client.signal("s1")
+        with pytest.raises(HotLoadError):
+            client.status()
+    assert stalled_resolver["lookups"] == 1
+    assert len([t for t in threading.enumerate() if t.name == "hotload-resolve"]) == 1
+
+
+@pytest.mark.usefixtures("stalled_resolver")
+def test_cancel_ends_a_stalled_name_lookup_at_once() -> None:
+    with serve(answering(200, READY)) as url:
+        client = make_client(_stalled_url(url), allow_insecure=True, retry_budget_s=60, timeout_s=60)
+        started = time.monotonic()
+        _cancel_after(client, 0.3)
+        with pytest.raises(HotLoadCancelled, match="cancelled"):
+            client.signal("s1")
+        assert time.monotonic() - started < 2.0
+
+
+@contextmanager
+def unanswered_syn() -> Iterator[str]:
+    """A loopback listener whose backlog is full: the kernel drops further SYNs, so a connect waits (as to a
+    firewalled host) until its timeout."""
+    lsn = socket.socket()
+    lsn.bind(("127.0.0.1", 0))
+    lsn.listen(0)
+    filler = socket.create_connection(lsn.getsockname(), timeout=5)  # takes the one backlog slot, never accepted
+    try:
+        yield f"http://127.0.0.1:{lsn.getsockname()[1]}"
+    finally:
+        filler.close()
+        lsn.close()
+
+
+def test_cancel_ends_a_connect_that_gets_no_answer() -> None:
+    """A blocking connect cannot be woken from another thread: cancel() waited out the attempt's timeout_s."""
+    with unanswered_syn() as url:
+        client = make_client(url, retry_budget_s=60, timeout_s=60)
+        started = time.monotonic()
+        _cancel_after(client, 0.3)
+        with pytest.raises(HotLoadCancelled, match="cancelled"):
+            client.signal("s1")
+        assert time.monotonic() - started < 2.0
+
+
+def test_a_connect_cut_by_the_deadline_counts_as_not_sent() -> None:
+    """A request whose connection timed out never reached the server, so a 409 to a later attempt does not mean
+    an earlier one was accepted. It read as a cut response (a TimeoutError that may have been sent)."""
+    with unanswered_syn() as url:
+        started = time.monotonic()
+        with pytest.raises(NotSent, match="did not finish by the deadline"):
+            send_once(urllib.parse.urlsplit(url), "GET", "/", None, {}, 0.5, ssl.create_default_context())
+        assert time.monotonic() - started < 2.0
