@@ -123,6 +123,7 @@ class HotLoadEmulator:
         emu = HotLoadEmulator("s3://bucket/prefix", storage_options={"endpoint_url": url}).start()
         emu.fail_next_loads(1, replica=0)      # the next load on replica 0 fails
         emu.reject_next_signals(2, status=503)  # the next two signals get HTTP 503
+        emu.restart_replica(1)                  # replica 1 rebuilds what it serves from the bucket
         ...
         emu.stop()
     """
@@ -251,6 +252,21 @@ class HotLoadEmulator:
                 for i in targets:
                     self.settings.fail_counts[(key, i)] = self.settings.fail_counts.get((key, i), 0) + k
 
+    def restart_replica(self, replica: int, deployment: str | None = None) -> None:
+        """Restart ``replica`` of ``deployment`` (of every deployment a request has named if None) once the loads
+        queued on it are done: it loses its weights and rebuilds the snapshot it served from the bucket, the full
+        snapshot its chain starts from and every delta after it. Why: a rescheduled or added replica reads the
+        chain again, so a file deleted by retention or rewritten after its signal fails here (``stage ==
+        "error"``, the replica then serves the base model), not months later in production."""
+        if not 0 <= replica < self.replicas:
+            raise ValueError(f"replica must be in [0, {self.replicas}), got {replica}")
+        with self._lock:
+            if deployment is not None and deployment not in self._deployments:
+                raise ValueError(f"no deployment {deployment!r}: no hot-load request has named it yet")
+            deps = [self._deployments[deployment]] if deployment is not None else list(self._deployments.values())
+        for dep in deps:
+            dep.restart_replica(replica)
+
     def set_load_delay(self, seconds: float) -> None:
         """Every load waits this long after its download starts (makes in-flight states observable)."""
         self.settings.load_delay_s = float(seconds)
@@ -307,11 +323,17 @@ class HotLoadEmulator:
 
     # ------------------------------------------------------------------------------------------ routing
 
-    def _check_auth(self, headers: Any) -> None:
-        if self._api_key is None:
-            return
+    def _check_auth(self, headers: Any, path: str) -> None:
+        """With an API key, every route needs it. Without one, any key is taken, but the service's routes still
+        need an ``Authorization: Bearer`` header, as the service does: a client that sent none passed here and
+        failed only against the real API. The emulator's own state route is then open (``curl`` it)."""
         auth = headers.get("Authorization") or ""
         scheme, _, token = auth.partition(" ")
+        if self._api_key is None:
+            if path != STATE_PATH and (scheme.lower() != "bearer" or not token.strip()):
+                raise _HttpError(401, "missing API key (send 'Authorization: Bearer <key>'; this emulator was "
+                                      "started without --api-key, so any key is accepted)")
+            return
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
             raise _HttpError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')")
 
@@ -343,7 +365,7 @@ class HotLoadEmulator:
         """Route one request; returns (status, JSON-able body)."""
         path = urllib.parse.urlsplit(target).path.rstrip("/") or "/"
         try:
-            self._check_auth(headers)
+            self._check_auth(headers, path)
             if method in ("HEAD", "OPTIONS"):
                 raise _HttpError(405, f"{method} is not allowed on {path}; the emulator answers GET, POST and DELETE")
             if method == "POST" and path in (HOT_LOAD_PATH, HINT_PATH):
@@ -446,7 +468,7 @@ def run_emulator_cli(args: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=arg_int(0, 65535), default=0, help="TCP port; 0 (the default) picks a free one")
     p.add_argument("--replicas", type=arg_int(1), default=2, help="replicas per deployment (default: %(default)s)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no auth)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: any bearer key)")
     p.add_argument("--load-delay", type=arg_float(0), default=0.0, metavar="SECONDS",
                    help="extra seconds per load (default: %(default)s)")
     p.add_argument("--manager-delay", type=arg_float(0), default=0.0, metavar="SECONDS",

@@ -1,12 +1,12 @@
-"""Deployment, replica and ledger state of the hot-load emulator, and the snapshot loader its replicas run.
+"""Deployment, replica and ledger state of the hot-load emulator.
 
 Kept apart from the HTTP layer (``emulator.py``) so the rules a real deployment applies — which signals are
-accepted, how a replica rebuilds and verifies a snapshot, what survives a failed load — read as plain code.
+accepted, what survives a failed load, how a restarted replica gets its weights back — read as plain code.
 
-A replica's load is real work: it reads the index and weight spec from the bucket, downloads every shard,
-parses full files or applies delta files to the tensors it currently serves (the decoder verifies each tensor's
-Adler-32), checks the result against the index and spec, and only then swaps. A failure leaves the replica on
-its previous weights with ``stage == "error"`` and the error text in the ledger.
+A replica's load is real work (``emulator_load.py``): it reads the whole snapshot from the bucket and verifies
+it, and only then swaps. A failure leaves the replica on its previous weights with ``stage == "error"`` and the
+error text in the ledger. A restarted replica (:meth:`Deployment.restart_replica`) has lost its weights and
+rebuilds the snapshot it served from the bucket: the full snapshot its chain starts from, then every delta.
 
 Example::
 
@@ -19,7 +19,6 @@ Example::
 """
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -29,17 +28,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .arc import (ArcError, RawTensor, apply_delta_file, code_from_name, is_delta_file, load_file, read_delta_info,
-                  torch_name)
-from .emulator_rules import (LORA_MARKER, BaseModelSpec, LoadError, carries_lora_marker, check_config,
-                             check_full_layout, check_quantization)
-from .fireworks_models import HotLoadRequest, validate_filename
+from .arc import ArcError, RawTensor
+from .emulator_load import load_snapshot, summarize
+from .emulator_rules import LORA_MARKER, BaseModelSpec, LoadError, carries_lora_marker, check_config
+from .fireworks_models import HotLoadRequest
 
 log = logging.getLogger(__name__)
 
-INDEX_FILE = "model.safetensors.index.json"
-SPEC_FILE = "model.weight.spec.json"
-CONFIG_FILE = "config.json"
 CHECKSUM_FORMAT = "alder32"
 
 
@@ -93,139 +88,6 @@ class EmulatorSettings:
             for (key, i), n in list(self.fail_counts.items()):
                 if key == "" and n > 0:
                     self.fail_counts[(deployment, i)] = self.fail_counts.get((deployment, i), 0) + n
-
-
-# ---------------------------------------------------------------------------------------------------- loader
-
-
-def _read_json(get_bytes: Callable[[str], bytes], identity: str, name: str) -> dict[str, Any]:
-    path = f"{identity}/{name}"
-    try:
-        raw = get_bytes(path)
-    except Exception as exc:  # the storage layer's own error types vary by backend
-        raise LoadError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
-    try:
-        obj = json.loads(raw)
-    except ValueError as exc:
-        raise LoadError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise LoadError(f"{path} must hold a JSON object")
-    return obj
-
-
-def read_layout(get_bytes: Callable[[str], bytes], identity: str) -> tuple[dict[str, str], dict[str, Any]]:
-    """Index weight_map and spec tensor_map of a snapshot, checked against each other."""
-    index = _read_json(get_bytes, identity, INDEX_FILE)
-    weight_map = index.get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise LoadError(f"{identity}/{INDEX_FILE}: 'weight_map' must be a non-empty object")
-    for name, fname in weight_map.items():
-        if not isinstance(fname, str):
-            raise LoadError(f"{identity}/{INDEX_FILE}: weight_map[{name!r}] must be a file name")
-        try:
-            validate_filename(fname, field=f"weight_map[{name!r}]")
-        except ValueError as exc:
-            raise LoadError(f"{identity}/{INDEX_FILE}: {exc}") from None
-    spec = _read_json(get_bytes, identity, SPEC_FILE)
-    tensor_map = spec.get("tensor_map")
-    if not isinstance(tensor_map, dict):
-        raise LoadError(f"{identity}/{SPEC_FILE}: 'tensor_map' must be an object")
-    missing = sorted(n for n in weight_map if n not in tensor_map)
-    if missing:
-        raise LoadError(f"{identity}/{SPEC_FILE}: tensor_map lacks {len(missing)} tensor(s) named in the index: "
-                        f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-    for name in weight_map:
-        entry = tensor_map[name]
-        ok = (isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and isinstance(entry.get("shape"), list)
-              and all(isinstance(s, int) and s >= 0 for s in entry["shape"]))
-        if not ok:
-            raise LoadError(f"{identity}/{SPEC_FILE}: tensor_map[{name!r}] needs 'shape' (list of ints) and 'dtype'")
-    return weight_map, tensor_map
-
-
-def _check_tensor(identity: str, fname: str, name: str, t: RawTensor, spec: dict[str, Any]) -> None:
-    try:
-        want = code_from_name(spec["dtype"])
-    except ArcError:
-        raise LoadError(f"{identity}/{SPEC_FILE}: tensor {name!r} has unknown dtype {spec['dtype']!r}") from None
-    if t.dtype != want or list(t.shape) != list(spec["shape"]):
-        raise LoadError(f"{identity}/{fname}: tensor {name!r} is {torch_name(t.dtype)}{list(t.shape)}, the weight "
-                        f"spec says {spec['dtype']}{spec['shape']}")
-
-
-def load_snapshot(
-    get_bytes: Callable[[str], bytes],
-    identity: str,
-    *,
-    previous: str | None,
-    compression_format: str | None,
-    parent: dict[str, RawTensor],
-    parent_weight_map: dict[str, str] | None,
-    base_shapes: dict[str, tuple[int, ...]] | None = None,
-    on_stage: Callable[[str], None] = lambda stage: None,
-) -> tuple[dict[str, RawTensor], dict[str, str], dict[str, Any]]:
-    """Download and rebuild one snapshot; returns (tensors, weight_map, config). Raises LoadError/ArcError.
-
-    A full snapshot's layout is checked before any shard is downloaded: one layer per file and, when
-    ``base_shapes`` is given, the base model's tensor names and shapes, else those of the snapshot served now
-    (``parent``), as the service checks each snapshot against its base (a delta keeps its parent's layout)."""
-    if carries_lora_marker(get_bytes, identity):
-        raise LoadError(f"{identity}/{LORA_MARKER}: this folder is a LoRA adapter to the service (the file is its "
-                        "marker), so its weights are never served as the deployment's; the emulator serves "
-                        "full-parameter snapshots only, which must not carry the file")
-    weight_map, tensor_map = read_layout(get_bytes, identity)
-    config = _read_json(get_bytes, identity, CONFIG_FILE)
-    check_quantization(identity, config, tensor_map)
-    if previous is None:
-        reference = "the base model"
-        if base_shapes is None and parent:  # no base model given: the snapshot served now stands in for it
-            base_shapes = {n: tuple(t.shape) for n, t in parent.items()}
-            reference = "the snapshot this replica serves"
-        check_full_layout(identity, weight_map, tensor_map, base_shapes, reference)
-    else:
-        if parent_weight_map is None:
-            raise LoadError(f"delta {identity!r} needs parent {previous!r}, but this replica holds no weights")
-        if weight_map != parent_weight_map:
-            diff = sorted(set(weight_map.items()) ^ set(parent_weight_map.items()))
-            raise LoadError(f"{identity}/{INDEX_FILE}: a delta must keep the parent's weight_map exactly; "
-                            f"differs at {diff[0][0]!r}")
-    files: dict[str, list[str]] = {}
-    for name, fname in weight_map.items():
-        files.setdefault(fname, []).append(name)
-    out: dict[str, RawTensor] = {}
-    for fname in sorted(files):
-        on_stage("downloading")
-        path = f"{identity}/{fname}"
-        try:
-            data = get_bytes(path)
-        except Exception as exc:
-            raise LoadError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
-        on_stage("applying" if previous is not None else "verifying")
-        want = set(files[fname])
-        if previous is None:
-            if is_delta_file(data):
-                raise LoadError(f"{path} is a delta file, but {identity!r} was signalled as a full snapshot")
-            got = load_file(data, filename=fname)
-        else:
-            if not is_delta_file(data):
-                raise LoadError(f"{path} is not a delta file, but {identity!r} was signalled as a delta")
-            codecs = {t.codec for t in read_delta_info(data, filename=fname).tensors.values()}
-            if compression_format is not None and codecs - {compression_format}:
-                raise LoadError(f"{path} is encoded with {sorted(codecs)}, the signal said {compression_format!r}")
-            got = apply_delta_file({n: parent[n] for n in files[fname]}, data, filename=fname,
-                                   expected_parent=previous)
-        if set(got) != want:
-            raise LoadError(f"{path}: holds tensors {sorted(set(got) - want)} not mapped to it by the index and "
-                            f"lacks {sorted(want - set(got))}")
-        for name in files[fname]:
-            _check_tensor(identity, fname, name, got[name], tensor_map[name])
-        out.update(got)
-    return out, weight_map, config
-
-
-def summarize(tensors: dict[str, RawTensor]) -> dict[str, dict[str, Any]]:
-    return {n: {"dtype": torch_name(t.dtype), "shape": list(t.shape), "digest": t.digest()}
-            for n, t in sorted(tensors.items())}
 
 
 # ---------------------------------------------------------------------------------------------------- state
@@ -289,6 +151,11 @@ class _Job:
     generation: int
 
 
+@dataclass
+class _Restart:
+    generation: int
+
+
 class Replica:
     """One serving replica: its weights, its load stage, and the worker thread that loads snapshots in order.
 
@@ -311,7 +178,8 @@ class Replica:
         self.tensors: dict[str, RawTensor] = {}
         self.weight_map: dict[str, str] | None = None
         self.summary: dict[str, dict[str, Any]] = {}
-        self.jobs: queue.Queue[_Job | None] = queue.Queue()
+        self.restarts = 0
+        self.jobs: queue.Queue[_Job | _Restart | None] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name=f"hotload-emulator-{deployment.key}-r{index}",
                                        daemon=True)
         self.thread.start()
@@ -325,7 +193,8 @@ class Replica:
 
     def inspect(self) -> dict[str, Any]:
         return {"identity": self.current, "readiness": self.readiness, "stage": self.stage, "target": self.target,
-                "error": self.error, "tensors": {k: dict(v) for k, v in self.summary.items()}}
+                "error": self.error, "restarts": self.restarts,
+                "tensors": {k: dict(v) for k, v in self.summary.items()}}
 
     def forget(self) -> None:
         """Ledger reset: back to the base model (caller holds the deployment lock)."""
@@ -339,13 +208,16 @@ class Replica:
             if job is None:
                 return
             try:
-                self._load(job)
+                if isinstance(job, _Restart):
+                    self._restore(job)
+                else:
+                    self._load(job)
             except BaseException as exc:  # a bug in the emulator itself: keep it visible
                 self.dep.settings.record_error(exc)
                 with self.dep.lock:
                     self.stage, self.error, self.readiness, self.busy = "error", f"internal error: {exc!r}", True, False
 
-    def _set_stage(self, job: _Job, stage: str) -> None:
+    def _set_stage(self, job: _Job | _Restart, stage: str) -> None:
         with self.dep.lock:
             if job.generation == self.dep.generation:
                 self.stage = stage
@@ -397,6 +269,57 @@ class Replica:
             self.readiness = True
             self.busy = not self.jobs.empty()
         log.info("emulator %s replica %d serves %r", dep.key, self.index, row.identity)
+
+    def _restore(self, job: _Restart) -> None:
+        """A restart: the weights are gone; rebuild the snapshot served before it from the bucket, as a new
+        container would (the full snapshot its chain starts from, then every delta, each verified as when it was
+        first loaded). Why: the files a deployment serves must stay readable as long as it serves them, so
+        retention that deleted a link of the chain, or a rewritten file, fails here as it would fail a replica
+        that is rescheduled or scaled up. On failure the replica serves the base model, with stage "error"."""
+        dep = self.dep
+        with dep.lock:
+            if job.generation != dep.generation:
+                self.busy = not self.jobs.empty()
+                return
+            identity, self.restarts = self.current, self.restarts + 1
+            self.current, self.tensors, self.weight_map, self.summary = None, {}, None, {}
+            if identity is None:  # it served the base model: nothing to rebuild
+                self.readiness, self.stage, self.target, self.error = True, "idle", None, None
+                self.busy = not self.jobs.empty()
+                return
+            self.readiness, self.stage, self.target, self.error = False, "downloading", identity, None
+            try:
+                chain, problem = dep.chain_to(identity), None
+            except LoadError as exc:
+                chain, problem = [], str(exc)
+        tensors: dict[str, RawTensor] = {}
+        weight_map: dict[str, str] | None = None
+        try:
+            if problem is not None:
+                raise LoadError(problem)
+            for row in chain:
+                tensors, weight_map, config = load_snapshot(
+                    dep.settings.get_bytes, row.identity, previous=row.previous,
+                    compression_format=row.compression_format, parent=tensors, parent_weight_map=weight_map,
+                    base_shapes=dep.settings.base.shapes, on_stage=lambda s: self._set_stage(job, s))
+                check_config(config, dep.settings.base.config, row.ignore, row.identity)
+                check_unchanged_since_signal(dep.settings.list_files, row)
+            failure = None
+        except (LoadError, ArcError) as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # anything else a corrupt input can trigger is still a load error
+            failure = f"unexpected {type(exc).__name__} while loading: {exc}"
+        summary = summarize(tensors) if failure is None else {}
+        with dep.lock:
+            if job.generation == dep.generation:
+                if failure is None:
+                    self.tensors, self.weight_map, self.summary, self.current = tensors, weight_map, summary, identity
+                    self.stage = "done"
+                else:
+                    self.stage, self.error = "error", f"after a restart, rebuilding {identity!r} failed: {failure}"
+                    log.warning("emulator %s replica %d: %s", dep.key, self.index, self.error)
+                self.readiness = True
+            self.busy = not self.jobs.empty()
 
     def _fail(self, job: _Job, message: str) -> None:
         log.warning("emulator %s replica %d failed to load %r: %s", self.dep.key, self.index, job.row.identity,
@@ -530,6 +453,28 @@ class Deployment:
             self.hints.append({"identity": identity, "filename": filename, "previous": previous, "at": time.time(),
                                "file_present": present})
             self.hints_before_file += present is False
+
+    def restart_replica(self, index: int) -> None:
+        """Restart replica ``index`` once the loads queued on it are done (see :meth:`Replica._restore`)."""
+        with self.lock:
+            rep = self.replicas[index]
+            rep.busy = True
+            rep.jobs.put(_Restart(self.generation))
+
+    def chain_to(self, identity: str) -> list[LedgerRow]:
+        """The ledger rows that rebuild ``identity``: a full snapshot, then each delta up to it (caller holds the
+        lock). Raises LoadError when a link is older than the rows kept (``history_limit``)."""
+        rows = {r.identity: r for r in self.ledger}
+        chain: list[LedgerRow] = []
+        at: str | None = identity
+        while at is not None:
+            row = rows.get(at)
+            if row is None:
+                raise LoadError(f"{at!r}, a link of the chain to {identity!r}, is older than the ledger rows the "
+                                f"emulator keeps (history_limit={self.settings.history_limit})")
+            chain.append(row)
+            at = row.previous
+        return chain[::-1]
 
     def reset_ledger(self) -> None:
         with self.lock:

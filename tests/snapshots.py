@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fsdp_hotload.arc.dtypes import RawTensor
-from fsdp_hotload.emulator_state import load_snapshot
+from fsdp_hotload.emulator_load import load_snapshot
 
 
 def rebuild_accepted(bucket: str | Path, metrics: Sequence[Any]) -> dict[str, dict[str, RawTensor]]:

@@ -103,6 +103,6 @@ def test_clients_that_hang_up_print_no_traceback(tmp_path: Path) -> None:
                 sock.sendall(b"GET /v1/accounts HTTP/1.0\r\n\r\n")
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         with socket.create_connection((host, port), timeout=10) as sock:  # still serving
-            sock.sendall(b"GET /v1/accounts HTTP/1.0\r\n\r\n")
+            sock.sendall(b"GET /v1/accounts HTTP/1.0\r\nAuthorization: Bearer any-key\r\n\r\n")
             assert sock.recv(100).startswith(b"HTTP/1.0 200")
     assert not [line for line in err if "Traceback" in line or "Error" in line], "\n".join(err)

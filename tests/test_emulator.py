@@ -521,7 +521,7 @@ def test_cli_serves_until_interrupted(tmp_path: Path) -> None:
         url = line.split("listening on ")[1].split()[0]
         host, port = url.removeprefix("http://").rsplit(":", 1)
         conn = http.client.HTTPConnection(host, int(port), timeout=10)
-        conn.request("GET", "/v1/accounts?pageSize=2")
+        conn.request("GET", "/v1/accounts?pageSize=2", headers={"Authorization": "Bearer any-key"})
         assert json.loads(conn.getresponse().read()) == {"accounts": [{"name": "accounts/emulator"}]}
         conn.close()
         proc.send_signal(signal.SIGINT)

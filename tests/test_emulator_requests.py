@@ -114,3 +114,17 @@ def test_a_resignal_is_accepted_only_as_the_same_request(tmp_path: Path) -> None
         client.wait_ready("s2", timeout_s=30)
         rows = emu.state()["deployments"]["accounts/acct/deployments/dep"]["ledger"]
         assert [r["identity"] for r in rows] == ["s1", "s2"] and rows[1]["incremental_snapshot_metadata"] == meta
+
+
+def test_without_an_api_key_the_service_routes_still_need_a_bearer_header(tmp_path: Path) -> None:
+    """An emulator started without --api-key took requests with no Authorization header at all, so a client
+    that never sent one passed every test and failed only against the service."""
+    from tests.test_emulator import raw
+
+    with HotLoadEmulator(str(tmp_path), replicas=1) as emu:
+        for path in (HOT_LOAD, "/v1/accounts", f"/v1/{DEP}/ledger"):
+            code, body = raw(emu, "GET", path, auth=False)
+            assert code == 401 and "started without --api-key" in body["error"]["message"], path
+            assert raw(emu, "GET", path, headers={"Authorization": "Bearer "})[0] == 401
+        assert raw(emu, "GET", HOT_LOAD, headers={"Authorization": "Bearer any-key"})[0] == 200
+        assert raw(emu, "GET", "/emulator/v1/state", auth=False)[0] == 200  # the emulator's own route stays open

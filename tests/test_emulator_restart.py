@@ -1,0 +1,158 @@
+"""A restarted emulator replica rebuilds what it served from the bucket, so a broken chain in storage shows."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsdp_hotload.emulator import HotLoadEmulator
+from fsdp_hotload.fireworks import HotLoadError
+from fsdp_hotload.publish import TensorPublisher
+from tests.emulator_fixture import EMULATOR_API_KEY, digest_map, perturb, write_delta_snapshot
+from tests.test_emulator import DEP, client_for, load_full, served
+from tests.test_format import _corrupt_header
+from tests.test_publisher import config, expected_sha, make_model, train_step
+from tests.test_publisher import served as served_by
+
+
+def restarted(emu: HotLoadEmulator, replica: int, count: int = 1, timeout_s: float = 30) -> dict[str, Any]:
+    """Wait until ``replica`` has finished its ``count``-th restart; returns its state."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        (dep,) = emu.state()["deployments"].values()
+        rep = dep["replicas"][replica]
+        if rep["restarts"] >= count and rep["stage"] in ("done", "error", "idle"):
+            return rep
+        if time.monotonic() > deadline:
+            raise AssertionError(f"replica {replica} did not finish restarting: {rep}")
+        time.sleep(0.01)
+
+
+def test_a_restarted_replica_rebuilds_the_served_chain_bit_exact(emulator: HotLoadEmulator) -> None:
+    client = client_for(emulator)
+    m1 = load_full(emulator, client, "step-1")
+    m2, m3 = perturb(m1, seed=1), perturb(perturb(m1, seed=1), seed=2)
+    write_delta_snapshot(emulator.bucket, "step-2", "step-1", m1, m2)
+    client.signal("step-2", previous_identity="step-1")
+    client.wait_ready("step-2", timeout_s=30)
+    write_delta_snapshot(emulator.bucket, "step-3", "step-2", m2, m3)
+    client.signal("step-3", previous_identity="step-2")
+    emulator.restart_replica(0)  # queued behind the load of step-3: it rebuilds step-1, step-2, step-3
+    client.wait_ready("step-3", timeout_s=30)
+    rep = restarted(emulator, 0)
+    assert (rep["stage"], rep["error"], rep["readiness"]) == ("done", None, True)
+    assert served(emulator) == [("step-3", digest_map(m3))] * 2
+    write_delta_snapshot(emulator.bucket, "step-4", "step-3", m3, perturb(m3, seed=3))
+    client.signal("step-4", previous_identity="step-3")  # the chain goes on from the rebuilt bytes
+    client.wait_ready("step-4", timeout_s=30)
+    assert served(emulator)[0] == served(emulator)[1]
+
+
+def test_a_chain_broken_in_storage_fails_the_restart_and_then_every_delta(emulator: HotLoadEmulator) -> None:
+    """A deleted link: the restarted replica serves the base model with the error, and the next delta, which no
+    longer applies to what every replica serves, is refused until a full snapshot loads."""
+    client = client_for(emulator)
+    m1 = load_full(emulator, client, "step-1")
+    m2 = perturb(m1, seed=1)
+    write_delta_snapshot(emulator.bucket, "step-2", "step-1", m1, m2)
+    client.signal("step-2", previous_identity="step-1")
+    client.wait_ready("step-2", timeout_s=30)
+    os.remove(Path(emulator.bucket) / "step-1" / "model-00001.safetensors")
+    emulator.restart_replica(1)
+    rep = restarted(emulator, 1)
+    assert (rep["stage"], rep["identity"], rep["target"], rep["readiness"]) == ("error", None, "step-2", True)
+    assert "rebuilding 'step-2' failed" in rep["error"] and "step-1/model-00001.safetensors" in rep["error"]
+    assert served(emulator)[0] == ("step-2", digest_map(m2))
+    write_delta_snapshot(emulator.bucket, "step-3", "step-2", m2, perturb(m2, seed=2))
+    with pytest.raises(HotLoadError, match="HTTP 400.*not the snapshot the replicas serve"):
+        client.signal("step-3", previous_identity="step-2")
+    load_full(emulator, client, "step-4", seed=4)
+    assert served(emulator)[0] == served(emulator)[1]
+
+
+def test_a_file_rewritten_after_its_signal_fails_the_restart(emulator: HotLoadEmulator) -> None:
+    client = client_for(emulator)
+    load_full(emulator, client, "step-1")
+    victim = Path(emulator.bucket) / "step-1" / "config.json"
+    victim.write_text(victim.read_text() + " ")
+    emulator.restart_replica(0)
+    assert "changed after it was signalled" in restarted(emulator, 0)["error"]
+
+
+def test_a_replica_serving_the_base_model_restarts_empty(emulator: HotLoadEmulator) -> None:
+    client = client_for(emulator)
+    client.status()  # names the deployment
+    emulator.restart_replica(1)
+    rep = restarted(emulator, 1)
+    assert (rep["stage"], rep["identity"], rep["error"], rep["readiness"]) == ("idle", None, None, True)
+    with pytest.raises(ValueError, match="replica must be in"):
+        emulator.restart_replica(2)
+    with pytest.raises(ValueError, match="no deployment"):
+        emulator.restart_replica(0, deployment="accounts/acct/deployments/other")
+
+
+def test_a_chain_older_than_the_kept_ledger_rows_is_named(tmp_path: Path) -> None:
+    bucket = tmp_path / "bucket"
+    with HotLoadEmulator(str(bucket), replicas=1, api_key=EMULATOR_API_KEY, history_limit=2) as emu:
+        client = client_for(emu)
+        m1 = load_full(emu, client, "step-1")
+        m2 = perturb(m1, seed=1)
+        for identity, parent, before, after in (("step-2", "step-1", m1, m2), ("step-3", "step-2", m2,
+                                                                               perturb(m2, seed=2))):
+            write_delta_snapshot(bucket, identity, parent, before, after)
+            client.signal(identity, previous_identity=parent)
+            client.wait_ready(identity, timeout_s=30)
+        emu.restart_replica(0)
+        assert "'step-1', a link of the chain to 'step-3', is older than" in restarted(emu, 0)["error"]
+        assert "history_limit=2" in emu.state()["deployments"][DEP]["replicas"][0]["error"]
+
+
+def test_a_delta_whose_chunks_carry_no_crc_is_refused(emulator: HotLoadEmulator) -> None:
+    """The reader takes files written before chunks carried a CRC-32; the emulator, standing for what this
+    library must write, does not, so a writer that dropped them fails its tests."""
+    import json
+
+    client = client_for(emulator)
+    m1 = load_full(emulator, client, "step-1")
+    folder = write_delta_snapshot(emulator.bucket, "step-2", "step-1", m1, perturb(m1, seed=1))
+    victim = folder / "model-00002.safetensors"
+
+    def drop_crcs(doc: dict[str, Any]) -> None:
+        table = json.loads(doc["__metadata__"]["arc_tensors"])
+        for entry in table.values():
+            for chunk in entry["chunks"]:
+                chunk.pop("crc32")
+        doc["__metadata__"]["arc_tensors"] = json.dumps(table)
+
+    victim.write_bytes(_corrupt_header(victim.read_bytes(), drop_crcs))
+    client.signal("step-2", previous_identity="step-1")
+    with pytest.raises(HotLoadError, match="failed to load"):
+        client.wait_ready("step-2", timeout_s=30)
+    (dep,) = emulator.state()["deployments"].values()
+    assert all("model-00002.safetensors: tensor" in r["error"] and "without a CRC-32" in r["error"]
+               for r in dep["replicas"])
+
+
+def test_retention_keeps_every_link_a_restarted_replica_needs(tmp_path: Path) -> None:
+    """keep_last=1 deletes all but the newest snapshot and the chain it stands on: a replica restarted after
+    any publish must still rebuild the served bytes from what is left."""
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=2, api_key="test-key") as emu:
+        cfg = config(bucket, emu, tmp_path, full_every=3, keep_last=1)
+        with TensorPublisher(model, cfg) as pub:
+            for step in range(8):
+                train_step(model, step)
+                assert pub.publish(step, model)
+                pub.wait()
+                emu.restart_replica(step % 2)
+                rep = restarted(emu, step % 2, count=step // 2 + 1)
+                assert rep["error"] is None, rep["error"]
+                for identity, digests in served_by(emu):
+                    assert (identity, digests) == (pub.metrics[-1].identity, expected_sha(model))
+        assert [m.kind for m in pub.metrics] == ["full", "delta", "delta"] * 2 + ["full", "delta"]
+        left = sorted(p.name for p in Path(bucket).iterdir() if p.is_dir())
+        assert left == sorted(m.identity for m in pub.metrics[-2:])  # the others were deleted
