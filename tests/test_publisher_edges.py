@@ -290,3 +290,47 @@ def test_an_all_f32_base_checkpoint_published_as_bf16_is_not_warned_about(tmp_pa
     with caplog.at_level("WARNING", logger="fsdp_hotload"):
         TensorPublisher(model, HotloadConfig(bucket_url=str(tmp_path / "bucket"), hf_config_dir=str(base))).close()
     assert "narrower" not in caplog.text and "base checkpoint" not in caplog.text
+
+
+def test_other_one_byte_floats_round_trip_as_trained(tmp_path: Path) -> None:
+    """AMD's fp8 (the FNUZ formats) and the E8M0 block scales of MXFP8 checkpoints were unknown to the format:
+    a model holding them could not publish at all. They keep their dtype, bytes for bytes, through a full
+    snapshot and a delta; the safetensors header spells them as safetensors does."""
+    import json
+
+    import safetensors
+
+    g = torch.Generator().manual_seed(7)
+    raw = {n: torch.randint(0, 256, (16, 8), generator=g, dtype=torch.uint8) for n in ("a", "b", "c")}
+    raw["a"][raw["a"] == 0x80] = 0  # 0x80 is the FNUZ formats' one NaN: any other byte is a number
+    dtypes = {"a": torch.float8_e4m3fnuz, "b": torch.float8_e5m2fnuz, "c": torch.float8_e8m0fnu}
+    names = {"a": "model.layers.0.mlp.up_proj.weight", "b": "model.layers.0.mlp.down_proj.weight",
+             "c": "model.layers.0.mlp.up_proj.weight_scale"}
+    model = {names[k]: raw[k].view(dtypes[k]) for k in raw}
+    model["model.norm.weight"] = torch.ones(8)
+    with TensorPublisher(model, _config(tmp_path, busy_policy="wait")) as pub:
+        pub.publish(0, model)
+        for k in raw:
+            raw[k][3, 2:5] += 1  # the trainer's update, in place
+        raw["a"][raw["a"] == 0x80] = 1
+        pub.publish(1, model)
+    assert [(m.kind, m.ok) for m in pub.metrics] == [("full", True), ("delta", True)]
+    served = rebuild_accepted(tmp_path / "bucket", pub.metrics)[pub.metrics[1].identity]
+    for k, name in names.items():
+        assert served[name].to_torch().dtype == dtypes[k]
+        assert served[name].data.tobytes() == raw[k].numpy().tobytes(), name
+    headers: dict[str, dict[str, object]] = {}
+    for full in (tmp_path / "bucket" / pub.metrics[0].identity).glob("model-*.safetensors"):
+        with safetensors.safe_open(str(full), "np"):  # the reference reader takes each file
+            blob = full.read_bytes()
+        headers.update(json.loads(blob[8:8 + int.from_bytes(blob[:8], "little")]))
+    assert [headers[names[k]]["dtype"] for k in raw] == ["F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0"]
+
+
+@pytest.mark.parametrize("dtype", ["float4_e2m1fn_x2", "F4"])
+def test_elements_smaller_than_a_byte_are_refused_with_what_to_do(dtype: str) -> None:
+    from fsdp_hotload.arc import FormatError
+    from fsdp_hotload.arc.dtypes import code_from_name, itemsize
+
+    with pytest.raises(FormatError, match="smaller than a byte.*as U8"):
+        itemsize(code_from_name(dtype))

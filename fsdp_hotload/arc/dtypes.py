@@ -28,6 +28,9 @@ DTYPES: dict[str, tuple[int, str, str | None]] = {
     "I8": (1, "int8", "int8"),
     "F8_E4M3": (1, "float8_e4m3fn", None),
     "F8_E5M2": (1, "float8_e5m2", None),
+    "F8_E4M3FNUZ": (1, "float8_e4m3fnuz", None),  # AMD's fp8 (no negative zero, one NaN)
+    "F8_E5M2FNUZ": (1, "float8_e5m2fnuz", None),
+    "F8_E8M0": (1, "float8_e8m0fnu", None),  # an exponent only: the block scales of MXFP8/MXFP4 checkpoints
     "I16": (2, "int16", "int16"),
     "U16": (2, "uint16", "uint16"),
     "F16": (2, "float16", "float16"),
@@ -40,7 +43,14 @@ DTYPES: dict[str, tuple[int, str, str | None]] = {
     "F64": (8, "float64", "float64"),
 }
 # The floating codes: the dtypes a snapshot may cast floating tensors to (integer and bool tensors keep theirs).
-FLOAT_CODES: frozenset[str] = frozenset({"F8_E4M3", "F8_E5M2", "F16", "BF16", "F32", "F64"})
+# Not F8_E8M0: a power of two per element is a scale format, and a cast to it would keep only each exponent.
+FLOAT_CODES: frozenset[str] = frozenset({"F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F16", "BF16", "F32",
+                                         "F64"})
+# Codes (and torch names) of elements smaller than a byte: a safetensors shape counts them, not bytes, and torch
+# packs two float4 values per element (float4_e2m1fn_x2), so shapes would disagree between the two.
+_SUB_BYTE = {"F4": "float4_e2m1fn_x2", "F6_E2M3": "float6_e2m3", "F6_E3M2": "float6_e3m2"}
+_SUB_BYTE_HINT = ("elements smaller than a byte are not supported; publish the packed bytes as U8 (uint8), as MXFP4 "
+                  "checkpoints (gpt-oss) store their blocks")
 _TORCH_TO_CODE = {v[1]: k for k, v in DTYPES.items()}
 _NUMPY_TO_CODE = {v[2]: k for k, v in DTYPES.items() if v[2] is not None}
 UINT_BY_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -51,6 +61,8 @@ def itemsize(code: str) -> int:
     try:
         return DTYPES[code][0]
     except KeyError:
+        if isinstance(code, str) and code in _SUB_BYTE:
+            raise FormatError(f"unsupported dtype {code!r}: {_SUB_BYTE_HINT}") from None
         raise FormatError(f"unsupported dtype {code!r} (supported: {', '.join(DTYPES)})") from None
 
 
@@ -67,6 +79,8 @@ def code_from_name(name: str) -> str:
         return name
     if name in _TORCH_TO_CODE:
         return _TORCH_TO_CODE[name]
+    if name in _SUB_BYTE or name in _SUB_BYTE.values():
+        raise FormatError(f"unsupported dtype {name!r}: {_SUB_BYTE_HINT}")
     raise FormatError(f"unsupported dtype {name!r}")
 
 
