@@ -69,6 +69,11 @@ class HotloadConfig(BaseModel):
     keep_last: int | None = Field(None, ge=1, description="retention: keep the last K committed snapshots "
                                                           "(and every base they depend on), and those of another "
                                                           "publisher live under the same root; None keeps all")
+    retention_grace_s: float = Field(3600.0, gt=0, description="retention: how long after its last commit a run "
+                                                               "before this one (a restart, or a paused run, under "
+                                                               "the same root) keeps its snapshots, since a "
+                                                               "deployment may still serve them; raise it for runs "
+                                                               "paused longer")
     hf_config_dir: str | None = Field(None, description="folder with config.json and tokenizer files to copy "
                                                         "into every snapshot")
     # --- who gets signalled

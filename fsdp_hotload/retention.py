@@ -338,21 +338,22 @@ def session_of(identity: str) -> str:
     return identity.rsplit("-", 1)[-1]
 
 
-#: A session whose newest commit is younger than this is live: a trainer that publishes every few minutes may have
-#: committed a while ago and nothing since, and the snapshot its deployment serves must not go (its clock may also
-#: run behind this one's). Older, it is a finished run (a trainer restarted into the same bucket leaves one).
+#: A session whose newest commit is younger than this is live (the default of ``retention_grace_s``): a trainer
+#: that publishes every few minutes may have committed a while ago and nothing since, and the snapshot its
+#: deployment serves must not go (its clock may also run behind this one's). Older, it is a finished run (a
+#: trainer restarted into the same bucket leaves one).
 LIVE_GRACE_S = 3600.0
 
 
-def live_sessions(snapshots: Iterable[CommitInfo], session: str, since: float, now: float | None = None
-                  ) -> dict[str, list[str]]:
+def live_sessions(snapshots: Iterable[CommitInfo], session: str, since: float, now: float | None = None, *,
+                  grace_s: float = LIVE_GRACE_S) -> dict[str, list[str]]:
     """Other publishers' sessions that committed a snapshot since this one started (``since``), or less than
-    ``LIVE_GRACE_S`` before ``now`` (default: ``since``), with all their snapshots. Why: a bucket shared by two
+    ``grace_s`` before ``now`` (default: ``since``), with all their snapshots. Why: a bucket shared by two
     trainers (by mistake, or two experiments under one root) must not lose one trainer's served snapshots to the
     other's retention; a session silent for longer is a finished run, whose snapshots retention may delete as
     usual. Judged at ``now`` for the runs before this one: a run that crashed just before its restart stays live
     for an hour, not for the whole new run."""
-    cutoff = min(since, (since if now is None else now) - LIVE_GRACE_S)
+    cutoff = min(since, (since if now is None else now) - grace_s)
     by_session: dict[str, list[CommitInfo]] = {}
     for snap in snapshots:
         if session_of(snap.identity) != session:
@@ -422,22 +423,23 @@ def _abort_abandoned_uploads(storage: Storage, committed: list[CommitInfo], sess
                     "failed upload of this run" if owner == session else "finished run")
 
 
-def retain_after(storage: Storage, keep_last: int, identity: str, *, session: str, since: float) -> None:
+def retain_after(storage: Storage, keep_last: int, identity: str, *, session: str, since: float,
+                 grace_s: float = LIVE_GRACE_S) -> None:
     """:func:`apply_retention` once ``identity`` is served, protecting it: a problem is logged, not raised, since
     the snapshot is served already and the next publish tries again."""
     try:
-        apply_retention(storage, keep_last, protected={identity}, session=session, since=since)
+        apply_retention(storage, keep_last, protected={identity}, session=session, since=since, grace_s=grace_s)
     except Exception as exc:  # noqa: BLE001
         logger.warning("hotload: retention after %s failed (retried at the next publish): %s", identity, exc)
 
 
 def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] = frozenset(), *,
                     delete_incomplete: bool = False, session: str | None = None, since: float = 0.0,
-                    now: float | None = None) -> list[str]:
+                    now: float | None = None, grace_s: float = LIVE_GRACE_S) -> list[str]:
     """Delete the snapshots :func:`plan_retention` gives up, and return their identities (in deletion order).
 
     With ``session`` (the caller's identity suffix) and ``since`` (when the caller started, ``time.time()``),
-    snapshots of another session that committed since then, or within ``LIVE_GRACE_S`` of ``now`` (default:
+    snapshots of another session that committed since then, or within ``grace_s`` of ``now`` (default:
     ``time.time()``), are kept with their chains; a warning names a session that committed since this one
     started: another publisher is live under this root. Folders without a marker that a finished session left (a crash
     mid-upload) go too, once every file in them is ``INCOMPLETE_GRACE_S`` older than ``since`` (or than the
@@ -462,7 +464,7 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
     committed = list_committed(storage, dirs=dirs)
     by_id = {c.identity: c for c in committed}
     now = time.time() if now is None else now
-    live = live_sessions(committed, session, since, now) if session is not None else {}
+    live = live_sessions(committed, session, since, now, grace_s=grace_s) if session is not None else {}
     if session is not None:
         for other, identities in live.items():
             protected |= frozenset(identities)
@@ -473,7 +475,7 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
             if before:
                 logger.info("hotload: keeping the snapshots of session %s (newest %s, committed before this "
                             "publisher started) until it has been silent for %g s: a deployment may still serve "
-                            "them", other, identities[-1], LIVE_GRACE_S)
+                            "them (retention_grace_s)", other, identities[-1], grace_s)
             else:
                 logger.warning("hotload: another publisher (session %s, newest snapshot %s) commits snapshots under "
                                "%s too; retention keeps them. Give each trainer its own bucket_url: two trainers "

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fsdp_hotload.config import HotloadConfig
 from fsdp_hotload.retention import (
     COMMIT_MARKER,
     CommitInfo,
@@ -272,12 +273,11 @@ def test_a_session_that_committed_shortly_before_this_start_is_live() -> None:
 
 
 def test_retention_keeps_a_live_publishers_snapshots_and_deletes_a_finished_runs(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Three publishers on one bucket, each with its own deployment and ``keep_last=2``. An earlier run's
     snapshots (finished before the others started; no grace here, so that it counts as finished at once) go;
     two live trainers keep each other's chains, so what every deployment serves can still be rebuilt from the
     bucket, bit for bit, and the warning names the other session once."""
-    monkeypatch.setattr("fsdp_hotload.retention.LIVE_GRACE_S", 0.0)
     from fsdp_hotload.emulator import HotLoadEmulator
     from fsdp_hotload.publish import TensorPublisher
     from fsdp_hotload.retention import list_committed, session_of
@@ -288,7 +288,7 @@ def test_retention_keeps_a_live_publishers_snapshots_and_deletes_a_finished_runs
     with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
         def publisher(model: dict, deployment: str) -> TensorPublisher:
             return TensorPublisher(model, config(bucket, emu, tmp_path, deployment_id=deployment, keep_last=2,
-                                                 busy_policy="wait"))
+                                                 busy_policy="wait", retention_grace_s=0.001))
 
         old_model = make_model(seed=3)
         with publisher(old_model, "dep-old") as old:
@@ -540,6 +540,24 @@ def test_a_run_restarted_into_the_same_bucket_lets_the_crashed_runs_snapshots_go
     deleted = apply_retention(st, keep_last=1, session="aaaaaaaa", since=start, now=start + 700)
     assert deleted == ["step-000011-bbbbbbbb", "step-000010-bbbbbbbb"]
     assert sorted(st.list_dirs()) == ["step-000000-aaaaaaaa", "step-000001-aaaaaaaa"]
+
+
+def test_retention_grace_s_keeps_a_run_paused_for_longer(tmp_path: Path) -> None:
+    """A run paused for two hours, whose deployment still serves its newest snapshot, lost its chain to another
+    run's keep_last after the fixed hour; retention_grace_s (config) sets how long such a run counts as live."""
+    st = Storage(str(tmp_path))
+    start = time.time()
+    files = {"model-00001-of-00001.safetensors": {"size": 4}}
+    paused = start - 2 * 3600
+    _publish(st, CommitInfo("step-000010-bbbbbbbb", "full", None, files, paused - 60))
+    _publish(st, CommitInfo("step-000011-bbbbbbbb", "delta", "step-000010-bbbbbbbb", files, paused))
+    _publish(st, CommitInfo("step-000000-aaaaaaaa", "full", None, files, start + 5))
+    assert apply_retention(st, keep_last=1, session="aaaaaaaa", since=start, now=start + 10,
+                           grace_s=3 * 3600) == []
+    assert apply_retention(st, keep_last=1, session="aaaaaaaa", since=start, now=start + 10) == [
+        "step-000011-bbbbbbbb", "step-000010-bbbbbbbb"]  # the default hour
+    with pytest.raises(ValueError, match="retention_grace_s"):
+        HotloadConfig(bucket_url=str(tmp_path), retention_grace_s=0)
 
 
 def test_a_foreign_folder_with_a_name_no_publisher_makes_is_never_listed(tmp_path: Path) -> None:

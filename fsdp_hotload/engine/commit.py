@@ -81,7 +81,8 @@ class Committer:
             from ..retention import retain_after
 
             prog.stage("served; applying retention (keep_last)")
-            retain_after(self.storage, self.config.keep_last, identity, session=self.session, since=self.started)
+            retain_after(self.storage, self.config.keep_last, identity, session=self.session, since=self.started,
+                         grace_s=self.config.retention_grace_s)
         return Outcome(m.ok, m.error, m)
 
     def _write_manifests(self, identity: str, kind: str, parent: str | None, files: dict[str, int],
