@@ -174,7 +174,8 @@ class Replica:
         self.stage = "idle"
         self.target: str | None = None
         self.error: str | None = None
-        self.busy = False
+        self.busy = False  # loads queued or running (a restart is not one: it leaves what the replica will serve)
+        self.restoring: str | None = None  # the identity a restart is rebuilding
         self.tensors: dict[str, RawTensor] = {}
         self.weight_map: dict[str, str] | None = None
         self.summary: dict[str, dict[str, Any]] = {}
@@ -196,9 +197,15 @@ class Replica:
                 "error": self.error, "restarts": self.restarts,
                 "tensors": {k: dict(v) for k, v in self.summary.items()}}
 
+    def _loads_queued(self) -> bool:
+        """Whether a load waits in the queue (caller holds the deployment lock, on this replica's thread: puts
+        happen under the lock, gets on this thread only)."""
+        return any(isinstance(job, _Job) for job in list(self.jobs.queue))
+
     def forget(self) -> None:
         """Ledger reset: back to the base model (caller holds the deployment lock)."""
         self.current, self.tensors, self.weight_map, self.summary = None, {}, None, {}
+        self.restoring = None
         self.readiness, self.error, self.target = True, None, None
         self.stage = "idle"
 
@@ -216,6 +223,7 @@ class Replica:
                 self.dep.settings.record_error(exc)
                 with self.dep.lock:
                     self.stage, self.error, self.readiness, self.busy = "error", f"internal error: {exc!r}", True, False
+                    self.restoring = None
 
     def _set_stage(self, job: _Job | _Restart, stage: str) -> None:
         with self.dep.lock:
@@ -226,7 +234,7 @@ class Replica:
         row, dep = job.row, self.dep
         with dep.lock:
             if job.generation != dep.generation:  # cancelled by a ledger reset
-                self.busy = not self.jobs.empty()
+                self.busy = self._loads_queued()
                 return
             self.busy, self.stage, self.target, self.error = True, "downloading", row.identity, None
             parent, parent_map, current = self.tensors, self.weight_map, self.current
@@ -238,7 +246,7 @@ class Replica:
                 time.sleep(0.01)
             if job.generation != dep.generation:  # ledger reset or shutdown while waiting
                 with dep.lock:
-                    self.busy = not self.jobs.empty()
+                    self.busy = self._loads_queued()
                 return
             if row.previous is not None and current != row.previous:
                 raise LoadError(f"delta {row.identity!r} applies to {row.previous!r}, but replica {self.index} "
@@ -257,7 +265,7 @@ class Replica:
             return
         with dep.lock:
             if job.generation != dep.generation:
-                self.busy = not self.jobs.empty()
+                self.busy = self._loads_queued()
                 return
             self.readiness, self.stage = False, "swapping"  # the only window in which the replica is not ready
         summary = summarize(tensors)
@@ -267,7 +275,7 @@ class Replica:
                 self.stage = "done"
                 row.per_replica[self.index].update(stage="done", ready_at=time.time())
             self.readiness = True
-            self.busy = not self.jobs.empty()
+            self.busy = self._loads_queued()
         log.info("emulator %s replica %d serves %r", dep.key, self.index, row.identity)
 
     def _restore(self, job: _Restart) -> None:
@@ -279,15 +287,16 @@ class Replica:
         dep = self.dep
         with dep.lock:
             if job.generation != dep.generation:
-                self.busy = not self.jobs.empty()
+                self.busy = self._loads_queued()
                 return
             identity, self.restarts = self.current, self.restarts + 1
             self.current, self.tensors, self.weight_map, self.summary = None, {}, None, {}
             if identity is None:  # it served the base model: nothing to rebuild
                 self.readiness, self.stage, self.target, self.error = True, "idle", None, None
-                self.busy = not self.jobs.empty()
+                self.busy = self._loads_queued()
                 return
             self.readiness, self.stage, self.target, self.error = False, "downloading", identity, None
+            self.restoring = identity
             try:
                 chain, problem = dep.chain_to(identity), None
             except LoadError as exc:
@@ -298,6 +307,8 @@ class Replica:
             if problem is not None:
                 raise LoadError(problem)
             for row in chain:
+                if job.generation != dep.generation:  # a ledger reset or shutdown: the result would be dropped
+                    break
                 tensors, weight_map, config = load_snapshot(
                     dep.settings.get_bytes, row.identity, previous=row.previous,
                     compression_format=row.compression_format, parent=tensors, parent_weight_map=weight_map,
@@ -309,9 +320,10 @@ class Replica:
             failure = f"{type(exc).__name__}: {exc}"
         except Exception as exc:  # anything else a corrupt input can trigger is still a load error
             failure = f"unexpected {type(exc).__name__} while loading: {exc}"
-        summary = summarize(tensors) if failure is None else {}
+        summary = summarize(tensors) if failure is None and job.generation == dep.generation else {}
         with dep.lock:
             if job.generation == dep.generation:
+                self.restoring = None
                 if failure is None:
                     self.tensors, self.weight_map, self.summary, self.current = tensors, weight_map, summary, identity
                     self.stage = "done"
@@ -319,7 +331,7 @@ class Replica:
                     self.stage, self.error = "error", f"after a restart, rebuilding {identity!r} failed: {failure}"
                     log.warning("emulator %s replica %d: %s", dep.key, self.index, self.error)
                 self.readiness = True
-            self.busy = not self.jobs.empty()
+            self.busy = self._loads_queued()
 
     def _fail(self, job: _Job, message: str) -> None:
         log.warning("emulator %s replica %d failed to load %r: %s", self.dep.key, self.index, job.row.identity,
@@ -328,7 +340,7 @@ class Replica:
             if job.generation == self.dep.generation:
                 self.stage, self.target, self.error = "error", job.row.identity, message
                 job.row.per_replica[self.index].update(stage="error", error=message, failed_at=time.time())
-            self.busy = not self.jobs.empty()
+            self.busy = self._loads_queued()
 
 
 class Deployment:
@@ -411,7 +423,7 @@ class Deployment:
                 if previous not in self.signalled:
                     raise SignalRejected(400, f"previous_snapshot_identity {previous!r} is not in the ledger of "
                                               f"{self.key!r}")
-                served = [r.current for r in self.replicas]
+                served = [r.current if r.restoring is None else r.restoring for r in self.replicas]
                 if any(r.busy for r in self.replicas):  # "serves immediately before this load": after the queue
                     if previous != self.ledger[-1].identity:
                         raise SignalRejected(400, f"previous_snapshot_identity {previous!r} is not the snapshot "
@@ -432,7 +444,7 @@ class Deployment:
             self.ledger.append(row)
             self.signalled.add(identity)
             for rep in self.replicas:
-                if not rep.busy:
+                if not rep.busy and rep.restoring is None:
                     rep.stage, rep.target, rep.error = "pending", identity, None
                 rep.busy = True
                 rep.jobs.put(_Job(row, self.generation))
@@ -457,9 +469,7 @@ class Deployment:
     def restart_replica(self, index: int) -> None:
         """Restart replica ``index`` once the loads queued on it are done (see :meth:`Replica._restore`)."""
         with self.lock:
-            rep = self.replicas[index]
-            rep.busy = True
-            rep.jobs.put(_Restart(self.generation))
+            self.replicas[index].jobs.put(_Restart(self.generation))
 
     def chain_to(self, identity: str) -> list[LedgerRow]:
         """The ledger rows that rebuild ``identity``: a full snapshot, then each delta up to it (caller holds the

@@ -348,7 +348,11 @@ def _open(address: tuple[str, int], deadline: float, canceller: Canceller | None
     host, port = address
     last: OSError | None = None
     for family, kind, proto, _, sockaddr in _resolve(host, port, deadline, canceller):
-        sock = socket.socket(family, kind, proto)
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError as exc:  # e.g. IPv6 turned off in the kernel: the next address may be IPv4
+            last = exc
+            continue
         try:
             _connect(sock, sockaddr, host, deadline, canceller)
         except (TimeoutError, RequestCancelled):
@@ -392,7 +396,17 @@ def _resolve(host: str, port: int, deadline: float, canceller: Canceller | None)
             lookup = _lookups[(host, port)] = _Lookup()
         lookup.waiters.add(woken)
     if fresh:
-        threading.Thread(target=_look_up, args=(host, port, lookup), name="hotload-resolve", daemon=True).start()
+        try:
+            threading.Thread(target=_look_up, args=(host, port, lookup), name="hotload-resolve",
+                             daemon=True).start()
+        except BaseException as exc:  # no thread (a process at its limit): no lookup to wait for, now or later
+            with _lookups_lock:
+                if _lookups.get((host, port)) is lookup:
+                    del _lookups[(host, port)]
+                lookup.waiters.discard(woken)
+            if isinstance(exc, Exception):
+                raise OSError(f"resolving the host name {host!r}: {type(exc).__name__}: {exc}") from None
+            raise
     if canceller is not None:
         canceller.watch(woken)
     try:
@@ -408,10 +422,22 @@ def _resolve(host: str, port: int, deadline: float, canceller: Canceller | None)
         raise TimeoutError(f"resolving the host name {host!r} did not finish by the deadline")
     failed = lookup.answer[0]
     if isinstance(failed, BaseException):  # a fresh exception per waiter: one raised in several threads is shared
-        if isinstance(failed, socket.gaierror):
-            raise socket.gaierror(*failed.args)
-        raise OSError(f"resolving the host name {host!r}: {type(failed).__name__}: {failed}")
+        try:  # of the same type: a UnicodeError (a label over 63 characters) is no transient error to retry
+            fresh_error = type(failed)(*failed.args)
+        except Exception:  # noqa: BLE001 - a type that cannot be rebuilt from its args
+            fresh_error = OSError(f"resolving the host name {host!r}: {type(failed).__name__}: {failed}")
+        raise fresh_error from None
     return cast("list[tuple[Any, ...]]", lookup.answer[0])
+
+
+def _forget_lookups() -> None:
+    """In a forked child: the lookups in flight belong to the parent's threads, which the child does not have."""
+    global _lookups_lock
+    _lookups.clear()
+    _lookups_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_lookups)
 
 
 def _look_up(host: str, port: int, lookup: _Lookup) -> None:
@@ -434,7 +460,7 @@ def _connect(sock: socket.socket, sockaddr: tuple[Any, ...], host: str, deadline
     err = sock.connect_ex(sockaddr)
     poller = select.poll()
     poller.register(sock, select.POLLOUT)
-    while err in (errno.EINPROGRESS, errno.EALREADY, errno.EWOULDBLOCK, errno.EINTR):
+    while err in (errno.EINPROGRESS, errno.EALREADY, errno.EINTR):  # not EAGAIN: for TCP, a failure (no ports)
         if canceller is not None and canceller.cancelled:
             raise RequestCancelled("the client was cancelled while connecting to the API's host")
         left = deadline - time.monotonic()
@@ -485,6 +511,8 @@ def _exchange(conn: http.client.HTTPConnection, method: str, url: str, payload: 
               headers: dict[str, str], deadline: float, timeout: float, watchdog: _Watchdog) -> Reply:
     try:
         conn.connect()
+    except ssl.SSLCertVerificationError:  # not sent either, but no retry can pass it: the caller says so at once
+        raise
     except OSError as exc:
         raise NotSent(f"{type(exc).__name__}: {exc}") from exc
     conn.request(method, url, body=payload, headers=headers)

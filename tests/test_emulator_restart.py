@@ -12,7 +12,7 @@ from fsdp_hotload.emulator import HotLoadEmulator
 from fsdp_hotload.fireworks import HotLoadError
 from fsdp_hotload.publish import TensorPublisher
 from tests.emulator_fixture import EMULATOR_API_KEY, digest_map, perturb, write_delta_snapshot
-from tests.test_emulator import DEP, client_for, load_full, served
+from tests.test_emulator import DEP, client_for, load_full, served, settle
 from tests.test_format import _corrupt_header
 from tests.test_publisher import config, expected_sha, make_model, train_step
 from tests.test_publisher import served as served_by
@@ -71,6 +71,51 @@ def test_a_chain_broken_in_storage_fails_the_restart_and_then_every_delta(emulat
         client.signal("step-3", previous_identity="step-2")
     load_full(emulator, client, "step-4", seed=4)
     assert served(emulator)[0] == served(emulator)[1]
+
+
+@pytest.mark.parametrize("when", ["queued", "running"])
+def test_a_restart_does_not_loosen_the_delta_check(emulator: HotLoadEmulator, when: str) -> None:
+    """A restart marked its replica busy, which switches the check of a delta's parent to "the newest ledger
+    row" for the whole deployment: with replica 1 still on step-1 (its load of step-2 failed), a delta on
+    step-2 was taken while replica 0 restarted, and then failed on replica 1."""
+    client = client_for(emulator)
+    m1 = load_full(emulator, client, "step-1")
+    m2 = perturb(m1, seed=1)
+    write_delta_snapshot(emulator.bucket, "step-2", "step-1", m1, m2)
+    emulator.fail_next_loads(1, replica=1)
+    client.signal("step-2", previous_identity="step-1")
+    settle(emulator, "step-2")
+    write_delta_snapshot(emulator.bucket, "step-3", "step-2", m2, perturb(m2, seed=2))
+    real = emulator.settings.get_bytes
+    emulator.settings.get_bytes = lambda path: (time.sleep(0.2), real(path))[1]  # a restore that takes a while
+    emulator.restart_replica(0)
+    if when == "running":
+        deadline = time.monotonic() + 10
+        while emulator.state()["deployments"][DEP]["replicas"][0]["restarts"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    with pytest.raises(HotLoadError, match="HTTP 400.*not the snapshot the replicas serve.*'step-2', 'step-1'"):
+        client.signal("step-3", previous_identity="step-2")
+    emulator.settings.get_bytes = real
+    assert restarted(emulator, 0)["identity"] == "step-2"
+
+
+def test_a_delta_signalled_during_a_restore_applies_after_it(emulator: HotLoadEmulator) -> None:
+    client = client_for(emulator)
+    m1 = load_full(emulator, client, "step-1")
+    m2 = perturb(m1, seed=1)
+    write_delta_snapshot(emulator.bucket, "step-2", "step-1", m1, m2)
+    real = emulator.settings.get_bytes
+    emulator.settings.get_bytes = lambda path: (time.sleep(0.1), real(path))[1]
+    emulator.restart_replica(1)
+    deadline = time.monotonic() + 10
+    while emulator.state()["deployments"][DEP]["replicas"][1]["restarts"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    client.signal("step-2", previous_identity="step-1")  # replica 1 will serve step-1 again: the delta applies
+    emulator.settings.get_bytes = real
+    client.wait_ready("step-2", timeout_s=30)
+    assert served(emulator) == [("step-2", digest_map(m2))] * 2
 
 
 def test_a_file_rewritten_after_its_signal_fails_the_restart(emulator: HotLoadEmulator) -> None:

@@ -124,3 +124,46 @@ def test_a_connect_cut_by_the_deadline_counts_as_not_sent() -> None:
         with pytest.raises(NotSent, match="did not finish by the deadline"):
             send_once(urllib.parse.urlsplit(url), "GET", "/", None, {}, 0.5, ssl.create_default_context())
         assert time.monotonic() - started < 2.0
+
+
+def test_an_address_no_socket_can_be_made_for_gives_way_to_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As socket.create_connection does: a family the kernel refuses (IPv6 turned off) ended the connect."""
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, port: Any, *args: Any, **kw: Any) -> Any:
+        if host != STALLED:
+            return real(host, port, *args, **kw)
+        return [(12345, socket.SOCK_STREAM, 6, "", ("nowhere", port))] + real("127.0.0.1", port, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    with serve(answering(200, READY)) as url:
+        assert make_client(_stalled_url(url), allow_insecure=True).status().replicas[0].readiness
+
+
+def test_a_lookup_thread_that_cannot_start_leaves_nothing_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its entry stayed in the shared lookups, so every later request for the host waited out its deadline."""
+    start = threading.Thread.start
+
+    def refuse(self: threading.Thread) -> None:
+        if self.name == "hotload-resolve":
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    with serve(answering(200, READY)) as url:
+        client = make_client(url.replace("127.0.0.1", "localhost"), retry_budget_s=0.5)
+        monkeypatch.setattr(threading.Thread, "start", refuse)
+        with pytest.raises(HotLoadError, match="can't start new thread"):
+            client.status()
+        monkeypatch.setattr(threading.Thread, "start", start)
+        started = time.monotonic()
+        assert client.status().replicas[0].readiness
+        assert time.monotonic() - started < 0.5
+
+
+def test_a_name_no_lookup_can_take_is_not_retried() -> None:
+    """A label over 63 characters fails IDNA encoding: no retry can send it (it was retried for the budget)."""
+    client = make_client(f"https://{'a' * 64}.example.com", retry_budget_s=30)
+    started = time.monotonic()
+    with pytest.raises(HotLoadError, match="could not be sent: UnicodeError"):
+        client.status()
+    assert time.monotonic() - started < 2.0

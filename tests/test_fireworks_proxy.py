@@ -13,6 +13,7 @@ import select
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -280,3 +281,16 @@ def test_a_400_to_a_status_poll_points_at_the_model_and_deployment(tmp_path: Pat
         with pytest.raises(HotLoadError, match="fireworks-model") as err:
             _client(emu.url, model_id="other").status()
     assert "check model_id" in str(err.value) and "incremental_snapshot_metadata" not in str(err.value)
+
+
+def test_a_certificate_that_fails_verification_is_not_retried(tmp_path: Path) -> None:
+    """ssl's verification error is an OSError, so the connect wrapped it as a connection that could not be made
+    and the client retried it for its whole budget, ending in "no answer" rather than the certificate's fault."""
+    _, cert, key = _tls_files(tmp_path)  # signed by a CA this client does not trust
+    with tls_api(cert, key) as (port, got):
+        client = _client(f"https://127.0.0.1:{port}", retry_budget_s=30)
+        started = time.monotonic()
+        with pytest.raises(HotLoadError, match="TLS certificate verification failed") as info:
+            client.signal("step-1")
+        assert time.monotonic() - started < 5.0
+    assert "system CA certificates" in str(info.value) and got == []

@@ -300,6 +300,8 @@ def test_other_one_byte_floats_round_trip_as_trained(tmp_path: Path) -> None:
 
     import safetensors
 
+    if not all(hasattr(torch, n) for n in ("float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")):
+        pytest.skip(f"torch {torch.__version__} lacks one of these dtypes")
     g = torch.Generator().manual_seed(7)
     raw = {n: torch.randint(0, 256, (16, 8), generator=g, dtype=torch.uint8) for n in ("a", "b", "c")}
     raw["a"][raw["a"] == 0x80] = 0  # 0x80 is the FNUZ formats' one NaN: any other byte is a number

@@ -179,7 +179,9 @@ class RawTensor:
         """A CPU torch tensor sharing (a copy of) these bytes, with the original dtype and shape."""
         import torch
 
-        dtype = getattr(torch, torch_name(self.dtype))
+        dtype = getattr(torch, torch_name(self.dtype), None)
+        if dtype is None:  # float8_e8m0fnu came with torch 2.7; bytes are still bytes (.data)
+            raise FormatError(f"torch {torch.__version__} has no {torch_name(self.dtype)}; use .data")
         if self.nbytes == 0:
             return torch.empty(self.shape, dtype=dtype)
         return torch.from_numpy(self.data.copy()).view(dtype).reshape(self.shape)
