@@ -251,12 +251,7 @@ class Replica:
             if row.previous is not None and current != row.previous:
                 raise LoadError(f"delta {row.identity!r} applies to {row.previous!r}, but replica {self.index} "
                                 f"serves {current!r}")
-            tensors, weight_map, config = load_snapshot(
-                dep.settings.get_bytes, row.identity, previous=row.previous,
-                compression_format=row.compression_format, parent=parent, parent_weight_map=parent_map,
-                base_shapes=dep.settings.base.shapes, on_stage=lambda s: self._set_stage(job, s))
-            check_config(config, dep.settings.base.config, row.ignore, row.identity)
-            check_unchanged_since_signal(dep.settings.list_files, row)
+            tensors, weight_map = self._read(job, row, parent, parent_map)
         except (LoadError, ArcError) as exc:
             self._fail(job, f"{type(exc).__name__}: {exc}")
             return
@@ -277,6 +272,19 @@ class Replica:
             self.readiness = True
             self.busy = self._loads_queued()
         log.info("emulator %s replica %d serves %r", dep.key, self.index, row.identity)
+
+    def _read(self, job: _Job | _Restart, row: LedgerRow, parent: dict[str, RawTensor],
+              parent_map: dict[str, str] | None) -> tuple[dict[str, RawTensor], dict[str, str]]:
+        """``row``'s snapshot rebuilt from the bucket on top of ``parent`` and checked as the service checks it;
+        raises LoadError/ArcError."""
+        settings = self.dep.settings
+        tensors, weight_map, config = load_snapshot(
+            settings.get_bytes, row.identity, previous=row.previous, compression_format=row.compression_format,
+            parent=parent, parent_weight_map=parent_map, base_shapes=settings.base.shapes,
+            on_stage=lambda s: self._set_stage(job, s))
+        check_config(config, settings.base.config, row.ignore, row.identity)
+        check_unchanged_since_signal(settings.list_files, row)
+        return tensors, weight_map
 
     def _restore(self, job: _Restart) -> None:
         """A restart: the weights are gone; rebuild the snapshot served before it from the bucket, as a new
@@ -309,12 +317,7 @@ class Replica:
             for row in chain:
                 if job.generation != dep.generation:  # a ledger reset or shutdown: the result would be dropped
                     break
-                tensors, weight_map, config = load_snapshot(
-                    dep.settings.get_bytes, row.identity, previous=row.previous,
-                    compression_format=row.compression_format, parent=tensors, parent_weight_map=weight_map,
-                    base_shapes=dep.settings.base.shapes, on_stage=lambda s: self._set_stage(job, s))
-                check_config(config, dep.settings.base.config, row.ignore, row.identity)
-                check_unchanged_since_signal(dep.settings.list_files, row)
+                tensors, weight_map = self._read(job, row, tensors, weight_map)
             failure = None
         except (LoadError, ArcError) as exc:
             failure = f"{type(exc).__name__}: {exc}"
