@@ -355,15 +355,11 @@ def _open(address: tuple[str, int], deadline: float, canceller: Canceller | None
             continue
         try:
             _connect(sock, sockaddr, host, deadline, canceller)
-        except (TimeoutError, RequestCancelled):
+        except BaseException as exc:
             sock.close()
-            raise
-        except OSError as exc:  # refused or unreachable: the next address may answer
-            sock.close()
-            last = exc
-        except BaseException:
-            sock.close()
-            raise
+            if not isinstance(exc, OSError) or isinstance(exc, TimeoutError):  # cancelled, or out of time
+                raise
+            last = exc  # refused or unreachable: the next address may answer
         else:
             return sock
     raise last if last is not None else OSError(f"no address to connect to for {host}")
