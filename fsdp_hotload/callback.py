@@ -235,7 +235,8 @@ class HotloadCallback:
                  "the tensors transformers' save_pretrained writes for this model")
         notes = [*policy.notes(source_dtypes(self.model, **kw)),
                  adapter_note(tensor_paths(self.model, include_buffers=False)),
-                 names_note((name for name, _shape, _dtype in self._specs), base, saved=saved),
+                 names_note([*(name for name, _shape, _dtype in self._specs), *(t.name for t in self.engine.carried)],
+                            base, saved=saved),
                  shapes_note(((name, shape) for name, shape, _dtype in self._specs), base or saved, where=where),
                  narrowed_note(((name, dtype) for name, _shape, dtype in self._specs),
                                self._base_tensors()[1])]

@@ -33,7 +33,7 @@ ENV_PREFIX = "HOTLOAD_"
 #: credentials) may differ per node.
 RANK_SHARED_FIELDS = ("bucket_url", "codec", "snapshot_dtype", "dtype_overrides", "max_file_bytes", "full_every",
                       "max_chain_length", "publish_every", "identity_prefix", "busy_policy", "max_inflight",
-                      "publish_on_close", "keep_training_on_error", "send_hints")
+                      "publish_on_close", "keep_training_on_error", "send_hints", "carry_base_tensors")
 MAX_TIMEOUT_S = 30 * 24 * 3600.0  # a finite bound: gloo takes timeouts as integer milliseconds
 # HOTLOAD_* variables the package reads that are not config fields (codec switches read by arc/zstd_seq.py and
 # arc/codecs.py); from_env accepts these and rejects every other unknown HOTLOAD_* variable.
@@ -76,6 +76,11 @@ class HotloadConfig(BaseModel):
                                                                "paused longer")
     hf_config_dir: str | None = Field(None, description="folder with config.json and tokenizer files to copy "
                                                         "into every snapshot")
+    carry_base_tensors: list[str] = Field(default_factory=list, description="globs of base-checkpoint tensors the "
+                                          "trainer does not hold (DeepSeek-V3's MTP layer: 'model.layers.61.*'), "
+                                          "carried unchanged into every snapshot from the *.safetensors files in "
+                                          "hf_config_dir (rank 0 reads them), so that full snapshots cover the base "
+                                          "model")
     # --- who gets signalled
     hotload_api_url: str | None = Field(None, description="hot-load API base URL (e.g. https://api.fireworks.ai);"
                                                           " None publishes to storage without signalling")
@@ -201,6 +206,13 @@ class HotloadConfig(BaseModel):
             raise ValueError("dtype_overrides has an empty glob")
         return {pattern: override_dtype(pattern, dtype) for pattern, dtype in v.items()}
 
+    @field_validator("carry_base_tensors")
+    @classmethod
+    def _carry_globs(cls, v: list[str]) -> list[str]:
+        if any(not pattern.strip() for pattern in v):
+            raise ValueError("carry_base_tensors has an empty glob")
+        return v
+
     @field_validator("bucket_url")
     @classmethod
     def _bucket(cls, v: str) -> str:
@@ -259,6 +271,13 @@ class HotloadConfig(BaseModel):
         if info.field_name == "storage_options":
             return mask_secrets(value)
         return mask_url(value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _carry_needs_base(self) -> "HotloadConfig":
+        if self.carry_base_tensors and not self.hf_config_dir:
+            raise ValueError("carry_base_tensors is set, so hf_config_dir must be set too: the carried tensors are "
+                             "read from the base checkpoint's *.safetensors files there")
+        return self
 
     @model_validator(mode="after")
     def _signalling_complete(self) -> "HotloadConfig":

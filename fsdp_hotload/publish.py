@@ -104,7 +104,8 @@ class TensorPublisher:
         self.engine = Publisher(self.chunks, specs, config, **engine_kwargs)
         if self.engine.rank == 0:
             try:
-                _warn_against_base(specs, config.hf_config_dir)
+                carried = [TensorSpec(t.name, t.shape, t.dtype) for t in self.engine.carried]
+                _warn_against_base([*specs, *carried], config.hf_config_dir)
             except Exception as exc:  # noqa: BLE001 - advice only: it must not stop rank 0 alone
                 log.warning("hotload: the start-up checks against the base checkpoint failed: %r", exc)
 

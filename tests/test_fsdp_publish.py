@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from fsdp_hotload.emulator import HotLoadEmulator
 from tests.dist_util import SCRIPTS, run_torchrun
@@ -19,7 +20,7 @@ def run_job(tmp_path: Path, nproc: int, mode: str, *extra: str) -> tuple[list[di
     bucket.mkdir()
     out = tmp_path / "records.json"
     hf = tmp_path / "hf"
-    hf.mkdir()
+    hf.mkdir(exist_ok=True)  # a test may have put base weights there
     (hf / "config.json").write_text('{"model_type": "tiny", "tie_word_embeddings": true}')
     with HotLoadEmulator(str(bucket), replicas=2, api_key="test-key") as emu:
         run_torchrun(str(SCRIPTS / "train_publish.py"), nproc,
@@ -44,6 +45,36 @@ def test_forty_steps_bit_exact(tmp_path: Path, nproc: int, mode: str) -> None:
     assert all(r["ok"] and r["serves_current"] and r["bit_exact"] for r in recs), recs
     # config.json says tie_word_embeddings: the shared weight is published once, under the embedding's name
     assert "model.embed_tokens.weight" in recs[-1]["tensors"] and "lm_head.weight" not in recs[-1]["tensors"]
+
+
+def test_base_tensors_the_model_lacks_are_carried_bit_exact(tmp_path: Path) -> None:
+    """carry_base_tensors in a real FSDP2 job: two MTP-like layers of the base checkpoint, which the model does not
+    have, are served as the checkpoint stores them beside the trained tensors, through fulls and deltas; rank 0
+    reads them, and rank 1 writes the file of one of them from what rank 0 sent."""
+    from fsdp_hotload.arc import save_file
+    from fsdp_hotload.arc.dtypes import RawTensor
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    g = torch.Generator().manual_seed(3)
+    files = {"model-00001-of-00002.safetensors": {"model.layers.8.eh_proj.weight": torch.randn(40, 20, generator=g),
+                                                  "model.layers.8.norm.weight": torch.randn(20, generator=g)},
+             "model-00002-of-00002.safetensors": {"model.layers.9.eh_proj.weight": torch.randn(8, 20, generator=g)}}
+    digests, weight_map = {}, {}
+    for fname, tensors in files.items():
+        raw = {k: RawTensor.from_any(v.bfloat16()) for k, v in tensors.items()}
+        (hf / fname).write_bytes(save_file(raw))
+        digests.update((k, t.digest()) for k, t in raw.items())
+        weight_map.update(dict.fromkeys(raw, fname))
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (tmp_path / "carried.json").write_text(json.dumps(digests))
+    recs, tail = run_job(tmp_path, 2, "fsdp2", "--steps", "8", "--full-every", "4",
+                         "--carry", '["model.layers.8.*", "model.layers.9.*"]',
+                         "--carried-digests", str(tmp_path / "carried.json"))
+    assert [r["kind"] for r in recs] == (["full"] + ["delta"] * 3) * 2
+    assert all(r["ok"] and r["serves_current"] and r["bit_exact"] for r in recs), recs
+    assert set(digests) <= set(recs[-1]["tensors"])
+    assert tail["carried_owners"] == [0, 1]
 
 
 def test_fsdp_over_tensor_parallelism_is_served_bit_exact(tmp_path: Path) -> None:

@@ -73,6 +73,7 @@ def test_every_field_round_trips_through_its_flag(deployment_id: Any, tmp_path: 
         bucket_url="s3://b/p", storage_options={"endpoint_url": "http://x", "n": 3}, upload_concurrency=3,
         storage_attempts=9,
         max_file_bytes=123456, keep_last=4, retention_grace_s=7200, hf_config_dir=str(tmp_path),
+        carry_base_tensors=["model.layers.61.*", "mtp.*"],
         hotload_api_url="https://api.fireworks.ai",
         account_id="007", model_id="false", deployment_id=deployment_id, api_key="12", ready_timeout_s=5.5,
         poll_interval_s=0.5, collective_timeout_s=90, send_hints=False, reset_prompt_cache="none", full_every=3,

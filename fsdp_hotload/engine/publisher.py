@@ -54,6 +54,7 @@ from ..retention import SESSION, discard_snapshot
 from ..storage import Storage
 from .assemble import Piece, RawPiece, assemble_delta_file, assemble_full_file, assign_owners
 from .cadence import Cadence, next_step
+from .carry import Carrier, agree_on_carried
 from .commit import Committer
 from .comm import Comm, LocalComm, agree_on_start, exchange_objects
 from .encode import ChunkEncoder, auto_workers
@@ -87,8 +88,12 @@ class Publisher:
         self.chunks = list(chunks)
         self.signaller: Signaller | None = None
         made: list[Any] = []  # closed if the set-up fails on any rank
-        problem: BaseException | None = None
+        self.carried, problem = agree_on_carried(self.ctrl, config.carry_base_tensors, config.hf_config_dir,
+                                                 (s.name for s in specs))
+        specs = [*specs, *(TensorSpec(t.name, t.shape, t.dtype) for t in self.carried)]
         try:  # set-up that can fail on some ranks only (rank 0 alone reads hf_config_dir and writes the metrics)
+            if problem is not None:
+                raise problem
             self.plan: ShardPlan = plan_shards(specs, max_file_bytes=config.max_file_bytes)
             self.owners = assign_owners(self.plan, self.world)
             for c in self.chunks:
@@ -103,6 +108,7 @@ class Publisher:
             made.append(self.stager)
             self.chunks = self.stager.chunks  # without their sources, which only the stager holds (see ChunkInfo)
             self.codec = get_codec(config.codec)
+            self._carrier = Carrier(self.carried, self.codec) if self.rank == 0 and self.carried else None
             self.metrics = MetricsSink(config.metrics_path if self.rank == 0 else None)
             base_files = hf_aux_files(config.hf_config_dir) if self.rank == 0 else {}  # read once: tokenizers are big
             self._aux = carried_files(base_files, [s.dtype for s in specs])
@@ -540,6 +546,8 @@ class Publisher:
             self._last_accepted = max(self._last_accepted, job.step)
             self.stager.promote(job.buf)
             self._cache_parts = new_parts
+            if self._carrier is not None:
+                self._carrier.accepted(kind)
             self.cadence.on_success(identity, kind)
         else:
             self._errors.store(PublishError(outcome.error or "publish failed"), job.seq)  # before the slot is free
@@ -566,6 +574,10 @@ class Publisher:
             if s.numel:  # a plain tuple until its file's assembly (see Piece)
                 owner = self.owners[self.plan.file_of(c.name)]
                 outgoing[owner].append((c.name, c.space, tuple(c.box.start), tuple(c.box.length), payload, parts))
+        if self._carrier is not None:  # rank 0: the base tensors the trainer does not hold
+            for piece in self._carrier.pieces(kind):
+                outgoing[self.owners[self.plan.file_of(piece[0])]].append(piece)
+            st.elements += self._carrier.elements
         st.encode_s = time.perf_counter() - t0 - st.diff_s
         return encoded.parts
 

@@ -64,6 +64,8 @@ def main() -> None:
     p.add_argument("--dtype-overrides", default="{}", help="HotloadConfig.dtype_overrides, as JSON")
     p.add_argument("--publish-every", type=int, default=1)
     p.add_argument("--encode-workers", type=int, default=None, help="HotloadConfig.encode_workers")
+    p.add_argument("--carry", default="[]", help="HotloadConfig.carry_base_tensors, as JSON")
+    p.add_argument("--carried-digests", default=None, help="JSON file: the digests replicas must serve for them")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -74,7 +76,8 @@ def main() -> None:
                         deployment_id="dep", api_key="test-key", hf_config_dir=args.hf_dir, full_every=args.full_every, poll_interval_s=0.02,
                         ready_timeout_s=60, keep_training_on_error=True, busy_policy=args.busy_policy,
                         dtype_overrides=json.loads(args.dtype_overrides), publish_every=args.publish_every,
-                        encode_workers=args.encode_workers)
+                        encode_workers=args.encode_workers, carry_base_tensors=json.loads(args.carry))
+    carried = json.loads(Path(args.carried_digests).read_text()) if args.carried_digests else {}
     def open_fds() -> int:  # gloo groups hold sockets: a callback that leaks its side groups shows here
         return len(os.listdir("/proc/self/fd"))
 
@@ -107,10 +110,11 @@ def main() -> None:
             faulty.arm(0)
         # as the job's config.json says, in the dtypes the config asks for
         full = gather_full_state(model, tie_word_embeddings=True, dtype_overrides=cfg.dtype_overrides)
-        by_step[step] = {k: RawTensor.from_any(v).digest() for k, v in full.items()} if rank == 0 else {}
+        by_step[step] = {**{k: RawTensor.from_any(v).digest() for k, v in full.items()}, **carried} \
+            if rank == 0 else {}
         if rank == 0 and not args.no_wait:
             m = cb.metrics[-1]
-            expected[m.identity] = {k: RawTensor.from_any(v).digest() for k, v in full.items()}
+            expected[m.identity] = by_step[step]
             reps = served(args.url)
             records.append({"step": step, "published_step": m.step, "kind": m.kind, "ok": m.ok, "identity": m.identity,
                             "ratio": m.ratio, "changed": m.changed_fraction,
@@ -134,7 +138,9 @@ def main() -> None:
     fds_after = open_fds()
     if rank == 0:
         records.append({"walks": cb.walks, "fds_before": fds_before, "fds_after": fds_after,
-                        "encode_workers": cb.engine.encoder.workers})
+                        "encode_workers": cb.engine.encoder.workers,
+                        "carried_owners": sorted({cb.engine.owners[cb.engine.plan.file_of(t.name)]
+                                                  for t in cb.engine.carried})})
         Path(args.out).write_text(json.dumps(records, indent=1))
     dist.barrier()
     finish()
