@@ -2,11 +2,14 @@
 whose SYN is never answered, against real sockets on loopback."""
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import ssl
 import threading
 import time
 import urllib.parse
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -167,3 +170,47 @@ def test_a_name_no_lookup_can_take_is_not_retried() -> None:
     with pytest.raises(HotLoadError, match="could not be sent: UnicodeError"):
         client.status()
     assert time.monotonic() - started < 2.0
+
+
+def test_a_forked_child_looks_up_for_itself(stalled_resolver: dict[str, int]) -> None:
+    """A lookup in flight when the process forks belongs to a parent's thread, which the child does not have: the
+    child's requests for that host must not wait on it (they would wait out every deadline, never answered)."""
+    parent = os.getpid()
+    real = socket.getaddrinfo
+
+    def in_child_at_once(host: Any, port: Any, *args: Any, **kw: Any) -> Any:
+        if os.getpid() != parent and host == STALLED:  # the child's resolver answers
+            return real("127.0.0.1", port, *args, **kw)
+        return stalled(host, port, *args, **kw)
+
+    stalled = socket.getaddrinfo
+    socket.getaddrinfo = in_child_at_once
+    try:
+        with serve(answering(200, READY)) as url:
+            client = make_client(_stalled_url(url), allow_insecure=True, retry_budget_s=30.0, timeout_s=30)
+            def poll() -> None:
+                with contextlib.suppress(HotLoadError):  # its outcome is not the point: its lookup is
+                    client.status()
+
+            waiting = threading.Thread(target=poll, daemon=True)
+            waiting.start()
+            deadline = time.monotonic() + 10
+            while stalled_resolver["lookups"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert stalled_resolver["lookups"] == 1  # the parent's lookup is in flight
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads: this test's point
+                pid = os.fork()
+            if pid == 0:  # the child: one status call, on a short budget
+                code = 1
+                try:
+                    child = make_client(_stalled_url(url), allow_insecure=True, retry_budget_s=3.0, timeout_s=3)
+                    code = 0 if child.status() else 2
+                finally:
+                    os._exit(code)
+            started = time.monotonic()
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0
+            assert time.monotonic() - started < 3.0
+    finally:
+        socket.getaddrinfo = stalled
