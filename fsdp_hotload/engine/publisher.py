@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 import weakref
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
 import torch
@@ -52,7 +52,7 @@ from ..hf_config import carried_files, dropped_config_keys, hf_aux_files
 from ..layout import ShardPlan, TensorSpec, plan_shards
 from ..retention import SESSION, discard_snapshot
 from ..storage import Storage
-from .assemble import Piece, RawPiece, assemble_delta_file, assemble_full_file, assign_owners
+from .assemble import RawPiece, assign_owners
 from .cadence import Cadence, next_step
 from .carry import Carrier, agree_on_carried
 from .commit import Committer
@@ -61,10 +61,11 @@ from .encode import ChunkEncoder, auto_workers
 from .exits import abandon, deadline_after, left, track
 from .jobs import Job, Outcome, PublishError, RankStatus
 from .metrics import MetricsSink
-from .pool import DaemonPool, StoredError, serve_weakly, start_warm_up, stop_dropped, weak_getter
+from .pool import StoredError, serve_weakly, start_warm_up, stop_dropped, weak_getter
 from .progress import ProgressLog, PublishProgress
 from .signal import Signaller, warn_if_side_group_short
 from .staging import ChunkLike, Stager
+from .writer import FileWriter
 
 log = logging.getLogger("fsdp_hotload")
 
@@ -150,6 +151,9 @@ class Publisher:
                                    started=time.time())  # snapshots others commit after this are a live run's
         if self.rank == 0:
             self.committer.prepare()
+        self.writer = FileWriter(self.plan, self.owners, self.rank, self.storage, codec=self.codec.name,
+                                 signaller=self.signaller, send_hints=config.send_hints,
+                                 concurrency=config.upload_concurrency)
         self._cache_parts: list[tuple[int, int]] = [(0, 0)] * len(self.chunks)
         workers = config.encode_workers or auto_workers(self.stager.device)
         self.encoder = ChunkEncoder(self.chunks, self.stager, self.codec, workers=workers,
@@ -168,7 +172,6 @@ class Publisher:
         self._agreed_busy: Callable[[], int] | None = None
         self.early_agreement = False  # set while a caller starts each agreement with agree() (see there)
         self._copying: Job | None = None  # the job whose host copy runs on the stager's helper thread
-        self._uploads: DaemonPool | None = None  # file writers, started by (and as nice as) the publisher
         self._progress = ProgressLog(config.progress_log_s if self.rank == 0 else None,
                                      trainer_step=weak_getter(self, "latest_step"),
                                      name=f"hotload-progress-{self.rank}")
@@ -186,7 +189,7 @@ class Publisher:
         self._api_lock = threading.RLock()
         self._closing = False
         # Dropped without close(), the publisher is collected (its thread holds it weakly) and this ends the rest.
-        self._helpers: list[Any] = [self.encoder, self.stager, self._progress]
+        self._helpers: list[Any] = [self.writer, self.encoder, self.stager, self._progress]
         if self.signaller is not None:
             self._helpers.append(self.signaller)
         self._finalizer = weakref.finalize(self, stop_dropped, self._queue, self._helpers)
@@ -457,8 +460,7 @@ class Publisher:
         """Stop the helper threads and free the buffers; after the publisher thread ended (an abandoned one's
         thread calls it itself, once its stuck call returned)."""
         self._finalizer.detach()
-        if self._uploads is not None:
-            self._uploads.shutdown()
+        self.writer.shutdown()
         self.encoder.close()
         if self._warm_up is not None:  # a cold numba cache compiles for seconds: within close()'s deadline
             self._warm_up.join(left(deadline))
@@ -531,7 +533,7 @@ class Publisher:
         st.route_s = time.perf_counter() - t0
         if st.error is None:
             try:
-                self._write_owned(identity, kind, parent, incoming, st)
+                self.writer.write(identity, kind, parent, incoming, st, self._prog)
             except Exception as exc:  # noqa: BLE001
                 st.error = f"rank {self.rank}: upload failed: {exc!r}"
         st.blocking_ms = job.blocking_ms  # read late: a background copy's fence adds its wait to it
@@ -588,43 +590,6 @@ class Publisher:
         incoming, error = exchange_objects(self.comm, outgoing, failed=st.error is not None)
         st.error = st.error or error
         return [pieces or [] for pieces in incoming]
-
-    def _write_owned(self, identity: str, kind: str, parent: str | None, incoming: list[list[RawPiece]],
-                     st: RankStatus) -> None:
-        by_file: dict[str, list[RawPiece]] = {f: [] for f, r in self.owners.items() if r == self.rank}
-        for pieces in incoming:
-            for p in pieces:
-                by_file[self.plan.file_of(p[0])].append(p)
-            pieces.clear()  # by_file holds them now, and lets each file's go once it is assembled
-        before = self.storage.stats.snapshot()
-        t0 = time.perf_counter()
-
-        def write(filename: str) -> tuple[str, int]:
-            pieces = by_file.pop(filename)
-            if kind == "full":
-                blob: bytes | bytearray = assemble_full_file(self.plan, filename, [Piece._make(p) for p in pieces])
-            else:
-                assert parent is not None
-                blob = assemble_delta_file(self.plan, filename, pieces, parent_identity=parent,
-                                           codec=self.codec.name)
-            del pieces
-            self.storage.put_bytes(f"{identity}/{filename}", blob)
-            self._prog.file_written(len(blob))
-            if self.signaller is not None and self.config.send_hints:
-                self.signaller.hint(identity, filename, parent if kind == "delta" else None)
-            return filename, len(blob)
-
-        if self._uploads is None:  # one pool for the publisher's life: no thread start-up per publish
-            self._uploads = DaemonPool(self.config.upload_concurrency, f"hotload-upload-{self.rank}")
-            self._helpers.insert(0, self._uploads)
-        self._prog.stage("uploading", files=len(by_file))
-        futures = [self._uploads.submit(write, f) for f in sorted(by_file)]
-        wait(futures)  # every write has ended before the snapshot's outcome is decided, failed or not
-        st.files = dict(f.result() for f in futures)
-        st.upload_s = time.perf_counter() - t0
-        after = self.storage.stats.snapshot()
-        st.throttled = int(after.get("throttled", 0) - before.get("throttled", 0))
-        st.retries = int(after.get("retries", 0) - before.get("retries", 0))
 
     def _finish(self, job: Job, identity: str, kind: str, parent: str | None,
                 statuses: list[RankStatus] | None) -> Outcome:

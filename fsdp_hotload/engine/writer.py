@@ -1,0 +1,78 @@
+"""Writing the files of a snapshot that this rank owns: assembled from every rank's pieces, uploaded, hinted.
+
+Each file has one owner rank (:func:`~.assemble.assign_owners`), which puts the pieces of its tensors together
+(raw bytes for a full snapshot, codec payloads for a delta) and uploads the file. Files are written on a pool of
+``concurrency`` threads started at the first snapshot, from the publisher's thread, so that they inherit its nice
+value; every write has ended, failed or not, before the snapshot's outcome is decided.
+
+Example::
+
+    writer = FileWriter(plan, owners, rank, storage, codec="arc_v2", signaller=None, send_hints=False,
+                        concurrency=8)
+    writer.write(identity, "full", None, incoming, status, progress)   # incoming: every rank's pieces for us
+    writer.shutdown()
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import wait
+from typing import Any
+
+from ..layout import ShardPlan
+from ..storage import Storage
+from .assemble import Piece, RawPiece, assemble_delta_file, assemble_full_file
+from .jobs import RankStatus
+from .pool import DaemonPool
+from .progress import PublishProgress
+
+
+class FileWriter:
+    """The owner's side of a snapshot's files (see the module docstring)."""
+
+    def __init__(self, plan: ShardPlan, owners: dict[str, int], rank: int, storage: Storage, *, codec: str,
+                 signaller: Any, send_hints: bool, concurrency: int) -> None:
+        self.plan, self.owners, self.rank, self.storage = plan, owners, rank, storage
+        self.codec, self.signaller, self.send_hints, self.concurrency = codec, signaller, send_hints, concurrency
+        self._pool: DaemonPool | None = None
+
+    def write(self, identity: str, kind: str, parent: str | None, incoming: list[list[RawPiece]], st: RankStatus,
+              prog: PublishProgress) -> None:
+        """Assemble, upload and hint every file this rank owns; records files, times, throttles and retries in
+        ``st``. Empties ``incoming`` as it goes, so each file's pieces are freed once it is assembled."""
+        by_file: dict[str, list[RawPiece]] = {f: [] for f, r in self.owners.items() if r == self.rank}
+        for pieces in incoming:
+            for p in pieces:
+                by_file[self.plan.file_of(p[0])].append(p)
+            pieces.clear()  # by_file holds them now, and lets each file's go once it is assembled
+        before = self.storage.stats.snapshot()
+        t0 = time.perf_counter()
+
+        def write(filename: str) -> tuple[str, int]:
+            pieces = by_file.pop(filename)
+            if kind == "full":
+                blob: bytes | bytearray = assemble_full_file(self.plan, filename, [Piece._make(p) for p in pieces])
+            else:
+                assert parent is not None
+                blob = assemble_delta_file(self.plan, filename, pieces, parent_identity=parent, codec=self.codec)
+            del pieces
+            self.storage.put_bytes(f"{identity}/{filename}", blob)
+            prog.file_written(len(blob))
+            if self.signaller is not None and self.send_hints:
+                self.signaller.hint(identity, filename, parent if kind == "delta" else None)
+            return filename, len(blob)
+
+        if self._pool is None:  # one pool for the publisher's life: no thread start-up per publish
+            self._pool = DaemonPool(self.concurrency, f"hotload-upload-{self.rank}")
+        prog.stage("uploading", files=len(by_file))
+        futures = [self._pool.submit(write, f) for f in sorted(by_file)]
+        wait(futures)  # every write has ended before the snapshot's outcome is decided, failed or not
+        st.files = dict(f.result() for f in futures)
+        st.upload_s = time.perf_counter() - t0
+        after = self.storage.stats.snapshot()
+        st.throttled = int(after.get("throttled", 0) - before.get("throttled", 0))
+        st.retries = int(after.get("retries", 0) - before.get("retries", 0))
+
+    def shutdown(self) -> None:
+        """Finish the writes submitted, then stop the pool's threads."""
+        if self._pool is not None:
+            self._pool.shutdown()
