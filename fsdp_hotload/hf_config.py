@@ -196,7 +196,13 @@ def dtype_note(files: dict[str, bytes], dtypes: Iterable[str]) -> str | None:
 
 
 # The config keys that describe quantized weights: vLLM reads compressed-tensors' older ``compression_config`` too.
-_QUANTIZATION_KEYS = ("quantization_config", "compression_config")
+QUANTIZATION_KEYS = ("quantization_config", "compression_config")
+
+
+def is_quantized(code: str) -> bool:
+    """Whether a safetensors dtype code is a quantized one (8 bits or fewer), which keeps the base config's
+    ``quantization_config`` in the snapshots' (:func:`without_unbacked_quantization`)."""
+    return str(code).upper().startswith(_QUANTIZED_PREFIXES)
 
 
 def without_unbacked_quantization(files: dict[str, bytes], dtypes: Iterable[str]) -> dict[str, bytes]:
@@ -206,7 +212,7 @@ def without_unbacked_quantization(files: dict[str, bytes], dtypes: Iterable[str]
     if raw is None:
         return files
     config = json.loads(raw)
-    if not isinstance(config, dict) or any(str(d).upper().startswith(_QUANTIZED_PREFIXES) for d in dtypes):
+    if not isinstance(config, dict) or any(map(is_quantized, dtypes)):
         return files
     nested = [path for path in _quantization_paths(config) if "." in path]
     if nested:
@@ -214,9 +220,9 @@ def without_unbacked_quantization(files: dict[str, bytes], dtypes: Iterable[str]
                     "carried unchanged (the hot-load API can be told to ignore top-level keys only, so leaving out a "
                     "nested one could fail the config check): a server that reads it expects quantized weights, so "
                     "point hf_config_dir at a copy without it if the fleet fails to load", " and ".join(nested))
-    if not any(k in config for k in _QUANTIZATION_KEYS):
+    if not any(k in config for k in QUANTIZATION_KEYS):
         return files
-    for key in _QUANTIZATION_KEYS:
+    for key in QUANTIZATION_KEYS:
         quant = config.pop(key, None)
         if quant is None:
             continue
@@ -231,7 +237,7 @@ def _quantization_paths(config: dict[str, Any], prefix: str = "") -> list[str]:
     """Dotted paths of the quantization keys in ``config`` and the configs nested in it (``text_config``, ...)."""
     found = []
     for key, value in config.items():
-        if key in _QUANTIZATION_KEYS:
+        if key in QUANTIZATION_KEYS:
             found.append(prefix + key)
         elif isinstance(value, dict):
             found += _quantization_paths(value, f"{prefix}{key}.")

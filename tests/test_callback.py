@@ -768,7 +768,7 @@ def test_a_publish_holds_few_tracked_objects_per_chunk(tmp_path: Path, monkeypat
     import gc
 
     from fsdp_hotload.arc import container
-    from fsdp_hotload.engine import publisher
+    from fsdp_hotload.engine import writer
 
     n, per_file = 4000, 500
     model = nn.Module()
@@ -786,8 +786,8 @@ def test_a_publish_holds_few_tracked_objects_per_chunk(tmp_path: Path, monkeypat
             return real(*args, **kwargs)
         return wrapped
 
-    monkeypatch.setattr(publisher, "assemble_full_file", counting("full", publisher.assemble_full_file))
-    monkeypatch.setattr(publisher, "assemble_delta_file", counting("delta", publisher.assemble_delta_file))
+    monkeypatch.setattr(writer, "assemble_full_file", counting("full", writer.assemble_full_file))
+    monkeypatch.setattr(writer, "assemble_delta_file", counting("delta", writer.assemble_delta_file))
     monkeypatch.setattr(container, "build_header", counting("header", container.build_header))
     try:
         for step in range(4):  # full, delta, then a full and a delta counted (the first made the plans and views)

@@ -97,9 +97,10 @@ def test_without_carrying_the_base_model_check_refuses_every_full(tmp_path: Path
             assert "model.layers.2" in (pub.metrics[-1].error or "")
 
 
-def test_carried_tensors_reach_the_rank_that_writes_their_file(tmp_path: Path) -> None:
-    """Two ranks (threads with their own comms): rank 0 reads the base files, and the carried tensors' file is
-    assigned to rank 1, which writes it from what rank 0 sent; every snapshot rebuilds bit for bit."""
+def test_rank_0_writes_the_files_of_carried_tensors(tmp_path: Path) -> None:
+    """Two ranks (threads with their own comms): rank 0 reads the base files, so it writes the carried tensors'
+    file (their bytes never cross to another rank), while rank 1 still writes files of its own; every snapshot
+    rebuilds bit for bit."""
     from tests.snapshots import rebuild_accepted
 
     bucket = str(tmp_path / "bucket")
@@ -131,7 +132,8 @@ def test_carried_tensors_reach_the_rank_that_writes_their_file(tmp_path: Path) -
     run_ranks(rank, 2)
     p0 = pubs[0]
     carried_file = p0.plan.file_of("model.layers.2.eh_proj.weight")
-    assert p0.owners[carried_file] == 1
+    assert p0.owners[carried_file] == 0 and 1 in p0.owners.values()
+    assert pubs[1].owners == p0.owners
     assert [m.kind for m in p0.metrics.records] == ["full", "delta", "delta", "full", "delta"]
     assert all(m.ok for m in p0.metrics.records)
     rebuilt = rebuild_accepted(bucket, p0.metrics.records)
@@ -144,7 +146,7 @@ def test_find_carried_names_what_is_wrong(tmp_path: Path, caplog: pytest.LogCapt
     model = make_model()
     base = hf_dir(tmp_path)
     write_base(base, model, sharded=True)
-    published = set(model)
+    published = {k: "BF16" for k in model}
     found = find_carried(str(base), ["model.layers.2.e*", "model.layers.0.*"], published)  # layer 0 is published
     assert [t.name for t in found] == ["model.layers.2.eh_proj.weight", "model.layers.2.enorm.weight",
                                        "model.layers.2.empty"]
@@ -155,8 +157,15 @@ def test_find_carried_names_what_is_wrong(tmp_path: Path, caplog: pytest.LogCapt
     assert find_carried(str(base), ["model.norm.*"], published) == []
     assert "nothing to carry" in caplog.text
     caplog.clear()
-    find_carried(str(base), ["*experts*"], published)
-    assert "F8_E4M3 as the checkpoint stores them" in caplog.text
+    find_carried(str(base), ["*experts*"], published)  # no quantization_config: a warning only
+    assert "are F8_E4M3 as the checkpoint stores them" in caplog.text
+    config = base / "config.json"
+    config.write_text(json.dumps({"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(ValueError, match=r"carry_base_tensors: 'model.layers.2.mlp.experts.0.down_proj.weight' "
+                                         r"\(F8_E4M3\) .* has a quantization_config"):
+        find_carried(str(base), ["*experts*"], published)
+    # a trainer that publishes quantized tensors itself keeps the config for its own: carrying changes nothing
+    assert len(find_carried(str(base), ["*experts*"], {**published, "x.weight": "F8_E4M3"})) == 1
 
     shard = base / "model-00002-of-00002.safetensors"
     good = shard.read_bytes()
@@ -172,6 +181,34 @@ def test_find_carried_names_what_is_wrong(tmp_path: Path, caplog: pytest.LogCapt
     (base / "model.safetensors.index.json").unlink()
     with pytest.raises(ValueError, match="holds no base weights"):
         find_carried(str(base), ["model.layers.2.*"], published)
+
+
+def test_carried_tensors_are_read_when_their_file_is_written_and_leave_nothing_open(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full snapshot reads each carried tensor when its file is assembled, into a buffer of its own, and closes
+    the file: mapping them kept a descriptor per tensor (DeepSeek-V3's MTP layer: ~800, past the usual limit of
+    1024), and a file truncated under a full was a SIGBUS. A relative hf_config_dir survives a chdir."""
+    from fsdp_hotload.arc.codecs import get_codec
+    from fsdp_hotload.engine.carry import Carrier
+
+    base = tmp_path / "hf"
+    base.mkdir()
+    many = {f"mtp.{i}.weight": RawTensor.from_any(torch.full((3, 5), float(i))) for i in range(300)}
+    (base / "model.safetensors").write_bytes(save_file(many))
+    monkeypatch.chdir(tmp_path)
+    found = find_carried("hf", ["mtp.*"], {})
+    monkeypatch.chdir("/")
+    carrier = Carrier(found, get_codec("arc_v2"))
+    before = len(os.listdir("/proc/self/fd"))
+    pieces = list(carrier.pieces("full"))
+    assert all(callable(p[4]) for p in pieces)  # nothing read yet
+    datas = [p[4]() for p in pieces]
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert [bytes(d) for d in datas] == [bytes(t.data) for t in many.values()]
+    data = (base / "model.safetensors").read_bytes()
+    (base / "model.safetensors").write_bytes(data[: len(data) // 2])  # rewritten in place, shorter
+    with pytest.raises(RuntimeError, match="carry_base_tensors: .*model.safetensors changed since the publisher"):
+        pieces[-1][4]()
 
 
 def test_a_base_file_replaced_while_training_fails_the_next_full(tmp_path: Path) -> None:

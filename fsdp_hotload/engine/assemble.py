@@ -12,7 +12,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple, Sequence
+from typing import Callable, Collection, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -41,7 +41,9 @@ class Piece(NamedTuple):
     space: str
     start: tuple[int, ...]
     length: tuple[int, ...]
-    data: bytes | np.ndarray  # full: the raw chunk bytes (uint8, possibly a view of the staged bytes); delta: payload
+    # full: the raw chunk bytes (uint8, possibly a view of the staged bytes), or a function that reads them when the
+    # file is assembled (a carried base tensor, on the rank that wrote it); delta: payload
+    data: bytes | np.ndarray | Callable[[], np.ndarray]
     parts: tuple[int, int] = (0, 0)  # Adler-32 shares of the new chunk bytes (delta)
 
     @property
@@ -49,16 +51,22 @@ class Piece(NamedTuple):
         return Box(self.start, self.length)
 
 
-RawPiece = tuple[str, str, tuple[int, ...], tuple[int, ...], bytes | np.ndarray, tuple[int, int]]  # see Piece
+RawPiece = tuple[str, str, tuple[int, ...], tuple[int, ...], "bytes | np.ndarray | Callable[[], np.ndarray]",
+                 tuple[int, int]]  # see Piece
 
 
-def assign_owners(plan: ShardPlan, world: int) -> dict[str, int]:
-    """File -> rank, balancing bytes greedily (largest files first); identical on every rank."""
+def assign_owners(plan: ShardPlan, world: int, on_rank_0: Collection[str] = ()) -> dict[str, int]:
+    """File -> rank, balancing bytes greedily (largest files first); identical on every rank. The files named in
+    ``on_rank_0`` (those holding carried base tensors, which rank 0 alone reads) go to rank 0, counted in its load."""
     load = [0] * world
     owners: dict[str, int] = {}
     sizes = sorted(((sum(plan.specs[n].nbytes for n in names), f) for f, names in plan.files.items()),
-                   key=lambda x: (-x[0], x[1]))
+                   key=lambda x: (x[1] not in on_rank_0, -x[0], x[1]))
     for size, f in sizes:
+        if f in on_rank_0:
+            owners[f] = 0
+            load[0] += size
+            continue
         r = min(range(world), key=lambda i: (load[i], i))
         owners[f] = r
         load[r] += size
@@ -97,7 +105,9 @@ def assemble_full_file(plan: ShardPlan, filename: str, pieces: list[Piece]) -> b
         check_tiling([p.box for p in ps], sshape)
         size = spec.nbytes // max(numel(spec.shape), 1)
         for p in ps:
-            scatter(view[pos:pos + spec.nbytes], np.frombuffer(p.data, dtype=np.uint8), p.box, sshape, size)
+            data = p.data() if callable(p.data) else p.data
+            scatter(view[pos:pos + spec.nbytes], np.frombuffer(data, dtype=np.uint8), p.box, sshape, size)
+            del data
         pos += spec.nbytes
     return out
 

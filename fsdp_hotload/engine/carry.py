@@ -3,29 +3,33 @@
 Why: the service checks a full snapshot's tensors against its base model, and some checkpoints hold tensors that
 no trainer builds. DeepSeek-V3's multi-token-prediction layer (``model.layers.61.*``, ~14 B parameters) is in its
 checkpoint, while transformers' model class and the usual RL trainers leave it out; every full snapshot without it
-is refused. Rank 0 reads such tensors from the base checkpoint's files in ``hf_config_dir`` and sends them to the
-ranks that write their files: a full snapshot gets their bytes as the checkpoint stores them, a delta an unchanged
-entry (a few bytes per tensor) whose Adler-32 is that of the bytes the last accepted full snapshot carried.
+is refused. Rank 0 reads such tensors from the base checkpoint's files in ``hf_config_dir`` and writes every
+snapshot file that holds one (:func:`~.assemble.assign_owners` gives it those files): a full snapshot gets their
+bytes as the checkpoint stores them, a delta an unchanged entry (one zstd frame of zeros with ``arc_v2``, ~100
+bytes per MB of tensor; 19 bytes with ``arc_sparse_v1``) whose Adler-32 is that of the bytes the last accepted full
+snapshot carried.
 
-The files are memory-mapped, read-only: a full snapshot pulls their pages through the page cache, which the kernel
-can reclaim, instead of holding a private copy. A base file replaced while training (a new download) fails the
-next full snapshot with an error naming it, rather than carrying bytes the fleet's chain was not built from.
+A full snapshot reads each carried tensor only when its file is assembled (the piece's data is a function), with
+plain reads into a buffer of its own: memory-mapping the files held a descriptor per tensor (~800 for DeepSeek-V3's
+MTP layer, past the usual limit of 1024 open files) and turned a file truncated under a full into a SIGBUS. A base
+file replaced or rewritten while training fails the next full snapshot with an error naming it, rather than
+carrying bytes the fleet's chain was not built from.
 
 Example::
 
-    found = find_carried("/models/dsv3", ["model.layers.61.*"], published={"model.embed_tokens.weight", ...})
+    found = find_carried("/models/dsv3", ["model.layers.61.*"], published={"model.embed_tokens.weight": "BF16"})
     carrier = Carrier(found, get_codec("arc_v2"))
-    pieces = list(carrier.pieces("full"))      # (name, "flat", (0,), (numel,), bytes, parts) per tensor
+    pieces = list(carrier.pieces("full"))      # (name, "flat", (0,), (numel,), read, parts) per tensor
 """
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import logging
-import mmap
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -34,13 +38,13 @@ from ..arc.codecs import Codec, ElementDiff
 from ..arc.dtypes import UINT_BY_SIZE, itemsize, numel
 from ..arc.errors import FormatError
 from ..arc.stio import MAX_HEADER_BYTES, parse_header
+from ..hf_config import QUANTIZATION_KEYS, is_quantized
 from .assemble import RawPiece
 
 log = logging.getLogger("fsdp_hotload")
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-_QUANTIZED = ("F8", "I8", "U8", "F4", "F6")
 
 
 @dataclass(frozen=True)
@@ -62,30 +66,40 @@ class CarriedTensor:
     stamp: tuple[int, int]  # (size, mtime_ns) of ``file`` when found
 
     def read(self) -> np.ndarray:
-        """The tensor's bytes, mapped from its file (read-only). Raises RuntimeError naming the file when it is not
-        the file that was found at start (replaced or rewritten since)."""
-        with open(self.file, "rb") as fh:
-            st = os.fstat(fh.fileno())
-            if (st.st_size, st.st_mtime_ns) != self.stamp:
-                raise RuntimeError(f"carry_base_tensors: {self.file} changed since the publisher started (size or "
-                                   f"modification time), so {self.name!r} may no longer hold the base model's bytes; "
-                                   "restore it, or restart training to carry the new file")
-            if self.nbytes == 0:
-                return np.empty(0, dtype=np.uint8)
-            start = self.offset - self.offset % mmap.ALLOCATIONGRANULARITY  # mmap offsets are page-aligned
-            mapped = mmap.mmap(fh.fileno(), self.offset + self.nbytes - start, access=mmap.ACCESS_READ, offset=start)
-        return np.frombuffer(mapped, dtype=np.uint8, count=self.nbytes, offset=self.offset - start)
+        """The tensor's bytes (a buffer of its own). Raises RuntimeError naming ``carry_base_tensors`` and the file
+        when it cannot be read, or is not the file found at start (replaced or rewritten, before or while read)."""
+        out = np.empty(self.nbytes, dtype=np.uint8)
+        try:
+            with open(self.file, "rb", buffering=0) as fh:
+                self._check(os.fstat(fh.fileno()))
+                fh.seek(self.offset)
+                view, got = memoryview(out), 0
+                while got < self.nbytes:
+                    n = fh.readinto(view[got:])
+                    if not n:
+                        raise OSError(f"the file ends {self.nbytes - got} bytes before the tensor does")
+                    got += n
+                self._check(os.fstat(fh.fileno()))  # rewritten in place while it was read
+        except OSError as exc:
+            raise RuntimeError(f"carry_base_tensors: cannot read {self.name!r} from {self.file}: {exc}") from None
+        return out
+
+    def _check(self, st: os.stat_result) -> None:
+        if (st.st_size, st.st_mtime_ns) != self.stamp:
+            raise RuntimeError(f"carry_base_tensors: {self.file} changed since the publisher started (its size or "
+                               f"modification time), so {self.name!r} may no longer hold the base model's bytes; "
+                               "restart training to carry the file as it is now")
 
 
-def find_carried(hf_config_dir: str, patterns: Sequence[str], published: Iterable[str]) -> list[CarriedTensor]:
-    """The base tensors in ``hf_config_dir`` that match any glob of ``patterns`` and are not ``published``, in the
-    checkpoint's order. Only headers are read.
+def find_carried(hf_config_dir: str, patterns: Sequence[str], published: Mapping[str, str]) -> list[CarriedTensor]:
+    """The base tensors in ``hf_config_dir`` that match any glob of ``patterns`` and are not ``published`` (the
+    trainer's tensors: name to dtype code), in the checkpoint's order. Only headers are read.
 
     Raises ValueError naming ``carry_base_tensors`` when a glob matches no base tensor (a typo would otherwise
-    publish snapshots the fleet refuses), or the folder or a file needed holds no readable weights (a Git LFS
-    pointer, a truncated download)."""
+    publish snapshots the fleet refuses), the folder or a file needed holds no readable weights (a Git LFS
+    pointer, a truncated download), or the carried tensors are quantized where the trainer's are not (below)."""
+    hf_config_dir = os.path.abspath(hf_config_dir)  # read again at every full: a later chdir must not matter
     names, files = _base_layout(hf_config_dir)
-    published = set(published)
     for pattern in patterns:
         if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
             missing = [n for n in names if n not in published][:3]
@@ -107,17 +121,36 @@ def find_carried(hf_config_dir: str, patterns: Sequence[str], published: Iterabl
         out.append(CarriedTensor(name, tuple(entry.shape), entry.dtype, path, header.data_start + entry.begin,
                                  entry.nbytes, stamp))
     if out:
+        _check_quantization(hf_config_dir, out, published.values())
         size = sum(t.nbytes for t in out)
         log.info("hotload: carrying %d base tensor(s) the trainer does not hold (%.3g GB, e.g. %r) from %s into "
                  "every snapshot (carry_base_tensors)", len(out), size / 1e9, out[0].name, hf_config_dir)
-        narrow = sorted({t.dtype for t in out if t.dtype.startswith(_QUANTIZED)})
-        if narrow:
-            log.warning("hotload: carried base tensors are %s as the checkpoint stores them, beside the trainer's "
-                        "tensors: if the base is quantized (a quantization_config, scales), point hf_config_dir "
-                        "at a bf16 copy of it so that every snapshot is one dtype", "/".join(narrow))
     else:
         log.info("hotload: carry_base_tensors matches only tensors the trainer publishes: nothing to carry")
     return out
+
+
+def _check_quantization(folder: str, carried: Sequence[CarriedTensor], published: Iterable[str]) -> None:
+    """Quantized carried tensors beside a trainer's unquantized ones. Why an error where the base config has a
+    ``quantization_config``: snapshots keep it while any tensor is quantized, so the carried tensors alone would
+    keep it, and the server would read the trainer's bf16 tensors as quantized ones (without their scales)."""
+    narrow = [t for t in carried if is_quantized(t.dtype)]
+    if not narrow or any(map(is_quantized, published)):
+        return
+    try:
+        with open(os.path.join(folder, "config.json"), "rb") as fh:
+            config = json.loads(fh.read())
+    except (OSError, ValueError, RecursionError):
+        config = None
+    keys = [k for k in QUANTIZATION_KEYS if isinstance(config, dict) and k in config]
+    if keys:
+        raise ValueError(f"carry_base_tensors: {narrow[0].name!r} ({narrow[0].dtype}) and {len(narrow) - 1} other "
+                         f"carried tensor(s) are quantized, the trainer's tensors are not, and the base config.json "
+                         f"has a {keys[0]}: the snapshots would keep it, and the server would read the trainer's "
+                         "tensors as quantized; point hf_config_dir at an unquantized (bf16) copy of the base model")
+    log.warning("hotload: %d carried base tensor(s) are %s as the checkpoint stores them (e.g. %r), beside the "
+                "trainer's unquantized tensors", len(narrow), "/".join(sorted({t.dtype for t in narrow})),
+                narrow[0].name)
 
 
 def _base_layout(folder: str) -> tuple[list[str], dict[str, str]]:
@@ -179,10 +212,8 @@ class Carrier:
             self._pending = {}
         for t in self.tensors:
             box = ((0,), (numel(t.shape),))
-            if kind == "full":
-                data = t.read()
-                self._pending[t.name] = segment_parts(data, 0, t.nbytes) if t.nbytes else (0, 0)
-                yield (t.name, "flat", *box, data, (0, 0))
+            if kind == "full":  # read when its file is assembled, on this rank (which writes it)
+                yield (t.name, "flat", *box, functools.partial(self._read, t), (0, 0))
                 continue
             parts = self._parts.get(t.name)
             if parts is None:  # a delta always follows an accepted full of this publisher
@@ -195,6 +226,11 @@ class Carrier:
                 self._frames[t.name] = frame
             yield (t.name, "flat", *box, frame, parts)
 
+    def _read(self, t: CarriedTensor) -> np.ndarray:
+        data = t.read()
+        self._pending[t.name] = segment_parts(data, 0, t.nbytes) if t.nbytes else (0, 0)
+        return data
+
     def accepted(self, kind: str) -> None:
         """The snapshot just published was accepted: a full one's carried bytes are what later deltas refer to."""
         if kind == "full":
@@ -205,7 +241,7 @@ class Carrier:
         return sum(numel(t.shape) for t in self.tensors)
 
 
-def agree_on_carried(ctrl: Any, patterns: Sequence[str], hf_config_dir: str | None, published: Iterable[str]
+def agree_on_carried(ctrl: Any, patterns: Sequence[str], hf_config_dir: str | None, published: Mapping[str, str]
                      ) -> tuple[list[CarriedTensor], Exception | None]:
     """Rank 0's carried tensors, on every rank (their specs join every rank's shard plan), and rank 0's error
     reading them (the caller fails its set-up with it; the other ranks then learn of it there). With several ranks

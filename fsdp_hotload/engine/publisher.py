@@ -90,13 +90,14 @@ class Publisher:
         self.signaller: Signaller | None = None
         made: list[Any] = []  # closed if the set-up fails on any rank
         self.carried, problem = agree_on_carried(self.ctrl, config.carry_base_tensors, config.hf_config_dir,
-                                                 (s.name for s in specs))
+                                                 {s.name: s.dtype for s in specs})
         specs = [*specs, *(TensorSpec(t.name, t.shape, t.dtype) for t in self.carried)]
         try:  # set-up that can fail on some ranks only (rank 0 alone reads hf_config_dir and writes the metrics)
             if problem is not None:
                 raise problem
             self.plan: ShardPlan = plan_shards(specs, max_file_bytes=config.max_file_bytes)
-            self.owners = assign_owners(self.plan, self.world)
+            # rank 0 reads the carried tensors, so it writes their files: they never cross to another rank
+            self.owners = assign_owners(self.plan, self.world, {self.plan.file_of(t.name) for t in self.carried})
             for c in self.chunks:
                 spec = self.plan.specs.get(c.name)
                 if spec is None or tuple(spec.shape) != tuple(c.shape) or spec.dtype != c.dtype:
