@@ -14,7 +14,7 @@ from fsdp_hotload.arc.boxes import Box
 from fsdp_hotload.arc.dtypes import RawTensor
 from fsdp_hotload.arc.errors import FormatError
 from fsdp_hotload.arc.stio import build_header, parse_header, save_file
-from fsdp_hotload.engine.assemble import FULL_FILE_METADATA, Piece, assemble_full_file
+from fsdp_hotload.engine.assemble import FULL_FILE_METADATA, Piece, assemble_full_file, assign_owners
 from fsdp_hotload.layout import TensorSpec, plan_shards
 
 
@@ -144,3 +144,18 @@ def test_delta_file_from_several_ranks_pieces_rebuilds_the_new_bytes() -> None:
                            blob, expected_parent="step-1")
     for k, v in new.items():
         assert got[k].data.tobytes() == v.tobytes(), k
+
+
+def test_files_pinned_to_rank_0_count_in_its_load() -> None:
+    """Files that hold carried base tensors (which rank 0 alone reads) go to rank 0; the rest balance around them."""
+    specs = [TensorSpec(f"model.layers.{i}.w", (100 * (i + 1), 8), "BF16") for i in range(6)]
+    plan = plan_shards(specs)
+    files = {s.name: plan.file_of(s.name) for s in specs}
+    free = assign_owners(plan, 3)
+    assert free[files["model.layers.5.w"]] == 0  # the largest file goes first, to rank 0
+    pinned = assign_owners(plan, 3, {files["model.layers.0.w"], files["model.layers.4.w"]})
+    assert pinned[files["model.layers.0.w"]] == pinned[files["model.layers.4.w"]] == 0
+    load = [0, 0, 0]
+    for s in specs:
+        load[pinned[files[s.name]]] += s.nbytes
+    assert load == [(1 + 5 + 2) * 1600, 6 * 1600, (4 + 3) * 1600]  # greedy around rank 0's pinned load
