@@ -161,8 +161,9 @@ def test_find_carried_names_what_is_wrong(tmp_path: Path, caplog: pytest.LogCapt
     assert "are F8_E4M3 as the checkpoint stores them" in caplog.text
     config = base / "config.json"
     config.write_text(json.dumps({"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8"}}))
-    with pytest.raises(ValueError, match=r"carry_base_tensors: 'model.layers.2.mlp.experts.0.down_proj.weight' "
-                                         r"\(F8_E4M3\) .* has a quantization_config"):
+    with pytest.raises(ValueError, match=r"carry_base_tensors: 1 carried tensor\(s\) are quantized \(e.g. "
+                                         r"'model.layers.2.mlp.experts.0.down_proj.weight': F8_E4M3\).* has a "
+                                         r"quantization_config"):
         find_carried(str(base), ["*experts*"], published)
     # a trainer that publishes quantized tensors itself keeps the config for its own: carrying changes nothing
     assert len(find_carried(str(base), ["*experts*"], {**published, "x.weight": "F8_E4M3"})) == 1
@@ -185,9 +186,10 @@ def test_find_carried_names_what_is_wrong(tmp_path: Path, caplog: pytest.LogCapt
 
 def test_carried_tensors_are_read_when_their_file_is_written_and_leave_nothing_open(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A full snapshot reads each carried tensor when its file is assembled, into a buffer of its own, and closes
-    the file: mapping them kept a descriptor per tensor (DeepSeek-V3's MTP layer: ~800, past the usual limit of
-    1024), and a file truncated under a full was a SIGBUS. A relative hf_config_dir survives a chdir."""
+    """A full snapshot reads each carried tensor straight into its file's buffer as that is assembled, and closes
+    the base file: mapping them kept a descriptor per tensor (DeepSeek-V3's MTP layer: ~800, past the usual limit
+    of 1024), and a file truncated under a full was a SIGBUS. A changed file fails the full before anything is
+    written. A relative hf_config_dir survives a chdir."""
     from fsdp_hotload.arc.codecs import get_codec
     from fsdp_hotload.engine.carry import Carrier
 
@@ -202,13 +204,17 @@ def test_carried_tensors_are_read_when_their_file_is_written_and_leave_nothing_o
     before = len(os.listdir("/proc/self/fd"))
     pieces = list(carrier.pieces("full"))
     assert all(callable(p[4]) for p in pieces)  # nothing read yet
-    datas = [p[4]() for p in pieces]
+    datas = [np.full(t.nbytes, 0xEE, dtype=np.uint8) for t in found]  # their places in a file
+    for p, out in zip(pieces, datas):
+        p[4](out)
     assert len(os.listdir("/proc/self/fd")) == before
     assert [bytes(d) for d in datas] == [bytes(t.data) for t in many.values()]
     data = (base / "model.safetensors").read_bytes()
     (base / "model.safetensors").write_bytes(data[: len(data) // 2])  # rewritten in place, shorter
     with pytest.raises(RuntimeError, match="carry_base_tensors: .*model.safetensors changed since the publisher"):
-        pieces[-1][4]()
+        pieces[-1][4](datas[-1])  # rewritten between the encode and the file's assembly
+    with pytest.raises(RuntimeError, match="carry_base_tensors: .*model.safetensors changed since the publisher"):
+        next(carrier.pieces("full"))  # the next full fails at its encode, before any rank writes a file
 
 
 def test_a_base_file_replaced_while_training_fails_the_next_full(tmp_path: Path) -> None:

@@ -41,9 +41,9 @@ class Piece(NamedTuple):
     space: str
     start: tuple[int, ...]
     length: tuple[int, ...]
-    # full: the raw chunk bytes (uint8, possibly a view of the staged bytes), or a function that reads them when the
-    # file is assembled (a carried base tensor, on the rank that wrote it); delta: payload
-    data: bytes | np.ndarray | Callable[[], np.ndarray]
+    # full: the raw chunk bytes (uint8, possibly a view of the staged bytes), or, for a whole tensor, a function that
+    # fills the tensor's place in the file when it is assembled (a carried base tensor, on rank 0); delta: payload
+    data: bytes | np.ndarray | Callable[[np.ndarray], None]
     parts: tuple[int, int] = (0, 0)  # Adler-32 shares of the new chunk bytes (delta)
 
     @property
@@ -51,7 +51,7 @@ class Piece(NamedTuple):
         return Box(self.start, self.length)
 
 
-RawPiece = tuple[str, str, tuple[int, ...], tuple[int, ...], "bytes | np.ndarray | Callable[[], np.ndarray]",
+RawPiece = tuple[str, str, tuple[int, ...], tuple[int, ...], "bytes | np.ndarray | Callable[[np.ndarray], None]",
                  tuple[int, int]]  # see Piece
 
 
@@ -105,9 +105,13 @@ def assemble_full_file(plan: ShardPlan, filename: str, pieces: list[Piece]) -> b
         check_tiling([p.box for p in ps], sshape)
         size = spec.nbytes // max(numel(spec.shape), 1)
         for p in ps:
-            data = p.data() if callable(p.data) else p.data
-            scatter(view[pos:pos + spec.nbytes], np.frombuffer(data, dtype=np.uint8), p.box, sshape, size)
-            del data
+            if callable(p.data):  # a whole tensor, read straight into its place in the file
+                if space != "flat" or p.box.start != (0,) or p.box.length != (numel(spec.shape),):
+                    raise ValueError(f"{filename}: tensor {p.tensor!r}: a piece read at assembly must be the "
+                                     "whole tensor")
+                p.data(view[pos:pos + spec.nbytes])
+                continue
+            scatter(view[pos:pos + spec.nbytes], np.frombuffer(p.data, dtype=np.uint8), p.box, sshape, size)
         pos += spec.nbytes
     return out
 

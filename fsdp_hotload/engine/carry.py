@@ -10,7 +10,7 @@ bytes per MB of tensor; 19 bytes with ``arc_sparse_v1``) whose Adler-32 is that 
 snapshot carried.
 
 A full snapshot reads each carried tensor only when its file is assembled (the piece's data is a function), with
-plain reads into a buffer of its own: memory-mapping the files held a descriptor per tensor (~800 for DeepSeek-V3's
+plain reads straight into the tensor's place in the file's buffer: memory-mapping the files held a descriptor per tensor (~800 for DeepSeek-V3's
 MTP layer, past the usual limit of 1024 open files) and turned a file truncated under a full into a SIGBUS. A base
 file replaced or rewritten while training fails the next full snapshot with an error naming it, rather than
 carrying bytes the fleet's chain was not built from.
@@ -53,8 +53,8 @@ class CarriedTensor:
 
     Example::
 
-        t = find_carried(folder, ["mtp.*"], published=set())[0]
-        data = t.read()                      # read-only uint8 array of t.nbytes bytes
+        t = find_carried(folder, ["mtp.*"], published={"model.norm.weight": "BF16"})[0]
+        data = t.read()                      # uint8 array of t.nbytes bytes
     """
 
     name: str
@@ -66,9 +66,25 @@ class CarriedTensor:
     stamp: tuple[int, int]  # (size, mtime_ns) of ``file`` when found
 
     def read(self) -> np.ndarray:
-        """The tensor's bytes (a buffer of its own). Raises RuntimeError naming ``carry_base_tensors`` and the file
-        when it cannot be read, or is not the file found at start (replaced or rewritten, before or while read)."""
+        """The tensor's bytes, in a buffer of their own (:meth:`read_into`)."""
         out = np.empty(self.nbytes, dtype=np.uint8)
+        self.read_into(out)
+        return out
+
+    def check(self) -> None:
+        """Raise RuntimeError (as :meth:`read_into`) if the file is not the one found at start."""
+        try:
+            self._check(os.stat(self.file))
+        except OSError as exc:
+            raise RuntimeError(f"carry_base_tensors: cannot read {self.name!r} from {self.file}: {exc}") from None
+
+    def read_into(self, out: np.ndarray) -> None:
+        """Read the tensor's bytes into ``out`` (flat uint8, ``nbytes`` long: its place in a snapshot file, so no
+        other copy is held). Raises RuntimeError naming ``carry_base_tensors`` and the file when it cannot be read,
+        or is not the file found at start (replaced or rewritten, before or while read)."""
+        if out.dtype != np.uint8 or out.shape != (self.nbytes,):
+            raise ValueError(f"carried tensor {self.name!r}: a {out.dtype}{list(out.shape)} buffer for {self.nbytes} "
+                             "bytes")
         try:
             with open(self.file, "rb", buffering=0) as fh:
                 self._check(os.fstat(fh.fileno()))
@@ -82,7 +98,6 @@ class CarriedTensor:
                 self._check(os.fstat(fh.fileno()))  # rewritten in place while it was read
         except OSError as exc:
             raise RuntimeError(f"carry_base_tensors: cannot read {self.name!r} from {self.file}: {exc}") from None
-        return out
 
     def _check(self, st: os.stat_result) -> None:
         if (st.st_size, st.st_mtime_ns) != self.stamp:
@@ -144,8 +159,8 @@ def _check_quantization(folder: str, carried: Sequence[CarriedTensor], published
         config = None
     keys = [k for k in QUANTIZATION_KEYS if isinstance(config, dict) and k in config]
     if keys:
-        raise ValueError(f"carry_base_tensors: {narrow[0].name!r} ({narrow[0].dtype}) and {len(narrow) - 1} other "
-                         f"carried tensor(s) are quantized, the trainer's tensors are not, and the base config.json "
+        raise ValueError(f"carry_base_tensors: {len(narrow)} carried tensor(s) are quantized (e.g. {narrow[0].name!r}: "
+                         f"{narrow[0].dtype}), the trainer's tensors are not, and the base config.json "
                          f"has a {keys[0]}: the snapshots would keep it, and the server would read the trainer's "
                          "tensors as quantized; point hf_config_dir at an unquantized (bf16) copy of the base model")
     log.warning("hotload: %d carried base tensor(s) are %s as the checkpoint stores them (e.g. %r), beside the "
@@ -210,9 +225,13 @@ class Carrier:
         """One whole-tensor piece per carried tensor, as the publisher routes them (see ``assemble.Piece``)."""
         if kind == "full":
             self._pending = {}
+            # A changed file fails the full here, before any rank writes a file: found only at assembly, on rank 0's
+            # upload threads, every other rank's files would be uploaded (and discarded) first, at every full.
+            for t in {t.file: t for t in self.tensors}.values():
+                t.check()
         for t in self.tensors:
             box = ((0,), (numel(t.shape),))
-            if kind == "full":  # read when its file is assembled, on this rank (which writes it)
+            if kind == "full":  # read into its file as that is assembled, on this rank (which writes it)
                 yield (t.name, "flat", *box, functools.partial(self._read, t), (0, 0))
                 continue
             parts = self._parts.get(t.name)
@@ -226,10 +245,9 @@ class Carrier:
                 self._frames[t.name] = frame
             yield (t.name, "flat", *box, frame, parts)
 
-    def _read(self, t: CarriedTensor) -> np.ndarray:
-        data = t.read()
-        self._pending[t.name] = segment_parts(data, 0, t.nbytes) if t.nbytes else (0, 0)
-        return data
+    def _read(self, t: CarriedTensor, out: np.ndarray) -> None:
+        t.read_into(out)
+        self._pending[t.name] = segment_parts(out, 0, t.nbytes) if t.nbytes else (0, 0)
 
     def accepted(self, kind: str) -> None:
         """The snapshot just published was accepted: a full one's carried bytes are what later deltas refer to."""
