@@ -209,7 +209,12 @@ def test_a_forked_child_looks_up_for_itself(stalled_resolver: dict[str, int]) ->
                 finally:
                     os._exit(code)
             started = time.monotonic()
-            _, status = os.waitpid(pid, 0)
+            try:
+                _, status = os.waitpid(pid, 0)
+            finally:  # the parent's request must not outlive the test (later tests' servers would see it)
+                client.cancel()
+                waiting.join(10)
+            assert not waiting.is_alive()
             assert os.waitstatus_to_exitcode(status) == 0
             assert time.monotonic() - started < 3.0
     finally:
