@@ -54,7 +54,8 @@ class CarriedTensor:
     Example::
 
         t = find_carried(folder, ["mtp.*"], published={"model.norm.weight": "BF16"})[0]
-        data = t.read()                      # uint8 array of t.nbytes bytes
+        data = np.empty(t.nbytes, np.uint8)
+        t.read_into(data)                     # the tensor's bytes, as the checkpoint stores them
     """
 
     name: str
@@ -64,12 +65,6 @@ class CarriedTensor:
     offset: int  # of the tensor's first byte in ``file``
     nbytes: int
     stamp: tuple[int, int]  # (size, mtime_ns) of ``file`` when found
-
-    def read(self) -> np.ndarray:
-        """The tensor's bytes, in a buffer of their own (:meth:`read_into`)."""
-        out = np.empty(self.nbytes, dtype=np.uint8)
-        self.read_into(out)
-        return out
 
     def check(self) -> None:
         """Raise RuntimeError (as :meth:`read_into`) if the file is not the one found at start."""
