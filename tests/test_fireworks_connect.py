@@ -1,8 +1,9 @@
 """HotLoadClient's deadline and cancel() before a request is on the wire: a stalled name lookup and a connect
-whose SYN is never answered, against real sockets on loopback."""
+whose SYN is never answered or that the kernel refuses, against real sockets on loopback."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import ssl
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 
 from fsdp_hotload.fireworks import HotLoadCancelled, HotLoadError, HotLoadTimeout
-from fsdp_hotload.fireworks_http import NotSent, send_once
+from fsdp_hotload.fireworks_http import NotSent, _connect, send_once
 
 from tests.http_fixture import serve
 from tests.test_fireworks_transport import _cancel_after, answering, make_client
@@ -127,6 +128,31 @@ def test_a_connect_cut_by_the_deadline_counts_as_not_sent() -> None:
         with pytest.raises(NotSent, match="did not finish by the deadline"):
             send_once(urllib.parse.urlsplit(url), "GET", "/", None, {}, 0.5, ssl.create_default_context())
         assert time.monotonic() - started < 2.0
+
+
+def test_a_connect_the_kernel_refuses_with_eagain_is_not_taken_for_one_in_progress(tmp_path: Any) -> None:
+    """A non-blocking connect that returns EAGAIN has failed (over TCP: no ephemeral port left); it is not under
+    way. Read as in progress, the socket polled writable at once and the request went out on an unconnected socket.
+    A Unix socket whose listen backlog is full returns the same errno from connect, with no root needed."""
+    path = str(tmp_path / "api.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    held = [listener]
+    try:
+        listener.bind(path)
+        listener.listen(0)
+        err = 0
+        while err != errno.EAGAIN and len(held) < 64:  # fill the backlog: the kernel admits one past listen(0)
+            held.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            held[-1].setblocking(False)
+            err = held[-1].connect_ex(path)
+        assert err == errno.EAGAIN
+        held.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+        with pytest.raises(OSError, match="connecting to api") as caught:
+            _connect(held[-1], path, "api", time.monotonic() + 5, None)  # type: ignore[arg-type]
+        assert caught.value.errno == errno.EAGAIN
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def test_an_address_no_socket_can_be_made_for_gives_way_to_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
