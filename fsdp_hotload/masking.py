@@ -30,24 +30,39 @@ SECRET_NAME = re.compile(
     r"|(^|[^a-z])(sig|signature)$|key$|access_?key_?id$",
     re.IGNORECASE)
 # scheme://userinfo@ (the userinfo ends at the authority's last '@', as urllib reads it)
-_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)([^/?#]*)@")
 # the same inside free text, where a URL also ends at white space or a quote
-_TEXT_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s\"'<>]*@")
+_TEXT_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)([^/?#\s\"'<>]*)@")
+# Azure's fsspec URLs name the container there (abfs://container@account.dfs.core.windows.net/path): no secret
+# unless a password follows it
+_CONTAINER_SCHEMES = frozenset({"abfs://", "abfss://", "az://", "wasb://", "wasbs://"})
+# gcsfs's ``token`` modes, which name how to find credentials rather than holding any
+_TOKEN_MODES = frozenset({"anon", "google_default", "cache", "cloud", "browser"})
 
 
 def is_secret_name(name: object) -> bool:
     return isinstance(name, str) and SECRET_NAME.search(name) is not None
 
 
+def _is_credential(m: re.Match[str]) -> bool:
+    return m.group(1).lower() not in _CONTAINER_SCHEMES or ":" in m.group(2)
+
+
+def _masked(m: re.Match[str]) -> str:
+    return f"{m.group(1)}{MASK}@" if _is_credential(m) else m.group(0)
+
+
 def url_has_credentials(text: str) -> bool:
-    """Whether ``text`` is a URL with a ``user:password@`` (or ``token@``) part."""
-    return _USERINFO.match(text) is not None
+    """Whether ``text`` is a URL with a ``user:password@`` (or ``token@``) part; an Azure URL's ``container@``
+    is not one."""
+    m = _USERINFO.match(text)
+    return m is not None and _is_credential(m)
 
 
 def mask_url(text: str) -> str:
     """``text`` with a URL's userinfo and the values of credential-named query parameters masked; other text is
     returned as it is. Why: an endpoint, proxy or presigned URL is printed whole in reprs and error messages."""
-    masked = _USERINFO.sub(lambda m: f"{m.group(1)}{MASK}@", text, count=1)
+    masked = _USERINFO.sub(_masked, text, count=1)
     if "?" not in masked or "://" not in masked:
         return masked
     head, _, rest = masked.partition("?")
@@ -62,14 +77,21 @@ def mask_url(text: str) -> str:
 def mask_text(text: str) -> str:
     """Free text (an exception's message) with the userinfo of every URL in it masked. Why: botocore and others
     quote the endpoint URL they were given whole, ``user:password@`` included, in their error messages."""
-    return _TEXT_USERINFO.sub(lambda m: f"{m.group(1)}{MASK}@", text)
+    return _TEXT_USERINFO.sub(_masked, text)
+
+
+def _is_secret_entry(name: object, value: Any) -> bool:
+    if value is None or not is_secret_name(name):
+        return False
+    return not (name == "token" and isinstance(value, str) and value in _TOKEN_MODES)
 
 
 def mask_secrets(value: Any) -> Any:
-    """``value`` with every credential-named entry of a nested dict masked (see :data:`SECRET_NAME`), and every
-    string that is a URL passed through :func:`mask_url`."""
+    """``value`` with every credential-named entry of a nested dict masked (see :data:`SECRET_NAME`; a gcsfs
+    ``token`` mode such as ``"anon"`` is not a credential), and every string that is a URL passed through
+    :func:`mask_url`."""
     if isinstance(value, dict):
-        return {k: MASK if is_secret_name(k) and v is not None else mask_secrets(v) for k, v in value.items()}
+        return {k: MASK if _is_secret_entry(k, v) else mask_secrets(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(mask_secrets(v) for v in value)
     if isinstance(value, str):

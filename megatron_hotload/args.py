@@ -7,8 +7,8 @@ Values are read exactly like ``HOTLOAD_*`` environment variables (:func:`fsdp_ho
 JSON for lists and dicts, or text starting with ``[``, ``{`` or ``"``; anything else stays a string, so
 ``--hotload-deployment-id 12345`` is the id ``"12345"``. Defaults are left to the config (flags default to None),
 so the validation and the error messages are the config's own. ``HOTLOAD_*`` variables fill in what the flags
-leave unset; ``--hotload-storage-options`` is merged over ``HOTLOAD_STORAGE_OPTIONS`` entry by entry, so the
-endpoint can be a flag while the credentials stay in the variable.
+leave unset; ``--hotload-storage-options`` is merged over ``HOTLOAD_STORAGE_OPTIONS`` entry by entry (nested
+dicts too), so the endpoint can be a flag while the credentials stay in the variable.
 
 Secrets are not flags: Megatron prints every argument on rank 0 and saves them in its checkpoints, so the API
 key and the API headers come from the environment (``FIREWORKS_API_KEY`` or ``HOTLOAD_API_KEY``,
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import types
 from typing import Any, Callable, Literal, Union, get_args, get_origin
 
@@ -105,6 +106,8 @@ def _help(name: str) -> str:
     choices = [a for m in members if get_origin(m) is Literal for a in get_args(m)]
     if choices:
         text += f"; one of {', '.join(map(str, choices))}"
+    if type(None) in members:  # written `null` on the command line, as in a variable
+        text = re.sub(r"\bNone\b", "null", text)
     default = field.get_default(call_default_factory=True)
     if default is not PydanticUndefined and default not in (None, {}, []):
         text += f" (default: {default})"
@@ -143,6 +146,16 @@ def _check_publishing_off(values: dict[str, Any]) -> None:
                          f"--{PREFIX}-* flags")
 
 
+def _merged(under: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over``'s entries over ``under``'s, dicts in both merged the same way. Why all the way down: the flag's
+    ``client_kwargs`` (an endpoint) replaced the variable's whole, and with it the credentials or SSE-C key the
+    variable held there, which a flag may not carry."""
+    out = dict(under)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def config_from_args(args: argparse.Namespace) -> HotloadConfig | None:
     """The config from parsed flags and ``HOTLOAD_*`` variables (flags win), or None when neither
     ``--hotload-bucket-url`` nor ``HOTLOAD_BUCKET_URL`` is set (publishing off; then any other ``--hotload-*``
@@ -171,7 +184,7 @@ def config_from_args(args: argparse.Namespace) -> HotloadConfig | None:
             raise SystemExit(f"invalid hotload setting {variable}: {exc}") from None
         if not isinstance(merged, dict):  # alone it fails validation; merged, it would vanish with its credentials
             raise SystemExit(f"invalid hotload setting {variable}: not a JSON object of fsspec options")
-        values["storage_options"] = {**merged, **values["storage_options"]}
+        values["storage_options"] = _merged(merged, values["storage_options"])
     try:
         return HotloadConfig.from_env_under(values, name_of=_setting_name,
                                                source=f"--{PREFIX}-* flags and {ENV_PREFIX}* variables")

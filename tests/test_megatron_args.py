@@ -267,6 +267,8 @@ def test_help_shows_choices_and_defaults() -> None:
     text = " ".join(parser().format_help().split())
     assert "one of skip, wait (default: skip)" in text
     assert "one of all, new_session, none" in text and "(default: 20)" in text
+    # typed as `null`, as the flags and variables read it: `None` is a string there, refused by a number field
+    assert "null = never (default: 30.0)" in text and "null keeps all" in text and "None" not in text
 
 
 def test_null_and_empty_values_are_refused_by_name(monkeypatch: pytest.MonkeyPatch,
@@ -292,6 +294,20 @@ def test_storage_option_flag_merges_over_the_variable(monkeypatch: pytest.Monkey
                                                 '{"endpoint_url": "https://minio:9000"}']))
     assert cfg is not None
     assert cfg.storage_options == {"key": "AK", "secret": "SK", "endpoint_url": "https://minio:9000"}
+    # and inside a nested dict: the flag's client_kwargs replaced the variable's, and their credentials with them
+    monkeypatch.setenv("HOTLOAD_STORAGE_OPTIONS", json.dumps({
+        "client_kwargs": {"aws_access_key_id": "AK", "aws_secret_access_key": "SK", "region_name": "us-east-1"},
+        "s3_additional_kwargs": {"SSECustomerAlgorithm": "AES256", "SSECustomerKey": "K"}}))
+    flag = {"client_kwargs": {"endpoint_url": "https://minio:9000", "region_name": "eu"},
+            "s3_additional_kwargs": {"ACL": "bucket-owner-full-control"}, "config_kwargs": {"retries": {"mode": "a"}}}
+    cfg = config_from_args(parser().parse_args(["--hotload-bucket-url", "s3://b/p", "--hotload-storage-options",
+                                                json.dumps(flag)]))
+    assert cfg is not None and cfg.storage_options == {
+        "client_kwargs": {"aws_access_key_id": "AK", "aws_secret_access_key": "SK", "region_name": "eu",
+                          "endpoint_url": "https://minio:9000"},
+        "s3_additional_kwargs": {"SSECustomerAlgorithm": "AES256", "SSECustomerKey": "K",
+                                 "ACL": "bucket-owner-full-control"},
+        "config_kwargs": {"retries": {"mode": "a"}}}
     monkeypatch.setenv("HOTLOAD_STORAGE_OPTIONS", "{bad")
     with pytest.raises(SystemExit, match="HOTLOAD_STORAGE_OPTIONS: not valid JSON"):
         config_from_args(parser().parse_args(["--hotload-bucket-url", "s3://b", "--hotload-storage-options", "{}"]))

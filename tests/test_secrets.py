@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from fsdp_hotload.config import HotloadConfig
 from fsdp_hotload.fireworks import HotLoadClient, HotLoadError
 from fsdp_hotload.storage import Storage
-from megatron_hotload import add_hotload_args
+from megatron_hotload import add_hotload_args, config_from_args
 
 from tests.http_fixture import serve
 
@@ -106,6 +106,23 @@ def test_megatron_flags_refuse_credentials(argv: list[str], capsys: pytest.Captu
         parser().parse_args(["--hotload-bucket-url", "/tmp/b", *argv])
     shown = str(info.value) + capsys.readouterr().err
     assert "credentials" in shown and "TOPSECRET" not in shown
+
+
+def test_flags_take_what_only_looks_like_a_credential(capsys: pytest.CaptureFixture[str]) -> None:
+    """An Azure URL names its container before the '@', and gcsfs's token modes say where to find credentials:
+    both were refused as flags holding credentials, and the container was masked in the repr."""
+    azure = "abfs://runs@myaccount.dfs.core.windows.net/rl/acct-dep"
+    cfg = config_from_args(parser().parse_args(["--hotload-bucket-url", azure, "--hotload-storage-options",
+                                                '{"token": "anon"}']))
+    assert cfg is not None and cfg.bucket_url == azure and cfg.storage_options == {"token": "anon"}
+    assert azure in repr(cfg) and "'token': 'anon'" in repr(cfg)
+    for argv in (["--hotload-bucket-url", "abfs://runs:TOPSECRET@myaccount.dfs.core.windows.net/rl"],
+                 ["--hotload-storage-options", '{"token": "/home/me/TOPSECRET.json"}'],
+                 ["--hotload-storage-options", '{"token": {"refresh_token": "TOPSECRET"}}']):
+        with pytest.raises((SystemExit, argparse.ArgumentError)) as info:
+            parser().parse_args(["--hotload-bucket-url", "/tmp/b", *argv])
+        shown = str(info.value) + capsys.readouterr().err
+        assert "credentials" in shown and "TOPSECRET" not in shown
 
 
 # ------------------------------------------------------------------------------------------------ client
