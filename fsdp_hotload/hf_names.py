@@ -391,7 +391,12 @@ def _transposes(model: Any, own: list[tuple[str, tuple[int, ...]]], base: Base |
 
 def _probe_shape(name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
     """A small shape for a tensor that ``split_fused_experts`` divides (its expert count kept, so the names are the
-    real ones; rows and columns few, but enough that an interleaved layout cannot pass for a concatenated one)."""
+    real ones; rows and columns few, but enough that an interleaved layout cannot pass for a concatenated one).
+    No dim is 2: an interleave of pairs along it would leave the probe as it is (a no-op on 2), and at the real size
+    publish the model's order under the checkpoint's name; on the odd dims here it fails, so there is no plan.
+    ``I = 3`` and ``H = 5``, as the shapes of one model: gate_up ``(E, 2I, H)``, down ``(E, H, I)``, up ``(E, I, H)``."""
     if split_fused_experts(name, shape) is None:
         return None
-    return (shape[0], 6, 2) if name.endswith("gate_up_proj") else (shape[0], 2, 3)
+    if name.endswith("gate_up_proj"):
+        return (shape[0], 6, 5)
+    return (shape[0], 5, 3) if name.endswith("down_proj") else (shape[0], 3, 5)

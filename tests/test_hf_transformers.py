@@ -392,8 +392,9 @@ def test_checkpoint_names_join_tensors_the_model_keeps_apart() -> None:
     (interleaved gate and up rows; the rows of fused experts' two halves interleaved; q and k permuted for RoPE,
     alone, at a real size and within a fused qkv, as Kimi-K2.5's vision tower), is published as the model's
     tensors, ranges of their rows or their rows regrouped, joined in the checkpoint's order: exactly transformers'
-    revert. Where the conversion reorders values within rows, joins along another dim than 0, or would cut tensors
-    into more runs of rows than MAX_ROW_RUNS (rows of two tensors interleaved) there is no plan."""
+    revert. Where the conversion reorders values within rows (fused experts' columns too, or their rows but for the
+    two halves' interleave above), joins along another dim than 0, or would cut tensors into more runs of rows than
+    MAX_ROW_RUNS (rows of two tensors interleaved) there is no plan."""
     from transformers.core_model_loading import Chunk, Concatenate, Interleave, PermuteForRope, Split, WeightConverter
 
     from fsdp_hotload.fsdp import full_tensor_specs, local_chunks
@@ -435,6 +436,16 @@ def test_checkpoint_names_join_tensors_the_model_keeps_apart() -> None:
         # rows of two tensors interleaved: a run per row, each a chunk; more than MAX_ROW_RUNS are refused
         "hotload_fake_interleaved_big": ({"m.gate": (40, 3), "m.up": (40, 3)},
                                          [WeightConverter("m.ff", ff, [Interleave(0), Chunk(0)])], None),
+        # fused experts whose checkpoint interleaves gate_up's columns, or down's rows, in pairs: the probe's dims
+        # of 2 hid it (an interleave of pairs on 2 is a no-op), and the plan published the model's order
+        "hotload_fake_experts_columns": ({"l.mlp.experts.gate_up_proj": (3, 8, 6),
+                                          "l.mlp.experts.down_proj": (3, 6, 4)},
+                                         [WeightConverter("mlp.experts.w13", "mlp.experts.gate_up_proj",
+                                                          [Interleave(2)])], None),
+        "hotload_fake_experts_down_rows": ({"l.mlp.experts.gate_up_proj": (3, 8, 6),
+                                            "l.mlp.experts.down_proj": (3, 6, 4)},
+                                           [WeightConverter("mlp.experts.w2", "mlp.experts.down_proj",
+                                                            [Interleave(1)])], None),
         "hotload_fake_within_rows": ({"m.gate": (4, 6)}, [WeightConverter("m.g", "m.gate", [Interleave(1)])], None),
         "hotload_fake_columns": ({"m.gate": (4, 3), "m.up": (4, 3)}, [WeightConverter("m.ff", ff, [Chunk(1)])], None),
     }
