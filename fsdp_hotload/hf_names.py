@@ -155,6 +155,7 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
         # None: n / b)
         regrouped: dict[str, tuple[str, int, int, int | None]] = {}
         stacked: set[str] = set()  # fused tensors whose parts are saved stacked, each projection of all experts
+        flipped: dict[str, str] = {}  # matrices saved transposed: the saved name
         for target, t in revert(model, probe).items():
             t = _first(t)
             if t.device.type == "meta":
@@ -177,6 +178,12 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
                     # one expert's part per index of dim 0: a checkpoint that stacks each projection of the experts
                     rename.update((part, (target, e)) for e, (part, _whole) in enumerate(per_expert))
                     stacked.update(whole for _part, whole in per_expert)
+                    continue
+                turned = _transposed_rows(rows, t) if source is None else None
+                if turned is not None and turned not in flipped and target not in rename:
+                    # a matrix the checkpoint stores transposed (Ernie-4.5-VL-MoE's routers): one permuted part
+                    flipped[turned] = target
+                    rename[target] = target
                     continue
                 runs = _segments(_row_runs(rows, t)) if source is None else None
                 if runs and len(runs) > MAX_ROW_RUNS:
@@ -220,6 +227,8 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
             view = (*shape[:d], shape[d] // (b * c), b, c, *shape[d + 1:])
             dims = (*range(d + 1), d + 2, d + 1, *range(d + 3, len(shape) + 2))
             return [(part, 0, view, dims, tuple(shape))]
+        if path in flipped:
+            return [(flipped[path], 0, shape, (1, 0), (shape[1], shape[0]))]
         if path in stacked:  # each expert's part a block (1, rows, cols) of the stacked tensor
             return [(part, start, (1, *dims)) for part, start, dims in split_fused_experts(path, shape) or []]
         return split_fused_experts(path, shape) if path in divided else cut.get(path)
@@ -243,8 +252,9 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
         return None  # the real shapes must give the checkpoint's names and shapes exactly
     changed = {k: v if isinstance(v, str) else v[0] for k, v in rename.items() if k != v}
     joined = len({v[0] for v in rename.values() if isinstance(v, tuple)})
-    return NamesPlan(split if divided or cut or regrouped or stacked else None, lambda name: rename.get(name, name),
-                     len(divided | stacked) + len(cut) + len(regrouped), changed, joined=joined)
+    split_tensors = len(divided | stacked) + len(cut) + len(regrouped) + len(flipped)
+    return NamesPlan(split if divided or cut or regrouped or stacked or flipped else None,
+                     lambda name: rename.get(name, name), split_tensors, changed, joined=joined)
 
 
 def _first(t: Any) -> Any:
@@ -290,6 +300,18 @@ def _row_runs(rows: list[tuple[int, tuple[int, ...], str, tuple[int, ...]]],
             out.append((name, (value - at) // per_row, n // per_row, real))
             start, value = start + n, value + n
     return out
+
+
+def _transposed_rows(rows: list[tuple[int, tuple[int, ...], str, tuple[int, ...]]], t: Any) -> str | None:
+    """The row-probed matrix whose probe a saved probe ``t`` is, transposed whole; None where it is not one."""
+    if t.dim() != 2 or not t.numel():
+        return None
+    flat = t.t().reshape(-1)
+    first = int(flat[0])
+    for at, row, name, real in rows:
+        if at == first and len(real) == 2 and tuple(t.shape) == (row[1], row[0]):
+            return name if _consecutive(flat, first) else None
+    return None
 
 
 def _consecutive(flat: Any, first: int) -> bool:
@@ -394,7 +416,7 @@ def _probe_shape(name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | No
     real ones; rows and columns few, but enough that an interleaved layout cannot pass for a concatenated one).
     No dim is 2: an interleave of pairs along it would leave the probe as it is (a no-op on 2), and at the real size
     publish the model's order under the checkpoint's name; on the odd dims here it fails, so there is no plan.
-    ``I = 3`` and ``H = 5``, as the shapes of one model: gate_up ``(E, 2I, H)``, down ``(E, H, I)``, up ``(E, I, H)``."""
+    ``I = 3`` and ``H = 5``, the shapes of one model: gate_up ``(E, 2I, H)``, down ``(E, H, I)``, up ``(E, I, H)``."""
     if split_fused_experts(name, shape) is None:
         return None
     if name.endswith("gate_up_proj"):

@@ -256,6 +256,35 @@ def test_checkpoint_names_from_transformers_publish_what_save_pretrained_writes(
         assert torch.equal(got[name], tensor), name
 
 
+def test_ernie_vl_moe_routers_publish_transposed_as_its_checkpoints_hold_them() -> None:
+    """Ernie-4.5-VL-MoE's checkpoints hold each router matrix transposed, and its text and vision experts as one
+    list: the plan was dropped whole for the transposed routers, so every tensor went out under the model's names
+    (``model.language_model.*``), which the fleet refuses. Now: exactly what its save_pretrained writes."""
+    from fsdp_hotload.fsdp import full_tensor_specs
+    from fsdp_hotload.hf_names import checkpoint_names
+
+    config = transformers.Ernie4_5_VLMoeConfig(
+        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=[16, 8],
+                         moe_num_experts=4, moe_k=2, moe_num_shared_experts=1,
+                         rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 1e4}),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    plan = checkpoint_names(model, lambda: full_tensor_specs(model, tie_word_embeddings=False))
+    assert plan is not None and plan.split is not None
+    want = revert_weight_conversion(model, dict(model.state_dict()))
+    got = _published(model, plan)
+    assert sorted(got) == sorted(want)
+    routers = [n for n, t in want.items() if n.endswith("mlp.gate.weight")]
+    assert routers and all(want[n].shape[0] == 32 for n in routers), [(n, want[n].shape) for n in routers]
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
 def test_qwen3_vl_moe_experts_publish_in_their_checkpoint_layout(tmp_path: Path, caplog: pytest.LogCaptureFixture
                                                                   ) -> None:
     """Qwen3-VL-MoE: transformers 5's model holds its experts as (E, 2I, H) and (E, H, I), its checkpoints as
@@ -387,15 +416,16 @@ def test_checkpoint_names_follow_rows_cut_apart_and_nothing_changed_within_rows(
 
 
 def test_checkpoint_names_join_tensors_the_model_keeps_apart() -> None:
-    """A checkpoint's tensor that the model splits on loading (q, k and v of unequal rows; gate and up, saved up
-    first; experts stacked per projection, fused by the model along their rows), or whose rows it reorders
-    (interleaved gate and up rows; the rows of fused experts' two halves interleaved; q and k permuted for RoPE,
-    alone, at a real size and within a fused qkv, as Kimi-K2.5's vision tower), is published as the model's
-    tensors, ranges of their rows or their rows regrouped, joined in the checkpoint's order: exactly transformers'
-    revert. Where the conversion reorders values within rows (fused experts' columns too, or their rows but for the
-    two halves' interleave above), joins along another dim than 0, or would cut tensors into more runs of rows than
-    MAX_ROW_RUNS (rows of two tensors interleaved) there is no plan."""
-    from transformers.core_model_loading import Chunk, Concatenate, Interleave, PermuteForRope, Split, WeightConverter
+    """A checkpoint's tensor that the model splits on loading (q, k and v of unequal rows; gate and up, saved up first;
+    experts stacked per projection, fused by the model along their rows), or whose rows it reorders (interleaved gate
+    and up rows; the rows of fused experts' two halves interleaved; q and k permuted for RoPE, alone, at a real size and
+    within a fused qkv, as Kimi-K2.5's vision tower), or that it transposes (a matrix), is published as the model's
+    tensors, ranges of their rows, their rows regrouped or transposed, joined in the checkpoint's order: exactly
+    transformers' revert. Where the conversion reorders values within rows (fused experts' columns too, or their rows
+    but for the two halves' interleave above), joins along another dim than 0, or would cut tensors into more runs of
+    rows than MAX_ROW_RUNS (rows of two tensors interleaved) there is no plan."""
+    from transformers.core_model_loading import (
+        Chunk, Concatenate, Interleave, PermuteForRope, Split, Transpose, WeightConverter)
 
     from fsdp_hotload.fsdp import full_tensor_specs, local_chunks
     from fsdp_hotload.hf_names import checkpoint_names
@@ -430,6 +460,11 @@ def test_checkpoint_names_join_tensors_the_model_keeps_apart() -> None:
                                              [WeightConverter("mlp.experts.w13_weight", "mlp.experts.gate_up_proj",
                                                               [Interleave(1)])],
                                              ["l.mlp.experts.down_proj", "l.mlp.experts.w13_weight"]),
+        # matrices the checkpoint stores transposed (Ernie-4.5-VL-MoE's routers), a square one too: a permuted part
+        "hotload_fake_transposed": ({"m.gate.weight": (4, 6), "m.sq": (5, 5), "m.o": (3, 3)},
+                                    [WeightConverter("m.gate_t", "m.gate.weight", [Transpose(0, 1)]),
+                                     WeightConverter("m.sq_t", "m.sq", [Transpose(0, 1)])],
+                                    ["m.gate_t", "m.o", "m.sq_t"]),
         # rows regrouped (RoPE's permutation) at any size: one part, a chunk per range of whole groups
         "hotload_fake_rope_big": ({"a.q": (1152, 3)}, [WeightConverter("a.q_ck", "a.q", [PermuteForRope()])],
                                   ["a.q_ck"]),
@@ -462,7 +497,7 @@ def test_checkpoint_names_join_tensors_the_model_keeps_apart() -> None:
         for name, tensor in want.items():
             assert torch.equal(got[name], tensor), name
         joined = {"split": 1, "chunk": 2, "interleaved": 1, "stacked": 2, "experts_interleaved": 0, "rope": 0,
-                  "rope_qkv": 1, "rope_big": 0}
+                  "rope_qkv": 1, "rope_big": 0, "transposed": 0}
         assert plan.joined == joined[model_type.removeprefix("hotload_fake_")], (model_type, plan.joined)
         if "rope" in model_type or "experts_interleaved" in model_type:  # regrouped: a chunk per tensor here
             chunks = local_chunks(model, split=plan.split, rename=plan.rename, tie_word_embeddings=False)
