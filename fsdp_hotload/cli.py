@@ -224,8 +224,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "diff":
             plan = _marker_plan(args.out, "delta", args.parent_identity or os.path.basename(
                 os.path.normpath(args.parent))) if os.path.isdir(args.new) else None
+            unverified: list[str] = []
             n = diff_paths(args.parent, args.new, args.out, codec=args.codec, parent_identity=args.parent_identity,
-                           progress=Progress("diff"), vendor_module=args.vendor_module)
+                           progress=Progress("diff"), vendor_module=args.vendor_module, unverified=unverified)
+            if unverified:
+                print(f"warning: {len(unverified)} file(s) the vendor module wrote (e.g. {unverified[0]}) are in a "
+                      "layout hotload cannot decode, so they were checked as safetensors files only, not rebuilt: "
+                      "verify them with Fireworks' loader", file=sys.stderr)
             if plan is not None:
                 _mark_complete(args.out, plan)
             print(f"wrote {_human(n)} to {args.out}")

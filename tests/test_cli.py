@@ -8,8 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import zstandard
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from fsdp_hotload.arc.errors import FormatError
@@ -115,14 +118,48 @@ def test_vendor_route(snapshots: tuple[Path, Path], tmp_path: Path) -> None:
     diff_paths(str(a), str(b), str(tmp_path / "sparse"), codec="arc_sparse_v1",
                vendor_module="tests.vendor_example.fw_reference_shape")
     assert {c[3] for c in vendor.CALLS} == {"arc_sparse_v1"}
-    # what the module writes is checked before the folder is called a delta: a copy of NEW is not one
-    vendor.MODE[0] = "copy"
+    # what the module writes is checked before the folder is called a delta: a copy of NEW is not one, nor are bytes
+    # that are no safetensors file, and neither is left in the folder
     try:
-        with pytest.raises(FormatError, match="not a delta"):
-            diff_paths(str(a), str(b), str(tmp_path / "copied"),
-                       vendor_module="tests.vendor_example.fw_reference_shape")
+        for mode, error, match in [("copy", FormatError, "wrote a copy of .* not a delta"),
+                                   ("garbage", FormatError, "header length")]:
+            vendor.MODE[0] = mode
+            with pytest.raises(error, match=match):
+                diff_paths(str(a), str(b), str(tmp_path / mode),
+                           vendor_module="tests.vendor_example.fw_reference_shape")
+            assert not [n for n in os.listdir(tmp_path / mode) if n.endswith(".safetensors")]
     finally:
         vendor.MODE[0] = "delta"
+
+
+def test_vendor_route_takes_a_layout_our_decoder_cannot_read(snapshots: tuple[Path, Path], tmp_path: Path) -> None:
+    """Fireworks' reference module writes its own layout, which is the point of the route: every such file was
+    refused as 'not a delta file' (exit 2), so the route only worked with modules writing ours. Now the files stay,
+    checked as safetensors files, and the CLI says they were not rebuilt."""
+    a, b = snapshots
+    out = tmp_path / "fw-delta"
+    env = {**os.environ, "FW_REFERENCE_SHAPE_MODE": "foreign"}
+    res = subprocess.run([*HOTLOAD, "diff", str(a), str(b), str(out), "--vendor-module",
+                          "tests.vendor_example.fw_reference_shape"], capture_output=True, text=True, timeout=120,
+                         env=env)
+    names = sorted(n for n in os.listdir(b) if n.endswith(".safetensors"))
+    assert res.returncode == 0, res.stderr
+    assert f"warning: {len(names)} file(s) the vendor module wrote" in res.stderr and "not rebuilt" in res.stderr
+    assert (out / "hotload.commit.json").exists()
+    for n in names:  # what the module wrote, as it wrote it: each tensor's XOR against the parent, zstd-compressed
+        parent, new = load_file(str(a / n)), load_file(str(b / n))
+        with safe_open(str(out / n), "np") as f:
+            assert f.metadata()["format"] == "vendor-delta" and sorted(f.keys()) == sorted(new)
+            for t in f.keys():
+                xor = np.frombuffer(zstandard.ZstdDecompressor().decompress(f.get_tensor(t).tobytes()), np.uint8)
+                rebuilt = xor ^ parent[t].contiguous().view(torch.uint8).reshape(-1).numpy()
+                assert rebuilt.tobytes() == new[t].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes(), t
+    from fsdp_hotload.arc.folder import diff_paths
+
+    unverified: list[str] = []  # our own layout from the same module is rebuilt, and so not listed
+    diff_paths(str(a), str(b), str(tmp_path / "ours"), vendor_module="tests.vendor_example.fw_reference_shape",
+               unverified=unverified)
+    assert unverified == []
 
 
 def _marker(folder: Path) -> Path:
