@@ -308,10 +308,13 @@ def _transposed_rows(rows: list[tuple[int, tuple[int, ...], str, tuple[int, ...]
         return None
     flat = t.t().reshape(-1)
     first = int(flat[0])
-    for at, row, name, real in rows:
-        if at == first and len(real) == 2 and tuple(t.shape) == (row[1], row[0]):
-            return name if _consecutive(flat, first) else None
-    return None
+    # rows are in order of their first values: a search, not a scan per saved tensor (thousands on large models)
+    i = bisect.bisect_left(rows, first, key=lambda r: r[0])
+    if i == len(rows):
+        return None
+    at, row, name, real = rows[i]
+    ok = at == first and len(real) == 2 and tuple(t.shape) == (row[1], row[0]) and _consecutive(flat, first)
+    return name if ok else None
 
 
 def _consecutive(flat: Any, first: int) -> bool:
