@@ -61,16 +61,21 @@ class Handler(BaseHTTPRequestHandler):
         self.deadline = time.monotonic() + self.timeout
         super().setup()
 
-    def _read_body(self) -> bytes | None:
+    def _read_body(self, method: str) -> bytes | None:
         """Exactly Content-Length bytes of body, or None after answering the error (a truncated body must not be
-        taken for a whole one)."""
+        taken for a whole one). A POST or PUT without one is refused (411) rather than read as an empty body."""
         if self.headers.get("Transfer-Encoding"):
             self.send_error(411, "Transfer-Encoding is not supported: send the body with a Content-Length")
             return None
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            length = -1
+        values = {v.strip() for v in self.headers.get_all("Content-Length") or []}
+        if not values:
+            if method in ("POST", "PUT", "PATCH"):
+                self.send_error(411, f"a {method} needs a Content-Length")
+                return None
+            values = {"0"}
+        # Digits only, and one value (RFC 9110 8.6): int() also takes "1_8" and " +18", and with two different
+        # values a proxy and this server could split the stream in different places.
+        length = int(values.pop()) if len(values) == 1 and all(v.isascii() and v.isdigit() for v in values) else -1
         if length < 0 or length > MAX_BODY:
             self.send_error(413 if length > MAX_BODY else 400, "bad or oversized Content-Length")
             return None
@@ -99,7 +104,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         emu = self.server.emulator
-        body = self._read_body()
+        body = self._read_body(method)
         if body is None:
             return
         try:

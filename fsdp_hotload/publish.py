@@ -43,19 +43,21 @@ class WholeChunk:
     source: torch.Tensor
 
 
-def _flat_in_place(value: Any) -> bool:
-    """Whether flattening ``value`` (as ``_as_torch(value).reshape(-1)``) gives a view of its memory, not a copy."""
+def _place(value: Any) -> tuple[Any, ...]:
+    """Where a tensor or array's elements are: its first element's address, its strides and its device. While that
+    memory is held, an equal place is the same tensor (another view of it has another offset, strides or shape)."""
     if isinstance(value, torch.Tensor):
-        return value.is_contiguous()
-    return bool(isinstance(value, np.ndarray) and value.flags.c_contiguous)
+        return int(value.data_ptr()), tuple(value.stride()), value.device
+    return int(value.__array_interface__["data"][0]), tuple(value.strides), "numpy"
 
 
-def _as_torch(value: Any) -> torch.Tensor:
+def _as_torch(name: str, value: Any) -> torch.Tensor:
+    """``value`` as a torch tensor of its shape (a view of its memory where it is contiguous)."""
     if isinstance(value, torch.Tensor):
         return value.detach()
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(value))
-    raise TypeError(f"expected a torch tensor or numpy array, got {type(value).__name__}")
+    if isinstance(value, np.ndarray):  # reshaped: np.ascontiguousarray makes a 0-d array 1-d
+        return torch.from_numpy(np.ascontiguousarray(value)).reshape(value.shape)
+    raise TypeError(f"tensor {name!r}: expected a torch tensor or numpy array, got {type(value).__name__}")
 
 
 def _warn_against_base(specs: Sequence[TensorSpec], hf_config_dir: str | None) -> None:
@@ -76,6 +78,11 @@ def _warn_against_base(specs: Sequence[TensorSpec], hf_config_dir: str | None) -
 class TensorPublisher:
     """Publishes a fixed set of named tensors (same names, shapes and dtypes at every step).
 
+    ``publish(step)`` reads the tensors given at construction (views of a model's parameters, say), and
+    ``publish(step, tensors)`` the ones given (a state dict gathered at each step). The first publish given other
+    tensors than those lets go of the construction tensors, so that a gathered first state dict is not kept alive
+    beside every later one: from then on, every publish must be given its tensors.
+
     Example::
 
         with TensorPublisher(state_dict, cfg) as pub:      # the names, shapes and dtypes of every publish
@@ -84,24 +91,32 @@ class TensorPublisher:
 
     def __init__(self, tensors: Mapping[str, Any], config: HotloadConfig, **engine_kwargs: Any) -> None:
         self.names = list(tensors)
-        self.chunks = []
+        chunks = []
+        copied = []
         policy = DtypePolicy.of(config.snapshot_dtype, config.dtype_overrides)
         for name in self.names:
-            t = _as_torch(tensors[name])
-            n = t.numel()
-            self.chunks.append(WholeChunk(name, tuple(t.shape), policy.code(name, t.dtype), "flat",
-                                          Box.flat(0, n), t.reshape(-1)))
-        # A non-contiguous tensor (a transposed or sliced view, a strided array) cannot be flattened in place: its
-        # chunk holds a copy, frozen at construction. publish() without tensors then re-reads the caller's tensors.
-        copied = [name for name in self.names if not _flat_in_place(tensors[name])]
+            t = _as_torch(name, tensors[name])
+            flat = t.reshape(-1)
+            if flat.numel() and flat.data_ptr() != _place(tensors[name])[0]:
+                copied.append(name)  # a transposed view, a strided array: flattening it made a copy
+            box = Box.flat(0, flat.numel())
+            chunks.append(WholeChunk(name, tuple(t.shape), policy.code(name, t.dtype), "flat", box, flat))
+        self._kinds = [(c.shape, c.source.dtype) for c in chunks]
+        # A copied tensor's chunk holds a copy frozen at construction: publish() without tensors then re-reads the
+        # caller's tensors.
         self._live: dict[str, Any] | None = {n: tensors[n] for n in self.names} if copied else None
+        # Where the construction tensors are, to know them when given again: their memory stays held (by the stager's
+        # views of it, or by _live) until both let go of it, and these with them.
+        self._origin: list[tuple[Any, ...]] | None = [_place(tensors[n]) for n in self.names]
+        self._given_from: int | None = None  # the step of the first publish given other tensors
         if copied:
             log.info("hotload: %d tensor(s) are not contiguous (first: %r); publish() without tensors copies them "
                      "again at each publishing step", len(copied), copied[0])
-        for note in policy.notes({c.name: c.source.dtype for c in self.chunks}):
+        for note in policy.notes({c.name: c.source.dtype for c in chunks}):
             log.warning("hotload: %s", note)
-        specs = [TensorSpec(c.name, c.shape, c.dtype) for c in self.chunks]
-        self.engine = Publisher(self.chunks, specs, config, **engine_kwargs)
+        specs = [TensorSpec(c.name, c.shape, c.dtype) for c in chunks]
+        self.engine = Publisher(chunks, specs, config, **engine_kwargs)
+        del chunks  # the engine's stager holds the sources now, and lets go of them as they are replaced
         if self.engine.rank == 0:
             try:
                 carried = [TensorSpec(t.name, t.shape, t.dtype) for t in self.engine.carried]
@@ -114,34 +129,49 @@ class TensorPublisher:
 
         On CUDA the copy is ordered after the work queued so far on the current stream only: tensors written on
         another stream must be waited for first (``torch.cuda.current_stream().wait_stream(s)``)."""
-        if tensors is None and self._live is not None:
-            return self.engine.publish(step, self._read_live)  # called only on steps that publish; close reuses it
-        return self.engine.publish(step, self._sources(tensors))
+        sources = self._sources(tensors)
+        if sources is not None:
+            if self._origin is not None:  # let go of the construction tensors (the stager's copy plans held them)
+                self._origin, self._live, self._given_from = None, None, step
+                self.engine.stager.forget_sources()
+            return self.engine.publish(step, sources)
+        if tensors is None and self._given_from is not None:
+            raise ValueError(f"publish({step}) without tensors reads the tensors given at construction, which were "
+                             f"let go when publish({self._given_from}) was given others: give every publish its "
+                             "tensors")
+        if self._live is not None:
+            return self.engine.publish(step, self._read_live)  # called only on steps that publish; close too
+        return self.engine.publish(step)
 
     def _read_live(self) -> list[torch.Tensor]:
         """The construction tensors' current values, flattened (copies for the non-contiguous ones)."""
         assert self._live is not None
-        sources = self._sources(self._live)
-        assert sources is not None  # a copied tensor never has its chunk's pointer
-        return sources
+        return [_as_torch(n, self._live[n]).reshape(-1) for n in self.names]
 
     def _sources(self, tensors: Mapping[str, Any] | None) -> list[torch.Tensor] | None:
-        """Flat views of ``tensors`` in construction order; None when they are the construction tensors
-        themselves (the same memory), which ``close`` can then read again to publish a skipped newest step."""
+        """Flat views of ``tensors`` in construction order, checked against the construction's shapes and dtypes;
+        None when there are none, or they are the construction tensors themselves (the same places), which the
+        engine reads (again at ``close``, to publish a skipped newest step)."""
         if tensors is None:
             return None
         missing = [n for n in self.names if n not in tensors]
         if missing or len(tensors) != len(self.names):
             raise KeyError(f"publish needs exactly the tensors given at construction; missing {missing[:5]}, "
                            f"unexpected {sorted(set(tensors) - set(self.names))[:5]}")
-        sources = [_as_torch(tensors[n]).reshape(-1) for n in self.names]
-        for c, s in zip(self.chunks, sources):
-            if s.numel() != c.box.numel:
-                raise ValueError(f"tensor {c.name!r} changed size: {s.numel()} elements, {c.box.numel} before")
-        if all(s.data_ptr() == c.source.data_ptr() and s.stride() == c.source.stride() and s.dtype == c.source.dtype
-               and s.device == c.source.device for c, s in zip(self.chunks, sources)):
-            return None
-        return sources
+        given = []
+        same = self._origin is not None
+        for k, (name, (shape, dtype)) in enumerate(zip(self.names, self._kinds)):
+            value = tensors[name]
+            t = _as_torch(name, value)
+            # Same element count is not enough: a transposed matrix, or an int tensor given floats, would be published
+            # under the construction's shape and dtype without an error.
+            if t.dtype != dtype or tuple(t.shape) != shape:
+                raise ValueError(f"tensor {name!r} is {t.dtype} {list(t.shape)}, and was {dtype} {list(shape)} at "
+                                 "construction: give every publish the same shapes and dtypes")
+            if same and self._origin is not None and _place(value) != self._origin[k]:
+                same = False
+            given.append(t)
+        return None if same else [t.reshape(-1) for t in given]
 
     def wait(self, timeout: float | None = None) -> None:
         self.engine.wait(timeout)
@@ -156,7 +186,10 @@ class TensorPublisher:
         except Exception:
             self.engine.close(raise_errors=False, timeout=timeout)  # the threads still stop; the caller sees why
             raise
-        self.engine.close(raise_errors=raise_errors, sources=sources, timeout=timeout)
+        try:
+            self.engine.close(raise_errors=raise_errors, sources=sources, timeout=timeout)
+        finally:  # the stager let go of its sources: so does this, for an owner that is still held
+            self._origin, self._live = None, None
 
     @property
     def metrics(self) -> list[PublishMetrics]:

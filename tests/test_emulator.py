@@ -556,6 +556,33 @@ def test_request_body_must_arrive_whole(emulator: HotLoadEmulator) -> None:
     emulator.check()
 
 
+def test_content_length_must_be_one_plain_number(emulator: HotLoadEmulator) -> None:
+    """``int()`` took "1_8" and " +18", and of two different Content-Length headers the first won: a proxy that took
+    the other would split the stream elsewhere (RFC 9110 8.6 says refuse). A POST without one is not an empty body."""
+    payload = b'{"identity":"s-1"}'
+    for headers in ({"Content-Length": "1_8"}, {"Content-Length": "+18"}, {"Content-Length": "\u00b2"}):
+        code, _, body = exchange(emulator, "POST", "/hot_load/v1/models/hot_load", payload,
+                                 headers={"Content-Type": "application/json", **headers})
+        assert code == 400 and "Content-Length" in body["error"]["message"], headers
+    host, port = emulator.url.removeprefix("http://").rsplit(":", 1)
+    head = (f"POST /hot_load/v1/models/hot_load HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {EMULATOR_API_KEY}\r\n"
+            f"fireworks-model: accounts/acct/models/m\r\nfireworks-deployment: {DEP}\r\n"
+            "Content-Length: 18\r\nContent-Length: 3\r\n\r\n")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head.encode() + payload)
+        sock.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    assert data.split()[1] == b"400", data[:200]
+    code, _, body = exchange(emulator, "POST", "/hot_load/v1/models/hot_load", payload, headers={})
+    assert code == 411 and "Content-Length" in body["error"]["message"]
+    assert emulator.state()["deployments"] == {}  # none of them was acted on
+    code, _, _ = exchange(emulator, "GET", "/emulator/v1/state", headers={})  # a GET needs none
+    assert code == 200
+    emulator.check()
+
+
 def test_stalled_request_times_out(tmp_path: Path) -> None:
     """A client that stops sending mid-body does not hold its handler thread forever."""
     with HotLoadEmulator(str(tmp_path), replicas=1, api_key=EMULATOR_API_KEY, request_timeout_s=0.5) as emu:

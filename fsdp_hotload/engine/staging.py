@@ -110,6 +110,7 @@ class Stager:
         self._copier: ThreadPoolExecutor | None = None  # host copies off the trainer's thread (``background``)
         self._views: dict[int, list[np.ndarray]] = {}  # host_views by buffer address
         self._own = [c.source for c in self.chunks]  # checked above
+        self._forgotten = False  # see forget_sources
         self.chunks = [ChunkInfo(c.name, tuple(c.shape), c.dtype, c.space, c.box) for c in self.chunks]
         self._groups = copy_groups(self._own, self.slices)
         self._plans: dict[int, CopyPlan] = {}  # the own sources' copies into each buffer, by buffer address
@@ -156,6 +157,8 @@ class Stager:
         thread, returning a Future: the caller must then keep the sources unchanged until it is done (the
         callback waits for it before the next optimizer step).
         """
+        if sources is None and self._forgotten:
+            raise RuntimeError("the chunks' own sources were let go of (forget_sources): give stage() its sources")
         srcs, changed = (self._own, []) if sources is None else self._checked(sources)
         if self.cuda:
             assert self._stream is not None
@@ -213,6 +216,17 @@ class Stager:
         self._groups = copy_groups(self._own, self.slices)
         self._plans.clear()
         self._where, self._own_src, self._bits = [], [], []
+
+    def forget_sources(self) -> None:
+        """Let go of the chunks' own sources for good: every later :meth:`stage` must be given its sources. Why: a
+        caller that brings other tensors at every publish (a state dict gathered at each step) would keep the first
+        ones, a whole copy of the weights, alive until close(). Stand-ins of each source's dtype and shape over one
+        element keep the copy plans, into which the given sources are patched. No copy may be running."""
+        one: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        stand_ins = [one.setdefault((t.dtype, t.device), torch.zeros((), dtype=t.dtype, device=t.device)
+                                    ).expand(t.shape) for t in self._own]
+        self.rebind(stand_ins)
+        self._forgotten = True
 
     def _copy_host(self, buf: torch.Tensor, srcs: Sequence[torch.Tensor], changed: Sequence[int]) -> None:
         with torch.no_grad():  # thread-local: set here, on whichever thread copies

@@ -1,0 +1,139 @@
+"""TensorPublisher's inputs: views that flatten in place, other shapes and dtypes, 0-d arrays, and which tensors
+it keeps alive. Every publish is rebuilt from the bucket and compared with the trainer's bytes."""
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from fsdp_hotload.arc.dtypes import RawTensor
+from fsdp_hotload.publish import TensorPublisher
+from tests.snapshots import rebuild_accepted
+from tests.test_publisher import config
+
+
+def bf16_digests(tensors: dict[str, Any]) -> dict[str, str]:
+    out = {}
+    for k, v in tensors.items():
+        t = torch.as_tensor(v)
+        out[k] = RawTensor.from_any(t.bfloat16() if t.is_floating_point() else t.contiguous()).digest()
+    return out
+
+
+def rebuilt_digests(bucket: str, pub: TensorPublisher) -> list[dict[str, str]]:
+    rebuilt = rebuild_accepted(bucket, pub.metrics)
+    return [{k: t.digest() for k, t in rebuilt[m.identity].items()} for m in pub.metrics]
+
+
+@pytest.mark.parametrize("with_copy", [False, True])
+def test_views_that_flatten_in_place_are_read_live(with_copy: bool, tmp_path: Path) -> None:
+    """A strided 1-D view, a stride-0 expand and a column slice are not contiguous, but flattening them gives views of
+    their memory, not copies. Each publish, with or without the tensors, and the final one of ``close()`` must serve
+    the values they hold at that step; with a transposed view beside them (flattened into a copy) too. Alone, they
+    made publish() and close() raise an AssertionError (they were taken for copies)."""
+    bucket = str(tmp_path / "bucket")
+    flat, one, wide, square = torch.zeros(64), torch.zeros(1), torch.zeros(16, 8), torch.zeros(12, 12)
+    tensors: dict[str, Any] = {"model.norm.weight": flat[::2], "model.layers.0.input_layernorm.weight": one.expand(24),
+                               "model.layers.0.mlp.gate.weight": wide[:, :1]}
+    if with_copy:
+        tensors["model.lm_head.weight"] = square.t()
+    assert not any(v.is_contiguous() for v in tensors.values())
+    expected: list[dict[str, str]] = []
+    cfg = config(bucket, None, tmp_path, busy_policy="wait", full_every=3, publish_every=2)
+    with TensorPublisher(tensors, cfg) as pub:
+        for step in range(8):
+            for base in (flat, one, wide, square):
+                base.add_(torch.arange(base.numel()).reshape(base.shape) * 0.25 + step)
+            # the construction tensors given again are still read live, as without them (step 7 is left to close)
+            if pub.publish(step, tensors) if step % 4 == 2 else pub.publish(step):
+                expected.append(bf16_digests(tensors))
+            pub.wait()
+        expected.append(bf16_digests(tensors))
+    assert [m.step for m in pub.metrics] == [0, 2, 4, 6, 7] and all(m.ok for m in pub.metrics)
+    assert {m.kind for m in pub.metrics} == {"full", "delta"}
+    assert rebuilt_digests(bucket, pub) == expected
+
+
+def test_another_shape_or_dtype_with_the_same_count_is_refused(tmp_path: Path) -> None:
+    """Only the element count used to be compared: a transposed matrix was published under the construction's shape
+    in its own order, and floats given to an int tensor were truncated, without an error."""
+    bucket = str(tmp_path / "bucket")
+    w, step_t = torch.arange(32, dtype=torch.float32).reshape(4, 8), torch.tensor([7], dtype=torch.int64)
+    with TensorPublisher({"model.w": w, "model.step": step_t}, config(bucket, None, tmp_path)) as pub:
+        with pytest.raises(ValueError, match=r"'model\.w' is torch\.float32 \[8, 4\], and was torch\.float32 \[4, 8\]"):
+            pub.publish(0, {"model.w": w.t(), "model.step": step_t})
+        with pytest.raises(ValueError, match=r"'model\.step' is torch\.float32 \[1\], and was torch\.int64 \[1\]"):
+            pub.publish(0, {"model.w": w, "model.step": torch.tensor([7.9])})
+        with pytest.raises(TypeError, match=r"tensor 'model\.step': expected a torch tensor or numpy array, got list"):
+            pub.publish(0, {"model.w": w, "model.step": [7]})
+        assert pub.publish(0, {"model.w": w.clone(), "model.step": step_t.clone()})
+        pub.wait()
+    assert [m.ok for m in pub.metrics] == [True]
+    assert rebuilt_digests(bucket, pub) == [bf16_digests({"model.w": w, "model.step": step_t})]
+
+
+def test_a_zero_dim_array_keeps_its_shape(tmp_path: Path) -> None:
+    """``np.ascontiguousarray`` returns at least one dimension: a 0-d numpy scalar was published as shape [1], which
+    the fleet refuses against the base model's []."""
+    bucket = str(tmp_path / "bucket")
+    tensors = {"model.scale": np.array(2.5, dtype=np.float32), "model.bias": torch.tensor(1.5)}
+    with TensorPublisher(tensors, config(bucket, None, tmp_path)) as pub:
+        assert pub.publish(0)
+        pub.wait()
+    (rebuilt,) = rebuild_accepted(bucket, pub.metrics).values()
+    assert {k: (list(t.shape), t.digest()) for k, t in rebuilt.items()} == \
+        {k: ([], d) for k, d in bf16_digests(tensors).items()}
+
+
+def gathered(step: int) -> dict[str, torch.Tensor]:
+    """A state dict gathered into new tensors at each step, as a trainer that gathers its shards would."""
+    g = torch.Generator().manual_seed(step)
+    return {"model.layers.0.mlp.up_proj.weight": torch.randn(64, 32, generator=g),
+            "model.norm.weight": torch.full((32,), float(step))}
+
+
+def test_the_construction_tensors_are_let_go_once_publish_brings_others(tmp_path: Path) -> None:
+    """A publisher built on a gathered state dict and then given a new one at every publish kept the first alive (a
+    whole copy of the weights) until close(). Once given others, ``publish(step)`` without tensors is refused: it
+    would read tensors let go of."""
+    bucket = str(tmp_path / "bucket")
+    first = gathered(0)
+    memory = StorageWeakRef(first["model.layers.0.mlp.up_proj.weight"].untyped_storage())
+    expected = []
+    with TensorPublisher(first, config(bucket, None, tmp_path, busy_policy="wait", full_every=2)) as pub:
+        assert pub.publish(0, first)  # the construction tensors themselves: kept, and read in place
+        expected.append(bf16_digests(first))
+        del first
+        pub.wait()
+        gc.collect()
+        assert not memory.expired()
+        for step in range(1, 4):
+            tensors = gathered(step)
+            assert pub.publish(step, tensors)
+            expected.append(bf16_digests(tensors))
+            del tensors
+            pub.wait()
+        gc.collect()
+        assert memory.expired()
+        with pytest.raises(ValueError, match=r"publish\(4\) without tensors .* let go when publish\(1\) was given"):
+            pub.publish(4)
+    assert [m.step for m in pub.metrics] == [0, 1, 2, 3] and all(m.ok for m in pub.metrics)
+    assert [m.kind for m in pub.metrics] == ["full", "delta", "full", "delta"]
+    assert rebuilt_digests(bucket, pub) == expected
+
+
+def test_close_lets_go_of_the_construction_tensors(tmp_path: Path) -> None:
+    """A closed publisher its owner still holds (a ``with`` block's name, read for its metrics) must not keep the
+    tensors it was built on alive."""
+    tensors = gathered(0)
+    memory = StorageWeakRef(tensors["model.norm.weight"].untyped_storage())
+    with TensorPublisher(tensors, config(str(tmp_path / "bucket"), None, tmp_path)) as pub:
+        assert pub.publish(0)
+    del tensors
+    gc.collect()
+    assert memory.expired() and [m.ok for m in pub.metrics] == [True]
