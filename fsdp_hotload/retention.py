@@ -15,6 +15,7 @@ Example::
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import math
@@ -25,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from .hf_config import AUX_SUBFOLDERS
+from .hf_config import AUX_FILENAMES, AUX_PATTERNS, AUX_SUBFOLDERS
 from .identity import validate_identity
 from .storage_errors import StorageError
 
@@ -285,15 +286,24 @@ SESSION = re.compile(r"[0-9a-f]{8}")
 PUBLISHED_NAME = re.compile(r".+-\d{6,}-[0-9a-f]{8}")
 
 
-def _looks_like_ours(identity: str, files: dict[str, Any]) -> bool:
+def _looks_like_ours(identity: str, files: dict[str, Any], *, remnant: bool = False) -> bool:
     """Whether a directory without a marker could be a publisher's unfinished snapshot: flat but for the
     sub-folders a snapshot carries from the base model (``hf_config.AUX_SUBFOLDERS``, written before the marker,
     so a writer killed then leaves them), and holding at least one HF shard file, or the temp file of one (a
-    writer killed mid-upload leaves only those on a local root). Anything else is left alone."""
+    writer killed mid-upload leaves only those on a local root). With ``remnant`` (its session committed snapshots
+    here), only files a snapshot holds are enough: a delete that stopped part way can leave just the small ones
+    (config, tokenizer, index). Anything else is left alone."""
     names = [_final_name(path[len(identity) + 1:]) for path in files]
     nested = [n.split("/") for n in names if "/" in n]
-    return (bool(names) and all(len(p) == 2 and p[0] in AUX_SUBFOLDERS for p in nested)
-            and any(SHARD_FILE.fullmatch(n) for n in names))
+    if not names or not all(len(p) == 2 and p[0] in AUX_SUBFOLDERS for p in nested):
+        return False
+    if any(SHARD_FILE.fullmatch(n) for n in names):
+        return True
+    return remnant and all("/" in n or n in _MANIFESTS or n in AUX_FILENAMES
+                           or any(fnmatch.fnmatchcase(n, p) for p in AUX_PATTERNS) for n in names)
+
+
+_MANIFESTS = ("model.safetensors.index.json", "model.weight.spec.json")  # layout's INDEX_FILENAME, SPEC_FILENAME
 
 
 def _final_name(name: str) -> str:
@@ -305,11 +315,15 @@ def _final_name(name: str) -> str:
     return name
 
 
-def plan_retention(snapshots: list[CommitInfo], keep_last: int, protected: set[str] | frozenset[str]) -> list[str]:
+def plan_retention(snapshots: list[CommitInfo], keep_last: int, protected: set[str] | frozenset[str],
+                   present: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """Identities to delete (oldest first), given the committed snapshots. Pure; nothing is touched.
 
     Kept: the ``keep_last`` newest snapshots, every ``protected`` one (a deployment serves it, and the next
-    delta will name it as parent), and all ancestors of any kept snapshot back to its full base.
+    delta will name it as parent), and all ancestors of any kept snapshot back to its full base. A kept snapshot
+    whose parent is not committed but ``present`` (its folder is listed: its marker was not read, say a store that
+    answered "not found" once) also keeps every snapshot of the parent's session committed before it: the chain
+    beyond the unread link is unknown, and its full base must not go.
     """
     if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
         raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
@@ -321,10 +335,21 @@ def plan_retention(snapshots: list[CommitInfo], keep_last: int, protected: set[s
     ordered = sorted(snapshots, key=lambda s: (s.created_at, s.identity))
     roots = [s.identity for s in ordered[-keep_last:]] + [p for p in protected if p in by_id]
     keep = _ancestors_closure(roots, by_id)
-    for snap in ordered:
-        if snap.identity in keep and snap.parent_identity is not None and snap.parent_identity not in by_id:
+    unread = [s for s in ordered if s.identity in keep and s.parent_identity is not None
+              and s.parent_identity not in by_id]
+    for snap in unread:
+        parent = snap.parent_identity
+        assert parent is not None
+        if parent in present:
+            older = [s.identity for s in ordered if s.created_at <= snap.created_at
+                     and session_of(s.identity) == session_of(parent)]
+            keep |= _ancestors_closure(older, by_id)
+            logger.warning("kept snapshot %s depends on %s, whose folder has no readable commit marker; retention "
+                           "keeps the %d older snapshot(s) of its run until it has one or is not needed",
+                           snap.identity, parent, len(older))
+        else:
             logger.warning("kept snapshot %s depends on %s, which is not committed (chain broken)",
-                           snap.identity, snap.parent_identity)
+                           snap.identity, parent)
     return [s.identity for s in ordered if s.identity not in keep]
 
 
@@ -441,10 +466,12 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
     With ``session`` (the caller's identity suffix) and ``since`` (when the caller started, ``time.time()``),
     snapshots of another session that committed since then, or within ``grace_s`` of ``now`` (default:
     ``time.time()``), are kept with their chains; a warning names a session that committed since this one
-    started: another publisher is live under this root. Folders without a marker that a finished session left (a crash
-    mid-upload) go too, once every file in them is ``INCOMPLETE_GRACE_S`` older than ``since`` (or than the
-    store's time of this session's newest commit, when that is earlier), and only under names a publisher makes
-    (``PUBLISHED_NAME``). On S3, the multipart uploads such a folder's writer left open go too (see
+    started: another publisher is live under this root. Folders without a marker that a session left (a crash
+    mid-upload, a delete that stopped part way) go too, only under names a publisher makes (``PUBLISHED_NAME``) and
+    never a committed snapshot's parent: a finished session's (it committed here, and is not live) once every file
+    in them is ``INCOMPLETE_GRACE_S`` old, by the store's time of this session's newest commit (or ``now``, when
+    earlier); a session's that never committed once every file is that much older than ``since`` (or than that
+    store time). On S3, the multipart uploads such a folder's writer left open go too (see
     :func:`_abort_abandoned_uploads`).
 
     Children go before parents, and each snapshot loses its commit marker before its files, so a crash half way
@@ -481,7 +508,7 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
                                "%s too; retention keeps them. Give each trainer its own bucket_url: two trainers "
                                "signalling one deployment replace each other's weights and break each other's "
                                "delta chains", other, identities[-1], storage.uri(""))
-    doomed = plan_retention(committed, keep_last, protected)
+    doomed = plan_retention(committed, keep_last, protected, frozenset(dirs))
     deleted: list[str] = []
     for identity in sorted(doomed, key=lambda i: (by_id[i].created_at, i), reverse=True):
         storage.delete_prefix(_marker_path(identity))
@@ -490,6 +517,10 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
         logger.info("retention: deleted snapshot %s", storage.uri(identity))
     if session is not None:
         cutoff: float | None = None  # read from the store only when an unmarked folder is there to judge
+        store_now: float | None = None
+        sessions = {session_of(c.identity) for c in committed}
+        # A committed snapshot's parent is never swept, also where its marker was not read (see plan_retention).
+        parents = {c.parent_identity for c in committed if c.parent_identity is not None}
         # This session's snapshots commit in step order, and those in flight are newer than its newest commit:
         # an unmarked folder of its own below that step lost its marker to a delete that then failed, or is a
         # failed snapshot whose discard failed. Skipped like a live upload, it stayed for the rest of the run.
@@ -497,7 +528,7 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
                      if session_of(c.identity) == session and PUBLISHED_NAME.fullmatch(c.identity)]
         newest_own = max(own_steps) if own_steps else -1
         for identity in dirs:
-            if identity in by_id or identity in protected:
+            if identity in by_id or identity in protected or identity in parents:
                 continue
             if (session_of(identity) == session and PUBLISHED_NAME.fullmatch(identity)
                     and _step_of(identity) < newest_own):
@@ -511,12 +542,19 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
             # would otherwise read such a folder whole on every publish.
             if session_of(identity) in {session, *live} or not PUBLISHED_NAME.fullmatch(identity):
                 continue
-            if cutoff is None:
+            # A run that committed here and is not live has ended (its snapshots go too): its folders are judged at
+            # the store's time now. One that never committed could be a new run's first upload, so only folders
+            # older than this publisher's start go; a run that crashed just before it started kept its folder.
+            finished = session_of(identity) in sessions
+            if finished and store_now is None:
+                store_now = min(now, _store_time_of_newest(storage, committed, session)) - INCOMPLETE_GRACE_S
+            elif not finished and cutoff is None:
                 cutoff = min(since, _store_time_of_newest(storage, committed, session)) - INCOMPLETE_GRACE_S
+            limit = store_now if finished else cutoff
             infos = storage.list_info(identity, include_temp=True)
             times = [f.mtime for f in infos.values()]
-            if (_looks_like_ours(identity, infos) and times
-                    and all(t is not None and t < cutoff for t in times)):
+            if (_looks_like_ours(identity, infos, remnant=finished) and times and limit is not None
+                    and all(t is not None and t < limit for t in times)):
                 storage.delete_prefix(identity)
                 deleted.append(identity)
                 logger.info("retention: deleted %s, left incomplete by a finished run", storage.uri(identity))

@@ -620,3 +620,86 @@ def test_a_run_killed_while_writing_its_chat_templates_leaves_nothing_for_good(t
             os.utime(tmp_path / identity / rel, (old, old))
     assert apply_retention(st, keep_last=1, session="11111111", since=now) == ["step-000001-deadbeef"]
     assert sorted(st.list_dirs()) == ["step-000002-deadbeef", "step-000003-11111111", "step-000004-deadbeef"]
+
+
+def test_a_quick_restart_lets_the_crashed_runs_unmarked_folder_go_with_its_snapshots(tmp_path: Path) -> None:
+    """A run that crashed a minute before the restart left a folder without a marker. It was judged against the
+    restarted run's start, so it stayed for that run's whole life, while the crashed run's committed snapshots went
+    once it was no longer live. A run that committed here and is not live is judged at the store's time now."""
+    from fsdp_hotload.retention import INCOMPLETE_GRACE_S
+
+    st = Storage(str(tmp_path))
+    now = time.time()
+    since = now - 2 * 86400  # this run started two days ago, a minute after the other one crashed
+    shard = "model-00001-of-00001.safetensors"
+    _publish(st, CommitInfo("step-000010-bbbbbbbb", "full", None, {shard: {"size": 4}}, since - 120))
+    _publish(st, CommitInfo("step-000500-aaaaaaaa", "full", None, {shard: {"size": 4}}, now))
+    for identity, mtime in {"step-000011-bbbbbbbb": since - 60,  # the crashed run's last upload
+                            "step-000012-cafecafe": since - 60,  # a run that never committed: judged as before
+                            "step-000013-bbbbbbbb": now - INCOMPLETE_GRACE_S + 60}.items():  # written just now
+        (tmp_path / identity).mkdir()
+        (tmp_path / identity / shard).write_bytes(b"part")
+        os.utime(tmp_path / identity / shard, (mtime, mtime))
+    deleted = apply_retention(st, keep_last=1, session="aaaaaaaa", since=since, now=now)
+    assert deleted == ["step-000010-bbbbbbbb", "step-000011-bbbbbbbb"]
+    assert sorted(st.list_dirs()) == ["step-000012-cafecafe", "step-000013-bbbbbbbb", "step-000500-aaaaaaaa"]
+
+
+def test_what_a_delete_stopped_part_way_left_of_a_finished_runs_snapshot_goes(tmp_path: Path) -> None:
+    """A snapshot's delete that stopped after its shards went left config.json and tokenizer.json: without a shard
+    file a finished run's folder never looked like a snapshot, and stayed for good. Of a run that committed here,
+    files a snapshot holds are enough; a folder with anything else, or of a run that never did, stays."""
+    st = Storage(str(tmp_path))
+    now = time.time()
+    since = now - 86400
+    shard = "model-00001-of-00001.safetensors"
+    _publish(st, CommitInfo("step-000010-bbbbbbbb", "full", None, {shard: {"size": 4}}, since - 7200))
+    _publish(st, CommitInfo("step-000500-aaaaaaaa", "full", None, {shard: {"size": 4}}, now))
+    left = {"step-000011-bbbbbbbb": ["config.json", "tokenizer.json", "model.safetensors.index.json",
+                                     "additional_chat_templates/tool_use.jinja"],
+            "step-000012-bbbbbbbb": ["config.json", "notes.txt"],
+            "step-000013-cafecafe": ["config.json", "tokenizer.json"]}
+    for identity, names in left.items():
+        for name in names:
+            path = tmp_path / identity / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"{}")
+            os.utime(path, (since - 7200, since - 7200))
+    deleted = apply_retention(st, keep_last=5, session="aaaaaaaa", since=since, now=now)
+    assert deleted == ["step-000011-bbbbbbbb"]
+    assert sorted(st.list_dirs()) == ["step-000010-bbbbbbbb", "step-000012-bbbbbbbb", "step-000013-cafecafe",
+                                      "step-000500-aaaaaaaa"]
+
+
+def test_a_marker_read_as_missing_once_does_not_break_the_served_chain(tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A marker that one read took for missing (a store that answered "not found" once) made its snapshot look
+    like an unmarked folder: the sweep deleted the served delta's parent, and the chain's closure, stopped there,
+    doomed the full base. A replica that rebuilds the served snapshot would then find neither."""
+    class OneMissingMarker(Storage):
+        miss: str | None = None
+
+        def get_bytes(self, relpath: str) -> bytes:
+            if relpath == self.miss:
+                self.miss = None
+                raise FileNotFoundError(f"{self.uri(relpath)}: not found (once)")
+            return super().get_bytes(relpath)
+
+    st = OneMissingMarker(str(tmp_path))
+    shard = {"model-00001-of-00001.safetensors": {"size": 4}}
+    t = time.time()
+    chain = [CommitInfo("step-000001-aaaaaaaa", "full", None, shard, t),
+             CommitInfo("step-000002-aaaaaaaa", "delta", "step-000001-aaaaaaaa", shard, t + 1),
+             CommitInfo("step-000003-aaaaaaaa", "delta", "step-000002-aaaaaaaa", shard, t + 2)]
+    for info in chain:
+        _publish(st, info)
+    st.miss = f"step-000002-aaaaaaaa/{COMMIT_MARKER}"
+    with caplog.at_level("WARNING", logger="fsdp_hotload"):
+        assert apply_retention(st, keep_last=1, protected={"step-000003-aaaaaaaa"}, session="aaaaaaaa",
+                               since=t - 10) == []
+    assert st.miss is None and "no readable commit marker" in caplog.text
+    assert [c.identity for c in list_committed(st)] == [c.identity for c in chain]
+    # read whole again, the chain is kept as any served chain is; a new full lets it go
+    _publish(st, CommitInfo("step-000004-aaaaaaaa", "full", None, shard, t + 3))
+    assert apply_retention(st, keep_last=1, protected={"step-000004-aaaaaaaa"}, session="aaaaaaaa",
+                           since=t - 10) == [c.identity for c in reversed(chain)]
