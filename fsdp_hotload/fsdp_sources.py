@@ -311,8 +311,8 @@ class Segment(_Source):
         end = self.start + numel(self.part_shape)
         boxes: list[tuple[Box, torch.Tensor]] = []  # boxes of the part (in part_shape) with their data
         out = []
-        if id(self.base) not in self._seen:
-            self._seen[id(self.base)] = self.base.pieces(name)
+        if id(self.base) not in self._seen:  # its errors name the model's parameter, not a part it has not
+            self._seen[id(self.base)] = self.base.pieces(self.base_path)
         for space, box, view in self._seen[id(self.base)]:
             if slab is not None and space == SHAPE:  # a box of the tensor: its part of the slab, one run of the view
                 cut = slab.cut(box, self.part_shape)
@@ -388,8 +388,8 @@ class Joined(_Source):
     def pieces(self, name: str) -> list[tuple[str, Box, torch.Tensor]]:
         boxed, per_row = self.boxed(), numel(self._shape[1:])
         out = []
-        for (_path, src), row in zip(self.members, self.rows):
-            for space, box, view in src.pieces(name):
+        for (path, src), row in zip(self.members, self.rows):
+            for space, box, view in src.pieces(path):  # errors name the model's parameter, not the joined tensor
                 if space == SHAPE:
                     out.append((SHAPE, Box((box.start[0] + row, *box.start[1:]), box.length), view))
                 elif not boxed:

@@ -371,6 +371,17 @@ def test_unsupported_tensors_are_named() -> None:
     model.z = nn.Parameter(torch.zeros(2, dtype=torch.complex64))
     with pytest.raises(ValueError, match="'z' is complex"):
         full_tensor_specs(model)
+    # split into parts, or joined with another: the error names the parameter, not a name the model has not
+    model = nn.Module()
+    model.experts = nn.Parameter(torch.randn(4, 6).t())
+    parts = lambda path, shape: [(f"experts.{e}.w", e * 4, (4,)) for e in range(6)]  # noqa: E731
+    with pytest.raises(ValueError, match="tensor 'experts' is not contiguous"):
+        local_chunks(model, split=parts)
+    model = nn.Module()
+    model.q, model.k = nn.Parameter(torch.randn(2, 3).t()), nn.Parameter(torch.randn(3, 2))
+    joined = lambda name: {"q": ("qk", 0), "k": ("qk", 1)}[name]  # noqa: E731
+    with pytest.raises(ValueError, match="tensor 'q' is not contiguous"):
+        local_chunks(model, rename=joined)
 
 
 # ---------------------------------------------------------------------------------------------- ownership

@@ -68,6 +68,51 @@ def test_staging_keeps_nan_payloads_of_uncast_floats() -> None:
     assert torch.equal(st.view(buf, st.slices[0]).view(torch.int16), bits)
 
 
+def test_a_cast_from_a_strided_source_gives_the_bits_of_the_parameters_own_cast() -> None:
+    """A permuted part (a transposed view) cast to bf16 on the CPU: torch casts strided floats element by element,
+    which wrote every NaN as 0x7fc0 where ``param.to(torch.bfloat16)`` keeps its sign (0xffff), so the snapshot
+    differed from the trainer's bf16 bytes. Staged from its own plan, patched in as a given source, copied pair by
+    pair, and once the own sources are let go of: always the bits of the parameter's own cast."""
+    from fsdp_hotload.arc.boxes import Box
+    from fsdp_hotload.publish import WholeChunk
+
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(6, 10, generator=g), torch.randn(6, 4, generator=g)]
+    nans = torch.tensor([0x7FC00001, -0x7E7EDCBB, 0x7F800001, -0x400000, 0x7FFFFFFF], dtype=torch.int32)
+    for p in params:  # quiet and signalling, both signs, with payloads, every 5th element
+        every = p.view(torch.int32).view(-1)[::5]
+        every.copy_(nans.repeat(every.numel())[:every.numel()])
+    assert all(p.isnan().sum() >= 4 for p in params)
+    want = [p.to(torch.bfloat16).t().contiguous().view(torch.int16) for p in params]
+    cs = [WholeChunk(f"t{i}", tuple(p.t().shape), "BF16", "shape", Box.whole(tuple(p.t().shape)), p.t())
+          for i, p in enumerate(params)]
+    st = Stager(cs, slots=1)
+
+    def staged(sources: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        buf = st.acquire(wait=False)
+        assert buf is not None
+        st.wait_event(st.stage(buf, sources))
+        st.release(buf)
+        return [st.view(buf, s).view(torch.int16).view(c.shape) for s, c in zip(st.slices, cs)]
+
+    given = [p.clone().t() for p in params]  # other tensors, as strided as the own ones
+    for got in (staged(None), staged(given), staged([given[0], params[1].t().contiguous()])):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    st.forget_sources()
+    assert all(torch.equal(a, b) for a, b in zip(staged(given), want))
+    # contiguous own sources, given strided ones: not patched into the batch the own ones were planned in
+    values = [p.t().contiguous().view(-1) for p in params]
+    st = Stager([WholeChunk(f"f{i}", (v.numel(),), "BF16", "flat", Box.flat(0, v.numel()), v)
+                 for i, v in enumerate(values)], slots=1)
+    spread = [torch.zeros(2 * v.numel()) for v in values]
+    for sp, v in zip(spread, values):
+        sp[::2] = v
+    buf = st.acquire(wait=False)
+    assert buf is not None
+    st.wait_event(st.stage(buf, [sp[::2] for sp in spread]))
+    assert all(torch.equal(st.view(buf, s).view(torch.int16), w.view(-1)) for s, w in zip(st.slices, want))
+
+
 def test_all_staging_memory_is_taken_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
     """Slots and cache are allocated when the Stager is built (the callback's construction), so a shortage fails
     before training starts, not on the publisher's thread at the first accepted snapshot; promotions only swap

@@ -34,7 +34,7 @@ import torch
 
 from ..arc.codecs import ElementDiff, element_diff
 from ..arc.dtypes import UINT_BY_SIZE, itemsize, torch_name
-from .copies import SIGNED, CopyPlan, Slice, as_source, copy_groups, window
+from .copies import SIGNED, CopyPlan, Slice, as_source, copy_groups, strided_cast, window
 
 DIFF_BLOCK = 1 << 22  # elements per device-diff step (the device temporaries are ~13 bytes per element)
 _NO_STATIC_NONZERO: set[str] = set()  # device types whose torch has no nonzero_static kernel (see _positions)
@@ -221,7 +221,8 @@ class Stager:
         """Let go of the chunks' own sources for good: every later :meth:`stage` must be given its sources. Why: a
         caller that brings other tensors at every publish (a state dict gathered at each step) would keep the first
         ones, a whole copy of the weights, alive until close(). Stand-ins of each source's dtype and shape over one
-        element keep the copy plans, into which the given sources are patched. No copy may be running."""
+        element take their place (no given source is one of them, and none is copied as a run with another); each
+        copy is then planned for the sources it is given. No copy may be running."""
         one: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         stand_ins = [one.setdefault((t.dtype, t.device), torch.zeros((), dtype=t.dtype, device=t.device)
                                     ).expand(t.shape) for t in self._own]
@@ -235,8 +236,10 @@ class Stager:
     def _copy(self, buf: torch.Tensor, srcs: Sequence[torch.Tensor], changed: Sequence[int]) -> None:
         """Stage ``srcs`` into ``buf`` (under ``no_grad``): by the buffer's plan, with the ``changed`` chunks'
         sources put in place of their own where they fit it, else pair by pair."""
-        plan = self._plan(buf)
-        if changed:
+        # Once the own sources are let go of, every source is given: a plan made for stand-ins would be patched
+        # whole at each copy, and batch the given sources by the stand-ins' layout, not theirs.
+        plan = None if self._forgotten else self._plan(buf)
+        if plan is not None and changed:
             plan = self._patched(plan, srcs, changed)
         if plan is None:
             plan = CopyPlan.of(*self._pairs(buf, srcs))[0]
@@ -288,6 +291,8 @@ class Stager:
             if where is None or src.dtype != own.dtype or src.shape != own.shape:
                 return None
             batch, pos, bits = where
+            if batch >= 0 and not bits and strided_cast(plan.batches[batch][0][pos], src):
+                return None  # a cast from a strided CPU source is not batched (see CopyPlan)
             if bits:
                 src = src.view(SIGNED[src.element_size()])
             if batch < 0:
