@@ -516,8 +516,7 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
         deleted.append(identity)
         logger.info("retention: deleted snapshot %s", storage.uri(identity))
     if session is not None:
-        cutoff: float | None = None  # read from the store only when an unmarked folder is there to judge
-        store_now: float | None = None
+        store_time: float | None = None  # read from the store only when an unmarked folder is there to judge
         sessions = {session_of(c.identity) for c in committed}
         # A committed snapshot's parent is never swept, also where its marker was not read (see plan_retention).
         parents = {c.parent_identity for c in committed if c.parent_identity is not None}
@@ -546,14 +545,12 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
             # the store's time now. One that never committed could be a new run's first upload, so only folders
             # older than this publisher's start go; a run that crashed just before it started kept its folder.
             finished = session_of(identity) in sessions
-            if finished and store_now is None:
-                store_now = min(now, _store_time_of_newest(storage, committed, session)) - INCOMPLETE_GRACE_S
-            elif not finished and cutoff is None:
-                cutoff = min(since, _store_time_of_newest(storage, committed, session)) - INCOMPLETE_GRACE_S
-            limit = store_now if finished else cutoff
+            if store_time is None:
+                store_time = _store_time_of_newest(storage, committed, session)
+            limit = min(now if finished else since, store_time) - INCOMPLETE_GRACE_S
             infos = storage.list_info(identity, include_temp=True)
             times = [f.mtime for f in infos.values()]
-            if (_looks_like_ours(identity, infos, remnant=finished) and times and limit is not None
+            if (_looks_like_ours(identity, infos, remnant=finished) and times
                     and all(t is not None and t < limit for t in times)):
                 storage.delete_prefix(identity)
                 deleted.append(identity)

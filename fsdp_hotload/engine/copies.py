@@ -175,8 +175,8 @@ class CopyPlan:
 
 
 def strided_cast(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Whether copying ``src`` into ``dst`` is a cast from a strided CPU tensor, which :class:`CopyPlan` makes from a
-    contiguous copy of ``src``."""
+    """Whether copying ``src`` into ``dst`` is a cast from a strided CPU tensor, which :class:`CopyPlan` makes in two
+    steps, one at a time."""
     return src.dtype != dst.dtype and src.device.type == "cpu" and not src.is_contiguous()
 
 
