@@ -288,8 +288,9 @@ class HotloadConfig(BaseModel):
             if not self.hf_config_dir:
                 raise ValueError("hotload_api_url is set, so hf_config_dir must be set too: the deployment "
                                  "rejects snapshots without config.json and tokenizer files")
-            from .fireworks_names import deployment_name
+            from .fireworks_names import deployment_name, model_name
 
+            model_name(self.account_id or "", self.model_id or "")  # checked here: the error then names its source
             names = [deployment_name(self.account_id or "", d)[0] for d in self.deployments]
             twice = sorted({n for n in names if names.count(n) > 1})
             if twice:  # every snapshot would be signalled to it twice at once

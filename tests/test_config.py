@@ -62,6 +62,10 @@ def test_values_that_would_fail_or_leak_later_are_refused_by_name(monkeypatch: p
         HotloadConfig(**signalling, deployment_id=["d", "accounts/a/deployments/d"])
     with pytest.raises(ValueError, match="belongs to account 'b'"):
         HotloadConfig(**signalling, deployment_id=["accounts/b/deployments/d"])
+    # the model too, at construction (it was checked only when the callback built its client)
+    for bad in ("bad name", "accounts/a/models/m?x", "accounts/a/m"):
+        with pytest.raises(ValueError, match="model_id"):
+            HotloadConfig(**{**signalling, "model_id": bad}, deployment_id="d")
 
 
 def test_snapshot_dtype_errors_list_only_what_it_accepts() -> None:
