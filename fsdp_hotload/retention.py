@@ -542,8 +542,8 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
             if session_of(identity) in {session, *live} or not PUBLISHED_NAME.fullmatch(identity):
                 continue
             # A run that committed here and is not live has ended (its snapshots go too): its folders are judged at
-            # the store's time now. One that never committed could be a new run's first upload, so only folders
-            # older than this publisher's start go; a run that crashed just before it started kept its folder.
+            # the store's time now, also one it left a minute before this publisher started. One that never
+            # committed could be a new run's first upload, so only its folders older than this publisher's start go.
             finished = session_of(identity) in sessions
             if store_time is None:
                 store_time = _store_time_of_newest(storage, committed, session)
