@@ -25,7 +25,7 @@ from .arc.stio import MAX_HEADER_BYTES
 from .layout import LayoutError
 
 __all__ = ["AUX_FILENAMES", "AUX_PATTERNS", "AUX_SUBFOLDERS", "base_tensor_shapes", "carried_files",
-           "dropped_config_keys", "dtype_note", "hf_aux_files", "names_note", "snapshot_files",
+           "dropped_config_keys", "dtype_note", "hf_aux_files", "is_aux_file", "names_note", "snapshot_files",
            "without_unbacked_quantization"]
 
 log = logging.getLogger("fsdp_hotload")
@@ -49,6 +49,11 @@ AUX_PATTERNS: tuple[str, ...] = ("*.jinja", "*.tiktoken", "tiktoken.model", "*.p
 # Sub-folders that are carried, with the patterns of their files: transformers (2025 on) saves a tokenizer's named
 # chat templates (tool use, RAG) as additional_chat_templates/<name>.jinja beside chat_template.jinja.
 AUX_SUBFOLDERS: dict[str, tuple[str, ...]] = {"additional_chat_templates": ("*.jinja",)}
+
+
+def is_aux_file(name: str) -> bool:
+    """Whether a file of the base folder's top level is one a snapshot carries (``AUX_FILENAMES``, ``AUX_PATTERNS``)."""
+    return name in AUX_FILENAMES or any(fnmatch.fnmatchcase(name, p) for p in AUX_PATTERNS)
 
 
 def hf_aux_files(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, bytes]:
@@ -77,8 +82,7 @@ def hf_aux_files(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, byte
             f"HF config folder {path!r} has no config.json; point it at the base model's folder (the one with "
             "config.json and the tokenizer files)"
         )
-    out = _read_matching(path, "", lambda name: name in AUX_FILENAMES or
-                         any(fnmatch.fnmatchcase(name, p) for p in AUX_PATTERNS))
+    out = _read_matching(path, "", is_aux_file)
     for sub, patterns in AUX_SUBFOLDERS.items():
         if os.path.isdir(os.path.join(path, sub)):
             out.update(_read_matching(os.path.join(path, sub), f"{sub}/",

@@ -159,7 +159,7 @@ class TensorPublisher:
             raise KeyError(f"publish needs exactly the tensors given at construction; missing {missing[:5]}, "
                            f"unexpected {sorted(set(tensors) - set(self.names))[:5]}")
         given = []
-        same = self._origin is not None
+        origin = self._origin  # None once a tensor is not where its construction one is
         for k, (name, (shape, dtype)) in enumerate(zip(self.names, self._kinds)):
             value = tensors[name]
             t = _as_torch(name, value)
@@ -168,10 +168,10 @@ class TensorPublisher:
             if t.dtype != dtype or tuple(t.shape) != shape:
                 raise ValueError(f"tensor {name!r} is {t.dtype} {list(t.shape)}, and was {dtype} {list(shape)} at "
                                  "construction: give every publish the same shapes and dtypes")
-            if same and self._origin is not None and _place(value) != self._origin[k]:
-                same = False
+            if origin is not None and _place(value) != origin[k]:
+                origin = None
             given.append(t)
-        return None if same else [t.reshape(-1) for t in given]
+        return None if origin is not None else [t.reshape(-1) for t in given]
 
     def wait(self, timeout: float | None = None) -> None:
         self.engine.wait(timeout)

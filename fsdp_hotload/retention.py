@@ -15,7 +15,6 @@ Example::
 """
 from __future__ import annotations
 
-import fnmatch
 import json
 import logging
 import math
@@ -26,8 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from .hf_config import AUX_FILENAMES, AUX_PATTERNS, AUX_SUBFOLDERS
+from .hf_config import AUX_SUBFOLDERS, is_aux_file
 from .identity import validate_identity
+from .layout import INDEX_FILENAME, SPEC_FILENAME
 from .storage_errors import StorageError
 
 if TYPE_CHECKING:
@@ -299,11 +299,7 @@ def _looks_like_ours(identity: str, files: dict[str, Any], *, remnant: bool = Fa
         return False
     if any(SHARD_FILE.fullmatch(n) for n in names):
         return True
-    return remnant and all("/" in n or n in _MANIFESTS or n in AUX_FILENAMES
-                           or any(fnmatch.fnmatchcase(n, p) for p in AUX_PATTERNS) for n in names)
-
-
-_MANIFESTS = ("model.safetensors.index.json", "model.weight.spec.json")  # layout's INDEX_FILENAME, SPEC_FILENAME
+    return remnant and all("/" in n or n in (INDEX_FILENAME, SPEC_FILENAME) or is_aux_file(n) for n in names)
 
 
 def _final_name(name: str) -> str:
