@@ -178,11 +178,22 @@ def commit_snapshot(storage: Storage, identity: str, kind: str, parent: str | No
                                             created_at=time.time()))
 
 
+def _is_shard(relpath: str) -> bool:
+    return SHARD_FILE.fullmatch(_final_name(relpath.rsplit("/", 1)[-1])) is not None
+
+
+def _delete_files(storage: Storage, identity: str) -> None:
+    """Delete a snapshot's folder, its shards last: a delete that stops part way then leaves a folder that
+    still holds one, which the sweep of unmarked folders recognises as a publisher's (see :func:`_looks_like_ours`)
+    whatever became of its run, where config and tokenizer files alone stayed once that run had no commit left."""
+    storage.delete_prefix(identity, last=_is_shard)
+
+
 def discard_snapshot(storage: Storage, identity: str) -> None:
     """Delete an uncommitted snapshot's files, best effort. Why: retention skips folders without a commit marker,
     so each failed publish would otherwise leave most of a snapshot in the bucket for good."""
     try:
-        storage.delete_prefix(identity)
+        _delete_files(storage, identity)
     except Exception as exc:  # noqa: BLE001 - a later run's retention (keep_last) sweeps it
         logger.warning("hotload: could not delete the files of failed snapshot %s: %s", identity, exc)
 
@@ -471,7 +482,8 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
     :func:`_abort_abandoned_uploads`).
 
     Children go before parents, and each snapshot loses its commit marker before its files, so a crash half way
-    leaves no committed snapshot whose chain or files are gone.
+    leaves no committed snapshot whose chain or files are gone; its shards go last, so what such a crash leaves
+    is still recognised as a publisher's folder, and swept by a later pass.
 
     ``delete_incomplete`` (off by default) also removes directories without a marker whose files are all older
     than the newest committed snapshot. It is off because an upload in flight looks exactly like an abandoned
@@ -508,7 +520,7 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
     deleted: list[str] = []
     for identity in sorted(doomed, key=lambda i: (by_id[i].created_at, i), reverse=True):
         storage.delete_prefix(_marker_path(identity))
-        storage.delete_prefix(identity)
+        _delete_files(storage, identity)
         deleted.append(identity)
         logger.info("retention: deleted snapshot %s", storage.uri(identity))
     if session is not None:
@@ -527,7 +539,7 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
                 continue
             if (session_of(identity) == session and PUBLISHED_NAME.fullmatch(identity)
                     and _step_of(identity) < newest_own):
-                storage.delete_prefix(identity)
+                _delete_files(storage, identity)
                 deleted.append(identity)
                 logger.info("retention: deleted %s, left by a failed delete or upload of this run",
                             storage.uri(identity))
@@ -548,7 +560,7 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
             times = [f.mtime for f in infos.values()]
             if (_looks_like_ours(identity, infos, remnant=finished) and times
                     and all(t is not None and t < limit for t in times)):
-                storage.delete_prefix(identity)
+                _delete_files(storage, identity)
                 deleted.append(identity)
                 logger.info("retention: deleted %s, left incomplete by a finished run", storage.uri(identity))
         _abort_abandoned_uploads(storage, committed, session, set(live), newest_own)
@@ -564,7 +576,7 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
             if any(t is None for t in times):
                 continue  # empty, or the backend gives no times: its age is unknown, keep it
             if max(t for t in times if t is not None) < newest:
-                storage.delete_prefix(identity)
+                _delete_files(storage, identity)
                 deleted.append(identity)
                 logger.info("retention: deleted incomplete snapshot %s", storage.uri(identity))
     return deleted

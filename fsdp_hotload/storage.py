@@ -552,9 +552,14 @@ class Storage:
         self._run("abort_upload", rel, lambda: abort_upload(self._fs, self._path(rel), upload.upload_id,
                                                              self._deadline()))
 
-    def delete_prefix(self, prefix: str) -> None:
+    def delete_prefix(self, prefix: str, *, last: Callable[[str], bool] | None = None) -> None:
         """Delete everything below ``prefix`` (or the single object it names). Missing is not an error. An
-        empty prefix is refused: wiping the whole root by accident must not be one call away."""
+        empty prefix is refused: wiping the whole root by accident must not be one call away.
+
+        ``last`` (given a relpath from the root) picks the files deleted only once every other one is gone, so a
+        delete that stops part way leaves some of them: retention keeps a snapshot's shards for last, and a
+        folder still holding one is recognised as a publisher's and swept later (config and tokenizer alone are
+        not)."""
         rel = check_relpath(prefix, self._shown, allow_empty=True)
         if not rel:
             raise ValueError(f"refusing to delete the whole storage root {self._shown}")
@@ -562,12 +567,19 @@ class Storage:
             raise ValueError(f"refusing to delete {rel!r} under {self._shown}: it has a glob character (* ? [)")
         path = self._path(rel)
 
+        def delete(target: str | list[str]) -> None:
+            if self._chunked and hasattr(self._fs, "call_s3"):  # s3fs's rm ignores the keys S3 refused
+                delete_checked(self._fs, target, self._deadline())
+            else:
+                self._fs.rm(target, recursive=isinstance(target, str), **self._deadline())
+
         def rm() -> None:
             try:
-                if self._chunked and hasattr(self._fs, "call_s3"):  # s3fs's rm ignores the keys S3 refused
-                    delete_checked(self._fs, path, self._deadline())
-                else:
-                    self._fs.rm(path, recursive=True, **self._deadline())
+                if last is not None:
+                    first = [n for n in self._fs.find(path, **self._deadline()) if not last(self._rel(n) or n)]
+                    if first:
+                        delete(first)
+                delete(path)
             except FileNotFoundError:
                 pass
             self._fs.invalidate_cache(path)

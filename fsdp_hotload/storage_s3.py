@@ -129,18 +129,21 @@ _BATCH = 1000  # keys per DeleteObjects request, S3's limit
 _RANK = {ErrorClass.FATAL: 0, ErrorClass.NOT_FOUND: 0, ErrorClass.THROTTLE: 1, ErrorClass.TRANSIENT: 2}
 
 
-def delete_checked(fs: Any, path: str, deadline: dict[str, float]) -> None:
-    """Delete the object ``path`` and every object below it; raise :class:`DeleteRefused` for any key the store
-    did not delete.
+def delete_checked(fs: Any, path: str | list[str], deadline: dict[str, float]) -> None:
+    """Delete the object ``path`` and every object below it (or, given a list, just those objects); raise
+    :class:`DeleteRefused` for any key the store did not delete.
 
     Why not ``fs.rm``: S3 answers DeleteObjects with HTTP 200 and an error per key it refused (AccessDenied from
     a bucket policy, InternalError, SlowDown), and s3fs drops those. A refused delete then passed for a done
     one: retention, which deletes a snapshot's commit marker before its files, went on to delete the files of a
     snapshot that was still committed.
     """
-    bucket = fs.split_path(path)[0]
+    names = path if isinstance(path, list) else fs.find(path, **deadline)
+    if not names:
+        return
+    bucket = fs.split_path(names[0])[0]
     # Names from the listing keep a folder placeholder's trailing "/", which split_path would strip.
-    keys = [name[len(bucket) + 1:] for name in fs.find(path, **deadline)]
+    keys = [name[len(bucket) + 1:] for name in names]
     for start in range(0, len(keys), _BATCH):
         batch = keys[start:start + _BATCH]
         out = fs.call_s3("delete_objects", Bucket=bucket,
@@ -151,7 +154,8 @@ def delete_checked(fs: Any, path: str, deadline: dict[str, float]) -> None:
             code = str(first.get("Code"))
             raise DeleteRefused(f"{len(refused)} of {len(batch)} objects not deleted; {bucket}/{first.get('Key')}: "
                                 f"{code}: {first.get('Message') or '(no message)'}", code)
-    fs.invalidate_cache(path)
+    for name in names if isinstance(path, list) else [path]:
+        fs.invalidate_cache(name)
 
 
 class ThrottleAnswers:

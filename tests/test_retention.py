@@ -671,6 +671,43 @@ def test_what_a_delete_stopped_part_way_left_of_a_finished_runs_snapshot_goes(tm
                                       "step-000500-aaaaaaaa"]
 
 
+def test_a_snapshot_s_shards_go_last_so_what_a_stopped_delete_leaves_is_swept(s3_server: S3Server,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot's delete that stopped after its shards went left config.json and the tokenizer: once its run had
+    no commit left, nothing marked that folder as a publisher's, and it stayed for good. The shards now go last, in
+    requests of their own, so a delete that stops leaves one, and a later pass sweeps the folder."""
+    from fsdp_hotload import retention
+
+    monkeypatch.setattr(retention, "INCOMPLETE_GRACE_S", 0.0)  # S3 file times are the upload's: no waiting 600 s
+    uri = s3_server.unique_uri("shards-last")
+    direct = Storage(uri, s3_server.storage_options)
+    shard, small = "model-00001-of-00001.safetensors", ["config.json", "tokenizer.json", "model.safetensors.index.json"]
+    files = {n: {"size": 3} for n in [shard, *small]}
+    now = time.time()
+    # A finished run's only snapshot, then this run's.
+    _publish(direct, CommitInfo("step-000010-bbbbbbbb", "full", None, files, now - 3 * 86400))
+    time.sleep(1.1)  # S3 file times have whole seconds
+    _publish(direct, CommitInfo("step-000500-aaaaaaaa", "full", None, files, now))
+    bodies: list[bytes] = []
+
+    def refuse_shards(body: bytes) -> bool:
+        bodies.append(body)
+        return shard.encode() in body
+
+    with DeleteErrorsProxy(s3_server.endpoint_url, "AccessDenied", refuse_shards) as proxy:
+        st = Storage(uri, {**s3_server.storage_options, "endpoint_url": proxy.url})
+        with pytest.raises(StorageError, match="AccessDenied"):
+            apply_retention(st, keep_last=1, session="aaaaaaaa", since=now - 86400, now=now)
+    # The marker, then every other file, then the shards: no request names a shard beside another file.
+    assert [COMMIT_MARKER.encode() in b for b in bodies] == [True, False, False]
+    assert all(name.encode() in bodies[1] for name in small) and shard.encode() not in bodies[1]
+    assert direct.list("step-000010-bbbbbbbb") == [f"step-000010-bbbbbbbb/{shard}"]
+    assert [c.identity for c in list_committed(direct)] == ["step-000500-aaaaaaaa"]  # that run has no commit left
+    deleted = apply_retention(direct, keep_last=1, session="aaaaaaaa", since=time.time(), now=time.time())
+    assert deleted == ["step-000010-bbbbbbbb"]
+    assert direct.list_dirs() == ["step-000500-aaaaaaaa"]
+
+
 def test_a_marker_read_as_missing_once_does_not_break_the_served_chain(tmp_path: Path,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     """A marker that one read took for missing (a store that answered "not found" once) made its snapshot look
