@@ -30,6 +30,9 @@ __all__ = ["MAX_BODY", "Handler", "Server", "Server6"]
 
 MAX_BODY = 1 << 20
 _READ_CHUNK = 64 * 1024
+#: How much of an oversized body is read and dropped before the 413, so the client sees the answer; past it the
+#: connection closes with the rest unread (a reset).
+_DRAIN_MAX = 64 * MAX_BODY
 
 
 class Server(ThreadingHTTPServer):
@@ -76,31 +79,46 @@ class Handler(BaseHTTPRequestHandler):
         # Digits only, and one value (RFC 9110 8.6): int() also takes "1_8" and " +18", and with two different
         # values a proxy and this server could split the stream in different places.
         length = int(values.pop()) if len(values) == 1 and all(v.isascii() and v.isdigit() for v in values) else -1
-        if length < 0 or length > MAX_BODY:
-            self.send_error(413 if length > MAX_BODY else 400, "bad or oversized Content-Length")
+        if length < 0:
+            self.send_error(400, "bad Content-Length: one value, decimal digits only")
             return None
-        chunks: list[bytes] = []
-        got = 0
+        if length > MAX_BODY:
+            # Read (and drop) what the client is sending before answering: closing with its bytes unread resets
+            # the connection, and a client still sending saw a broken pipe instead of this answer.
+            try:
+                self._receive(min(length, _DRAIN_MAX), keep=False)
+            except TimeoutError:
+                pass
+            self.send_error(413, f"a request body of {length} bytes is over the emulator's {MAX_BODY}-byte limit")
+            return None
         try:
-            while got < length:
-                left = self.deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError
-                self.connection.settimeout(left)
-                chunk = self.rfile.read1(min(_READ_CHUNK, length - got))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                got += len(chunk)
+            body = self._receive(length)
         except TimeoutError:
             self.send_error(408, f"request body not received within {self.timeout:g}s")
             return None
-        body = b"".join(chunks)
         if len(body) != length:
             self.send_error(400, f"request body ended after {len(body)} of the {length} bytes its Content-Length "
                                  "announced")
             return None
         return body
+
+    def _receive(self, length: int, *, keep: bool = True) -> bytes:
+        """Up to ``length`` bytes of body (fewer where the client closed first), read by the request's deadline
+        (TimeoutError past it); with ``keep`` false they are dropped as they come."""
+        chunks: list[bytes] = []
+        got = 0
+        while got < length:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            self.connection.settimeout(left)
+            chunk = self.rfile.read1(min(_READ_CHUNK, length - got))
+            if not chunk:
+                break
+            if keep:
+                chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
 
     def _dispatch(self, method: str) -> None:
         emu = self.server.emulator

@@ -583,6 +583,27 @@ def test_content_length_must_be_one_plain_number(emulator: HotLoadEmulator) -> N
     emulator.check()
 
 
+def test_an_oversized_body_gets_its_413_while_the_client_is_still_sending(emulator: HotLoadEmulator) -> None:
+    """The 413 went out before the body was read, and the connection closed with it unread: a client still sending
+    its 8 MiB saw a broken pipe (or a reset) and never the answer. The body is now read and dropped first."""
+    from fsdp_hotload.emulator_http import MAX_BODY
+
+    host, port = emulator.url.removeprefix("http://").rsplit(":", 1)
+    body = b"x" * (8 * MAX_BODY)
+    head = (f"POST /hot_load/v1/models/hot_load HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {EMULATOR_API_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head.encode())
+        time.sleep(0.2)  # the server has the headers, and answered there and then before
+        sock.sendall(body)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    assert data.split()[1] == b"413", data[:200]
+    assert f"{len(body)} bytes" in json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+    emulator.check()
+
+
 def test_stalled_request_times_out(tmp_path: Path) -> None:
     """A client that stops sending mid-body does not hold its handler thread forever."""
     with HotLoadEmulator(str(tmp_path), replicas=1, api_key=EMULATOR_API_KEY, request_timeout_s=0.5) as emu:
