@@ -452,3 +452,21 @@ def test_kernel_caches_follow_the_sources_of_the_functions_they_call(tmp_path: P
     before = index.stat().st_mtime_ns
     assert run("refresh") == "30"
     assert index.stat().st_mtime_ns == before  # kept (not emptied again) while the sources stay as they are
+
+
+def test_every_arc_module_with_cached_kernels_is_refreshed_at_import() -> None:
+    """The refresh at ``import fsdp_hotload.arc`` took a list of modules kept by hand, and ``sparse_decode`` (split
+    out of ``sparse_kernels``) was missing: its cached decoder kept ``sparse_kernels``' old helpers after an edit of
+    that file alone, and disagreed with the encoder. Run in a fresh process, so the import is the first."""
+    script = ("import importlib, pkgutil\nimport fsdp_hotload.arc as arc\nfrom fsdp_hotload.arc import jit_cache\n"
+              "taken = set(jit_cache.refreshed)\n"
+              "names = [m.name for m in pkgutil.iter_modules(arc.__path__)]\n"
+              "mods = [importlib.import_module(f'fsdp_hotload.arc.{name}') for name in names]\n"
+              "print(sorted(m.__name__ for m in mods if jit_cache.cached_kernels([m])))\n"
+              "print(sorted(m.__name__ for m in mods if jit_cache.cached_kernels([m]) and m.__name__ not in taken))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    with_kernels, missed = out.stdout.strip().splitlines()
+    assert "fsdp_hotload.arc.sparse_decode" in with_kernels and "fsdp_hotload.arc.kernels" in with_kernels
+    assert missed == "[]"

@@ -21,13 +21,15 @@ from .stio import load_file, parse_header, save_file, write_file
 
 from . import sparse as _sparse  # noqa: F401  (registers arc_sparse_v1)
 
+import sys as _sys
 from pathlib import Path as _Path
 
-from . import adler as _adler, jit_cache as _jit_cache, kernels as _kernels, seq_delta as _seq_delta
-from . import sparse_kernels as _sparse_kernels
+from . import jit_cache as _jit_cache
 
 # Before any kernel is called: cached compiled code built from other sources than these is dropped (see jit_cache).
-_jit_cache.refresh([_adler, _kernels, _seq_delta, _sparse_kernels], _Path(__file__).parent)
+# Every submodule imported by now, not a list to keep up: sparse_decode, split out of sparse_kernels, was missing
+# from one, and its kernels kept running sparse_kernels' old helpers after an edit of that file alone.
+_jit_cache.refresh([m for n, m in list(_sys.modules.items()) if n.startswith(f"{__name__}.")], _Path(__file__).parent)
 
 __all__ = [
     "ArcError", "ArcV2", "Box", "CHECKSUM_FORMAT", "ChecksumError", "Codec", "ElementDiff", "FormatError",

@@ -21,6 +21,8 @@ from typing import Any, Iterable
 
 log = logging.getLogger("fsdp_hotload")
 MARKER = "hotload-jit-sources.sha256"
+#: The modules :func:`refresh` has been given in this process, by name: what checks that none was left out read.
+refreshed: set[str] = set()
 
 
 def cached_kernels(modules: Iterable[types.ModuleType]) -> list[Any]:
@@ -40,6 +42,8 @@ def refresh(modules: Iterable[types.ModuleType], sources: Path) -> int:
     """Empty the caches of ``modules``' kernels unless they were built from the ``*.py`` files of ``sources`` as
     they are now; returns how many were emptied. Best effort: a cache that cannot be read or written is left to
     numba, which then compiles as it would anyway."""
+    modules = list(modules)
+    refreshed.update(m.__name__ for m in modules)
     try:
         digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes()
                                          for p in sorted(sources.glob("*.py")))).hexdigest()
