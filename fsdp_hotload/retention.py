@@ -29,6 +29,7 @@ from .hf_config import AUX_SUBFOLDERS, is_aux_file
 from .identity import validate_identity
 from .layout import INDEX_FILENAME, SPEC_FILENAME
 from .storage_errors import StorageError
+from .storage_local import TMP_PREFIX
 
 if TYPE_CHECKING:
     from .storage import Storage
@@ -315,8 +316,6 @@ def _looks_like_ours(identity: str, files: dict[str, Any], *, remnant: bool = Fa
 
 def _final_name(name: str) -> str:
     """The name a local write's temp file (``<TMP_PREFIX><name>.<12 hex>``) would have been renamed to."""
-    from .storage import TMP_PREFIX  # storage re-exports this module's names: imported here, not at the top
-
     if name.startswith(TMP_PREFIX) and "." in name[len(TMP_PREFIX):]:
         return name[len(TMP_PREFIX):].rsplit(".", 1)[0]
     return name

@@ -22,7 +22,6 @@ import os
 import random
 import threading
 import time
-import uuid
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields
 from datetime import datetime
@@ -34,6 +33,7 @@ import fsspec.core
 from .masking import mask_text, mask_url
 from .storage_errors import (_BACKEND_PACKAGES, ErrorClass, MissingBackendError,  # noqa: F401 (re-exported)
                              StorageError, backend_install_hint, backoff_delay, classify_error)
+from .storage_local import TMP_PREFIX, atomic_write
 from .storage_paths import LOCAL_PROTOCOLS, OBJECT_STORE_PROTOCOLS, check_options, check_relpath, normalise_root
 from .storage_s3 import (DeadlineCalls, OpenUpload, ThrottleAnswers, abort_open_uploads, abort_upload,
                          delete_checked, is_s3_root, list_uploads, owned_retries)
@@ -46,7 +46,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: Hidden prefix of the temporary names used for atomic local writes; ``list`` never reports such files.
-TMP_PREFIX = ".hotload-tmp-"
 #: S3 rejects multipart parts under 5 MiB (except the last one).
 MIN_PART_SIZE = 5 * 2**20
 MAX_PART_SIZE = 5 * 2**30  # S3's largest part, and its most parts per upload below
@@ -316,7 +315,7 @@ class Storage:
         t0 = time.perf_counter()
         try:
             if self._local:
-                self._run("put", rel, lambda: self._local_atomic_write(path, lambda f: f.write(view)))
+                self._run("put", rel, lambda: atomic_write(self._fs, path, lambda f: f.write(view)))
             elif self._object_store and nbytes > self.multipart_threshold:
                 # Part by part from views of the buffer: pipe_file sends ~10 parts at once, each a copy (320 MiB
                 # more for a 512 MiB object; a delta file is bytes), and went on sending after one had failed.
@@ -351,7 +350,7 @@ class Storage:
 
         def upload() -> None:
             if self._local:
-                self._local_atomic_write(path, copy_into)
+                atomic_write(self._fs, path, copy_into)
             elif size > self.multipart_threshold and self._object_store:
                 self._stream_write(path, blocks(self._part_size(size)), self._part_size(size))
             else:
@@ -411,38 +410,6 @@ class Storage:
             if self._chunked and (type(exc).__name__ == "FSTimeoutError" or not isinstance(exc, Exception)):
                 abort_open_uploads(self._fs, path, self._deadline())
             raise
-
-    def _local_atomic_write(self, path: str, write: Callable[[BinaryIO], Any]) -> None:
-        """Write to a hidden temp name in the same directory, fsync, then rename over the target."""
-        parent = os.path.dirname(path)
-        made: list[str] = []  # folders this write creates: each must be made durable in its own parent too
-        d = parent
-        while d and not os.path.isdir(d) and os.path.dirname(d) != d:
-            made.append(d)
-            d = os.path.dirname(d)
-        self._fs.makedirs(parent, exist_ok=True)
-        short = os.path.basename(path).encode()[:200].decode(errors="ignore")  # a name's limit is in bytes
-        tmp = os.path.join(parent, f"{TMP_PREFIX}{short}.{uuid.uuid4().hex[:12]}")
-        try:
-            with self._fs.open(tmp, "wb") as f:
-                write(f)
-                f.flush()
-                with contextlib.suppress(AttributeError, OSError, ValueError):
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        # the rename itself durable, and every folder made for it (a snapshot folder that vanishes at a power loss
-        # after its commit marker was signalled); some filesystems refuse, which is fine
-        for folder in [parent] + [os.path.dirname(m) for m in made]:
-            with contextlib.suppress(OSError):
-                dir_fd = os.open(folder, os.O_RDONLY)
-                try:
-                    os.fsync(dir_fd)
-                finally:
-                    os.close(dir_fd)
 
     def _part_size(self, nbytes: int) -> int:
         """The part size for an ``nbytes`` object: ``part_size``, or more where S3's 10,000 parts would not hold

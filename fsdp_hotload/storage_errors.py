@@ -90,6 +90,11 @@ _TRANSIENT_CLASS_NAMES = frozenset({
     "ChunkedEncodingError", "ReadTimeout", "ConnectTimeout", "FSTimeoutError", "TransportError",
     # a body cut short on a read (botocore), a checksum that a damaged transfer failed, a proxy's 502 (requests)
     "IncompleteReadError", "FlexibleChecksumError", "ProxyError"})
+# TLS: a handshake refused with an alert or cut short (an overloaded terminator) is retried, as botocore's own
+# retries do; a certificate that fails verification is not. Both arrive as botocore's SSLError, whose base is not
+# the builtin ConnectionError; which one it was shows only in the implicit context (aiohttp's, then ssl's error).
+_TLS_CLASS_NAMES = frozenset({"SSLError", "ClientSSLError"})
+_CERT_CLASS_NAMES = frozenset({"SSLCertVerificationError", "ClientConnectorCertificateError", "CertificateError"})
 _AUTH_CLASS_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
                                "RefreshError", "DefaultCredentialsError", "Forbidden", "Unauthorized"})
 _TRANSIENT_ERRNOS = frozenset(getattr(errno, name) for name in (
@@ -111,6 +116,21 @@ def _exception_chain(exc: BaseException) -> Iterator[BaseException]:
         seen.add(id(e))
         yield e
         e = e.__cause__
+
+
+def _certificate_failure(exc: BaseException) -> bool:
+    """Whether a TLS error, or any error its cause or context chain holds, is a failed certificate verification."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo and len(seen) < 16:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if {klass.__name__ for klass in type(e).__mro__} & _CERT_CLASS_NAMES:
+            return True
+        todo += [e.__cause__, e.__context__]
+    return False
 
 
 def _code_and_status(exc: BaseException) -> tuple[str | None, int | None]:
@@ -141,7 +161,8 @@ def classify_error(exc: BaseException) -> ErrorClass:
     Pure function of the exception and its cause chain. Throttling wins over everything (an S3 SlowDown arrives
     as an ``OSError(EBUSY)`` whose cause is the ClientError), then not-found, then permission/auth errors, then
     connection errors, timeouts and 5xx. A lost multipart upload (``NoSuchUpload``) is TRANSIENT although it
-    arrives as a 404: the write starts over. Anything unrecognised is FATAL: retrying a bug only hides it.
+    arrives as a 404: the write starts over. A TLS error is TRANSIENT unless a certificate failed verification.
+    Anything unrecognised is FATAL: retrying a bug only hides it.
     """
     found: set[ErrorClass] = set()
     for e in _exception_chain(exc):
@@ -164,6 +185,8 @@ def classify_error(exc: BaseException) -> ErrorClass:
         elif (isinstance(e, PermissionError) or code in _AUTH_CODES or status in (401, 403)
               or names & _AUTH_CLASS_NAMES):
             found.add(ErrorClass.FATAL)
+        elif names & (_TLS_CLASS_NAMES | _CERT_CLASS_NAMES):
+            found.add(ErrorClass.FATAL if _certificate_failure(e) else ErrorClass.TRANSIENT)
         elif (isinstance(e, (ConnectionError, TimeoutError, socket.timeout, asyncio.TimeoutError))
               or names & _TRANSIENT_CLASS_NAMES or code in _TRANSIENT_CODES
               or status in (408, 500, 502, 504)

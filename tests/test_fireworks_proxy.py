@@ -7,7 +7,6 @@ through ``SSL_CERT_FILE``), the emulator behind the proxy under a host name that
 from __future__ import annotations
 
 import base64
-import datetime
 import json
 import select
 import socket
@@ -25,7 +24,7 @@ import pytest
 from fsdp_hotload.emulator import HotLoadEmulator
 from fsdp_hotload.fireworks import HotLoadClient, HotLoadError, HotLoadRequestError
 from tests.emulator_fixture import EMULATOR_API_KEY, tiny_model, write_full_snapshot
-from tests.http_fixture import serve
+from tests.http_fixture import serve, tls_files
 
 API_HOST = "hotload-api.test"  # never resolved here: only the proxy knows where it is
 _PROXY_VARS = ("http_proxy", "https_proxy", "no_proxy", "all_proxy")
@@ -95,40 +94,6 @@ def forward_proxy(routes: dict[str, tuple[str, int]]) -> Iterator[tuple[str, lis
         yield url, seen
 
 
-def _tls_files(tmp_path: Path) -> tuple[Path, Path, Path]:
-    """A CA, and a server certificate it signs for API_HOST: (CA file, certificate file, key file)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "hotload test CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
-          .not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                       data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                       crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
-          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-          .sign(ca_key, hashes.SHA256()))
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, API_HOST)]))
-            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(API_HOST)]), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    paths = tmp_path / "ca.pem", tmp_path / "cert.pem", tmp_path / "key.pem"
-    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return paths
-
-
 @contextmanager
 def tls_api(cert: Path, key: Path) -> Iterator[tuple[int, list[dict[str, Any]]]]:
     """A TLS server answering every signal with {"status": "ok"}; yields its port and the requests it got."""
@@ -173,7 +138,7 @@ def test_an_https_api_is_reached_through_the_proxys_tunnel(tmp_path: Path, monke
     """On a cluster whose outbound traffic must pass a proxy, the uploads (boto) used HTTPS_PROXY and every signal
     failed to resolve the API's host. Now the client tunnels through it, TLS checked against the API's name, and
     sends the proxy's credentials to the proxy only."""
-    ca, cert, key = _tls_files(tmp_path)
+    ca, cert, key = tls_files(tmp_path, API_HOST)
     with tls_api(cert, key) as (port, got), forward_proxy({f"{API_HOST}:443": ("127.0.0.1", port)}) as (proxy, seen):
         _use_proxy(monkeypatch, https_proxy=proxy.replace("http://", "http://us%40er:p%3Ass@"),
                    SSL_CERT_FILE=str(ca))
@@ -286,7 +251,7 @@ def test_a_400_to_a_status_poll_points_at_the_model_and_deployment(tmp_path: Pat
 def test_a_certificate_that_fails_verification_is_not_retried(tmp_path: Path) -> None:
     """ssl's verification error is an OSError, so the connect wrapped it as a connection that could not be made
     and the client retried it for its whole budget, ending in "no answer" rather than the certificate's fault."""
-    _, cert, key = _tls_files(tmp_path)  # signed by a CA this client does not trust
+    _, cert, key = tls_files(tmp_path, API_HOST)  # signed by a CA this client does not trust
     with tls_api(cert, key) as (port, got):
         client = _client(f"https://127.0.0.1:{port}", retry_budget_s=30)
         started = time.monotonic()

@@ -6,12 +6,15 @@ import errno
 import os
 import random
 import socket
+import ssl
+import stat
 import sys
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import fsspec
 import pytest
@@ -28,6 +31,7 @@ from fsdp_hotload.storage import (
 )
 from tests.s3_fixture import (DeleteErrorsProxy, FaultyFileSystem, S3Server, StallingProxy, access_denied_error,
                                no_such_upload_error, slowdown_error)
+from tests.http_fixture import tls_files
 
 # The s3_server fixture comes from tests/conftest.py (tests.s3_fixture).
 
@@ -894,3 +898,84 @@ def test_a_local_write_makes_the_folders_it_created_durable(tmp_path: Path, monk
     name = "模" * 82  # 246 bytes in UTF-8: a legal name, whose temp name must stay under the 255-byte limit
     st.put_bytes(f"step-000001-a1b2c3d4/{name}", b"x")
     assert st.get_bytes(f"step-000001-a1b2c3d4/{name}") == b"x"
+
+
+@pytest.mark.parametrize("err,synced", [(errno.EIO, False), (errno.ENOSPC, False), (errno.EINVAL, True)])
+def test_a_failed_fsync_fails_the_local_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int,
+                                              synced: bool) -> None:
+    """fsync's EIO and ENOSPC were swallowed with EINVAL: the temp file was renamed in and the put returned, so a
+    commit marker went on to vouch for a weight file whose pages the kernel may have dropped. Only a filesystem
+    that cannot sync a file (EINVAL, ENOTSUP) passes; the fault is injected at the system call."""
+    st = Storage(str(tmp_path / "root"))
+    st.put_bytes("s/a.bin", b"old")
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(err, os.strerror(err))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    if synced:
+        st.put_bytes("s/a.bin", b"new")
+    else:
+        with pytest.raises(StorageError, match=os.strerror(err)) as info:
+            st.put_bytes("s/a.bin", b"new")
+        assert info.value.attempts == 1  # not retried: the disk said no
+    assert st.get_bytes("s/a.bin") == (b"new" if synced else b"old")
+    assert os.listdir(tmp_path / "root" / "s") == ["a.bin"]  # no temp file left
+
+
+@contextmanager
+def _tls_front(files: tuple[Path, Path] | None) -> Iterator[list[int]]:
+    """A TLS endpoint on loopback (yields its port in a list, then each connection's number): with ``files``
+    (certificate, key) it serves the handshake and closes; without, it answers every ClientHello with a fatal TLS
+    alert (internal_error), as an overloaded TLS terminator does."""
+    ctx = None
+    if files is not None:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(*files)
+    listener = socket.create_server(("127.0.0.1", 0))
+    seen = [listener.getsockname()[1]]
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # closed
+            seen.append(len(seen))
+            with conn:
+                try:
+                    if ctx is None:
+                        conn.recv(65536)
+                        conn.sendall(bytes([0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 0x50]))
+                    else:
+                        ctx.wrap_socket(conn, server_side=True).recv(1)
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        listener.close()
+        thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("certificate", [False, True], ids=["handshake-alert", "unverified-certificate"])
+def test_tls_errors_are_retried_unless_a_certificate_fails_verification(tmp_path: Path, certificate: bool) -> None:
+    """A TLS handshake refused with an alert arrives as botocore's SSLError, which is no builtin ConnectionError:
+    Storage took it for fatal and gave up after one attempt, botocore's own retries being cut to two since Storage
+    owns the rest. A certificate that fails verification (also an SSLError) stays fatal: retrying cannot fix it."""
+    files = tls_files(tmp_path, "127.0.0.1")[1:] if certificate else None
+    with _tls_front(files) as seen:
+        st = Storage("s3://bkt/run", {"endpoint_url": f"https://127.0.0.1:{seen[0]}", "key": "k", "secret": "s",
+                                      "client_kwargs": {"region_name": "us-east-1"}},
+                     max_attempts=3, base_backoff_s=0.01)
+        with pytest.raises(StorageError) as info:
+            st.put_bytes("a.bin", b"x")
+    assert info.value.attempts == (1 if certificate else 3), str(info.value)
+    assert ("CERTIFICATE_VERIFY_FAILED" in str(info.value)) == certificate
+    assert len(seen) - 1 >= info.value.attempts
