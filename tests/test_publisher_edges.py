@@ -65,6 +65,35 @@ def test_a_publisher_thread_that_cannot_start_leaves_no_slot_taken(tmp_path: Pat
     _assert_bucket_serves(bucket, pub, model)
 
 
+def test_upload_workers_that_started_end_when_a_later_one_cannot_start(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool whose third worker could not start ("can't start new thread") was never returned, so nothing shut
+    down the two that had: they waited on its queue for good, two more at each snapshot that failed so."""
+    bucket = str(tmp_path / "bucket")
+    model = _model()
+    start = threading.Thread.start
+    refused: list[str] = []
+
+    def refuse_the_third_upload_worker(self: threading.Thread) -> None:
+        if self.name.startswith("hotload-upload") and self.name.endswith("_2") and len(refused) < 2:
+            refused.append(self.name)
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse_the_third_upload_worker)
+    pub = TensorPublisher(model, _config(tmp_path, upload_concurrency=4, busy_policy="wait",
+                                         keep_training_on_error=True))
+    for step in range(3):
+        model["model.norm.weight"].add_(0.5)
+        pub.publish(step)
+        pub.wait(30)
+    pub.close(timeout=30)
+    assert len(refused) == 2 and [(m.step, m.ok) for m in pub.metrics] == [(0, False), (1, False), (2, True)]
+    assert "can't start new thread" in (pub.metrics[0].error or "")
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("hotload-upload")]
+    _assert_bucket_serves(bucket, pub, model)
+
+
 @pytest.mark.parametrize("timeout", [math.inf, 1e12])
 def test_close_and_wait_take_a_timeout_beyond_what_a_lock_accepts(tmp_path: Path, timeout: float) -> None:
     """``close(timeout=math.inf)`` raised OverflowError from the lock and left the publisher open."""

@@ -39,8 +39,19 @@ class DaemonPool:
         self._closed = False
         self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
                          for i in range(workers)]
-        for t in self._threads:
-            t.start()
+        started = 0
+        try:
+            for t in self._threads:
+                t.start()
+                started += 1
+        except BaseException:
+            # Out of threads part way ("can't start new thread"): no pool is returned to shut down, so the
+            # workers that did start would wait on the queue for good, more of them at each snapshot that fails so.
+            for _ in range(started):
+                self._tasks.put(None)
+            for t in self._threads[:started]:
+                t.join()
+            raise
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         if self._closed:
