@@ -118,14 +118,18 @@ def test_a_rank_that_cannot_route_its_pieces_fails_the_snapshot_without_hanging_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world,failing", [(2, "1"), (3, "0,1")])
 def test_a_rank_that_cannot_allocate_its_receive_buffers_fails_the_exchange_without_hanging_the_others(
-        tmp_path: Path) -> None:
-    """The receiving side of the test above, over a real gloo group: see dist_scripts/exchange_alloc_failure.py."""
+        tmp_path: Path, world: int, failing: str) -> None:
+    """The receiving side of the test above, over a real gloo group: see dist_scripts/exchange_alloc_failure.py.
+    With two ranks failing, the error named the highest alone, beside the allocation error of the rank raising it
+    (rank 0 quoted its own error as rank 1's)."""
     from tests.dist_util import SCRIPTS, run_torchrun
 
     out = tmp_path / "result"
-    run_torchrun(str(SCRIPTS / "exchange_alloc_failure.py"), 2, ["--out", str(out), "--timeout", "6"], timeout=120)
-    assert [Path(f"{out}.{rank}").read_text() for rank in range(2)] == ["ok", "ok"]
+    run_torchrun(str(SCRIPTS / "exchange_alloc_failure.py"), world,
+                 ["--out", str(out), "--timeout", "6", "--failing", failing], timeout=120)
+    assert [Path(f"{out}.{rank}").read_text() for rank in range(world)] == ["ok"] * world
 
 
 def test_publisher_arguments_that_could_only_fail_later_fail_at_construction(tmp_path: Path) -> None:

@@ -138,11 +138,16 @@ class GlooComm:
         except (MemoryError, RuntimeError) as exc:  # torch raises RuntimeError for an allocation it cannot make
             bufs.clear()
             failure = exc
-        worst = torch.tensor([self.rank + 1 if failure is not None else 0], dtype=torch.int64)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.group)
-        if int(worst.item()):
-            why = f": {failure!r}" if failure is not None else ""
-            raise ExchangeSkipped(f"rank {int(worst.item()) - 1} could not allocate its receive buffers{why}")
+        failed = torch.zeros(self.world, dtype=torch.int64)  # one flag per rank: the message names each that failed
+        failed[self.rank] = failure is not None
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
+        if int(failed.sum()):
+            ranks = [int(r) for r in failed.nonzero().flatten()]
+            shown = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+            who = (f"rank {shown} could not allocate its" if len(ranks) == 1
+                   else f"ranks {shown} could not allocate their")
+            mine = f" (this rank: {failure!r})" if failure is not None else ""
+            raise ExchangeSkipped(f"{who} receive buffers{mine}")
         incoming: list[Blob] = [b""] * self.world
         incoming[self.rank] = outgoing[self.rank]
         reqs = []

@@ -4,7 +4,8 @@ Why: a full snapshot's pieces are a rank's whole shard, so the owner of the larg
 receive them, the same memory pressure under which pickling them fails (test_engine_faults covers that side). A
 rank that raised there alone would leave the others in the exchange until the side group's timeout (an hour by
 default), and break the group for the rest of the job. Every rank must instead return at once with an error, and
-the next exchange must work. Writes one line per rank to ``--out``.<rank>: "ok" or what went wrong.
+the next exchange must work, and each rank's error must name every rank that failed, with its own error only.
+Writes one line per rank to ``--out``.<rank>: "ok" or what went wrong.
 """
 from __future__ import annotations
 
@@ -22,24 +23,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from fsdp_hotload.engine.comm import GlooComm, exchange_objects  # noqa: E402
 from tests.dist_util import finish  # noqa: E402
 
-BIG = 1 << 20  # a receive buffer at least this big fails on rank 1, once
+BIG = 1 << 20  # a receive buffer at least this big fails on each rank of --failing, once
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--timeout", type=float, default=6.0)
+    p.add_argument("--failing", default="1", help="comma-separated ranks whose allocation fails")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     comm = GlooComm.create(args.timeout)
-    if rank == 1:
+    failing = [int(r) for r in args.failing.split(",")]
+    if rank in failing:
         real, failed = torch.empty, []
 
         def empty(*a: object, **kw: object) -> torch.Tensor:
             if a and isinstance(a[0], int) and a[0] >= BIG and not failed:
                 failed.append(1)
-                raise RuntimeError("DefaultCPUAllocator: can't allocate memory (injected)")
+                raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory on rank {rank} (injected)")
             return real(*a, **kw)  # type: ignore[arg-type]
 
         torch.empty = empty  # type: ignore[assignment]
@@ -50,7 +53,9 @@ def main() -> None:
         took = time.perf_counter() - t0
         if took > args.timeout / 2:
             problems.append(f"the first exchange took {took:.1f} s")
-        if error is None or (rank == 1 and "can't allocate memory" not in error):
+        named = f"rank{'s' if len(failing) > 1 else ''} {', '.join(map(str, failing))} could not"
+        quoted = [r for r in range(world) if f"on rank {r} " in (error or "")]  # the allocation errors it quotes
+        if error is None or named not in error or quoted != ([rank] if rank in failing else []):
             problems.append(f"first exchange: error {error!r}")
         if incoming[rank] != [bytes([rank]) * (2 * BIG)]:
             problems.append("first exchange: own part lost")
