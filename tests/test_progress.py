@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -45,7 +46,8 @@ def test_a_slow_load_reports_each_deployments_replicas_and_the_trainers_step(
         # close() published the skipped step 1: the fleet ends on the final weights
         assert served(emu)[0][1] == expected_sha(model)
     lines = reports(caplog)
-    waiting = [s for s in lines if identity in s and "waiting until every replica serves it" in s]
+    # This publish's own lines: those of the one close() starts name this identity too (as what replicas serve).
+    waiting = [s for s in lines if s.startswith(f"hotload: {identity} ") and "waiting until every replica" in s]
     assert waiting, lines
     assert re.search(r"full snapshot of step 0\) still publishing after \d+\.\d s", waiting[0])
     assert re.search(r"/dep: 0/2 replicas serve it \(replica 0: current=None .*target='"
@@ -117,6 +119,28 @@ def test_a_failing_report_is_logged_and_the_reports_go_on(caplog: pytest.LogCapt
     lines = reports(caplog)
     assert lines and rep.lines == len(lines)
     assert "this rank wrote 1/2 files, 3.5 MB" in lines[0] and "the trainer is at step 7" in lines[0], lines
+
+
+def test_a_publish_that_ends_while_its_report_is_being_made_is_not_reported(caplog: pytest.LogCaptureFixture
+                                                                             ) -> None:
+    """The report thread took the publish under the lock, then read the trainer's step and logged outside it: a
+    publish that ended in between was still reported, after end() (and the publisher's wait()) had returned."""
+    caplog.set_level(logging.INFO, logger="fsdp_hotload")
+    reading, go_on = threading.Event(), threading.Event()
+
+    def trainer_step() -> int:
+        reading.set()
+        go_on.wait(10)
+        return 7
+
+    rep = ProgressLog(0.1, trainer_step=trainer_step)
+    rep.begin("step-000001-abcd0123", "delta", 1, time.perf_counter())
+    assert reading.wait(10)  # a report is being made
+    rep.end()
+    go_on.set()
+    time.sleep(0.3)
+    rep.close()
+    assert reports(caplog) == [] and rep.lines == 0
 
 
 def test_the_interval_is_validated_by_name() -> None:

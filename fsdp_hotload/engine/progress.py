@@ -158,8 +158,13 @@ class ProgressLog:
                 now = time.perf_counter()
                 self._due = max(self._due + self.interval_s, now + self.interval_s / 2)
             try:  # a reporting problem is told and ignored: it must not end the reports, nor touch the publish
-                step = self._trainer_step() if self._trainer_step is not None else None
-                log.info("hotload: %s", p.describe(now, step))
-                self.lines += 1
+                step = self._trainer_step() if self._trainer_step is not None else None  # unlocked: the trainer's
+                with self._cond:
+                    # Under the lock end() takes, and with the time read now: a publish that ended meanwhile is
+                    # not reported after its wait() returned, and the age is not the one from before the read.
+                    if self._current is not p:
+                        continue
+                    log.info("hotload: %s", p.describe(time.perf_counter(), step))
+                    self.lines += 1
             except Exception:  # noqa: BLE001
                 log.warning("hotload: could not report a publish's progress", exc_info=True)
