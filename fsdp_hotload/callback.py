@@ -16,6 +16,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -56,6 +57,13 @@ def _optimizer_gone(ref: "weakref.ref[HotloadCallback]", kind: str) -> None:
         return
     log.warning("hotload: the %s optimizer this HotloadCallback is attached to was freed (re-created?): nothing is "
                 "published from its steps any more; call attach() with the new optimizer(s)", kind)
+
+
+def _destroy_dropped(comms: list[Comm]) -> None:
+    """The side groups of a callback whose engine was collected without close() (or after an abandoned one)."""
+    while comms:
+        with contextlib.suppress(Exception):  # nobody is left to be told
+            comms.pop().close()
 
 
 def hf_tie_word_embeddings(hf_config_dir: str | None) -> bool | None:
@@ -150,6 +158,10 @@ class HotloadCallback:
         except BaseException:
             self._close_comms()
             raise
+        # Dropped without close(), the engine's finalizer ends its threads; this one then destroys the side groups
+        # (gloo's threads and a socket per peer each), which torch's registry would keep for the process's life.
+        # Not before: nothing can be in their collectives once the engine, which a running job holds, is gone.
+        weakref.finalize(self.engine, _destroy_dropped, self._comms).atexit = False
         if self.engine.rank == 0 and len(chunks) >= MANY_CHUNKS:
             log.info("hotload: %d chunks on this rank; the interpreter's full garbage collections over that many "
                      "objects hold the GIL for a while on the publisher's thread: calling gc.freeze() once the model, "
@@ -426,7 +438,8 @@ class HotloadCallback:
                     self._close_comms()
 
     def _close_comms(self) -> None:
-        comms, self._comms = self._comms, []
+        comms = list(self._comms)
+        self._comms.clear()  # in place: the list is the one the drop finalizer holds
         for comm in comms:
             try:
                 comm.close()

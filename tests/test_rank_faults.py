@@ -350,3 +350,16 @@ def test_a_rank_whose_encode_failed_sends_nothing_and_nobody_writes(tmp_path: Pa
     got = {k: v for f in folder.glob("model-*.safetensors") for k, v in load_file(str(f)).items()}
     assert {k: v.view(torch.int16).numpy().tobytes() for k, v in got.items()} == {
         name: t.bfloat16().view(torch.int16).numpy().tobytes() for name, t in zip(names, tensors)}
+
+
+def test_a_callback_dropped_without_close_frees_its_side_groups(tmp_path: Path) -> None:
+    """torchrun, 2 ranks (dist_scripts/dropped_callback.py): three callbacks dropped without close(), then one
+    closed. Each dropped one left its two gloo groups, and their sockets, for the life of the process."""
+    from tests.dist_util import SCRIPTS, run_torchrun
+
+    run_torchrun(str(SCRIPTS / "dropped_callback.py"), 2, ["--bucket", str(tmp_path / "bucket"), "--out",
+                                                           str(tmp_path)])
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["collected"] == [True] * 3, got
+        assert len(set(got["sockets"])) == 1, got  # as many open sockets after each as before the first

@@ -1,0 +1,68 @@
+"""A ``HotloadCallback`` dropped without ``close()`` (a notebook cell run again) frees its side groups.
+
+Its engine's finalizer ended its threads, but the two gloo groups stayed in torch's registry, with gloo's threads
+and a socket per peer each, for the rest of the process: more of them with every callback dropped. Each rank
+drops three callbacks, then closes a fourth, and writes its open socket counts to ``--out``/rank<r>.json; a final
+barrier shows the default group still works.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from fsdp_hotload import HotloadCallback, HotloadConfig  # noqa: E402
+from tests.dist_scripts.check_chunks import fsdp2  # noqa: E402
+from tests.dist_util import finish  # noqa: E402
+
+
+def sockets() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass  # closed meanwhile
+    return n
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--bucket", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = fsdp2(dist.get_world_size(), hsdp=False)
+    counts, collected = [sockets()], []
+    for step in range(3):
+        cb = HotloadCallback(model, HotloadConfig(bucket_url=args.bucket, busy_policy="wait"))
+        cb.step(step)
+        cb.wait()
+        engine = weakref.ref(cb.engine)
+        del cb
+        gc.collect()
+        time.sleep(0.3)  # gloo's threads close their sockets as they end
+        collected.append(engine() is None)
+        counts.append(sockets())
+    cb = HotloadCallback(model, HotloadConfig(bucket_url=args.bucket, busy_policy="wait"))
+    cb.step(10)
+    cb.close()
+    time.sleep(0.3)
+    counts.append(sockets())
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps({"sockets": counts, "collected": collected}))
+    dist.barrier()
+    finish()
+
+
+if __name__ == "__main__":
+    main()
