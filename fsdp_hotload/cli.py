@@ -215,6 +215,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"OUT {args.out} is a folder, but the inputs are files: name an output file")
             if os.path.exists(args.out) and any(os.path.samefile(args.out, p) for p in inputs):
                 raise ValueError(f"OUT {args.out} is one of the inputs: name a new file or folder")
+            for p in inputs:  # the copy of its other files would then take in OUT, and the snapshot change
+                if os.path.isdir(p) and os.path.realpath(args.out).startswith(os.path.join(os.path.realpath(p), "")):
+                    raise ValueError(f"OUT {args.out} is inside the input folder {p}: name a folder outside it")
             if os.path.isdir(inputs[1]) and os.path.isdir(args.out) and os.listdir(args.out):
                 raise ValueError(f"OUT {args.out} already holds files: a snapshot there would be overwritten, and "
                                  "the new one's commit marker would list the others as its own; name a new or empty "
@@ -223,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             validate_identity(args.parent_identity, what="--parent-identity")
         if args.cmd == "diff":
             plan = _marker_plan(args.out, "delta", args.parent_identity or os.path.basename(
-                os.path.normpath(args.parent))) if os.path.isdir(args.new) else None
+                os.path.abspath(args.parent))) if os.path.isdir(args.new) else None
             unverified: list[str] = []
             n = diff_paths(args.parent, args.new, args.out, codec=args.codec, parent_identity=args.parent_identity,
                            progress=Progress("diff"), vendor_module=args.vendor_module, unverified=unverified)

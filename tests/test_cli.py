@@ -104,7 +104,12 @@ def test_vendor_route(snapshots: tuple[Path, Path], tmp_path: Path) -> None:
     a, b = snapshots
     d = tmp_path / "vdelta"
     vendor.CALLS.clear()
-    diff_paths(str(a), str(b), str(d), vendor_module="tests.vendor_example.fw_reference_shape")
+    # The module records a parent of its own choosing: one other than the marker's is refused, naming it.
+    with pytest.raises(ValueError, match="records the parent 'vendor', not 'step-a'.*--parent-identity vendor"):
+        diff_paths(str(a), str(b), str(tmp_path / "named"), vendor_module="tests.vendor_example.fw_reference_shape")
+    vendor.CALLS.clear()
+    diff_paths(str(a), str(b), str(d), parent_identity="vendor",
+               vendor_module="tests.vendor_example.fw_reference_shape")
     names = sorted(n for n in os.listdir(b) if n.endswith(".safetensors"))
     assert [(os.path.basename(s), os.path.basename(t), os.path.basename(o), f) for s, t, o, f in vendor.CALLS] == [
         (n, n, n, "arc_v2") for n in names]
@@ -115,7 +120,7 @@ def test_vendor_route(snapshots: tuple[Path, Path], tmp_path: Path) -> None:
     assert res.returncode == 2 and "no_such_vendor_module" in res.stderr
     # --codec reaches the module (it used to get arc_v2 whatever was asked)
     vendor.CALLS.clear()
-    diff_paths(str(a), str(b), str(tmp_path / "sparse"), codec="arc_sparse_v1",
+    diff_paths(str(a), str(b), str(tmp_path / "sparse"), codec="arc_sparse_v1", parent_identity="vendor",
                vendor_module="tests.vendor_example.fw_reference_shape")
     assert {c[3] for c in vendor.CALLS} == {"arc_sparse_v1"}
     # what the module writes is checked before the folder is called a delta: a copy of NEW is not one, nor are bytes
@@ -125,7 +130,7 @@ def test_vendor_route(snapshots: tuple[Path, Path], tmp_path: Path) -> None:
                                    ("garbage", FormatError, "header length")]:
             vendor.MODE[0] = mode
             with pytest.raises(error, match=match):
-                diff_paths(str(a), str(b), str(tmp_path / mode),
+                diff_paths(str(a), str(b), str(tmp_path / mode), parent_identity="vendor",
                            vendor_module="tests.vendor_example.fw_reference_shape")
             assert not [n for n in os.listdir(tmp_path / mode) if n.endswith(".safetensors")]
     finally:
@@ -157,8 +162,8 @@ def test_vendor_route_takes_a_layout_our_decoder_cannot_read(snapshots: tuple[Pa
     from fsdp_hotload.arc.folder import diff_paths
 
     unverified: list[str] = []  # our own layout from the same module is rebuilt, and so not listed
-    diff_paths(str(a), str(b), str(tmp_path / "ours"), vendor_module="tests.vendor_example.fw_reference_shape",
-               unverified=unverified)
+    diff_paths(str(a), str(b), str(tmp_path / "ours"), parent_identity="vendor",
+               vendor_module="tests.vendor_example.fw_reference_shape", unverified=unverified)
     assert unverified == []
 
 
@@ -323,3 +328,48 @@ def test_output_cut_short_by_its_reader_is_not_an_error(snapshots: tuple[Path, P
         res = run_into_closed_pipe(*args)
         assert res.returncode == code and "Broken pipe" not in res.stderr, (args, res.returncode, res.stderr)
         assert "Traceback" not in res.stderr and "Exception ignored" not in res.stderr, res.stderr
+
+
+def test_weight_files_are_those_the_index_names_and_every_other_file_is_carried(tmp_path: Path) -> None:
+    """The other files were picked by suffix: a weight file the index names ``weights-1.bin`` was replaced by a
+    copy of the input's (apply wrote the delta's bytes, and said every checksum was verified; diff wrote NEW's full
+    file), and a ``*.safetensors`` file the index does not name (Mistral's ``consolidated.safetensors``, a draft
+    model in a sub-folder) was left out of both, under a commit marker that called the folder complete."""
+    torch.manual_seed(1)
+    weights = {"weights-1.bin": {"w": torch.randn(64, 8).bfloat16()},
+               "model-00002-of-00002.safetensors": {"v": torch.randn(32).bfloat16()}}
+    extra = {"consolidated.safetensors": {"c": torch.ones(4)}, "mtp/draft.safetensors": {"d": torch.ones(4)}}
+    for name, bump in (("step-a", 0.0), ("step-b", 0.5)):
+        folder = tmp_path / name
+        (folder / "mtp").mkdir(parents=True)
+        for file, tensors in weights.items():
+            save_file({k: v + bump for k, v in tensors.items()}, str(folder / file))
+        for file, tensors in extra.items():
+            save_file(tensors, str(folder / file))
+        (folder / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {k: file for file, tensors in weights.items() for k in tensors}}))
+    a, b, d, r = (tmp_path / n for n in ("step-a", "step-b", "delta", "step-c"))
+    res = run("diff", a, b, d)
+    assert res.returncode == 0, res.stderr
+    for file in weights:
+        assert (d / file).read_bytes() != (b / file).read_bytes()  # a delta, not NEW's file
+    res = run("apply", a, d, r)
+    assert res.returncode == 0, res.stderr
+    for file in [*weights, *extra]:  # rebuilt or carried, byte for byte
+        assert (r / file).read_bytes() == (b / file).read_bytes(), file
+    marker = json.loads((r / "hotload.commit.json").read_text())
+    assert {"consolidated.safetensors", "mtp/draft.safetensors", "weights-1.bin"} <= set(marker["files"])
+
+
+def test_out_inside_an_input_folder_and_parent_given_as_dot(snapshots: tuple[Path, Path], tmp_path: Path) -> None:
+    """OUT inside NEW was taken: NEW gained OUT's folder, and OUT a copy of itself under its own commit marker. And
+    PARENT given as "." made the default parent identity ".", which no identity may be."""
+    a, b = snapshots
+    before = sorted(os.listdir(b))
+    res = run("diff", a, b, b / "delta")
+    assert res.returncode == 2 and "inside the input folder" in res.stderr and sorted(os.listdir(b)) == before
+    res = subprocess.run([*HOTLOAD, "diff", ".", str(b), str(tmp_path / "delta")], cwd=a, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert json.loads((tmp_path / "delta" / "hotload.commit.json").read_text())["parent_identity"] == "step-a"
+    assert run("verify", a, tmp_path / "delta", "--parent-identity", "step-a").returncode == 0

@@ -18,7 +18,7 @@ import errno
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from .codecs import get_codec
 from .container import K_TENSORS, apply_delta_file, encode_delta_file, is_delta_file, read_delta_info
@@ -139,10 +139,14 @@ def folder_files(folder: str) -> Iterator[tuple[str, str]]:
                 yield (n if rel == "." else f"{rel}/{n}"), os.path.join(root, n)
 
 
-def _copy_aux(src: str, dst: str) -> None:
-    """Copy a snapshot folder's other files (configs, tokenizer, ``additional_chat_templates/``) into ``dst``."""
+def _copy_aux(src: str, dst: str, weights: Iterable[str]) -> None:
+    """Copy a snapshot folder's other files (configs, tokenizer, ``additional_chat_templates/``) into ``dst``:
+    every file but the ``weights`` just written there, whatever its name. Why not by suffix: an index may name a
+    weight file ``*.bin``, which a copy of the input's would then replace, and a ``*.safetensors`` file that is
+    not a weight file (Mistral's ``consolidated.safetensors`` beside the shards) was dropped from the snapshot."""
+    weights = set(weights)
     for name, path in folder_files(src):
-        if not name.endswith(".safetensors"):
+        if name not in weights:
             os.makedirs(os.path.dirname(os.path.join(dst, name)), exist_ok=True)
             shutil.copyfile(path, os.path.join(dst, name))
 
@@ -156,7 +160,7 @@ def diff_paths(parent: str, new: str, out: str, *, codec: str = "arc_v2", parent
     (see vendor.py) instead of our encoder, and checked (:func:`_check_vendor_file`); the files written in a
     layout our decoder does not read (Fireworks' own) are appended to ``unverified``.
     """
-    ident = parent_identity or os.path.basename(os.path.normpath(parent))
+    ident = parent_identity or os.path.basename(os.path.abspath(parent))  # "." is the folder's own name
     vendor = vendor_encoder(vendor_module, codec) if vendor_module else None
     get_codec(codec)  # an unknown codec fails before OUT is touched
     pairs = _pairs(parent, new, ("PARENT", "NEW"))
@@ -169,7 +173,7 @@ def diff_paths(parent: str, new: str, out: str, *, codec: str = "arc_v2", parent
         if vendor is not None:
             try:
                 vendor(pa, pb, dst)
-                if not _check_vendor_file(dst, pa, pb, parent_blob, new_blob) and unverified is not None:
+                if not _check_vendor_file(dst, pa, pb, parent_blob, new_blob, ident) and unverified is not None:
                     unverified.append(dst)
             except BaseException:  # a file that is not a checked delta is never left where one is expected
                 with contextlib.suppress(OSError):
@@ -187,18 +191,25 @@ def diff_paths(parent: str, new: str, out: str, *, codec: str = "arc_v2", parent
         if progress:
             progress(i + 1, len(pairs), name)
     if os.path.isdir(new):  # the index and config last: a failed run leaves no index naming missing files
-        _copy_aux(new, out)
+        _copy_aux(new, out, (name for name, _, _ in pairs))
     return total
 
 
-def _check_vendor_file(dst: str, pa: str, pb: str, parent_blob: bytes, new_blob: bytes) -> bool:
+def _check_vendor_file(dst: str, pa: str, pb: str, parent_blob: bytes, new_blob: bytes, ident: str) -> bool:
     """Whether what the vendor module wrote to ``dst`` was checked bit for bit: a file in our layout must rebuild
-    NEW from PARENT (ValueError where it does not). Fireworks' layout is not public and our decoder does not read
-    it, so a file in any other layout is only checked to be a safetensors file other than NEW itself (FormatError),
-    and False is returned. Why not refuse it: producing that layout is what the vendor route is for."""
+    NEW from PARENT and record ``ident`` as its parent, as the commit marker will (ValueError where it does not: the
+    module takes no identity, and an apply checking the marker's would refuse it). Fireworks' layout is not public
+    and our decoder does not read it, so a file in any other layout is only checked to be a safetensors file other
+    than NEW itself (FormatError), and False is returned. Why not refuse it: producing that layout is what the
+    vendor route is for."""
     with open(dst, "rb") as f:
         written = f.read()
     if is_delta_file(written):
+        recorded = read_delta_info(written, filename=dst).parent_identity
+        if recorded != ident:
+            raise ValueError(f"{dst}: the vendor module's delta records the parent {recorded!r}, not {ident!r} "
+                             f"(PARENT's name or --parent-identity): pass --parent-identity {recorded} if PARENT is "
+                             "that snapshot")
         rebuilt = apply_delta_file(load_file(parent_blob, filename=pa), written, filename=dst)
         want = load_file(new_blob, filename=pb)
         bad = sorted(n for n in {*rebuilt, *want} if n not in rebuilt or n not in want
@@ -232,7 +243,7 @@ def apply_paths(parent: str, delta: str, out: str | None, *, expected_parent: st
         if progress:
             progress(i + 1, len(pairs), name)
     if out is not None and os.path.isdir(delta):  # last, as in diff_paths
-        _copy_aux(delta, out)
+        _copy_aux(delta, out, [name for name, _, _ in pairs])
     return result
 
 
