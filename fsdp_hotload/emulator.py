@@ -50,6 +50,7 @@ from .emulator_http import Handler, Server, Server6
 from .emulator_rules import BaseModelSpec
 from .emulator_state import Deployment, EmulatorSettings, SignalRejected
 from .fireworks_models import HINT_PATH, HOT_LOAD_PATH, HintRequest, HotLoadRequest
+from .masking import mask_text, mask_url
 
 log = logging.getLogger(__name__)
 
@@ -451,8 +452,8 @@ def _bucket_problem(bucket: str, options: dict[str, Any] | None) -> str | None:
 
     try:
         storage = Storage(bucket, options)
-    except (StorageError, ValueError) as exc:
-        return str(exc)
+    except (StorageError, ValueError, OSError) as exc:  # OSError: a backend that connects at once (ftp, sftp)
+        return mask_text(f"{type(exc).__name__}: {exc}" if isinstance(exc, OSError) else str(exc))
     protocol, _ = fsspec.core.split_protocol(storage.root)
     if protocol in (None, "file") and not storage.fs.isdir(storage.root):
         return f"{storage.root} is not a folder"
@@ -487,7 +488,7 @@ def run_emulator_cli(args: list[str] | None = None) -> int:
     opts = {"endpoint_url": ns.endpoint_url} if ns.endpoint_url else None
     problem = _bucket_problem(ns.bucket, opts)
     if problem is not None:
-        print(f"hotload emulate: error: --bucket {ns.bucket}: {problem}", file=sys.stderr)
+        print(f"hotload emulate: error: --bucket {mask_url(ns.bucket)}: {problem}", file=sys.stderr)
         return 2
     base = None
     if ns.base_model is not None:
@@ -507,7 +508,7 @@ def run_emulator_cli(args: list[str] | None = None) -> int:
         return 2
     stop = threading.Event()
     try:  # entered before the URL is printed, so a Ctrl-C right after it still stops cleanly
-        print(f"hot-load emulator for {ns.bucket} listening on {emu.url} (Ctrl-C to stop)", flush=True)
+        print(f"hot-load emulator for {mask_url(ns.bucket)} listening on {emu.url} (Ctrl-C to stop)", flush=True)
         while not stop.wait(3600):
             pass
     except KeyboardInterrupt:

@@ -22,11 +22,12 @@ MASK = "**********"
 
 #: Option, header and query parameter names whose values are credentials: s3fs ``key``/``secret``/``token``,
 #: botocore's ``aws_access_key_id``/``aws_secret_access_key``/``aws_session_token``, an SSE-C ``SSECustomerKey``,
-#: gcsfs ``token`` dicts, ``Authorization``/``Cookie``/``X-Api-Key`` headers, basic ``auth`` pairs, presigned
+#: gcsfs ``token`` dicts, sftp's ``passphrase`` and ``pkey``, ``Authorization``/``Cookie``/``X-Api-Key`` headers,
+#: basic ``auth`` pairs, presigned
 #: URLs' ``X-Amz-Signature``/``X-Amz-Credential``/``sig``. Names such as ``signature_version`` or
 #: ``SSEKMSKeyId`` (settings, not secrets) do not match, so a flag that sets them is not refused.
 SECRET_NAME = re.compile(
-    r"secret|token|passw(or)?d|credential|authoriz|cookie|connection_?string|(^|[^a-z])auth([^a-z]|$)"
+    r"secret|token|passw(or)?d|passphrase|credential|authoriz|cookie|connection_?string|(^|[^a-z])auth([^a-z]|$)"
     r"|(^|[^a-z])(sig|signature)$|key$|access_?key_?id$",
     re.IGNORECASE)
 # scheme://userinfo@ (the userinfo ends at the authority's last '@', as urllib reads it)
@@ -53,15 +54,17 @@ def _masked(m: re.Match[str]) -> str:
 
 
 def url_has_credentials(text: str) -> bool:
-    """Whether ``text`` is a URL with a ``user:password@`` (or ``token@``) part; an Azure URL's ``container@``
-    is not one."""
-    m = _USERINFO.match(text)
-    return m is not None and _is_credential(m)
+    """Whether ``text`` is a URL with a ``user:password@`` (or ``token@``) part, in any link of an fsspec chain
+    (``simplecache::sftp://user:pw@host/path``); an Azure URL's ``container@`` is not one."""
+    return any((m := _USERINFO.match(link)) is not None and _is_credential(m) for link in text.split("::"))
 
 
 def mask_url(text: str) -> str:
-    """``text`` with a URL's userinfo and the values of credential-named query parameters masked; other text is
-    returned as it is. Why: an endpoint, proxy or presigned URL is printed whole in reprs and error messages."""
+    """``text`` with a URL's userinfo and the values of credential-named query parameters masked, in each link of
+    an fsspec chain; other text is returned as it is. Why: an endpoint, proxy or presigned URL is printed whole in
+    reprs and error messages."""
+    if "::" in text:
+        return "::".join(map(mask_url, text.split("::")))
     masked = _USERINFO.sub(_masked, text, count=1)
     if "?" not in masked or "://" not in masked:
         return masked

@@ -40,6 +40,7 @@ SIGNALLING = dict(account_id="a", model_id="m", deployment_id="d", hf_config_dir
     {"ConnectionString": "TOPSECRET"}, {"auth": ["user", "TOPSECRET"]}, {"basic_auth": "TOPSECRET"},
     {"sas": {"sig": "TOPSECRET"}}, {"url_signature": "TOPSECRET"},
     {"endpoint_url": "https://minio:9000/?X-Amz-Signature=TOPSECRET&X-Amz-Credential=AKIA%2FTOPSECRET&part=1"},
+    {"passphrase": "TOPSECRET"}, {"pkey": "TOPSECRET"},  # sftp's key file passphrase, a key given inline
 ])
 def test_every_credential_in_storage_options_is_masked_in_the_repr_and_json(options: dict[str, Any]) -> None:
     cfg = HotloadConfig(bucket_url="s3://b/p", storage_options=options)
@@ -79,10 +80,26 @@ def test_api_url_credentials_are_refused_and_never_echoed() -> None:
         assert "TOPSECRET" not in str(info.value) and "credentials" in str(info.value)
 
 
-def test_bucket_url_credentials_are_masked_in_the_repr() -> None:
-    cfg = HotloadConfig(bucket_url="sftp://user:TOPSECRET@files.internal/runs")
-    assert "TOPSECRET" not in repr(cfg)
-    assert cfg.bucket_url == "sftp://user:TOPSECRET@files.internal/runs"
+@pytest.mark.parametrize("url", ["sftp://user:TOPSECRET@files.internal/runs",
+                                 # an fsspec chain: the password is in its second link
+                                 "simplecache::sftp://user:TOPSECRET@files.internal/runs"])
+def test_bucket_url_credentials_are_masked_in_the_repr(url: str) -> None:
+    cfg = HotloadConfig(bucket_url=url)
+    assert "TOPSECRET" not in repr(cfg) and "TOPSECRET" not in cfg.model_dump_json()
+    assert cfg.bucket_url == url
+
+
+def test_the_emulator_never_echoes_a_bucket_s_credentials() -> None:
+    """``hotload emulate --bucket`` printed the bucket as given before the storage layer's (masked) reason, and an
+    ftp bucket it could not reach ended in a traceback (exit 1) instead of one line (exit 2)."""
+    import subprocess
+    import sys
+
+    for bucket in ("s3://AKIA:TOPSECRET@bkt/p", "ftp://user:TOPSECRET@127.0.0.1:1/runs"):
+        res = subprocess.run([sys.executable, "-m", "fsdp_hotload.cli", "emulate", "--bucket", bucket],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and "TOPSECRET" not in res.stdout + res.stderr, res.stderr
+        assert res.stderr.startswith("hotload emulate: error: --bucket") and "Traceback" not in res.stderr
 
 
 # ------------------------------------------------------------------------------------------------ megatron
