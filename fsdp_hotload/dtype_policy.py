@@ -74,7 +74,7 @@ class DtypePolicy:
     @classmethod
     def of(cls, snapshot_dtype: str, overrides: Mapping[str, str] | None = None) -> "DtypePolicy":
         """From the config's ``snapshot_dtype`` and ``dtype_overrides``; ValueError names a bad value."""
-        default = float_code(snapshot_dtype, "snapshot_dtype")
+        default = float_code(snapshot_dtype, "snapshot_dtype", eight_bit=False)  # as the config checks it
         pairs = []
         for pattern, value in (overrides or {}).items():
             if not pattern:

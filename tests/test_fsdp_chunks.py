@@ -245,6 +245,9 @@ def test_plain_module_tie_rename_buffers_and_dtype() -> None:
         local_chunks(model, snapshot_dtype="I32")
     with pytest.raises(ValueError, match="snapshot_dtype 'float7' is not a floating dtype; accepted: .*bfloat16"):
         full_tensor_specs(model, snapshot_dtype="float7")
+    # As the config refuses it: every floating tensor cast to 8 bits without scales (it was published so)
+    with pytest.raises(ValueError, match="snapshot_dtype 'float8_e4m3fn' would cast every floating tensor to 8 bits"):
+        full_tensor_specs(model, snapshot_dtype="float8_e4m3fn")
 
 
 def test_gather_full_state_plain_matches_state_dict_in_snapshot_dtype() -> None:
