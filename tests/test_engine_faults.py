@@ -197,3 +197,42 @@ def test_a_publisher_that_fails_at_construction_leaves_no_thread_behind(tmp_path
             Publisher([chunk], [TensorSpec("a", (64,), "BF16")], cfg)
     left = [t.name for t in set(threading.enumerate()) - before if not t.name.startswith("hotload-warmup")]
     assert left == []
+
+
+def test_a_step_that_raises_an_error_is_not_counted_as_skipped_for_being_busy(tmp_path: Path) -> None:
+    """With several ranks a stored error is raised at a later step, whose slot is given back unstaged: that step
+    was counted in the next snapshot's ``skipped_before`` (steps skipped because the publisher was busy), also
+    under ``busy_policy="wait"``, which never skips. Two thread ranks; every upload of step 3 fails."""
+    from fsdp_hotload.engine import PublishError
+
+    bucket = str(tmp_path / "bucket")
+    names, n = ["a", "b"], 4096
+    tensors = [torch.zeros(n), torch.zeros(n)]
+    specs = [TensorSpec(name, (n,), "BF16") for name in names]
+    cfg = HotloadConfig(bucket_url=bucket, busy_policy="wait", max_inflight=1, full_every=100)
+    data, ctrl = Meeting(2), Meeting(2)
+    pubs: list[Any] = [None, None]
+
+    def make(rank: int) -> None:
+        faulty = FaultyFileSystem(fsspec.filesystem("file"))
+        faulty.arm(100, match="step-000003-")
+        chunk = WholeChunk(names[rank], (n,), "BF16", "flat", Box.flat(0, n), tensors[rank])
+        pubs[rank] = Publisher([chunk], specs, cfg, storage=Storage(bucket, fs=faulty, max_attempts=1),
+                               comm=ThreadComm(data, rank, 2), ctrl=ThreadComm(ctrl, rank, 2))
+
+    run_ranks(make, 2)
+    raised: dict[int, list[int]] = {0: [], 1: []}
+
+    def train(rank: int) -> None:
+        for step in range(8):
+            tensors[rank].fill_(step)
+            try:
+                pubs[rank].publish(step)
+            except PublishError:
+                raised[rank].append(step)
+        pubs[rank].close()
+
+    run_ranks(train, 2)
+    records = [(m.step, m.ok, m.skipped_before) for m in pubs[0].metrics.records]
+    assert raised == {0: [4], 1: [4]}
+    assert [r for r in records if not r[1]] == [(3, False, 0)] and all(r[2] == 0 for r in records), records

@@ -365,3 +365,36 @@ def test_elements_smaller_than_a_byte_are_refused_with_what_to_do(dtype: str) ->
 
     with pytest.raises(FormatError, match="smaller than a byte.*as U8"):
         itemsize(code_from_name(dtype))
+
+
+def test_a_publishs_retries_and_throttles_count_on_failure_and_at_the_commit(tmp_path: Path) -> None:
+    """The one publish that failed for throttling reported no throttle and no retry: the counts were read after the
+    first failed file's error was raised. And the commit marker's retries, written after the uploads' count was
+    taken, counted for no publish at all. Injected at the filesystem: every attempt at one weight file is throttled,
+    then one attempt at the marker."""
+    import fsspec
+
+    from fsdp_hotload.storage import Storage
+    from tests.s3_fixture import FaultyFileSystem, slowdown_error
+
+    bucket = str(tmp_path / "bucket")
+    faulty = FaultyFileSystem(fsspec.filesystem("file"))
+    storage = Storage(bucket, fs=faulty, max_attempts=3, base_backoff_s=0.001, max_backoff_s=0.002,
+                      throttle_backoff_s=0.001)
+    g = torch.Generator().manual_seed(0)
+    model = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(64, 64, generator=g) for i in range(2)}
+    pub = TensorPublisher(model, _config(tmp_path, keep_training_on_error=True), storage=storage)  # a file per layer
+    seen = []
+    for step, (fails, match) in enumerate([(3, "model-00002"), (1, "hotload.commit.json")]):
+        faulty.arm(fails, exc_factory=slowdown_error, match=match)
+        before = storage.stats.snapshot()
+        pub.publish(step)
+        pub.wait(30)
+        after = storage.stats.snapshot()
+        seen.append((after["throttled"] - before.get("throttled", 0), after["retries"] - before.get("retries", 0)))
+    pub.close(timeout=30)
+    failed, committed = pub.metrics
+    assert seen == [(3, 2), (1, 1)]
+    assert (failed.ok, failed.throttled, failed.retries) == (False, 3, 2) and failed.upload_s > 0
+    assert (committed.ok, committed.throttled, committed.retries) == (True, 1, 1)
+    _assert_bucket_serves(bucket, pub, model)

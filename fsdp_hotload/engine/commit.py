@@ -48,6 +48,7 @@ class Committer:
         close() gave up on it (asked again before the marker), so a stuck call that returned late must not commit
         it."""
         m, files, errors = summarize(job, identity, kind, statuses, self.plan.total_size)
+        before = self.storage.stats.snapshot()  # the ranks' weight files are counted; the small files here too
         if not errors and set(files) != set(self.plan.files):
             errors.append(f"files missing after upload: {sorted(set(self.plan.files) - set(files))}")
         if abandoned():
@@ -83,6 +84,9 @@ class Committer:
             prog.stage("served; applying retention (keep_last)")
             retain_after(self.storage, self.config.keep_last, identity, session=self.session, since=self.started,
                          grace_s=self.config.retention_grace_s)
+        after = self.storage.stats.snapshot()  # a throttled commit marker is this publish's, not nobody's
+        m.throttled += int(after.get("throttled", 0) - before.get("throttled", 0))
+        m.retries += int(after.get("retries", 0) - before.get("retries", 0))
         return Outcome(m.ok, m.error, m)
 
     def _write_manifests(self, identity: str, kind: str, parent: str | None, files: dict[str, int],

@@ -251,7 +251,7 @@ class Publisher:
             raise_now = True
         if buf is not None:
             self._start(step, buf, sources, background_copy, t0)
-        else:
+        elif not raise_now and self._broken is None:  # busy; a step that raises an error is not a busy skip
             self._skipped, self._skipped_newest = self._skipped + 1, True
         if not self.early_agreement:
             self.agree(step + self.config.publish_every)

@@ -66,11 +66,15 @@ class FileWriter:
         prog.stage("uploading", files=len(by_file))
         futures = [self._pool.submit(write, f) for f in sorted(by_file)]
         wait(futures)  # every write has ended before the snapshot's outcome is decided, failed or not
-        st.files = dict(f.result() for f in futures)
+        # Counted before the first error is raised: a publish that failed for throttling must say so.
+        st.files = dict(f.result() for f in futures if f.exception() is None)
         st.upload_s = time.perf_counter() - t0
         after = self.storage.stats.snapshot()
         st.throttled = int(after.get("throttled", 0) - before.get("throttled", 0))
         st.retries = int(after.get("retries", 0) - before.get("retries", 0))
+        for f in futures:
+            if (exc := f.exception()) is not None:
+                raise exc
 
     def shutdown(self) -> None:
         """Finish the writes submitted, then stop the pool's threads."""
