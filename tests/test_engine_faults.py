@@ -206,21 +206,15 @@ def test_a_step_that_raises_an_error_is_not_counted_as_skipped_for_being_busy(tm
     from fsdp_hotload.engine import PublishError
 
     bucket = str(tmp_path / "bucket")
-    names, n = ["a", "b"], 4096
-    tensors = [torch.zeros(n), torch.zeros(n)]
-    specs = [TensorSpec(name, (n,), "BF16") for name in names]
+    tensors = [torch.zeros(N), torch.zeros(N)]
     cfg = HotloadConfig(bucket_url=bucket, busy_policy="wait", max_inflight=1, full_every=100)
-    data, ctrl = Meeting(2), Meeting(2)
-    pubs: list[Any] = [None, None]
 
-    def make(rank: int) -> None:
+    def storage(rank: int) -> Storage:
         faulty = FaultyFileSystem(fsspec.filesystem("file"))
         faulty.arm(100, match="step-000003-")
-        chunk = WholeChunk(names[rank], (n,), "BF16", "flat", Box.flat(0, n), tensors[rank])
-        pubs[rank] = Publisher([chunk], specs, cfg, storage=Storage(bucket, fs=faulty, max_attempts=1),
-                               comm=ThreadComm(data, rank, 2), ctrl=ThreadComm(ctrl, rank, 2))
+        return Storage(bucket, fs=faulty, max_attempts=1)
 
-    run_ranks(make, 2)
+    pubs = two_ranks(cfg, tensors, storage=storage)
     raised: dict[int, list[int]] = {0: [], 1: []}
 
     def train(rank: int) -> None:
