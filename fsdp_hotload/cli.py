@@ -215,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"OUT {args.out} is a folder, but the inputs are files: name an output file")
             if os.path.exists(args.out) and any(os.path.samefile(args.out, p) for p in inputs):
                 raise ValueError(f"OUT {args.out} is one of the inputs: name a new file or folder")
-            for p in inputs:  # the copy of its other files would then take in OUT, and the snapshot change
+            for p in inputs:  # copying that input's other files would copy OUT into itself, and change the input
                 if os.path.isdir(p) and os.path.realpath(args.out).startswith(os.path.join(os.path.realpath(p), "")):
                     raise ValueError(f"OUT {args.out} is inside the input folder {p}: name a folder outside it")
             if os.path.isdir(inputs[1]) and os.path.isdir(args.out) and os.listdir(args.out):

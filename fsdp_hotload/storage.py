@@ -45,7 +45,6 @@ __all__ = ["Storage", "StorageStats", "StorageError", "MissingBackendError", "Fi
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: Hidden prefix of the temporary names used for atomic local writes; ``list`` never reports such files.
 #: S3 rejects multipart parts under 5 MiB (except the last one).
 MIN_PART_SIZE = 5 * 2**20
 MAX_PART_SIZE = 5 * 2**30  # S3's largest part, and its most parts per upload below

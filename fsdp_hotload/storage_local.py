@@ -19,6 +19,7 @@ from typing import Any, BinaryIO, Callable
 
 __all__ = ["TMP_PREFIX", "atomic_write"]
 
+#: Hidden prefix of the temporary names used for atomic local writes; ``Storage.list`` never reports such files.
 TMP_PREFIX = ".hotload-tmp-"
 
 
