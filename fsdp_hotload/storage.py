@@ -533,19 +533,25 @@ class Storage:
             raise ValueError(f"refusing to delete {rel!r} under {self._shown}: it has a glob character (* ? [)")
         path = self._path(rel)
 
+        s3 = self._chunked and hasattr(self._fs, "call_s3")  # s3fs's rm ignores the keys S3 refused
+
         def delete(target: str | list[str]) -> None:
-            if self._chunked and hasattr(self._fs, "call_s3"):  # s3fs's rm ignores the keys S3 refused
+            if s3:
                 delete_checked(self._fs, target, self._deadline())
             else:
                 self._fs.rm(target, recursive=isinstance(target, str), **self._deadline())
 
         def rm() -> None:
             try:
-                if last is not None:
-                    first = [n for n in self._fs.find(path, **self._deadline()) if not last(self._rel(n) or n)]
-                    if first:
-                        delete(first)
-                delete(path)
+                if last is None:
+                    delete(path)
+                else:
+                    names = self._fs.find(path, **self._deadline())
+                    kept = [last(self._rel(n) or n) for n in names]
+                    if not all(kept):
+                        delete([n for n, k in zip(names, kept) if not k])
+                    # On S3 the listing just taken names the rest; elsewhere a recursive delete takes the folders too.
+                    delete([n for n, k in zip(names, kept) if k] if s3 else path)
             except FileNotFoundError:
                 pass
             self._fs.invalidate_cache(path)
