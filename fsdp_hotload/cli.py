@@ -144,6 +144,7 @@ def _parent_hint(parent: str, delta: str, given: str | None) -> str | None:
     """Why a rebuild may have failed: PARENT's folder name (a snapshot folder is named by its identity) differs
     from the parent the delta records. Only a hint, given when verification fails: a correctly rebuilt PARENT
     may sit in a folder of any name, and then its checksums still match."""
+    from .arc.errors import ArcError
     from .arc.folder import inspect_path
     from .identity import validate_identity
 
@@ -153,7 +154,7 @@ def _parent_hint(parent: str, delta: str, given: str | None) -> str | None:
     try:
         validate_identity(name)
         recorded = inspect_path(delta).parent
-    except (ValueError, OSError):
+    except (ValueError, OSError, ArcError):  # only a hint: never in place of the error it explains
         return None
     if recorded is None or recorded == name:
         return None

@@ -32,8 +32,9 @@ SECRET_NAME = re.compile(
     re.IGNORECASE)
 # scheme://userinfo@ (the userinfo ends at the authority's last '@', as urllib reads it)
 _USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)([^/?#]*)@")
-# the same inside free text, where a URL also ends at white space or a quote
-_TEXT_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)([^/?#\s\"'<>]*)@")
+# a URL inside free text, which ends at white space or a quote; punctuation after it is the sentence's
+_TEXT_URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]+")
+_TRAILING = ").,;:]}"
 # Azure's fsspec URLs name the container there (abfs://container@account.dfs.core.windows.net/path): no secret
 # unless a password follows it
 _CONTAINER_SCHEMES = frozenset({"abfs://", "abfss://", "az://", "wasb://", "wasbs://"})
@@ -78,9 +79,15 @@ def mask_url(text: str) -> str:
 
 
 def mask_text(text: str) -> str:
-    """Free text (an exception's message) with the userinfo of every URL in it masked. Why: botocore and others
-    quote the endpoint URL they were given whole, ``user:password@`` included, in their error messages."""
-    return _TEXT_USERINFO.sub(_masked, text)
+    """Free text (an exception's message) with every URL in it passed through :func:`mask_url`. Why: botocore
+    and others quote the URL they were given whole in their error messages: an endpoint's ``user:password@``,
+    or a presigned URL's ``X-Amz-Signature``."""
+    def one(m: re.Match[str]) -> str:
+        url = m.group(0)
+        core = url.rstrip(_TRAILING)
+        return mask_url(core) + url[len(core):]
+
+    return _TEXT_URL.sub(one, text)
 
 
 def _is_secret_entry(name: object, value: Any) -> bool:

@@ -265,6 +265,18 @@ def test_wrong_parent_folder_is_named(snapshots: tuple[Path, Path], tmp_path: Pa
     assert res.returncode == 1 and "step-x" in res.stderr
 
 
+def test_the_parent_hint_never_replaces_the_error_it_explains(tmp_path: Path) -> None:
+    """The hint re-reads DELTA's headers after a failed apply: a corrupt header raised FormatError from the hint,
+    which was then printed in place of apply's own error."""
+    from fsdp_hotload.cli import _parent_hint
+
+    parent = tmp_path / "step-1"
+    parent.mkdir()
+    corrupt = tmp_path / "model.safetensors"
+    corrupt.write_bytes(b"\xff" * 64)
+    assert _parent_hint(str(parent), str(corrupt), None) is None
+
+
 def test_unusable_input_exits_2(snapshots: tuple[Path, Path], tmp_path: Path) -> None:
     a, b = snapshots
     first = a / "model-00001-of-00002.safetensors"

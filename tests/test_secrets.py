@@ -227,6 +227,21 @@ def test_an_endpoint_s_password_quoted_in_an_open_error_is_masked() -> None:
         'x "https://**********@h:1/a?b" and s3://**********@b/c, ftp://h/p@x')
 
 
+def test_a_presigned_url_quoted_in_free_text_loses_its_signature() -> None:
+    """An error message that quotes a presigned URL ("... for url: https://h/k?X-Amz-Signature=...") printed the
+    signature, which grants access until it expires: only a URL's userinfo was masked in free text."""
+    from fsdp_hotload.masking import MASK, mask_text
+
+    text = ("403 Client Error for url: https://b.s3.amazonaws.com/k?X-Amz-Credential=AKIA%2F1&part=2&"
+            "X-Amz-Signature=0123abcd. Retry (see https://u:pw@h/x?sig=feed), then 'gs://b/o?alt=media'")
+    masked = mask_text(text)
+    for secret in ("AKIA", "0123abcd", "feed", "pw@"):
+        assert secret not in masked, secret
+    assert masked == ("403 Client Error for url: https://b.s3.amazonaws.com/k?X-Amz-Credential="
+                      f"{MASK}&part=2&X-Amz-Signature={MASK}. Retry (see https://{MASK}@h/x?sig={MASK}), then "
+                      "'gs://b/o?alt=media'")
+
+
 def test_the_clients_extra_headers_print_without_their_values() -> None:
     """A gateway's token sits in additional_headers: vars(client), a debugger or an error reporter that records
     locals printed the plain dict, value included."""
