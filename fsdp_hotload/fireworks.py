@@ -384,7 +384,7 @@ class HotLoadClient:
             return None
         try:
             return json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             raise HotLoadBodyError(
                 f"{what} returned a body that is not JSON: {self._redact_body(data)[:200]!r}",
                 hint="check that base_url (hotload_api_url) points at the Fireworks API (or a gateway that "

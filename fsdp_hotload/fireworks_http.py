@@ -39,6 +39,8 @@ from .masking import mask_url, url_has_credentials
 #: The most of a response body the client reads. A status is a few hundred bytes per replica and an error a
 #: sentence: more is not an answer from the hot-load API, and must not fill the trainer's memory.
 MAX_RESPONSE_BYTES = 1 << 20
+#: The most of a server's error message kept: it is logged at every retry and quoted in the error raised.
+MAX_MESSAGE_CHARS = 500
 _CHUNK = 64 * 1024
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
@@ -160,17 +162,18 @@ def extract_server_message(body: bytes, redact: Callable[[str], str] | None = No
     text = clean(body.decode("utf-8", errors="replace"))
     try:
         obj = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than the parser goes
         return text.strip()[:200]
+    # Every branch is cut short: the message goes into each retry's log line and into the error raised.
     if isinstance(obj, dict) and "error" in obj:
         err = obj["error"]
         if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return clean(err["message"])
+            return clean(err["message"])[:MAX_MESSAGE_CHARS]
         if isinstance(err, str):
-            return clean(err)
+            return clean(err)[:MAX_MESSAGE_CHARS]
     if isinstance(obj, dict) and isinstance(obj.get("message"), str):
-        return clean(obj["message"])
-    return clean(json.dumps(obj))[:500]
+        return clean(obj["message"])[:MAX_MESSAGE_CHARS]
+    return clean(json.dumps(obj))[:MAX_MESSAGE_CHARS]
 
 
 class Headers(dict):  # type: ignore[type-arg]
@@ -193,7 +196,10 @@ def retry_after(headers: Mapping[str, str]) -> float | None:
     parsed = email.utils.parsedate_tz(value)
     if parsed is None:
         return None
-    return max(0.0, email.utils.mktime_tz(parsed) - time.time())
+    try:
+        return max(0.0, email.utils.mktime_tz(parsed) - time.time())
+    except (ValueError, OverflowError):  # a date out of range (year 10000): unreadable, like any other
+        return None
 
 
 class Reply(NamedTuple):

@@ -237,7 +237,7 @@ class LoadingState(_Response):
         """Error text if the server adds one (the emulator does; the documented API has no such field)."""
         extra = self.model_extra or {}
         value = extra.get("error")
-        return str(value) if value not in (None, "") else None
+        return str(value)[:500] if value not in (None, "") else None  # it goes into each poll's log line
 
 
 class LoadedAdapter(_Response):

@@ -113,8 +113,16 @@ def _segment(value: str, what: str) -> str:
     return value
 
 
+def _text(value: object, what: str) -> str:
+    """``value`` if it is a string; a call made without the config (which types the ids) may pass an int."""
+    if not isinstance(value, str):
+        raise ValueError(f"{what} must be a non-empty name without '/', got {value!r}")
+    return value
+
+
 def deployment_name(account_id: str, deployment_id: str) -> tuple[str, str, str]:
     """(resource name, account, deployment); ``deployment_id`` may already be ``accounts/<a>/deployments/<d>``."""
+    account_id, deployment_id = _text(account_id, "account_id"), _text(deployment_id, "deployment_id")
     account = _segment(account_id.removeprefix("accounts/"), "account_id")
     if deployment_id.startswith("accounts/"):
         m = _DEPLOYMENT_RE.fullmatch(deployment_id)
@@ -128,6 +136,7 @@ def deployment_name(account_id: str, deployment_id: str) -> tuple[str, str, str]
 
 
 def model_name(account: str, model_id: str) -> str:
+    model_id = _text(model_id, "model_id")
     if model_id.startswith("accounts/"):
         m = _MODEL_RE.fullmatch(model_id)
         if not m:

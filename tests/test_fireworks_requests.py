@@ -74,3 +74,11 @@ def test_a_request_that_cannot_be_sent_ends_the_waits_at_once() -> None:
             assert time.monotonic() - started < 1.0
             assert isinstance(info.value, HotLoadRequestError)
             assert "/my gw" in str(info.value) and "check base_url" in str(info.value)
+
+
+@pytest.mark.parametrize("field,value", [("account_id", 12345), ("deployment_id", 7), ("model_id", None)])
+def test_ids_that_are_not_strings_are_refused_naming_the_field(field: str, value: object) -> None:
+    """Outside the config (which types the ids) an int id raised AttributeError ('int' object has no attribute
+    'removeprefix'), naming no field."""
+    with pytest.raises(ValueError, match=f"^{field} must be a non-empty name"):
+        HotLoadClient("http://127.0.0.1:9", api_key=KEY, **{**IDS, field: value})

@@ -82,3 +82,71 @@ def test_statuses_that_polling_cannot_change_end_both_waits_at_once(status: int,
             if "Location" in headers:
                 assert f"(Location: {headers['Location']})" in str(info.value)
                 assert "point hotload_api_url at the final URL (https://gw.example/" in str(info.value)
+
+
+def in_turn(*replies: tuple[int, bytes, dict[str, str]]) -> Any:
+    """A handler class that gives ``replies`` in turn, then the last one again and again."""
+    from http.server import BaseHTTPRequestHandler
+
+    queue = list(replies)
+
+    class Handler(BaseHTTPRequestHandler):
+        def _any(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            status, body, headers = queue.pop(0) if len(queue) > 1 else queue[0]
+            self.send_response(status)
+            for k, v in {**headers, "Content-Length": str(len(body))}.items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _any
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    return Handler
+
+
+DEEP = b"[" * 5000 + b"]" * 5000  # valid JSON, nested deeper than the parser recurses
+READY_BODY = json.dumps({"replicas": [READY]}).encode()
+
+
+def test_a_retry_after_date_out_of_range_is_ignored() -> None:
+    """A Retry-After date in the year 10000 raised a bare ValueError out of the wait instead of being ignored
+    like any other unreadable header."""
+    with serve(in_turn((503, b'{"error": "busy"}', {"Retry-After": "Fri, 01 Jan 10000 00:00:00 GMT"}),
+                       (200, READY_BODY, {}))) as url:
+        assert make_client(url).wait_ready("s1", timeout_s=5).is_ready("s1")
+
+
+def test_json_nested_too_deep_is_an_unreadable_body_not_a_recursion_error() -> None:
+    """A deeply nested body escaped as RecursionError: a status poll ended the wait instead of polling through,
+    and an error answer lost its status code (so no hint and no fallback)."""
+    with serve(in_turn((200, DEEP, {}), (200, READY_BODY, {}))) as url:
+        assert make_client(url).wait_ready("s1", timeout_s=5).is_ready("s1")
+    for status in (400, 503):
+        with serve(answering(status, DEEP)) as url:
+            with pytest.raises(HotLoadError, match=f"HTTP {status}") as info:
+                make_client(url, retry_budget_s=0.3).signal("s1")
+            assert info.value.status_code == status
+
+
+def test_a_servers_error_message_is_cut_short(caplog: pytest.LogCaptureFixture) -> None:
+    """``error.message``, a string ``error`` and ``message`` were quoted whole: a 200 kB message went into the
+    error and into every retry's log line (11 MB of log in a 3 s budget)."""
+    import logging
+
+    for body in ({"error": {"message": "x" * 200_000}}, {"error": "x" * 200_000}, {"message": "x" * 200_000}):
+        caplog.clear()
+        with serve(answering(503, json.dumps(body).encode())) as url, caplog.at_level(logging.WARNING):
+            with pytest.raises(HotLoadError, match="x" * 500) as info:
+                make_client(url, retry_budget_s=0.3).signal("s1")
+        assert len(str(info.value)) < 2000
+        assert caplog.records and max(len(r.getMessage()) for r in caplog.records) < 2000
+    bad = {**READY, "readiness": False, "loading_state": {"stage": "error", "target_snapshot_identity": "s1",
+                                                          "error": "y" * 100_000}}
+    with serve(answering(200, json.dumps({"replicas": [bad]}).encode())) as url:
+        with pytest.raises(HotLoadError, match="y" * 500) as info:
+            make_client(url).wait_ready("s1", timeout_s=5)
+        assert len(str(info.value)) < 2000
