@@ -172,6 +172,7 @@ class HotLoadEmulator:
         self._errors: list[BaseException] = []
         self._reject: list[tuple[int, str]] = []
         self._deployments: dict[str, Deployment] = {}
+        self._serving = False  # False from stop(): a request still in a handler thread makes no new deployment
         self.settings = EmulatorSettings(
             get_bytes=self._get_bytes, list_files=self._list_files, file_exists=lambda rel: self._bucket().exists(rel),
             load_delay_s=float(load_delay_s), manager_delay_s=float(manager_delay_s),
@@ -192,6 +193,8 @@ class HotLoadEmulator:
         server = server_cls((self.host, self.port), Handler)
         server.emulator = self
         self._server = server
+        with self._lock:
+            self._serving = True
         self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="hotload-emulator-http", daemon=True)
         self._thread.start()
@@ -207,6 +210,7 @@ class HotLoadEmulator:
                 self._thread.join(10)
             self._server, self._thread = None, None
         with self._lock:
+            self._serving = False
             deps = list(self._deployments.values())
             self._deployments.clear()
         for dep in deps:
@@ -315,6 +319,8 @@ class HotLoadEmulator:
         with self._lock:
             dep = self._deployments.get(key)
             if dep is None:
+                if not self._serving:  # a request that was in flight as stop() ran: its replicas would outlive it
+                    raise _HttpError(503, "the emulator is stopping")
                 self.settings.new_deployment(key)
                 dep = Deployment(key, None, replicas=self.replicas, settings=self.settings)
                 self._deployments[key] = dep

@@ -104,7 +104,8 @@ def _header_shapes(path: str) -> dict[str, tuple[int, ...]]:
     size = os.path.getsize(path)
     with open(path, "rb") as fh:
         head = fh.read(8)
-        head += fh.read(int.from_bytes(head, "little") if len(head) == 8 else 0)
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        head += fh.read(min(n, max(0, size - 8)))  # a corrupt length would allocate its size before reading a byte
     try:
         header = parse_header(head, filename=path, total_size=size)
     except ArcError as exc:
@@ -116,7 +117,9 @@ def check_config(config: dict[str, Any], base: dict[str, Any] | None, ignore: li
     """The server compares the snapshot's config.json with the base model's; same error kinds as the docs."""
     if base is None:
         return
-    skip = set(ignore)
+    # quantization_config: allowed on a quantized snapshot (and absent from a bf16 upload of a quantized base);
+    # check_quantization decides whether it fits the tensors
+    skip = set(ignore) | {"quantization_config"}
     only_base = sorted(k for k in base if k not in config and k not in skip)
     only_snap = sorted(k for k in config if k not in base and k not in skip)
     if only_base:

@@ -391,7 +391,10 @@ class Deployment:
         identity = req.identity
         meta = req.incremental_snapshot_metadata
         previous = meta.previous_snapshot_identity if meta is not None else None
-        files = self.settings.list_files(identity) if self.settings.list_files is not None else None  # unlocked
+        try:  # unlocked: a listing may take a while
+            files = self.settings.list_files(identity) if self.settings.list_files is not None else None
+        except Exception as exc:  # the bucket, not the emulator, failed: a 503 the client retries
+            raise SignalRejected(503, f"cannot list {identity!r} in the bucket: {type(exc).__name__}: {exc}") from exc
         if meta is not None and carries_lora_marker(self.settings.get_bytes, identity):  # read outside the lock
             raise SignalRejected(400, f"{identity!r} holds {LORA_MARKER}, so it is a LoRA snapshot, which never "
                                       "carries incremental_snapshot_metadata (LoRA snapshots are always complete)")

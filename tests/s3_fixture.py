@@ -346,7 +346,8 @@ class DeleteErrorsProxy:
 
     ``fail`` decides per DeleteObjects request body (the XML naming the keys) whether to answer with errors;
     ``answered`` counts those answers. With ``deny_uploads``, listing multipart uploads is refused (HTTP 403
-    AccessDenied), as under a policy without ``s3:ListBucketMultipartUploads``.
+    AccessDenied), as under a policy without ``s3:ListBucketMultipartUploads``; with ``deny_lists``, listing
+    objects is refused so (no ``s3:ListBucket``).
 
     Example::
 
@@ -355,7 +356,7 @@ class DeleteErrorsProxy:
     """
 
     def __init__(self, upstream_url: str, code: str, fail: Callable[[bytes], bool], *,
-                 deny_uploads: bool = False) -> None:
+                 deny_uploads: bool = False, deny_lists: bool = False) -> None:
         import http.client
         import re
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -379,7 +380,8 @@ class DeleteErrorsProxy:
                     self._reply(200, {"Content-Type": "application/xml"},
                                 b'<?xml version="1.0" encoding="UTF-8"?><DeleteResult>%s</DeleteResult>' % errors)
                     return
-                if deny_uploads and self.command == "GET" and "uploads" in query:
+                if self.command == "GET" and ((deny_uploads and "uploads" in query)
+                                              or (deny_lists and "list-type=2" in query)):
                     self._reply(403, {"Content-Type": "application/xml"},
                                 b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>")
                     return

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from typing import Any
 
+import pytest
+
 from fsdp_hotload.emulator import HotLoadEmulator
 from fsdp_hotload.fireworks import HotLoadClient
 from tests.emulator_fixture import EMULATOR_API_KEY, perturb, tiny_model, write_delta_snapshot, write_full_snapshot
@@ -128,3 +130,49 @@ def test_without_an_api_key_the_service_routes_still_need_a_bearer_header(tmp_pa
             assert raw(emu, "GET", path, headers={"Authorization": "Bearer "})[0] == 401
         assert raw(emu, "GET", HOT_LOAD, headers={"Authorization": "Bearer any-key"})[0] == 200
         assert raw(emu, "GET", "/emulator/v1/state", auth=False)[0] == 200  # the emulator's own route stays open
+
+
+def test_a_request_in_flight_as_stop_runs_leaves_no_replica_running(tmp_path: Path) -> None:
+    """A handler still reading its body when stop() cleared the deployments then made a new deployment, whose
+    replica threads nothing joined, and answered 200 after the stop."""
+    import threading
+
+    emu = HotLoadEmulator(str(tmp_path), replicas=2, api_key=EMULATOR_API_KEY).start()
+    host, port = emu.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head("GET", HOT_LOAD, 2) + b"{")
+        time.sleep(0.3)  # the handler waits for the body's second byte
+        emu.stop()
+        sock.sendall(b"}")
+        code, reply = answer(sock)
+    assert code == 503 and "stopping" in str(reply)
+    time.sleep(0.2)
+    assert emu.state()["deployments"] == {}
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("hotload-emulator-accounts")]
+    emu.start()  # a restart serves again
+    try:
+        HotLoadClient(emu.url, account_id="acct", model_id="m", deployment_id="dep", api_key=EMULATOR_API_KEY,
+                      poll_interval_s=0.02).wait_manager(timeout_s=10)
+    finally:
+        emu.stop()
+
+
+def test_a_bucket_that_cannot_be_listed_is_a_503_not_an_emulator_bug(s3_server: Any) -> None:
+    """A storage error while listing the signalled snapshot answered 500 'internal emulator error' and made
+    stop() raise, as for a bug; the same error during a load was a plain load failure."""
+    from fsdp_hotload.fireworks import HotLoadError
+    from tests.s3_fixture import DeleteErrorsProxy
+
+    with DeleteErrorsProxy(s3_server.endpoint_url, "InternalError", lambda body: False, deny_lists=True) as proxy:
+        emu = HotLoadEmulator(s3_server.unique_uri("emu"), replicas=1, api_key=EMULATOR_API_KEY,
+                              storage_options={**s3_server.storage_options, "endpoint_url": proxy.url}).start()
+        try:
+            client = HotLoadClient(emu.url, account_id="acct", model_id="m", deployment_id="dep",
+                                   api_key=EMULATOR_API_KEY, poll_interval_s=0.02, retry_budget_s=0.5,
+                                   backoff_initial_s=0.05, backoff_max_s=0.1)
+            client.wait_manager(timeout_s=10)
+            with pytest.raises(HotLoadError, match="HTTP 503.*cannot list 'step-1'.*Access Denied") as info:
+                client.signal("step-1")
+            assert info.value.status_code == 503
+        finally:
+            emu.stop()  # raised RuntimeError: 'hot-load emulator hit N internal error(s)'

@@ -115,6 +115,10 @@ def test_base_model_folder_errors(tmp_path: Path, capsys: pytest.CaptureFixture[
         HotLoadEmulator(str(tmp_path), base_model=str(tmp_path), base_config=CONFIG)
     assert run_emulator_cli(["--bucket", str(tmp_path), "--base-model", str(tmp_path / "nope")]) == 2
     assert "--base-model" in capsys.readouterr().err
+    (tmp_path / "model-00002.safetensors").unlink()
+    (tmp_path / "model-00001.safetensors").write_bytes((1 << 62).to_bytes(8, "little") + b"{}")
+    with pytest.raises(ValueError, match="model-00001.safetensors"):  # was MemoryError: read(2**62) up front
+        BaseModelSpec.from_folder(tmp_path)
 
 
 @pytest.mark.parametrize("with_base", [False, True])
@@ -162,3 +166,25 @@ def test_a_snapshot_with_the_lora_marker_is_never_loaded_as_full_weights(tmp_pat
             client.signal("step-3", previous_identity="step-1")
         assert info.value.status_code == 400
         assert served(emu) == ("step-1", digest_map(m1))
+
+
+@pytest.mark.parametrize("quantized", ["snapshot", "base"])
+def test_a_quantization_config_may_differ_from_the_base_models(tmp_path: Path, quantized: str) -> None:
+    """Protocol §6.2 allows a quantization_config on a quantized snapshot: an fp8 snapshot of a bf16 base was
+    refused as 'Extra snapshot model config options', and a bf16 upload of an fp8 base (config without the key)
+    as 'Extra base model config options'."""
+    qconf = {**CONFIG, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}
+    bucket = tmp_path / "bucket"
+    tensors = tiny_model(0)
+    if quantized == "snapshot":
+        name = next(n for n, t in tensors.items() if len(t.shape) == 2)
+        t = tensors[name]
+        tensors[name] = RawTensor("F8_E4M3", t.shape, np.arange(int(np.prod(t.shape)), dtype=np.uint8))
+    with HotLoadEmulator(str(bucket), replicas=1, api_key=EMULATOR_API_KEY,
+                         base_config=CONFIG if quantized == "snapshot" else qconf) as emu:
+        folder = write_full_snapshot(bucket, "step-1", tensors)
+        (folder / "config.json").write_text(json.dumps(qconf if quantized == "snapshot" else CONFIG))
+        client = client_for(emu)
+        client.signal("step-1")
+        client.wait_ready("step-1", timeout_s=30)
+        assert served(emu) == ("step-1", digest_map(tensors))
