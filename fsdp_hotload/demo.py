@@ -245,6 +245,9 @@ def run_demo_cli(argv: list[str] | None = None) -> int:
                    "num_hidden_layers": LAYERS, "tie_word_embeddings": False}, f)
     with open(os.path.join(hf, "tokenizer_config.json"), "w") as f:
         json.dump({"model_max_length": 32}, f)
+    with open(os.path.join(hf, "tokenizer.json"), "w") as f:  # a word-level tokenizer of the model's vocabulary
+        json.dump({"version": "1.0", "pre_tokenizer": {"type": "WhitespaceSplit"},
+                   "model": {"type": "WordLevel", "unk_token": "t0", "vocab": {f"t{i}": i for i in range(VOCAB)}}}, f)
     print(f"hotload demo: {args.nproc}-rank FSDP2 job on CPU, {args.steps} steps, full every {args.full_every}, "
           f"codec {args.codec}; bucket {bucket}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCH_CPP_LOG_LEVEL="ERROR")

@@ -65,7 +65,7 @@ def hf_aux_files(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, byte
     entered (their files keep the folder in their name: ``additional_chat_templates/tool_use.jinja``). Returns
     ``{}`` for None.
     Raises FileNotFoundError if the folder or its ``config.json`` is missing, LayoutError if ``config.json``
-    is not a JSON object.
+    is not a JSON object or a carried file is a Git LFS pointer.
     """
     if hf_config_dir is None:
         return {}
@@ -108,9 +108,14 @@ def hf_aux_files(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, byte
     return out
 
 
-# Names of the carried files that are a tokenizer's (any one is enough to load one).
-_TOKENIZER_PREFIXES = ("tokenizer", "vocab.", "merges.txt", "spiece.model", "sentencepiece.", "tekken.json",
+# Names of the carried files that are a tokenizer's (any one is enough to load one; tokenizer_config.json is
+# not: it only configures one)
+_TOKENIZER_PREFIXES = ("tokenizer.", "vocab.", "merges.txt", "spiece.model", "sentencepiece.", "tekken.json",
                        "tiktoken.model")
+
+
+# What a file cloned without `git lfs pull` holds instead of its bytes (https://git-lfs.com/spec/v1)
+_LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 
 
 def _read_matching(folder: str, prefix: str, wanted: Callable[[str], bool]) -> dict[str, bytes]:
@@ -120,9 +125,19 @@ def _read_matching(folder: str, prefix: str, wanted: Callable[[str], bool]) -> d
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
         if not wanted(entry.name) or entry.name.startswith("."):
             continue
-        if entry.is_file(follow_symlinks=True):
+        try:
+            is_file = entry.is_file(follow_symlinks=True)
+        except OSError as exc:  # a link that loops
+            log.warning("hotload: %s cannot be followed (%s): the snapshots do not carry it", entry.path, exc)
+            continue
+        if is_file:
             with open(entry.path, "rb") as fh:
-                out[prefix + entry.name] = fh.read()
+                data = fh.read()
+            if data.startswith(_LFS_POINTER):
+                raise LayoutError(f"{entry.path} is a Git LFS pointer, not the file itself, and every snapshot "
+                                  "would carry it so: run `git lfs pull` in the folder, or point hf_config_dir at "
+                                  "a full download")
+            out[prefix + entry.name] = data
         elif entry.is_symlink() and not os.path.exists(entry.path):  # would otherwise be left out without a word
             log.warning("hotload: %s is a link to %r, which does not exist: the snapshots do not carry it",
                         entry.path, os.readlink(entry.path))

@@ -179,6 +179,13 @@ def test_find_carried_names_what_is_wrong(tmp_path: Path, caplog: pytest.LogCapt
     shard.unlink()
     with pytest.raises(ValueError, match="cannot read"):
         find_carried(str(base), ["model.layers.2.*"], published)
+    index = base / "model.safetensors.index.json"
+    good_index = index.read_text()
+    for outside in ("../elsewhere/model-00002-of-00002.safetensors", str(tmp_path / "x.safetensors")):
+        weight_map = {**json.loads(good_index)["weight_map"], "model.layers.2.enorm.weight": outside}
+        index.write_text(json.dumps({"weight_map": weight_map}))  # its bytes would be read and uploaded
+        with pytest.raises(ValueError, match=r"maps tensors to .*, a file outside"):
+            find_carried(str(base), ["model.layers.2.*"], published)
     (base / "model.safetensors.index.json").unlink()
     with pytest.raises(ValueError, match="holds no base weights"):
         find_carried(str(base), ["model.layers.2.*"], published)

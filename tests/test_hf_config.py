@@ -277,6 +277,23 @@ def test_links_to_missing_files_are_told_not_skipped_in_silence(tmp_path: Path,
         hf_aux_files(tmp_path)
 
 
+def test_a_looping_link_is_told_and_a_git_lfs_pointer_is_refused(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A link to itself raised OSError (too many levels of links) out of the publisher's start; a tokenizer
+    cloned without `git lfs pull` was carried into every snapshot as its 130-byte pointer text."""
+    from fsdp_hotload.layout import LayoutError
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "vocab.json").symlink_to("vocab.json")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        assert set(hf_aux_files(tmp_path)) == {"config.json", "tokenizer.json"}
+    assert "vocab.json cannot be followed" in caplog.text
+    (tmp_path / "tokenizer.json").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:ab\nsize 9\n")
+    with pytest.raises(LayoutError, match=r"tokenizer.json is a Git LFS pointer.*git lfs pull"):
+        hf_aux_files(tmp_path)
+
+
 def test_an_older_compression_config_without_quantized_tensors_is_left_out_too() -> None:
     """vLLM reads compressed-tensors' ``compression_config`` as it reads ``quantization_config``: carried with BF16
     weights, the fleet would build quantized layers with no scales to load."""
@@ -308,7 +325,8 @@ def test_a_base_folder_without_an_index_is_read_as_transformers_reads_it(tmp_pat
 @pytest.mark.parametrize("files, warned", [(["config.json"], True), (["config.json", "tokenizer.json"], False),
                                            (["config.json", "tokenizer.model"], False),
                                            (["config.json", "tekken.json"], False),
-                                           (["config.json", "vocab.json", "merges.txt"], False)])
+                                           (["config.json", "vocab.json", "merges.txt"], False),
+                                           (["config.json", "tokenizer_config.json"], True)])
 def test_a_base_folder_without_a_tokenizer_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                                            files: list[str], warned: bool) -> None:
     """A trainer's output folder (config.json only) passed as hf_config_dir: the snapshots carried no tokenizer,

@@ -174,6 +174,11 @@ def _base_layout(folder: str) -> tuple[list[str], dict[str, str]]:
             raise ValueError(f"carry_base_tensors: cannot read {index}: {exc}") from None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise ValueError(f"carry_base_tensors: {index} has no weight_map of tensor names to file names")
+        outside = [v for v in weight_map.values()
+                   if os.path.isabs(v) or ".." in v.replace("\\", "/").split("/")]
+        if outside:  # the bytes would be read from elsewhere on this machine and uploaded to the bucket
+            raise ValueError(f"carry_base_tensors: {index} maps tensors to {outside[0]!r}, a file outside "
+                             f"{folder}: weight_map names files relative to the folder")
         return list(weight_map), dict(weight_map)
     single = os.path.join(folder, SINGLE)
     if not os.path.isfile(single):
