@@ -219,6 +219,10 @@ class HotloadConfig(BaseModel):
         root = (os.path.expanduser(v) if v.startswith("~") else v).rstrip("/")
         if not root.strip() or root.endswith(":"):
             raise ValueError(f"bucket_url {v!r} names no folder or bucket")
+        if "://" not in root:
+            from .storage_paths import check_local_root
+
+            check_local_root(root)
         return root
 
     @field_validator("hotload_api_url")

@@ -24,11 +24,27 @@ import fsspec.core
 from .masking import mask_url, url_has_credentials
 from .storage_errors import StorageError
 
-__all__ = ["LOCAL_PROTOCOLS", "OBJECT_STORE_PROTOCOLS", "check_options", "check_relpath", "normalise_root"]
+__all__ = ["LOCAL_PROTOCOLS", "OBJECT_STORE_PROTOCOLS", "check_local_root", "check_options", "check_relpath",
+           "normalise_root"]
 
 #: Protocols whose files opened for writing only become visible when closed, so streaming into them is safe.
 OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})
 LOCAL_PROTOCOLS = frozenset({"file", "local"})
+
+
+def check_local_root(root: str) -> None:
+    """A root without ``scheme://`` is a local folder: refuse what fsspec or the user would read otherwise."""
+    shown = mask_url(root)
+    head = root.split("/", 1)[0]
+    scheme = head.split(":", 1)[0].lower() if ":" in head else None
+    if scheme and scheme in fsspec.available_protocols():  # s3:/bucket/run, s3:bucket/run, gs:bucket
+        rest = root.split(":", 1)[1].lstrip("/")
+        meant = f"{scheme}:///{rest}" if scheme in LOCAL_PROTOCOLS else f"{scheme}://{rest}"
+        raise ValueError(f"storage root {shown!r} is a local path that starts with {scheme}: - did you mean "
+                         f"{mask_url(meant)}?")
+    if "::" in root:  # fsspec would open '/x/a::b' as the chain 'b' over '/x/a', writing to /x/a
+        raise ValueError(f"storage root {shown!r} holds '::', which fsspec reads as a chain of filesystems: "
+                         "rename the folder, or give the chain with each link's scheme (simplecache::s3://b/p)")
 
 
 def normalise_root(root: str) -> str:
@@ -37,6 +53,7 @@ def normalise_root(root: str) -> str:
         raise ValueError("storage root is empty")
     protocol, _ = fsspec.core.split_protocol(root)
     if protocol is None:
+        check_local_root(root)
         root = os.path.abspath(os.path.expanduser(root))
     stripped = root.rstrip("/")
     shown = mask_url(root)

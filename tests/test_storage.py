@@ -677,6 +677,34 @@ def test_object_store_roots_with_glob_characters_are_refused(root: str) -> None:
         Storage(root)
 
 
+@pytest.mark.parametrize("root, meant", [("s3:/my-bucket/run", "s3://my-bucket/run"), ("s3:bkt/run", "s3://bkt/run"),
+                                         ("gs:b", "gs://b"), ("file:/srv/run", "file:///srv/run")])
+def test_a_scheme_missing_its_slashes_is_refused_not_made_a_local_folder(tmp_path: Path, monkeypatch: Any,
+                                                                          root: str, meant: str) -> None:
+    """'s3:/my-bucket/run' has no '://', so it was a local path: every snapshot, manifest and commit marker went to
+    ./s3:/my-bucket/run on the trainer's disk, with no error."""
+    from fsdp_hotload import HotloadConfig
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=f"did you mean {meant}"):
+        Storage(root)
+    with pytest.raises(ValueError, match=f"(?s)bucket_url.*did you mean {meant}"):
+        HotloadConfig(bucket_url=root)
+    assert os.listdir(tmp_path) == []
+    assert Storage(str(tmp_path / "a:b")).put_bytes("step-1/x", b"y") is None  # a colon elsewhere is a name
+    assert (tmp_path / "a:b" / "step-1" / "x").read_bytes() == b"y"
+
+
+def test_a_local_root_holding_a_chain_separator_is_refused(tmp_path: Path) -> None:
+    """fsspec reads '/x/a::b' as the chain 'b' over '/x/a': the files went to /x/a, maybe another run's root."""
+    from fsdp_hotload import HotloadConfig
+
+    for make in (lambda: Storage(str(tmp_path / "a::b")), lambda: HotloadConfig(bucket_url=str(tmp_path / "a::b"))):
+        with pytest.raises(ValueError, match="holds '::'"):
+            make()
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_local_root_with_brackets_deletes_only_its_own_files(tmp_path: Path) -> None:
     sibling = Storage(str(tmp_path / "exp1"))
     sibling.put_bytes("step-1/a", b"x")
