@@ -426,9 +426,13 @@ class HotloadCallback:
         ``timeout`` (default ``config.close_timeout_s``) bounds the wait: past it, the snapshots in flight are
         abandoned and PublishError is raised; the side groups are then left for the process's exit, since a
         stuck thread may still be in one of their collectives."""
+        self._close(raise_errors, timeout, None)
+
+    def _close(self, raise_errors: bool, timeout: float | None, propagating: bool | None) -> None:
         self.detach()
         try:
-            self.engine.close(raise_errors=raise_errors, sources=self._sources, timeout=timeout)
+            self.engine.close(raise_errors=raise_errors, sources=self._sources, timeout=timeout,
+                              propagating=propagating)
         finally:
             if self.engine.closed:
                 # the views keep the model's memory alive (a whole shard, on a GPU): a closed callback that its
@@ -455,4 +459,6 @@ class HotloadCallback:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        self.close(raise_errors=exc_type is None)
+        # Told, not read from sys.exc_info(): a with block that ends cleanly inside an except clause still
+        # publishes its newest step (and votes with the other ranks).
+        self._close(exc_type is None, None, exc_type is not None)

@@ -181,13 +181,17 @@ class TensorPublisher:
         """Wait for in-flight snapshots and stop. With ``config.publish_on_close``, a skipped newest step is
         published first: from ``tensors`` when given, else from the construction tensors if ``publish`` read
         those (otherwise it is left out, with a warning). ``timeout``: as for ``HotloadCallback.close``."""
+        self._close(tensors, raise_errors, timeout, None)
+
+    def _close(self, tensors: Mapping[str, Any] | None, raise_errors: bool, timeout: float | None,
+               propagating: bool | None) -> None:
         try:
             sources = self._sources(tensors) if raise_errors else None
         except Exception:
             self.engine.close(raise_errors=False, timeout=timeout)  # the threads still stop; the caller sees why
             raise
         try:
-            self.engine.close(raise_errors=raise_errors, sources=sources, timeout=timeout)
+            self.engine.close(raise_errors=raise_errors, sources=sources, timeout=timeout, propagating=propagating)
         finally:  # the stager let go of its sources: so does this, for an owner that is still held
             self._origin, self._live = None, None
 
@@ -199,4 +203,5 @@ class TensorPublisher:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        self.close(raise_errors=exc_type is None)  # never mask the exception already on its way out
+        # never mask the exception already on its way out; a clean exit inside an except clause is clean
+        self._close(None, exc_type is None, None, exc_type is not None)

@@ -400,14 +400,15 @@ class Publisher:
                 raise PublishError(str(err)) from err
 
     def close(self, *, raise_errors: bool = True, sources: Sources | None = None,
-              timeout: float | None = None) -> None:
+              timeout: float | None = None, propagating: bool | None = None) -> None:
         """Publish a skipped newest step (:meth:`publish_final`), finish in-flight snapshots, stop the thread, and
         raise a stored error. From another thread, it waits for a publish() under way; later ones raise. Closing
         on an exception (``raise_errors=False``, or while one propagates) publishes nothing more and does not
         vote: the weights may be half updated.
 
         ``timeout`` (default ``config.close_timeout_s``; None waits as long as the snapshots take) bounds the waits
-        for snapshots in flight: past it, they are abandoned (:func:`.exits.abandon`) and PublishError is raised."""
+        for snapshots in flight: past it, they are abandoned (:func:`.exits.abandon`) and PublishError is raised.
+        ``propagating``: whether an exception is on its way out (None: ask ``sys.exc_info()``; ``with`` tells)."""
         final_error: Exception | None = None
         self._close_called = True
         timeout = self.config.close_timeout_s if timeout is None else timeout
@@ -423,10 +424,11 @@ class Publisher:
             if self._pending and self.rank == 0:  # readiness can take minutes: say what close() waits for
                 log.info("hotload: close() waits for %d snapshot(s) in flight", self._pending)
             final = raise_errors and self.config.publish_on_close and not self._closing
-            if final and sys.exc_info()[1] is not None and self.latest_step > self._last_staged:
+            propagating = sys.exc_info()[1] is not None if propagating is None else propagating
+            if final and propagating and self.latest_step > self._last_staged:
                 log.warning("hotload: closing while an exception propagates: the newest step %d is not published",
                             self.latest_step)
-            if final and sys.exc_info()[1] is None:
+            if final and not propagating:
                 try:
                     self.publish_final(sources, timeout=left(deadline))
                 except Exception as exc:  # noqa: BLE001 - raised once the threads are stopped
