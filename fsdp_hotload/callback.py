@@ -123,7 +123,7 @@ class HotloadCallback:
         import torch.distributed as dist
 
         self.model = model
-        self.config = config
+        self.config = config = config.checked()
         comm: Comm
         ctrl: Comm
         # The side groups first: creating them is collective, so a rank that failed before it would leave the

@@ -331,6 +331,13 @@ class HotloadConfig(BaseModel):
             return []
         return [self.deployment_id] if isinstance(self.deployment_id, str) else list(self.deployment_id)
 
+    def checked(self) -> "HotloadConfig":
+        """A copy validated again as a whole; what a publisher keeps. Why: pydantic keeps an assignment that a
+        model validator refused (``cfg.hf_config_dir = None`` under signalling raises, and stays set),
+        ``model_copy(update=...)`` validates nothing, and a publisher must not change under the trainer when its
+        caller edits the object later."""
+        return type(self).model_validate(dict(self))
+
     def resolved_api_key(self) -> str | None:
         if self.api_key is not None:
             return self.api_key.get_secret_value()

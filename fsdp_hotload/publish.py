@@ -90,6 +90,7 @@ class TensorPublisher:
     """
 
     def __init__(self, tensors: Mapping[str, Any], config: HotloadConfig, **engine_kwargs: Any) -> None:
+        config = config.checked()  # see HotloadConfig.checked
         self.names = list(tensors)
         chunks = []
         copied = []

@@ -138,3 +138,28 @@ def test_max_file_bytes_takes_a_whole_number_but_not_the_text_5e9(tmp_path: Path
         HotloadConfig.from_env()
     monkeypatch.setenv("HOTLOAD_MAX_FILE_BYTES", "5000000000")
     assert HotloadConfig.from_env().max_file_bytes == 5_000_000_000
+
+
+def test_a_publisher_keeps_a_checked_copy_of_its_config(tmp_path: Path) -> None:
+    """pydantic keeps an assignment a model validator refused, and model_copy(update=) validates nothing: a
+    publisher then started on a config it would have refused (signalling without account_id failed on a bare
+    assert; full_every=0), and later edits of the object changed a running publisher."""
+    import torch
+    from pydantic import ValidationError
+
+    from fsdp_hotload import HotloadCallback
+    from fsdp_hotload.publish import TensorPublisher
+
+    cfg = HotloadConfig(bucket_url=str(tmp_path / "b"))
+    with pytest.raises(ValidationError, match="account_id, model_id, deployment_id must be set"):
+        cfg.hotload_api_url = "https://127.0.0.1:9"
+    for start in (lambda c: HotloadCallback(torch.nn.Linear(2, 2), c),
+                  lambda c: TensorPublisher({"w": torch.zeros(2)}, c)):
+        with pytest.raises(ValidationError, match="(?s)hotload_api_url is set, so account_id"):
+            start(cfg)
+        with pytest.raises(ValidationError, match="(?s)full_every"):
+            start(HotloadConfig(bucket_url=str(tmp_path / "b")).model_copy(update={"full_every": 0}))
+    good = HotloadConfig(bucket_url=str(tmp_path / "b"), full_every=4)
+    with TensorPublisher({"w": torch.zeros(2)}, good) as pub:
+        good.full_every = 9
+        assert pub.engine.config.full_every == 4 and pub.engine.config is not good

@@ -70,7 +70,8 @@ class Signaller:
             return None
         from ..fireworks import HotLoadClient
 
-        assert cfg.account_id and cfg.model_id
+        if not (cfg.account_id and cfg.model_id):  # a config that skipped validation (model_construct)
+            raise ValueError("hotload_api_url is set, so account_id and model_id must be set too")
         clients = [HotLoadClient(cfg.hotload_api_url, account_id=cfg.account_id, model_id=cfg.model_id,
                                  deployment_id=d, api_key=cfg.resolved_api_key(),
                                  additional_headers=cfg.hotload_api_headers, allow_insecure=cfg.hotload_api_allow_http,
