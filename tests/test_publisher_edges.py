@@ -398,3 +398,23 @@ def test_a_publishs_retries_and_throttles_count_on_failure_and_at_the_commit(tmp
     assert (failed.ok, failed.throttled, failed.retries) == (False, 3, 2) and failed.upload_s > 0
     assert (committed.ok, committed.throttled, committed.retries) == (True, 1, 1)
     _assert_bucket_serves(bucket, pub, model)
+
+
+def test_a_relative_metrics_path_stays_where_it_was_when_the_directory_changes(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bucket's path was made absolute at the start and the metrics file's was not: after a chdir the
+    records went to another file, in the new directory."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    model = _model()
+    cfg = HotloadConfig(bucket_url="bucket", metrics_path="metrics.jsonl", busy_policy="wait")
+    with TensorPublisher(model, cfg) as pub:
+        pub.publish(0, model)
+        pub.wait()
+        monkeypatch.chdir(tmp_path / "sub")
+        model["model.norm.weight"] += 1
+        pub.publish(1, model)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1] and not (tmp_path / "sub" / "metrics.jsonl").exists()

@@ -53,7 +53,7 @@ class MetricsSink:
     weeks must not grow without bound); thread-safe."""
 
     def __init__(self, path: str | None, keep: int = 4096) -> None:
-        self.path = path
+        self.path = os.path.abspath(path) if path else path  # as the bucket: a later chdir must not split the file
         self.keep = keep
         self.records: list[PublishMetrics] = []
         self._lock = threading.Lock()
