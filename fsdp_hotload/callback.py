@@ -430,6 +430,8 @@ class HotloadCallback:
 
     def _close(self, raise_errors: bool, timeout: float | None, propagating: bool | None) -> None:
         self.detach()
+        if self.engine.world > 1 and not self.engine.closed and not torch.distributed.is_initialized():
+            return self._close_destroyed(timeout)
         try:
             self.engine.close(raise_errors=raise_errors, sources=self._sources, timeout=timeout,
                               propagating=propagating)
@@ -440,6 +442,26 @@ class HotloadCallback:
                 self._views, self._fingerprint = [], None
                 if not self.engine.abandoned:
                     self._close_comms()
+
+    def _close_destroyed(self, timeout: float | None) -> None:
+        """close() after ``destroy_process_group()``, which destroyed the side groups too: nothing more can be
+        published, the threads still stop, and the error says why instead of "Group ... is not registered"."""
+        from .engine.jobs import PublishError
+
+        newest, staged, in_flight = self.engine.latest_step, self.engine._last_staged, self.engine._pending
+        self._comms.clear()  # destroyed already: destroying them again only logs warnings
+        try:
+            self.engine.close(raise_errors=False, timeout=timeout)
+        finally:
+            self._views, self._fingerprint = [], None
+        if newest > staged and self.config.publish_on_close:
+            lost = f"step {newest} is not published"
+        elif in_flight:
+            lost = f"{in_flight} snapshot(s) in flight may not reach the fleet"
+        else:
+            return  # nothing was left to publish
+        raise PublishError("close() ran after torch.distributed.destroy_process_group(), which destroyed "
+                           f"hotload's side groups too, so {lost}: call close() first")
 
     def _close_comms(self) -> None:
         comms = list(self._comms)

@@ -363,3 +363,18 @@ def test_a_callback_dropped_without_close_frees_its_side_groups(tmp_path: Path) 
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got["collected"] == [True] * 3, got
         assert len(set(got["sockets"])) == 1, got  # as many open sockets after each as before the first
+
+
+def test_close_after_destroy_process_group_says_what_happened(tmp_path: Path) -> None:
+    """torchrun, 2 ranks (dist_scripts/destroyed_first.py): close() after destroy_process_group(), with step 1
+    left to publish at close. It raised "Group <...> is not registered", which named neither the cause nor the
+    step lost."""
+    from tests.dist_util import SCRIPTS, run_torchrun
+
+    run_torchrun(str(SCRIPTS / "destroyed_first.py"), 2, ["--bucket", str(tmp_path / "bucket"), "--out",
+                                                          str(tmp_path)])
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["error"] and got["error"].startswith("PublishError: close() ran after "
+                                                        "torch.distributed.destroy_process_group()"), got
+        assert "step 1 is not published" in got["error"] and got["s"] < 30, got
