@@ -60,6 +60,20 @@ def _as_torch(name: str, value: Any) -> torch.Tensor:
     raise TypeError(f"tensor {name!r}: expected a torch tensor or numpy array, got {type(value).__name__}")
 
 
+def _warn_if_on_every_rank(engine_kwargs: Mapping[str, Any]) -> None:
+    """A script run by torchrun builds one TensorPublisher per rank unless told otherwise: each publishes its own
+    chain of snapshots, and with signalling their signals overwrite each other's on the deployment. Told on the
+    ranks other than 0, so that a publisher built on rank 0 alone (the documented use) stays quiet."""
+    dist = torch.distributed
+    if "comm" in engine_kwargs or not (dist.is_available() and dist.is_initialized()):
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank != 0:
+        log.warning("hotload: a TensorPublisher on rank %d of %d publishes its own snapshots, apart from rank 0's: "
+                    "build it on one rank only (rank 0, from the gathered state dict), or use HotloadCallback for "
+                    "a sharded model", rank, world)
+
+
 def _warn_against_base(specs: Sequence[TensorSpec], hf_config_dir: str | None) -> None:
     """Said once at start: names the base checkpoint lacks (a tied ``lm_head.weight``, a ``_orig_mod.`` prefix
     from ``torch.compile``), other shapes, and tensors published narrower than it stores them. Why: the caller's
@@ -116,6 +130,7 @@ class TensorPublisher:
         for note in policy.notes({c.name: c.source.dtype for c in chunks}):
             log.warning("hotload: %s", note)
         specs = [TensorSpec(c.name, c.shape, c.dtype) for c in chunks]
+        _warn_if_on_every_rank(engine_kwargs)
         self.engine = Publisher(chunks, specs, config, **engine_kwargs)
         del chunks  # the engine's stager holds the sources now, and lets go of them as they are replaced
         if self.engine.rank == 0:

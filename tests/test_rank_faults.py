@@ -378,3 +378,15 @@ def test_close_after_destroy_process_group_says_what_happened(tmp_path: Path) ->
         assert got["error"] and got["error"].startswith("PublishError: close() ran after "
                                                         "torch.distributed.destroy_process_group()"), got
         assert "step 1 is not published" in got["error"] and got["s"] < 30, got
+
+
+def test_a_tensor_publisher_on_every_rank_is_told_on_the_ranks_other_than_0(tmp_path: Path) -> None:
+    """torchrun, 2 ranks (dist_scripts/tensor_publisher_ranks.py): a script that builds a TensorPublisher on every
+    rank published one chain per rank, which overwrite each other on a deployment, without a word."""
+    from tests.dist_util import SCRIPTS, run_torchrun
+
+    run_torchrun(str(SCRIPTS / "tensor_publisher_ranks.py"), 2, ["--bucket", str(tmp_path / "bucket"), "--out",
+                                                                 str(tmp_path)])
+    told = [[line for line in json.loads((tmp_path / f"rank{r}.json").read_text()) if "rank 0's" in line]
+            for r in range(2)]
+    assert told[0] == [] and len(told[1]) == 1 and "on rank 1 of 2 publishes its own snapshots" in told[1][0]

@@ -1,0 +1,49 @@
+"""A ``TensorPublisher`` built by every rank of a torchrun job: each publishes its own chain of snapshots.
+
+Each rank builds one, publishes a step and closes; it writes the hotload warnings it logged to
+``--out``/rank<r>.json. Only the ranks other than 0 are told (rank 0 alone is the documented use).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from fsdp_hotload import HotloadConfig, TensorPublisher  # noqa: E402
+
+
+class Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--bucket", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    kept = Kept()
+    logging.getLogger("fsdp_hotload").addHandler(kept)
+    state = {"model.norm.weight": torch.ones(8)}
+    with TensorPublisher(state, HotloadConfig(bucket_url=f"{args.bucket}/rank{rank}")) as pub:
+        pub.publish(0, state)
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(kept.lines))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
