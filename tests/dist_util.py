@@ -85,3 +85,18 @@ def finish() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def start_rank() -> tuple[str, Path, int]:
+    """A torchrun script's common start: its ``--bucket`` and ``--out`` arguments, the gloo process group, and
+    this rank (each script writes its findings to ``--out``/rank<r>.json)."""
+    import argparse
+
+    import torch.distributed as dist
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--bucket", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    return args.bucket, Path(args.out), dist.get_rank()

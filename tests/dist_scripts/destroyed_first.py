@@ -6,7 +6,6 @@ close() ended, and how long it took, to ``--out``/rank<r>.json.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -19,17 +18,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fsdp_hotload import HotloadCallback, HotloadConfig  # noqa: E402
 from tests.dist_scripts.check_chunks import fsdp2  # noqa: E402
+from tests.dist_util import start_rank  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--bucket", required=True)
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    bucket, out, rank = start_rank()
     model = fsdp2(dist.get_world_size(), hsdp=False)
-    cb = HotloadCallback(model, HotloadConfig(bucket_url=args.bucket, busy_policy="wait", publish_every=2))
+    cb = HotloadCallback(model, HotloadConfig(bucket_url=bucket, busy_policy="wait", publish_every=2))
     for step in range(2):
         with torch.no_grad():
             for param in model.parameters():
@@ -43,7 +38,7 @@ def main() -> None:
         error = None
     except Exception as exc:  # noqa: BLE001 - what is tested
         error = f"{type(exc).__name__}: {exc}"
-    Path(args.out, f"rank{rank}.json").write_text(json.dumps({"error": error, "s": time.monotonic() - started}))
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"error": error, "s": time.monotonic() - started}))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ barrier shows the default group still works.
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -22,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fsdp_hotload import HotloadCallback, HotloadConfig  # noqa: E402
 from tests.dist_scripts.check_chunks import fsdp2  # noqa: E402
-from tests.dist_util import finish  # noqa: E402
+from tests.dist_util import finish, start_rank  # noqa: E402
 
 
 def sockets() -> int:
@@ -36,16 +35,11 @@ def sockets() -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--bucket", required=True)
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    bucket, out, rank = start_rank()
     model = fsdp2(dist.get_world_size(), hsdp=False)
     counts, collected = [sockets()], []
     for step in range(3):
-        cb = HotloadCallback(model, HotloadConfig(bucket_url=args.bucket, busy_policy="wait"))
+        cb = HotloadCallback(model, HotloadConfig(bucket_url=bucket, busy_policy="wait"))
         cb.step(step)
         cb.wait()
         engine = weakref.ref(cb.engine)
@@ -54,12 +48,12 @@ def main() -> None:
         time.sleep(0.3)  # gloo's threads close their sockets as they end
         collected.append(engine() is None)
         counts.append(sockets())
-    cb = HotloadCallback(model, HotloadConfig(bucket_url=args.bucket, busy_policy="wait"))
+    cb = HotloadCallback(model, HotloadConfig(bucket_url=bucket, busy_policy="wait"))
     cb.step(10)
     cb.close()
     time.sleep(0.3)
     counts.append(sockets())
-    Path(args.out, f"rank{rank}.json").write_text(json.dumps({"sockets": counts, "collected": collected}))
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"sockets": counts, "collected": collected}))
     dist.barrier()
     finish()
 

@@ -5,7 +5,6 @@ Each rank builds one, publishes a step and closes; it writes the hotload warning
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -17,6 +16,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fsdp_hotload import HotloadConfig, TensorPublisher  # noqa: E402
+from tests.dist_util import start_rank  # noqa: E402
 
 
 class Kept(logging.Handler):
@@ -29,18 +29,13 @@ class Kept(logging.Handler):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--bucket", required=True)
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    bucket, out, rank = start_rank()
     kept = Kept()
     logging.getLogger("fsdp_hotload").addHandler(kept)
     state = {"model.norm.weight": torch.ones(8)}
-    with TensorPublisher(state, HotloadConfig(bucket_url=f"{args.bucket}/rank{rank}")) as pub:
+    with TensorPublisher(state, HotloadConfig(bucket_url=f"{bucket}/rank{rank}")) as pub:
         pub.publish(0, state)
-    Path(args.out, f"rank{rank}.json").write_text(json.dumps(kept.lines))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(kept.lines))
     dist.barrier()
     dist.destroy_process_group()
 
