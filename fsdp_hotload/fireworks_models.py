@@ -19,6 +19,7 @@ from typing import Annotated, Any, Callable, Literal, Optional, Union
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError,
                       ValidatorFunctionWrapHandler, WrapValidator, field_validator)
 
+from .fireworks_http import MAX_MESSAGE_CHARS
 from .identity import MAX_IDENTITY_LEN as IDENTITY_MAX_LEN
 from .identity import validate_identity as _validate_identity
 
@@ -237,7 +238,7 @@ class LoadingState(_Response):
         """Error text if the server adds one (the emulator does; the documented API has no such field)."""
         extra = self.model_extra or {}
         value = extra.get("error")
-        return str(value)[:500] if value not in (None, "") else None  # it goes into each poll's log line
+        return str(value)[:MAX_MESSAGE_CHARS] if value not in (None, "") else None  # logged at each poll
 
 
 class LoadedAdapter(_Response):
