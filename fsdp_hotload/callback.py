@@ -34,7 +34,8 @@ from .engine.comm import Comm, GlooComm, LocalComm
 from .engine.copies import storage_ptr
 from .engine.metrics import PublishMetrics
 from .engine.publisher import Publisher
-from .fsdp import full_tensor_specs, local_chunks, source_dtypes, storage_fingerprint, tensor_paths
+from .fsdp import (full_tensor_specs, local_chunks, model_parallel_note, source_dtypes, storage_fingerprint,
+                   tensor_paths)
 from .fsdp_verify import agree_on_chunks
 from .hf_config import base_tensors, names_note, narrowed_note, shapes_note
 from .hf_names import checkpoint_names, transformers_saved_shapes
@@ -139,6 +140,9 @@ class HotloadCallback:
             self._specs: list[Any] = []
             problem: Exception | None = None
             try:
+                note = model_parallel_note(model) if isinstance(comm, GlooComm) else None
+                if note:  # several ranks: partitions, not replicas
+                    raise ValueError(note)
                 self._plan_names(split, rename, tie_word_embeddings, include_buffers, hf_names)
                 self._fingerprint = storage_fingerprint(model)
                 walked = local_chunks(model, **self._chunk_kwargs)

@@ -349,6 +349,29 @@ def source_dtypes(
             for name, src, _paths in _plan(model, rename, tie_word_embeddings, include_buffers, split)}
 
 
+def model_parallel_note(model: nn.Module) -> str | None:
+    """Why ``model`` cannot be published as replicated plain tensors, or None: the plain parameters Megatron marks
+    as tensor-parallel (``tensor_model_parallel``, set by its parallel layers) or expert-parallel
+    (``allreduce=False``). Why: each rank holds a partition of those, not a replica, and rank 0's partitions would
+    be published as the whole tensors (the others' dropped), under Megatron's names."""
+    dtensor = _dtensor_type()
+    tp, ep = [], []
+    for path, src in _slots(model, include_buffers=False):
+        if not isinstance(src, _PlainSource) or (dtensor is not None and isinstance(src.tensor, dtensor)):
+            continue
+        if getattr(src.tensor, "tensor_model_parallel", False):
+            tp.append(path)
+        elif getattr(src.tensor, "allreduce", True) is False:
+            ep.append(path)
+    if not tp and not ep:
+        return None
+    kinds = [f"{len(names)} {kind}-parallel (e.g. {names[0]!r})" for kind, names in (("tensor", tp), ("expert", ep))
+             if names]
+    return (f"the model holds Megatron {' and '.join(kinds)} parameters: each rank holds a partition of them, "
+            "which HotloadCallback would publish as rank 0's whole tensors; gather a Hugging Face state dict "
+            "(TP/PP/EP merged, HF names) and publish it from rank 0 with TensorPublisher")
+
+
 def tensor_paths(model: nn.Module, *, include_buffers: bool = True) -> list[str]:
     """Every tensor's cleaned path before any rename, FSDP1's flattened parameters included (its
     ``named_parameters`` lists only the flat parameter when ``use_orig_params=False``)."""

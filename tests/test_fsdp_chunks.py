@@ -472,3 +472,16 @@ def test_a_non_contiguous_tensor_is_refused_on_every_rank(tmp_path: Path) -> Non
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for label in ("replicated", "fsdp1"):
         assert all("'0.weight'" in r[label] and "contiguous" in r[label] for r in results), results
+
+
+def test_a_megatron_model_parallel_model_is_refused_not_published_as_rank_0s_partitions(tmp_path: Path) -> None:
+    """torchrun, 2 ranks (dist_scripts/megatron_tp.py): plain parameters that Megatron marks as tensor- or
+    expert-parallel are partitions, not replicas; rank 0's alone were published as the whole tensors."""
+    out = tmp_path / "out"
+    out.mkdir()
+    run_torchrun(str(SCRIPTS / "megatron_tp.py"), 2, ["--bucket", str(tmp_path / "bucket"), "--out", str(out)])
+    for rank in (0, 1):
+        found = json.loads((out / f"rank{rank}.json").read_text())
+        assert found["tp"] is not None and "tensor-parallel" in found["tp"] and "qkv.weight" in found["tp"]
+        assert found["expert"] is not None and "expert-parallel" in found["expert"]
+        assert "TensorPublisher" in found["tp"]
