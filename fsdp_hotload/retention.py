@@ -329,7 +329,8 @@ def plan_retention(snapshots: list[CommitInfo], keep_last: int, protected: set[s
     delta will name it as parent), and all ancestors of any kept snapshot back to its full base. A kept snapshot
     whose parent is not committed but ``present`` (its folder is listed: its marker was not read, say a store that
     answered "not found" once) also keeps every snapshot of the parent's session committed before it: the chain
-    beyond the unread link is unknown, and its full base must not go.
+    beyond the unread link is unknown, and its full base must not go. A ``protected`` snapshot that is ``present``
+    but not committed (its own marker unread) keeps every committed snapshot of its session, for the same reason.
     """
     if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
         raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
@@ -341,6 +342,15 @@ def plan_retention(snapshots: list[CommitInfo], keep_last: int, protected: set[s
     ordered = sorted(snapshots, key=lambda s: (s.created_at, s.identity))
     roots = [s.identity for s in ordered[-keep_last:]] + [p for p in protected if p in by_id]
     keep = _ancestors_closure(roots, by_id)
+    # A protected snapshot whose marker was not read (a store that answered "not found" once) names no parent
+    # here: its chain is unknown, so every snapshot of its run stays for this pass.
+    for p in sorted(protected):
+        if p not in by_id and p in present:
+            older = [s.identity for s in ordered if session_of(s.identity) == session_of(p)]
+            keep |= _ancestors_closure(older, by_id)
+            if older:
+                logger.warning("protected snapshot %s has no readable commit marker; retention keeps the %d "
+                               "snapshot(s) of its run until it has one", p, len(older))
     unread = [s for s in ordered if s.identity in keep and s.parent_identity is not None
               and s.parent_identity not in by_id]
     for snap in unread:
@@ -432,7 +442,7 @@ def _abort_abandoned_uploads(storage: Storage, committed: list[CommitInfo], sess
         return
     for upload in uploads:
         identity, _, name = upload.relpath.partition("/")
-        if not (PUBLISHED_NAME.fullmatch(identity) and SHARD_FILE.fullmatch(name)):
+        if not (PUBLISHED_NAME.fullmatch(identity) and _is_identity(identity) and SHARD_FILE.fullmatch(name)):
             continue
         owner = session_of(identity)
         if owner == session:
@@ -522,11 +532,11 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
         _delete_files(storage, identity)
         deleted.append(identity)
         logger.info("retention: deleted snapshot %s", storage.uri(identity))
+    # A committed snapshot's parent is never swept, also where its marker was not read (see plan_retention).
+    parents = {c.parent_identity for c in committed if c.parent_identity is not None}
     if session is not None:
         store_time: float | None = None  # read from the store only when an unmarked folder is there to judge
         sessions = {session_of(c.identity) for c in committed}
-        # A committed snapshot's parent is never swept, also where its marker was not read (see plan_retention).
-        parents = {c.parent_identity for c in committed if c.parent_identity is not None}
         # This session's snapshots commit in step order, and those in flight are newer than its newest commit:
         # an unmarked folder of its own below that step lost its marker to a delete that then failed, or is a
         # failed snapshot whose discard failed. Skipped like a live upload, it stayed for the rest of the run.
@@ -566,7 +576,7 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
     if delete_incomplete and committed:
         newest = committed[-1].created_at
         for identity in dirs:
-            if identity in by_id or identity in protected or identity in deleted:
+            if identity in by_id or identity in protected or identity in deleted or identity in parents:
                 continue
             infos = storage.list_info(identity, include_temp=True)
             if not _looks_like_ours(identity, infos):

@@ -35,8 +35,8 @@ from .storage_errors import (_BACKEND_PACKAGES, ErrorClass, MissingBackendError,
                              StorageError, backend_install_hint, backoff_delay, classify_error)
 from .storage_local import TMP_PREFIX, atomic_write
 from .storage_paths import LOCAL_PROTOCOLS, OBJECT_STORE_PROTOCOLS, check_options, check_relpath, normalise_root
-from .storage_s3 import (DeadlineCalls, OpenUpload, ThrottleAnswers, abort_open_uploads, abort_upload,
-                         delete_checked, is_s3_root, list_uploads, owned_retries)
+from .storage_s3 import (DeadlineCalls, DeleteRefused, OpenUpload, ThrottleAnswers, abort_open_uploads,
+                         abort_upload, delete_checked, is_s3_root, list_uploads, owned_retries)
 
 __all__ = ["Storage", "StorageStats", "StorageError", "MissingBackendError", "FileInfo", "ErrorClass",
            "classify_error", "backoff_delay", "backend_install_hint", "TMP_PREFIX", "COMMIT_MARKER", "CommitInfo",
@@ -282,7 +282,8 @@ class Storage:
                         raise
                     detail = mask_text(str(exc))  # s3fs's "bucket does not exist" names no file: say which
                     raise FileNotFoundError(f"{uri}: {detail}") from _unless_masked(exc)
-                counted = self._throttles is None and kind is ErrorClass.THROTTLE  # else counted as answered
+                # else counted as answered; a DeleteObjects refusal came in an HTTP 200 the hook does not count
+                counted = kind is ErrorClass.THROTTLE and (self._throttles is None or isinstance(exc, DeleteRefused))
                 if not kind.retryable or attempt >= self.max_attempts:
                     self.stats.add(failures=1, throttled=int(counted))
                     why = (f"after {attempt} attempts" if kind.retryable

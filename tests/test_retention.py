@@ -708,20 +708,22 @@ def test_a_snapshot_s_shards_go_last_so_what_a_stopped_delete_leaves_is_swept(s3
     assert direct.list_dirs() == ["step-000500-aaaaaaaa"]
 
 
+class OneMissingMarker(Storage):
+    """A local store that answers "not found" once for the file named in ``miss``."""
+    miss: str | None = None
+
+    def get_bytes(self, relpath: str) -> bytes:
+        if relpath == self.miss:
+            self.miss = None
+            raise FileNotFoundError(f"{self.uri(relpath)}: not found (once)")
+        return super().get_bytes(relpath)
+
+
 def test_a_marker_read_as_missing_once_does_not_break_the_served_chain(tmp_path: Path,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     """A marker that one read took for missing (a store that answered "not found" once) made its snapshot look
     like an unmarked folder: the sweep deleted the served delta's parent, and the chain's closure, stopped there,
     doomed the full base. A replica that rebuilds the served snapshot would then find neither."""
-    class OneMissingMarker(Storage):
-        miss: str | None = None
-
-        def get_bytes(self, relpath: str) -> bytes:
-            if relpath == self.miss:
-                self.miss = None
-                raise FileNotFoundError(f"{self.uri(relpath)}: not found (once)")
-            return super().get_bytes(relpath)
-
     st = OneMissingMarker(str(tmp_path))
     shard = {"model-00001-of-00001.safetensors": {"size": 4}}
     t = time.time()
@@ -740,3 +742,77 @@ def test_a_marker_read_as_missing_once_does_not_break_the_served_chain(tmp_path:
     _publish(st, CommitInfo("step-000004-aaaaaaaa", "full", None, shard, t + 3))
     assert apply_retention(st, keep_last=1, protected={"step-000004-aaaaaaaa"}, session="aaaaaaaa",
                            since=t - 10) == [c.identity for c in reversed(chain)]
+
+
+def test_delete_incomplete_keeps_a_kept_snapshots_parent_whose_marker_was_not_read(tmp_path: Path) -> None:
+    """The sweep of unmarked folders skipped a kept chain's parents only with a session; delete_incomplete
+    deleted the served delta's parent (marker included) right after plan_retention had logged it as kept."""
+    st = OneMissingMarker(str(tmp_path))
+    shard = {"model-00001-of-00001.safetensors": {"size": 4}}
+    t = time.time()
+    chain = [CommitInfo("step-000001-aaaaaaaa", "full", None, shard, t),
+             CommitInfo("step-000002-aaaaaaaa", "delta", "step-000001-aaaaaaaa", shard, t + 1),
+             CommitInfo("step-000003-aaaaaaaa", "delta", "step-000002-aaaaaaaa", shard, t + 2)]
+    for info in chain:
+        _publish(st, info)
+    st.miss = f"step-000002-aaaaaaaa/{COMMIT_MARKER}"
+    deleted = apply_retention(st, keep_last=1, protected={"step-000003-aaaaaaaa"}, delete_incomplete=True)
+    assert deleted == []
+    assert [c.identity for c in list_committed(st)] == [c.identity for c in chain]
+
+
+def test_a_served_snapshot_whose_own_marker_was_not_read_keeps_its_chain(tmp_path: Path) -> None:
+    """The served delta's own marker read as missing named no parent, so its chain was not walked: with the
+    newest snapshot another live run's, the whole chain went."""
+    st = OneMissingMarker(str(tmp_path))
+    shard = {"model-00001-of-00001.safetensors": {"size": 4}}
+    t = time.time()
+    chain = [CommitInfo("step-000001-aaaaaaaa", "full", None, shard, t - 30),
+             CommitInfo("step-000002-aaaaaaaa", "delta", "step-000001-aaaaaaaa", shard, t - 20),
+             CommitInfo("step-000003-aaaaaaaa", "delta", "step-000002-aaaaaaaa", shard, t - 10)]
+    other = CommitInfo("step-000007-bbbbbbbb", "full", None, shard, t - 5)  # a live publisher under the root
+    for info in chain + [other]:
+        _publish(st, info)
+    st.miss = f"step-000003-aaaaaaaa/{COMMIT_MARKER}"
+    deleted = apply_retention(st, keep_last=1, protected={"step-000003-aaaaaaaa"}, session="aaaaaaaa",
+                              since=t - 60, now=t)
+    assert deleted == []
+    assert [c.identity for c in list_committed(st)] == [c.identity for c in chain] + [other.identity]
+
+
+def test_a_per_key_slowdown_in_a_delete_counts_as_throttled(s3_server) -> None:  # type: ignore[no-untyped-def]
+    """S3 answers DeleteObjects with HTTP 200 and a SlowDown per key: botocore's hook never sees it as a throttle,
+    yet the retry after it is Storage's own; README: ``throttled`` counts every SlowDown answer, retention's too."""
+    uri = s3_server.unique_uri("slowdown-delete")
+    direct = Storage(uri, s3_server.storage_options)
+    direct.put_bytes("step-000001-aaaaaaaa/model-00001-of-00001.safetensors", b"abc")
+    left = [1]
+
+    def once(body: bytes) -> bool:
+        left[0] -= 1
+        return left[0] >= 0
+
+    with DeleteErrorsProxy(s3_server.endpoint_url, "SlowDown", once) as proxy:
+        st = Storage(uri, {**s3_server.storage_options, "endpoint_url": proxy.url}, sleep=lambda s: None)
+        st.delete_prefix("step-000001-aaaaaaaa")
+        assert proxy.answered == 1
+    assert direct.list("step-000001-aaaaaaaa") == []
+    assert st.stats.retries == 1 and st.stats.throttled == 1, st.stats.snapshot()
+
+
+def test_only_uploads_under_names_a_publisher_makes_are_aborted(s3_server) -> None:  # type: ignore[no-untyped-def]
+    """PUBLISHED_NAME alone (``.+-<step>-<session>``) also matches names no publisher can make: a foreign tool's
+    upload under ``my run-000001-deadbeef`` was aborted, and one under a name with a backslash failed every pass."""
+    uri = s3_server.unique_uri("foreign-uploads")
+    st = Storage(uri, s3_server.storage_options)
+    client, bucket = s3_server.client(), s3_server.bucket
+    prefix = uri.split(f"s3://{bucket}/", 1)[1]
+    shard = "model-00001-of-00001.safetensors"
+    for step in (1, 2):
+        _publish(st, CommitInfo(f"step-00000{step}-aaaaaaaa", "full", None, {shard: {"size": 3}}, time.time() + step))
+    foreign = [f"my run-000001-deadbeef/{shard}", f"tool\\x-000001-deadbeef/{shard}"]
+    for key in foreign:
+        client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/{key}")
+    assert apply_retention(st, keep_last=1, session="aaaaaaaa", since=time.time()) == ["step-000001-aaaaaaaa"]
+    left = client.list_multipart_uploads(Bucket=bucket, Prefix=f"{prefix}/").get("Uploads", [])
+    assert sorted(u["Key"][len(prefix) + 1:] for u in left) == sorted(foreign)
