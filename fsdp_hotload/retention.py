@@ -465,11 +465,13 @@ def _abort_abandoned_uploads(storage: Storage, committed: list[CommitInfo], sess
 
 
 def retain_after(storage: Storage, keep_last: int, identity: str, *, session: str, since: float,
-                 grace_s: float = LIVE_GRACE_S) -> None:
-    """:func:`apply_retention` once ``identity`` is served, protecting it: a problem is logged, not raised, since
-    the snapshot is served already and the next publish tries again."""
+                 grace_s: float = LIVE_GRACE_S, keep: Iterable[str] = ()) -> None:
+    """:func:`apply_retention` once ``identity`` is served, protecting it and ``keep`` (snapshots the run reads
+    from): a problem is logged, not raised, since the snapshot is served already and the next publish tries
+    again."""
     try:
-        apply_retention(storage, keep_last, protected={identity}, session=session, since=since, grace_s=grace_s)
+        apply_retention(storage, keep_last, protected={identity, *keep}, session=session, since=since,
+                        grace_s=grace_s)
     except Exception as exc:  # noqa: BLE001
         logger.warning("hotload: retention after %s failed (retried at the next publish): %s", identity, exc)
 

@@ -253,6 +253,17 @@ class Storage:
     def _path(self, relpath: str) -> str:
         return f"{self._fs_root}/{relpath}" if relpath else self._fs_root
 
+    def folder_holding(self, local_path: str) -> str | None:
+        """The folder directly under this (local) root that holds ``local_path``, or None: not a local root, or
+        not under it. Why: a run may read an input from an earlier run's snapshot here (``hf_config_dir``), and
+        retention must not delete it."""
+        if not self._local:
+            return None
+        rel = os.path.relpath(os.path.realpath(local_path), os.path.realpath(self._fs_root))
+        if rel in (os.curdir, os.pardir) or rel.startswith(os.pardir + os.sep):
+            return None
+        return rel.split(os.sep, 1)[0]
+
     def _rel(self, path: str) -> str | None:
         path = self._fs._strip_protocol(path).rstrip("/")
         root = self._fs_root.rstrip("/")

@@ -816,3 +816,28 @@ def test_only_uploads_under_names_a_publisher_makes_are_aborted(s3_server) -> No
     assert apply_retention(st, keep_last=1, session="aaaaaaaa", since=time.time()) == ["step-000001-aaaaaaaa"]
     left = client.list_multipart_uploads(Bucket=bucket, Prefix=f"{prefix}/").get("Uploads", [])
     assert sorted(u["Key"][len(prefix) + 1:] for u in left) == sorted(foreign)
+
+
+def test_a_run_continuing_from_an_earlier_runs_snapshot_under_the_root_keeps_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """hf_config_dir may be an earlier run's full snapshot under the same local root (RL continuing from the last
+    full of an SFT run), read again at every full with carry_base_tensors. Once that run had been silent for
+    retention_grace_s, retention deleted it from under the new run."""
+    from fsdp_hotload.publish import TensorPublisher
+    from tests.test_publisher import hf_dir, make_model, train_step
+
+    bucket = tmp_path / "bucket"
+    model = make_model()
+    with TensorPublisher(model, HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf_dir(tmp_path)))) as pub:
+        assert pub.publish(0, model)
+    (first,) = [c.identity for c in list_committed(Storage(str(bucket)))]
+    cfg = HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(bucket / first), keep_last=1, full_every=1,
+                        retention_grace_s=1e-3)
+    with caplog.at_level("INFO", logger="fsdp_hotload"), TensorPublisher(model, cfg) as pub:
+        for step in (1, 2, 3):
+            train_step(model, step)
+            assert pub.publish(step, model)
+            pub.wait()
+    assert [m.ok for m in pub.metrics] == [True] * 3
+    assert [c.identity for c in list_committed(Storage(str(bucket)))] == [first, pub.metrics[-1].identity]
+    assert f"retention keeps {bucket / first}: hf_config_dir reads from it" in caplog.text

@@ -10,6 +10,7 @@ Example::
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable
 
@@ -19,6 +20,7 @@ from ..storage import Storage
 from .jobs import Job, Outcome, PublishError, RankStatus, summarize
 from .signal import Signaller
 
+logger = logging.getLogger("fsdp_hotload")
 GAVE_UP = "close() gave up on it (close_timeout_s)"
 
 
@@ -31,6 +33,12 @@ class Committer:
         self.plan, self.storage, self.config, self.aux = plan, storage, config, aux
         self.signaller, self.session, self.started = signaller, session, started
         self._manifests: dict[str, bytes] = {}
+        # hf_config_dir inside a local root (an earlier run's full snapshot this one continues from): read again at
+        # every full (carry_base_tensors), so retention keeps it
+        held = storage.folder_holding(config.hf_config_dir) if config.hf_config_dir else None
+        self.inputs = frozenset([held] if held else [])
+        if held and config.keep_last:
+            logger.info("hotload: retention keeps %s: hf_config_dir reads from it", storage.uri(held))
 
     def prepare(self) -> None:
         """Serialise the manifests now (the plan never changes). Why not at the first commit: they are made from a
@@ -83,7 +91,7 @@ class Committer:
 
             prog.stage("served; applying retention (keep_last)")
             retain_after(self.storage, self.config.keep_last, identity, session=self.session, since=self.started,
-                         grace_s=self.config.retention_grace_s)
+                         grace_s=self.config.retention_grace_s, keep=self.inputs)
         after = self.storage.stats.snapshot()  # a throttled commit marker is this publish's, not nobody's
         m.throttled += int(after.get("throttled", 0) - before.get("throttled", 0))
         m.retries += int(after.get("retries", 0) - before.get("retries", 0))
