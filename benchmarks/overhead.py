@@ -166,7 +166,10 @@ def cpu_between(samples: list[Any], a: float, b: float, col: int = 1) -> float:
 
 
 def _timed(rec: dict[str, Any], discard: int) -> bool:
-    return rec["round"] >= 0 and rec["i"] >= discard
+    """A counted step: a timed round's, after the phase's first ``discard`` steps and its first publish (which the
+    job waits for: a delta across the other variants' steps). Runs saved before the job recorded ``counted``
+    counted every step from ``discard`` on."""
+    return rec["round"] >= 0 and rec.get("counted", rec["i"] >= discard)
 
 
 def _publishing_stats(res: dict[str, Any], v: str, discard: int) -> dict[str, Any]:
@@ -211,8 +214,12 @@ def _publishing_stats(res: dict[str, Any], v: str, discard: int) -> dict[str, An
     row["errors"] = sorted({m["error"] for m in ms if not m["ok"]})[:3]
     # Bytes and latency from the publishes of counted steps only: a phase's first publish is a delta across the
     # other variants' steps (its callback's cache is a phase old), several times the size of a steady one.
-    counted = [x for x in timed if x["i"] >= discard]
+    counted = [x for x in timed if _timed(x, discard)]
     steady = {x["step"] for x in counted if x["started"]}
+    # Steps per publish over the counted steps, the ones the CPU and step-time figures come from: the phases'
+    # uncounted first steps always publish, so counting them too would make a skipping variant look cheaper.
+    started_counted = sum(x["started"] for x in counted)
+    row["steps_per_publish"] = len(counted) / started_counted if started_counted else float("nan")
     ok = [m for m in ok if m["step"] in steady]
     row["ok_counted"] = len(ok)
     for kind in ("delta", "full"):
@@ -411,8 +418,8 @@ def report(res: dict[str, Any], a: dict[str, Any]) -> str:
             mem = max(s["nbytes"] * (s["max_inflight"] + 1) for s in r["stager"])
             held = max(s["free"] + int(s["cache"]) for s in r["stager"])
             extra = "-"
-            if base_row is not None and r["started"]:
-                per = r["steps_total"] / r["started"]  # steps per publish
+            if base_row is not None and r["steps_per_publish"] == r["steps_per_publish"]:
+                per = r["steps_per_publish"]
                 emu = (r["emu_cpu"] - base_row["emu_cpu"]) if r["emu_cpu"] == r["emu_cpu"] else 0.0
                 extra = f"{(r['job_cpu'] - base_row['job_cpu']) * per:.3f} + {emu * per:.3f}"
             lines.append(f"| {v} | {r['total_s']:.3f} / {r['upload_s']:.3f} / {r['ready_s']:.3f} | {extra} | "
@@ -441,11 +448,11 @@ def report(res: dict[str, Any], a: dict[str, Any]) -> str:
                          f"{lo - 1:+.1%} to {hi - 1:+.1%}; median of steps {r['ratio_median'] - 1:+.1%}, mean "
                          f"{r['ratio_mean'] - 1:+.1%}) -> {verdict(lo, hi, 1 + TARGET_STEP_OVERHEAD)}")
             base = vs.get("baseline")
-            if base is not None and g == g and r["started"]:
+            if base is not None and g == g and r["steps_per_publish"] == r["steps_per_publish"]:
                 # The cost is fixed per publish (it scales with parameters per rank, not tokens): this says how
                 # long a step must be on this machine for that cost to fit the target when every step publishes.
                 step = base["mean"]
-                per = r["steps_total"] / r["started"]  # steps per publish: 1 when every step published
+                per = r["steps_per_publish"]  # 1 when every counted step published
                 extra = (g - 1) * step
                 span = f" ({1e3 * (lo - 1) * step:.0f} to {1e3 * (hi - 1) * step:.0f})" if hi == hi else ""
                 need = f"{max(extra * per, 0.0) / TARGET_STEP_OVERHEAD:.2f} s"
@@ -453,7 +460,7 @@ def report(res: dict[str, Any], a: dict[str, Any]) -> str:
                     need += (f" (95% CI {max((lo - 1) * step * per, 0.0) / TARGET_STEP_OVERHEAD:.2f} to "
                              f"{max((hi - 1) * step * per, 0.0) / TARGET_STEP_OVERHEAD:.2f} s)")
                 lines.append(f"  {v}: that is {1e3 * extra:.0f} ms per step{span} on a {1e3 * step:.0f} ms baseline "
-                             f"step (mean), {r['started']} publishes in {r['steps_total']} steps; at that cost per "
+                             f"step (mean), one publish per {per:.2f} counted steps; at that cost per "
                              f"publish, {TARGET_STEP_OVERHEAD:.0%} publishing every step needs steps of about "
                              f"{need} on this machine")
         r = vs[every_step[0]]
@@ -509,7 +516,6 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    GLOO_SOCKET_IFNAME="lo", TORCH_CPP_LOG_LEVEL="ERROR",
                    PYTHONPATH=os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH", "")) if x))
-        env.pop("CUDA_VISIBLE_DEVICES", None)
         t0 = time.perf_counter()
         load_before = os.getloadavg()
         sampler = CpuSampler()

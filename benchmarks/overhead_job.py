@@ -327,6 +327,10 @@ def main() -> None:
         cb = callbacks.get(variant)
         if cb is not None and args.hook == "attach":
             cb.attach(opt, first_step=step)
+        # The phase's first publish is a delta across the other variants' steps (this callback's cache is a phase
+        # old): it is waited for, and the steps up to the one that started it are not counted, so that its extra
+        # work lands on none of them. With publish_every=K it need not start in the first --discard steps.
+        settled = cb is None
         for i in range(n):
             ids = batches[step % len(batches)]
             th0 = thread_cpu()
@@ -350,14 +354,13 @@ def main() -> None:
             parts, started = probes[variant].take() if cb is not None else ({}, False)
             hook_s = parts.get("publish", 0.0) + parts.get("fence", 0.0) + parts.get("agree", 0.0)
             records.append({"variant": variant, "round": rnd, "i": i, "step": step, "step_s": t2 - t0,
-                            "hook_s": hook_s, "started": started,
+                            "hook_s": hook_s, "started": started, "counted": settled and i >= args.discard,
                             "parts": parts, "rss": rss_bytes(), "cpu_s": cpu_s, "threads": threads,
                             "wall": (w0, time.time())})
             step += 1
-            if cb is not None and i == args.discard - 1:
-                # The phase's first publish is a delta across the other variants' steps (this callback's cache is
-                # a phase old): finished before the counted steps, so that its extra work does not land on them.
+            if cb is not None and (i == args.discard - 1 or (started and not settled)):
                 cb.wait()
+                settled = settled or started
         if cb is not None:
             cb.detach()  # no-op without attach
             cb.wait()  # outside the timed steps: the next phase starts with an idle publisher

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import queue
 import socket
 import sys
 import time
@@ -66,10 +67,10 @@ def _rank(rank: int, port: int, nbytes: int, results: Any) -> None:
         obj = incoming[0]
         ok = error is None and obj is not None and obj["payload"].nbytes == nbytes
         routed_ok = ok and hashlib.sha256(obj["payload"]).hexdigest() == obj["sha256"]
-        results.put({"bare_s": bare_s, "bare_hash": bare_hash, "routed_s": routed_s, "routed_ok": routed_ok,
-                     "sha256": obj["sha256"] if obj is not None else "", "error": error})
+        results.put({"rank": rank, "bare_s": bare_s, "bare_hash": bare_hash, "routed_s": routed_s,
+                     "routed_ok": routed_ok, "sha256": obj["sha256"] if obj is not None else "", "error": error})
     else:
-        results.put({"sender_error": error, "bare_s": bare_s, "routed_s": routed_s})
+        results.put({"rank": rank, "sender_error": error, "bare_s": bare_s, "routed_s": routed_s})
     comm.close()
     dist.destroy_process_group()
 
@@ -87,7 +88,25 @@ def main() -> int:
     procs = [ctx.Process(target=_rank, args=(r, port, nbytes, results)) for r in range(2)]
     for proc in procs:
         proc.start()
-    got = [results.get(timeout=3600) for _ in procs]
+    # Each rank puts one result; a rank that dies before it (the OOM killer at 4 GiB, an error) puts none, so wait
+    # for the results only while no rank has exited without one.
+    got: list[Any] = []
+    deadline = time.monotonic() + 3600
+    while len(got) < len(procs):
+        try:
+            got.append(results.get(timeout=1.0))
+            continue
+        except queue.Empty:
+            pass
+        done = {g["rank"] for g in got}
+        dead = [(r, proc.exitcode) for r, proc in enumerate(procs) if r not in done and proc.exitcode is not None]
+        if dead or time.monotonic() > deadline:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+            why = ", ".join(f"rank {r} exited with {code}" for r, code in dead) or "no result within an hour"
+            print(f"routing_exchange: {why}; nothing measured", file=sys.stderr)
+            return 1
     for proc in procs:
         proc.join()
     recv = next(g for g in got if "routed_ok" in g)

@@ -272,3 +272,36 @@ def test_phase_orders_put_each_variant_after_every_other_equally_often() -> None
         pairs = Counter((a, b) for row in rows for a, b in zip(row, row[1:]))
         assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1, (n, pairs)
     assert orders(2) == [[0, 1], [1, 0]]  # two variants: the rotation of the runs in RESULTS.md
+
+
+def test_routing_exchange_benchmark_fails_fast_when_a_rank_dies() -> None:
+    """A rank that dies (here: a payload size it cannot allocate; on a real run, the OOM killer at 4 GiB) puts
+    nothing in the results queue: the launcher must report it and exit non-zero, not wait an hour for it."""
+    proc = subprocess.run([sys.executable, str(BENCH / "routing_exchange.py"), "--gib", "-0.001"],
+                          capture_output=True, text=True, timeout=90, cwd=BENCH.parent)
+    assert proc.returncode != 0
+    assert "rank" in proc.stderr and "exit" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_overhead_steps_per_publish_come_from_the_counted_steps() -> None:
+    """The CPU and step-time figures are means over the counted steps; the steps per publish that turn them into a
+    cost per publish must come from the same steps. A phase's uncounted steps (its first, and those up to its first
+    publish, which the job waits for) always publish, so counting them made a skipping variant look cheaper."""
+    overhead = _bench_module("overhead")
+
+    def rec(i: int) -> dict[str, object]:  # a phase of 6: the first step publishes (uncounted), then every second
+        return {"variant": "skip", "round": 0, "i": i, "step": i, "hook_s": 0.0, "parts": {}, "rss": 0,
+                "started": i == 0 or i % 2 == 1, "counted": i >= 1}
+
+    res = {"args": {"variants": "skip"}, "metrics": {"skip": []},
+           "ranks": [{"records": [rec(i) for i in range(6)], "stagers": {"skip": {}}}]}
+    row = overhead._publishing_stats(res, "skip", discard=1)
+    assert row["steps_per_publish"] == pytest.approx(5 / 3)  # steps 1-5, publishes at 1, 3, 5 (was 6 / 4)
+
+    # With publish_every=2 the first publish of a phase may come after the --discard steps: the job marks the
+    # steps up to it uncounted, and the analysis follows that mark.
+    recs = [rec(i) | {"counted": i >= 2} for i in range(6)]
+    res["ranks"][0]["records"] = recs
+    row = overhead._publishing_stats(res, "skip", discard=1)
+    assert row["steps_per_publish"] == pytest.approx(4 / 2)
+
