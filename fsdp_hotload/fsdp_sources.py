@@ -220,6 +220,17 @@ class _Fsdp1Source(_Source):
         self.index = index
 
     def shape(self) -> tuple[int, ...]:
+        # FSDP1 over tensor parallelism (``FSDP(device_mesh=...)`` around a parallelised model) flattens each
+        # DTensor's local block and keeps its spec as the parameter's extension: the flat metadata then describes
+        # this TP rank's block, not the tensor, and with even blocks every rank would agree on the block's shape
+        # and publish TP rank 0's block as the whole tensor. Refused on every rank (the layout is the same on all).
+        extensions = getattr(self.flat, "_param_extensions", None)
+        if extensions and extensions[self.index] is not None:
+            placements = getattr(extensions[self.index], "placements", extensions[self.index])
+            raise NotImplementedError(
+                f"tensor {self.flat._fqns[self.index]!r} is a DTensor ({placements}) inside an FSDP1 flat "
+                "parameter: FSDP1 over tensor parallelism is not supported; use FSDP2 (fully_shard) over tensor "
+                "parallelism")
         return tuple(int(s) for s in self.flat._shapes[self.index])
 
     def _local_shard(self) -> torch.Tensor:

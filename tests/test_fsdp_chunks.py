@@ -485,3 +485,11 @@ def test_a_megatron_model_parallel_model_is_refused_not_published_as_rank_0s_par
         assert found["tp"] is not None and "tensor-parallel" in found["tp"] and "qkv.weight" in found["tp"]
         assert found["expert"] is not None and "expert-parallel" in found["expert"]
         assert "TensorPublisher" in found["tp"]
+
+
+def test_fsdp1_over_tensor_parallelism_is_refused_on_every_rank() -> None:
+    """torchrun, 2 ranks (dist_scripts/fsdp1_tp.py): FSDP1 flattens each DTensor's local TP block, so its metadata
+    published TP rank 0's block as the whole tensor (even blocks: no check noticed) or blamed the base checkpoint
+    (uneven blocks)."""
+    out = run_torchrun(str(SCRIPTS / "fsdp1_tp.py"), 2, []).stdout
+    assert "RANK 0 OK" in out and "RANK 1 OK" in out
