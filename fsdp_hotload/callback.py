@@ -36,7 +36,7 @@ from .engine.metrics import PublishMetrics
 from .engine.publisher import Publisher
 from .fsdp import (full_tensor_specs, local_chunks, model_parallel_note, source_dtypes, storage_fingerprint,
                    tensor_paths)
-from .fsdp_verify import agree_on_chunks
+from .fsdp_verify import agree_on_chunks, replica_samples
 from .hf_config import base_tensors, names_note, narrowed_note, shapes_note
 from .hf_names import checkpoint_names, transformers_saved_shapes
 from .layout import TensorSpec
@@ -58,6 +58,27 @@ def _optimizer_gone(ref: "weakref.ref[HotloadCallback]", kind: str) -> None:
         return
     log.warning("hotload: the %s optimizer this HotloadCallback is attached to was freed (re-created?): nothing is "
                 "published from its steps any more; call attach() with the new optimizer(s)", kind)
+
+
+def _what_changed(old_specs: list[Any], specs: list[Any], old_layout: list[Any], layout: list[Any]) -> str:
+    """The first change between two walks of the model, for the error that stops publishing."""
+    before = {n: (tuple(sh), d) for n, sh, d in old_specs}
+    now = {n: (tuple(sh), d) for n, sh, d in specs}
+    for name in before:
+        if name not in now:
+            return f"tensor {name!r} is gone"
+        if now[name] != before[name]:
+            (shape0, d0), (shape1, d1) = before[name], now[name]
+            cast = (" (FSDP1's MixedPrecision casts buffers at the first forward: create the callback after it)"
+                    if shape0 == shape1 else "")
+            return f"tensor {name!r} was {d0} {list(shape0)}, is {d1} {list(shape1)}{cast}"
+    for name in now:
+        if name not in before:
+            return f"tensor {name!r} is new"
+    for (n0, box0), (n1, box1) in zip(old_layout, layout):
+        if (n0, box0) != (n1, box1):
+            return f"this rank's part of {n0!r} ({box0.to_json()}) is now of {n1!r} ({box1.to_json()})"
+    return f"this rank held {len(old_layout)} parts, now {len(layout)}"
 
 
 def _destroy_dropped(comms: list[Comm]) -> None:
@@ -139,6 +160,7 @@ class HotloadCallback:
             walked: list[Any] = []
             self._specs: list[Any] = []
             problem: Exception | None = None
+            samples: list[int | None] | None = None  # replica_samples: told apart from partitions
             try:
                 note = model_parallel_note(model) if isinstance(comm, GlooComm) else None
                 if note:  # several ranks: partitions, not replicas
@@ -151,10 +173,11 @@ class HotloadCallback:
                     raise ValueError("the model has no tensor to publish (no parameters or buffers, or the rename "
                                      "function returned None for all of them)")
                 buffers = set(self._buffer_chunks(walked))
+                samples = replica_samples(walked, skip=buffers) if isinstance(comm, GlooComm) else None
             except Exception as exc:  # noqa: BLE001 - raised by agree_on_chunks, on every rank
                 problem = exc
             self.walks = 1  # model walks for chunk views (the first here; again only when storage changed)
-            self._kept = agree_on_chunks(walked, self._specs, ctrl, problem)
+            self._kept = agree_on_chunks(walked, self._specs, ctrl, problem, samples)
             chunks = [walked[i] for i in self._kept]
             self._buffer_idx = [j for j, i in enumerate(self._kept) if i in buffers]
             specs = [TensorSpec(n, tuple(s), d) for n, s, d in self._specs]
@@ -286,10 +309,10 @@ class HotloadCallback:
             self.walks += 1
             # The specs first: they are the same on every rank, so a replaced tensor fails every rank at this
             # step, also those that hold none of it (a replicated tensor is rank 0's alone).
-            if full_tensor_specs(self.model, **self._chunk_kwargs) != self._specs or \
-                    [(c.name, c.box) for c in walked] != self._layout:
-                raise RuntimeError("the model's tensors or sharding changed since HotloadCallback was created; "
-                                   "create a new one")
+            specs, layout = full_tensor_specs(self.model, **self._chunk_kwargs), [(c.name, c.box) for c in walked]
+            if specs != self._specs or layout != self._layout:
+                raise RuntimeError(f"the model's tensors or sharding changed since HotloadCallback was created "
+                                   f"({_what_changed(self._specs, specs, self._layout, layout)}); create a new one")
             chunks = [walked[i] for i in self._kept]
             self._views, self._fingerprint = [c.source for c in chunks], fingerprint
             self._buffer_idx = self._buffer_chunks(chunks)

@@ -12,7 +12,8 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import zlib
+from typing import Any, Collection, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -88,8 +89,44 @@ def _full(name: str, src: Any, paths: list[str], by_path: dict[str, Any]) -> tor
     return t.to("cpu")
 
 
+#: Elements per chunk that :func:`replica_samples` reads.
+SAMPLE_ELEMENTS = 64
+
+
+def replica_samples(chunks: Sequence[LocalChunk], skip: Collection[int] = ()) -> list[int | None]:
+    """A CRC-32 of each chunk's first elements (up to :data:`SAMPLE_ELEMENTS`, in its own dtype), None for the
+    chunks in ``skip`` and empty ones.
+
+    Why: ranks holding the same box of a tensor are taken for copies of one replica, and only the lowest publishes
+    it. That holds for what the framework replicates, not for partitions it cannot see: each rank's own experts
+    under one name (expert parallelism without DTensors), or a tensor-parallel shard in a plain parameter. Their
+    boxes agree and their values do not, so rank 0's would be published as everyone's. A few elements per chunk
+    tell them apart at construction for ~1 KB of host copies per device per hundred chunks, where the values of
+    copies must agree. ``skip``: module buffers, which forward passes update on each rank alone (BatchNorm
+    statistics under FSDP)."""
+    out: list[int | None] = [None] * len(chunks)
+    heads: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for i, c in enumerate(chunks):
+        if i in skip or c.source.numel() == 0:
+            continue
+        head = c.source
+        while head.dim() > 1:  # a part published with its dims permuted: its first row in box order
+            head = head[0]
+        head = head[:SAMPLE_ELEMENTS]
+        # a fresh tensor: contiguous() keeps a one-element view's stride, which view() then refuses
+        dense = torch.empty(head.shape, dtype=head.dtype, device=head.device).copy_(head)
+        heads.setdefault(head.device, []).append((i, dense.view(torch.uint8)))
+    for items in heads.values():  # one host copy per device
+        joined = torch.cat([t for _i, t in items]).cpu().numpy()
+        at = 0
+        for i, t in items:
+            out[i] = zlib.crc32(joined[at:at + t.numel()])
+            at += t.numel()
+    return out
+
+
 def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], ctrl: Any,
-                    failed: BaseException | None = None) -> list[int]:
+                    failed: BaseException | None = None, samples: Sequence[int | None] | None = None) -> list[int]:
     """Collective over ``ctrl`` (a :class:`~fsdp_hotload.engine.comm.Comm`), at construction: which of this
     rank's chunks it publishes (:func:`assign_chunks`), decided on rank 0 from every rank's chunk metadata.
     ``failed``: this rank's set-up failed before (reading ``hf_config_dir``, walking the model); it raises that,
@@ -98,6 +135,7 @@ def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], c
     Why here and not at the first publish: a rank whose tensors are still on the ``meta`` device, on two devices,
     or that sees other tensors than rank 0 would otherwise fail alone inside the publisher's set-up while the
     other ranks wait in its next collective. Every rank raises the same error instead, naming the rank.
+    ``samples``: :func:`replica_samples` of ``chunks``; ranks holding one box with different samples are refused.
     """
     devices = sorted({str(c.source.device) for c in chunks})
     problem = None
@@ -109,15 +147,16 @@ def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], c
     elif len(devices) > 1:
         problem = (f"its chunks live on several devices {devices} (FSDP2's CPUOffloadPolicy keeps buffers on "
                    "the GPU): pass include_buffers=False, or keep the buffers on the parameters' device")
-    gathered = ctrl.gather(([c.meta() for c in chunks], list(specs), problem))
+    gathered = ctrl.gather(([c.meta() for c in chunks], list(specs), problem, samples))
     verdict: Any = None
     if gathered is not None:
         try:
-            for r, (_metas, _specs, trouble) in enumerate(gathered):
+            for r, (_metas, _specs, trouble, _s) in enumerate(gathered):
                 if trouble:
                     raise OwnershipError(f"rank {r}: {trouble}")
-            _check_same_specs([other for _m, other, _t in gathered])
-            kept = assign_chunks([metas for metas, _s, _t in gathered], specs)
+            _check_same_specs([other for _m, other, _t, _s in gathered])
+            kept = assign_chunks([metas for metas, _s, _t, _x in gathered], specs,
+                                 [x for _m, _s, _t, x in gathered] if samples is not None else None)
             verdict = {r: k for r, k in enumerate(kept) if len(k) != len(gathered[r][0])}  # only what changes
         except OwnershipError as exc:
             verdict = str(exc)
@@ -140,26 +179,38 @@ def _check_same_specs(specs_by_rank: Sequence[Sequence[TensorSpec]]) -> None:
             raise OwnershipError(f"ranks 0 and {r} see different tensor specs (e.g. {', '.join(diff)}){hint}")
 
 
-def assign_chunks(chunks_from_all_ranks: Sequence[Sequence[_ChunkLike]],
-                  specs: Sequence[TensorSpec]) -> list[list[int]]:
+def assign_chunks(chunks_from_all_ranks: Sequence[Sequence[_ChunkLike]], specs: Sequence[TensorSpec],
+                  samples_from_all_ranks: Sequence[Sequence[int | None] | None] | None = None) -> list[list[int]]:
     """Which of its chunks each rank publishes: ``out[r]`` indexes ``chunks_from_all_ranks[r]``.
 
     Why: a tensor sharded over part of the ranks is held whole by each group of them. FSDP2 over tensor
     parallelism shards a norm weight over the data-parallel mesh dim only, so every tensor-parallel rank holds
     the same box of it; one copy must be published, or each file would get the box twice. Identical boxes of one
     tensor are therefore published by the lowest rank that holds them, and the rest must tile every tensor
-    exactly once (:func:`check_ownership`, whose OwnershipError this raises).
+    exactly once (:func:`check_ownership`, whose OwnershipError this raises). With ``samples_from_all_ranks``
+    (:func:`replica_samples` per rank), copies whose samples differ are refused: they are partitions.
     """
-    seen: set[tuple[str, str, Box]] = set()
+    seen: dict[tuple[str, str, Box], tuple[int, int | None]] = {}
     out: list[list[int]] = []
     kept: list[list[_ChunkLike]] = []
-    for chunks in chunks_from_all_ranks:
+    for rank, chunks in enumerate(chunks_from_all_ranks):
+        samples = samples_from_all_ranks[rank] if samples_from_all_ranks is not None else None
         mine: list[int] = []
         for i, c in enumerate(chunks):
             key = (c.name, c.space, c.box)
+            sample = samples[i] if samples is not None else None
             if key not in seen:
-                seen.add(key)
+                seen[key] = (rank, sample)
                 mine.append(i)
+            elif sample is not None and seen[key][1] is not None and sample != seen[key][1]:
+                raise OwnershipError(
+                    f"ranks {seen[key][0]} and {rank} hold the same part of tensor {c.name!r} ({c.box.to_json()}) "
+                    "with different values, so they are partitions, not copies of one replica (each rank's own "
+                    "experts under one name, or a tensor-parallel shard in a plain parameter), and only rank "
+                    f"{seen[key][0]}'s would be published: express that parallelism as DTensors (FSDP2 over a "
+                    "device mesh), or publish a gathered state dict from rank 0 with TensorPublisher. Replicas "
+                    "must also start equal: seed every rank alike, or load the same checkpoint, before creating "
+                    "the callback")
         out.append(mine)
         kept.append([chunks[i] for i in mine])
     check_ownership(kept, specs)

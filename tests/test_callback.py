@@ -132,7 +132,8 @@ def test_a_reshaped_parameter_fails_the_step_and_a_meta_model_fails_construction
     hot.step(0)
     hot.wait()
     model.layers[1].weight = nn.Parameter(torch.randn(8, 32))
-    with pytest.raises(RuntimeError, match="tensors or sharding changed"):
+    with pytest.raises(RuntimeError, match=r"tensors or sharding changed .*\(tensor 'layers\.1\.weight' was BF16 "
+                                           r"\[16, 16\], is BF16 \[8, 32\]\)"):
         hot.step(1)
     with pytest.raises(RuntimeError, match="tensors or sharding changed"):
         hot.close()  # its final publish of step 1 meets the same model
@@ -805,3 +806,18 @@ def test_a_publish_holds_few_tracked_objects_per_chunk(tmp_path: Path, monkeypat
     assert seen["full"] < 0.2 * n, seen
     assert seen["delta"] < 0.2 * n, seen
     assert seen["header"] < 0.2 * n, seen
+
+
+def test_a_buffer_cast_after_construction_names_the_tensor_and_both_dtypes(tmp_path: Path) -> None:
+    """FSDP1's MixedPrecision(buffer_dtype=...) casts buffers at its first forward, after a callback made before
+    it recorded their dtype; with a "keep" override that stopped publishing with no word of which tensor changed."""
+    model = nn.Linear(4, 4)
+    model.register_buffer("scale", torch.ones(3))
+    hot = HotloadCallback(model, HotloadConfig(bucket_url=str(tmp_path / "bucket"), dtype_overrides={"scale": "keep"}))
+    hot.step(0)
+    hot.wait()
+    model.scale.data = model.scale.data.to(torch.bfloat16)  # what FSDP1 does to a buffer at its lazy init
+    with pytest.raises(RuntimeError, match=r"\(tensor 'scale' was F32 \[3\], is BF16 \[3\] \(FSDP1's MixedPrecision "
+                                           r"casts buffers at the first forward: create the callback after it\)\)"):
+        hot.step(1)
+    hot.close(raise_errors=False)

@@ -493,3 +493,17 @@ def test_fsdp1_over_tensor_parallelism_is_refused_on_every_rank() -> None:
     (uneven blocks)."""
     out = run_torchrun(str(SCRIPTS / "fsdp1_tp.py"), 2, []).stdout
     assert "RANK 0 OK" in out and "RANK 1 OK" in out
+
+
+def test_ranks_holding_one_box_with_different_values_are_refused_as_partitions(tmp_path: Path) -> None:
+    """torchrun, 2 ranks (dist_scripts/partitions.py): each rank's own experts under one name, which FSDP2 leaves
+    whole on each rank, were taken for copies of one replica and only rank 0's published. A buffer that differs
+    per rank is still published from rank 0."""
+    out = tmp_path / "out"
+    out.mkdir()
+    run_torchrun(str(SCRIPTS / "partitions.py"), 2, ["--bucket", str(tmp_path / "bucket"), "--out", str(out)])
+    for rank in (0, 1):
+        found = json.loads((out / f"rank{rank}.json").read_text())
+        assert found["ep"] is not None and "OwnershipError" in found["ep"], found
+        assert "ranks 0 and 1 hold the same part of tensor 'experts'" in found["ep"], found
+        assert found["buffers"] is None, found

@@ -1,0 +1,61 @@
+"""Ranks holding one box of a tensor with different values are partitions, not copies: ``HotloadCallback`` refuses
+them on every rank. Run under torchrun (gloo, CPU, 2 ranks). Cases:
+
+* ``ep``: expert parallelism without DTensors. Each rank holds its own experts under one name, and FSDP2 shards
+  them over a size-1 expert-data-parallel mesh dim, so both ranks hold the whole tensor: rank 1's experts were
+  dropped as a copy of rank 0's.
+* ``buffers``: a module buffer that differs per rank (forward passes update buffers on each rank alone, as
+  BatchNorm statistics under FSDP) is not refused; rank 0's is published.
+
+Each rank writes what the construction raised (or None) to --out/rank<r>.json.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from fsdp_hotload import HotloadCallback, HotloadConfig  # noqa: E402
+from tests.dist_util import finish, start_rank  # noqa: E402
+
+
+class MoE(nn.Module):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.router = nn.Linear(4, 4)
+        torch.manual_seed(100 + rank)
+        self.experts = nn.Parameter(torch.randn(2, 4, 4))  # this rank's 2 experts
+
+
+def main() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    bucket, out, rank = start_rank()
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "edp"))
+    ep = MoE(rank)
+    fully_shard(ep, mesh=mesh["edp"])
+    torch.manual_seed(0)
+    plain = nn.Linear(4, 4)
+    plain.register_buffer("seen", torch.full((3,), float(rank)))
+    found = {}
+    for case, model in (("ep", ep), ("buffers", plain)):
+        try:
+            hot = HotloadCallback(model, HotloadConfig(bucket_url=f"{bucket}/{case}"))
+            hot.close(raise_errors=False)
+            found[case] = None
+        except Exception as exc:  # noqa: BLE001 - written for the test to read
+            found[case] = f"{type(exc).__name__}: {exc}"
+    (out / f"rank{rank}.json").write_text(json.dumps(found))
+    torch.distributed.barrier()
+    finish()
+
+
+if __name__ == "__main__":
+    main()
