@@ -474,19 +474,6 @@ def test_a_non_contiguous_tensor_is_refused_on_every_rank(tmp_path: Path) -> Non
         assert all("'0.weight'" in r[label] and "contiguous" in r[label] for r in results), results
 
 
-def test_a_megatron_model_parallel_model_is_refused_not_published_as_rank_0s_partitions(tmp_path: Path) -> None:
-    """torchrun, 2 ranks (dist_scripts/megatron_tp.py): plain parameters that Megatron marks as tensor- or
-    expert-parallel are partitions, not replicas; rank 0's alone were published as the whole tensors."""
-    out = tmp_path / "out"
-    out.mkdir()
-    run_torchrun(str(SCRIPTS / "megatron_tp.py"), 2, ["--bucket", str(tmp_path / "bucket"), "--out", str(out)])
-    for rank in (0, 1):
-        found = json.loads((out / f"rank{rank}.json").read_text())
-        assert found["tp"] is not None and "tensor-parallel" in found["tp"] and "qkv.weight" in found["tp"]
-        assert found["expert"] is not None and "expert-parallel" in found["expert"]
-        assert "TensorPublisher" in found["tp"]
-
-
 def test_fsdp1_over_tensor_parallelism_is_refused_on_every_rank() -> None:
     """torchrun, 2 ranks (dist_scripts/fsdp1_tp.py): FSDP1 flattens each DTensor's local TP block, so its metadata
     published TP rank 0's block as the whole tensor (even blocks: no check noticed) or blamed the base checkpoint
@@ -496,9 +483,9 @@ def test_fsdp1_over_tensor_parallelism_is_refused_on_every_rank() -> None:
 
 
 def test_ranks_holding_one_box_with_different_values_are_refused_as_partitions(tmp_path: Path) -> None:
-    """torchrun, 2 ranks (dist_scripts/partitions.py): each rank's own experts under one name, which FSDP2 leaves
-    whole on each rank, were taken for copies of one replica and only rank 0's published. A buffer that differs
-    per rank is still published from rank 0."""
+    """torchrun, 2 ranks (dist_scripts/partitions.py): plain parameters Megatron marks tensor- or expert-parallel,
+    and each rank's own experts under one name (which FSDP2 leaves whole on each rank), were taken for copies of
+    one replica and only rank 0's published. A buffer that differs per rank is still published from rank 0."""
     out = tmp_path / "out"
     out.mkdir()
     run_torchrun(str(SCRIPTS / "partitions.py"), 2, ["--bucket", str(tmp_path / "bucket"), "--out", str(out)])
@@ -506,4 +493,7 @@ def test_ranks_holding_one_box_with_different_values_are_refused_as_partitions(t
         found = json.loads((out / f"rank{rank}.json").read_text())
         assert found["ep"] is not None and "OwnershipError" in found["ep"], found
         assert "ranks 0 and 1 hold the same part of tensor 'experts'" in found["ep"], found
+        assert found["tp"] is not None and "tensor-parallel" in found["tp"] and "qkv.weight" in found["tp"]
+        assert "TensorPublisher" in found["tp"], found
+        assert found["expert"] is not None and "expert-parallel" in found["expert"], found
         assert found["buffers"] is None, found

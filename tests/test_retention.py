@@ -708,6 +708,14 @@ def test_a_snapshot_s_shards_go_last_so_what_a_stopped_delete_leaves_is_swept(s3
     assert direct.list_dirs() == ["step-000500-aaaaaaaa"]
 
 
+def _three_step_chain(st: Storage, t: float) -> list[CommitInfo]:
+    """Session aaaaaaaa's full at step 1 and two deltas on it, committed at t, t + 1 and t + 2."""
+    shard = {"model-00001-of-00001.safetensors": {"size": 4}}
+    return [_publish(st, CommitInfo(f"step-00000{step}-aaaaaaaa", "full" if step == 1 else "delta",
+                                    None if step == 1 else f"step-00000{step - 1}-aaaaaaaa", shard, t + step - 1))
+            for step in (1, 2, 3)]
+
+
 class OneMissingMarker(Storage):
     """A local store that answers "not found" once for the file named in ``miss``."""
     miss: str | None = None
@@ -727,11 +735,7 @@ def test_a_marker_read_as_missing_once_does_not_break_the_served_chain(tmp_path:
     st = OneMissingMarker(str(tmp_path))
     shard = {"model-00001-of-00001.safetensors": {"size": 4}}
     t = time.time()
-    chain = [CommitInfo("step-000001-aaaaaaaa", "full", None, shard, t),
-             CommitInfo("step-000002-aaaaaaaa", "delta", "step-000001-aaaaaaaa", shard, t + 1),
-             CommitInfo("step-000003-aaaaaaaa", "delta", "step-000002-aaaaaaaa", shard, t + 2)]
-    for info in chain:
-        _publish(st, info)
+    chain = _three_step_chain(st, t)
     st.miss = f"step-000002-aaaaaaaa/{COMMIT_MARKER}"
     with caplog.at_level("WARNING", logger="fsdp_hotload"):
         assert apply_retention(st, keep_last=1, protected={"step-000003-aaaaaaaa"}, session="aaaaaaaa",
@@ -748,13 +752,7 @@ def test_delete_incomplete_keeps_a_kept_snapshots_parent_whose_marker_was_not_re
     """The sweep of unmarked folders skipped a kept chain's parents only with a session; delete_incomplete
     deleted the served delta's parent (marker included) right after plan_retention had logged it as kept."""
     st = OneMissingMarker(str(tmp_path))
-    shard = {"model-00001-of-00001.safetensors": {"size": 4}}
-    t = time.time()
-    chain = [CommitInfo("step-000001-aaaaaaaa", "full", None, shard, t),
-             CommitInfo("step-000002-aaaaaaaa", "delta", "step-000001-aaaaaaaa", shard, t + 1),
-             CommitInfo("step-000003-aaaaaaaa", "delta", "step-000002-aaaaaaaa", shard, t + 2)]
-    for info in chain:
-        _publish(st, info)
+    chain = _three_step_chain(st, time.time())
     st.miss = f"step-000002-aaaaaaaa/{COMMIT_MARKER}"
     deleted = apply_retention(st, keep_last=1, protected={"step-000003-aaaaaaaa"}, delete_incomplete=True)
     assert deleted == []
@@ -767,12 +765,8 @@ def test_a_served_snapshot_whose_own_marker_was_not_read_keeps_its_chain(tmp_pat
     st = OneMissingMarker(str(tmp_path))
     shard = {"model-00001-of-00001.safetensors": {"size": 4}}
     t = time.time()
-    chain = [CommitInfo("step-000001-aaaaaaaa", "full", None, shard, t - 30),
-             CommitInfo("step-000002-aaaaaaaa", "delta", "step-000001-aaaaaaaa", shard, t - 20),
-             CommitInfo("step-000003-aaaaaaaa", "delta", "step-000002-aaaaaaaa", shard, t - 10)]
-    other = CommitInfo("step-000007-bbbbbbbb", "full", None, shard, t - 5)  # a live publisher under the root
-    for info in chain + [other]:
-        _publish(st, info)
+    chain = _three_step_chain(st, t - 30)
+    other = _publish(st, CommitInfo("step-000007-bbbbbbbb", "full", None, shard, t - 5))  # a live publisher here
     st.miss = f"step-000003-aaaaaaaa/{COMMIT_MARKER}"
     deleted = apply_retention(st, keep_last=1, protected={"step-000003-aaaaaaaa"}, session="aaaaaaaa",
                               since=t - 60, now=t)

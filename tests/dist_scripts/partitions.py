@@ -1,13 +1,17 @@
 """Ranks holding one box of a tensor with different values are partitions, not copies: ``HotloadCallback`` refuses
 them on every rank. Run under torchrun (gloo, CPU, 2 ranks). Cases:
 
-* ``ep``: expert parallelism without DTensors. Each rank holds its own experts under one name, and FSDP2 shards
-  them over a size-1 expert-data-parallel mesh dim, so both ranks hold the whole tensor: rank 1's experts were
-  dropped as a copy of rank 0's.
+* ``tp``: a Megatron-shaped model (its DistributedDataParallel holding a Float16Module holding the model) with a
+  tensor-parallel parameter, marked ``tensor_model_parallel`` / ``partition_dim`` as Megatron's layers mark them;
+* ``expert``: a parameter Megatron marks expert-parallel (``allreduce=False``). Both were taken for replicated
+  plain tensors, and rank 0's partitions published as the whole tensors; Megatron's marks name the cause.
+* ``ep``: expert parallelism without DTensors or marks. Each rank holds its own experts under one name, and FSDP2
+  shards them over a size-1 expert-data-parallel mesh dim, so both ranks hold the whole tensor: rank 1's experts
+  were dropped as a copy of rank 0's.
 * ``buffers``: a module buffer that differs per rank (forward passes update buffers on each rank alone, as
   BatchNorm statistics under FSDP) is not refused; rank 0's is published.
 
-Each rank writes what the construction raised (or None) to --out/rank<r>.json.
+Each rank writes what each construction raised (or None) to --out/rank<r>.json.
 """
 from __future__ import annotations
 
@@ -22,6 +26,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fsdp_hotload import HotloadCallback, HotloadConfig  # noqa: E402
 from tests.dist_util import finish, start_rank  # noqa: E402
+
+
+def megatron_tp(rank: int) -> nn.Module:
+    gpt = nn.Module()
+    gpt.qkv = nn.Linear(8, 12, bias=False)
+    gpt.qkv.weight = nn.Parameter(torch.randn(12, 8) + rank)  # ColumnParallelLinear's partition
+    gpt.qkv.weight.tensor_model_parallel = True  # type: ignore[attr-defined]
+    gpt.qkv.weight.partition_dim, gpt.qkv.weight.partition_stride = 0, 1  # type: ignore[attr-defined]
+    gpt.norm = nn.LayerNorm(8)  # replicated: fine on its own
+    f16 = nn.Module()
+    f16.add_module("module", gpt)
+    ddp = nn.Module()
+    ddp.add_module("module", f16)
+    return ddp
+
+
+def megatron_expert() -> nn.Module:
+    expert = nn.Module()
+    expert.add_module("module", nn.Linear(8, 8, bias=False))
+    expert.module.weight.allreduce = False  # type: ignore[attr-defined]  # an expert-parallel parameter
+    return expert
 
 
 class MoE(nn.Module):
@@ -45,7 +70,7 @@ def main() -> None:
     plain = nn.Linear(4, 4)
     plain.register_buffer("seen", torch.full((3,), float(rank)))
     found = {}
-    for case, model in (("ep", ep), ("buffers", plain)):
+    for case, model in (("tp", megatron_tp(rank)), ("expert", megatron_expert()), ("ep", ep), ("buffers", plain)):
         try:
             hot = HotloadCallback(model, HotloadConfig(bucket_url=f"{bucket}/{case}"))
             hot.close(raise_errors=False)
