@@ -101,8 +101,7 @@ def replica_samples(chunks: Sequence[LocalChunk], skip: Collection[int] = ()) ->
     it. That holds for what the framework replicates, not for partitions it cannot see: each rank's own experts
     under one name (expert parallelism without DTensors), or a tensor-parallel shard in a plain parameter. Their
     boxes agree and their values do not, so rank 0's would be published as everyone's. A few elements per chunk
-    tell them apart at construction for ~1 KB of host copies per device per hundred chunks, where the values of
-    copies must agree. ``skip``: module buffers, which forward passes update on each rank alone (BatchNorm
+    (at most 512 bytes, in one host copy per device) tell them apart at construction, where copies must agree. ``skip``: module buffers, which forward passes update on each rank alone (BatchNorm
     statistics under FSDP)."""
     out: list[int | None] = [None] * len(chunks)
     heads: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
