@@ -264,7 +264,7 @@ def write_results(path: Path, section: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes (< 60 s)")
     ap.add_argument("--params", type=int, default=None, help="synthetic parameters (default 64M, quick 4M)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 3, quick 2)")

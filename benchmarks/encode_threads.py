@@ -55,7 +55,7 @@ def best_encode(enc: ChunkEncoder, buf: torch.Tensor, parts: list[tuple[int, int
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gb", type=float, default=0.5, help="bf16 shard size in GB")
     p.add_argument("--changed", type=float, default=0.02, help="fraction of elements changed")
     p.add_argument("--tensors", type=int, default=64)

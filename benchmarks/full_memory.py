@@ -95,7 +95,7 @@ def _high_water() -> int:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gb", type=float, default=1.0, help="bf16 size of the whole model (GB)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--job", metavar="WORKDIR", help=argparse.SUPPRESS)  # the torchrun side

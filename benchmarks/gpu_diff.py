@@ -59,7 +59,7 @@ def host_share(codec: ArcV2, diffs: Sequence[ElementDiff]) -> tuple[int, float, 
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gb", type=float, default=2.0, help="bf16 shard size in GB")
     p.add_argument("--changed", type=float, default=0.02, help="fraction of elements changed")
     p.add_argument("--tensors", type=int, default=64)

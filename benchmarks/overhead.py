@@ -483,7 +483,13 @@ from machine_info import machine  # noqa: E402  (benchmarks/ is on sys.path when
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    from overhead_job import job_flags  # noqa: E402  (the flags it passes through, for --help)
+
+    jp = argparse.ArgumentParser(prog="overhead_job.py", add_help=False)
+    job_flags(jp)
+    job_help = jp.format_help().split("\n\n", 1)[1].replace("options:", "flags passed to the job "
+                                                             "(here --warmup defaults to 5, quick 3):", 1)
+    p = argparse.ArgumentParser(description=__doc__, epilog=job_help,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer, shorter phases (< 90 s)")
     p.add_argument("--variants", help="comma list of baseline, skip, wait, skip_nosignal, skip_everyK "
@@ -491,9 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, help="interleaved rounds (default 6, quick 2)")
     p.add_argument("--phase-steps", type=int, help="steps per variant per round (default 12, quick 6)")
     p.add_argument("--replicas", type=int, default=2, help="emulator replicas per deployment")
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=2, help="trainer ranks (torchrun --nproc-per-node)")
     p.add_argument("--json", help="also write the raw results and the analysis here")
-    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before the job is killed")
     p.add_argument("--from-json", metavar="PATH", help="print the report of a run saved with --json, without "
                                                        "running anything (the analysis is recomputed)")
     args, job_extra = p.parse_known_args(argv)  # anything else (--dim, --layers, --poll ...) goes to the job

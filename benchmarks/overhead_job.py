@@ -253,27 +253,19 @@ def bare_copies(model: nn.Module, cb: HotloadCallback, reps: int) -> dict[str, f
 
 
 # ------------------------------------------------------------------------------------------------ main
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--bucket", required=True)
-    p.add_argument("--url", required=True)
-    p.add_argument("--api-key", required=True)
-    p.add_argument("--hf-dir", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--variants", default="baseline,skip,wait,skip_nosignal")
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--phase-steps", type=int, default=12)
+def job_flags(p: argparse.ArgumentParser) -> None:
+    """The flags ``benchmarks/overhead.py`` passes through unchanged: its ``--help`` lists them from here."""
     p.add_argument("--discard", type=int, default=1, help="first steps of every phase not counted")
     p.add_argument("--warmup", type=int, default=6, help="untimed steps per variant before round 0")
-    p.add_argument("--copy-reps", type=int, default=25)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--hidden", type=int, default=1536)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--poll", type=float, default=0.05)
+    p.add_argument("--copy-reps", type=int, default=25, help="timed bare bf16 copies of the shard (the baseline)")
+    p.add_argument("--vocab", type=int, default=8192, help="model: vocabulary size")
+    p.add_argument("--dim", type=int, default=512, help="model: hidden size")
+    p.add_argument("--hidden", type=int, default=1536, help="model: MLP intermediate size")
+    p.add_argument("--heads", type=int, default=8, help="model: attention heads")
+    p.add_argument("--layers", type=int, default=4, help="model: decoder layers")
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
+    p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--poll", type=float, default=0.05, help="HotloadConfig.poll_interval_s")
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (RL runs use ~1e-6)")
     p.add_argument("--nice", type=int, default=None, help="HotloadConfig.background_nice (default: the config's)")
     p.add_argument("--switch-interval", type=float, default=None,
@@ -284,6 +276,19 @@ def main() -> None:
                    help="train on the CPU (gloo) or on one GPU per rank (nccl; step times then wait for the GPU)")
     p.add_argument("--profile-dir", default=None,
                    help="write a cProfile of each rank's publisher thread (CPU time, timed rounds only) here")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bucket", required=True)
+    p.add_argument("--url", required=True)
+    p.add_argument("--api-key", required=True)
+    p.add_argument("--hf-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--variants", default="baseline,skip,wait,skip_nosignal")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--phase-steps", type=int, default=12)
+    job_flags(p)
     args = p.parse_args()
 
     if args.switch_interval is not None:

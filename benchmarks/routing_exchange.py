@@ -76,7 +76,7 @@ def _rank(rank: int, port: int, nbytes: int, results: Any) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gib", type=float, default=2.01, help="payload size in GiB (4.01 passes 4 GiB)")
     args = p.parse_args()
     nbytes = int(args.gib * 2**30)

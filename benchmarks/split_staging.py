@@ -47,7 +47,7 @@ def median_s(fn: Callable[[], None], reps: int, sync: Callable[[], None]) -> flo
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--inter", type=int, default=64, help="each expert's intermediate size")

@@ -83,7 +83,7 @@ def measure(n: int, steps: int, root: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--counts", default="10000,40000", help="tensor counts, comma-separated")
     p.add_argument("--steps", type=int, default=6, help="publishes per count: a full, then deltas (>= 3)")
     args = p.parse_args()

@@ -7,6 +7,7 @@ writes the same bytes, and the GPU script exits cleanly without a GPU.
 """
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -305,3 +306,28 @@ def test_overhead_steps_per_publish_come_from_the_counted_steps() -> None:
     row = overhead._publishing_stats(res, "skip", discard=1)
     assert row["steps_per_publish"] == pytest.approx(4 / 2)
 
+
+
+def test_benchmark_help_shows_the_whole_docstring_and_overhead_lists_the_job_flags() -> None:
+    """``--help`` is where a reader looks for the examples; overhead.py's unknown flags go to the job, so its help
+    lists them too, from the job's own parser."""
+    scripts = [s for s in sorted(BENCH.glob("*.py")) if "ArgumentParser(" in s.read_text()]
+    assert len(scripts) >= 9, scripts
+    # one interpreter for all of them (each alone would import torch again)
+    loop = ("import contextlib, io, runpy, sys\n"
+            "for path in sys.argv[1:]:\n"
+            "    sys.argv, buf = [path, '--help'], io.StringIO()\n"
+            "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(buf):\n"
+            "        runpy.run_path(path, run_name='__main__')\n"
+            "    print('=====', path, buf.getvalue(), sep='\\n')\n")
+    out = _run(["-c", loop, *map(str, scripts)], 180).stdout
+    helps = dict(part.split("\n", 1) for part in out.split("=====\n")[1:])
+    assert len(helps) == len(scripts), list(helps)
+    for script in scripts:
+        doc = ast.get_docstring(ast.parse(script.read_text()), clean=False)
+        assert doc, script.name
+        last = [line.strip() for line in doc.splitlines() if line.strip()][-1]
+        assert last in helps[str(script)], (script.name, last, helps[str(script)][-500:])
+    job = helps[str(BENCH / "overhead.py")].split("flags passed to the job", 1)[1]
+    for flag in ("--layers LAYERS", "--device {cpu,cuda}", "--hook {attach,step}", "--discard DISCARD", "--lr LR"):
+        assert flag in job, flag

@@ -574,7 +574,7 @@ def test_an_endpoint_that_never_answers_times_out_and_is_retried(tmp_path: Path)
     threading.Thread(target=lambda: [held.append(server.accept()) for _ in range(64)], daemon=True).start()
     try:
         st = Storage("s3://bkt/p", {"endpoint_url": f"http://127.0.0.1:{server.getsockname()[1]}", "key": "k",
-                                    "secret": "s"}, max_attempts=2, base_backoff_s=0.01, call_timeout_s=1,
+                                    "secret": "s"}, max_attempts=2, base_backoff_s=0.01, call_timeout_s=0.3,
                      multipart_threshold=5 * MiB)
         big = tmp_path / "big.bin"
         big.write_bytes(b"y" * (6 * MiB))
@@ -966,12 +966,18 @@ def _tls_front(files: tuple[Path, Path] | None) -> Iterator[list[int]]:
     listener = socket.create_server(("127.0.0.1", 0))
     seen = [listener.getsockname()[1]]
 
+    listener.settimeout(0.1)  # close() does not wake a blocked accept(): poll, so the join below is quick
+    stop = threading.Event()
+
     def serve() -> None:
-        while True:
+        while not stop.is_set():
             try:
                 conn, _ = listener.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 return  # closed
+            conn.settimeout(None)
             seen.append(len(seen))
             with conn:
                 try:
@@ -988,8 +994,9 @@ def _tls_front(files: tuple[Path, Path] | None) -> Iterator[list[int]]:
     try:
         yield seen
     finally:
-        listener.close()
+        stop.set()
         thread.join(timeout=10)
+        listener.close()
 
 
 @pytest.mark.parametrize("certificate", [False, True], ids=["handshake-alert", "unverified-certificate"])
