@@ -200,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(args_list)
     except SystemExit as exc:
         return EXIT_USAGE if exc.code else EXIT_OK
-    from .arc.errors import ArcError
+    from .arc.errors import ArcError, VendorOutputError
     from .arc.folder import apply_paths, diff_paths, inspect_path, verify_paths
     from .identity import validate_identity
 
@@ -277,9 +277,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except ArcError as exc:
         # apply/verify rebuild payloads: a corrupt payload, a checksum, parent or layout mismatch fails
-        # verification. diff and inspect only read headers or full files, so there it is unusable input.
+        # verification. diff and inspect only read headers or full files, so there it is unusable input, except
+        # for a vendor module's output, which diff rebuilds and checks.
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_VERIFY if args.cmd in ("apply", "verify") else EXIT_USAGE
+        return EXIT_VERIFY if args.cmd in ("apply", "verify") or isinstance(exc, VendorOutputError) else EXIT_USAGE
     except (OSError, ValueError) as exc:  # includes UnusableInputError and the marker's identity rules
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -226,10 +226,12 @@ def run_demo_cli(argv: list[str] | None = None) -> int:
     mark = os.path.join(workdir, DEMO_MARK)
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         p.error(f"--workdir {workdir} is not a folder")
-    if not os.path.isfile(mark) and any(os.path.isdir(d) and os.listdir(d) for d in (bucket, hf)):
-        # Each run empties bucket/ and rewrites hf/: only in a folder an earlier demo made.
-        p.error(f"--workdir {workdir} holds a bucket/ or hf/ folder that no demo made (no {DEMO_MARK}); "
-                "pick an empty or new folder")
+    if not os.path.isfile(mark) and (any(os.path.isdir(d) and os.listdir(d) for d in (bucket, hf))
+                                     or any(os.path.lexists(os.path.join(workdir, n)) for n in RESULT_FILES)):
+        # Each run empties bucket/, rewrites hf/ and replaces its result files: only in a folder an earlier demo
+        # made.
+        p.error(f"--workdir {workdir} holds a bucket/ or hf/ folder, or a {' or '.join(RESULT_FILES)} file, that no "
+                f"demo made (no {DEMO_MARK}); pick an empty or new folder")
     try:
         shutil.rmtree(bucket, ignore_errors=True)
         os.makedirs(bucket), os.makedirs(hf, exist_ok=True)

@@ -166,6 +166,8 @@ class HotLoadEmulator:
         self.port = port
         self.replicas = replicas
         self.account_id = account_id
+        if api_key is not None and not api_key.strip():
+            raise ValueError("api_key is empty: no client could match it (None accepts any bearer key)")
         self._api_key = api_key
         self._storage: Any = None
         self._lock = threading.Lock()
@@ -466,6 +468,14 @@ def _bucket_problem(bucket: str, options: dict[str, Any] | None) -> str | None:
     return None
 
 
+def _api_key_arg(text: str) -> str:
+    """``--api-key "$KEY"`` with KEY unset is an empty key, which every client would fail with 401."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty (an unset variable?): give a key, or leave --api-key out to "
+                                         "accept any bearer key")
+    return text
+
+
 def run_emulator_cli(args: list[str] | None = None) -> int:
     """``hotload emulate``: serve until Ctrl-C; prints the URL to point HotLoadClient at."""
     from .cli import arg_float, arg_int
@@ -475,7 +485,8 @@ def run_emulator_cli(args: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=arg_int(0, 65535), default=0, help="TCP port; 0 (the default) picks a free one")
     p.add_argument("--replicas", type=arg_int(1), default=2, help="replicas per deployment (default: %(default)s)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: any bearer key)")
+    p.add_argument("--api-key", type=_api_key_arg, default=None,
+                   help="require 'Authorization: Bearer KEY' (default: any bearer key)")
     p.add_argument("--load-delay", type=arg_float(0), default=0.0, metavar="SECONDS",
                    help="extra seconds per load (default: %(default)s)")
     p.add_argument("--manager-delay", type=arg_float(0), default=0.0, metavar="SECONDS",

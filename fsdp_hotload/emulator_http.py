@@ -37,6 +37,9 @@ _DRAIN_MAX = 64 * MAX_BODY
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True
+    # socketserver's default listen backlog is 5: a burst of connections (many clients polling, per-file hints)
+    # overflows it and the kernel drops SYNs, which clients retry only after 1 s.
+    request_queue_size = 128
     emulator: HotLoadEmulator
 
     def handle_error(self, request: Any, client_address: Any) -> None:

@@ -15,7 +15,7 @@ import zstandard
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from fsdp_hotload.arc.errors import FormatError
+from fsdp_hotload.arc.errors import VendorOutputError
 
 HOTLOAD = [sys.executable, "-m", "fsdp_hotload.cli"]
 
@@ -126,15 +126,20 @@ def test_vendor_route(snapshots: tuple[Path, Path], tmp_path: Path) -> None:
     # what the module writes is checked before the folder is called a delta: a copy of NEW is not one, nor are bytes
     # that are no safetensors file, and neither is left in the folder
     try:
-        for mode, error, match in [("copy", FormatError, "wrote a copy of .* not a delta"),
-                                   ("garbage", FormatError, "header length")]:
+        for mode, match in [("copy", "wrote a copy of .* not a delta"), ("garbage", "no safetensors file.*header"),
+                            ("unchanged", "does not rebuild .* differs")]:
             vendor.MODE[0] = mode
-            with pytest.raises(error, match=match):
+            with pytest.raises(VendorOutputError, match=match):
                 diff_paths(str(a), str(b), str(tmp_path / mode), parent_identity="vendor",
                            vendor_module="tests.vendor_example.fw_reference_shape")
             assert not [n for n in os.listdir(tmp_path / mode) if n.endswith(".safetensors")]
     finally:
         vendor.MODE[0] = "delta"
+    # from the CLI, a module whose output fails its check is a failed verification (1), not bad usage (2)
+    res = subprocess.run([*HOTLOAD, "diff", str(a), str(b), str(tmp_path / "cli"), "--parent-identity", "vendor",
+                          "--vendor-module", "tests.vendor_example.fw_reference_shape"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "FW_REFERENCE_SHAPE_MODE": "unchanged"})
+    assert res.returncode == 1 and "does not rebuild" in res.stderr, res.stderr
 
 
 def test_vendor_route_takes_a_layout_our_decoder_cannot_read(snapshots: tuple[Path, Path], tmp_path: Path) -> None:

@@ -56,6 +56,7 @@ def serving(*args: str) -> Iterator[tuple[str, int, list[str]]]:
     (["--port", "99999"], "--port"),
     (["--load-delay", "-1"], "--load-delay"),
     (["--compression-formats", "zstd"], "--compression-formats"),
+    (["--api-key", ""], "--api-key"),  # "$KEY" with KEY unset: every client would get 401
 ])
 def test_bad_options_are_one_line_usage_errors(tmp_path: Path, args: list[str], flag: str) -> None:
     res = subprocess.run([*HOTLOAD, "emulate", "--bucket", str(tmp_path), *args], capture_output=True, text=True,

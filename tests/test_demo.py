@@ -14,6 +14,7 @@ DEMO = [sys.executable, "-m", "fsdp_hotload.cli", "demo"]
 @pytest.mark.slow
 def test_demo_publishes_and_verifies(tmp_path: Path) -> None:
     # A previous run's results in the same --workdir are replaced, never appended to.
+    (tmp_path / ".hotload-demo").write_text("made by hotload demo")
     (tmp_path / "metrics.jsonl").write_text('{"stale": true}\n' * 3)
     (tmp_path / "demo_result.json").write_text('{"verified": true, "rows": []}')
     proc = subprocess.run([*DEMO, "--steps", "7", "--full-every", "3", "--workdir", str(tmp_path)],
@@ -73,3 +74,13 @@ def test_a_workdir_the_demo_did_not_make_is_left_alone(tmp_path: Path) -> None:
         assert says in proc.stderr.strip().splitlines()[-1]
     assert (tmp_path / "bucket" / "precious" / "data.txt").read_text() == "keep me"
 
+
+def test_result_files_of_a_workdir_the_demo_did_not_make_are_left_alone(tmp_path: Path) -> None:
+    """A user's own metrics.jsonl in --workdir is refused, not deleted (the demo replaces only its own results)."""
+    (tmp_path / "metrics.jsonl").write_text('{"mine": true}\n')
+    proc = subprocess.run([*DEMO, "--steps", "1", "--workdir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "that no demo made" in proc.stderr.strip().splitlines()[-1]
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"mine": true}\n'
+    assert not (tmp_path / ".hotload-demo").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -176,3 +177,36 @@ def test_a_bucket_that_cannot_be_listed_is_a_503_not_an_emulator_bug(s3_server: 
             assert info.value.status_code == 503
         finally:
             emu.stop()  # raised RuntimeError: 'hot-load emulator hit N internal error(s)'
+
+
+def test_a_burst_of_connections_is_not_held_back_by_the_listen_backlog(tmp_path: Path) -> None:
+    """socketserver listens with a backlog of 5: a burst of clients overflowed it, and the kernel's dropped SYNs
+    cost each of them a 1 s retransmit before it was even connected."""
+    with HotLoadEmulator(str(tmp_path), replicas=1, api_key=EMULATOR_API_KEY) as emu:
+        port = int(emu.url.rsplit(":", 1)[1])
+        took: list[float] = []
+        socks: list[socket.socket] = []
+        lock = threading.Lock()
+
+        def connect() -> None:
+            t0 = time.monotonic()
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            with lock:
+                took.append(time.monotonic() - t0)
+                socks.append(s)
+
+        threads = [threading.Thread(target=connect) for _ in range(64)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for s in socks:
+            s.close()
+    assert len(took) == 64 and max(took) < 0.9, sorted(took)[-5:]
+
+
+@pytest.mark.parametrize("key", ["", "  "])
+def test_an_empty_api_key_is_refused_at_construction(tmp_path: Path, key: str) -> None:
+    """No bearer token can match an empty key: every client got 401 from an emulator that looked healthy."""
+    with pytest.raises(ValueError, match="api_key is empty"):
+        HotLoadEmulator(str(tmp_path), replicas=1, api_key=key)

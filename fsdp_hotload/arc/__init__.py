@@ -16,7 +16,7 @@ from .codecs import ArcV2, Codec, ElementDiff, codec_names, element_diff, get_co
 from .container import (CHECKSUM_FORMAT, TensorDelta, apply_delta_file, apply_tensor, build_delta_file,
                         delta_header, encode_delta_file, encode_tensor, is_delta_file, read_delta_info)
 from .dtypes import RawTensor, code_from_name, itemsize, torch_name
-from .errors import ArcError, ChecksumError, FormatError, MismatchError
+from .errors import ArcError, ChecksumError, FormatError, MismatchError, VendorOutputError
 from .stio import load_file, parse_header, save_file, write_file
 
 from . import sparse as _sparse  # noqa: F401  (registers arc_sparse_v1)
@@ -33,8 +33,8 @@ _jit_cache.refresh([m for n, m in list(_sys.modules.items()) if n.startswith(f"{
 
 __all__ = [
     "ArcError", "ArcV2", "Box", "CHECKSUM_FORMAT", "ChecksumError", "Codec", "ElementDiff", "FormatError",
-    "MismatchError", "RawTensor", "TensorDelta", "apply_delta_file", "apply_tensor", "build_delta_file",
-    "check_tiling", "code_from_name", "codec_names", "delta_header", "element_diff", "encode_delta_file",
-    "encode_tensor", "get_codec", "is_delta_file", "itemsize", "load_file", "parse_header", "read_delta_info",
-    "register_codec", "save_file", "torch_name", "write_file",
+    "MismatchError", "RawTensor", "TensorDelta", "VendorOutputError", "apply_delta_file", "apply_tensor",
+    "build_delta_file", "check_tiling", "code_from_name", "codec_names", "delta_header", "element_diff",
+    "encode_delta_file", "encode_tensor", "get_codec", "is_delta_file", "itemsize", "load_file", "parse_header",
+    "read_delta_info", "register_codec", "save_file", "torch_name", "write_file",
 ]

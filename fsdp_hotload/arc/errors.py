@@ -36,3 +36,8 @@ class MismatchError(ArcError):
 
 class ChecksumError(ArcError):
     """A reconstructed tensor's Adler-32 differs from the one recorded by the encoder."""
+
+
+class VendorOutputError(ArcError):
+    """What a ``--vendor-module`` wrote fails its check: not a safetensors file, a copy of NEW, or a delta that does
+    not rebuild NEW bit for bit. A verification failure of that module's output, not bad input to ``diff``."""

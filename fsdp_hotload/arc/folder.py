@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Iterator
 from .codecs import get_codec
 from .container import K_TENSORS, apply_delta_file, encode_delta_file, is_delta_file, read_delta_info
 from .dtypes import RawTensor, itemsize, numel
-from .errors import ArcError, FormatError, MismatchError
+from .errors import ArcError, FormatError, MismatchError, VendorOutputError
 from .stio import load_file, parse_header, parse_json, write_file
 from .vendor import vendor_encoder
 
@@ -200,7 +200,7 @@ def _check_vendor_file(dst: str, pa: str, pb: str, parent_blob: bytes, new_blob:
     NEW from PARENT and record ``ident`` as its parent, as the commit marker will (ValueError where it does not: the
     module takes no identity, and an apply checking the marker's would refuse it). Fireworks' layout is not public
     and our decoder does not read it, so a file in any other layout is only checked to be a safetensors file other
-    than NEW itself (FormatError), and False is returned. Why not refuse it: producing that layout is what the
+    than NEW itself (VendorOutputError), and False is returned. Why not refuse it: producing that layout is what the
     vendor route is for."""
     with open(dst, "rb") as f:
         written = f.read()
@@ -210,16 +210,23 @@ def _check_vendor_file(dst: str, pa: str, pb: str, parent_blob: bytes, new_blob:
             raise ValueError(f"{dst}: the vendor module's delta records the parent {recorded!r}, not {ident!r} "
                              f"(PARENT's name or --parent-identity): pass --parent-identity {recorded} if PARENT is "
                              "that snapshot")
-        rebuilt = apply_delta_file(load_file(parent_blob, filename=pa), written, filename=dst)
+        try:
+            rebuilt = apply_delta_file(load_file(parent_blob, filename=pa), written, filename=dst)
+        except ArcError as exc:
+            raise VendorOutputError(f"the vendor module's delta does not rebuild {pb}: {exc}", file=dst) from None
         want = load_file(new_blob, filename=pb)
         bad = sorted(n for n in {*rebuilt, *want} if n not in rebuilt or n not in want
                      or bytes(rebuilt[n].data) != bytes(want[n].data))
         if bad:
-            raise ValueError(f"{dst}: the vendor module's delta does not rebuild {pb} (tensor {bad[0]!r} differs)")
+            raise VendorOutputError(f"the vendor module's delta does not rebuild {pb} (tensor {bad[0]!r} differs)",
+                                    file=dst)
         return True
-    parse_header(written, filename=dst)
+    try:
+        parse_header(written, filename=dst)
+    except FormatError as exc:
+        raise VendorOutputError(f"the vendor module wrote no safetensors file: {exc.reason}", file=dst) from None
     if written == new_blob:
-        raise FormatError(f"the vendor module wrote a copy of {pb}, not a delta", file=dst)
+        raise VendorOutputError(f"the vendor module wrote a copy of {pb}, not a delta", file=dst)
     return False
 
 

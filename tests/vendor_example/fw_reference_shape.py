@@ -11,7 +11,8 @@ import os
 CALLS: list[tuple[str, str, str, str]] = []
 # "copy": write the new file itself instead of a delta (a broken encoder); "foreign": each tensor's XOR against the
 # parent, zstd-compressed, as a U8 tensor of a plain safetensors file with metadata of its own (a layout that is not
-# ours); "garbage": bytes that are no safetensors file. A CLI run in a child process takes it from the environment.
+# ours); "garbage": bytes that are no safetensors file; "unchanged": a delta of no change, which rebuilds the parent
+# instead of the new file. A CLI run in a child process takes it from the environment.
 MODE = [os.environ.get("FW_REFERENCE_SHAPE_MODE", "delta")]
 
 
@@ -40,7 +41,8 @@ def delta_compress_files_to_file(src: str, dst: str, diff_file: str, compression
         save_file(out, diff_file, metadata={"format": "vendor-delta", "compression_format": compression_format})
         return
     with open(src, "rb") as a, open(dst, "rb") as b:
-        blob = encode_delta_file(load_file(a.read()), load_file(b.read()), parent_identity="vendor",
+        old = load_file(a.read())
+        blob = encode_delta_file(old, old if MODE[0] == "unchanged" else load_file(b.read()), parent_identity="vendor",
                                  codec=compression_format)
     with open(diff_file, "wb") as f:
         f.write(blob)
