@@ -136,8 +136,35 @@ def _mark_complete(folder: str, plan: CommitInfo) -> None:
     from .storage import Storage
 
     files = {name: {"size": os.path.getsize(path)} for name, path in folder_files(folder)}  # sub-folders too
+    _make_durable(folder)
     info = CommitInfo(plan.identity, plan.kind, plan.parent_identity, files)
     write_commit_marker(Storage(os.path.dirname(os.path.normpath(os.path.abspath(folder)))), info)
+
+
+def _make_durable(folder: str) -> None:
+    """fsync every file below ``folder`` and every folder in it: the commit marker may be written only once the
+    files it vouches for are durable (``write_commit_marker``). diff and apply write them with plain writes and
+    copies; after a power loss the marker, which is synced, could list files whose data never reached the disk."""
+    from .arc.folder import folder_files
+    from .storage_local import fsync_file
+
+    dirs = {os.path.abspath(folder)}
+    for _name, path in folder_files(folder):
+        with open(path, "rb") as f:  # Linux syncs a file's dirty pages through any descriptor of it
+            fsync_file(f)
+        d = os.path.dirname(os.path.abspath(path))
+        while d not in dirs and d.startswith(os.path.abspath(folder)):
+            dirs.add(d)
+            d = os.path.dirname(d)
+    dirs.add(os.path.dirname(os.path.abspath(folder)))  # the folder's own name, made by diff or apply
+    for d in sorted(dirs, reverse=True):  # the names in each folder, then the folder in its parent
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        except OSError:  # some filesystems refuse to sync a folder
+            pass
+        finally:
+            os.close(fd)
 
 
 def _parent_hint(parent: str, delta: str, given: str | None) -> str | None:

@@ -72,12 +72,34 @@ def _revert() -> Callable[[Any, dict[str, Any]], dict[str, Any]] | None:
     return revert_weight_conversion
 
 
-def is_transformers_model(model: Any) -> bool:
+def transformers_model(model: Any) -> Any:
+    """The transformers model that ``model`` is, or holds through wrappers only (``torch.compile``'s
+    ``_orig_mod``, FSDP1's ``_fsdp_wrapped_module``, a checkpoint wrapper, DDP's ``module``: the segments
+    :func:`naming.clean_name` strips, so the published names are the inner model's own); None otherwise.
+
+    Why: a wrapped model is not itself a ``PreTrainedModel``, and hf_names then did nothing, silently: a compiled
+    or FSDP1-wrapped model published its attribute names, which the fleet refuses."""
     if "transformers" not in sys.modules:
-        return False
+        return None
     from transformers import PreTrainedModel
 
-    return isinstance(model, PreTrainedModel)
+    if isinstance(model, PreTrainedModel):
+        return model
+    named = getattr(model, "named_modules", None)
+    if named is None:
+        return None
+    from .fsdp import wrapper_paths
+    from .naming import clean_name
+
+    wrapped = wrapper_paths(model)
+    for path, mod in named():
+        if isinstance(mod, PreTrainedModel):  # the outermost one, which is the model only if held by wrappers
+            try:
+                clean_name(path, wrapped)
+            except ValueError:  # nothing left of its path: wrapper segments only
+                return mod
+            return None  # a submodule of a model of the user's own
+    return None
 
 
 def transformers_saved_shapes(model: Any, specs: Specs) -> dict[str, tuple[int, ...]] | None:
@@ -86,7 +108,8 @@ def transformers_saved_shapes(model: Any, specs: Specs) -> dict[str, tuple[int, 
     for such a model); None for another model, or where transformers cannot say. Reverted on meta tensors: no
     memory."""
     revert = _revert()
-    if revert is None or not is_transformers_model(model):
+    model = transformers_model(model) if revert is not None else None
+    if model is None:
         return None
     import torch
 
@@ -106,7 +129,8 @@ def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> Name
     (``base()``: its shapes by name, ``hf_config.base_tensor_shapes``) stores transposed are published so
     (:func:`_transposes`)."""
     revert = _revert()
-    if revert is None or not is_transformers_model(model):
+    model = transformers_model(model) if revert is not None else None
+    if model is None:
         return None
     import torch
 

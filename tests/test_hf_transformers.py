@@ -503,3 +503,39 @@ def test_checkpoint_names_join_tensors_the_model_keeps_apart() -> None:
             chunks = local_chunks(model, split=plan.split, rename=plan.rename, tie_word_embeddings=False)
             assert len(chunks) == len(params), (model_type, [(c.name, c.box) for c in chunks])
     assert plan is None  # the last case
+
+
+@pytest.mark.parametrize("wrap", ["compile", "data_parallel", "checkpoint_wrapper"])
+def test_checkpoint_names_see_through_wrappers_around_the_model(wrap: str) -> None:
+    """A compiled, DDP/DataParallel-held or checkpoint-wrapped transformers model is not itself a PreTrainedModel:
+    hf_names gave no plan for it, silently, and the callback published the model's attribute names (hrm_text's
+    q, k and v apart; a MoE's fused experts), which the fleet refuses. The wrappers' segments are stripped from the
+    names anyway, so the plan is the inner model's. A model that merely holds one as a submodule gets none."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from fsdp_hotload.fsdp import full_tensor_specs
+    from fsdp_hotload.hf_names import checkpoint_names, transformers_saved_shapes
+
+    common: dict[str, Any] = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("hrm_text", **common))
+    wrapped = {"compile": torch.compile, "data_parallel": torch.nn.DataParallel,
+               "checkpoint_wrapper": checkpoint_wrapper}[wrap](model)
+    plan = checkpoint_names(wrapped, lambda: full_tensor_specs(wrapped, tie_word_embeddings=False))
+    assert plan is not None and plan.joined > 0
+    want = revert_weight_conversion(model, dict(model.state_dict()))
+    got = _published(wrapped, plan)
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    shapes = transformers_saved_shapes(wrapped, lambda: full_tensor_specs(wrapped, tie_word_embeddings=False))
+    assert shapes == {k: tuple(v.shape) for k, v in want.items()}
+
+    class Holder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.policy = model
+
+    holder = Holder()
+    assert checkpoint_names(holder, lambda: full_tensor_specs(holder, tie_word_embeddings=False)) is None

@@ -232,7 +232,11 @@ def _check_vendor_file(dst: str, pa: str, pb: str, parent_blob: bytes, new_blob:
 
 def apply_paths(parent: str, delta: str, out: str | None, *, expected_parent: str | None = None,
                 progress: Progress | None = None) -> dict[str, dict[str, RawTensor]]:
-    """Rebuild ``delta`` on ``parent``; write the full snapshot to ``out`` unless it is None (verify only)."""
+    """Rebuild ``delta`` on ``parent``; write the full snapshot to ``out`` unless it is None (verify only).
+
+    Returns the rebuilt tensors by weight file only where ``out`` is None. Otherwise each file's are dropped once
+    written and an empty dict is returned: a folder is rebuilt in one file's memory, not the whole model's (an
+    apply of a 140 GB snapshot held all 140 GB until it returned)."""
     pairs = _pairs(parent, delta, ("PARENT", "DELTA"))
     if out is not None and os.path.isdir(delta):
         _reset_output(out)
@@ -241,12 +245,19 @@ def apply_paths(parent: str, delta: str, out: str | None, *, expected_parent: st
         parent_blob = _full_blob(pa, "PARENT")
         rebuilt = apply_delta_file(load_file(parent_blob, filename=pa), _delta_blob(pd), filename=pd,
                                    expected_parent=expected_parent)
-        result[name] = rebuilt
+        if out is None:
+            result[name] = rebuilt
         if out is not None:
             dst = os.path.join(out, name) if os.path.isdir(delta) else out
-            with open(dst + ".tmp", "wb") as f:
-                write_file(f, rebuilt, parse_header(parent_blob, filename=pa).metadata)
-            os.replace(dst + ".tmp", dst)
+            try:  # a full disk or a kill leaves no half-written file under a weight file's name, nor beside it
+                with open(dst + ".tmp", "wb") as f:
+                    write_file(f, rebuilt, parse_header(parent_blob, filename=pa).metadata)
+                os.replace(dst + ".tmp", dst)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.remove(dst + ".tmp")
+                raise
+        del parent_blob, rebuilt  # not held while the next file is read and rebuilt
         if progress:
             progress(i + 1, len(pairs), name)
     if out is not None and os.path.isdir(delta):  # last, as in diff_paths
