@@ -253,6 +253,37 @@ def test_inspect_ratio_counts_the_files_on_disk(snapshots: tuple[Path, Path], tm
     assert "in 2 weight file(s)" in total
 
 
+def test_inspect_reads_headers_only_and_still_finds_a_truncated_file(tmp_path: Path) -> None:
+    """inspect read every weight file whole to show its header: a model's worth of reads, and a file's worth of
+    memory at a time. A file shorter than its header says is still refused, naming the file."""
+    import tracemalloc
+
+    from fsdp_hotload.arc.folder import inspect_path
+
+    f = tmp_path / "model.safetensors"
+    save_file({"w": torch.zeros(4, dtype=torch.bfloat16)}, str(f))
+    raw = f.read_bytes()
+    hlen = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + hlen])
+    n = 256 << 20
+    header["w"] = {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}
+    text = json.dumps(header).encode()
+    with open(f, "wb") as out:
+        out.write(len(text).to_bytes(8, "little") + text)
+        out.truncate(8 + len(text) + n)  # sparse: 256 MiB of zeros that take no disk
+    tracemalloc.start()
+    try:
+        report = inspect_path(str(f))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [(r.name, r.stored) for r in report.rows] == [("w", n)] and report.file_bytes == f.stat().st_size
+    assert peak < 4 << 20, peak
+    os.truncate(f, f.stat().st_size - 1)
+    res = run("inspect", f)
+    assert res.returncode == 2 and "model.safetensors" in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
 def test_wrong_parent_folder_is_named(snapshots: tuple[Path, Path], tmp_path: Path) -> None:
     """PARENT's folder name is its identity: when a delta recorded against another parent fails to verify, the
     error says which parent it wanted. A right PARENT in a folder of another name still verifies."""

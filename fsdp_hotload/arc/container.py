@@ -146,16 +146,19 @@ class DeltaInfo:
     header: Header
 
 
-def is_delta_file(data: bytes | memoryview) -> bool:
+def is_delta_file(data: bytes | memoryview, *, total_size: int | None = None) -> bool:
+    """``data`` needs only the header bytes when ``total_size`` (the file's) is given."""
     try:
-        return parse_header(data).metadata.get(K_FORMAT) == FORMAT_NAME
+        return parse_header(data, total_size=total_size).metadata.get(K_FORMAT) == FORMAT_NAME
     except ArcError:
         return False
 
 
-def read_delta_info(data: bytes | memoryview, *, filename: str = "<bytes>") -> DeltaInfo:
-    """Parse and check a delta file's header and chunk tables (no payload is decoded)."""
-    header = parse_header(data, filename=filename)
+def read_delta_info(data: bytes | memoryview, *, filename: str = "<bytes>", total_size: int | None = None
+                    ) -> DeltaInfo:
+    """Parse and check a delta file's header and chunk tables (no payload is decoded): ``data`` needs only the
+    header bytes when ``total_size`` (the file's) is given."""
+    header = parse_header(data, filename=filename, total_size=total_size)
     meta = header.metadata
     where = {"file": filename}
     if meta.get(K_FORMAT) != FORMAT_NAME:

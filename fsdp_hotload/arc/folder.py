@@ -24,7 +24,7 @@ from .codecs import get_codec
 from .container import K_TENSORS, apply_delta_file, encode_delta_file, is_delta_file, read_delta_info
 from .dtypes import RawTensor, itemsize, numel
 from .errors import ArcError, FormatError, MismatchError, VendorOutputError
-from .stio import load_file, parse_header, parse_json, write_file
+from .stio import MAX_HEADER_BYTES, load_file, parse_header, parse_json, write_file
 from .vendor import vendor_encoder
 
 INDEX = "model.safetensors.index.json"
@@ -59,6 +59,19 @@ def weight_files(folder: str) -> list[str]:
 def _read(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
+
+
+def _read_head(path: str) -> tuple[bytes, int]:
+    """A safetensors file's length prefix and header, and the file's size: what inspect needs of a weight file,
+    which may be gigabytes of tensor data."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) == 8:
+            hlen = int.from_bytes(head, "little")
+            if hlen <= MAX_HEADER_BYTES:  # a larger one is refused by parse_header, naming the file
+                head += f.read(hlen)
+    return head, size
 
 
 def _required_weight_files(folder: str, role: str) -> list[str]:
@@ -302,16 +315,16 @@ def inspect_path(path: str) -> Report:
     report: Report | None = None
     file_bytes = 0
     for name, p in files:
-        data = _read(p)
-        file_bytes += len(data)
-        if is_delta_file(data):
-            info = read_delta_info(data, filename=p)
+        data, size = _read_head(p)
+        file_bytes += size
+        if is_delta_file(data, total_size=size):
+            info = read_delta_info(data, filename=p, total_size=size)
             report = report or Report("delta", info.parent_identity)
             for t in info.tensors.values():
                 report.rows.append(TensorRow(name, t.name, t.dtype, t.shape, t.codec,
                                              info.header.entries[t.name].nbytes, itemsize(t.dtype) * numel(t.shape)))
         else:
-            header = parse_header(data, filename=p)
+            header = parse_header(data, filename=p, total_size=size)
             report = report or Report("full", None)
             for e in header.entries.values():
                 report.rows.append(TensorRow(name, e.name, e.dtype, e.shape, "raw", e.nbytes, e.nbytes))
