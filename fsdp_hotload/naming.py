@@ -100,7 +100,10 @@ def apply_rename(raw: str, rename: Rename | None) -> tuple[str, int | None] | No
     ``rename(raw)`` (None drops the tensor) or ``raw`` itself."""
     if rename is None:
         return raw, None
-    out = rename(raw)
+    try:
+        out = rename(raw)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the tensor named (a bare KeyError said nothing)
+        raise ValueError(f"rename({raw!r}) raised {type(exc).__name__}: {exc}") from exc
     if out is None:
         return None
     name, position = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
@@ -159,6 +162,13 @@ def plan_names(
             # Only the output projection is left out (the receiver ties it to the input embedding); any other
             # name sharing a tensor is published as it is without tying.
             if not inputs:
+                key = slots[group[0][1]][1]
+                dropped = [raw for raw, k in slots if k == key and not is_tied_output(raw)]
+                if dropped:  # shared after all: the rename left out the name it is shared under
+                    raise ValueError(
+                        f"tie_word_embeddings=True and {outputs[0][0]!r} is the input embedding's tensor, but "
+                        f"rename dropped that tensor's other name {dropped[0]!r}: nothing would publish it. Keep "
+                        "the embedding's name in the rename, or pass tie_word_embeddings=False.")
                 raise ValueError(
                     f"tie_word_embeddings=True but {outputs[0][0]!r} is a tensor of its own, not shared with the "
                     "input embedding; publishing without it would lose weights. Pass tie_word_embeddings=False "

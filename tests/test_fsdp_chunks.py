@@ -112,6 +112,12 @@ def test_plan_names_tie_rename_and_collisions() -> None:
         _pairs(slots, rename=lambda n: "w")
     with pytest.raises(ValueError, match="non-empty str"):
         _pairs(slots, rename=lambda n: "")
+    # tied, but the rename drops the embedding's name: the message says so, not that lm_head has a tensor of its own
+    with pytest.raises(ValueError, match="rename dropped that tensor's other name 'model.embed_tokens.weight'"):
+        _pairs(slots, rename=lambda n: None if "embed" in n else n, tie_word_embeddings=True)
+    # a mapping's lookup that misses names the tensor it was asked for (a bare KeyError said nothing of where)
+    with pytest.raises(ValueError, match=r"rename\('model.norm.weight'\) raised KeyError"):
+        _pairs(slots, rename={"model.embed_tokens.weight": "e", "lm_head.weight": "h"}.__getitem__)
 
 
 # ------------------------------------------------------------------------------------------ plain module
