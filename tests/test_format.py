@@ -356,6 +356,19 @@ def test_checksum_mismatch_names_tensor() -> None:
         apply_delta_file(parent, bad, filename="f")
 
 
+def test_a_wrong_parent_under_an_intact_payload_is_blamed_on_the_parent() -> None:
+    """Every chunk's payload passed its CRC-32, so an Adler-32 mismatch means the parent's bytes differ: the error
+    said only that the rebuilt tensor's checksum was off, and an operator re-checked the delta first."""
+    parent, blob = _golden_delta()
+    w = np.arange(8, dtype=np.float32)
+    w[0] = 7.0  # one element of the parent changed after the delta was made
+    with pytest.raises(ChecksumError, match="tensor 'w'.*passed its CRC-32, so the parent's tensor is not the one"):
+        apply_delta_file({**parent, "w": RawTensor.from_any(w)}, blob, filename="f")
+    no_crc = _corrupt_header(blob, _edit_table(lambda t: [c.pop("crc32") for c in t["w"]["chunks"]]))
+    with pytest.raises(ChecksumError, match="a corrupt payload, or a parent other than"):
+        apply_delta_file({**parent, "w": RawTensor.from_any(w)}, no_crc, filename="f")
+
+
 def test_parent_and_tensor_set_mismatch() -> None:
     parent, blob = _golden_delta()
     with pytest.raises(MismatchError, match="made against"):

@@ -244,8 +244,14 @@ def apply_tensor(t: TensorDelta, parent: RawTensor, payload: np.ndarray, *, file
     rebuilt = RawTensor(t.dtype, t.shape, out)
     got = rebuilt.adler32()
     if got != t.adler32:
-        raise ChecksumError(f"Adler-32 of the rebuilt tensor is {got:#010x}, the encoder recorded {t.adler32:#010x}",
-                            **where)
+        # Every chunk that carries a CRC-32 passed it above: with all of them, the payload is intact and the
+        # parent's tensor is what differs, and the operator should look at the parent, not at the delta.
+        intact = all(len(c) > 2 and c[2] is not None for _, c in t.chunks)
+        why = ("; every chunk's payload passed its CRC-32, so the parent's tensor is not the one the delta was made "
+               "against (another snapshot, or corrupt)" if intact else
+               "; a corrupt payload, or a parent other than the one the delta was made against")
+        raise ChecksumError(f"Adler-32 of the rebuilt tensor is {got:#010x}, the encoder recorded "
+                            f"{t.adler32:#010x}{why}", **where)
     return rebuilt
 
 
