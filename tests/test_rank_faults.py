@@ -148,7 +148,7 @@ def test_a_set_up_failing_on_one_rank_fails_construction_on_every_rank(tmp_path:
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     failing = {"metrics": 0, "hf_config_dir": 0, "rename": 1}
     own = {"metrics": ("IsADirectoryError", "metrics_path"), "hf_config_dir": ("FileNotFoundError", "config.json"),
-           "rename": ("KeyError", "no checkpoint name")}
+           "rename": ("ValueError", "raised KeyError: \"no checkpoint name")}
     for case, bad in failing.items():
         kind, text, _s = ranks[bad][case]
         assert (kind, own[case][1] in text) == (own[case][0], True), (case, ranks[bad][case])
@@ -390,3 +390,41 @@ def test_a_tensor_publisher_on_every_rank_is_told_on_the_ranks_other_than_0(tmp_
     told = [[line for line in json.loads((tmp_path / f"rank{r}.json").read_text()) if "rank 0's" in line]
             for r in range(2)]
     assert told[0] == [] and len(told[1]) == 1 and "on rank 1 of 2 publishes its own snapshots" in told[1][0]
+
+
+@pytest.mark.slow
+def test_a_staging_failure_on_one_rank_fails_that_snapshot_on_every_rank(tmp_path: Path) -> None:
+    """torchrun, 2 ranks (dist_scripts/rank_local_staging_failure.py): rank 1's rename raises once, while only it
+    walks its model again. publish() raised on rank 1 alone, which then staged one step fewer than rank 0, and
+    every later snapshot failed ("ranks staged different steps"). Now that snapshot fails on both ranks, the error
+    is raised at the same step on both, and the next one is full."""
+    from tests.dist_util import SCRIPTS, run_torchrun
+
+    out = tmp_path / "result"
+    run_torchrun(str(SCRIPTS / "rank_local_staging_failure.py"), 2,
+                 ["--bucket", str(tmp_path / "bucket"), "--out", str(out)], timeout=120)
+    res = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
+    assert res[0]["steps"] == res[1]["steps"], res  # the same steps staged, and the error at the same step
+    assert [s.split(":")[0] for s in res[0]["steps"]] == [
+        "started", "started", "started", "raised PublishError", "started", "started"], res
+    assert "rank 1: copying the weights of step 2 failed" in res[1]["steps"][3], res
+    assert "no published name" in res[1]["steps"][3], res
+    assert [(step, kind, ok) for step, kind, ok, _ in res[0]["metrics"]] == [
+        (0, "full", True), (1, "delta", True), (2, "delta", False), (4, "full", True), (5, "delta", True)], res
+
+
+@pytest.mark.slow
+def test_a_failed_agreement_on_the_trainers_side_group_stops_publishing_once(tmp_path: Path) -> None:
+    """torchrun, 2 ranks (dist_scripts/ctrl_agreement_timeout.py): rank 0 pauses past collective_timeout_s before a
+    step, and the skip policy's agreement fails. The failed reduction was read again at every later step, raising
+    gloo's error each time although keep_training_on_error was set, and again from close(). Now it is logged once,
+    publishing stops (``stopped``), training goes on, and close() returns."""
+    from tests.dist_util import SCRIPTS, run_torchrun
+
+    out = tmp_path / "result"
+    run_torchrun(str(SCRIPTS / "ctrl_agreement_timeout.py"), 2,
+                 ["--bucket", str(tmp_path / "bucket"), "--out", str(out), "--keep"], timeout=120)
+    for rank in range(2):
+        res = json.loads(Path(f"{out}.{rank}").read_text())
+        assert not [s for s in res["steps"] if s.startswith("raised")], res
+        assert res["close"] == "ok" and res["stopped"], res

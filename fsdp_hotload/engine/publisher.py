@@ -52,6 +52,7 @@ from ..hf_config import carried_files, dropped_config_keys, hf_aux_files
 from ..layout import ShardPlan, TensorSpec, plan_shards
 from ..retention import SESSION, discard_snapshot
 from ..storage import Storage
+from .agreement import Agreements
 from .assemble import RawPiece, assign_owners
 from .cadence import Cadence, next_step
 from .carry import Carrier, agree_on_carried
@@ -68,6 +69,10 @@ from .staging import ChunkLike, Stager
 from .writer import FileWriter
 
 log = logging.getLogger("fsdp_hotload")
+
+
+class _CopyFailed(Exception):
+    """A staged copy failed (on the helper thread, or on one rank of several as it started): see Publisher._run."""
 
 Sources = Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]]  # in chunk order, or a function of them
 
@@ -170,7 +175,7 @@ class Publisher:
         self._idle = threading.Condition()
         self._skipped = 0
         self._skipped_newest = False  # the newest step counted in _skipped (busy): not once close() publishes it
-        self._agreed_busy: Callable[[], int] | None = None
+        self.agreements = Agreements(self.ctrl)  # the skip policy's, and close()'s vote
         self.early_agreement = False  # set while a caller starts each agreement with agree() (see there)
         self._copying: Job | None = None  # the job whose host copy runs on the stager's helper thread
         self._progress = ProgressLog(config.progress_log_s if self.rank == 0 else None,
@@ -232,10 +237,9 @@ class Publisher:
             if self.world == 1:
                 busy = self._busy()
             else:
-                if self._agreed_busy is None and self.early_agreement:
+                if not self.agreements.pending and self.early_agreement:
                     self.agree(step)  # agree() was not called for this step: agree now (waits for the others)
-                busy = bool(self._agreed_busy()) if self._agreed_busy is not None else False
-                self._agreed_busy = None
+                busy = self.agreements.read(self._agreement_failed)
             # Agreed free means this rank's slot is free too: only this thread takes slots.
             buf = None if busy else self.stager.acquire(wait=True)
         raise_now = False
@@ -251,11 +255,11 @@ class Publisher:
             raise_now = True
         if buf is not None:
             self._start(step, buf, sources, background_copy, t0)
-        elif not raise_now and self._broken is None:  # busy; a step that raises an error is not a busy skip
+        elif not raise_now and self.stopped is None:  # busy; a step that raises an error is not a busy skip
             self._skipped, self._skipped_newest = self._skipped + 1, True
         if not self.early_agreement:
             self.agree(step + self.config.publish_every)
-        if raise_now or self._broken is not None:  # after the agreement's turn, which every rank must take
+        if raise_now or self.stopped is not None:  # after the agreement's turn, which every rank must take
             self.raise_if_failed()
         return buf is not None
 
@@ -264,11 +268,22 @@ class Publisher:
         """Copy the sources into the slot ``buf`` and queue the snapshot for the background thread."""
         try:
             self._ensure_thread()  # first: a thread that cannot start must not leave the slot taken and pending
-            srcs = sources() if callable(sources) else sources
-            event = self.stager.stage(buf, srcs, background=background_copy)
+            if self.world == 1:
+                srcs = sources() if callable(sources) else sources
+                event = self.stager.stage(buf, srcs, background=background_copy)
         except BaseException:
             self.stager.release(buf)  # the slot stays usable; the caller sees the error
             raise
+        if self.world > 1:
+            try:
+                srcs = sources() if callable(sources) else sources
+                event = self.stager.stage(buf, srcs, background=background_copy)
+            except Exception as exc:  # noqa: BLE001 - the snapshot fails on every rank, see below
+                # Raised here, on this rank alone, this rank's next snapshot would pair with the others' this one,
+                # and every later one fail ("ranks staged different steps"); the skip policy's agreements would
+                # pair off by one. Queued as failed, it fails this snapshot on every rank, raised at one step.
+                event = Future()
+                event.set_exception(exc)
         job = Job(step, buf, event, (time.perf_counter() - t0) * 1e3, self._skipped, t0, self._staged)
         self._staged += 1
         self._last_staged = step
@@ -298,9 +313,8 @@ class Publisher:
                 self.wait(timeout)
             except TimeoutError as exc:
                 late = exc
-            if self._agreed_busy is not None:  # an agreement for a step that never came: read it, it pairs
-                self._agreed_busy()
-                self._agreed_busy = None
+            if self.agreements.pending:  # an agreement for a step that never came: read it, it pairs
+                self.agreements.read(self._agreement_failed)
             if self.config.keep_training_on_error:
                 self.raise_if_failed()  # logs it
                 if self.rank == 0 and self._last_accepted < self._last_staged == self.latest_step:
@@ -314,7 +328,8 @@ class Publisher:
             if wanted and late is not None:
                 why = why or "close()'s timeout passed while snapshots were in flight"
             vote = int(not wanted or why is not None)  # a broken rank votes too: ctrl is not the group that broke
-            if self.world > 1 and self.ctrl.allreduce_max_async(vote)():
+            if self.world > 1 and (self.agreements.failed is not None  # no vote can be taken: nobody publishes
+                                   or self.agreements.vote(vote)):
                 why = why or ("another rank cannot publish it" if wanted else None)  # one vote: all ranks, or none
                 wanted = False
             if late is not None and self._pending:
@@ -334,7 +349,16 @@ class Publisher:
             self._start(self.latest_step, buf, sources, False, t0)
             return True
 
+    def _agreement_failed(self, exc: PublishError) -> None:
+        """The skip policy's agreement failed: publishing stops, training goes on (see agreement.py); the error is
+        raised once, or logged."""
+        log.error("hotload: publishing stops for the rest of this job, training goes on (%s). If it timed out, "
+                  "raise collective_timeout_s (now %.0f s).", exc, self.config.side_group_timeout_s)
+        self._errors.store(PublishError(f"publishing stopped: {exc}"), self._staged)
+
     def _final_objection(self, sources: object) -> str | None:
+        if self.agreements.failed is not None:
+            return "publishing stopped after the ranks' agreement failed"
         if self._broken is not None:
             return "publishing stopped after a collective failed"
         if self._errors.due(self._staged) or self._carried is not None:
@@ -354,14 +378,14 @@ class Publisher:
         the reduction runs while the optimizer steps and is read by ``publish``. A no-op unless ranks must
         agree, ``step`` publishes, and no reduction is pending.
         """
-        if (self.config.busy_policy == "skip" and self.world > 1 and self._agreed_busy is None
-                and step % self.config.publish_every == 0):
-            self._agreed_busy = self.ctrl.allreduce_max_async(int(self._busy()))
+        if self.config.busy_policy == "skip" and self.world > 1 and step % self.config.publish_every == 0:
+            self.agreements.start(self._busy())
 
     @property
     def stopped(self) -> str | None:
-        """Why publishing stopped for good (a collective on the side group failed), or None while it runs."""
-        return None if self._broken is None else repr(self._broken)
+        """Why publishing stopped for good (a collective on a side group failed), or None while it runs."""
+        broken = self._broken or self.agreements.failed
+        return None if broken is None else repr(broken)
 
     def _busy(self) -> bool:
         """This rank's vote: no free slot, or publishing has stopped for good (see the module docstring)."""
@@ -521,14 +545,17 @@ class Publisher:
         prog = self._prog = self._progress.begin(identity, kind, job.step, job.t_hook)
         try:
             prog.stage("waiting for the shard's copy")
-            self.stager.wait_event(job.event)
+            try:
+                self.stager.wait_event(job.event)
+            except Exception as exc:  # noqa: BLE001 - the copy, or on one rank of several its start, failed
+                raise _CopyFailed(f"copying the weights of step {job.step} failed: {exc!r}") from exc
             if carried is not None:  # raised here, not on this rank alone, so that every rank raises at one step
                 st.error = f"rank {self.rank}: the bookkeeping after the previous snapshot failed: {carried!r}"
             else:
                 prog.stage("encoding")
                 new_parts = self._encode(job.buf, kind, outgoing, st)
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which ends this snapshot
-            st.error = f"rank {self.rank}: encode failed: {exc!r}"
+            st.error = f"rank {self.rank}: {exc if isinstance(exc, _CopyFailed) else f'encode failed: {exc!r}'}"
             outgoing = [[] for _ in range(self.world)]
         t0 = time.perf_counter()
         prog.stage("routing pieces to the ranks that write each file")
