@@ -393,38 +393,31 @@ def test_a_tensor_publisher_on_every_rank_is_told_on_the_ranks_other_than_0(tmp_
 
 
 @pytest.mark.slow
-def test_a_staging_failure_on_one_rank_fails_that_snapshot_on_every_rank(tmp_path: Path) -> None:
-    """torchrun, 2 ranks (dist_scripts/rank_local_staging_failure.py): rank 1's rename raises once, while only it
-    walks its model again. publish() raised on rank 1 alone, which then staged one step fewer than rank 0, and
-    every later snapshot failed ("ranks staged different steps"). Now that snapshot fails on both ranks, the error
-    is raised at the same step on both, and the next one is full."""
+def test_faults_on_one_rank_keep_the_ranks_in_step(tmp_path: Path) -> None:
+    """torchrun, 2 ranks (dist_scripts/one_rank_faults.py).
+
+    staging: rank 1's rename raises once, while only it walks its model again. publish() raised on rank 1 alone,
+    which then staged one step fewer than rank 0, and every later snapshot failed ("ranks staged different
+    steps"). Now that snapshot fails on both ranks, raised at the same step on both, and the next one is full.
+
+    agreement: rank 0 pauses past collective_timeout_s before a step, and the skip policy's agreement fails. The
+    failed reduction was read again at every later step, raising gloo's error each time although
+    keep_training_on_error was set, and again from close(). Now it is logged once, publishing stops
+    (``stopped``), training goes on, and close() returns."""
     from tests.dist_util import SCRIPTS, run_torchrun
 
     out = tmp_path / "result"
-    run_torchrun(str(SCRIPTS / "rank_local_staging_failure.py"), 2,
-                 ["--bucket", str(tmp_path / "bucket"), "--out", str(out)], timeout=120)
+    run_torchrun(str(SCRIPTS / "one_rank_faults.py"), 2, ["--bucket", str(tmp_path / "bucket"), "--out", str(out)],
+                 timeout=120)
     res = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
-    assert res[0]["steps"] == res[1]["steps"], res  # the same steps staged, and the error at the same step
-    assert [s.split(":")[0] for s in res[0]["steps"]] == [
-        "started", "started", "started", "raised PublishError", "started", "started"], res
-    assert "rank 1: copying the weights of step 2 failed" in res[1]["steps"][3], res
-    assert "no published name" in res[1]["steps"][3], res
-    assert [(step, kind, ok) for step, kind, ok, _ in res[0]["metrics"]] == [
-        (0, "full", True), (1, "delta", True), (2, "delta", False), (4, "full", True), (5, "delta", True)], res
-
-
-@pytest.mark.slow
-def test_a_failed_agreement_on_the_trainers_side_group_stops_publishing_once(tmp_path: Path) -> None:
-    """torchrun, 2 ranks (dist_scripts/ctrl_agreement_timeout.py): rank 0 pauses past collective_timeout_s before a
-    step, and the skip policy's agreement fails. The failed reduction was read again at every later step, raising
-    gloo's error each time although keep_training_on_error was set, and again from close(). Now it is logged once,
-    publishing stops (``stopped``), training goes on, and close() returns."""
-    from tests.dist_util import SCRIPTS, run_torchrun
-
-    out = tmp_path / "result"
-    run_torchrun(str(SCRIPTS / "ctrl_agreement_timeout.py"), 2,
-                 ["--bucket", str(tmp_path / "bucket"), "--out", str(out), "--keep"], timeout=120)
-    for rank in range(2):
-        res = json.loads(Path(f"{out}.{rank}").read_text())
-        assert not [s for s in res["steps"] if s.startswith("raised")], res
-        assert res["close"] == "ok" and res["stopped"], res
+    staging = [r["staging"] for r in res]
+    assert staging[0]["steps"] == staging[1]["steps"], staging  # the same steps staged, the error at one step
+    assert [s.split(":")[0] for s in staging[0]["steps"]] == [
+        "started", "started", "started", "raised PublishError", "started", "started"], staging
+    assert "rank 1: copying the weights of step 2 failed" in staging[1]["steps"][3], staging
+    assert "no published name" in staging[1]["steps"][3], staging
+    assert [(step, kind, ok) for step, kind, ok, _ in staging[0]["metrics"]] == [
+        (0, "full", True), (1, "delta", True), (2, "delta", False), (4, "full", True), (5, "delta", True)], staging
+    for agreement in (r["agreement"] for r in res):
+        assert not [s for s in agreement["steps"] if s.startswith("raised")], agreement
+        assert agreement["close"] == "ok" and agreement["stopped"], agreement
