@@ -146,7 +146,7 @@ def _make_durable(folder: str) -> None:
     files it vouches for are durable (``write_commit_marker``). diff and apply write them with plain writes and
     copies; after a power loss the marker, which is synced, could list files whose data never reached the disk."""
     from .arc.folder import folder_files
-    from .storage_local import fsync_file
+    from .storage_local import fsync_file, fsync_folder
 
     dirs = {os.path.abspath(folder)}
     for _name, path in folder_files(folder):
@@ -158,13 +158,7 @@ def _make_durable(folder: str) -> None:
             d = os.path.dirname(d)
     dirs.add(os.path.dirname(os.path.abspath(folder)))  # the folder's own name, made by diff or apply
     for d in sorted(dirs, reverse=True):  # the names in each folder, then the folder in its parent
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        except OSError:  # some filesystems refuse to sync a folder
-            pass
-        finally:
-            os.close(fd)
+        fsync_folder(d)
 
 
 def _parent_hint(parent: str, delta: str, given: str | None) -> str | None:

@@ -63,9 +63,15 @@ def atomic_write(fs: Any, path: str, write: Callable[[BinaryIO], Any]) -> None:
     # the rename itself durable, and every folder made for it (a snapshot folder that vanishes at a power loss
     # after its commit marker was signalled); some filesystems refuse to sync a folder, which is fine
     for folder in [parent] + [os.path.dirname(m) for m in made]:
-        with contextlib.suppress(OSError):
-            dir_fd = os.open(folder, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+        fsync_folder(folder)
+
+
+def fsync_folder(folder: str) -> None:
+    """Make the names in ``folder`` durable (a rename into it, a file made there); some filesystems refuse to
+    sync a folder, which is fine."""
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)

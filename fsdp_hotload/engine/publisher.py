@@ -268,22 +268,20 @@ class Publisher:
         """Copy the sources into the slot ``buf`` and queue the snapshot for the background thread."""
         try:
             self._ensure_thread()  # first: a thread that cannot start must not leave the slot taken and pending
-            if self.world == 1:
-                srcs = sources() if callable(sources) else sources
-                event = self.stager.stage(buf, srcs, background=background_copy)
-        except BaseException:
-            self.stager.release(buf)  # the slot stays usable; the caller sees the error
-            raise
-        if self.world > 1:
             try:
                 srcs = sources() if callable(sources) else sources
                 event = self.stager.stage(buf, srcs, background=background_copy)
-            except Exception as exc:  # noqa: BLE001 - the snapshot fails on every rank, see below
+            except Exception as exc:  # noqa: BLE001 - with several ranks the snapshot fails on every rank
+                if self.world == 1:
+                    raise
                 # Raised here, on this rank alone, this rank's next snapshot would pair with the others' this one,
                 # and every later one fail ("ranks staged different steps"); the skip policy's agreements would
                 # pair off by one. Queued as failed, it fails this snapshot on every rank, raised at one step.
                 event = Future()
                 event.set_exception(exc)
+        except BaseException:
+            self.stager.release(buf)  # the slot stays usable; the caller sees the error
+            raise
         job = Job(step, buf, event, (time.perf_counter() - t0) * 1e3, self._skipped, t0, self._staged)
         self._staged += 1
         self._last_staged = step
