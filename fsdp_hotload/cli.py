@@ -208,14 +208,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list[:1] == ["emulate"]:
-        from .emulator import run_emulator_cli
-
-        return run_emulator_cli(args_list[1:])
-    if args_list[:1] == ["demo"]:
-        from .demo import run_demo_cli
-
-        return run_demo_cli(args_list[1:])
+    if args_list[:1] in (["emulate"], ["demo"]):
+        if args_list[0] == "emulate":
+            from .emulator import run_emulator_cli as run
+        else:
+            from .demo import run_demo_cli as run
+        try:
+            return run(args_list[1:])
+        except SystemExit as exc:  # argparse's usage errors and --help: a code, as for the other commands
+            return exc.code if isinstance(exc.code, int) else (EXIT_USAGE if exc.code else EXIT_OK)
     parser = _parser()
     try:
         args = parser.parse_args(args_list)
@@ -227,9 +228,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     code = EXIT_OK  # verify's result, known before its table is printed
     try:
-        for path in [getattr(args, k) for k in ("parent", "new", "delta", "path") if hasattr(args, k)]:
+        for role in ("parent", "new", "delta", "path"):
+            path = getattr(args, role, None)
+            if path is None:
+                continue
             if not os.path.exists(path):
-                raise FileNotFoundError(path)
+                print(f"error: {role.upper()} {path}: no such file or folder", file=sys.stderr)
+                return EXIT_USAGE
             _warn_if_unmarked(path)
         if args.cmd in ("diff", "apply"):
             inputs = (args.parent, args.new if args.cmd == "diff" else args.delta)

@@ -13,6 +13,7 @@ Example::
 """
 from __future__ import annotations
 
+import io
 import json
 import logging
 import socket
@@ -33,6 +34,23 @@ _READ_CHUNK = 64 * 1024
 #: How much of an oversized body is read and dropped before the 413, so the client sees the answer; past it the
 #: connection closes with the rest unread (a reset).
 _DRAIN_MAX = 64 * MAX_BODY
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The request's socket, read under one deadline for the whole request rather than a timeout per read."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock, self.deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request was not received by its deadline")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(buf)
 
 
 class Server(ThreadingHTTPServer):
@@ -62,10 +80,20 @@ class Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         self.timeout = self.server.emulator.request_timeout_s  # applied to the socket by StreamRequestHandler
-        # One request per connection (HTTP/1.0): the body must be in by this time. The socket timeout alone
-        # bounds each read, so a client sending a byte at a time could hold the thread as long as it liked.
+        # One request per connection (HTTP/1.0): the request line, headers and body must be in by this time. The
+        # socket timeout alone bounds each read, so a client sending a byte at a time could hold the thread as
+        # long as it liked.
         self.deadline = time.monotonic() + self.timeout
+        self.answered = False
+        # What send_error needs when the deadline passes before the request line was read.
+        self.request_version, self.command, self.requestline = self.protocol_version, None, ""
         super().setup()
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, self.deadline))
+
+    def handle_one_request(self) -> None:
+        super().handle_one_request()  # http.server closes, unanswered, on a timeout in the request line or headers
+        if not self.answered and time.monotonic() >= self.deadline:
+            self.send_error(408, f"request headers not received within {self.timeout:g}s")
 
     def _read_body(self, method: str) -> bytes | None:
         """Exactly Content-Length bytes of body, or None after answering the error (a truncated body must not be
@@ -111,11 +139,7 @@ class Handler(BaseHTTPRequestHandler):
         chunks: list[bytes] = []
         got = 0
         while got < length:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            self.connection.settimeout(left)
-            chunk = self.rfile.read1(min(_READ_CHUNK, length - got))
+            chunk = self.rfile.read1(min(_READ_CHUNK, length - got))  # TimeoutError past the deadline
             if not chunk:
                 break
             if keep:
@@ -137,7 +161,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, payload: Any) -> None:
         data = json.dumps(payload).encode()
+        self.answered = True
         try:
+            self.connection.settimeout(self.timeout)  # the answer's own time, not what the request left over
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))

@@ -89,6 +89,7 @@ def test_usage_errors_exit_2(snapshots: tuple[Path, Path], tmp_path: Path) -> No
     a, _ = snapshots
     res = run("verify", a, tmp_path / "missing")
     assert res.returncode == 2 and "no such file" in res.stderr and "Traceback" not in res.stderr
+    assert f"DELTA {tmp_path / 'missing'}:" in res.stderr  # which of the two paths is missing
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"not a safetensors file at all")
     res = run("inspect", junk)
@@ -495,3 +496,18 @@ def test_apply_holds_one_weight_file_at_a_time(snapshots: tuple[Path, Path], tmp
     monkeypatch.setattr(folder, "apply_delta_file", real)
     kept = folder.apply_paths(str(a), str(d), None)  # verify only: the tensors are the answer
     assert sorted(kept) == sorted(n for n in os.listdir(b) if n.endswith(".safetensors"))
+
+
+def test_main_returns_usage_codes_for_every_command(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """``main()`` returns a code for a bad option or ``--help`` of ``emulate`` and ``demo`` too, as it does for
+    diff/apply/verify/inspect: a Python caller (a launcher, a test) gets 2 or 0, not a SystemExit."""
+    from fsdp_hotload import cli
+
+    assert cli.main(["emulate", "--bucket", str(tmp_path), "--replicas", "0"]) == 2
+    assert cli.main(["demo", "--no-such-flag"]) == 2
+    assert cli.main(["emulate", "--help"]) == 0
+    assert cli.main(["inspect", "--no-such-flag"]) == 2
+    err = capsys.readouterr().err
+    assert "argument --replicas" in err and "--no-such-flag" in err
+    assert cli.main(["apply", str(tmp_path / "p"), str(tmp_path / "d"), str(tmp_path / "o")]) == 2
+    assert f"PARENT {tmp_path / 'p'}: no such file or folder" in capsys.readouterr().err

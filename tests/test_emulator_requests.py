@@ -210,3 +210,21 @@ def test_an_empty_api_key_is_refused_at_construction(tmp_path: Path, key: str) -
     """No bearer token can match an empty key: every client got 401 from an emulator that looked healthy."""
     with pytest.raises(ValueError, match="api_key is empty"):
         HotLoadEmulator(str(tmp_path), replicas=1, api_key=key)
+
+
+def test_trickled_headers_get_408_at_the_request_deadline(tmp_path: Path) -> None:
+    """The deadline covered only the body: headers sent a byte every 0.1 s held the handler thread for as long
+    as the client liked (8 s with a 1 s limit, then the request was served)."""
+    with HotLoadEmulator(str(tmp_path), replicas=1, api_key=EMULATOR_API_KEY, request_timeout_s=1.0) as emu:
+        host, port = emu.url.removeprefix("http://").rsplit(":", 1)
+        started = time.monotonic()
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            try:
+                for b in head("GET", f"{HOT_LOAD}?deployment={DEP}", 0):
+                    sock.sendall(bytes([b]))
+                    time.sleep(0.1)
+            except OSError:  # the emulator answered and closed: what is tested
+                pass
+            code, reply = answer(sock)
+        assert code == 408 and "headers not received within 1s" in str(reply), reply
+        assert time.monotonic() - started < 2.5
