@@ -18,8 +18,8 @@ Endpoints (all answer JSON; errors are ``{"error": {"message": ...}}``):
   SHA-256 of the three), ledger and hints
 
 The two POSTs need ``Content-Type: application/json`` (else 415). Request bodies need a Content-Length
-(chunked bodies get 411) and must arrive in full within ``request_timeout_s`` of the connection opening (else
-400 or 408); HEAD, OPTIONS and other methods get a JSON 405/501 like every error.
+(chunked bodies get 411); the whole request, headers included, must arrive within ``request_timeout_s`` of the
+connection opening (else 400 or 408); HEAD, OPTIONS and other methods get a JSON 405/501 like every error.
 
 Example::
 
@@ -108,9 +108,9 @@ class HotLoadEmulator:
     :class:`BaseModelSpec`) is what the deployments were created from: each full snapshot's ``config.json`` is
     compared with its config, and its tensors with the base model's names and shapes, as the real service does
     (§6.2); ``base_config`` alone checks the config only. Full snapshots must hold one layer per file either
-    way. ``request_timeout_s`` bounds how long one connection may take to send its request body, counted from
-    the connection opening (the request line and headers, which http.server caps in size, only per read), so a
-    stalled or trickling client cannot hold a handler thread.
+    way. ``request_timeout_s`` bounds how long one connection may take to send its whole request (line,
+    headers and body), counted from the connection opening, so a stalled or trickling client cannot hold a
+    handler thread.
     ``manager_delay_s`` keeps each new deployment's hot-load manager down that long after its first request: GET
     reports no replicas, and signals and hints are refused with 503, counted in ``state()`` as
     ``premature_signals`` and ``premature_hints``. A hint for a file not in the bucket yet is taken (the
