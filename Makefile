@@ -21,7 +21,7 @@ demo: setup
 	$(VENV)/bin/hotload demo
 
 test: setup
-	$(VPY) -m pytest -q -p no:cacheprovider tests
+	$(VPY) -m pytest -q -p no:cacheprovider --durations=20 tests
 
 bench: setup
 	$(VPY) benchmarks/codec.py
