@@ -59,8 +59,8 @@ class HotloadConfig(BaseModel):
     bucket_url: str = Field(description="Snapshot root: local path, file://, memory://, s3://, gs:// (the "
                                         "deployment's hot-load bucket URL; snapshot N lives at "
                                         "<bucket_url>/<identity>/)")
-    storage_options: dict[str, Any] = Field(default_factory=dict,
-                                            description="fsspec options, e.g. {'endpoint_url': ...} for MinIO")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description='fsspec options, e.g. '
+                                            '{"endpoint_url": "http://minio:9000"} for MinIO')
     upload_concurrency: int = Field(8, ge=1, le=256, description="parallel uploads per rank")
     storage_attempts: int = Field(6, ge=1, le=100, description="tries per transient storage error before the "
                                                               "publish fails (the next one is then full): the jittered "
@@ -77,7 +77,7 @@ class HotloadConfig(BaseModel):
     hf_config_dir: str | None = Field(None, description="folder with config.json and tokenizer files to copy "
                                                         "into every snapshot")
     carry_base_tensors: list[str] = Field(default_factory=list, description="globs of base-checkpoint tensors the "
-                                          "trainer does not hold (DeepSeek-V3's MTP layer: 'model.layers.61.*'), "
+                                          "trainer does not hold (DeepSeek-V3's MTP layer: model.layers.61.*), "
                                           "carried unchanged into every snapshot from the *.safetensors files in "
                                           "hf_config_dir (rank 0 reads them), so that full snapshots cover the base "
                                           "model")
@@ -121,8 +121,8 @@ class HotloadConfig(BaseModel):
                                                         "dtype; integer and bool tensors keep their own)")
     dtype_overrides: dict[str, str] = Field(
         default_factory=dict, description="per-tensor dtypes: {glob on the published name: floating dtype or "
-        "'keep' (the trainer's own dtype)}; the first matching glob wins, e.g. {'*.e_score_correction_bias': "
-        "'keep'} keeps an fp32 router bias in fp32")
+        "'keep' (the trainer's own dtype)}; the first matching glob wins, e.g. "
+        '{"*.e_score_correction_bias": "keep"} keeps an fp32 router bias in fp32')
     identity_prefix: str = Field("step", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,40}$",
                                  description="first part of every snapshot identity (<prefix>-<step>-<session>)")
     # --- how
@@ -218,7 +218,7 @@ class HotloadConfig(BaseModel):
     def _bucket(cls, v: str) -> str:
         root = (os.path.expanduser(v) if v.startswith("~") else v).rstrip("/")
         if not root.strip() or root.endswith(":"):
-            raise ValueError(f"bucket_url {v!r} names no folder or bucket")
+            raise ValueError(f"bucket_url {mask_url(v)!r} names no folder or bucket")
         if "://" not in root:
             from .storage_paths import check_local_root
 
@@ -245,6 +245,8 @@ class HotloadConfig(BaseModel):
         (an unset shell variable) is refused: it turned the metrics file off in silence."""
         if v is not None and not v.strip():
             raise ValueError(f"{info.field_name} is empty; leave it unset for None")
+        if v is not None and v != v.strip():  # a ConfigMap value's newline would end up in the file's name
+            raise ValueError(f"{info.field_name} {v!r} starts or ends with white space")
         return os.path.expanduser(v) if v else v
 
     def __repr_args__(self) -> Any:
@@ -345,7 +347,8 @@ class HotloadConfig(BaseModel):
 
     @classmethod
     def from_env(cls, prefix: str = ENV_PREFIX, **overrides: Any) -> "HotloadConfig":
-        """Build from ``<prefix><FIELD>`` variables (upper case); explicit ``overrides`` win.
+        """Build from ``<prefix><FIELD>`` variables (upper case); explicit ``overrides`` win, except that the
+        entries of a ``storage_options`` override are merged over the variable's (:func:`merged_options`).
 
         Every other ``<prefix>*`` variable (for a non-empty prefix), except :data:`NON_CONFIG_ENV`, raises
         ValueError: a misspelt setting would otherwise be ignored in silence. Errors name the variables, not only
@@ -372,6 +375,15 @@ class HotloadConfig(BaseModel):
         cls.check_env_names(prefix)
         variables = {prefix + name.upper(): name for name in cls.model_fields}
         values: dict[str, Any] = {}
+        options = prefix + "STORAGE_OPTIONS"
+        if isinstance(overrides.get("storage_options"), dict) and options in os.environ:
+            try:  # credentials (a variable) and an endpoint (in code, a flag): the entries merged, none dropped
+                under = parse_setting(os.environ[options], cls.model_fields["storage_options"].annotation)
+            except ValueError as exc:
+                raise ValueError(f"invalid hotload setting {options}: {exc}") from None
+            if not isinstance(under, dict):  # alone it fails validation; merged, it would vanish with its secrets
+                raise ValueError(f"invalid hotload setting {options}: not a JSON object of fsspec options")
+            overrides = {**overrides, "storage_options": merged_options(under, overrides["storage_options"])}
         for var, name in variables.items():
             raw = os.environ.get(var)
             if raw is None or name in overrides:
@@ -430,8 +442,31 @@ def parse_setting(text: str, annotation: Any) -> Any:
         return json.loads(stripped, parse_constant=_no_json_constant)
     except ValueError as exc:
         if json_only:
-            raise ValueError(f"not valid JSON ({exc})") from None
+            raise ValueError(f"not valid JSON ({exc}); {json_hint(annotation)}") from None
         return text
+
+
+def json_hint(annotation: Any) -> str:
+    """How a list or dict field is written as text (a variable, a flag), or '' for other fields."""
+    members = [m for m in _union_members(annotation) if m is not type(None)]
+    kinds = {get_origin(m) or m for m in members}
+    if dict in kinds:
+        return 'it takes a JSON object, e.g. {"name": "value"}'
+    if list in kinds:
+        return 'it takes a JSON list, e.g. ["a", "b"]' + (" (or one plain value)" if str in kinds else "")
+    return ""
+
+
+def merged_options(under: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over``'s entries over ``under``'s, dicts in both merged the same way. Why all the way down: an endpoint
+    given in code or as a flag (``client_kwargs``) replaced the variable's whole, and with it the credentials or
+    SSE-C key the variable held there, leaving the provider's credential chain (another identity) in their place.
+    """
+    out = dict(under)
+    for key, value in over.items():
+        out[key] = merged_options(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+            else value
+    return out
 
 
 def error_names(exc: ValidationError, name: Callable[[str], str]) -> str:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Literal, Union, get_args, get_origin
 
 from pydantic_core import PydanticUndefined
 
-from fsdp_hotload.config import ENV_PREFIX, HotloadConfig, parse_setting
+from fsdp_hotload.config import ENV_PREFIX, HotloadConfig, json_hint, parse_setting
 from fsdp_hotload.masking import mask_secrets, mask_url
 
 PREFIX = "hotload"
@@ -106,6 +106,8 @@ def _help(name: str) -> str:
     choices = [a for m in members if get_origin(m) is Literal for a in get_args(m)]
     if choices:
         text += f"; one of {', '.join(map(str, choices))}"
+    if json_hint(field.annotation):  # Megatron's own list flags are space-separated (nargs='+'); these are JSON
+        text += "; " + json_hint(field.annotation).replace("it takes ", "")
     if type(None) in members:  # written `null` on the command line, as in a variable
         text = re.sub(r"\bNone\b", "null", text)
     default = field.get_default(call_default_factory=True)
@@ -146,16 +148,6 @@ def _check_publishing_off(values: dict[str, Any]) -> None:
                          f"--{PREFIX}-* flags")
 
 
-def _merged(under: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """``over``'s entries over ``under``'s, dicts in both merged the same way. Why all the way down: the flag's
-    ``client_kwargs`` (an endpoint) replaced the variable's whole, and with it the credentials or SSE-C key the
-    variable held there, which a flag may not carry."""
-    out = dict(under)
-    for key, value in over.items():
-        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
 def config_from_args(args: argparse.Namespace) -> HotloadConfig | None:
     """The config from parsed flags and ``HOTLOAD_*`` variables (flags win), or None when neither
     ``--hotload-bucket-url`` nor ``HOTLOAD_BUCKET_URL`` is set (publishing off; then any other ``--hotload-*``
@@ -176,15 +168,6 @@ def config_from_args(args: argparse.Namespace) -> HotloadConfig | None:
     if "bucket_url" not in values and ENV_PREFIX + "BUCKET_URL" not in os.environ:
         _check_publishing_off(values)
         return None
-    variable = ENV_PREFIX + "STORAGE_OPTIONS"
-    if "storage_options" in values and variable in os.environ:
-        try:  # the credentials the flag may not carry: merged under its entries, not dropped
-            merged = parse_setting(os.environ[variable], HotloadConfig.model_fields["storage_options"].annotation)
-        except ValueError as exc:
-            raise SystemExit(f"invalid hotload setting {variable}: {exc}") from None
-        if not isinstance(merged, dict):  # alone it fails validation; merged, it would vanish with its credentials
-            raise SystemExit(f"invalid hotload setting {variable}: not a JSON object of fsspec options")
-        values["storage_options"] = _merged(merged, values["storage_options"])
     try:
         return HotloadConfig.from_env_under(values, name_of=_setting_name,
                                                source=f"--{PREFIX}-* flags and {ENV_PREFIX}* variables")

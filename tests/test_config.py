@@ -163,3 +163,36 @@ def test_a_publisher_keeps_a_checked_copy_of_its_config(tmp_path: Path) -> None:
     with TensorPublisher({"w": torch.zeros(2)}, good) as pub:
         good.full_every = 9
         assert pub.engine.config.full_every == 4 and pub.engine.config is not good
+
+
+def test_a_storage_options_argument_merges_over_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``from_env(storage_options={"endpoint_url": ...})`` replaced HOTLOAD_STORAGE_OPTIONS whole: the credentials
+    there were dropped in silence and the provider's credential chain (another identity) was used instead. The
+    Megatron flags already merged; code now does the same, inside nested dicts too."""
+    monkeypatch.setenv("HOTLOAD_BUCKET_URL", "s3://b/p")
+    monkeypatch.setenv("HOTLOAD_STORAGE_OPTIONS", '{"key": "AK", "secret": "SK", "client_kwargs": {"region_name": '
+                                                  '"eu", "endpoint_url": "http://old"}}')
+    cfg = HotloadConfig.from_env(storage_options={"client_kwargs": {"endpoint_url": "https://minio:9000"}})
+    assert cfg.storage_options == {"key": "AK", "secret": "SK", "client_kwargs": {
+        "region_name": "eu", "endpoint_url": "https://minio:9000"}}
+    monkeypatch.setenv("HOTLOAD_STORAGE_OPTIONS", '["not", "options"]')
+    with pytest.raises(ValueError, match="HOTLOAD_STORAGE_OPTIONS: not a JSON object"):
+        HotloadConfig.from_env(storage_options={})
+
+
+def test_paths_with_surrounding_white_space_are_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ConfigMap value built ``--from-file`` ends in a newline: the metrics file was created with it in its
+    name, without a word."""
+    monkeypatch.setenv("HOTLOAD_BUCKET_URL", "/tmp/bucket")
+    monkeypatch.setenv("HOTLOAD_METRICS_PATH", "/tmp/m.jsonl\n")
+    with pytest.raises(ValueError, match="HOTLOAD_METRICS_PATH") as info:
+        HotloadConfig.from_env()
+    assert "white space" in str(info.value)
+
+
+def test_a_bucket_url_naming_no_bucket_is_refused_without_its_password(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sftp://u:$PW@host:$PORT with PORT unset: the error printed the password (every rank's log)."""
+    monkeypatch.setenv("HOTLOAD_BUCKET_URL", "sftp://trainer:Hunter2pw@storage.internal:")
+    with pytest.raises(ValueError, match="names no folder or bucket") as info:
+        HotloadConfig.from_env()
+    assert "Hunter2pw" not in str(info.value)

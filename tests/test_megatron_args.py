@@ -386,3 +386,23 @@ def test_a_storage_options_variable_that_is_no_json_object_is_refused_beside_the
     args = parser().parse_args(["--hotload-bucket-url", "s3://b/p", "--hotload-storage-options", '{"anon": false}'])
     with pytest.raises(SystemExit, match="HOTLOAD_STORAGE_OPTIONS"):
         config_from_args(args)
+
+
+def test_list_and_dict_flags_say_they_take_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """Megatron's own list flags are space-separated (``nargs='+'``), and the help's examples were Python literals
+    that the flags refuse; neither the help nor the error said the flags take JSON."""
+    p = add_hotload_args(argparse.ArgumentParser())
+    helps = {o: a.help for a in p._actions for o in a.option_strings}
+    for flag in ("--hotload-storage-options", "--hotload-carry-base-tensors", "--hotload-dtype-overrides",
+                 "--hotload-deployment-id"):
+        assert "JSON" in (helps[flag] or ""), (flag, helps[flag])
+    text = " ".join(p.format_help().split())
+    assert "{'" not in text and "['" not in text  # every example in the help is a value the flag takes
+    with pytest.raises(SystemExit):
+        p.parse_args(["--hotload-carry-base-tensors", "model.layers.61.*"])
+    assert 'a JSON list, e.g. ["a", "b"]' in capsys.readouterr().err
+    args = p.parse_args(["--hotload-bucket-url", "/tmp/b", "--hotload-dtype-overrides",
+                         '{"*.e_score_correction_bias": "keep"}', "--hotload-deployment-id", '["d1", "d2"]'])
+    # the spelling the help shows is the one the flags take
+    assert args.hotload_deployment_id == ["d1", "d2"]
+    assert args.hotload_dtype_overrides == {"*.e_score_correction_bias": "keep"}
