@@ -56,7 +56,11 @@ def _as_torch(name: str, value: Any) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.detach()
     if isinstance(value, np.ndarray):  # reshaped: np.ascontiguousarray makes a 0-d array 1-d
-        return torch.from_numpy(np.ascontiguousarray(value)).reshape(value.shape)
+        native = value.dtype.newbyteorder("=")  # a big-endian array (read from a file, say): its values, in order
+        try:
+            return torch.from_numpy(np.ascontiguousarray(value, dtype=native)).reshape(value.shape)
+        except TypeError as exc:  # a dtype torch has no counterpart for (object, str, complex256, ...)
+            raise TypeError(f"tensor {name!r}: {exc}") from None
     raise TypeError(f"tensor {name!r}: expected a torch tensor or numpy array, got {type(value).__name__}")
 
 

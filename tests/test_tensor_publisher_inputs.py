@@ -90,6 +90,21 @@ def test_a_zero_dim_array_keeps_its_shape(tmp_path: Path) -> None:
         {k: ([], d) for k, d in bf16_digests(tensors).items()}
 
 
+def test_a_big_endian_array_is_published_by_value(tmp_path: Path) -> None:
+    """An array read from a big-endian file was refused by torch with no tensor named; it is its values that
+    matter. A dtype torch has no counterpart for is refused naming its tensor."""
+    bucket = str(tmp_path / "bucket")
+    values = np.linspace(-3, 3, 48, dtype=np.float32).reshape(6, 8)
+    tensors = {"model.norm.weight": values.astype(">f4"), "model.bias": torch.ones(3)}
+    with TensorPublisher(tensors, config(bucket, None, tmp_path)) as pub:
+        assert pub.publish(0)
+        pub.wait()
+    (rebuilt,) = rebuild_accepted(bucket, pub.metrics).values()
+    assert {k: t.digest() for k, t in rebuilt.items()} == bf16_digests({**tensors, "model.norm.weight": values})
+    with pytest.raises(TypeError, match="tensor 'model.names'"):
+        TensorPublisher({"model.names": np.array(["a", "b"])}, config(str(tmp_path / "b2"), None, tmp_path))
+
+
 def gathered(step: int) -> dict[str, torch.Tensor]:
     """A state dict gathered into new tensors at each step, as a trainer that gathers its shards would."""
     g = torch.Generator().manual_seed(step)
