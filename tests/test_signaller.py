@@ -101,17 +101,34 @@ def test_deployments_are_signalled_at_once_and_each_failure_is_named(fleet: tupl
 
 def test_a_side_group_timeout_shorter_than_signalling_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
     from fsdp_hotload.config import HotloadConfig
-    from fsdp_hotload.engine.signal import longest_signal_s, warn_if_side_group_short
+    from fsdp_hotload.engine.signal import longest_signal_s, warn_at_start
 
     base = dict(bucket_url="/tmp/b", hotload_api_url="https://api.example", account_id="a", model_id="m",
                 deployment_id="d", hf_config_dir="/tmp", ready_timeout_s=600)
     with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
-        warn_if_side_group_short(HotloadConfig(**base))  # the default: ready_timeout_s + an hour
+        warn_at_start(HotloadConfig(**base))  # the default: ready_timeout_s + an hour
         assert caplog.records == []
         short = HotloadConfig(**base, collective_timeout_s=1200)
         assert longest_signal_s(short) == 1200
-        warn_if_side_group_short(short)
+        warn_at_start(short)
     assert "collective_timeout_s (1200 s) is not longer than signalling may take (1200 s" in caplog.text
+
+
+def test_a_codec_fireworks_does_not_take_is_warned_about_for_a_remote_api(caplog: pytest.LogCaptureFixture) -> None:
+    """codec="arc_sparse_v1" against Fireworks: every delta got HTTP 400 and half the publishes failed, with
+    nothing said at start. The emulator (a loopback API) is told the formats it takes, so it is not warned about."""
+    from fsdp_hotload.config import HotloadConfig
+    from fsdp_hotload.engine.signal import warn_at_start
+
+    base = dict(bucket_url="/tmp/b", account_id="a", model_id="m", deployment_id="d", hf_config_dir="/tmp")
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        warn_at_start(HotloadConfig(**base, hotload_api_url="https://api.fireworks.ai"))
+        warn_at_start(HotloadConfig(**base, hotload_api_url="http://127.0.0.1:8000", hotload_api_allow_http=True,
+                                    codec="arc_sparse_v1"))
+        assert caplog.records == []
+        warn_at_start(HotloadConfig(**base, hotload_api_url="https://api.fireworks.ai", codec="arc_sparse_v1"))
+    (record,) = caplog.records
+    assert "codec 'arc_sparse_v1' is not arc_v2" in record.getMessage()
 
 
 def test_progress_lines_do_not_quote_the_api_key_from_a_replicas_error() -> None:

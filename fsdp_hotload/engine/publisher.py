@@ -64,7 +64,7 @@ from .jobs import Job, Outcome, PublishError, RankStatus
 from .metrics import MetricsSink
 from .pool import StoredError, serve_weakly, start_warm_up, stop_dropped, weak_getter
 from .progress import ProgressLog, PublishProgress
-from .signal import Signaller, warn_if_side_group_short
+from .signal import Signaller, warn_at_start
 from .staging import ChunkLike, Stager
 from .writer import FileWriter
 
@@ -152,7 +152,7 @@ class Publisher:
         self.cadence = Cadence(config.full_every, config.max_chain_length)
         if self.rank == 0 and self.signaller is not None:
             self.signaller.extra_fields_ignore = dropped_config_keys(base_files, self._aux)
-            warn_if_side_group_short(config)
+            warn_at_start(config)
         self.committer = Committer(self.plan, self.storage, config, self._aux, self.signaller, session=self.session,
                                    started=time.time())  # snapshots others commit after this are a live run's
         if self.rank == 0:

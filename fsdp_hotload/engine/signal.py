@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import urllib.parse
 from typing import Any, Callable, Sequence
 
 from ..config import HotloadConfig
@@ -37,11 +38,23 @@ def longest_signal_s(cfg: HotloadConfig) -> float:
         cfg.ready_timeout_s
 
 
-def warn_if_side_group_short(cfg: HotloadConfig) -> None:
-    """The other ranks wait for rank 0's outcome under the side groups' timeout; when that is shorter than a
-    signal may take, a slow load breaks the group and publishing stops for the rest of the job. Allowed (a
-    short timeout can be wanted), but said at start."""
-    if cfg.hotload_api_url and cfg.side_group_timeout_s <= longest_signal_s(cfg):
+def warn_at_start(cfg: HotloadConfig) -> None:
+    """Settings that are allowed but cost publishes, said once at start (rank 0) instead of at the first failure.
+
+    The other ranks wait for rank 0's outcome under the side groups' timeout; when that is shorter than a signal
+    may take, a slow load breaks the group and publishing stops for the rest of the job. And a delta codec other
+    than arc_v2, the one ``compression_format`` Fireworks documents, is refused by a service that does not run our
+    decoder: every delta fails and the next publish is full, so half the steps never reach the fleet. A loopback
+    API is the emulator, which is told the formats it takes (``--compression-formats``)."""
+    if not cfg.hotload_api_url:
+        return
+    from ..fireworks_http import is_loopback
+
+    if cfg.codec != "arc_v2" and not is_loopback(urllib.parse.urlsplit(cfg.hotload_api_url).hostname or ""):
+        log.warning("hotload: codec %r is not arc_v2, the only compression_format Fireworks documents for deltas: a "
+                    "service that refuses it answers every delta with HTTP 400, and each next publish is full. Use "
+                    "codec='arc_v2' unless this service runs hotload's decoder", cfg.codec)
+    if cfg.side_group_timeout_s <= longest_signal_s(cfg):
         log.warning("hotload: collective_timeout_s (%g s) is not longer than signalling may take (%g s: up to %g s "
                     "for the deployment's hot-load manager and for the signal's retries, then ready_timeout_s): "
                     "a load that slow makes the other ranks give up, and publishing stops for the rest of the job",
