@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fsdp_hotload.arc.dtypes import RawTensor
 from fsdp_hotload.config import HotloadConfig
 from fsdp_hotload.engine.exits import deadline_after
 from fsdp_hotload.publish import TensorPublisher
@@ -418,3 +419,39 @@ def test_a_relative_metrics_path_stays_where_it_was_when_the_directory_changes(t
         pub.publish(1, model)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1] and not (tmp_path / "sub" / "metrics.jsonl").exists()
+
+
+def test_retention_runs_after_the_outcome_and_counts_in_no_figure(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retention (keep_last) ran inside the snapshot's outcome: the slot stayed taken while old snapshots were
+    deleted, so the trainer skipped those steps, and staleness was read after the deletes (10 steps for a snapshot
+    served 70 ms after its hook). Now the slot is free once the fleet serves the snapshot, and the next step
+    stages while retention runs."""
+    import fsdp_hotload.retention as retention
+    from tests.test_publisher import config, make_model
+
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    pub = TensorPublisher(model, config(bucket, None, tmp_path, keep_last=2, publish_on_close=False))
+    entered, release = threading.Event(), threading.Event()
+    real = retention.retain_after
+
+    def slow_retention(*args: object, **kwargs: object) -> None:
+        pub.engine.latest_step += 7  # the trainer moves on while old snapshots are deleted
+        entered.set()
+        assert release.wait(30)
+        real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(retention, "retain_after", slow_retention)
+    try:
+        assert pub.publish(0, model)
+        assert entered.wait(30)
+        model["model.norm.weight"].add_(1.0)
+        assert pub.publish(10, model), "the step after a served snapshot was skipped while retention ran"
+    finally:
+        release.set()
+        pub.wait()
+        pub.close()
+    assert [(m.ok, m.staleness_steps) for m in pub.metrics] == [(True, 0), (True, 0)]
+    assert {k: t.digest() for k, t in rebuild_accepted(bucket, pub.metrics)[pub.metrics[1].identity].items()} == \
+        {k: RawTensor.from_any(v.bfloat16() if v.is_floating_point() else v).digest() for k, v in model.items()}

@@ -7,6 +7,8 @@ Example::
 
     committer = Committer(plan, storage, config, aux_files, signaller, session="a1b2c3d4", started=time.time())
     outcome = committer.finish(job, "step-000040-a1b2c3d4", "delta", parent, statuses, progress)
+    if outcome.ok:
+        committer.retain("step-000040-a1b2c3d4", progress)   # once every rank knows the outcome
 """
 from __future__ import annotations
 
@@ -86,16 +88,21 @@ class Committer:
 
                 discard_snapshot(self.storage, identity)
         m.total_s = time.perf_counter() - job.t_hook  # hook to every replica ready: retention comes after
-        if m.ok and self.config.keep_last:
+        after = self.storage.stats.snapshot()  # a throttled commit marker is this publish's, not nobody's
+        m.throttled += int(after.get("throttled", 0) - before.get("throttled", 0))
+        m.retries += int(after.get("retries", 0) - before.get("retries", 0))
+        return Outcome(m.ok, m.error, m)
+
+    def retain(self, identity: str, prog: Any) -> None:
+        """Retention once ``identity`` is served (``keep_last``): after the outcome is out, so that every rank's
+        slot is free and the trainer stages its next step meanwhile, and so that the deletes add nothing to the
+        snapshot's times and staleness. Problems are logged: the next publish tries again."""
+        if self.config.keep_last:
             from ..retention import retain_after
 
             prog.stage("served; applying retention (keep_last)")
             retain_after(self.storage, self.config.keep_last, identity, session=self.session, since=self.started,
                          grace_s=self.config.retention_grace_s, keep=self.inputs)
-        after = self.storage.stats.snapshot()  # a throttled commit marker is this publish's, not nobody's
-        m.throttled += int(after.get("throttled", 0) - before.get("throttled", 0))
-        m.retries += int(after.get("retries", 0) - before.get("retries", 0))
-        return Outcome(m.ok, m.error, m)
 
     def _write_manifests(self, identity: str, kind: str, parent: str | None, files: dict[str, int],
                          abandoned: Callable[[], bool]) -> None:

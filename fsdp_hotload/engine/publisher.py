@@ -591,6 +591,8 @@ class Publisher:
                 self.metrics.emit(outcome.metrics)
             except Exception as exc:  # noqa: BLE001 - a metrics file problem must not fail a served snapshot
                 log.warning("hotload: could not record the metrics of %s: %s", identity, exc)
+            if outcome.ok:
+                self.committer.retain(identity, prog)
         return outcome
 
     def _encode(self, buf: torch.Tensor, kind: str, outgoing: list[list[RawPiece]], st: RankStatus
