@@ -427,11 +427,13 @@ def _only_keys(obj: dict[str, Any], allowed: tuple[str, ...], what: str) -> None
 # -------------------------------------------------------------------------------------------------- planning
 
 
-def plan_shards(specs: Iterable[TensorSpec], *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> ShardPlan:
+def plan_shards(specs: Iterable[TensorSpec], *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+                warn: bool = True) -> ShardPlan:
     """Lay out a model's tensors as HF shards: one layer per file, each file within ``max_file_bytes``.
 
     See the module docstring for the rules. The result depends only on the set of specs and the cap, never on
-    the order they were given in. Raises LayoutError for an empty list, a duplicate name, or a bad cap.
+    the order they were given in. Raises LayoutError for an empty list, a duplicate name, or a bad cap. Tensors
+    larger than the cap are warned about in one line, unless ``warn`` is false (the ranks other than 0).
     """
     if isinstance(max_file_bytes, bool) or not isinstance(max_file_bytes, int) or max_file_bytes <= 0:
         raise LayoutError(f"max_file_bytes must be a positive integer, got {max_file_bytes!r}")
@@ -450,9 +452,15 @@ def plan_shards(specs: Iterable[TensorSpec], *, max_file_bytes: int = DEFAULT_MA
         groups.setdefault(_group_order(name), []).append(name)
     digits = len(str(max_file_bytes))
     chunks: list[list[str]] = []
+    oversized: list[str] = []
     for key in sorted(groups):
         names = sorted(groups[key], key=_natural_key)
-        chunks.extend(_pack(names, by_name, max_file_bytes, digits))
+        chunks.extend(_pack(names, by_name, max_file_bytes, digits, oversized))
+    if oversized and warn:  # one line, not one per tensor (a small cap on a large model: thousands)
+        largest = max(oversized, key=lambda n: by_name[n].nbytes)
+        log.warning("%d tensor(s) do not fit in one file of max_file_bytes=%d (the largest: %r, %d bytes): each "
+                    "gets a file of its own that exceeds the cap", len(oversized), max_file_bytes, largest,
+                    by_name[largest].nbytes)
     if len(chunks) > _MAX_FILES:
         raise LayoutError(f"{len(chunks)} files needed, more than {_MAX_FILES}; raise max_file_bytes")
     files = {shard_filename(i + 1, len(chunks)): names for i, names in enumerate(chunks)}
@@ -460,19 +468,17 @@ def plan_shards(specs: Iterable[TensorSpec], *, max_file_bytes: int = DEFAULT_MA
     return ShardPlan(files=files, weight_map=weight_map, specs={n: by_name[n] for n in weight_map})
 
 
-def _pack(names: list[str], specs: dict[str, TensorSpec], cap: int, digits: int) -> list[list[str]]:
-    """Greedy, order-keeping split of one group into files whose size bound stays within ``cap``."""
+def _pack(names: list[str], specs: dict[str, TensorSpec], cap: int, digits: int, oversized: list[str]
+          ) -> list[list[str]]:
+    """Greedy, order-keeping split of one group into files whose size bound stays within ``cap``; a tensor over
+    it gets a file of its own, and its name is added to ``oversized``."""
     out: list[list[str]] = []
     current: list[str] = []
     size = _FILE_OVERHEAD
     for name in names:
         cost = specs[name].nbytes + _entry_bytes(specs[name], digits)
         if _FILE_OVERHEAD + cost > cap:
-            log.warning(
-                "tensor %r (%d bytes) does not fit in one file of max_file_bytes=%d; it gets a file of its own "
-                "that exceeds the cap",
-                name, specs[name].nbytes, cap,
-            )
+            oversized.append(name)
             if current:
                 out.append(current)
             out.append([name])

@@ -230,3 +230,28 @@ def test_a_step_that_raises_an_error_is_not_counted_as_skipped_for_being_busy(tm
     records = [(m.step, m.ok, m.skipped_before) for m in pubs[0].metrics.records]
     assert raised == {0: [4], 1: [4]}
     assert [r for r in records if not r[1]] == [(3, False, 0)] and all(r[2] == 0 for r in records), records
+
+
+@pytest.mark.parametrize("slow", [0, 1])
+def test_the_metrics_name_the_slowest_rank(slow: int, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Rank 0 waits for every rank's files without knowing whose are late, and the metrics gave only the slowest
+    time: with many ranks a throttled or overloaded node could not be found. Now they name the rank."""
+    bucket = str(tmp_path / "bucket")
+    tensors = [torch.ones(N), torch.ones(N)]
+    cfg = HotloadConfig(bucket_url=bucket, max_file_bytes=2 * N)  # one file per tensor: each rank writes its own
+
+    def storage(rank: int) -> Storage:
+        return Storage(bucket, fs=FaultyFileSystem(fsspec.filesystem("file"), delay_s=0.4 if rank == slow else 0.0))
+
+    pubs = two_ranks(cfg, tensors, storage=storage)
+    assert sorted(pubs[0].owners.values()) == [0, 1]
+
+    def train(rank: int) -> None:
+        assert pubs[rank].publish(0)
+        pubs[rank].close()
+
+    with caplog.at_level("INFO", logger="fsdp_hotload"):
+        run_ranks(train, 2)
+    (m,) = pubs[0].metrics.records
+    assert m.ok and m.slowest_rank == slow and m.upload_s >= 0.4
+    assert f"(slowest rank {slow})" in caplog.text

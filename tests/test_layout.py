@@ -183,6 +183,14 @@ def test_a_tensor_larger_than_the_cap_gets_its_own_file_with_a_warning(caplog: p
     assert plan.files[plan.file_of(big.name)] == [big.name]
     assert any(big.name in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
     assert_layers_not_mixed(plan)
+    # Several too large: one line naming the largest, not a line per tensor; none where warn is off (ranks > 0).
+    bigger = TensorSpec("model.layers.1.mlp.experts.1.w1.weight", (256, 512), "BF16")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload.layout"):
+        plan_shards([*specs, big, bigger], max_file_bytes=60_000)
+        plan_shards([*specs, big, bigger], max_file_bytes=60_000, warn=False)
+    (record,) = caplog.records
+    assert record.getMessage().startswith("2 tensor(s) do not fit") and bigger.name in record.getMessage()
     for filename in plan.files:
         if filename != plan.file_of(big.name):
             assert plan.file_size_bound(filename) <= 60_000

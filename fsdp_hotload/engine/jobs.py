@@ -71,6 +71,8 @@ def summarize(job: Job, identity: str, kind: str, statuses: list[RankStatus], ra
     m.blocking_ms = max(s.blocking_ms for s in statuses)
     for k in ("diff_s", "encode_s", "route_s", "upload_s"):
         setattr(m, k, max(getattr(s, k) for s in statuses))
+    if len(statuses) > 1:  # rank 0's wait for every rank's files cannot say whose they were: this does, after
+        m.slowest_rank = max(statuses, key=lambda s: s.diff_s + s.encode_s + s.upload_s).rank
     m.throttled = sum(s.throttled for s in statuses)
     m.retries = sum(s.retries for s in statuses)
     elements = sum(s.elements for s in statuses)

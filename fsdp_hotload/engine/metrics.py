@@ -23,7 +23,8 @@ class PublishMetrics:
     ratio: float | None = None
     files: int = 0
     blocking_ms: float = 0.0  # trainer main thread, max over ranks
-    diff_s: float = 0.0  # max over ranks; the device diff on CUDA (on the host it is fused into encode_s: 0)
+    diff_s: float = 0.0  # max over ranks: the diff before encoding (device, or arc_sparse_v1); 0 where fused
+    # into encode_s (arc_v2 on the host: one pass per chunk)
     encode_s: float = 0.0
     route_s: float = 0.0
     upload_s: float = 0.0
@@ -35,6 +36,7 @@ class PublishMetrics:
     throttled: int = 0  # throttle answers (SlowDown, 503, 429) from the store; on S3 botocore's retry's included
     retries: int = 0  # storage calls retried by hotload (botocore's one retry per S3 request is not counted)
     skipped_before: int = 0  # steps skipped because the publisher was busy
+    slowest_rank: int | None = None  # the rank whose diff+encode+upload took longest (several ranks only)
 
     def line(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -45,7 +47,9 @@ class PublishMetrics:
         ratio = f"{self.ratio:.1f}x" if self.ratio else "-"
         changed = f" changed {100 * self.changed_fraction:.2f}%" if self.changed_fraction is not None else ""
         return (f"step {self.step} {self.kind} {self.identity}: {self.bytes_written / 1e6:.2f} MB ({ratio}){changed}"
-                f" blocking {self.blocking_ms:.1f} ms, upload {self.upload_s:.2f}s, ready {self.ready_s:.2f}s")
+                f" blocking {self.blocking_ms:.1f} ms, upload {self.upload_s:.2f}s"
+                + (f" (slowest rank {self.slowest_rank})" if self.slowest_rank is not None else "")
+                + f", ready {self.ready_s:.2f}s")
 
 
 class MetricsSink:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import queue
 import secrets
 import sys
@@ -100,7 +99,8 @@ class Publisher:
         try:  # set-up that can fail on some ranks only (rank 0 alone reads hf_config_dir and writes the metrics)
             if problem is not None:
                 raise problem
-            self.plan: ShardPlan = plan_shards(specs, max_file_bytes=config.max_file_bytes)
+            self.plan: ShardPlan = plan_shards(specs, max_file_bytes=config.max_file_bytes,
+                                                 warn=self.rank == 0)
             # rank 0 reads the carried tensors, so it writes their files: they never cross to another rank
             self.owners = assign_owners(self.plan, self.world, {self.plan.file_of(t.name) for t in self.carried})
             for c in self.chunks:
@@ -138,12 +138,8 @@ class Publisher:
             for part in made:
                 part.close()
             raise
-        if self.rank == 0 and hasattr(self.codec, "encoder_info"):  # a warning if HOTLOAD_LIBZSTD's library failed
-            log.log(logging.WARNING if os.environ.get("HOTLOAD_LIBZSTD") and "unavailable" in self.codec.encoder_info
-                    else logging.INFO, "%s encoder: %s", self.codec.name, self.codec.encoder_info)
-        if self.rank == 0 and config.keep_last == 1 and not config.hotload_api_url:
-            log.warning("hotload: keep_last=1 without hotload_api_url deletes each snapshot as soon as the next one "
-                        "commits, under readers that may still be downloading it: keep 2 or more")
+        if self.rank == 0:
+            warn_at_start(config, self.codec)
         # The codec's kernels load (or compile) now, beside the trainer's set-up: in the first delta they would
         # make it seconds longer than the rest (and, with the skip policy, skip steps).
         warm = getattr(self.codec, "warm_up", None)
@@ -152,7 +148,6 @@ class Publisher:
         self.cadence = Cadence(config.full_every, config.max_chain_length)
         if self.rank == 0 and self.signaller is not None:
             self.signaller.extra_fields_ignore = dropped_config_keys(base_files, self._aux)
-            warn_at_start(config)
         self.committer = Committer(self.plan, self.storage, config, self._aux, self.signaller, session=self.session,
                                    started=time.time())  # snapshots others commit after this are a live run's
         if self.rank == 0:
@@ -567,7 +562,8 @@ class Publisher:
         st.blocking_ms = job.blocking_ms  # read late: a background copy's fence adds its wait to it
         prog.stage("waiting for every rank's files")
         statuses = self.comm.gather(st)
-        outcome = self._finish(job, identity, kind, parent, statuses) if self.rank == 0 else None
+        outcome = None if statuses is None else self.committer.finish(  # rank 0: commit, signal, wait
+            job, identity, kind, parent, statuses, self._prog, abandoned=lambda: self.abandoned)
         outcome = self.comm.broadcast(outcome)
         # Settle first, and nothing after it may change the slot or the chain: the buffer is now the cache (or
         # free), so a later error must not release it again.
@@ -620,10 +616,3 @@ class Publisher:
         incoming, error = exchange_objects(self.comm, outgoing, failed=st.error is not None)
         st.error = st.error or error
         return [pieces or [] for pieces in incoming]
-
-    def _finish(self, job: Job, identity: str, kind: str, parent: str | None,
-                statuses: list[RankStatus] | None) -> Outcome:
-        """Rank 0: manifests, commit marker, signal, wait (:class:`~.commit.Committer`)."""
-        assert statuses is not None
-        return self.committer.finish(job, identity, kind, parent, statuses, self._prog,
-                                     abandoned=lambda: self.abandoned)

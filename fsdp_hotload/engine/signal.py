@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import urllib.parse
@@ -38,14 +39,25 @@ def longest_signal_s(cfg: HotloadConfig) -> float:
         cfg.ready_timeout_s
 
 
-def warn_at_start(cfg: HotloadConfig) -> None:
-    """Settings that are allowed but cost publishes, said once at start (rank 0) instead of at the first failure.
+def warn_at_start(cfg: HotloadConfig, codec: Any = None) -> None:
+    """Settings that are allowed but cost publishes, said once at start (rank 0) instead of at the first failure;
+    and which encoder ``codec`` runs (a warning if ``HOTLOAD_LIBZSTD``'s library could not be loaded).
+
+    keep_last=1 without a hot-load API deletes each snapshot when the next commits, under readers that may still
+    be downloading it (with the API, a snapshot is deleted only once the fleet serves a newer one).
 
     The other ranks wait for rank 0's outcome under the side groups' timeout; when that is shorter than a signal
     may take, a slow load breaks the group and publishing stops for the rest of the job. And a delta codec other
     than arc_v2, the one ``compression_format`` Fireworks documents, is refused by a service that does not run our
     decoder: every delta fails and the next publish is full, so half the steps never reach the fleet. A loopback
     API is the emulator, which is told the formats it takes (``--compression-formats``)."""
+    info = getattr(codec, "encoder_info", None)
+    if info is not None:
+        log.log(logging.WARNING if os.environ.get("HOTLOAD_LIBZSTD") and "unavailable" in info else logging.INFO,
+                "%s encoder: %s", codec.name, info)
+    if cfg.keep_last == 1 and not cfg.hotload_api_url:
+        log.warning("hotload: keep_last=1 without hotload_api_url deletes each snapshot as soon as the next one "
+                    "commits, under readers that may still be downloading it: keep 2 or more")
     if not cfg.hotload_api_url:
         return
     from ..fireworks_http import is_loopback
