@@ -125,7 +125,7 @@ def test_a_snapshot_missing_a_file_that_no_rank_reported_failing_is_never_commit
             pub.storage.put_bytes(f"{identity}/{f}", b"x" * 10)
         job = Job(2, torch.empty(0), None, blocking_ms=0.0, skipped_before=0, t_hook=0.0)
         statuses = [RankStatus(0, "full", identity, None, files={files[0]: 10}), RankStatus(1, "full", identity)]
-        outcome = pub._finish(job, identity, "full", None, statuses)
+        outcome = pub.committer.finish(job, identity, "full", None, statuses, pub._prog)
         assert not outcome.ok and "files missing after upload" in (outcome.error or ""), outcome.error
         assert read_commit_marker(pub.storage, identity) is None
         assert pub.storage.list(identity) == []
