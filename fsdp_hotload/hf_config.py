@@ -318,7 +318,9 @@ def _base_entries(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, Any
                 if weight_map:  # names only, from the index
                     continue
                 return None
-            entries.update((k, v) for k, v in header.items()
+            meta = header.get("__metadata__")
+            delta = isinstance(meta, dict) and meta.get("format") == "hotload-arc"  # a hotload delta snapshot's file
+            entries.update((k, None if delta else v) for k, v in header.items()  # its entries are U8 payloads
                            if k != "__metadata__" and (not weight_map or k in weight_map))
         return entries or None
     except Exception as exc:  # noqa: BLE001 - any malformed index (deep nesting, odd types): no comparison

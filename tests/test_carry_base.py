@@ -264,3 +264,23 @@ def test_config_refuses_carrying_without_a_base_folder(monkeypatch: pytest.Monke
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert HotloadConfig.from_env().carry_base_tensors == ["model.layers.61.*"]
+
+
+def test_find_carried_refuses_a_hotload_delta_snapshot_as_the_base(tmp_path: Path) -> None:
+    """hf_config_dir at a snapshot of an earlier run (resuming from what the fleet serves) that is a delta: its
+    files hold XOR+zstd payloads as U8 entries. Carried as they are, they were served as a U8 tensor of another
+    shape (the payload bytes) under the base tensor's name, on any deployment that does not check shapes."""
+    from fsdp_hotload.arc.container import encode_delta_file
+
+    model = make_model()
+    base = hf_dir(tmp_path)
+    write_base(base, model, sharded=True)
+    published = {k: "BF16" for k in model}
+    shard = base / "model-00002-of-00002.safetensors"
+    extra = extra_tensors()
+    changed = {k: RawTensor(t.dtype, t.shape, t.data.copy()) for k, t in extra.items()}
+    changed["model.layers.2.enorm.weight"].data[:4] ^= 1
+    shard.write_bytes(encode_delta_file(extra, changed, parent_identity="step-000010-ab12cd34"))
+    with pytest.raises(ValueError, match=r"carry_base_tensors: .*model-00002-of-00002.safetensors is a hotload delta "
+                                         r"\(made against 'step-000010-ab12cd34'\), not the base model's weights"):
+        find_carried(str(base), ["model.layers.2.*"], published)

@@ -336,3 +336,22 @@ def test_a_base_folder_without_a_tokenizer_is_warned_about(tmp_path: Path, caplo
     with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
         hf_aux_files(tmp_path)
     assert ("holds no tokenizer file" in caplog.text) is warned
+
+
+def test_a_delta_snapshot_as_hf_config_dir_gives_names_but_no_shapes(tmp_path: Path) -> None:
+    """hf_config_dir at an earlier run's snapshot (for its config and tokenizer) that is a delta: its files' entries
+    are U8 payloads, whose shapes were compared with the published tensors' and warned about as a layout the fleet
+    would not load."""
+    from fsdp_hotload.arc import save_file
+    from fsdp_hotload.arc.container import encode_delta_file
+    from fsdp_hotload.arc.dtypes import RawTensor
+    from fsdp_hotload.hf_config import base_tensors, shapes_note
+
+    parent = {"model.norm.weight": RawTensor.from_any(torch.randn(16).bfloat16())}
+    new = {"model.norm.weight": RawTensor.from_any(torch.randn(16).bfloat16())}
+    (tmp_path / "model.safetensors").write_bytes(encode_delta_file(parent, new, parent_identity="step-000001-ab12cd34"))
+    shapes, dtypes = base_tensors(tmp_path)
+    assert shapes == {"model.norm.weight": None} and dtypes == {}
+    assert shapes_note([("model.norm.weight", (16,))], shapes, where="hf_config_dir") is None
+    (tmp_path / "model.safetensors").write_bytes(save_file(new))  # a full snapshot's file: compared as before
+    assert base_tensors(tmp_path)[0] == {"model.norm.weight": (16,)}

@@ -35,6 +35,7 @@ import numpy as np
 
 from ..arc.adler import segment_parts
 from ..arc.codecs import Codec, ElementDiff
+from ..arc.container import FORMAT_NAME, K_FORMAT, K_PARENT
 from ..arc.dtypes import UINT_BY_SIZE, itemsize, numel
 from ..arc.errors import FormatError
 from ..arc.stio import MAX_HEADER_BYTES, parse_header
@@ -202,6 +203,10 @@ def _read_header(path: str) -> tuple[Any, tuple[int, int]]:
         raise ValueError(f"carry_base_tensors: cannot read {path}: {exc}") from None
     except FormatError as exc:
         raise ValueError(f"carry_base_tensors: {path} cannot be read as a whole safetensors file: {exc}") from None
+    if header.metadata.get(K_FORMAT) == FORMAT_NAME:  # its entries are U8 payloads, not the tensors
+        raise ValueError(f"carry_base_tensors: {path} is a hotload delta (made against "
+                         f"{header.metadata.get(K_PARENT)!r}), not the base model's weights: point hf_config_dir at "
+                         "the base model's folder, or at a full snapshot")
     return header, (st.st_size, st.st_mtime_ns)
 
 
