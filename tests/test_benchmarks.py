@@ -331,3 +331,9 @@ def test_benchmark_help_shows_the_whole_docstring_and_overhead_lists_the_job_fla
     job = helps[str(BENCH / "overhead.py")].split("flags passed to the job", 1)[1]
     for flag in ("--layers LAYERS", "--device {cpu,cuda}", "--hook {attach,step}", "--discard DISCARD", "--lr LR"):
         assert flag in job, flag
+
+
+def test_retention_overlap_benchmark_reports_both_runs() -> None:
+    proc = _run([str(BENCH / "retention_overlap.py"), "--steps", "8", "--ret-s", "0.3", "--step-s", "0.05"], 120)
+    assert "| 0 | 8/8 |" in proc.stdout and "| 0.3 |" in proc.stdout and "machine:" in proc.stdout, proc.stdout
+    assert "ratio published with retention 0.3 s / baseline:" in proc.stdout, proc.stdout

@@ -421,12 +421,12 @@ def test_a_relative_metrics_path_stays_where_it_was_when_the_directory_changes(t
     assert [m["step"] for m in lines] == [0, 1] and not (tmp_path / "sub" / "metrics.jsonl").exists()
 
 
-def test_retention_runs_after_the_outcome_and_counts_in_no_figure(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_retention_runs_beside_the_next_snapshot_and_counts_in_no_figure(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Retention (keep_last) ran inside the snapshot's outcome: the slot stayed taken while old snapshots were
     deleted, so the trainer skipped those steps, and staleness was read after the deletes (10 steps for a snapshot
-    served 70 ms after its hook). Now the slot is free once the fleet serves the snapshot, and the next step
-    stages while retention runs."""
+    served 70 ms after its hook). Now it runs on a thread of its own once the fleet serves the snapshot: the next
+    step stages and is served while it runs, and wait() and close() wait for it."""
     import fsdp_hotload.retention as retention
     from tests.test_publisher import config, make_model
 
@@ -448,6 +448,12 @@ def test_retention_runs_after_the_outcome_and_counts_in_no_figure(tmp_path: Path
         assert entered.wait(30)
         model["model.norm.weight"].add_(1.0)
         assert pub.publish(10, model), "the step after a served snapshot was skipped while retention ran"
+        deadline = time.monotonic() + 30
+        while len(pub.metrics) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(pub.metrics) == 2, "the next snapshot waited for retention"
+        with pytest.raises(TimeoutError, match="retention"):
+            pub.wait(timeout=0.2)
     finally:
         release.set()
         pub.wait()

@@ -8,11 +8,12 @@ Example::
     committer = Committer(plan, storage, config, aux_files, signaller, session="a1b2c3d4", started=time.time())
     outcome = committer.finish(job, "step-000040-a1b2c3d4", "delta", parent, statuses, progress)
     if outcome.ok:
-        committer.retain("step-000040-a1b2c3d4", progress)   # once every rank knows the outcome
+        committer.retain("step-000040-a1b2c3d4")   # once every rank knows the outcome; on its own thread
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Callable
 
@@ -35,6 +36,9 @@ class Committer:
         self.plan, self.storage, self.config, self.aux = plan, storage, config, aux
         self.signaller, self.session, self.started = signaller, session, started
         self._manifests: dict[str, bytes] = {}
+        self._retention = threading.Condition()
+        self._retaining = False  # a retention pass runs (on its own thread)
+        self._retain_next: str | None = None  # the newest served identity it has yet to run for
         # hf_config_dir inside a local root (an earlier run's full snapshot this one continues from): read again at
         # every full (carry_base_tensors), so retention keeps it
         held = storage.folder_holding(config.hf_config_dir) if config.hf_config_dir else None
@@ -93,16 +97,45 @@ class Committer:
         m.retries += int(after.get("retries", 0) - before.get("retries", 0))
         return Outcome(m.ok, m.error, m)
 
-    def retain(self, identity: str, prog: Any) -> None:
-        """Retention once ``identity`` is served (``keep_last``): after the outcome is out, so that every rank's
-        slot is free and the trainer stages its next step meanwhile, and so that the deletes add nothing to the
-        snapshot's times and staleness. Problems are logged: the next publish tries again."""
-        if self.config.keep_last:
-            from ..retention import retain_after
+    def retain(self, identity: str) -> None:
+        """Retention once ``identity`` is served (``keep_last``), on a thread of its own. Why: deletes on an object
+        store take a list, a read per marker and a delete per file; run in the snapshot's outcome they held its
+        slot (the skip policy skipped those steps, the wait policy blocked the trainer) and counted in its times
+        and staleness, and run after it on the publisher's thread they delayed the next snapshot, staged and
+        waiting meanwhile. One pass at a time: identities served while one runs are left to the next pass, for
+        the newest. Problems are logged: the next pass tries again. It is safe beside uploads: an unmarked
+        folder of this session newer than its newest commit (one in flight) is never swept."""
+        if not self.config.keep_last:
+            return
+        with self._retention:
+            self._retain_next = identity
+            if self._retaining:
+                return
+            self._retaining = True
+        try:  # at the publisher thread's nice, which the thread inherits
+            threading.Thread(target=self._retain_passes, name="hotload-retention", daemon=True).start()
+        except RuntimeError as exc:  # no threads left: here, then
+            logger.warning("hotload: retention runs on the publisher's thread (cannot start its own: %s)", exc)
+            self._retain_passes()
 
-            prog.stage("served; applying retention (keep_last)")
+    def _retain_passes(self) -> None:
+        from ..retention import retain_after
+
+        while True:
+            with self._retention:
+                identity, self._retain_next = self._retain_next, None
+                if identity is None:
+                    self._retaining = False
+                    self._retention.notify_all()
+                    return
             retain_after(self.storage, self.config.keep_last, identity, session=self.session, since=self.started,
-                         grace_s=self.config.retention_grace_s, keep=self.inputs)
+                         grace_s=self.config.retention_grace_s, keep=self.inputs)  # logs, never raises
+
+    def wait_retention(self, timeout: float | None = None) -> bool:
+        """Wait for the retention pass in flight (close); False if it still runs after ``timeout`` seconds (it
+        goes on, a daemon thread: its deletes are ordered so that stopping anywhere leaves a consistent bucket)."""
+        with self._retention:
+            return self._retention.wait_for(lambda: not self._retaining, timeout)
 
     def _write_manifests(self, identity: str, kind: str, parent: str | None, files: dict[str, int],
                          abandoned: Callable[[], bool]) -> None:

@@ -399,7 +399,8 @@ class Publisher:
         return waited
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every started snapshot has finished (accepted or failed); TimeoutError after ``timeout``."""
+        """Block until every started snapshot has finished (accepted or failed), and the retention after them;
+        TimeoutError after ``timeout``."""
         self.fence()
         deadline = deadline_after(timeout)
         with self._idle:
@@ -407,6 +408,8 @@ class Publisher:
                 if left(deadline) == 0:
                     raise TimeoutError(f"{self._pending} snapshot(s) still publishing after {timeout}s")
                 self._idle.wait(left(deadline))
+        if not self.committer.wait_retention(left(deadline)):
+            raise TimeoutError(f"retention (keep_last) still running after {timeout}s")
 
     def raise_if_failed(self) -> None:
         err = self._errors.take()
@@ -480,6 +483,8 @@ class Publisher:
         """Stop the helper threads and free the buffers; after the publisher thread ended (an abandoned one's
         thread calls it itself, once its stuck call returned)."""
         self._finalizer.detach()
+        if not self.committer.wait_retention(left(deadline)):  # rank 0's deletes after the last snapshot
+            log.warning("hotload: retention still running at close's deadline: it goes on while the process lives")
         self.writer.shutdown()
         self.encoder.close()
         if self._warm_up is not None:  # a cold numba cache compiles for seconds: within close()'s deadline
@@ -588,7 +593,7 @@ class Publisher:
             except Exception as exc:  # noqa: BLE001 - a metrics file problem must not fail a served snapshot
                 log.warning("hotload: could not record the metrics of %s: %s", identity, exc)
             if outcome.ok:
-                self.committer.retain(identity, prog)
+                self.committer.retain(identity)
         return outcome
 
     def _encode(self, buf: torch.Tensor, kind: str, outgoing: list[list[RawPiece]], st: RankStatus
