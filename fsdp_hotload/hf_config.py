@@ -21,6 +21,7 @@ import os
 import struct
 from typing import Any, Callable, Iterable
 
+from .arc.container import FORMAT_NAME, K_FORMAT
 from .arc.stio import MAX_HEADER_BYTES
 from .layout import LayoutError
 
@@ -319,7 +320,7 @@ def _base_entries(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, Any
                     continue
                 return None
             meta = header.get("__metadata__")
-            delta = isinstance(meta, dict) and meta.get("format") == "hotload-arc"  # a hotload delta snapshot's file
+            delta = isinstance(meta, dict) and meta.get(K_FORMAT) == FORMAT_NAME  # a hotload delta snapshot's file
             entries.update((k, None if delta else v) for k, v in header.items()  # its entries are U8 payloads
                            if k != "__metadata__" and (not weight_map or k in weight_map))
         return entries or None
