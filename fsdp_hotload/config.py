@@ -442,7 +442,7 @@ def parse_setting(text: str, annotation: Any) -> Any:
         return json.loads(stripped, parse_constant=_no_json_constant)
     except ValueError as exc:
         if json_only:
-            raise ValueError(f"not valid JSON ({exc}); {json_hint(annotation)}") from None
+            raise ValueError(f"not valid JSON ({exc}); it takes {json_hint(annotation)}") from None
         return text
 
 
@@ -451,9 +451,9 @@ def json_hint(annotation: Any) -> str:
     members = [m for m in _union_members(annotation) if m is not type(None)]
     kinds = {get_origin(m) or m for m in members}
     if dict in kinds:
-        return 'it takes a JSON object, e.g. {"name": "value"}'
+        return 'a JSON object, e.g. {"name": "value"}'
     if list in kinds:
-        return 'it takes a JSON list, e.g. ["a", "b"]' + (" (or one plain value)" if str in kinds else "")
+        return 'a JSON list, e.g. ["a", "b"]' + (" (or one plain value)" if str in kinds else "")
     return ""
 
 

@@ -106,8 +106,8 @@ def _help(name: str) -> str:
     choices = [a for m in members if get_origin(m) is Literal for a in get_args(m)]
     if choices:
         text += f"; one of {', '.join(map(str, choices))}"
-    if json_hint(field.annotation):  # Megatron's own list flags are space-separated (nargs='+'); these are JSON
-        text += "; " + json_hint(field.annotation).replace("it takes ", "")
+    if hint := json_hint(field.annotation):  # Megatron's own list flags are space-separated (nargs='+'); JSON here
+        text += "; " + hint
     if type(None) in members:  # written `null` on the command line, as in a variable
         text = re.sub(r"\bNone\b", "null", text)
     default = field.get_default(call_default_factory=True)
