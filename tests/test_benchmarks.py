@@ -337,3 +337,10 @@ def test_retention_overlap_benchmark_reports_both_runs() -> None:
     proc = _run([str(BENCH / "retention_overlap.py"), "--steps", "8", "--ret-s", "0.3", "--step-s", "0.05"], 120)
     assert "| 0 | 8/8 |" in proc.stdout and "| 0.3 |" in proc.stdout and "machine:" in proc.stdout, proc.stdout
     assert "ratio published with retention 0.3 s / baseline:" in proc.stdout, proc.stdout
+
+
+def test_hint_latency_benchmark_reports_each_run() -> None:
+    proc = _run([str(BENCH / "hint_latency.py"), "--layers", "4", "--workers", "2", "--deltas", "1",
+                 "--hint-ms", "50", "--put-ms", "20"], 120)
+    assert "| off | 0 |" in proc.stdout and "| on | 0 |" in proc.stdout and "| on | 50 |" in proc.stdout, proc.stdout
+    assert "ratio hook to served with 50 ms hints / no hints:" in proc.stdout and "machine:" in proc.stdout

@@ -3,6 +3,7 @@ at close(), and the counts a snapshot published at close reports. Real local-fol
 publishes are read back and compared with the trainer's."""
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -461,3 +462,64 @@ def test_retention_runs_beside_the_next_snapshot_and_counts_in_no_figure(tmp_pat
     assert [(m.ok, m.staleness_steps) for m in pub.metrics] == [(True, 0), (True, 0)]
     assert {k: t.digest() for k, t in rebuild_accepted(bucket, pub.metrics)[pub.metrics[1].identity].items()} == \
         {k: RawTensor.from_any(v.bfloat16() if v.is_floating_point() else v).digest() for k, v in model.items()}
+
+
+def test_uploads_never_wait_for_a_slow_hint_endpoint(tmp_path: Path) -> None:
+    """Hints were sent on the upload workers, so each hint's round trip held back that worker's next upload. Here
+    the hint endpoint (a real HTTP server in front of the emulator) answers a hint only once every file of its
+    snapshot is in the bucket, or after 5 s: the uploads must all land while the hints are held, every hint is
+    still delivered, after its file, and the fleet serves the trainer's bytes."""
+    from http.server import BaseHTTPRequestHandler
+    from urllib.request import Request, urlopen
+
+    from fsdp_hotload.emulator import HotLoadEmulator
+    from tests.http_fixture import serve
+    from tests.test_publisher import API_KEY, config, expected_sha, served
+
+    bucket = tmp_path / "bucket"
+    g = torch.Generator().manual_seed(9)
+    model = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(32, 16, generator=g) for i in range(6)}
+    held: list[bool] = []  # per hint: whether every file of its snapshot was there when it was answered
+    with HotLoadEmulator(str(bucket), replicas=1, api_key=API_KEY) as emu:
+
+        class HintsWait(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _forward(self, method: str) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) if method == "POST" else None
+                if self.path.endswith("/hint"):
+                    identity = json.loads(body or b"{}")["snapshot"]["identity"]
+                    end = time.monotonic() + 5
+                    while len(list((bucket / identity).glob("*.safetensors"))) < len(model) and \
+                            time.monotonic() < end:
+                        time.sleep(0.02)
+                    held.append(len(list((bucket / identity).glob("*.safetensors"))) == len(model))
+                req = Request(emu.url + self.path, data=body, method=method,
+                              headers={k: v for k, v in self.headers.items() if k.lower() != "host"})
+                with urlopen(req, timeout=30) as resp:
+                    data, status = resp.read(), resp.status
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                self._forward("GET")
+
+            def do_POST(self) -> None:  # noqa: N802
+                self._forward("POST")
+
+        with serve(HintsWait) as url:
+            cfg = config(str(bucket), emu, tmp_path, hotload_api_url=url, upload_concurrency=2, busy_policy="wait")
+            with TensorPublisher(model, cfg) as pub:
+                for step in range(2):
+                    for t in model.values():
+                        t[step].add_(1.0)
+                    pub.publish(step)
+                    pub.wait(60)
+        (dep,) = emu.state()["deployments"].values()
+        assert served(emu) == [(pub.metrics[-1].identity, expected_sha(model))]
+    assert [m.ok for m in pub.metrics] == [True, True]
+    assert len(held) == 2 * len(model) and all(held)
+    assert len(dep["hints"]) == 2 * len(model) and all(h["file_present"] for h in dep["hints"])

@@ -3,7 +3,8 @@
 Each file has one owner rank (:func:`~.assemble.assign_owners`), which puts the pieces of its tensors together
 (raw bytes for a full snapshot, codec payloads for a delta) and uploads the file. Files are written on a pool of
 ``concurrency`` threads started at the first snapshot, from the publisher's thread, so that they inherit its nice
-value; every write has ended, failed or not, before the snapshot's outcome is decided.
+value, and each durable file's hint is sent on a second pool of as many threads; every write and hint has ended,
+failed or not, before the snapshot's outcome is decided.
 
 Example::
 
@@ -14,8 +15,9 @@ Example::
 """
 from __future__ import annotations
 
+import logging
 import time
-from concurrent.futures import wait
+from concurrent.futures import Future, wait
 from typing import Any
 
 from ..layout import ShardPlan
@@ -24,6 +26,8 @@ from .assemble import Piece, RawPiece, assemble_delta_file, assemble_full_file
 from .jobs import RankStatus
 from .pool import DaemonPool
 from .progress import PublishProgress
+
+log = logging.getLogger("fsdp_hotload")
 
 
 class FileWriter:
@@ -34,6 +38,7 @@ class FileWriter:
         self.plan, self.owners, self.rank, self.storage = plan, owners, rank, storage
         self.codec, self.signaller, self.send_hints, self.concurrency = codec, signaller, send_hints, concurrency
         self._pool: DaemonPool | None = None
+        self._hint_pool: DaemonPool | None = None
 
     def write(self, identity: str, kind: str, parent: str | None, incoming: list[list[RawPiece]], st: RankStatus,
               prog: PublishProgress) -> None:
@@ -57,18 +62,23 @@ class FileWriter:
             del pieces
             self.storage.put_bytes(f"{identity}/{filename}", blob)
             prog.file_written(len(blob))
-            if self.signaller is not None and self.send_hints:
-                self.signaller.hint(identity, filename, parent if kind == "delta" else None)
+            if hint_pool is not None:
+                hints.append(hint_pool.submit(self._hint, identity, filename, parent if kind == "delta" else None))
             return filename, len(blob)
 
         if self._pool is None:  # one pool for the publisher's life: no thread start-up per publish
             self._pool = DaemonPool(self.concurrency, f"hotload-upload-{self.rank}")
+        hints: list[Future[None]] = []
+        hint_pool = self._hints_pool() if self.signaller is not None and self.send_hints else None
         prog.stage("uploading", files=len(by_file))
         futures = [self._pool.submit(write, f) for f in sorted(by_file)]
         wait(futures)  # every write has ended before the snapshot's outcome is decided, failed or not
         # Counted before the first error is raised: a publish that failed for throttling must say so.
         st.files = dict(f.result() for f in futures if f.exception() is None)
         st.upload_s = time.perf_counter() - t0
+        if hints:  # a hint is for the replicas' prefetch before the signal: each one ends before the outcome
+            prog.stage("sending hints")
+            wait(hints)
         after = self.storage.stats.snapshot()
         st.throttled = int(after.get("throttled", 0) - before.get("throttled", 0))
         st.retries = int(after.get("retries", 0) - before.get("retries", 0))
@@ -76,7 +86,22 @@ class FileWriter:
             if (exc := f.exception()) is not None:
                 raise exc
 
+    def _hints_pool(self) -> DaemonPool:
+        """Hints run on threads of their own. Why: on the upload worker, each hint's round trip (up to
+        ``HINT_DEADLINE_S``) held back that worker's next upload, so a slow hint endpoint slowed every upload.
+        As many threads as upload workers send them at least as fast as the upload workers did."""
+        if self._hint_pool is None:
+            self._hint_pool = DaemonPool(self.concurrency, f"hotload-hint-{self.rank}")
+        return self._hint_pool
+
+    def _hint(self, identity: str, filename: str, parent: str | None) -> None:
+        try:
+            self.signaller.hint(identity, filename, parent)
+        except Exception:  # noqa: BLE001 - best effort: a hint never fails a snapshot whose files are durable
+            log.warning("hotload: hint for %s/%s failed", identity, filename, exc_info=True)
+
     def shutdown(self) -> None:
-        """Finish the writes submitted, then stop the pool's threads."""
-        if self._pool is not None:
-            self._pool.shutdown()
+        """Finish the writes and hints submitted, then stop the pools' threads."""
+        for pool in (self._pool, self._hint_pool):
+            if pool is not None:
+                pool.shutdown()
