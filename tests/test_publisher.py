@@ -646,8 +646,10 @@ def test_with_several_ranks_an_error_is_raised_at_the_same_step_on_every_rank(
     def train(rank: int) -> None:
         for step in range(14):
             tensors[rank].fill_(step)
+            if step == 2:  # the skip policy agrees on step 3 at the end of step 2: under load a busy slot then
+                pubs[rank].wait(60)  # skipped step 3, whose uploads fail, and there was nothing to raise
             try:
-                pubs[rank].publish(step)
+                assert pubs[rank].publish(step) or step != 3
             except PublishError:
                 raised[rank].append(step)
             time.sleep(0.06)
