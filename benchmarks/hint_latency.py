@@ -104,7 +104,8 @@ def run(hints: bool, hint_s: float, put_s: float, layers: int, workers: int, del
                     pub.wait()
             measured = [m for m in pub.metrics if m.kind == "delta" and m.ok]
             if len(measured) != deltas:
-                raise SystemExit(f"expected {deltas} served deltas, got {[(m.kind, m.ok, m.error) for m in pub.metrics]}")
+                got = [(m.kind, m.ok, m.error) for m in pub.metrics]
+                raise SystemExit(f"expected {deltas} served deltas, got {got}")
     finally:
         Storage.put_bytes = real  # type: ignore[method-assign]
     return statistics.median(m.total_s for m in measured), statistics.median(m.upload_s for m in measured)
