@@ -26,10 +26,10 @@ import weakref
 from typing import Any, Callable
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .config import HotloadConfig
 from .dtype_policy import DtypePolicy
-from .engine.cadence import next_step
 from .engine.comm import Comm, GlooComm, LocalComm
 from .engine.copies import storage_ptr
 from .engine.metrics import PublishMetrics
@@ -40,24 +40,58 @@ from .fsdp_verify import agree_on_chunks, replica_samples
 from .hf_config import base_tensors, names_note, narrowed_note, shapes_note
 from .hf_names import checkpoint_names, transformers_saved_shapes
 from .layout import TensorSpec
+from .masking import mask_url
 from .naming import Split, adapter_note
 
 log = logging.getLogger("fsdp_hotload")
-# The callback attached to each optimizer: a second one (a notebook cell run again) takes its place, instead of
-# both publishing every step to one deployment and failing each other's deltas.
-_ATTACHED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[HotloadCallback]]" = \
+# The callbacks attached to each optimizer: a second one publishing to the same bucket (a notebook cell run again)
+# takes the first one's place, instead of both publishing every step to one deployment and failing each other's
+# deltas. Callbacks publishing to other buckets (two regions, a policy and its draft model) all stay attached.
+_ATTACHED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[weakref.ref[HotloadCallback]]]" = \
     weakref.WeakKeyDictionary()
+
+
+def _clash(a: HotloadConfig, b: HotloadConfig) -> str | None:
+    """Why two callbacks must not both publish every step (the same bucket, whose retention would delete the
+    other's snapshots, or a deployment both signal), or None: two buckets and two fleets (a policy and its draft
+    model, one model in two regions) publish side by side from one optimizer."""
+    if a.bucket_url == b.bucket_url:
+        return f"publishing to {mask_url(b.bucket_url)}"
+    if a.hotload_api_url is not None and (a.hotload_api_url, a.account_id) == (b.hotload_api_url, b.account_id):
+        shared = sorted(set(a.deployments) & set(b.deployments))
+        if shared:
+            return f"signalling deployment {shared[0]}"
+    return None
+
+
+#: Callbacks one of whose attached optimizers was freed, and attach() has not run since (see _optimizer_gone).
+_ORPHANED: "weakref.WeakSet[HotloadCallback]" = weakref.WeakSet()
+_orphan_hook: list[Any] = []  # the one global step hook that reads _ORPHANED, registered at the first need
 
 
 def _optimizer_gone(ref: "weakref.ref[HotloadCallback]", kind: str) -> None:
     """An attached optimizer was freed while its callback's hooks were on. Why say it: a training loop that
     re-creates its optimizer (a schedule restart, a resumed run) without attaching the new one stops publishing
-    with no error at all, and the fleet serves a policy that grows older every step."""
+    with no error at all, and the fleet serves a policy that grows older every step. Said at the next step any
+    optimizer takes before ``attach()`` runs again, not at once: ``opt = AdamW(...); hot.attach(opt)`` frees the
+    old one before it attaches the new one, and is right."""
     cb = ref()
     if cb is None or not cb._hooks_on or cb.engine.closed:
         return
-    log.warning("hotload: the %s optimizer this HotloadCallback is attached to was freed (re-created?): nothing is "
-                "published from its steps any more; call attach() with the new optimizer(s)", kind)
+    cb._freed_optimizer = kind
+    _ORPHANED.add(cb)
+    if not _orphan_hook:  # one for the process, never removed: a hook may not leave the dict its step iterates
+        _orphan_hook.append(register_optimizer_step_post_hook(_stepped_unattached))
+
+
+def _stepped_unattached(*_: Any) -> None:
+    """An optimizer stepped: warn for each callback whose attached optimizer was freed and attach() not run since."""
+    for cb in list(_ORPHANED):
+        _ORPHANED.discard(cb)
+        if cb._hooks_on and not cb.engine.closed:
+            log.warning("hotload: the %s optimizer this HotloadCallback was attached to was freed, and an optimizer "
+                        "has stepped since without attach(): nothing is published from its steps; call attach() "
+                        "with the new optimizer(s)", cb._freed_optimizer)
 
 
 def _what_changed(old_specs: list[Any], specs: list[Any], old_layout: list[Any], layout: list[Any]) -> str:
@@ -205,6 +239,7 @@ class HotloadCallback:
         self._hooks_on = False  # whether attach()'s post-hooks publish (see detach)
         self._hook_thread: int | None = None  # the thread that attached them
         self._watches: list[weakref.finalize] = []  # one per attached optimizer: see _optimizer_gone
+        self._freed_optimizer = ""  # the kind of an attached optimizer that was freed (see _optimizer_gone)
 
     def _plan_names(self, split: Split | None, rename: Callable[[str], str | None] | None,
                     tie_word_embeddings: bool | None, include_buffers: bool, hf_names: bool) -> None:
@@ -237,7 +272,9 @@ class HotloadCallback:
     def _publish(self, step: int | None, background_copy: bool) -> bool:
         # Checked before it counts: a float is refused, not truncated, and a refused step leaves the count where
         # it was, so the optimizer hooks of attach() go on from the last step taken.
-        step = next_step(self._step if step is None else step, self.engine.latest_step)
+        if self.engine.closed:  # before the count moves, in attach()'s words
+            raise RuntimeError("HotloadCallback is closed: create a new one to publish again")
+        step = self.engine.checked_step(self._step if step is None else step)
         self._step = step + 1
         # views are built only on steps that publish
         # only a host copy runs beside the next forward; a device copy is ordered before it on the device
@@ -361,18 +398,24 @@ class HotloadCallback:
             raise RuntimeError("HotloadCallback is closed: create a new one to publish again")
         # checked here, as step() checks its steps: a float is refused, not truncated, and a step already taken is
         # refused now, not from inside the first optimizer.step()
-        start = None if first_step is None else next_step(first_step, self.engine.latest_step)
+        start = None if first_step is None else self.engine.checked_step(first_step)
         self.detach()
         if start is not None:
             self._step = start
         for opt in optimizers:
-            other = _ATTACHED.get(opt)
-            other = other() if other is not None else None
-            if other is not None and other is not self and other._hooks:
-                log.warning("hotload: another HotloadCallback was attached to this optimizer; its hooks are removed "
-                            "(close() it to stop its threads): two would publish every step to their deployments")
-                other.detach()
-            _ATTACHED[opt] = weakref.ref(self)
+            kept = []
+            for ref in _ATTACHED.get(opt, []):
+                other = ref()
+                if other is None or other is self or not other._hooks:
+                    continue
+                if (why := _clash(other.config, self.config)) is not None:
+                    log.warning("hotload: another HotloadCallback %s was attached to this optimizer; its hooks are "
+                                "removed (close() it to stop its threads): two would publish every step there, "
+                                "each failing the other's deltas", why)
+                    other.detach()
+                else:
+                    kept.append(ref)
+            _ATTACHED[opt] = [*kept, weakref.ref(self)]
         self._warn_unstepped(optimizers)
         background = self.config.async_copy
         stepped: set[int] = set()
@@ -422,6 +465,7 @@ class HotloadCallback:
         for watch in self._watches:
             watch.detach()
         self._watches = []
+        _ORPHANED.discard(self)
         if self._hooks and threading.get_ident() != self._hook_thread:
             # Another thread (a watchdog's close()): removing hooks while the trainer's optimizer.step() iterates
             # over them raises there ("OrderedDict mutated during iteration"). They stay, as no-ops.

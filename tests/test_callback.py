@@ -356,8 +356,8 @@ def test_a_refused_step_is_not_truncated_and_does_not_move_the_count(tmp_path: P
     with HotloadCallback(model, HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf),
                                               busy_policy="wait")) as hot:
         hot.step(10)
-        for bad in (11.5, "12", True):
-            with pytest.raises(ValueError, match=f"non-negative integer, got {bad!r}"):
+        for bad in (11.5, "12", True, torch.tensor(True)):  # a bool tensor was taken as step 1 (or 0)
+            with pytest.raises(ValueError, match="non-negative integer, got"):
                 hot.step(bad)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="step 3 does not follow step 10"):
             hot.step(3)
@@ -365,6 +365,9 @@ def test_a_refused_step_is_not_truncated_and_does_not_move_the_count(tmp_path: P
         model(torch.randint(0, 40, (2, 8))).sum().backward()
         opt.step()
     assert [m.step for m in hot.metrics] == [10, 11] and all(m.ok for m in hot.metrics)
+    with pytest.raises(RuntimeError, match="HotloadCallback is closed: create a new one"):
+        hot.step()  # said as attach() says it, and the count stays
+    assert hot._step == 12
 
 
 def test_an_fp16_model_published_as_bf16_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

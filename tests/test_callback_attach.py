@@ -38,7 +38,7 @@ def test_a_second_callback_on_the_same_optimizer_takes_the_place_of_the_first(
     second = HotloadCallback(model, cfg)
     with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
         second.attach(opt)
-    assert "another HotloadCallback was attached to this optimizer" in caplog.text
+    assert "another HotloadCallback publishing to " in caplog.text and "was attached to this optimizer" in caplog.text
     assert len(opt._optimizer_step_post_hooks) == 1 and len(opt._optimizer_step_pre_hooks) == 1
     _train(model, opt, 2)
     second.wait()
@@ -49,6 +49,39 @@ def test_a_second_callback_on_the_same_optimizer_takes_the_place_of_the_first(
     assert [m.step for m in second.metrics] == [0, 1] and all(m.ok for m in second.metrics)
     rebuilt = rebuild_accepted(bucket, second.metrics)
     assert {k: t.digest() for k, t in rebuilt[second.metrics[-1].identity].items()} == want
+
+
+def test_callbacks_with_their_own_buckets_and_fleets_share_an_optimizer(tmp_path: Path) -> None:
+    """One optimizer, two callbacks publishing to two buckets (a policy and its draft model, or one model to two
+    regions): the second attach() removed the first one's hooks, and its fleet got no snapshot at all. Only a
+    callback on the same bucket, or signalling one of the same deployments, takes the other's place."""
+    from fsdp_hotload.callback import _clash
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    (bucket_a, hf), (bucket_b, _) = _setup(tmp_path / "a"), _setup(tmp_path / "b")
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    one = HotloadCallback(model, HotloadConfig(bucket_url=str(bucket_a), hf_config_dir=str(hf), busy_policy="wait"))
+    two = HotloadCallback(model, HotloadConfig(bucket_url=str(bucket_b), hf_config_dir=str(hf), busy_policy="wait"))
+    one.attach(opt)
+    two.attach(opt)
+    _train(model, opt, 2)
+    want = _expected(model)
+    one.close()
+    two.close()
+    for hot, bucket in ((one, bucket_a), (two, bucket_b)):
+        assert [m.step for m in hot.metrics] == [0, 1] and all(m.ok for m in hot.metrics)
+        rebuilt = rebuild_accepted(bucket, hot.metrics)
+        assert {k: t.digest() for k, t in rebuilt[hot.metrics[-1].identity].items()} == want
+
+    def api(bucket: Path, deployments: list[str], account: str = "acct") -> HotloadConfig:
+        return HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf), hotload_api_url="https://api.example",
+                             account_id=account, model_id="m", deployment_id=deployments, api_key="k")
+
+    assert _clash(api(bucket_a, ["d1", "d2"]), api(bucket_b, ["d2"])) == "signalling deployment d2"
+    assert _clash(api(bucket_a, ["d1"]), api(bucket_b, ["d2"])) is None
+    assert _clash(api(bucket_a, ["d1"]), api(bucket_b, ["d1"], account="other")) is None
+    assert _clash(api(bucket_a, ["d1"]), api(bucket_a, ["d2"])) == f"publishing to {bucket_a}"
 
 
 def test_a_watchdogs_close_leaves_the_optimizers_hooks_to_the_training_thread(tmp_path: Path) -> None:
@@ -125,8 +158,10 @@ def test_detach_on_the_training_thread_still_removes_the_hooks(tmp_path: Path) -
 def test_an_attached_optimizer_that_is_freed_is_warned_about(tmp_path: Path,
                                                              caplog: pytest.LogCaptureFixture) -> None:
     """A loop that re-creates its optimizer without attaching the new one stopped publishing with no word: the
-    hooks went with the old optimizer. Now a warning says so, at once (no cycle keeps the optimizer alive until
-    a collection); an optimizer replaced by attach(), or freed after close(), is not warned about."""
+    hooks went with the old optimizer. Now a warning says so at the next optimizer step (no cycle keeps the
+    optimizer alive until a collection). The right pattern, ``opt = AdamW(...); hot.attach(opt)``, frees the old
+    one before it attaches the new one: it was warned about too, and is not any more; nor is an optimizer
+    replaced by attach(), or freed after close()."""
     bucket, hf = _setup(tmp_path)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -136,8 +171,15 @@ def test_an_attached_optimizer_that_is_freed_is_warned_about(tmp_path: Path,
         _train(model, opt, 1)
         with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
             opt = torch.optim.AdamW(model.parameters(), lr=0.1)  # the old one is freed here
-            assert "the AdamW optimizer this HotloadCallback is attached to was freed" in caplog.text
+            hot.attach(opt)
+            _train(model, opt, 1)
+            assert "was freed" not in caplog.text
+            opt = torch.optim.AdamW(model.parameters(), lr=0.1)  # not attached this time
+            assert "was freed" not in caplog.text  # not yet: attach() may follow
+            _train(model, opt, 1)
+            assert caplog.text.count("the AdamW optimizer this HotloadCallback was attached to was freed") == 1
             caplog.clear()
+            _train(model, opt, 1)  # said once
             hot.attach(opt)
             _train(model, opt, 1)
             sgd = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -147,7 +189,7 @@ def test_an_attached_optimizer_that_is_freed_is_warned_about(tmp_path: Path,
             _train(model, opt, 1)
             hot.wait()
         assert "was freed" not in caplog.text
-        assert [m.step for m in hot.metrics] == [0, 1, 2] and all(m.ok for m in hot.metrics)
+        assert [m.step for m in hot.metrics] == [0, 1, 2, 3] and all(m.ok for m in hot.metrics)
     with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
         del opt
         gc.collect()
@@ -185,3 +227,23 @@ def test_optimizer_in_backward_publishes_each_step_bit_exact(how: str, tmp_path:
     rebuilt = rebuild_accepted(bucket, hot.metrics)
     for m, want in zip(hot.metrics, wants):
         assert {k: t.digest() for k, t in rebuilt[m.identity].items()} == want, m.step
+
+
+def test_a_step_too_long_for_an_identity_is_refused_at_the_call(tmp_path: Path) -> None:
+    """A step whose identity passes 128 characters failed on the publisher's thread, was logged as "a collective on
+    the publisher's side group failed", and publishing stopped for the rest of the job without an error."""
+    bucket, hf = _setup(tmp_path)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf), busy_policy="wait", identity_prefix="x" * 41)
+    with HotloadCallback(model, cfg) as hot:
+        hot.step(10**76)
+        with pytest.raises(ValueError, match="is 132 characters long"):
+            hot.step(10**80)
+        with pytest.raises(ValueError, match="is 132 characters long"):
+            hot.attach(opt, first_step=10**80)
+        hot.step(10**76 + 1)
+        hot.wait()
+    assert [m.step for m in hot.metrics] == [10**76, 10**76 + 1] and all(m.ok for m in hot.metrics)
+    rebuilt = rebuild_accepted(bucket, hot.metrics)
+    assert {k: t.digest() for k, t in rebuilt[hot.metrics[-1].identity].items()} == _expected(model)

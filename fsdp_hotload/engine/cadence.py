@@ -49,7 +49,9 @@ def next_step(given: object, latest: int) -> int:
     """``given`` as the trainer's next step, after ``latest``: any integer type (numpy's too), not a bool or a
     float, and larger than ``latest``, since steps name the snapshots (a step seen twice would overwrite one)."""
     try:
-        step = operator.index(given) if not isinstance(given, bool) else -1  # type: ignore[arg-type]
+        # a bool is not a step, nor a bool tensor (which operator.index takes as 0 or 1)
+        boolean = isinstance(given, bool) or str(getattr(given, "dtype", "")) in ("torch.bool", "bool")
+        step = operator.index(given) if not boolean else -1  # type: ignore[arg-type]
     except TypeError:
         step = -1
     if step < 0:

@@ -217,7 +217,7 @@ class Publisher:
             raise RuntimeError("publisher is closed")
         self.fence()  # its wait is the previous snapshot's blocking time, counted there
         t0 = time.perf_counter()
-        self.latest_step = step = next_step(step, self.latest_step)
+        self.latest_step = step = self.checked_step(step)
         self._stepping_thread = threading.get_ident()
         self._given_sources = sources is not None and not callable(sources)
         self._sources_fn = sources if callable(sources) else None
@@ -257,6 +257,14 @@ class Publisher:
         if raise_now or self.stopped is not None:  # after the agreement's turn, which every rank must take
             self.raise_if_failed()
         return buf is not None
+
+    def checked_step(self, given: object) -> int:
+        """``given`` as the next step (see :func:`next_step`), also refused (ValueError, on the caller's thread)
+        where it would make an identity no storage path can hold: on the publisher's thread that failure stopped
+        publishing for the rest of the job, reported as a failed collective."""
+        step = next_step(given, self.latest_step)
+        new_identity(step, prefix=self.config.identity_prefix, session=self.session)
+        return step
 
     def _start(self, step: int, buf: torch.Tensor, sources: Sources | None, background_copy: bool, t0: float
                ) -> None:
