@@ -153,7 +153,8 @@ class HotloadConfig(BaseModel):
     metrics_path: str | None = Field(None, description="append one JSON line per publish here (rank 0)")
     progress_log_s: float | None = Field(30.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False, description="while a "
                                          "publish runs longer than this, rank 0 logs its stage, files and bytes "
-                                         "written and replicas ready once per this many seconds; None = never")
+                                         "written and replicas ready once per this many seconds (other ranks, "
+                                         "their own copy, encode and uploads at 4x); None = never")
 
     @field_validator("codec")
     @classmethod

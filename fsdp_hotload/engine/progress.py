@@ -5,7 +5,8 @@ per-publish summary only comes at the end. Without a word in between, a slow buc
 healthy large upload look the same. So while a publish runs longer than ``progress_log_s``, rank 0 logs one line
 per interval: the stage, its own files and bytes written (and their rate), each deployment's replicas ready with
 the first one still loading, and how far the trainer has moved on. Nothing is logged for publishes shorter than
-the interval, which is every delta of a healthy job.
+the interval, which is every delta of a healthy job. The other ranks report their own copy, encode and uploads
+only, at four times the interval, so a rank whose part is stuck names itself while rank 0 waits for its files.
 
 The publisher thread only sets fields (a lock and a few integers per call); a separate daemon thread wakes once
 per interval while a publish is in flight, so a stage that blocks (an upload of one large file, a collective,
@@ -28,6 +29,8 @@ import time
 from typing import Any, Callable
 
 log = logging.getLogger("fsdp_hotload")
+#: Ranks other than 0 report their own part of a publish at this many times ``progress_log_s``.
+OTHER_RANKS_SLOWER = 4
 
 
 def _size(n: float) -> str:
@@ -50,17 +53,19 @@ class PublishProgress:
         self._lock = threading.Lock()
         self._stage = "starting"
         self._stage_t0 = t0
+        self._waits = False  # the stage waits for the other ranks (a collective), not for this rank's own work
         self._files_total = 0
         self._files_done = 0
         self._bytes_done = 0
         self._upload_t0 = self._upload_t1 = t0  # this rank's uploads: start, and its newest file written
         self._replicas: dict[str, tuple[int, int, str]] = {}  # deployment -> (ready, replicas, first not ready)
 
-    def stage(self, name: str, *, files: int | None = None) -> None:
-        """Enter a stage; ``files``: this rank's files to write in it (starts the byte count and rate)."""
+    def stage(self, name: str, *, files: int | None = None, waits_for_others: bool = False) -> None:
+        """Enter a stage; ``files``: this rank's files to write in it (starts the byte count and rate);
+        ``waits_for_others``: a collective, which only rank 0 reports (see :class:`ProgressLog`)."""
         now = time.perf_counter()
         with self._lock:
-            self._stage, self._stage_t0 = name, now
+            self._stage, self._stage_t0, self._waits = name, now, waits_for_others
             if files is not None:
                 self._files_total, self._files_done, self._bytes_done = files, 0, 0
                 self._upload_t0 = self._upload_t1 = now
@@ -82,6 +87,10 @@ class PublishProgress:
         with self._lock:
             self._replicas[deployment] = (len(replicas) - len(waiting), len(replicas), first)
 
+    def waits_for_others(self) -> bool:
+        with self._lock:
+            return self._waits
+
     def describe(self, now: float, trainer_step: int | None = None) -> str:
         """One line: what the publish does now, for how long, and how far it got."""
         with self._lock:
@@ -102,13 +111,19 @@ class PublishProgress:
 
 class ProgressLog:
     """Logs the publish in flight every ``interval_s`` once it has run that long (``None``: never; the
-    :class:`PublishProgress` objects are still made, so the publisher's calls need no checks)."""
+    :class:`PublishProgress` objects are still made, so the publisher's calls need no checks).
+
+    ``own_work_only`` (ranks other than 0): report only while this rank's own copy, encode or uploads run, each
+    line starting with ``prefix`` ("rank 3: "). Why: rank 0 reports the publish as a whole, but while it waits
+    for every rank's files it cannot tell whose are late; the late rank says so itself. The stages that wait for
+    other ranks are left to rank 0, so a slow rank does not make every other rank log that it waits."""
 
     def __init__(self, interval_s: float | None, *, trainer_step: Callable[[], int] | None = None,
-                 name: str = "hotload-progress") -> None:
+                 name: str = "hotload-progress", own_work_only: bool = False, prefix: str = "") -> None:
         self.interval_s = interval_s
         self._trainer_step = trainer_step
         self._name = name
+        self._own_work_only, self._prefix = own_work_only, prefix
         self._cond = threading.Condition()
         self._current: PublishProgress | None = None
         self._due = 0.0
@@ -162,9 +177,9 @@ class ProgressLog:
                 with self._cond:
                     # Under the lock end() takes, and with the time read now: a publish that ended meanwhile is
                     # not reported after its wait() returned, and the age is not the one from before the read.
-                    if self._current is not p:
+                    if self._current is not p or (self._own_work_only and p.waits_for_others()):
                         continue
-                    log.info("hotload: %s", p.describe(time.perf_counter(), step))
+                    log.info("hotload: %s%s", self._prefix, p.describe(time.perf_counter(), step))
                     self.lines += 1
             except Exception:  # noqa: BLE001
                 log.warning("hotload: could not report a publish's progress", exc_info=True)

@@ -62,7 +62,7 @@ from .exits import abandon, deadline_after, left, track
 from .jobs import Job, Outcome, PublishError, RankStatus
 from .metrics import MetricsSink
 from .pool import StoredError, serve_weakly, start_warm_up, stop_dropped, weak_getter
-from .progress import ProgressLog, PublishProgress
+from .progress import OTHER_RANKS_SLOWER, ProgressLog, PublishProgress
 from .signal import Signaller, warn_at_start
 from .staging import ChunkLike, Stager
 from .writer import FileWriter
@@ -173,9 +173,10 @@ class Publisher:
         self.agreements = Agreements(self.ctrl)  # the skip policy's, and close()'s vote
         self.early_agreement = False  # set while a caller starts each agreement with agree() (see there)
         self._copying: Job | None = None  # the job whose host copy runs on the stager's helper thread
-        self._progress = ProgressLog(config.progress_log_s if self.rank == 0 else None,
-                                     trainer_step=weak_getter(self, "latest_step"),
-                                     name=f"hotload-progress-{self.rank}")
+        every = config.progress_log_s
+        self._progress = ProgressLog(every if self.rank == 0 or every is None else every * OTHER_RANKS_SLOWER,
+                                     trainer_step=weak_getter(self, "latest_step"), name=f"hotload-progress-{self.rank}",
+                                     own_work_only=self.rank != 0, prefix=f"rank {self.rank}: " if self.rank else "")
         self._prog = PublishProgress("", "", -1, 0.0)  # the snapshot in flight, for the progress reports
         self.latest_step = -1
         self._last_staged = -1  # the newest step staged (publish_final publishes latest_step when it is newer)
@@ -564,7 +565,7 @@ class Publisher:
             st.error = f"rank {self.rank}: {exc if isinstance(exc, _CopyFailed) else f'encode failed: {exc!r}'}"
             outgoing = [[] for _ in range(self.world)]
         t0 = time.perf_counter()
-        prog.stage("routing pieces to the ranks that write each file")
+        prog.stage("routing pieces to the ranks that write each file", waits_for_others=True)
         incoming = self._route(outgoing, st)
         st.route_s = time.perf_counter() - t0
         if st.error is None:
@@ -573,7 +574,7 @@ class Publisher:
             except Exception as exc:  # noqa: BLE001
                 st.error = f"rank {self.rank}: upload failed: {exc!r}"
         st.blocking_ms = job.blocking_ms  # read late: a background copy's fence adds its wait to it
-        prog.stage("waiting for every rank's files")
+        prog.stage("waiting for every rank's files", waits_for_others=True)
         statuses = self.comm.gather(st)
         outcome = None if statuses is None else self.committer.finish(  # rank 0: commit, signal, wait
             job, identity, kind, parent, statuses, self._prog, abandoned=lambda: self.abandoned)
