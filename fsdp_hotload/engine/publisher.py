@@ -175,8 +175,9 @@ class Publisher:
         self._copying: Job | None = None  # the job whose host copy runs on the stager's helper thread
         every = config.progress_log_s
         self._progress = ProgressLog(every if self.rank == 0 or every is None else every * OTHER_RANKS_SLOWER,
-                                     trainer_step=weak_getter(self, "latest_step"), name=f"hotload-progress-{self.rank}",
-                                     own_work_only=self.rank != 0, prefix=f"rank {self.rank}: " if self.rank else "")
+                                     trainer_step=weak_getter(self, "latest_step"),
+                                     name=f"hotload-progress-{self.rank}", own_work_only=self.rank != 0,
+                                     prefix=f"rank {self.rank}: " if self.rank else "")
         self._prog = PublishProgress("", "", -1, 0.0)  # the snapshot in flight, for the progress reports
         self.latest_step = -1
         self._last_staged = -1  # the newest step staged (publish_final publishes latest_step when it is newer)
