@@ -59,6 +59,7 @@ from .commit import Committer
 from .comm import Comm, LocalComm, agree_on_start, exchange_objects
 from .encode import ChunkEncoder, auto_workers
 from .exits import abandon, deadline_after, left, track
+from .final import publish_newest
 from .jobs import Job, Outcome, PublishError, RankStatus
 from .metrics import MetricsSink
 from .pool import StoredError, serve_weakly, start_warm_up, stop_dropped, weak_getter
@@ -311,46 +312,7 @@ class Publisher:
         with self._api_lock:
             if self._closing:
                 raise RuntimeError("publisher is closed")
-            late: TimeoutError | None = None
-            try:
-                self.wait(timeout)
-            except TimeoutError as exc:
-                late = exc
-            if self.agreements.pending:  # an agreement for a step that never came: read it, it pairs
-                self.agreements.read(self._agreement_failed)
-            if self.config.keep_training_on_error:
-                self.raise_if_failed()  # logs it
-                if self.rank == 0 and self._last_accepted < self._last_staged == self.latest_step:
-                    # Not published again: a step's identity is never signalled twice (the fleet may hold it).
-                    log.warning("hotload: the newest step %d failed to publish (keep_training_on_error); the fleet "
-                                "ends on step %s", self.latest_step,
-                                self._last_accepted if self._last_accepted >= 0 else "none of this run")
-            sources = self._sources_fn if sources is None else sources
-            wanted = self.latest_step > self._last_staged
-            why = self._final_objection(sources) if wanted else None
-            if wanted and late is not None:
-                why = why or "close()'s timeout passed while snapshots were in flight"
-            vote = int(not wanted or why is not None)  # a broken rank votes too: ctrl is not the group that broke
-            if self.world > 1 and (self.agreements.failed is not None  # no vote can be taken: nobody publishes
-                                   or self.agreements.vote(vote)):
-                why = why or ("another rank cannot publish it" if wanted else None)  # one vote: all ranks, or none
-                wanted = False
-            if late is not None and self._pending:
-                raise late
-            if why is not None:
-                log.warning("hotload: the newest step %d is not published at close: %s (the last snapshot sent: "
-                            "step %d)", self.latest_step, why, self._last_staged)
-            if not wanted or why is not None:
-                return False
-            if self.rank == 0:
-                log.info("hotload: publishing step %d at close (the newest published before it: step %d)",
-                         self.latest_step, self._last_staged)
-            t0 = time.perf_counter()  # blocking_ms: the copy, as for any publish (not the wait for the others)
-            buf = self.stager.acquire(wait=True)
-            assert buf is not None
-            self._skipped -= self._skipped_newest
-            self._start(self.latest_step, buf, sources, False, t0)
-            return True
+            return publish_newest(self, sources, timeout)
 
     def _agreement_failed(self, exc: PublishError) -> None:
         """The skip policy's agreement failed: publishing stops, training goes on (see agreement.py); the error is
@@ -358,19 +320,6 @@ class Publisher:
         log.error("hotload: publishing stops for the rest of this job, training goes on (%s). If it timed out, "
                   "raise collective_timeout_s (now %.0f s).", exc, self.config.side_group_timeout_s)
         self._errors.store(PublishError(f"publishing stopped: {exc}"), self._staged)
-
-    def _final_objection(self, sources: object) -> str | None:
-        if self.agreements.failed is not None:
-            return "publishing stopped after the ranks' agreement failed"
-        if self._broken is not None:
-            return "publishing stopped after a collective failed"
-        if self._errors.due(self._staged) or self._carried is not None:
-            return "an earlier publish failed (raised by close)"
-        if threading.get_ident() != self._stepping_thread:
-            return "close() runs on another thread than the training steps, whose weights may be changing"
-        if self._given_sources and sources is None:
-            return "publish() was given its tensors, and close() was not given them again"
-        return None
 
     def agree(self, step: int) -> None:
         """Start the skip policy's cross-rank "every slot free?" reduction for the publish at ``step``.
