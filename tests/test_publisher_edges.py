@@ -523,3 +523,35 @@ def test_uploads_never_wait_for_a_slow_hint_endpoint(tmp_path: Path) -> None:
     assert [m.ok for m in pub.metrics] == [True, True]
     assert len(held) == 2 * len(model) and all(held)
     assert len(dep["hints"]) == 2 * len(model) and all(h["file_present"] for h in dep["hints"])
+
+
+def test_hint_threads_that_cannot_start_cost_the_snapshot_its_hints_only(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hints are best effort: "can't start new thread" for their pool leaves that snapshot without hints, and
+    the pool is tried again at the next one; the snapshot itself is published and served."""
+    from fsdp_hotload.emulator import HotLoadEmulator
+    from tests.test_publisher import API_KEY, config, expected_sha, served
+
+    bucket = str(tmp_path / "bucket")
+    model = _model()
+    start = threading.Thread.start
+    refused: list[str] = []
+
+    def refuse_a_hint_worker_once(self: threading.Thread) -> None:
+        if self.name.startswith("hotload-hint") and self.name.endswith("_1") and not refused:
+            refused.append(self.name)
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse_a_hint_worker_once)
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        with TensorPublisher(model, config(bucket, emu, tmp_path, upload_concurrency=2, busy_policy="wait")) as pub:
+            for step in range(2):
+                model["model.norm.weight"].add_(0.5)
+                pub.publish(step)
+                pub.wait(60)
+        (dep,) = emu.state()["deployments"].values()
+        assert served(emu) == [(pub.metrics[-1].identity, expected_sha(model))]
+    assert refused and [m.ok for m in pub.metrics] == [True, True]
+    assert {h["identity"] for h in dep["hints"]} == {pub.metrics[1].identity}
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("hotload-hint")]

@@ -86,12 +86,16 @@ class FileWriter:
             if (exc := f.exception()) is not None:
                 raise exc
 
-    def _hints_pool(self) -> DaemonPool:
+    def _hints_pool(self) -> DaemonPool | None:
         """Hints run on threads of their own. Why: on the upload worker, each hint's round trip (up to
         ``HINT_DEADLINE_S``) held back that worker's next upload, so a slow hint endpoint slowed every upload.
-        As many threads as upload workers send them at least as fast as the upload workers did."""
+        As many threads as upload workers send them at least as fast as the upload workers did. None (this
+        snapshot goes without hints) where they cannot start: a hint is never worth failing a snapshot for."""
         if self._hint_pool is None:
-            self._hint_pool = DaemonPool(self.concurrency, f"hotload-hint-{self.rank}")
+            try:
+                self._hint_pool = DaemonPool(self.concurrency, f"hotload-hint-{self.rank}")
+            except RuntimeError as exc:  # "can't start new thread"
+                log.warning("hotload: no hints for this snapshot (cannot start their threads: %s)", exc)
         return self._hint_pool
 
     def _hint(self, identity: str, filename: str, parent: str | None) -> None:
