@@ -110,30 +110,40 @@ class TensorPublisher:
     def __init__(self, tensors: Mapping[str, Any], config: HotloadConfig, **engine_kwargs: Any) -> None:
         config = config.checked()  # see HotloadConfig.checked
         self.names = list(tensors)
+        bad = [n for n in self.names if not isinstance(n, str) or not n]
+        if bad:  # before any name is split (the dtype policy, the layout)
+            raise ValueError(f"tensor names must be non-empty strings, got {bad[0]!r}")
         chunks = []
         copied = []
         policy = DtypePolicy.of(config.snapshot_dtype, config.dtype_overrides)
         for name in self.names:
+            # In its own shape: the stager copies a strided view (a transposed matrix) into its slot in C order in
+            # one copy, where flattening it first made a copy, kept as the chunk's source for the publisher's life.
             t = _as_torch(name, tensors[name])
-            flat = t.reshape(-1)
-            if flat.numel() and flat.data_ptr() != _place(tensors[name])[0]:
-                copied.append(name)  # a transposed view, a strided array: flattening it made a copy
-            box = Box.flat(0, flat.numel())
-            chunks.append(WholeChunk(name, tuple(t.shape), policy.code(name, t.dtype), "flat", box, flat))
+            if t.numel() and t.data_ptr() != _place(tensors[name])[0]:
+                copied.append(name)  # an array numpy had to copy (another byte order, negative strides)
+            box = Box.flat(0, t.numel())
+            chunks.append(WholeChunk(name, tuple(t.shape), policy.code(name, t.dtype), "flat", box, t))
         self._kinds = [(c.shape, c.source.dtype) for c in chunks]
-        # A copied tensor's chunk holds a copy frozen at construction: publish() without tensors then re-reads the
-        # caller's tensors.
-        self._live: dict[str, Any] | None = {n: tensors[n] for n in self.names} if copied else None
+        # The caller's tensors, read again by publish() without tensors: all of them at each publish where one was
+        # copied (its chunk holds a copy frozen at construction), else only to follow a swapped storage.
+        self._live: dict[str, Any] | None = {n: tensors[n] for n in self.names}
+        self._reread = bool(copied)
         # Where the construction tensors are, to know them when given again: their memory stays held (by the stager's
         # views of it, or by _live) until both let go of it, and these with them.
         self._origin: list[tuple[Any, ...]] | None = [_place(tensors[n]) for n in self.names]
         self._given_from: int | None = None  # the step of the first publish given other tensors
         if copied:
-            log.info("hotload: %d tensor(s) are not contiguous (first: %r); publish() without tensors copies them "
-                     "again at each publishing step", len(copied), copied[0])
+            log.info("hotload: %d array(s) had to be copied (another byte order, negative strides; first: %r); "
+                     "publish() without tensors copies them again at each publishing step", len(copied), copied[0])
         for note in policy.notes({c.name: c.source.dtype for c in chunks}):
             log.warning("hotload: %s", note)
         specs = [TensorSpec(c.name, c.shape, c.dtype) for c in chunks]
+        comm = engine_kwargs.get("comm")
+        if comm is not None and comm.world > 1:  # every rank's whole tensors would cover each tensor world times
+            raise ValueError(f"TensorPublisher publishes whole tensors from one process, and comm= spans {comm.world} "
+                             "ranks: build it on rank 0 alone from the gathered state dict, without comm= (or use "
+                             "HotloadCallback, which publishes a sharded model from every rank)")
         _warn_if_on_every_rank(engine_kwargs)
         self.engine = Publisher(chunks, specs, config, **engine_kwargs)
         del chunks  # the engine's stager holds the sources now, and lets go of them as they are replaced
@@ -151,47 +161,68 @@ class TensorPublisher:
         another stream must be waited for first (``torch.cuda.current_stream().wait_stream(s)``)."""
         sources = self._sources(tensors)
         if sources is not None:
+            started = self.engine.publish(step, sources)  # refused (a repeated step, another device): nothing let go
             if self._origin is not None:  # let go of the construction tensors (the stager's copy plans held them)
                 self._origin, self._live, self._given_from = None, None, step
                 self.engine.stager.forget_sources()
-            return self.engine.publish(step, sources)
+            return started
         if tensors is None and self._given_from is not None:
             raise ValueError(f"publish({step}) without tensors reads the tensors given at construction, which were "
                              f"let go when publish({self._given_from}) was given others: give every publish its "
                              "tensors")
-        if self._live is not None:
+        if self._reread:
             return self.engine.publish(step, self._read_live)  # called only on steps that publish; close too
+        self._follow_swaps()
         return self.engine.publish(step)
 
+    def _follow_swaps(self) -> None:
+        """Read the construction tensors from where they are now. Why: a Parameter whose storage was replaced
+        (``p.data = new``, a checkpoint loaded with ``assign=True``) is the same object in the caller's dict, while
+        the stager still read the memory it let go of: every later publish served the old weights, with no
+        error. Another shape or dtype (``model.bfloat16()``) is refused, naming the tensor."""
+        if self._live is None or self._origin is None:
+            return
+        places = [_place(self._live[n]) for n in self.names]
+        if places == self._origin:
+            return
+        sources = self._checked(self._live)
+        self.engine.fence()  # no copy may read the old sources while the stager lets go of them
+        self.engine.stager.rebind(sources)
+        self._origin = places
+
     def _read_live(self) -> list[torch.Tensor]:
-        """The construction tensors' current values, flattened (copies for the non-contiguous ones)."""
+        """The construction tensors' current values (copies for the arrays numpy must copy)."""
         assert self._live is not None
-        return [_as_torch(n, self._live[n]).reshape(-1) for n in self.names]
+        return self._checked(self._live)
 
     def _sources(self, tensors: Mapping[str, Any] | None) -> list[torch.Tensor] | None:
-        """Flat views of ``tensors`` in construction order, checked against the construction's shapes and dtypes;
+        """``tensors`` as torch tensors in construction order, checked against the construction's shapes and dtypes;
         None when there are none, or they are the construction tensors themselves (the same places), which the
         engine reads (again at ``close``, to publish a skipped newest step)."""
         if tensors is None:
             return None
+        given = self._checked(tensors)
+        origin = self._origin  # None once a tensor is not where its construction one is
+        if origin is not None and any(_place(tensors[n]) != o for n, o in zip(self.names, origin)):
+            origin = None
+        return None if origin is not None else given
+
+    def _checked(self, tensors: Mapping[str, Any]) -> list[torch.Tensor]:
+        """``tensors`` as torch tensors in construction order, with the construction's names, shapes and dtypes."""
         missing = [n for n in self.names if n not in tensors]
         if missing or len(tensors) != len(self.names):
             raise KeyError(f"publish needs exactly the tensors given at construction; missing {missing[:5]}, "
                            f"unexpected {sorted(set(tensors) - set(self.names))[:5]}")
         given = []
-        origin = self._origin  # None once a tensor is not where its construction one is
-        for k, (name, (shape, dtype)) in enumerate(zip(self.names, self._kinds)):
-            value = tensors[name]
-            t = _as_torch(name, value)
+        for name, (shape, dtype) in zip(self.names, self._kinds):
+            t = _as_torch(name, tensors[name])
             # Same element count is not enough: a transposed matrix, or an int tensor given floats, would be published
             # under the construction's shape and dtype without an error.
             if t.dtype != dtype or tuple(t.shape) != shape:
                 raise ValueError(f"tensor {name!r} is {t.dtype} {list(t.shape)}, and was {dtype} {list(shape)} at "
                                  "construction: give every publish the same shapes and dtypes")
-            if origin is not None and _place(value) != origin[k]:
-                origin = None
             given.append(t)
-        return None if origin is not None else [t.reshape(-1) for t in given]
+        return given
 
     def wait(self, timeout: float | None = None) -> None:
         self.engine.wait(timeout)
@@ -207,6 +238,9 @@ class TensorPublisher:
                propagating: bool | None) -> None:
         try:
             sources = self._sources(tensors) if raise_errors else None
+            newest_skipped = self.engine.latest_step > self.engine._last_staged
+            if raise_errors and tensors is None and newest_skipped and not self._reread and self._given_from is None:
+                self._follow_swaps()  # close() publishes the newest step: from where the tensors are now
         except Exception:
             self.engine.close(raise_errors=False, timeout=timeout)  # the threads still stop; the caller sees why
             raise

@@ -152,3 +152,82 @@ def test_close_lets_go_of_the_construction_tensors(tmp_path: Path) -> None:
     del tensors
     gc.collect()
     assert memory.expired() and [m.ok for m in pub.metrics] == [True]
+
+
+def test_a_transposed_tensor_is_not_copied_and_kept(tmp_path: Path) -> None:
+    """A transposed view (a gathered state dict's ``w.t()``) was flattened into a copy at construction, which the
+    stager kept for the publisher's life though every publish read the caller's tensor again (and flattened it into
+    another copy first): a whole extra copy of every such tensor. The stager reads strided views in place."""
+    from fsdp_hotload.engine.copies import storage_ptr
+    bucket = str(tmp_path / "bucket")
+    square, flat = torch.randn(12, 12), torch.randn(8)
+    tensors = {"model.lm_head.weight": square.t(), "model.norm.weight": flat}
+    expected = []
+    with TensorPublisher(tensors, config(bucket, None, tmp_path, busy_policy="wait", full_every=2)) as pub:
+        held = {storage_ptr(t) for t in pub.engine.stager._own}
+        assert held == {storage_ptr(square), storage_ptr(flat)}, "the stager holds a copy of a caller's tensor"
+        for step in range(3):
+            square.add_(1.0)
+            assert pub.publish(step)
+            expected.append(bf16_digests(tensors))
+            pub.wait()
+    assert rebuilt_digests(bucket, pub) == expected
+
+
+def test_a_refused_publish_keeps_the_construction_tensors(tmp_path: Path) -> None:
+    """A publish given other tensors that is refused (a repeated step, a tensor on another device) publishes nothing:
+    it must not let go of the construction tensors, after which every ``publish(step)`` was refused for good."""
+    bucket = str(tmp_path / "bucket")
+    tensors = gathered(0)
+    with TensorPublisher(tensors, config(bucket, None, tmp_path, busy_policy="wait")) as pub:
+        assert pub.publish(1)
+        pub.wait()
+        with pytest.raises(ValueError, match="step 1 does not follow step 1"):
+            pub.publish(1, gathered(1))
+        with pytest.raises(ValueError, match="source is on meta"):
+            pub.publish(2, {**gathered(2), "model.norm.weight": torch.empty(32, device="meta")})
+        tensors["model.norm.weight"].add_(1.0)
+        assert pub.publish(3)  # (a step refused while staging counts as seen)
+        pub.wait()
+    assert [m.step for m in pub.metrics] == [1, 3] and all(m.ok for m in pub.metrics)
+    assert rebuilt_digests(bucket, pub)[-1] == bf16_digests(tensors)
+
+
+def test_a_parameter_whose_storage_is_swapped_is_published_from_its_new_memory(tmp_path: Path) -> None:
+    """``TensorPublisher(dict(model.named_parameters()))`` then ``p.data = new`` (a checkpoint loaded with
+    ``assign=True``): the dict holds the same Parameter, while the stager read the memory it let go of, so every
+    later ``publish(step)`` served the old weights without an error. Now it follows the swap, at close too, and
+    a swap to another dtype is refused, naming the tensor."""
+    bucket = str(tmp_path / "bucket")
+    model = torch.nn.Linear(8, 16)
+    params = dict(model.named_parameters())
+    expected = []
+    with TensorPublisher(params, config(bucket, None, tmp_path, busy_policy="wait", publish_every=2)) as pub:
+        for step in range(3):
+            if step:
+                model.weight.data = torch.randn(16, 8)  # a new storage under the same Parameter
+            pub.publish(step)
+            expected.append(bf16_digests(params))
+            pub.wait()
+        model.weight.data = torch.randn(16, 8)
+        pub.publish(3)  # not a publishing step: close() publishes it, from the newest memory
+        expected.append(bf16_digests(params))
+    assert [m.step for m in pub.metrics] == [0, 2, 3] and all(m.ok for m in pub.metrics)
+    assert rebuilt_digests(bucket, pub) == [expected[0], expected[2], expected[3]]
+    with TensorPublisher(params, config(bucket, None, tmp_path)) as pub:
+        model.bias.data = model.bias.data.half()
+        with pytest.raises(ValueError, match="tensor 'bias' is torch.float16 \\[16\\], and was torch.float32"):
+            pub.publish(0)
+
+
+def test_a_comm_over_several_ranks_is_refused_at_construction(tmp_path: Path) -> None:
+    """TensorPublisher makes whole-tensor chunks: given a comm over two ranks, every publish was staged, exchanged
+    and then failed ("chunks cover 32 elements of a 16-element tensor"), or construction failed on a hash of the
+    tensor specs. It is refused at once, saying what to do."""
+    from tests.thread_comm import Meeting, ThreadComm
+
+    with pytest.raises(ValueError, match="whole tensors from one process, and comm= spans 2 ranks: build it on rank 0"):
+        TensorPublisher(gathered(0), config(str(tmp_path / "bucket"), None, tmp_path),
+                        comm=ThreadComm(Meeting(2), 0, 2), ctrl=ThreadComm(Meeting(2), 0, 2))
+    with pytest.raises(ValueError, match="tensor names must be non-empty strings, got 0"):
+        TensorPublisher({0: torch.ones(2)}, config(str(tmp_path / "bucket"), None, tmp_path))
