@@ -44,9 +44,9 @@ from .masking import mask_url
 from .naming import Split, adapter_note
 
 log = logging.getLogger("fsdp_hotload")
-# The callbacks attached to each optimizer: a second one publishing to the same bucket (a notebook cell run again)
-# takes the first one's place, instead of both publishing every step to one deployment and failing each other's
-# deltas. Callbacks publishing to other buckets (two regions, a policy and its draft model) all stay attached.
+# The callbacks attached to each optimizer: a second one publishing to the same bucket or deployment (a notebook
+# cell run again) takes the first one's place, instead of both publishing every step there and failing each other's
+# deltas. Callbacks with their own buckets and fleets (a policy and its draft model) all stay attached (_clash).
 _ATTACHED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[weakref.ref[HotloadCallback]]]" = \
     weakref.WeakKeyDictionary()
 
