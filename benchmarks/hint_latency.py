@@ -4,7 +4,7 @@ Each file's hint is a POST to the hot-load API; across regions its round trip is
 This publishes delta snapshots of a model with ``--layers`` files (one layer per file) through a TensorPublisher
 with ``--workers`` upload workers, over a local bucket whose every file write is made longer by ``--put-ms``
 (standing in for an object store's round trip), and signals an in-process emulator through a real HTTP proxy
-that holds each hint for ``--hint-ms``. Printed per run: the median hook-to-served seconds and the median
+(``tests/http_fixture.forwarding``) that holds each hint for ``--hint-ms``. Printed per run: the median hook-to-served seconds and the median
 upload seconds. The baseline, in the same run, sends no hints. Where hints share the upload workers, each file
 costs a put plus a hint; where they run beside the uploads, a file costs the longer of the two.
 
@@ -16,13 +16,8 @@ import argparse
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.request import Request, urlopen
 
 import torch
 
@@ -32,49 +27,13 @@ sys.path.insert(0, str(REPO))
 API_KEY = "bench-key"
 
 
-@contextmanager
-def hint_proxy(target: str, hint_s: float) -> Iterator[str]:
-    """A loopback HTTP server that forwards every request to ``target``, each hint after ``hint_s``."""
-
-    class Proxy(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def _forward(self, method: str) -> None:
-            body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) if method == "POST" else None
-            if self.path.endswith("/hint"):
-                time.sleep(hint_s)
-            req = Request(target + self.path, data=body, method=method,
-                          headers={k: v for k, v in self.headers.items() if k.lower() != "host"})
-            with urlopen(req, timeout=60) as resp:
-                data, status = resp.read(), resp.status
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-            self._forward("GET")
-
-        def do_POST(self) -> None:  # noqa: N802
-            self._forward("POST")
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-
-
 def run(hints: bool, hint_s: float, put_s: float, layers: int, workers: int, deltas: int) -> tuple[float, float]:
     """Median (hook-to-served s, upload s) over ``deltas`` delta snapshots."""
     from fsdp_hotload.config import HotloadConfig
     from fsdp_hotload.emulator import HotLoadEmulator
     from fsdp_hotload.publish import TensorPublisher
     from fsdp_hotload.storage import Storage
+    from tests.http_fixture import forwarding
 
     real = Storage.put_bytes
 
@@ -88,7 +47,7 @@ def run(hints: bool, hint_s: float, put_s: float, layers: int, workers: int, del
     model = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(128, 128, generator=g) for i in range(layers)}
     try:
         with tempfile.TemporaryDirectory() as d, HotLoadEmulator(f"{d}/bucket", replicas=1, api_key=API_KEY) as emu, \
-                hint_proxy(emu.url, hint_s) as url:
+                forwarding(emu.url, lambda body: time.sleep(hint_s)) as url:
             (Path(d) / "hf").mkdir()
             (Path(d) / "hf" / "config.json").write_text('{"model_type": "llama"}')
             (Path(d) / "hf" / "tokenizer.json").write_text("{}")

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import datetime
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.request import Request, urlopen
 
 
 @contextmanager
@@ -27,6 +28,38 @@ def serve(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+@contextmanager
+def forwarding(target: str, before_hint: Callable[[bytes], None]) -> Iterator[str]:
+    """A loopback proxy that forwards every request to ``target`` (the emulator's URL) as it came, calling
+    ``before_hint(body)`` first for each per-file hint: a hint endpoint as slow, or as held back, as a test needs."""
+
+    class Forward(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _forward(self, method: str) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) if method == "POST" else None
+            if self.path.endswith("/hint"):
+                before_hint(body or b"")
+            req = Request(target + self.path, data=body, method=method,
+                          headers={k: v for k, v in self.headers.items() if k.lower() != "host"})
+            with urlopen(req, timeout=60) as resp:
+                data, status = resp.read(), resp.status
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            self._forward("GET")
+
+        def do_POST(self) -> None:  # noqa: N802
+            self._forward("POST")
+
+    with serve(Forward) as url:
+        yield url
 
 
 def tls_files(tmp_path: Path, host: str) -> tuple[Path, Path, Path]:

@@ -469,48 +469,24 @@ def test_uploads_never_wait_for_a_slow_hint_endpoint(tmp_path: Path) -> None:
     the hint endpoint (a real HTTP server in front of the emulator) answers a hint only once every file of its
     snapshot is in the bucket, or after 5 s: the uploads must all land while the hints are held, every hint is
     still delivered, after its file, and the fleet serves the trainer's bytes."""
-    from http.server import BaseHTTPRequestHandler
-    from urllib.request import Request, urlopen
-
     from fsdp_hotload.emulator import HotLoadEmulator
-    from tests.http_fixture import serve
+    from tests.http_fixture import forwarding
     from tests.test_publisher import API_KEY, config, expected_sha, served
 
     bucket = tmp_path / "bucket"
     g = torch.Generator().manual_seed(9)
     model = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(32, 16, generator=g) for i in range(6)}
     held: list[bool] = []  # per hint: whether every file of its snapshot was there when it was answered
+
+    def hold(body: bytes) -> None:
+        identity = json.loads(body)["snapshot"]["identity"]
+        end = time.monotonic() + 5
+        while len(list((bucket / identity).glob("*.safetensors"))) < len(model) and time.monotonic() < end:
+            time.sleep(0.02)
+        held.append(len(list((bucket / identity).glob("*.safetensors"))) == len(model))
+
     with HotLoadEmulator(str(bucket), replicas=1, api_key=API_KEY) as emu:
-
-        class HintsWait(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def _forward(self, method: str) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) if method == "POST" else None
-                if self.path.endswith("/hint"):
-                    identity = json.loads(body or b"{}")["snapshot"]["identity"]
-                    end = time.monotonic() + 5
-                    while len(list((bucket / identity).glob("*.safetensors"))) < len(model) and \
-                            time.monotonic() < end:
-                        time.sleep(0.02)
-                    held.append(len(list((bucket / identity).glob("*.safetensors"))) == len(model))
-                req = Request(emu.url + self.path, data=body, method=method,
-                              headers={k: v for k, v in self.headers.items() if k.lower() != "host"})
-                with urlopen(req, timeout=30) as resp:
-                    data, status = resp.read(), resp.status
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-                self._forward("GET")
-
-            def do_POST(self) -> None:  # noqa: N802
-                self._forward("POST")
-
-        with serve(HintsWait) as url:
+        with forwarding(emu.url, hold) as url:
             cfg = config(str(bucket), emu, tmp_path, hotload_api_url=url, upload_concurrency=2, busy_policy="wait")
             with TensorPublisher(model, cfg) as pub:
                 for step in range(2):
