@@ -4,9 +4,10 @@ Each file's hint is a POST to the hot-load API; across regions its round trip is
 This publishes delta snapshots of a model with ``--layers`` files (one layer per file) through a TensorPublisher
 with ``--workers`` upload workers, over a local bucket whose every file write is made longer by ``--put-ms``
 (standing in for an object store's round trip), and signals an in-process emulator through a real HTTP proxy
-(``tests/http_fixture.forwarding``) that holds each hint for ``--hint-ms``. Printed per run: the median hook-to-served seconds and the median
-upload seconds. The baseline, in the same run, sends no hints. Where hints share the upload workers, each file
-costs a put plus a hint; where they run beside the uploads, a file costs the longer of the two.
+(``tests/http_fixture.forwarding``) that holds each hint for ``--hint-ms``. Printed per run: the median
+hook-to-served seconds and the median upload seconds. The baseline, in the same run, sends no hints. Where hints
+share the upload workers, each file costs a put plus a hint; where they run beside the uploads, a file costs the
+longer of the two.
 
     python benchmarks/hint_latency.py [--hint-ms 200] [--put-ms 200] [--layers 16] [--workers 4] [--deltas 4]
 """
