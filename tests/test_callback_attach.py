@@ -6,6 +6,7 @@ import gc
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,37 @@ def test_a_watchdogs_close_leaves_the_optimizers_hooks_to_the_training_thread(tm
     _train(model, opt, 3)  # the hooks are still registered, and do nothing
     assert len(opt._optimizer_step_post_hooks) == 2 and user_hook_calls == [1] * 5
     assert [m.step for m in hot.metrics] == published == [0, 1]
+
+
+def test_close_publishes_the_newest_step_when_optimizers_step_on_autograds_thread(tmp_path: Path) -> None:
+    """An optimizer per parameter stepped inside backward: on CUDA autograd runs those hooks on its device thread
+    while the training thread waits in backward(), so every publish came from that thread and close(), on the
+    training thread, refused to publish the skipped newest step ("another thread than the training steps"). Here
+    a helper thread runs each backward while the training thread waits for it, as autograd's device thread does."""
+    bucket, hf = _setup(tmp_path)
+    model = Net()
+    opts = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+
+    def step_in_backward(p: torch.Tensor) -> None:
+        opts[p].step()
+        opts[p].zero_grad()
+
+    for p in opts:
+        p.register_post_accumulate_grad_hook(step_in_backward)
+    cfg = HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf), busy_policy="wait", publish_every=3)
+    hot = HotloadCallback(model, cfg)
+    hot.attach(*opts.values())
+    stepping: set[int | None] = set()
+    for _ in range(5):
+        with ThreadPoolExecutor(1) as device_thread:  # a new thread each time; backward's error is raised here
+            device_thread.submit(model(torch.randint(0, 40, (2, 8))).sum().backward).result()
+        stepping.add(hot.engine._stepping_thread)
+    assert None not in stepping and threading.get_ident() not in stepping  # every step ran on another thread
+    want = _expected(model)
+    hot.close()
+    assert [m.step for m in hot.metrics] == [0, 3, 4] and all(m.ok for m in hot.metrics)
+    rebuilt = rebuild_accepted(bucket, hot.metrics)
+    assert {k: t.digest() for k, t in rebuilt[hot.metrics[-1].identity].items()} == want
 
 
 def test_attach_names_trainable_parameters_no_given_optimizer_updates(tmp_path: Path,

@@ -71,7 +71,7 @@ def objection(pub: Any, sources: object) -> str | None:
         return "publishing stopped after a collective failed"
     if pub._errors.due(pub._staged) or pub._carried is not None:
         return "an earlier publish failed (raised by close)"
-    if threading.get_ident() != pub._stepping_thread:
+    if threading.get_ident() not in (pub._stepping_thread, pub.driving_thread):
         return "close() runs on another thread than the training steps, whose weights may be changing"
     if pub._given_sources and sources is None:
         return "publish() was given its tensors, and close() was not given them again"
