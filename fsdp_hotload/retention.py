@@ -1,10 +1,9 @@
-"""Commit markers and retention: which snapshots in the bucket are complete, and which may go.
+"""Retention: which committed snapshots may go, and deleting them (and what crashed writers left) safely.
 
-Object stores have no rename, so a snapshot cannot appear atomically. Instead the publisher uploads every file
-first and then writes ``<identity>/hotload.commit.json`` last; readers treat a snapshot directory without it as
-incomplete. The marker also records the lineage (kind and parent identity) that retention needs: a delta is
-useless without its parent, so deleting a base that a kept delta chain still leads back to would break every
-replica that follows that chain.
+A snapshot is complete once its commit marker is written (:mod:`fsdp_hotload.markers`, whose names are re-exported
+here). The marker records the lineage (kind and parent identity) that retention needs: a delta is useless without
+its parent, so deleting a base that a kept delta chain still leads back to would break every replica that follows
+that chain.
 
 Example::
 
@@ -15,19 +14,18 @@ Example::
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from .hf_config import AUX_SUBFOLDERS, is_aux_file
 from .identity import validate_identity
 from .layout import INDEX_FILENAME, SPEC_FILENAME
+from .markers import (COMMIT_FORMAT, COMMIT_MARKER, COMMIT_VERSION, CommitInfo, CommitMarkerError, MarkerCache,
+                      _is_identity, _marker_path, _snapshot_dirs, list_committed, read_commit_marker, session_of,
+                      write_commit_marker)
 from .storage_errors import StorageError
 from .storage_local import TMP_PREFIX
 
@@ -49,134 +47,10 @@ __all__ = [
     "apply_retention",
     "live_sessions",
     "session_of",
+    "MarkerCache",
 ]
 
 logger = logging.getLogger(__name__)
-
-COMMIT_MARKER = "hotload.commit.json"
-COMMIT_FORMAT = "hotload-commit"
-COMMIT_VERSION = 1
-_KINDS = ("full", "delta")
-
-
-class CommitMarkerError(ValueError):
-    """A commit marker is malformed, or does not match the files it claims; the message names its URI."""
-
-
-
-@dataclass
-class CommitInfo:
-    """The content of a commit marker: one complete snapshot and where it sits in its chain.
-
-    Example::
-
-        CommitInfo("step-8-a1b2", "delta", parent_identity="step-4-a1b2",
-                   files={"model-00000.safetensors": {"size": 1234}})
-    """
-
-    identity: str
-    kind: str
-    parent_identity: str | None = None
-    files: dict[str, dict[str, int]] = field(default_factory=dict)
-    created_at: float = field(default_factory=time.time)
-
-    def __post_init__(self) -> None:
-        validate_identity(self.identity)
-        if self.kind not in _KINDS:
-            raise ValueError(f"snapshot {self.identity}: kind must be 'full' or 'delta', got {self.kind!r}")
-        if self.kind == "delta":
-            validate_identity(self.parent_identity, what=f"snapshot {self.identity}: parent_identity")
-            if self.parent_identity == self.identity:
-                raise ValueError(f"snapshot {self.identity}: a delta cannot be its own parent")
-        elif self.parent_identity is not None:
-            raise ValueError(f"snapshot {self.identity}: a full snapshot has no parent_identity, "
-                             f"got {self.parent_identity!r}")
-        if not isinstance(self.files, dict):
-            raise ValueError(f"snapshot {self.identity}: files must be an object, got {type(self.files).__name__}")
-        for rel, meta in self.files.items():
-            parts = rel.split("/") if isinstance(rel, str) else [""]
-            if any(p in ("", ".", "..") for p in parts) or rel == COMMIT_MARKER:
-                raise ValueError(f"snapshot {self.identity}: bad file name {rel!r}")
-            size = meta.get("size") if isinstance(meta, dict) else None
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise ValueError(f"snapshot {self.identity}: file {rel!r} needs a non-negative int 'size', "
-                                 f"got {meta!r}")
-        if (not isinstance(self.created_at, (int, float)) or isinstance(self.created_at, bool)
-                or not math.isfinite(self.created_at)):
-            raise ValueError(f"snapshot {self.identity}: created_at must be a finite number, "
-                             f"got {self.created_at!r}")
-        self.created_at = float(self.created_at)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(meta["size"] for meta in self.files.values())
-
-    def to_json(self) -> dict[str, Any]:
-        return {"format": COMMIT_FORMAT, "version": COMMIT_VERSION, "identity": self.identity, "kind": self.kind,
-                "parent_identity": self.parent_identity,
-                "files": {rel: {"size": meta["size"]} for rel, meta in sorted(self.files.items())},
-                "created_at": self.created_at}
-
-    @classmethod
-    def from_json(cls, obj: Any, *, source: str = "<commit marker>") -> CommitInfo:
-        """Parse and validate a marker's JSON object; errors name ``source`` (the marker's URI)."""
-        if not isinstance(obj, dict):
-            raise CommitMarkerError(f"{source}: expected a JSON object, got {type(obj).__name__}")
-        if obj.get("format") != COMMIT_FORMAT:
-            raise CommitMarkerError(f"{source}: format is {obj.get('format')!r}, expected {COMMIT_FORMAT!r}")
-        version = obj.get("version")
-        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-            raise CommitMarkerError(f"{source}: bad version {version!r}")
-        if version > COMMIT_VERSION:
-            raise CommitMarkerError(f"{source}: version {version} is newer than this reader "
-                                    f"(supports {COMMIT_VERSION}); upgrade hotload")
-        missing = [k for k in ("identity", "kind", "files", "created_at") if k not in obj]
-        if missing:
-            raise CommitMarkerError(f"{source}: missing field(s) {', '.join(missing)}")
-        try:
-            return cls(identity=obj["identity"], kind=obj["kind"], parent_identity=obj.get("parent_identity"),
-                       files=obj["files"], created_at=obj["created_at"])
-        except (ValueError, TypeError, AttributeError) as exc:
-            raise CommitMarkerError(f"{source}: {exc}") from exc
-
-
-def _marker_path(identity: str) -> str:
-    return f"{validate_identity(identity)}/{COMMIT_MARKER}"
-
-
-def write_commit_marker(storage: Storage, info: CommitInfo, *, verify: bool = True) -> None:
-    """Mark a snapshot complete. Call it only after every file is durable: readers take it as the signal.
-
-    With ``verify`` (default) the snapshot's listing is checked first, so a marker never vouches for a file that
-    is missing or has the wrong size (one listing call, not one request per file).
-    """
-    path = _marker_path(info.identity)
-    if verify:
-        listing = storage.list_info(info.identity)
-        for rel, meta in sorted(info.files.items()):
-            found = listing.get(f"{info.identity}/{rel}")
-            if found is None:
-                raise CommitMarkerError(f"cannot commit {storage.uri(path)}: {storage.uri(info.identity + '/' + rel)}"
-                                        f" is missing")
-            if found.size != meta["size"]:
-                raise CommitMarkerError(f"cannot commit {storage.uri(path)}: {rel} has {found.size} bytes, "
-                                        f"the marker says {meta['size']}")
-    storage.put_bytes(path, json.dumps(info.to_json(), indent=1, sort_keys=True).encode())
-
-
-def commit_snapshot(storage: Storage, identity: str, kind: str, parent: str | None, weight_files: dict[str, int],
-                    small_files: dict[str, bytes], before_marker: Callable[[], None] | None = None) -> None:
-    """Write a snapshot's small files (configs, tokenizer, index and spec), then its commit marker over them and
-    the weight files already uploaded (name: bytes). Why in this order: the marker is what readers wait for.
-    ``before_marker`` may raise to leave the snapshot uncommitted (its writer was given up on meanwhile)."""
-    storage.put_many({f"{identity}/{k}": v for k, v in small_files.items()})
-    if before_marker is not None:
-        before_marker()
-    sizes = {**weight_files, **{k: len(v) for k, v in small_files.items()}}
-    write_commit_marker(storage, CommitInfo(identity=identity, kind=kind,
-                                            parent_identity=parent if kind == "delta" else None,
-                                            files={k: {"size": n} for k, n in sizes.items()},
-                                            created_at=time.time()))
 
 
 def _is_shard(relpath: str) -> bool:
@@ -197,83 +71,6 @@ def discard_snapshot(storage: Storage, identity: str) -> None:
         _delete_files(storage, identity)
     except Exception as exc:  # noqa: BLE001 - a later run's retention (keep_last) sweeps it
         logger.warning("hotload: could not delete the files of failed snapshot %s: %s", identity, exc)
-
-
-def read_commit_marker(storage: Storage, identity: str) -> CommitInfo | None:
-    """The snapshot's marker, or None when it has none (incomplete, or still uploading)."""
-    path = _marker_path(identity)
-    uri = storage.uri(path)
-    try:
-        raw = storage.get_bytes(path)
-    except FileNotFoundError:
-        return None
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CommitMarkerError(f"{uri}: not valid JSON ({exc})") from exc
-    info = CommitInfo.from_json(obj, source=uri)
-    if info.identity != identity:
-        raise CommitMarkerError(f"{uri}: names identity {info.identity!r} but lives in directory {identity!r}")
-    return info
-
-
-def _is_identity(name: str) -> bool:
-    try:
-        validate_identity(name)
-    except ValueError:
-        return False
-    return True
-
-
-_foreign_lock = threading.Lock()
-_foreign_logged: set[str] = set()
-
-
-def _snapshot_dirs(storage: Storage) -> list[str]:
-    """The directories under the root whose names could be snapshot identities.
-
-    The root may be shared with other tools (``my logs``, ``.trash``, ``date=2024``); a name no publisher could
-    have written is not ours, so it is skipped (never read, never deleted) instead of failing every retention
-    pass. Each such name is logged once per process.
-    """
-    ours: list[str] = []
-    for name in storage.list_dirs():
-        if _is_identity(name):
-            ours.append(name)
-            continue
-        uri = storage.uri(name)
-        with _foreign_lock:
-            if uri in _foreign_logged:
-                continue
-            _foreign_logged.add(uri)
-        logger.info("ignoring %s: its name is not a snapshot identity, so it is not a snapshot", uri)
-    return ours
-
-
-def list_committed(storage: Storage, *, strict: bool = True, dirs: list[str] | None = None) -> list[CommitInfo]:
-    """Every committed snapshot under the root, oldest first (by ``created_at``, then identity).
-
-    A malformed marker raises (``strict``, the default: retention must not act on a bucket it cannot read), or
-    is logged and skipped. Directories whose names are not identities are not snapshots and are skipped.
-    ``dirs``: the root's snapshot directories, when the caller has just listed them.
-    """
-    dirs = _snapshot_dirs(storage) if dirs is None else dirs
-    if not dirs:
-        return []
-
-    def read(identity: str) -> CommitInfo | None:
-        try:
-            return read_commit_marker(storage, identity)
-        except CommitMarkerError:
-            if strict:
-                raise
-            logger.warning("skipping snapshot %s: bad commit marker", storage.uri(identity), exc_info=True)
-            return None
-
-    workers = max(1, min(getattr(storage, "max_concurrency", 8), len(dirs)))
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hotload-markers") as pool:
-        infos = list(pool.map(read, dirs))
-    return sorted((i for i in infos if i is not None), key=lambda i: (i.created_at, i.identity))
 
 
 def _ancestors_closure(roots: Iterable[str], by_id: dict[str, CommitInfo]) -> set[str]:
@@ -374,11 +171,6 @@ def _step_of(identity: str) -> int:
     return int(identity.rsplit("-", 2)[1])
 
 
-def session_of(identity: str) -> str:
-    """The session part of an identity made by :func:`~fsdp_hotload.identity.new_identity` (its last field)."""
-    return identity.rsplit("-", 1)[-1]
-
-
 #: A session whose newest commit is younger than this is live (the default of ``retention_grace_s``): a trainer
 #: that publishes every few minutes may have committed a while ago and nothing since, and the snapshot its
 #: deployment serves must not go (its clock may also run behind this one's). Older, it is a finished run (a
@@ -465,20 +257,21 @@ def _abort_abandoned_uploads(storage: Storage, committed: list[CommitInfo], sess
 
 
 def retain_after(storage: Storage, keep_last: int, identity: str, *, session: str, since: float,
-                 grace_s: float = LIVE_GRACE_S, keep: Iterable[str] = ()) -> None:
+                 grace_s: float = LIVE_GRACE_S, keep: Iterable[str] = (), markers: MarkerCache | None = None) -> None:
     """:func:`apply_retention` once ``identity`` is served, protecting it and ``keep`` (snapshots the run reads
     from): a problem is logged, not raised, since the snapshot is served already and the next publish tries
     again."""
     try:
         apply_retention(storage, keep_last, protected={identity, *keep}, session=session, since=since,
-                        grace_s=grace_s)
+                        grace_s=grace_s, markers=markers)
     except Exception as exc:  # noqa: BLE001
         logger.warning("hotload: retention after %s failed (retried at the next publish): %s", identity, exc)
 
 
 def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] = frozenset(), *,
                     delete_incomplete: bool = False, session: str | None = None, since: float = 0.0,
-                    now: float | None = None, grace_s: float = LIVE_GRACE_S) -> list[str]:
+                    now: float | None = None, grace_s: float = LIVE_GRACE_S,
+                    markers: MarkerCache | None = None) -> list[str]:
     """Delete the snapshots :func:`plan_retention` gives up, and return their identities (in deletion order).
 
     With ``session`` (the caller's identity suffix) and ``since`` (when the caller started, ``time.time()``),
@@ -507,7 +300,7 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
     """
     protected = frozenset(protected)
     dirs = _snapshot_dirs(storage)
-    committed = list_committed(storage, dirs=dirs)
+    committed = list_committed(storage, dirs=dirs, markers=markers)
     by_id = {c.identity: c for c in committed}
     now = time.time() if now is None else now
     live = live_sessions(committed, session, since, now, grace_s=grace_s) if session is not None else {}
@@ -530,6 +323,8 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
     doomed = plan_retention(committed, keep_last, protected, frozenset(dirs))
     deleted: list[str] = []
     for identity in sorted(doomed, key=lambda i: (by_id[i].created_at, i), reverse=True):
+        if markers is not None:
+            markers.forget(identity)
         storage.delete_prefix(_marker_path(identity))
         _delete_files(storage, identity)
         deleted.append(identity)

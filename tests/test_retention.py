@@ -835,3 +835,54 @@ def test_a_run_continuing_from_an_earlier_runs_snapshot_under_the_root_keeps_it(
     assert [m.ok for m in pub.metrics] == [True] * 3
     assert [c.identity for c in list_committed(Storage(str(bucket)))] == [first, pub.metrics[-1].identity]
     assert f"retention keeps {bucket / first}: hf_config_dir reads from it" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_a_publishers_passes_read_only_the_markers_they_have_not_read(kind: str,
+                                                                     make_storage: Callable[..., Storage]) -> None:
+    """Retention keeps the newest full snapshot's whole chain, and read every marker of it on each pass: a GET
+    per snapshot on every publish with a long chain (``full_every=1000``). A publisher's passes now read only
+    markers they have not read, and decide exactly as a pass that reads them all (checked on a second bucket)."""
+    from fsdp_hotload.retention import MarkerCache
+
+    ours, theirs, t0 = "a1b2c3d4", "0f0f0f0f", time.time()
+    cached, fresh = make_storage(kind), make_storage(kind)
+    markers = MarkerCache(ours)
+    files = {"model-00001-of-00001.safetensors": {"size": 2}}
+
+    def commit(step: int, parent: int | None, session: str = ours, at: float | None = None) -> str:
+        name = f"step-{step:06d}-{session}"
+        info = CommitInfo(name, "delta" if parent is not None else "full",
+                          None if parent is None else f"step-{parent:06d}-{session}", files,
+                          t0 + step if at is None else at)
+        for st in (cached, fresh):
+            _publish(st, info)
+        return name
+
+    def passes(served: str) -> int:
+        """One pass on each bucket; the GETs of the cached one."""
+        before = cached.stats.snapshot()["gets"]
+        kept = apply_retention(cached, 2, {served}, session=ours, since=t0, grace_s=60, markers=markers)
+        assert kept == apply_retention(fresh, 2, {served}, session=ours, since=t0, grace_s=60)
+        assert cached.list_dirs() == fresh.list_dirs()
+        return int(cached.stats.snapshot()["gets"] - before)
+
+    commit(1, None, "99999999", at=t0 - 7200)  # a finished run's: it goes at the first pass
+    for step in (1, 2):  # a live publisher's (another session): kept, and read again at every pass
+        commit(step, None if step == 1 else 1, theirs)
+    newest = commit(0, None)
+    for step in range(1, 31):
+        newest = commit(step, step - 1)
+    assert passes(newest) == 34  # the first pass reads them all
+    for step in range(31, 34):
+        newest = commit(step, step - 1)
+        assert passes(newest) == 3  # then only the new one, and the other publisher's
+    for st in (cached, fresh):  # that publisher's own retention deletes one of its snapshots
+        st.delete_prefix(f"step-000002-{theirs}/{COMMIT_MARKER}")
+    newest = commit(34, None)
+    assert passes(newest) == 2  # a full: the old chain goes, its markers forgotten
+    newest = commit(35, 34)
+    assert passes(newest) == 2
+    assert sorted(markers.reusable(cached.list_dirs())) == [f"step-0000{s}-{ours}" for s in (34, 35)]
+    assert [c.identity for c in list_committed(cached)] == [f"step-000001-{theirs}",
+                                                            *(f"step-0000{s}-{ours}" for s in (34, 35))]

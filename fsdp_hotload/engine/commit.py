@@ -15,13 +15,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..config import HotloadConfig
 from ..layout import ShardPlan
 from ..storage import Storage
 from .jobs import Job, Outcome, PublishError, RankStatus, summarize
 from .signal import Signaller
+
+if TYPE_CHECKING:
+    from ..markers import MarkerCache
 
 logger = logging.getLogger("fsdp_hotload")
 GAVE_UP = "close() gave up on it (close_timeout_s)"
@@ -39,6 +42,7 @@ class Committer:
         self._retention = threading.Condition()
         self._retaining = False  # a retention pass runs (on its own thread)
         self._retain_next: str | None = None  # the newest served identity it has yet to run for
+        self._markers: MarkerCache | None = None  # made at the first retention pass
         # hf_config_dir inside a local root (an earlier run's full snapshot this one continues from): read again at
         # every full (carry_base_tensors), so retention keeps it
         held = storage.folder_holding(config.hf_config_dir) if config.hf_config_dir else None
@@ -119,8 +123,11 @@ class Committer:
             self._retain_passes()
 
     def _retain_passes(self) -> None:
+        from ..markers import MarkerCache
         from ..retention import retain_after
 
+        if self._markers is None:
+            self._markers = MarkerCache(self.session)
         while True:
             with self._retention:
                 identity, self._retain_next = self._retain_next, None
@@ -129,7 +136,8 @@ class Committer:
                     self._retention.notify_all()
                     return
             retain_after(self.storage, self.config.keep_last, identity, session=self.session, since=self.started,
-                         grace_s=self.config.retention_grace_s, keep=self.inputs)  # logs, never raises
+                         grace_s=self.config.retention_grace_s, keep=self.inputs,
+                         markers=self._markers)  # logs, never raises
 
     def wait_retention(self, timeout: float | None = None) -> bool:
         """Wait for the retention pass in flight (close); False if it still runs after ``timeout`` seconds (it
@@ -139,7 +147,7 @@ class Committer:
 
     def _write_manifests(self, identity: str, kind: str, parent: str | None, files: dict[str, int],
                          abandoned: Callable[[], bool]) -> None:
-        from ..retention import commit_snapshot
+        from ..markers import commit_snapshot
 
         def check() -> None:  # a write of the small files that hung past close()'s deadline
             if abandoned():
