@@ -339,6 +339,17 @@ def test_unusable_input_exits_2(snapshots: tuple[Path, Path], tmp_path: Path) ->
     for cmd in (["apply", a, d, tmp_path / "r2"], ["verify", a, d]):
         res = run(*cmd, "--parent-identity", "bad name")
         assert res.returncode == 2 and "--parent-identity" in res.stderr and res.stderr.count("\n") <= 2, res.stderr
+    # what a writer killed mid-upload leaves on a local root: its temp files only, which no listing shows
+    from fsdp_hotload.storage_local import TMP_PREFIX
+
+    killed = tmp_path / "step-000009-a1b2c3d4"
+    killed.mkdir()
+    (killed / f"{TMP_PREFIX}model-00001-of-00002.safetensors.x1").write_bytes(b"part")
+    res = run("inspect", killed)
+    assert res.returncode == 2 and "holds only 1 temporary file(s) (.hotload-tmp-model-00001-of-00002" in res.stderr
+    assert "upload that has not finished or was killed" in res.stderr, res.stderr
+    res = run("inspect", tmp_path / "delta")
+    assert res.returncode == 0 and "temporary" not in res.stderr
 
 
 def test_diff_and_apply_carry_and_mark_sub_folder_files(snapshots: tuple[Path, Path], tmp_path: Path) -> None:

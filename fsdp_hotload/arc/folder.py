@@ -31,6 +31,8 @@ INDEX = "model.safetensors.index.json"
 # retention.COMMIT_MARKER, spelled out so the byte-format package does not import the storage layer. The marker
 # vouches for one snapshot's files, so it is never carried from an input folder into an output folder.
 COMMIT_MARKER = "hotload.commit.json"
+# storage_local.TMP_PREFIX, spelled out for the same reason: what a local write in progress (or killed) is named.
+TMP_PREFIX = ".hotload-tmp-"
 Progress = Callable[[int, int, str], None]
 
 
@@ -79,8 +81,11 @@ def _required_weight_files(folder: str, role: str) -> list[str]:
     and an empty folder must not pass as a verified snapshot."""
     names = weight_files(folder)
     if not names:
+        temp = sorted(n for n in os.listdir(folder) if n.startswith(TMP_PREFIX)) if os.path.isdir(folder) else []
+        why = (f": it holds only {len(temp)} temporary file(s) ({', '.join(temp[:2])}{', ...' * (len(temp) > 2)}) of an upload that has not finished "
+               "or was killed; a snapshot is complete once its hotload.commit.json is written" if temp else "")
         raise UnusableInputError(f"{role + ' ' if role else ''}folder {folder!r} has no weight files (no {INDEX} "
-                                 "naming any, and no *.safetensors file)")
+                                 f"naming any, and no *.safetensors file){why}")
     return names
 
 
