@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -275,18 +276,27 @@ def test_throttling_is_retried_and_counted(tmp_path: Path) -> None:
     assert m.ok and m.throttled == 2 and m.retries >= 2
 
 
-def test_restart_starts_with_full(tmp_path: Path) -> None:
+def test_restart_starts_with_full(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A restarted trainer's first snapshot is full, and its log says what the deployment served before it (the
+    earlier run's snapshot)."""
     bucket = str(tmp_path / "bucket")
     model = make_model()
     with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
         for run in range(2):
-            with TensorPublisher(model, config(bucket, emu, tmp_path)) as pub:
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="fsdp_hotload"), \
+                    TensorPublisher(model, config(bucket, emu, tmp_path)) as pub:
                 for step in range(3):
                     train_step(model, 10 * run + step)
                     pub.publish(step, model)
                     pub.wait()
             assert [m.kind for m in pub.metrics] == ["full", "delta", "delta"]
             assert served(emu)[0][1] == expected_sha(model)
+            said = [r.getMessage() for r in caplog.records if "is up (1 replica(s))" in r.getMessage()]
+            before = "serving no snapshot yet" if run == 0 else f"serving {last} (another run)"
+            assert said == [f"hotload: deployment accounts/acct/deployments/dep is up (1 replica(s)), {before}; "
+                            f"signalling {pub.metrics[0].identity}"], said
+            last = pub.metrics[-1].identity
 
 
 def test_publish_without_tensors_reads_non_contiguous_tensors_again(tmp_path: Path) -> None:

@@ -84,6 +84,7 @@ class Signaller:
         self._pool = DaemonPool(max(1, len(self.clients)), "hotload-signal")
         self._hints_failed: dict[str, str] = {}  # deployment -> the identity whose hints stopped after a failure
         self._managers_up: set[str] = set()  # deployments that reported a replica (safe to signal)
+        self._first_seen: dict[str, Any] = {}  # deployment -> the status that first reported a replica, until logged
         self._hint_lock = threading.Lock()
         # Top-level base config keys the snapshots leave out (a quantization_config without quantized weights):
         # sent with every signal, since the server rejects a key present in only one of the two configs.
@@ -145,6 +146,7 @@ class Signaller:
                 why = f"its status could not be read: {exc}"
             if not why:
                 self._managers_up.add(name)
+                self._first_seen[name] = st
                 return True
             self._hints_failed[name] = identity
             log.info("hotload: no hints for %s to %s: %s", identity, name, why)
@@ -162,9 +164,12 @@ class Signaller:
         new = [c for c in self.clients if c.deployment_name not in self._managers_up]
         if new:
             wait_s = min(MANAGER_WAIT_S, self.ready_timeout_s)
-            failed = self._on_each(new, lambda c: c.wait_manager(timeout_s=wait_s))
+            failed = self._on_each(new, lambda c: self._first_seen.__setitem__(c.deployment_name,
+                                                                                c.wait_manager(timeout_s=wait_s)))
             self._managers_up.update(c.deployment_name for c in new if c.deployment_name not in failed)
             _raise(failed)
+        for name in [c.deployment_name for c in self.clients if c.deployment_name in self._first_seen]:
+            _say_what_is_served(name, self._first_seen.pop(name), identity)  # once, by the rank that signals
         if previous is not None:  # every chain is checked before any deployment is signalled
             for c in self.clients:
                 if self.served[c.deployment_name] != previous:
@@ -206,6 +211,18 @@ class Signaller:
     def close(self) -> None:
         self.cancel()
         self._pool.shutdown()
+
+
+def _say_what_is_served(deployment: str, st: Any, identity: str) -> None:
+    """Before the first signal to a deployment, what it serves (once per publisher). Why: a restarted trainer's
+    first snapshot replaces what an earlier run left there, and a deployment that serves another run's snapshot
+    is also how two trainers on one deployment show."""
+    served = sorted({r.current_snapshot_identity for r in st.replicas if r.current_snapshot_identity})
+    ours = identity.rsplit("-", 1)[-1]
+    others = [s for s in served if s.rsplit("-", 1)[-1] != ours]
+    now = f"serving {', '.join(served)}{' (another run)' if others else ''}" if served else "serving no snapshot yet"
+    log.info("hotload: deployment %s is up (%d replica(s)), %s; signalling %s", deployment, len(st.replicas), now,
+             identity)
 
 
 def _raise(failed: dict[str, str]) -> None:
