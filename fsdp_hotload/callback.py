@@ -493,8 +493,8 @@ class HotloadCallback:
     def close(self, *, raise_errors: bool = True, timeout: float | None = None) -> None:
         """Publish the newest step if it was skipped (``config.publish_on_close``), wait for in-flight snapshots,
         stop the background threads, and free the side groups. Call it on the training thread of every rank: the
-        one that steps, or the one that called :meth:`attach` (an optimizer stepped inside backward runs its hooks
-        on autograd's device thread on CUDA). From another thread (a watchdog) it publishes nothing more.
+        one that steps or, where the hooks run on autograd's device thread (an optimizer stepped inside backward on
+        CUDA), the one that called :meth:`attach`. From another thread (a watchdog) it publishes nothing more.
 
         ``timeout`` (default ``config.close_timeout_s``) bounds the wait: past it, the snapshots in flight are
         abandoned and PublishError is raised; the side groups are then left for the process's exit, since a

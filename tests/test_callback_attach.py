@@ -138,6 +138,36 @@ def test_close_publishes_the_newest_step_when_optimizers_step_on_autograds_threa
     assert {k: t.digest() for k, t in rebuilt[hot.metrics[-1].identity].items()} == want
 
 
+def test_close_on_the_attaching_thread_publishes_nothing_more_while_another_thread_trains(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The thread that called attach() may publish the newest step at close where the steps ran on autograd's
+    device thread (above), not while a thread of the trainer's own is in the middle of a step: the snapshot would
+    mix two steps' weights under one step's name."""
+    bucket, hf = _setup(tmp_path)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hot = HotloadCallback(model, HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf), busy_policy="wait",
+                                               publish_every=3))
+    hot.attach(opt)
+    mid_step, closed = threading.Event(), threading.Event()
+
+    def hold_step_5(*_: object) -> None:  # runs after the callback's pre-step hook: the trainer is mid-step
+        if hot.engine.latest_step == 4:
+            mid_step.set()
+            closed.wait(60)
+
+    opt.register_step_pre_hook(hold_step_5)
+    with ThreadPoolExecutor(1) as trainer:
+        trained = trainer.submit(_train, model, opt, 6)
+        assert mid_step.wait(60)
+        with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+            hot.close()  # the watchdog, on the thread that attached
+        closed.set()
+        trained.result()
+    assert [m.step for m in hot.metrics] == [0, 3] and all(m.ok for m in hot.metrics)
+    assert "the newest step 4 is not published at close: close() runs on another thread" in caplog.text
+
+
 def test_attach_names_trainable_parameters_no_given_optimizer_updates(tmp_path: Path,
                                                                         caplog: pytest.LogCaptureFixture) -> None:
     bucket, hf = _setup(tmp_path)

@@ -184,6 +184,7 @@ class Publisher:
         self._last_staged = -1  # the newest step staged (publish_final publishes latest_step when it is newer)
         self._last_accepted = -1  # the newest step the fleet accepted (every rank knows each outcome)
         self._stepping_thread: int | None = None  # the thread of the newest publish(): the one training
+        self._stepper: threading.Thread | None = None  # the same, as an object: is it still alive, Python's own?
         # The thread that drives training where publish() runs on another: optimizer hooks run on autograd's
         # device thread when an optimizer steps inside backward on CUDA, while the training loop (and its close())
         # is on the thread that attached them. close() there may publish the newest step (see final.objection).
@@ -225,7 +226,7 @@ class Publisher:
         self.fence()  # its wait is the previous snapshot's blocking time, counted there
         t0 = time.perf_counter()
         self.latest_step = step = self.checked_step(step)
-        self._stepping_thread = threading.get_ident()
+        self._stepping_thread, self._stepper = threading.get_ident(), threading.current_thread()
         self._given_sources = sources is not None and not callable(sources)
         self._sources_fn = sources if callable(sources) else None
         self._skipped_newest = False
