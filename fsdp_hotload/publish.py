@@ -177,9 +177,10 @@ class TensorPublisher:
 
     def _follow_swaps(self) -> None:
         """Read the construction tensors from where they are now. Why: a Parameter whose storage was replaced
-        (``p.data = new``, a checkpoint loaded with ``assign=True``) is the same object in the caller's dict, while
-        the stager still read the memory it let go of: every later publish served the old weights, with no
-        error. Another shape or dtype (``model.bfloat16()``) is refused, naming the tensor."""
+        (``p.data = new``) is the same object in the caller's dict, while the stager still read the memory it let
+        go of: every later publish served the old weights, with no error. Another shape or dtype
+        (``model.bfloat16()``) is refused, naming the tensor. A new object on the module (``load_state_dict(sd,
+        assign=True)``) is not in the dict, so it cannot be followed: the README says to pass the tensors then."""
         if self._live is None or self._origin is None:
             return
         places = [_place(self._live[n]) for n in self.names]
