@@ -265,3 +265,29 @@ def test_the_metrics_name_the_slowest_rank(slow: int, tmp_path: Path, caplog: py
         assert any(s.startswith(f"hotload: {m.identity} ") and "waiting for every rank's files" in s for s in lines)
     else:
         assert own == [] and any(": uploading for " in s for s in lines), lines
+
+
+def test_a_rank_that_waited_for_a_slot_does_not_name_itself_slow(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """With the wait policy a publish waits for a free slot behind a slow rank 0, and each rank's report clock ran
+    from the publish call: rank 1's next own stage (a quick encode) was reported at once, naming rank 1 as the
+    late one. Now a rank other than 0 reports an own stage only once that stage has run the interval."""
+    bucket = str(tmp_path / "bucket")
+    cfg = HotloadConfig(bucket_url=bucket, busy_policy="wait", max_file_bytes=2 * N, progress_log_s=0.1)
+
+    def storage(rank: int) -> Storage:
+        return Storage(bucket, fs=FaultyFileSystem(fsspec.filesystem("file"), delay_s=1.0 if rank == 0 else 0.0))
+
+    pubs = two_ranks(cfg, [torch.ones(N), torch.ones(N)], storage=storage)
+
+    def train(rank: int) -> None:
+        for step in range(3):
+            assert pubs[rank].publish(step)
+        pubs[rank].close()
+
+    with caplog.at_level("INFO", logger="fsdp_hotload"):
+        run_ranks(train, 2)
+    assert [m.ok for m in pubs[0].metrics.records] == [True] * 3
+    lines = [r.getMessage() for r in caplog.records if "still publishing after" in r.getMessage()]
+    assert not [s for s in lines if s.startswith("hotload: rank 1: ")], lines
+    assert any("waiting for every rank's files" in s or "uploading" in s for s in lines), lines  # rank 0's

@@ -87,9 +87,10 @@ class PublishProgress:
         with self._lock:
             self._replicas[deployment] = (len(replicas) - len(waiting), len(replicas), first)
 
-    def waits_for_others(self) -> bool:
+    def own_stage_for(self, now: float) -> float:
+        """How long this rank's own work has run in the current stage (0 in a stage that waits for others)."""
         with self._lock:
-            return self._waits
+            return 0.0 if self._waits else now - self._stage_t0
 
     def describe(self, now: float, trainer_step: int | None = None) -> str:
         """One line: what the publish does now, for how long, and how far it got."""
@@ -113,10 +114,12 @@ class ProgressLog:
     """Logs the publish in flight every ``interval_s`` once it has run that long (``None``: never; the
     :class:`PublishProgress` objects are still made, so the publisher's calls need no checks).
 
-    ``own_work_only`` (ranks other than 0): report only while this rank's own copy, encode or uploads run, each
-    line starting with ``prefix`` ("rank 3: "). Why: rank 0 reports the publish as a whole, but while it waits
-    for every rank's files it cannot tell whose are late; the late rank says so itself. The stages that wait for
-    other ranks are left to rank 0, so a slow rank does not make every other rank log that it waits."""
+    ``own_work_only`` (ranks other than 0): report only a stage of this rank's own work (copy, encode, uploads)
+    that has itself run the interval, each line starting with ``prefix`` ("rank 3: "). Why: rank 0 reports the
+    publish as a whole, but while it waits for every rank's files it cannot tell whose are late; the late rank
+    says so itself. The stages that wait for other ranks are left to rank 0, so a slow rank does not make every
+    other rank log that it waits; and a publish that waited for a slot behind a slow rank 0 is old when its
+    quick encode starts, which is not this rank being late."""
 
     def __init__(self, interval_s: float | None, *, trainer_step: Callable[[], int] | None = None,
                  name: str = "hotload-progress", own_work_only: bool = False, prefix: str = "") -> None:
@@ -177,9 +180,10 @@ class ProgressLog:
                 with self._cond:
                     # Under the lock end() takes, and with the time read now: a publish that ended meanwhile is
                     # not reported after its wait() returned, and the age is not the one from before the read.
-                    if self._current is not p or (self._own_work_only and p.waits_for_others()):
+                    now = time.perf_counter()
+                    if self._current is not p or (self._own_work_only and p.own_stage_for(now) < self.interval_s):
                         continue
-                    log.info("hotload: %s%s", self._prefix, p.describe(time.perf_counter(), step))
+                    log.info("hotload: %s%s", self._prefix, p.describe(now, step))
                     self.lines += 1
             except Exception:  # noqa: BLE001
                 log.warning("hotload: could not report a publish's progress", exc_info=True)
