@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -240,8 +241,11 @@ class TensorPublisher:
         try:
             sources = self._sources(tensors) if raise_errors else None
             newest_skipped = self.engine.latest_step > self.engine._last_staged
-            if raise_errors and tensors is None and newest_skipped and not self._reread and self._given_from is None:
-                self._follow_swaps()  # close() publishes the newest step: from where the tensors are now
+            # close() publishes the newest step from where the tensors are now; not on another thread (a watchdog),
+            # where it publishes nothing more, and a rebind would race a publish() on the trainer's thread
+            if (raise_errors and tensors is None and newest_skipped and not self._reread and self._given_from is None
+                    and threading.get_ident() == self.engine._stepping_thread):
+                self._follow_swaps()
         except Exception:
             self.engine.close(raise_errors=False, timeout=timeout)  # the threads still stop; the caller sees why
             raise
