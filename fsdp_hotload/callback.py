@@ -51,11 +51,22 @@ _ATTACHED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[weakref.ref[Ho
     weakref.WeakKeyDictionary()
 
 
+def _root(url: str) -> str:
+    """A bucket URL as the storage layer reads it: "bucket", "./bucket/" and "file:///abs/bucket" are one root."""
+    from .storage_paths import normalise_root
+
+    try:
+        root = normalise_root(url)
+    except ValueError:
+        return url
+    return (root[len("file://"):] if root.startswith("file://") else root).rstrip("/")
+
+
 def _clash(a: HotloadConfig, b: HotloadConfig) -> str | None:
     """Why two callbacks must not both publish every step (the same bucket, whose retention would delete the
     other's snapshots, or a deployment both signal), or None: two buckets and two fleets (a policy and its draft
     model, one model in two regions) publish side by side from one optimizer."""
-    if a.bucket_url == b.bucket_url:
+    if _root(a.bucket_url) == _root(b.bucket_url):
         return f"publishing to {mask_url(b.bucket_url)}"
     if a.hotload_api_url is not None and (a.hotload_api_url, a.account_id) == (b.hotload_api_url, b.account_id):
         shared = sorted(set(a.deployments) & set(b.deployments))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -83,6 +84,8 @@ def test_callbacks_with_their_own_buckets_and_fleets_share_an_optimizer(tmp_path
     assert _clash(api(bucket_a, ["d1"]), api(bucket_b, ["d2"])) is None
     assert _clash(api(bucket_a, ["d1"]), api(bucket_b, ["d1"], account="other")) is None
     assert _clash(api(bucket_a, ["d1"]), api(bucket_a, ["d2"])) == f"publishing to {bucket_a}"
+    same = [str(bucket_a), f"{bucket_a}/", f"file://{bucket_a}", os.path.relpath(bucket_a)]
+    assert all(_clash(api(x, ["d1"]), api(y, ["d2"])) for x in same for y in same)  # type: ignore[arg-type]
 
 
 def test_a_watchdogs_close_leaves_the_optimizers_hooks_to_the_training_thread(tmp_path: Path) -> None:
