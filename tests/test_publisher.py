@@ -281,6 +281,7 @@ def test_restart_starts_with_full(tmp_path: Path, caplog: pytest.LogCaptureFixtu
     earlier run's snapshot)."""
     bucket = str(tmp_path / "bucket")
     model = make_model()
+    last = ""  # the identity the deployment serves when the second run starts
     with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
         for run in range(2):
             caplog.clear()

@@ -855,8 +855,8 @@ def test_a_publishers_passes_read_only_the_markers_they_have_not_read(kind: str,
         info = CommitInfo(name, "delta" if parent is not None else "full",
                           None if parent is None else f"step-{parent:06d}-{session}", files,
                           t0 + step if at is None else at)
-        for st in (cached, fresh):
-            _publish(st, info)
+        for root in (cached, fresh):
+            _publish(root, info)
         return name
 
     def passes(served: str) -> int:
@@ -877,8 +877,8 @@ def test_a_publishers_passes_read_only_the_markers_they_have_not_read(kind: str,
     for step in range(31, 34):
         newest = commit(step, step - 1)
         assert passes(newest) == 3  # then only the new one, and the other publisher's
-    for st in (cached, fresh):  # that publisher's own retention deletes one of its snapshots
-        st.delete_prefix(f"step-000002-{theirs}/{COMMIT_MARKER}")
+    for root in (cached, fresh):  # that publisher's own retention deletes one of its snapshots
+        root.delete_prefix(f"step-000002-{theirs}/{COMMIT_MARKER}")
     newest = commit(34, None)
     assert passes(newest) == 2  # a full: the old chain goes, its markers forgotten
     newest = commit(35, 34)
