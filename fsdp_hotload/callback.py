@@ -453,7 +453,7 @@ class HotloadCallback:
             watch = weakref.finalize(opt, _optimizer_gone, weakref.ref(self), type(opt).__name__)
             watch.atexit = False  # at the interpreter's exit nothing stopped publishing that would have gone on
             self._watches.append(watch)
-        self._hook_thread = self.engine.driving_thread = threading.get_ident()
+        self._hook_thread = threading.get_ident()
         self.engine.early_agreement = True
 
     def _warn_unstepped(self, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
@@ -503,9 +503,9 @@ class HotloadCallback:
 
     def close(self, *, raise_errors: bool = True, timeout: float | None = None) -> None:
         """Publish the newest step if it was skipped (``config.publish_on_close``), wait for in-flight snapshots,
-        stop the background threads, and free the side groups. Call it on the training thread of every rank: the
-        one that steps or, where the hooks run on autograd's device thread (an optimizer stepped inside backward on
-        CUDA), the one that called :meth:`attach`. From another thread (a watchdog) it publishes nothing more.
+        stop the background threads, and free the side groups. Call it on the training thread of every rank (the
+        one that publishes the steps); from another thread (a watchdog) it publishes nothing more, since the
+        weights may be changing under its copy.
 
         ``timeout`` (default ``config.close_timeout_s``) bounds the wait: past it, the snapshots in flight are
         abandoned and PublishError is raised; the side groups are then left for the process's exit, since a

@@ -246,7 +246,9 @@ class MarkerCache:
     ``full_every=1000`` that is a GET per snapshot of the chain on every publish. Only the caller's own session's
     markers are reused (its snapshots are deleted by its own passes, which :meth:`forget` them first), and only
     while their folder is still listed; other sessions' are read again each pass, since another publisher (or an
-    operator) may delete them. Bounded by the folders listed in the newest pass.
+    operator) may delete them. A marker of this session someone else removed (an operator retracting a snapshot)
+    would still count: :func:`~fsdp_hotload.retention.apply_retention` reads again those a pass keeps by count or
+    protects. Bounded by the folders listed in the newest pass.
 
     Example::
 
@@ -259,12 +261,14 @@ class MarkerCache:
         self.session = session
         self._known: dict[str, CommitInfo] = {}
         self._lock = threading.Lock()
+        self.reused: frozenset[str] = frozenset()  # the identities the newest pass took from here, not the store
 
     def reusable(self, dirs: list[str]) -> dict[str, CommitInfo]:
         """The markers known for ``dirs`` (the folders listed now); those of other folders are let go."""
         listed = set(dirs)
         with self._lock:
             self._known = {i: c for i, c in self._known.items() if i in listed}
+            self.reused = frozenset(self._known)
             return dict(self._known)
 
     def update(self, infos: Iterable[CommitInfo]) -> None:

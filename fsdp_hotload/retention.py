@@ -256,6 +256,27 @@ def _abort_abandoned_uploads(storage: Storage, committed: list[CommitInfo], sess
                     "failed upload of this run" if owner == session else "finished run")
 
 
+def _reread_kept(storage: Storage, committed: list[CommitInfo], keep_last: int, protected: frozenset[str],
+                 markers: MarkerCache) -> list[CommitInfo]:
+    """``committed`` with the markers taken from ``markers`` that the pass keeps by count (the newest ``keep_last``)
+    or protects read again, and those now gone left out. Why: a cached marker someone else removed (an operator
+    retracting a snapshot) took a ``keep_last`` place, and the snapshot an operator rolls back to went instead.
+    About ``keep_last`` GETs per pass; an older cached marker only adds parents to what is kept, or goes anyway."""
+    checked: set[str] = set()
+    while True:
+        by_id = {c.identity: c for c in committed}
+        suspects = ({c.identity for c in committed[-keep_last:]} | (protected & by_id.keys())) & markers.reused
+        suspects -= checked
+        if not suspects:
+            return committed
+        checked |= suspects
+        again = {c.identity: c for c in list_committed(storage, dirs=sorted(suspects))}
+        for identity in suspects - again.keys():
+            markers.forget(identity)
+            logger.info("retention: %s lost its commit marker since it was read", storage.uri(identity))
+        committed = [again.get(c.identity, c) for c in committed if c.identity in again or c.identity not in suspects]
+
+
 def retain_after(storage: Storage, keep_last: int, identity: str, *, session: str, since: float,
                  grace_s: float = LIVE_GRACE_S, keep: Iterable[str] = (), markers: MarkerCache | None = None) -> None:
     """:func:`apply_retention` once ``identity`` is served, protecting it and ``keep`` (snapshots the run reads
@@ -301,6 +322,8 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
     protected = frozenset(protected)
     dirs = _snapshot_dirs(storage)
     committed = list_committed(storage, dirs=dirs, markers=markers)
+    if markers is not None:
+        committed = _reread_kept(storage, committed, keep_last, protected, markers)
     by_id = {c.identity: c for c in committed}
     now = time.time() if now is None else now
     live = live_sessions(committed, session, since, now, grace_s=grace_s) if session is not None else {}

@@ -2,6 +2,7 @@
 that miss parameters, and the memory a closed callback lets go of. One process, an unsharded module."""
 from __future__ import annotations
 
+import _thread
 import gc
 import logging
 import os
@@ -110,12 +111,31 @@ def test_a_watchdogs_close_leaves_the_optimizers_hooks_to_the_training_thread(tm
     assert [m.step for m in hot.metrics] == published == [0, 1]
 
 
-def test_close_publishes_the_newest_step_when_optimizers_step_on_autograds_thread(tmp_path: Path) -> None:
-    """An optimizer per parameter stepped inside backward: on CUDA autograd runs those hooks on its device thread
-    while the training thread waits in backward(), so every publish came from that thread and close(), on the
-    training thread, refused to publish the skipped newest step ("another thread than the training steps"). Here
-    a helper thread runs each backward while the training thread waits for it, as autograd's device thread does."""
-    bucket, hf = _setup(tmp_path)
+def _backward_on_a_foreign_thread(loss: torch.Tensor) -> None:
+    """Run backward on a thread the threading module did not start (as autograd's device thread on CUDA, which
+    runs the hooks of optimizers stepped inside backward), while this thread waits for it."""
+    done, errors = threading.Event(), []
+
+    def run() -> None:
+        try:
+            loss.backward()
+        except BaseException as exc:  # noqa: BLE001 - raised on the waiting thread
+            errors.append(exc)
+        finally:
+            done.set()
+
+    _thread.start_new_thread(run, ())
+    assert done.wait(60)
+    if errors:
+        raise errors[0]
+
+
+def test_optimizers_stepped_on_autograds_thread_publish_their_final_step_with_step_after_backward(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An optimizer per parameter stepped inside backward: on CUDA autograd runs those hooks on its device thread,
+    so with attach() every publish came from there and close(), on the training thread, cannot know whether a step
+    is under way: it leaves a skipped newest step out, and says to call step() after backward() instead, which
+    publishes from the training thread, and then close() publishes the newest step."""
     model = Net()
     opts = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
 
@@ -125,27 +145,35 @@ def test_close_publishes_the_newest_step_when_optimizers_step_on_autograds_threa
 
     for p in opts:
         p.register_post_accumulate_grad_hook(step_in_backward)
-    cfg = HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf), busy_policy="wait", publish_every=3)
-    hot = HotloadCallback(model, cfg)
-    hot.attach(*opts.values())
-    stepping: set[int | None] = set()
-    for _ in range(5):
-        with ThreadPoolExecutor(1) as device_thread:  # a new thread each time; backward's error is raised here
-            device_thread.submit(model(torch.randint(0, 40, (2, 8))).sum().backward).result()
-        stepping.add(hot.engine._stepping_thread)
-    assert None not in stepping and threading.get_ident() not in stepping  # every step ran on another thread
-    want = _expected(model)
-    hot.close()
-    assert [m.step for m in hot.metrics] == [0, 3, 4] and all(m.ok for m in hot.metrics)
-    rebuilt = rebuild_accepted(bucket, hot.metrics)
-    assert {k: t.digest() for k, t in rebuilt[hot.metrics[-1].identity].items()} == want
+    for attach in (True, False):
+        (tmp_path / str(attach)).mkdir()
+        bucket, hf = _setup(tmp_path / str(attach))
+        cfg = HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf), busy_policy="wait", publish_every=3)
+        hot = HotloadCallback(model, cfg)
+        if attach:
+            hot.attach(*opts.values())
+        for step in range(5):
+            _backward_on_a_foreign_thread(model(torch.randint(0, 40, (2, 8))).sum())
+            if not attach:
+                hot.step(step)
+        want = _expected(model)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+            hot.close()
+        if attach:
+            assert [m.step for m in hot.metrics] == [0, 3] and all(m.ok for m in hot.metrics)
+            assert "published from a thread Python did not start" in caplog.text
+            assert "call hot.step(step) after backward() instead of attach()" in caplog.text
+            continue
+        assert [m.step for m in hot.metrics] == [0, 3, 4] and all(m.ok for m in hot.metrics)
+        rebuilt = rebuild_accepted(bucket, hot.metrics)
+        assert {k: t.digest() for k, t in rebuilt[hot.metrics[-1].identity].items()} == want
 
 
 def test_close_on_the_attaching_thread_publishes_nothing_more_while_another_thread_trains(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """The thread that called attach() may publish the newest step at close where the steps ran on autograd's
-    device thread (above), not while a thread of the trainer's own is in the middle of a step: the snapshot would
-    mix two steps' weights under one step's name."""
+    """A watchdog's close() on the thread that called attach(), while the trainer's own thread is in the middle of
+    a step, publishes nothing more: the snapshot would mix two steps' weights under one step's name."""
     bucket, hf = _setup(tmp_path)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -842,7 +842,8 @@ def test_a_publishers_passes_read_only_the_markers_they_have_not_read(kind: str,
                                                                      make_storage: Callable[..., Storage]) -> None:
     """Retention keeps the newest full snapshot's whole chain, and read every marker of it on each pass: a GET
     per snapshot on every publish with a long chain (``full_every=1000``). A publisher's passes now read only
-    markers they have not read, and decide exactly as a pass that reads them all (checked on a second bucket)."""
+    markers they have not read, and those they keep by count (``keep_last``) again, and decide exactly as a pass
+    that reads them all (checked on a second bucket), also after an operator retracts a kept snapshot."""
     from fsdp_hotload.retention import MarkerCache
 
     ours, theirs, t0 = "a1b2c3d4", "0f0f0f0f", time.time()
@@ -876,13 +877,20 @@ def test_a_publishers_passes_read_only_the_markers_they_have_not_read(kind: str,
     assert passes(newest) == 34  # the first pass reads them all
     for step in range(31, 34):
         newest = commit(step, step - 1)
-        assert passes(newest) == 3  # then only the new one, and the other publisher's
+        assert passes(newest) == 4  # then the new one, the one before it again (keep_last), the other publisher's
     for root in (cached, fresh):  # that publisher's own retention deletes one of its snapshots
         root.delete_prefix(f"step-000002-{theirs}/{COMMIT_MARKER}")
     newest = commit(34, None)
-    assert passes(newest) == 2  # a full: the old chain goes, its markers forgotten
+    assert passes(newest) == 3  # a full: the old chain goes, its markers forgotten
     newest = commit(35, 34)
-    assert passes(newest) == 2
-    assert sorted(markers.reusable(cached.list_dirs())) == [f"step-0000{s}-{ours}" for s in (34, 35)]
+    assert passes(newest) == 3
+    newest = commit(36, None)
+    assert passes(newest) == 3
+    for root in (cached, fresh):  # an operator retracts step 36: its marker goes, its folder stays
+        root.delete_prefix(f"step-000036-{ours}/{COMMIT_MARKER}")
+    newest = commit(37, None)
+    # step 36 again (gone: not counted), then step 35, which takes its place (and keeps its parent, step 34)
+    assert passes(newest) == 3
+    assert sorted(markers.reusable(cached.list_dirs())) == [f"step-0000{s}-{ours}" for s in (34, 35, 37)]
     assert [c.identity for c in list_committed(cached)] == [f"step-000001-{theirs}",
-                                                            *(f"step-0000{s}-{ours}" for s in (34, 35))]
+                                                            *(f"step-0000{s}-{ours}" for s in (34, 35, 37))]

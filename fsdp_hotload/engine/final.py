@@ -63,15 +63,6 @@ def publish_newest(pub: Any, sources: Any, timeout: float | None) -> bool:
     return True
 
 
-def _may_step_now(stepper: threading.Thread | None) -> bool:
-    """Whether the thread of the newest publish may be changing the weights now. Not a thread Python started
-    (autograd's device thread, which runs optimizer hooks inside backward on CUDA): it steps only while the
-    training thread waits in backward(), so not while that thread closes. Nor a Python thread that has ended.
-    Any other may be training on beside a watchdog's close() on the thread that attached the hooks."""
-    foreign = isinstance(stepper, getattr(threading, "_DummyThread", ()))
-    return stepper is not None and not foreign and stepper.is_alive()
-
-
 def objection(pub: Any, sources: object) -> str | None:
     """Why this rank may not publish the newest step at close, or None."""
     if pub.agreements.failed is not None:
@@ -80,8 +71,14 @@ def objection(pub: Any, sources: object) -> str | None:
         return "publishing stopped after a collective failed"
     if pub._errors.due(pub._staged) or pub._carried is not None:
         return "an earlier publish failed (raised by close)"
-    me = threading.get_ident()
-    if me != pub._stepping_thread and (me != pub.driving_thread or _may_step_now(pub._stepper)):
+    if threading.get_ident() != pub._stepping_thread:
+        # Which thread trains there, and whether it is mid-step, cannot be told from here: a snapshot copied now
+        # could mix two steps. Optimizer hooks run inside backward on CUDA run on autograd's device thread, which
+        # Python did not start: say how to publish from the training thread instead.
+        if isinstance(pub._stepper, getattr(threading, "_DummyThread", ())):
+            return ("the steps were published from a thread Python did not start (autograd's device thread runs "
+                    "optimizer hooks stepped inside backward on CUDA), and close() runs on another; call "
+                    "hot.step(step) after backward() instead of attach() to publish from the training thread")
         return "close() runs on another thread than the training steps, whose weights may be changing"
     if pub._given_sources and sources is None:
         return "publish() was given its tensors, and close() was not given them again"

@@ -184,11 +184,7 @@ class Publisher:
         self._last_staged = -1  # the newest step staged (publish_final publishes latest_step when it is newer)
         self._last_accepted = -1  # the newest step the fleet accepted (every rank knows each outcome)
         self._stepping_thread: int | None = None  # the thread of the newest publish(): the one training
-        self._stepper: threading.Thread | None = None  # the same, as an object: is it still alive, Python's own?
-        # The thread that drives training where publish() runs on another: optimizer hooks run on autograd's
-        # device thread when an optimizer steps inside backward on CUDA, while the training loop (and its close())
-        # is on the thread that attached them. close() there may publish the newest step (see final.objection).
-        self.driving_thread: int | None = None
+        self._stepper: threading.Thread | None = None  # the same, as an object (close() names a foreign one)
         self._given_sources = False  # the newest publish() brought its own tensors (close must be given them)
         self._sources_fn: Callable[[], Sequence[torch.Tensor]] | None = None  # or a function, which close reuses
         self.closed = False
