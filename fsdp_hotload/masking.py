@@ -30,8 +30,11 @@ SECRET_NAME = re.compile(
     r"secret|token|passw(or)?d|passphrase|credential|authoriz|cookie|connection_?string|(^|[^a-z])auth([^a-z]|$)"
     r"|(^|[^a-z])(sig|signature)$|key$|access_?key_?id$",
     re.IGNORECASE)
-# scheme://userinfo@ (the userinfo ends at the authority's last '@', as urllib reads it)
-_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)([^/?#]*)@")
+# scheme://userinfo@ (the userinfo ends at the authority's last '@', as urllib reads it), or scheme://user:password@
+# where the password holds '/', '?' or '#' (about half of AWS secret keys hold a '/'), which urllib would cut short
+# but a secret all the same: a user (no '/', '?', '#', '@' or ':'), a ':', then anything up to the last '@'. A path
+# with a ':' and an '@' in it (s3://bucket/a:b@c) has a '/' before its ':', so it is not read as one.
+_USERINFO = re.compile(r"^(\s*[A-Za-z][A-Za-z0-9+.-]*://)([^/?#@:\s]*:\S*|[^/?#]*)@")
 # a URL inside free text, which ends at white space or a quote; punctuation after it is the sentence's
 _TEXT_URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]+")
 _TRAILING = ").,;:]}"
