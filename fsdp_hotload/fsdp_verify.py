@@ -106,7 +106,7 @@ def replica_samples(chunks: Sequence[LocalChunk], skip: Collection[int] = ()) ->
     out: list[int | None] = [None] * len(chunks)
     heads: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for i, c in enumerate(chunks):
-        if i in skip or c.source.numel() == 0:
+        if i in skip or c.source.numel() == 0 or c.source.is_meta:  # meta: agree_on_chunks says why, by name
             continue
         head = c.source
         while head.dim() > 1:  # a part published with its dims permuted: its first row in box order

@@ -149,6 +149,9 @@ def test_a_set_up_failing_on_one_rank_fails_construction_on_every_rank(tmp_path:
     failing = {"metrics": 0, "hf_config_dir": 0, "rename": 1}
     own = {"metrics": ("IsADirectoryError", "metrics_path"), "hf_config_dir": ("FileNotFoundError", "config.json"),
            "rename": ("ValueError", "raised KeyError: \"no checkpoint name")}
+    for r in range(2):  # every rank: the meta device's hint, not "Cannot copy out of meta tensor" from a sample
+        kind, text, took = ranks[r]["meta"]
+        assert kind in ("RuntimeError", "OwnershipError") and "meta device" in text and took < 60, ranks[r]["meta"]
     for case, bad in failing.items():
         kind, text, _s = ranks[bad][case]
         assert (kind, own[case][1] in text) == (own[case][0], True), (case, ranks[bad][case])
