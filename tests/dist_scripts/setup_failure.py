@@ -1,12 +1,13 @@
 """A set-up that fails on one rank fails every rank's ``HotloadCallback(...)``, at once and naming that rank.
 
-Cases, each on an FSDP2 model over 2 ranks: a model still on the meta device (on every rank: the meta device's
-hint, where the ranks' check of replicated values failed with "Cannot copy out of meta tensor"), rank 0 alone is
-given a ``metrics_path`` that is a folder (only rank 0 writes metrics), rank 0 alone an ``hf_config_dir`` without
-``config.json`` (only rank 0 reads its files for the snapshots), and a ``rename`` that raises on rank 1 alone (each rank walks its own model). Before, the failing rank
-raised alone and the others returned a callback, then waited in the first publish's collective for the side
-group's timeout. Each rank writes what its construction raised, and how long it took, to --out as JSON after every
-case (one file per rank); a final barrier shows the ranks still agree on the collectives that follow.
+Cases, each on an FSDP2 model over 2 ranks: a model still on the meta device (on every rank: the meta device's hint,
+where the ranks' check of replicated values failed with "Cannot copy out of meta tensor"), rank 0 alone is given a
+``metrics_path`` that is a folder (only rank 0 writes metrics), rank 0 alone an ``hf_config_dir`` without
+``config.json`` (only rank 0 reads its files for the snapshots), and a ``rename`` that raises on rank 1 alone (each
+rank walks its own model). Before, the failing rank raised alone and the others returned a callback, then waited in
+the first publish's collective for the side group's timeout. Each rank writes what its construction raised, and how
+long it took, to --out as JSON after every case (one file per rank); a final barrier shows the ranks still agree on
+the collectives that follow.
 """
 from __future__ import annotations
 
