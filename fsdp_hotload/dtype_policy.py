@@ -102,14 +102,23 @@ class DtypePolicy:
 
     def notes(self, sources: Mapping[str, torch.dtype]) -> list[str]:
         """Warnings about a model's tensors under this policy: globs that match no floating tensor (a typo
-        would otherwise publish the wrong dtype in silence), and casts between two narrow formats (an fp16
+        would otherwise publish the wrong dtype in silence) or decide none (an earlier glob takes them all), and casts between two narrow formats (an fp16
         trainer published as bf16 loses 3 mantissa bits; bf16 published as fp16 turns values above 65504
         into inf), and an FP8 model's scale tensors cast to another dtype."""
         out = []
         floating = [n for n, d in sources.items() if d.is_floating_point]
-        for pattern, _ in self.overrides:
-            if not any(fnmatch.fnmatchcase(n, pattern) for n in floating):
+        for k, (pattern, _) in enumerate(self.overrides):
+            matched = [n for n in floating if fnmatch.fnmatchcase(n, pattern)]
+            if not matched:
                 out.append(f"dtype_overrides glob {pattern!r} matches no floating tensor of the model")
+                continue
+            # the first glob that matches a name decides it: a later one taken over for every tensor it names
+            # does nothing (the router bias under a "model.layers.*" entry listed first)
+            earlier = [next((p for p, _ in self.overrides[:k] if fnmatch.fnmatchcase(n, p)), None) for n in matched]
+            if all(e is not None for e in earlier):
+                out.append(f"dtype_overrides glob {pattern!r} decides none of the {len(matched)} tensor(s) it "
+                           f"matches (e.g. {matched[0]!r}): the earlier glob {earlier[0]!r} takes them, since the "
+                           "first match wins; list the narrower glob first")
         codes = {n: (code_from_name(str(sources[n])), self.code(n, sources[n])) for n in floating}  # source, target
         narrowed: dict[tuple[str, str], list[str]] = {}
         for name, (source, target) in codes.items():

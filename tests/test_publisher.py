@@ -444,21 +444,29 @@ def test_a_failed_copy_gives_its_slot_back(tmp_path: Path) -> None:
 
 def test_lossy_casts_and_unused_dtype_globs_are_warned(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """An fp16 model under the default bf16 snapshot dtype would lose mantissa bits in silence, and a misspelt
-    glob would leave its tensors in the default dtype: both are said at construction. fp32 masters cast to bf16
-    (the expected path) and tensors an override keeps as trained are not."""
+    glob, or one listed after a broader glob that takes all its tensors (the first match wins), would leave its
+    tensors in another dtype: all are said at construction. fp32 masters cast to bf16 (the expected path) and
+    tensors an override keeps as trained are not."""
     tensors = {"a.weight": torch.randn(4, dtype=torch.float16), "b.weight": torch.randn(4, dtype=torch.float16),
-               "kept.weight": torch.randn(4, dtype=torch.float16), "master.weight": torch.randn(4)}
-    cfg = config(str(tmp_path / "bucket"), None, tmp_path, dtype_overrides={"kept.*": "keep", "*.e_score_bias": "keep"})
+               "kept.weight": torch.randn(4, dtype=torch.float16), "master.weight": torch.randn(4),
+               "model.layers.0.e_score_correction_bias": torch.randn(4)}
+    cfg = config(str(tmp_path / "bucket"), None, tmp_path,
+                 dtype_overrides={"kept.*": "keep", "*.e_score_bias": "keep", "model.layers.*": "bfloat16",
+                                  "*.e_score_correction_bias": "keep"})
     with caplog.at_level("WARNING", logger="fsdp_hotload"), TensorPublisher(tensors, cfg) as pub:
         assert pub.publish(0)
         pub.wait(timeout=30)
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "dtype_overrides glob '*.e_score_bias' matches no floating tensor" in text
+    assert "dtype_overrides glob '*.e_score_correction_bias' decides none of the 1 tensor(s) it matches (e.g. " \
+           "'model.layers.0.e_score_correction_bias'): the earlier glob 'model.layers.*' takes them" in text
+    assert "glob 'model.layers.*' decides" not in text and "glob 'kept.*' " not in text
     assert "2 float16 tensor(s) ('a.weight' and 1 more) are published as bfloat16" in text
     assert "kept.weight" not in text and "master.weight" not in text
     spec = json.loads(next((tmp_path / "bucket").glob("*/model.weight.spec.json")).read_text())["tensor_map"]
     assert {n: v["dtype"] for n, v in spec.items()} == {
-        "a.weight": "bfloat16", "b.weight": "bfloat16", "kept.weight": "float16", "master.weight": "bfloat16"}
+        "a.weight": "bfloat16", "b.weight": "bfloat16", "kept.weight": "float16", "master.weight": "bfloat16",
+        "model.layers.0.e_score_correction_bias": "bfloat16"}  # as the warning says
 
 
 def test_publisher_threads_run_at_lower_priority() -> None:
