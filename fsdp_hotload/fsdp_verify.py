@@ -99,10 +99,12 @@ def replica_samples(chunks: Sequence[LocalChunk], skip: Collection[int] = ()) ->
 
     Why: ranks holding the same box of a tensor are taken for copies of one replica, and only the lowest publishes
     it. That holds for what the framework replicates, not for partitions it cannot see: each rank's own experts
-    under one name (expert parallelism without DTensors), or a tensor-parallel shard in a plain parameter. Their
-    boxes agree and their values do not, so rank 0's would be published as everyone's. A few elements per chunk
-    (at most 512 bytes, in one host copy per device) tell them apart at construction, where copies must agree. ``skip``: module buffers, which forward passes update on each rank alone (BatchNorm
-    statistics under FSDP)."""
+    under one name (DTensors over a one-rank sub-mesh). Their boxes agree and their values do not, so rank 0's
+    would be published as everyone's. A few elements per chunk (at most 512 bytes, in one host copy per device)
+    tell them apart at construction, where copies must agree. Plain tensors (not DTensors) are published by rank 0
+    alone, and the other ranks make no chunk of them, so they are not compared (``model_parallel_note`` refuses
+    those Megatron marks as partitions). ``skip``: module buffers, which forward passes update on each rank alone
+    (BatchNorm statistics under FSDP)."""
     out: list[int | None] = [None] * len(chunks)
     heads: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for i, c in enumerate(chunks):
@@ -205,7 +207,7 @@ def assign_chunks(chunks_from_all_ranks: Sequence[Sequence[_ChunkLike]], specs: 
                 raise OwnershipError(
                     f"ranks {seen[key][0]} and {rank} hold the same part of tensor {c.name!r} ({c.box.to_json()}) "
                     "with different values, so they are partitions, not copies of one replica (each rank's own "
-                    "experts under one name, or a tensor-parallel shard in a plain parameter), and only rank "
+                    "experts under one name), and only rank "
                     f"{seen[key][0]}'s would be published: express that parallelism as DTensors (FSDP2 over a "
                     "device mesh), or publish a gathered state dict from rank 0 with TensorPublisher. Replicas "
                     "must also start equal: seed every rank alike, or load the same checkpoint, before creating "
