@@ -88,7 +88,9 @@ class DtypePolicy:
 
         Raises ValueError for dtypes a safetensors snapshot cannot hold (complex, or unknown to the format)."""
         if dtype.is_complex:
-            raise ValueError(f"tensor {name!r} is complex ({dtype}); safetensors snapshots cannot hold it")
+            raise ValueError(f"tensor {name!r} is complex ({dtype}); safetensors snapshots cannot hold it: leave it "
+                             "out (a rename returning None for it, include_buffers=False for a buffer such as "
+                             "RoPE's freqs_cis, or a dict without it)")
         try:
             source = code_from_name(str(dtype))
         except ArcError:
