@@ -73,8 +73,8 @@ def objection(pub: Any, sources: object) -> str | None:
         return "an earlier publish failed (raised by close)"
     if threading.get_ident() != pub._stepping_thread:
         # Which thread trains there, and whether it is mid-step, cannot be told from here: a snapshot copied now
-        # could mix two steps. Optimizer hooks run inside backward on CUDA run on autograd's device thread, which
-        # Python did not start: say how to publish from the training thread instead.
+        # could mix two steps. Optimizers stepped inside backward on CUDA run their hooks on autograd's device
+        # thread, which Python did not start: say how to publish from the training thread instead.
         if isinstance(pub._stepper, getattr(threading, "_DummyThread", ())):
             return ("the steps were published from a thread Python did not start (autograd's device thread runs "
                     "optimizer hooks stepped inside backward on CUDA), and close() runs on another; call "

@@ -217,9 +217,10 @@ def _say_what_is_served(deployment: str, st: Any, identity: str) -> None:
     """Before the first signal to a deployment, what it serves (once per publisher). Why: a restarted trainer's
     first snapshot replaces what an earlier run left there, and a deployment that serves another run's snapshot
     is also how two trainers on one deployment show."""
+    from ..markers import session_of
+
     served = sorted({r.current_snapshot_identity for r in st.replicas if r.current_snapshot_identity})
-    ours = identity.rsplit("-", 1)[-1]
-    others = [s for s in served if s.rsplit("-", 1)[-1] != ours]
+    others = [s for s in served if session_of(s) != session_of(identity)]
     now = f"serving {', '.join(served)}{' (another run)' if others else ''}" if served else "serving no snapshot yet"
     log.info("hotload: deployment %s is up (%d replica(s)), %s; signalling %s", deployment, len(st.replicas), now,
              identity)
