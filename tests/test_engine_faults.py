@@ -276,7 +276,7 @@ def test_a_rank_that_waited_for_a_slot_does_not_name_itself_slow(tmp_path: Path,
     cfg = HotloadConfig(bucket_url=bucket, busy_policy="wait", max_file_bytes=2 * N, progress_log_s=0.1)
 
     def storage(rank: int) -> Storage:
-        return Storage(bucket, fs=FaultyFileSystem(fsspec.filesystem("file"), delay_s=1.0 if rank == 0 else 0.0))
+        return Storage(bucket, fs=FaultyFileSystem(fsspec.filesystem("file"), delay_s=0.6 if rank == 0 else 0.0))
 
     pubs = two_ranks(cfg, [torch.ones(N), torch.ones(N)], storage=storage)
 
