@@ -36,7 +36,7 @@ from .engine.metrics import PublishMetrics
 from .engine.publisher import Publisher
 from .fsdp import (full_tensor_specs, local_chunks, model_parallel_note, source_dtypes, storage_fingerprint,
                    tensor_paths)
-from .fsdp_verify import agree_on_chunks, replica_samples
+from .fsdp_verify import agree_on_chunks, plain_samples, replica_samples
 from .hf_config import base_tensors, names_note, narrowed_note, shapes_note
 from .hf_names import checkpoint_names, transformers_saved_shapes
 from .layout import TensorSpec
@@ -206,6 +206,7 @@ class HotloadCallback:
             self._specs: list[Any] = []
             problem: Exception | None = None
             samples: list[int | None] | None = None  # replica_samples: told apart from partitions
+            plain: dict[str, int] | None = None  # plain_samples: the same, for tensors rank 0 alone publishes
             try:
                 note = model_parallel_note(model) if isinstance(comm, GlooComm) else None
                 if note:  # several ranks: partitions, not replicas
@@ -218,11 +219,13 @@ class HotloadCallback:
                     raise ValueError("the model has no tensor to publish (no parameters or buffers, or the rename "
                                      "function returned None for all of them)")
                 buffers = set(self._buffer_chunks(walked))
-                samples = replica_samples(walked, skip=buffers) if isinstance(comm, GlooComm) else None
+                if isinstance(comm, GlooComm):
+                    samples = replica_samples(walked, skip=buffers)
+                    plain = plain_samples(model, **self._chunk_kwargs)
             except Exception as exc:  # noqa: BLE001 - raised by agree_on_chunks, on every rank
                 problem = exc
             self.walks = 1  # model walks for chunk views (the first here; again only when storage changed)
-            self._kept = agree_on_chunks(walked, self._specs, ctrl, problem, samples)
+            self._kept = agree_on_chunks(walked, self._specs, ctrl, problem, samples, plain)
             chunks = [walked[i] for i in self._kept]
             self._buffer_idx = [j for j, i in enumerate(self._kept) if i in buffers]
             specs = [TensorSpec(n, tuple(s), d) for n, s, d in self._specs]

@@ -25,6 +25,7 @@ from .dtype_policy import DtypePolicy
 from .fsdp import (FLAT, SHAPE, Joined, LocalChunk, OwnershipError, Rename, Segment, TensorSpec, _ChunkLike,
                    _dtensor_type, _fsdp1_type, _fsdp2_type, _plan, full_tensor_specs, local_chunks, space_shape,
                    wrapper_paths)
+from .fsdp_sources import _PlainSource
 from .naming import Split, clean_name
 
 
@@ -89,45 +90,92 @@ def _full(name: str, src: Any, paths: list[str], by_path: dict[str, Any]) -> tor
     return t.to("cpu")
 
 
-#: Elements per chunk that :func:`replica_samples` reads.
-SAMPLE_ELEMENTS = 64
+#: Places per tensor that :func:`replica_samples` reads, spread along its first dim, and elements read at each.
+SAMPLE_PLACES, SAMPLE_RUN = 8, 8
+
+
+def _sample(t: torch.Tensor) -> torch.Tensor:
+    """A few of ``t``'s elements (at most ``SAMPLE_PLACES * SAMPLE_RUN``) as fresh bytes on its device: a short
+    run of elements at places spread along its first dim (rows, experts), first elements of each place onward.
+
+    Why spread: partitions often agree at their start (padding rows of a vocabulary, experts seeded alike) and
+    differ further on; the same tensor (a box's view, the same shape) gives the same places on every rank."""
+    if t.dim() == 0:
+        t = t.reshape(1)
+    rows = int(t.shape[0])
+    places = sorted({k * (rows - 1) // max(SAMPLE_PLACES - 1, 1) for k in range(SAMPLE_PLACES)})
+    runs = []
+    for at in places:
+        if t.dim() == 1:
+            run = t[at:at + SAMPLE_RUN]
+        else:
+            run = t[at]
+            while run.dim() > 1:  # a part published with its dims permuted: its first row in box order
+                run = run[0]
+            run = run[:SAMPLE_RUN]
+        # a fresh tensor: contiguous() keeps a one-element view's stride, which view() then refuses
+        runs.append(torch.empty(run.shape, dtype=run.dtype, device=run.device).copy_(run).view(torch.uint8))
+    return torch.cat(runs)
+
+
+def _crcs(tensors: Sequence[tuple[Any, torch.Tensor]]) -> dict[Any, int]:
+    """A CRC-32 of :func:`_sample` of each tensor, by its key, in one host copy per device."""
+    heads: dict[torch.device, list[tuple[Any, torch.Tensor]]] = {}
+    for key, t in tensors:
+        heads.setdefault(t.device, []).append((key, _sample(t)))
+    out: dict[Any, int] = {}
+    for items in heads.values():
+        joined = torch.cat([t for _k, t in items]).cpu().numpy()
+        at = 0
+        for key, t in items:
+            out[key] = zlib.crc32(joined[at:at + t.numel()])
+            at += t.numel()
+    return out
 
 
 def replica_samples(chunks: Sequence[LocalChunk], skip: Collection[int] = ()) -> list[int | None]:
-    """A CRC-32 of each chunk's first elements (up to :data:`SAMPLE_ELEMENTS`, in its own dtype), None for the
-    chunks in ``skip`` and empty ones.
+    """A CRC-32 of a few elements of each chunk (:func:`_sample`, in its own dtype), None for the chunks in
+    ``skip`` and empty ones.
 
     Why: ranks holding the same box of a tensor are taken for copies of one replica, and only the lowest publishes
     it. That holds for what the framework replicates, not for partitions it cannot see: each rank's own experts
     under one name (DTensors over a one-rank sub-mesh). Their boxes agree and their values do not, so rank 0's
     would be published as everyone's. A few elements per chunk (at most 512 bytes, in one host copy per device)
-    tell them apart at construction, where copies must agree. Plain tensors (not DTensors) are published by rank 0
-    alone, and the other ranks make no chunk of them, so they are not compared (``model_parallel_note`` refuses
-    those Megatron marks as partitions). ``skip``: module buffers, which forward passes update on each rank alone
-    (BatchNorm statistics under FSDP)."""
-    out: list[int | None] = [None] * len(chunks)
-    heads: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-    for i, c in enumerate(chunks):
-        if i in skip or c.source.numel() == 0 or c.source.is_meta:  # meta: agree_on_chunks says why, by name
-            continue
-        head = c.source
-        while head.dim() > 1:  # a part published with its dims permuted: its first row in box order
-            head = head[0]
-        head = head[:SAMPLE_ELEMENTS]
-        # a fresh tensor: contiguous() keeps a one-element view's stride, which view() then refuses
-        dense = torch.empty(head.shape, dtype=head.dtype, device=head.device).copy_(head)
-        heads.setdefault(head.device, []).append((i, dense.view(torch.uint8)))
-    for items in heads.values():  # one host copy per device
-        joined = torch.cat([t for _i, t in items]).cpu().numpy()
-        at = 0
-        for i, t in items:
-            out[i] = zlib.crc32(joined[at:at + t.numel()])
-            at += t.numel()
-    return out
+    tell them apart at construction, where copies must agree. Plain tensors (not DTensors), which only rank 0
+    makes chunks of, are compared by :func:`plain_samples`. ``skip``: module buffers, which forward passes update
+    on each rank alone (BatchNorm statistics under FSDP)."""
+    crcs = _crcs([(i, c.source) for i, c in enumerate(chunks)
+                  if i not in skip and c.source.numel() > 0 and not c.source.is_meta])  # meta: agree_on_chunks
+    return [crcs.get(i) for i in range(len(chunks))]
+
+
+def plain_samples(model: nn.Module, *, rename: Rename | None = None, tie_word_embeddings: bool | None = None,
+                  split: Split | None = None, **_chunk_kwargs: Any) -> dict[str, int]:
+    """A CRC-32 of a few elements (:func:`_sample`) of each published plain tensor, a parameter that is not a
+    DTensor or FSDP's, by its path (buffers left out, as in :func:`replica_samples`).
+
+    Why: every rank holds such a tensor whole and only rank 0 publishes it, taking the others for copies. A
+    partition kept in a plain parameter (a hand-written tensor-parallel layer, each rank's own experts) would be
+    published as rank 0's whole tensor, and a parameter that no wrapper syncs (a module left out of
+    ``fully_shard``) drifts from rank to rank. Ranks comparing them at construction refuse the first, and the
+    second where the ranks start apart."""
+    plain: dict[str, torch.Tensor] = {}
+    for _name, src, paths in _plan(model, rename, tie_word_embeddings, False, split):
+        members = src.members if isinstance(src, Joined) else [(paths[0], src)]
+        for path, member in members:
+            if isinstance(member, Segment):
+                path, member = member.base_path, member.base
+            dtensor = _dtensor_type()
+            if not isinstance(member, _PlainSource) or (dtensor is not None and isinstance(member.tensor, dtensor)):
+                continue
+            if member.tensor.numel() > 0 and not member.tensor.is_meta:
+                plain.setdefault(path, member.tensor.detach())
+    return _crcs(list(plain.items()))
 
 
 def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], ctrl: Any,
-                    failed: BaseException | None = None, samples: Sequence[int | None] | None = None) -> list[int]:
+                    failed: BaseException | None = None, samples: Sequence[int | None] | None = None,
+                    plain: Mapping[str, int] | None = None) -> list[int]:
     """Collective over ``ctrl`` (a :class:`~fsdp_hotload.engine.comm.Comm`), at construction: which of this
     rank's chunks it publishes (:func:`assign_chunks`), decided on rank 0 from every rank's chunk metadata.
     ``failed``: this rank's set-up failed before (reading ``hf_config_dir``, walking the model); it raises that,
@@ -137,6 +185,7 @@ def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], c
     or that sees other tensors than rank 0 would otherwise fail alone inside the publisher's set-up while the
     other ranks wait in its next collective. Every rank raises the same error instead, naming the rank.
     ``samples``: :func:`replica_samples` of ``chunks``; ranks holding one box with different samples are refused.
+    ``plain``: :func:`plain_samples` of the model; ranks whose plain tensors differ are refused alike.
     """
     devices = sorted({str(c.source.device) for c in chunks})
     problem = None
@@ -148,16 +197,18 @@ def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], c
     elif len(devices) > 1:
         problem = (f"its chunks live on several devices {devices} (FSDP2's CPUOffloadPolicy keeps buffers on "
                    "the GPU): pass include_buffers=False, or keep the buffers on the parameters' device")
-    gathered = ctrl.gather(([c.meta() for c in chunks], list(specs), problem, samples))
+    gathered = ctrl.gather(([c.meta() for c in chunks], list(specs), problem, samples, plain))
     verdict: Any = None
     if gathered is not None:
         try:
-            for r, (_metas, _specs, trouble, _s) in enumerate(gathered):
+            for r, (_metas, _specs, trouble, _s, _p) in enumerate(gathered):
                 if trouble:
                     raise OwnershipError(f"rank {r}: {trouble}")
-            _check_same_specs([other for _m, other, _t, _s in gathered])
-            kept = assign_chunks([metas for metas, _s, _t, _x in gathered], specs,
-                                 [x for _m, _s, _t, x in gathered] if samples is not None else None)
+            _check_same_specs([other for _m, other, _t, _s, _p in gathered])
+            if plain is not None:
+                _check_same_plain([p for _m, _s, _t, _x, p in gathered])
+            kept = assign_chunks([metas for metas, _s, _t, _x, _p in gathered], specs,
+                                 [x for _m, _s, _t, x, _p in gathered] if samples is not None else None)
             verdict = {r: k for r, k in enumerate(kept) if len(k) != len(gathered[r][0])}  # only what changes
         except OwnershipError as exc:
             verdict = str(exc)
@@ -178,6 +229,21 @@ def _check_same_specs(specs_by_rank: Sequence[Sequence[TensorSpec]]) -> None:
                 hint = ("; only shapes differ: does every rank read the same base checkpoint in hf_config_dir "
                         "(hf_names publishes a tensor transposed where its headers store it so)?")
             raise OwnershipError(f"ranks 0 and {r} see different tensor specs (e.g. {', '.join(diff)}){hint}")
+
+
+def _check_same_plain(plain_by_rank: Sequence[Mapping[str, int] | None]) -> None:
+    for r, other in enumerate(plain_by_rank):
+        differ = sorted(p for p, crc in (other or {}).items() if (plain_by_rank[0] or {}).get(p, crc) != crc)
+        if differ:
+            more = f" and {len(differ) - 1} more" if len(differ) > 1 else ""
+            raise OwnershipError(
+                f"ranks 0 and {r} hold different values of plain tensor {differ[0]!r}{more} (a parameter that is "
+                "not sharded: neither a DTensor nor FSDP's), which every rank holds whole and rank 0 alone publishes. "
+                "A partition (a hand-written tensor-parallel layer, each rank's own experts) would be published as "
+                "rank 0's whole tensor: express it as DTensors (FSDP2 over a device mesh), or publish a gathered "
+                "state dict from rank 0 with TensorPublisher. A replica must start equal: seed every rank alike or "
+                "load the same checkpoint, and create the callback after a wrapper that broadcasts rank 0's "
+                "weights (DistributedDataParallel); a module left out of fully_shard is not synced by FSDP at all")
 
 
 def assign_chunks(chunks_from_all_ranks: Sequence[Sequence[_ChunkLike]], specs: Sequence[TensorSpec],

@@ -491,7 +491,9 @@ def test_fsdp1_over_tensor_parallelism_is_refused_on_every_rank() -> None:
 def test_ranks_holding_one_box_with_different_values_are_refused_as_partitions(tmp_path: Path) -> None:
     """torchrun, 2 ranks (dist_scripts/partitions.py): plain parameters Megatron marks tensor- or expert-parallel,
     and each rank's own experts under one name (which FSDP2 leaves whole on each rank), were taken for copies of
-    one replica and only rank 0's published. A buffer that differs per rank is still published from rank 0."""
+    one replica and only rank 0's published; so were experts alike in their first elements only, and a plain
+    parameter (no DTensor, no marks) that differs per rank. A buffer that differs per rank is still published from
+    rank 0."""
     out = tmp_path / "out"
     out.mkdir()
     run_torchrun(str(SCRIPTS / "partitions.py"), 2, ["--bucket", str(tmp_path / "bucket"), "--out", str(out)])
@@ -499,6 +501,9 @@ def test_ranks_holding_one_box_with_different_values_are_refused_as_partitions(t
         found = json.loads((out / f"rank{rank}.json").read_text())
         assert found["ep"] is not None and "OwnershipError" in found["ep"], found
         assert "ranks 0 and 1 hold the same part of tensor 'experts'" in found["ep"], found
+        assert found["late"] is not None and "hold the same part of tensor 'experts'" in found["late"], found
+        assert found["plain"] is not None and "OwnershipError" in found["plain"], found
+        assert "ranks 0 and 1 hold different values of plain tensor '1.weight'" in found["plain"], found
         assert found["tp"] is not None and "tensor-parallel" in found["tp"] and "qkv.weight" in found["tp"]
         assert "TensorPublisher" in found["tp"], found
         assert found["expert"] is not None and "expert-parallel" in found["expert"], found

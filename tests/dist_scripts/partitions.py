@@ -8,6 +8,10 @@ them on every rank. Run under torchrun (gloo, CPU, 2 ranks). Cases:
 * ``ep``: expert parallelism without DTensors or marks. Each rank holds its own experts under one name, and FSDP2
   shards them over a size-1 expert-data-parallel mesh dim, so both ranks hold the whole tensor: rank 1's experts
   were dropped as a copy of rank 0's.
+* ``late``: the same, where the ranks' first experts are alike and only the second ones differ (the sample read
+  only a tensor's first elements).
+* ``plain``: a plain parameter (no DTensor, no marks) that differs per rank, as a hand-written tensor-parallel layer
+  holds it: only rank 0 made chunks of plain tensors, so no rank compared them.
 * ``buffers``: a module buffer that differs per rank (forward passes update buffers on each rank alone, as
   BatchNorm statistics under FSDP) is not refused; rank 0's is published.
 
@@ -58,6 +62,14 @@ class MoE(nn.Module):
         self.experts = nn.Parameter(torch.randn(2, 4, 4))  # this rank's 2 experts
 
 
+def late_moe(rank: int) -> MoE:
+    moe = MoE(rank)
+    torch.manual_seed(7)
+    alike = torch.randn(32, 4)  # more than the 64 elements that were read, alike on every rank
+    moe.experts = nn.Parameter(torch.stack([alike, alike + rank]))  # only the second expert tells them apart
+    return moe
+
+
 def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -66,11 +78,18 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "edp"))
     ep = MoE(rank)
     fully_shard(ep, mesh=mesh["edp"])
+    late = late_moe(rank)
+    fully_shard(late, mesh=mesh["edp"])
+    torch.manual_seed(0)
+    partition = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with torch.no_grad():
+        partition[1].weight.add_(rank)  # this rank's rows of a tensor-parallel layer, in a plain parameter
     torch.manual_seed(0)
     plain = nn.Linear(4, 4)
     plain.register_buffer("seen", torch.full((3,), float(rank)))
     found = {}
-    for case, model in (("tp", megatron_tp(rank)), ("expert", megatron_expert()), ("ep", ep), ("buffers", plain)):
+    for case, model in (("tp", megatron_tp(rank)), ("expert", megatron_expert()), ("ep", ep), ("late", late),
+                        ("plain", partition), ("buffers", plain)):
         try:
             hot = HotloadCallback(model, HotloadConfig(bucket_url=f"{bucket}/{case}"))
             hot.close(raise_errors=False)
