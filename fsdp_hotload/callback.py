@@ -52,14 +52,20 @@ _ATTACHED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[weakref.ref[Ho
 
 
 def _root(url: str) -> str:
-    """A bucket URL as the storage layer reads it: "bucket", "./bucket/" and "file:///abs/bucket" are one root."""
+    """A bucket URL as the storage layer reads it: "bucket", "./bucket/", "file:///abs/bucket", a path through a
+    symlink or "..", and "S3://b/run/" each name one root however they are written."""
     from .storage_paths import normalise_root
 
     try:
         root = normalise_root(url)
     except ValueError:
         return url
-    return (root[len("file://"):] if root.startswith("file://") else root).rstrip("/")
+    scheme, sep, rest = root.partition("://")
+    if not sep:
+        return os.path.realpath(root)
+    if scheme.lower() in ("file", "local"):
+        return os.path.realpath(rest)
+    return f"{scheme.lower()}://{rest.rstrip('/')}"
 
 
 def _clash(a: HotloadConfig, b: HotloadConfig) -> str | None:

@@ -85,8 +85,12 @@ def test_callbacks_with_their_own_buckets_and_fleets_share_an_optimizer(tmp_path
     assert _clash(api(bucket_a, ["d1"]), api(bucket_b, ["d2"])) is None
     assert _clash(api(bucket_a, ["d1"]), api(bucket_b, ["d1"], account="other")) is None
     assert _clash(api(bucket_a, ["d1"]), api(bucket_a, ["d2"])) == f"publishing to {bucket_a}"
-    same = [str(bucket_a), f"{bucket_a}/", f"file://{bucket_a}", os.path.relpath(bucket_a)]
+    (tmp_path / "link").symlink_to(bucket_a)
+    same = [str(bucket_a), f"{bucket_a}/", f"file://{bucket_a}", os.path.relpath(bucket_a), f"local://{bucket_a}",
+            f"{bucket_a}/../{bucket_a.name}", str(tmp_path / "link")]
     assert all(_clash(api(x, ["d1"]), api(y, ["d2"])) for x in same for y in same)  # type: ignore[arg-type]
+    assert _clash(api("s3://b/run/", ["d1"]), api("s3://b/run", ["d2"]))  # type: ignore[arg-type]
+    assert _clash(api("s3://b/run", ["d1"]), api("s3://b/run2", ["d2"])) is None  # type: ignore[arg-type]
 
 
 def test_a_watchdogs_close_leaves_the_optimizers_hooks_to_the_training_thread(tmp_path: Path) -> None:
