@@ -104,9 +104,10 @@ class DtypePolicy:
 
     def notes(self, sources: Mapping[str, torch.dtype]) -> list[str]:
         """Warnings about a model's tensors under this policy: globs that match no floating tensor (a typo
-        would otherwise publish the wrong dtype in silence) or decide none (an earlier glob takes them all), and casts between two narrow formats (an fp16
-        trainer published as bf16 loses 3 mantissa bits; bf16 published as fp16 turns values above 65504
-        into inf), and an FP8 model's scale tensors cast to another dtype."""
+        would otherwise publish the wrong dtype in silence) or decide none (an earlier glob takes them all), casts
+        between two narrow formats (an fp16 trainer published as bf16 loses 3 mantissa bits; bf16 published as fp16
+        turns values above 65504 into inf), an FP8 model's scale tensors cast to another dtype, and its 8-bit
+        weights widened by a glob while it holds scales (the raw values without their scales: another model)."""
         out = []
         floating = [n for n, d in sources.items() if d.is_floating_point]
         for k, (pattern, _) in enumerate(self.overrides):
@@ -134,6 +135,16 @@ class DtypePolicy:
         quantised = [n for n, (_, target) in codes.items() if itemsize(target) < 2]
         scales = [n for n, (source, target) in codes.items()
                   if "scale" in n.rsplit(".", 1)[-1] and source != target and itemsize(target) >= 2]
+        widened = [n for n, (source, target) in codes.items() if itemsize(source) < 2 <= itemsize(target)]
+        held_scales = [n for n in floating if "scale" in n.rsplit(".", 1)[-1]]
+        if widened and held_scales:
+            glob = next(p for p, _ in self.overrides if fnmatch.fnmatchcase(widened[0], p))
+            more = f" and {len(widened) - 1} more" if len(widened) > 1 else ""
+            out.append(f"{len(widened)} 8-bit tensor(s) ({widened[0]!r}{more}) are cast to "
+                       f"{torch_name(codes[widened[0]][1])} by dtype_overrides glob {glob!r}, but the model holds "
+                       f"scale tensors ({held_scales[0]!r}): a cast keeps each raw value without its scale, so the "
+                       "fleet would serve another model; dequantise in the trainer before publishing, or add "
+                       "{'<their glob>': 'keep'} before that glob to publish them as quantised weights")
         if quantised and scales:
             out.append(f"{len(quantised)} 8-bit tensor(s) are published as quantised weights, but {len(scales)} "
                        f"scale tensor(s) ({scales[0]!r}{' and more' if len(scales) > 1 else ''}) are cast to "

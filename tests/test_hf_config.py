@@ -64,7 +64,8 @@ def test_published_snapshot_config_drops_an_unbacked_fp8_quantization_config(tmp
 def test_fp8_weights_are_published_as_fp8_with_their_quantization_config(tmp_path: Path,
                                                                          caplog: pytest.LogCaptureFixture) -> None:
     """8-bit floats are quantised weights: cast to bf16 by default they lost their meaning (the scales still
-    applied) and the config's quantization_config was dropped, so the fleet served a different model."""
+    applied) and the config's quantization_config was dropped, so the fleet served a different model. A glob that
+    casts them anyway is warned about while the model holds scales."""
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps(FP8_BASE))
@@ -88,8 +89,14 @@ def test_fp8_weights_are_published_as_fp8_with_their_quantization_config(tmp_pat
     served = rebuild_accepted(tmp_path / "bucket", pub.metrics)[pub.metrics[1].identity]
     got = served["model.layers.0.mlp.up_proj.weight"]
     assert got.dtype == "F8_E4M3" and got.data.tobytes() == fp8.view(torch.uint8).numpy().tobytes()
-    kept = TensorPublisher(model, HotloadConfig(bucket_url=str(tmp_path / "b2"), hf_config_dir=str(hf),
-                                                dtype_overrides={"*scale*": "keep", "*.up_proj.weight": "bfloat16"}))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        kept = TensorPublisher(model, HotloadConfig(
+            bucket_url=str(tmp_path / "b2"), hf_config_dir=str(hf),
+            dtype_overrides={"*scale*": "keep", "*.up_proj.weight": "bfloat16"}))
+    # widened by a glob, an fp8 weight is its raw values without its scale: said, naming the glob
+    assert ("1 8-bit tensor(s) ('model.layers.0.mlp.up_proj.weight') are cast to bfloat16 by dtype_overrides glob "
+            "'*.up_proj.weight', but the model holds scale tensors") in caplog.text
     kept.publish(0, model)
     kept.close()
     (folder,) = (tmp_path / "b2").glob("step-*")
