@@ -32,14 +32,15 @@ import fsspec.core
 
 from .masking import mask_text, mask_url
 from .storage_errors import (_BACKEND_PACKAGES, ErrorClass, MissingBackendError,  # noqa: F401 (re-exported)
-                             StorageError, backend_install_hint, backoff_delay, classify_error)
+                             StorageError, backend_install_hint, backoff_delay, classify_error, credential_hint)
 from .storage_local import TMP_PREFIX, atomic_write
 from .storage_paths import LOCAL_PROTOCOLS, OBJECT_STORE_PROTOCOLS, check_options, check_relpath, normalise_root
 from .storage_s3 import (DeadlineCalls, DeleteRefused, OpenUpload, ThrottleAnswers, abort_open_uploads,
                          abort_upload, delete_checked, is_s3_root, list_uploads, owned_retries)
 
 __all__ = ["Storage", "StorageStats", "StorageError", "MissingBackendError", "FileInfo", "ErrorClass",
-           "classify_error", "backoff_delay", "backend_install_hint", "TMP_PREFIX", "COMMIT_MARKER", "CommitInfo",
+           "classify_error", "backoff_delay", "backend_install_hint", "credential_hint", "TMP_PREFIX", "COMMIT_MARKER",
+           "CommitInfo",
            "write_commit_marker", "read_commit_marker", "list_committed", "plan_retention", "apply_retention"]
 
 logger = logging.getLogger(__name__)
@@ -303,6 +304,8 @@ class Storage:
                         "no reply before the call's deadline (call_timeout_s)"
                         if type(exc).__name__ == "FSTimeoutError" else "(no message)")
                     detail = mask_text(raw)
+                    hint = credential_hint(exc, self.storage_options) if kind is ErrorClass.FATAL else None
+                    detail += f"; {hint}" if hint else ""
                     raise StorageError(f"{op} {uri} failed {why}: {type(exc).__name__}: {detail}", uri=uri,
                                        op=op, attempts=attempt, cause=exc) from _unless_masked(exc)
                 throttled = kind is ErrorClass.THROTTLE

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import socket
 from enum import Enum
-from typing import Iterator
+from typing import Any, Iterator, Mapping
 
 __all__ = ["StorageError", "MissingBackendError", "ErrorClass", "classify_error", "backoff_delay",
-           "backend_install_hint"]
+           "backend_install_hint", "credential_hint"]
 
 
 class StorageError(Exception):
@@ -102,6 +103,46 @@ _TRANSIENT_ERRNOS = frozenset(getattr(errno, name) for name in (
     "ENETRESET", "EAGAIN", "EBUSY", "EREMOTEIO") if hasattr(errno, name))
 
 
+def _malformed_request(e: BaseException) -> bool:
+    """Whether an HTTP client refused to send the request at all: botocore's HTTPClientError around a ValueError
+    (a header holding a newline, "Forbidden control character detected in headers"). The same request fails
+    the same way on every retry."""
+    if "HTTPClientError" not in {klass.__name__ for klass in type(e).__mro__}:
+        return False
+    kwargs = getattr(e, "kwargs", None)
+    inner = kwargs.get("error") if isinstance(kwargs, dict) else None
+    return isinstance(inner if inner is not None else e.__context__, ValueError)
+
+
+_CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+_CREDENTIAL_OPTIONS = ("key", "secret", "token", "aws_access_key_id", "aws_secret_access_key", "aws_session_token")
+
+
+def credential_hint(exc: BaseException, storage_options: Mapping[str, Any] | None = None) -> str | None:
+    """Which credential (by name, never its value) starts or ends in whitespace, when ``exc`` is an error such a
+    credential causes (a refused signature, a header the client will not send), else None.
+
+    Why: a key read from a secret file or a Kubernetes secret often keeps its trailing newline; botocore then
+    fails with a header-injection error or SignatureDoesNotMatch, neither of which names the culprit."""
+    caused = False
+    for e in _exception_chain(exc):
+        code, status = _code_and_status(e)
+        caused = caused or _malformed_request(e) or code in _AUTH_CODES or status in (401, 403)
+    if not caused:
+        return None
+    options = dict(storage_options or {})
+    nested = options.get("client_kwargs")
+    places = [(f"${name}", os.environ.get(name)) for name in _CREDENTIAL_ENV]
+    places += [(f"storage_options[{key!r}]", options.get(key)) for key in _CREDENTIAL_OPTIONS]
+    if isinstance(nested, dict):
+        places += [(f"storage_options['client_kwargs'][{key!r}]", nested.get(key)) for key in _CREDENTIAL_OPTIONS]
+    padded = [where for where, value in places if isinstance(value, str) and value != value.strip()]
+    if not padded:
+        return None
+    return (f"{', '.join(padded)} starts or ends in whitespace (a newline kept from a secret file?): strip it, "
+            "as S3 signs and sends credentials byte for byte")
+
+
 def is_throttle(code: str | None, status: int | None) -> bool:
     """Whether a store's answer (its error code, its HTTP status) asks the caller to slow down."""
     return code in _THROTTLE_CODES or status in (429, 503)
@@ -162,6 +203,8 @@ def classify_error(exc: BaseException) -> ErrorClass:
     as an ``OSError(EBUSY)`` whose cause is the ClientError), then not-found, then permission/auth errors, then
     connection errors, timeouts and 5xx. A lost multipart upload (``NoSuchUpload``) is TRANSIENT although it
     arrives as a 404: the write starts over. A TLS error is TRANSIENT unless a certificate failed verification.
+    A request the HTTP client refuses to send (a header holding a newline) is FATAL, though botocore wraps it in
+    an HTTPClientError, like the dropped connections it also reports that way.
     Anything unrecognised is FATAL: retrying a bug only hides it.
     """
     found: set[ErrorClass] = set()
@@ -184,6 +227,8 @@ def classify_error(exc: BaseException) -> ErrorClass:
             found.add(ErrorClass.NOT_FOUND)
         elif (isinstance(e, PermissionError) or code in _AUTH_CODES or status in (401, 403)
               or names & _AUTH_CLASS_NAMES):
+            found.add(ErrorClass.FATAL)
+        elif _malformed_request(e):
             found.add(ErrorClass.FATAL)
         elif names & (_TLS_CLASS_NAMES | _CERT_CLASS_NAMES):
             found.add(ErrorClass.FATAL if _certificate_failure(e) else ErrorClass.TRANSIENT)

@@ -28,6 +28,7 @@ from fsdp_hotload.storage import (
     backend_install_hint,
     backoff_delay,
     classify_error,
+    credential_hint,
 )
 from tests.s3_fixture import (DeleteErrorsProxy, FaultyFileSystem, S3Server, StallingProxy, access_denied_error,
                                no_such_upload_error, slowdown_error)
@@ -1014,3 +1015,30 @@ def test_tls_errors_are_retried_unless_a_certificate_fails_verification(tmp_path
     assert info.value.attempts == (1 if certificate else 3), str(info.value)
     assert ("CERTIFICATE_VERIFY_FAILED" in str(info.value)) == certificate
     assert len(seen) - 1 >= info.value.attempts
+
+
+@pytest.mark.parametrize("where", ["env", "options"])
+def test_a_credential_ending_in_a_newline_fails_at_once_naming_it(s3_server: S3Server, where: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An access key read from a secret file keeps its newline, and botocore refuses to send the header
+    ("Forbidden control character detected in headers") inside an HTTPClientError: that was retried as a dropped
+    connection, for every attempt, and no message named the credential. It now fails at once, naming where the
+    credential came from and never its value."""
+    options = {**s3_server.storage_options, "skip_instance_cache": True}
+    if where == "env":
+        del options["key"], options["secret"]
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.key + "\n")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret)
+        culprit = "$AWS_ACCESS_KEY_ID"
+    else:
+        options["key"] = s3_server.key + "\n"
+        culprit = "storage_options['key']"
+    st = Storage(s3_server.unique_uri("newline"), options, max_attempts=4, base_backoff_s=0.0001)
+    with pytest.raises(StorageError, match="fatal error, not retried") as info:
+        st.put_bytes("snap/x", b"x")
+    assert info.value.attempts == 1 and st.stats.retries == 0
+    assert f"{culprit} starts or ends in whitespace" in str(info.value), str(info.value)
+    assert s3_server.key not in str(info.value)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret + "\n")  # S3 refuses the signature: named too
+    assert "$AWS_SECRET_ACCESS_KEY starts or ends" in str(credential_hint(access_denied_error(), {}))
+    assert credential_hint(ConnectionError("reset"), {}) is None  # only for errors a credential causes
