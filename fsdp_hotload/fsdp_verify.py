@@ -95,27 +95,23 @@ SAMPLE_PLACES, SAMPLE_RUN = 8, 8
 
 
 def _sample(t: torch.Tensor) -> torch.Tensor:
-    """A few of ``t``'s elements (at most ``SAMPLE_PLACES * SAMPLE_RUN``) as fresh bytes on its device: a short
-    run of elements at places spread along its first dim (rows, experts), first elements of each place onward.
+    """A few of ``t``'s elements (at most ``SAMPLE_PLACES * SAMPLE_RUN``) as fresh bytes on its device, in one
+    copy: a run of elements at each of up to eight places spread evenly along its first dim (rows, experts), each
+    run along its last dim (a 1-D tensor: along itself) with the dims between at 0.
 
     Why spread: partitions often agree at their start (padding rows of a vocabulary, experts seeded alike) and
-    differ further on; the same tensor (a box's view, the same shape) gives the same places on every rank."""
-    if t.dim() == 0:
-        t = t.reshape(1)
+    differ further on. The places follow from the shape alone, so one box's views read the same elements on
+    every rank, whatever their memory layout (a part published with its dims permuted)."""
+    t = t.detach().reshape(1) if t.dim() == 0 else t.detach()
     rows = int(t.shape[0])
-    places = sorted({k * (rows - 1) // max(SAMPLE_PLACES - 1, 1) for k in range(SAMPLE_PLACES)})
-    runs = []
-    for at in places:
-        if t.dim() == 1:
-            run = t[at:at + SAMPLE_RUN]
-        else:
-            run = t[at]
-            while run.dim() > 1:  # a part published with its dims permuted: its first row in box order
-                run = run[0]
-            run = run[:SAMPLE_RUN]
-        # a fresh tensor: contiguous() keeps a one-element view's stride, which view() then refuses
-        runs.append(torch.empty(run.shape, dtype=run.dtype, device=run.device).copy_(run).view(torch.uint8))
-    return torch.cat(runs)
+    if t.dim() == 1:  # runs end inside the tensor
+        reach, run, along = max(rows - SAMPLE_RUN, 0), min(SAMPLE_RUN, rows), t.stride(0)
+    else:
+        reach, run, along = rows - 1, min(SAMPLE_RUN, int(t.shape[-1])), t.stride(-1)
+    step = max(reach // (SAMPLE_PLACES - 1), 1)
+    places = min(SAMPLE_PLACES, reach // step + 1)
+    view = t.as_strided((places, run), (step * t.stride(0), along), t.storage_offset())
+    return torch.empty(view.shape, dtype=t.dtype, device=t.device).copy_(view).view(torch.uint8).reshape(-1)
 
 
 def _crcs(tensors: Sequence[tuple[Any, torch.Tensor]]) -> dict[Any, int]:

@@ -13,7 +13,7 @@ from torch import nn
 from fsdp_hotload.arc.boxes import Box
 from fsdp_hotload.arc.dtypes import RawTensor
 from fsdp_hotload.fsdp import ChunkMeta, OwnershipError, full_tensor_specs, local_chunks, tensor_paths
-from fsdp_hotload.fsdp_verify import check_ownership, gather_full_state
+from fsdp_hotload.fsdp_verify import _sample, check_ownership, gather_full_state
 from fsdp_hotload.naming import clean_name, plan_names
 from tests.dist_util import SCRIPTS, run_torchrun
 
@@ -508,3 +508,30 @@ def test_ranks_holding_one_box_with_different_values_are_refused_as_partitions(t
         assert "TensorPublisher" in found["tp"], found
         assert found["expert"] is not None and "expert-parallel" in found["expert"], found
         assert found["buffers"] is None, found
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (5,), (9,), (100,), (1, 1), (3, 4), (100, 3), (7, 5, 9), (2, 32, 4)])
+def test_replica_samples_read_runs_spread_along_the_first_dim(shape: tuple[int, ...]) -> None:
+    """The replica check read a tensor's first 64 elements only, so experts alike at their start passed as copies.
+    A sample is now a run at each of up to eight places spread along the first dim, read in one copy whatever
+    the view's layout (a permuted part, a slice): the same elements as indexing the tensor place by place."""
+    def by_index(t: torch.Tensor) -> torch.Tensor:
+        t = t.reshape(1) if t.dim() == 0 else t
+        rows = t.shape[0]
+        reach, run = (max(rows - 8, 0), min(8, rows)) if t.dim() == 1 else (rows - 1, min(8, t.shape[-1]))
+        step = max(reach // 7, 1)
+        runs = []
+        for at in range(0, min(8, reach // step + 1) * step, step):
+            row = t[at:at + run] if t.dim() == 1 else t[at]
+            while row.dim() > 1:
+                row = row[0]
+            runs.append(row[:run])
+        return torch.cat(runs).contiguous().view(torch.uint8)
+
+    whole = torch.arange(int(np.prod(shape)) * 4, dtype=torch.float32).reshape(*shape, 4)
+    for t in (whole[..., 0], whole[..., 1].to(torch.bfloat16), whole.movedim(-1, 0)[2].mT if len(shape) > 1
+              else whole[..., 3]):
+        got = _sample(t)
+        assert torch.equal(got, by_index(t)) and got.numel() <= 64 * t.element_size()
+    if int(np.prod(shape)) > 64:  # elements past the first 64 are read (whole[..., 0] holds 4 * its flat index)
+        assert _sample(whole[..., 0]).view(torch.float32).max() >= 4 * 64
