@@ -262,6 +262,7 @@ def local_chunks(
     tie_word_embeddings: bool | None = None,
     include_buffers: bool = True,
     split: Split | None = None,
+    plain: dict[str, torch.Tensor] | None = None,
 ) -> list[LocalChunk]:
     """The chunks this rank owns, in ``state_dict`` order. No communication, no data copies.
 
@@ -272,13 +273,25 @@ def local_chunks(
     storage: FSDP2 from ``fully_shard`` on, FSDP1 from wrapping on (its lazy init keeps the storage, except
     with CPU offload, which pins a new copy: take the chunks after the first forward there). Loading a state
     dict or moving the model replaces storages; take the chunks again after that.
+
+    ``plain``: filled, on every rank, with the plain tensors (neither DTensors nor FSDP's) that published tensors
+    read, by path: every rank holds them whole and only rank 0 makes chunks of them, so this is what ranks compare
+    to tell replicas from partitions (:func:`~fsdp_hotload.fsdp_verify.plain_samples`), without another walk.
     """
     policy = DtypePolicy.of(snapshot_dtype, dtype_overrides)
     chunks: list[LocalChunk] = []
-    for name, src, _paths in _plan(model, rename, tie_word_embeddings, include_buffers, split):
+    dtensor = _dtensor_type()
+    for name, src, paths in _plan(model, rename, tie_word_embeddings, include_buffers, split):
         shape, dtype = src.shape(), policy.code(name, src.dtype())
         for space, box, view in src.pieces(name):
             chunks.append(LocalChunk(name, shape, dtype, space, box, view))
+        if plain is None:
+            continue
+        for path, member in src.members if isinstance(src, Joined) else [(paths[0], src)]:
+            if isinstance(member, Segment):
+                path, member = member.base_path, member.base
+            if isinstance(member, _PlainSource) and not (dtensor is not None and isinstance(member.tensor, dtensor)):
+                plain.setdefault(path, member.tensor)
     return chunks
 
 

@@ -25,7 +25,6 @@ from .dtype_policy import DtypePolicy
 from .fsdp import (FLAT, SHAPE, Joined, LocalChunk, OwnershipError, Rename, Segment, TensorSpec, _ChunkLike,
                    _dtensor_type, _fsdp1_type, _fsdp2_type, _plan, full_tensor_specs, local_chunks, space_shape,
                    wrapper_paths)
-from .fsdp_sources import _PlainSource
 from .naming import Split, clean_name
 
 
@@ -145,28 +144,17 @@ def replica_samples(chunks: Sequence[LocalChunk], skip: Collection[int] = ()) ->
     return [crcs.get(i) for i in range(len(chunks))]
 
 
-def plain_samples(model: nn.Module, *, rename: Rename | None = None, tie_word_embeddings: bool | None = None,
-                  split: Split | None = None, **_chunk_kwargs: Any) -> dict[str, int]:
-    """A CRC-32 of a few elements (:func:`_sample`) of each published plain tensor, a parameter that is not a
-    DTensor or FSDP's, by its path (buffers left out, as in :func:`replica_samples`).
+def plain_samples(plain: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """A CRC-32 of a few elements (:func:`_sample`) of each plain tensor in ``plain`` (``local_chunks(plain=)``:
+    parameters that are neither DTensors nor FSDP's, by path; leave the buffers out, as :func:`replica_samples`
+    does), empty and meta ones left out.
 
     Why: every rank holds such a tensor whole and only rank 0 publishes it, taking the others for copies. A
     partition kept in a plain parameter (a hand-written tensor-parallel layer, each rank's own experts) would be
     published as rank 0's whole tensor, and a parameter that no wrapper syncs (a module left out of
     ``fully_shard``) drifts from rank to rank. Ranks comparing them at construction refuse the first, and the
     second where the ranks start apart."""
-    plain: dict[str, torch.Tensor] = {}
-    for _name, src, paths in _plan(model, rename, tie_word_embeddings, False, split):
-        members = src.members if isinstance(src, Joined) else [(paths[0], src)]
-        for path, member in members:
-            if isinstance(member, Segment):
-                path, member = member.base_path, member.base
-            dtensor = _dtensor_type()
-            if not isinstance(member, _PlainSource) or (dtensor is not None and isinstance(member.tensor, dtensor)):
-                continue
-            if member.tensor.numel() > 0 and not member.tensor.is_meta:
-                plain.setdefault(path, member.tensor.detach())
-    return _crcs(list(plain.items()))
+    return _crcs([(path, t) for path, t in plain.items() if t.numel() > 0 and not t.is_meta])
 
 
 def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], ctrl: Any,
