@@ -51,9 +51,15 @@ _ATTACHED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[weakref.ref[Ho
     weakref.WeakKeyDictionary()
 
 
-def _root(url: str) -> str:
-    """A bucket URL as the storage layer reads it: "bucket", "./bucket/", "file:///abs/bucket", a path through a
-    symlink or "..", and "S3://b/run/" each name one root however they are written."""
+#: Protocols one backend serves under two names: the same store, whichever is written.
+_SAME_BACKEND = {"s3a": "s3", "gcs": "gs"}
+
+
+def _root(url: str, options: dict[str, Any] | None = None) -> str:
+    """A bucket as the storage layer reaches it: "bucket", "./bucket/", "file:///abs/bucket", a path through a
+    symlink or "..", and "S3://b/run/" each name one root however they are written; an object store's root
+    includes its endpoint (``storage_options``, or ``$AWS_ENDPOINT_URL``), so that one bucket path on two stores
+    (a MinIO per region) is two roots."""
     from .storage_paths import normalise_root
 
     try:
@@ -63,16 +69,22 @@ def _root(url: str) -> str:
     scheme, sep, rest = root.partition("://")
     if not sep:
         return os.path.realpath(root)
-    if scheme.lower() in ("file", "local"):
+    scheme = scheme.lower()
+    if scheme in ("file", "local"):
         return os.path.realpath(rest)
-    return f"{scheme.lower()}://{rest.rstrip('/')}"
+    scheme = _SAME_BACKEND.get(scheme, scheme)
+    options = options or {}
+    nested = options.get("client_kwargs") if isinstance(options.get("client_kwargs"), dict) else {}
+    endpoint = options.get("endpoint_url") or nested.get("endpoint_url") or (
+        os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") if scheme == "s3" else None)
+    return f"{scheme}://{rest.rstrip('/')}" + (f" at {str(endpoint).rstrip('/')}" if endpoint else "")
 
 
 def _clash(a: HotloadConfig, b: HotloadConfig) -> str | None:
     """Why two callbacks must not both publish every step (the same bucket, whose retention would delete the
     other's snapshots, or a deployment both signal), or None: two buckets and two fleets (a policy and its draft
     model, one model in two regions) publish side by side from one optimizer."""
-    if _root(a.bucket_url) == _root(b.bucket_url):
+    if _root(a.bucket_url, a.storage_options) == _root(b.bucket_url, b.storage_options):
         return f"publishing to {mask_url(b.bucket_url)}"
     if a.hotload_api_url is not None and (a.hotload_api_url, a.account_id) == (b.hotload_api_url, b.account_id):
         shared = sorted(set(a.deployments) & set(b.deployments))

@@ -91,6 +91,14 @@ def test_callbacks_with_their_own_buckets_and_fleets_share_an_optimizer(tmp_path
     assert all(_clash(api(x, ["d1"]), api(y, ["d2"])) for x in same for y in same)  # type: ignore[arg-type]
     assert _clash(api("s3://b/run/", ["d1"]), api("s3://b/run", ["d2"]))  # type: ignore[arg-type]
     assert _clash(api("s3://b/run", ["d1"]), api("s3://b/run2", ["d2"])) is None  # type: ignore[arg-type]
+    assert _clash(api("s3a://b/run", ["d1"]), api("s3://b/run", ["d2"]))  # type: ignore[arg-type]  # one backend
+
+    def at(url: str, endpoint: str) -> HotloadConfig:
+        return HotloadConfig(bucket_url=url, storage_options={"endpoint_url": endpoint}, hf_config_dir=str(hf))
+
+    # one bucket path on two stores (a MinIO per region) is two buckets: both callbacks stay attached
+    assert _clash(at("s3://models/run", "http://minio-eu:9000"), at("s3://models/run", "http://minio-us:9000")) is None
+    assert _clash(at("s3://models/run", "http://minio-eu:9000"), at("s3a://models/run/", "http://minio-eu:9000/"))
 
 
 def test_a_watchdogs_close_leaves_the_optimizers_hooks_to_the_training_thread(tmp_path: Path) -> None:
