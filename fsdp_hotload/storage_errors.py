@@ -114,7 +114,7 @@ def _malformed_request(e: BaseException) -> bool:
     return isinstance(inner if inner is not None else e.__context__, ValueError)
 
 
-_CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+_CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
 _CREDENTIAL_OPTIONS = ("key", "secret", "token", "aws_access_key_id", "aws_secret_access_key", "aws_session_token")
 
 
@@ -131,16 +131,16 @@ def credential_hint(exc: BaseException, storage_options: Mapping[str, Any] | Non
     if not caused:
         return None
     options = dict(storage_options or {})
-    nested = options.get("client_kwargs")
-    places = [(f"${name}", os.environ.get(name)) for name in _CREDENTIAL_ENV]
-    places += [(f"storage_options[{key!r}]", options.get(key)) for key in _CREDENTIAL_OPTIONS]
-    if isinstance(nested, dict):
-        places += [(f"storage_options['client_kwargs'][{key!r}]", nested.get(key)) for key in _CREDENTIAL_OPTIONS]
+    nested = options.get("client_kwargs") if isinstance(options.get("client_kwargs"), dict) else {}
+    places = [(f"storage_options[{key!r}]", options.get(key)) for key in _CREDENTIAL_OPTIONS]
+    places += [(f"storage_options['client_kwargs'][{key!r}]", nested.get(key)) for key in _CREDENTIAL_OPTIONS]
+    if not any(value for _where, value in places):  # botocore reads the environment only without options' keys
+        places = [(f"${name}", os.environ.get(name)) for name in _CREDENTIAL_ENV]
     padded = [where for where, value in places if isinstance(value, str) and value != value.strip()]
     if not padded:
         return None
-    return (f"{', '.join(padded)} starts or ends in whitespace (a newline kept from a secret file?): strip it, "
-            "as S3 signs and sends credentials byte for byte")
+    return (f"{', '.join(padded)} starts or ends in whitespace (a newline kept from a secret file?), which may be "
+            "the cause: strip it, as S3 signs and sends credentials byte for byte")
 
 
 def is_throttle(code: str | None, status: int | None) -> bool:

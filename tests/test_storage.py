@@ -1041,4 +1041,6 @@ def test_a_credential_ending_in_a_newline_fails_at_once_naming_it(s3_server: S3S
     assert s3_server.key not in str(info.value)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret + "\n")  # S3 refuses the signature: named too
     assert "$AWS_SECRET_ACCESS_KEY starts or ends" in str(credential_hint(access_denied_error(), {}))
+    # keys in the options are the ones botocore signs with: a stray variable in the environment is not blamed
+    assert credential_hint(access_denied_error(), {"key": "k", "secret": "s"}) is None
     assert credential_hint(ConnectionError("reset"), {}) is None  # only for errors a credential causes
