@@ -135,16 +135,19 @@ class DtypePolicy:
         quantised = [n for n, (_, target) in codes.items() if itemsize(target) < 2]
         scales = [n for n, (source, target) in codes.items()
                   if "scale" in n.rsplit(".", 1)[-1] and source != target and itemsize(target) >= 2]
-        widened = [n for n, (source, target) in codes.items() if itemsize(source) < 2 <= itemsize(target)]
         held_scales = [n for n in floating if "scale" in n.rsplit(".", 1)[-1]]
-        if widened and held_scales:
-            glob = next(p for p, _ in self.overrides if fnmatch.fnmatchcase(widened[0], p))
-            more = f" and {len(widened) - 1} more" if len(widened) > 1 else ""
-            out.append(f"{len(widened)} 8-bit tensor(s) ({widened[0]!r}{more}) are cast to "
-                       f"{torch_name(codes[widened[0]][1])} by dtype_overrides glob {glob!r}, but the model holds "
-                       f"scale tensors ({held_scales[0]!r}): a cast keeps each raw value without its scale, so the "
-                       "fleet would serve another model; dequantise in the trainer before publishing, or add "
-                       "{'<their glob>': 'keep'} before that glob to publish them as quantised weights")
+        widened: dict[tuple[str, str], list[str]] = {}  # (glob, target): the 8-bit weights (not scales) it widens
+        for name, (source, target) in codes.items():
+            if itemsize(source) < 2 <= itemsize(target) and "scale" not in name.rsplit(".", 1)[-1]:
+                glob = next(p for p, _ in self.overrides if fnmatch.fnmatchcase(name, p))
+                widened.setdefault((glob, target), []).append(name)
+        for (glob, target), names in widened.items() if held_scales else ():
+            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+            out.append(f"{len(names)} 8-bit tensor(s) ({names[0]!r}{more}) are cast to {torch_name(target)} by "
+                       f"dtype_overrides glob {glob!r}, but the model holds scale tensors ({held_scales[0]!r}): a "
+                       "cast keeps each raw value without its scale, so the fleet would serve another model; "
+                       "dequantise in the trainer before publishing, or add {'<their glob>': 'keep'} before that "
+                       "glob to publish them as quantised weights")
         if quantised and scales:
             out.append(f"{len(quantised)} 8-bit tensor(s) are published as quantised weights, but {len(scales)} "
                        f"scale tensor(s) ({scales[0]!r}{' and more' if len(scales) > 1 else ''}) are cast to "

@@ -105,6 +105,22 @@ def test_fp8_weights_are_published_as_fp8_with_their_quantization_config(tmp_pat
     assert spec["model.layers.0.mlp.up_proj.weight"]["dtype"] == "bfloat16"  # a glob that names them wins
 
 
+def test_widened_fp8_weights_are_warned_about_per_glob_and_scales_are_not_taken_for_weights() -> None:
+    """The warning about 8-bit weights widened without their scales named the first glob and dtype for every
+    widened tensor, and took an 8-bit scale (widened losslessly) for a weight that lost its scale."""
+    from fsdp_hotload.dtype_policy import DtypePolicy
+
+    fp8 = torch.float8_e4m3fn
+    policy = DtypePolicy.of("bfloat16", {"*scale*": "float32", "a.*": "bfloat16", "b.*": "float16"})
+    notes = policy.notes({"a.weight": fp8, "b.weight": fp8, "b.weight_scale": fp8, "a.weight_scale_inv": torch.float32})
+    widened = [n for n in notes if "are cast to" in n and "without its scale" in n]
+    assert len(widened) == 2, notes
+    assert "('a.weight') are cast to bfloat16 by dtype_overrides glob 'a.*'" in widened[0]
+    assert "('b.weight') are cast to float16 by dtype_overrides glob 'b.*'" in widened[1]
+    assert not any("('b.weight_scale') are cast" in n for n in notes)  # an 8-bit scale widens losslessly
+    assert DtypePolicy.of("bfloat16", {"a.*": "bfloat16"}).notes({"a.weight": fp8}) == []  # no scales: lossless
+
+
 def test_an_fp8_base_trained_in_bf16_is_served_with_the_dropped_key_ignored(tmp_path: Path) -> None:
     """The server compares the snapshot's config.json with the base's and rejects a key present in only one:
     each signal names the quantization_config the snapshots leave out in validation.extra_fields_ignore."""
