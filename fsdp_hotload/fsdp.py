@@ -288,10 +288,12 @@ def local_chunks(
         if plain is None:
             continue
         for path, member in src.members if isinstance(src, Joined) else [(paths[0], src)]:
-            if isinstance(member, Segment):
-                path, member = member.base_path, member.base
+            cut = None
+            if isinstance(member, Segment):  # its range only: a part that rename leaves out is not compared
+                cut = (member.start, member.start + numel(member.part_shape))
+                path, member = f"{member.base_path}[{cut[0]}:{cut[1]}]", member.base
             if isinstance(member, _PlainSource) and not (dtensor is not None and isinstance(member.tensor, dtensor)):
-                plain.setdefault(path, member.tensor)
+                plain.setdefault(path, member.tensor if cut is None else member.tensor.reshape(-1)[cut[0]:cut[1]])
     return chunks
 
 

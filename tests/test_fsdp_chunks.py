@@ -507,7 +507,7 @@ def test_ranks_holding_one_box_with_different_values_are_refused_as_partitions(t
         assert found["tp"] is not None and "tensor-parallel" in found["tp"] and "qkv.weight" in found["tp"]
         assert "TensorPublisher" in found["tp"], found
         assert found["expert"] is not None and "expert-parallel" in found["expert"], found
-        assert found["buffers"] is None, found
+        assert found["buffers"] is None and found["split"] is None, found
 
 
 @pytest.mark.parametrize("shape", [(), (1,), (5,), (9,), (100,), (1, 1), (3, 4), (100, 3), (7, 5, 9), (2, 32, 4)])

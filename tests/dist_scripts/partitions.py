@@ -12,6 +12,8 @@ them on every rank. Run under torchrun (gloo, CPU, 2 ranks). Cases:
   only a tensor's first elements).
 * ``plain``: a plain parameter (no DTensor, no marks) that differs per rank, as a hand-written tensor-parallel layer
   holds it: only rank 0 made chunks of plain tensors, so no rank compared them.
+* ``split``: a plain tensor split in two parts, of which ``rename`` leaves out the one that differs per rank: only
+  what is published is compared, so it is not refused.
 * ``buffers``: a module buffer that differs per rank (forward passes update buffers on each rank alone, as
   BatchNorm statistics under FSDP) is not refused; rank 0's is published.
 
@@ -84,14 +86,19 @@ def main() -> None:
     partition = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     with torch.no_grad():
         partition[1].weight.add_(rank)  # this rank's rows of a tensor-parallel layer, in a plain parameter
+    fused = nn.Module()
+    fused.w = nn.Parameter(torch.cat([torch.ones(4), torch.full((4,), float(rank))]).reshape(2, 4))
+    parts = {"split": lambda path, _shape: [("keep", 0, (1, 4)), ("local", 4, (1, 4))] if path == "w" else None,
+             "rename": lambda name: None if name == "local" else name}
     torch.manual_seed(0)
     plain = nn.Linear(4, 4)
     plain.register_buffer("seen", torch.full((3,), float(rank)))
     found = {}
     for case, model in (("tp", megatron_tp(rank)), ("expert", megatron_expert()), ("ep", ep), ("late", late),
-                        ("plain", partition), ("buffers", plain)):
+                        ("plain", partition), ("split", fused), ("buffers", plain)):
         try:
-            hot = HotloadCallback(model, HotloadConfig(bucket_url=f"{bucket}/{case}"))
+            extra: dict = parts if case == "split" else {}
+            hot = HotloadCallback(model, HotloadConfig(bucket_url=f"{bucket}/{case}"), **extra)
             hot.close(raise_errors=False)
             found[case] = None
         except Exception as exc:  # noqa: BLE001 - written for the test to read
