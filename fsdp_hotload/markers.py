@@ -18,10 +18,10 @@ import logging
 import math
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from .daemon_pool import DaemonPool
 from .identity import validate_identity
 
 if TYPE_CHECKING:
@@ -233,9 +233,14 @@ def list_committed(storage: Storage, *, strict: bool = True, dirs: list[str] | N
             logger.warning("skipping snapshot %s: bad commit marker", storage.uri(identity), exc_info=True)
             return None
 
-    workers = max(1, min(getattr(storage, "max_concurrency", 8), len(dirs)))
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hotload-markers") as pool:
-        infos = list(pool.map(read, dirs))
+    pool = DaemonPool(max(1, min(getattr(storage, "max_concurrency", 8), len(dirs))), "hotload-markers")
+    futures = [pool.submit(read, d) for d in dirs]  # daemons: an exit is not held by a hung read
+    try:
+        infos = [f.result() for f in futures]
+    finally:
+        for f in futures:
+            f.cancel()
+        pool.shutdown(wait=False)
     return sorted((i for i in infos if i is not None), key=lambda i: (i.created_at, i.identity))
 
 

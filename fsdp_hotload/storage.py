@@ -22,7 +22,7 @@ import os
 import random
 import threading
 import time
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any, BinaryIO, Callable, Iterable, Iterator, TypeVar
@@ -30,6 +30,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator, TypeVar
 import fsspec
 import fsspec.core
 
+from .daemon_pool import DaemonPool
 from .masking import mask_text, mask_url
 from .storage_errors import (_BACKEND_PACKAGES, ErrorClass, MissingBackendError,  # noqa: F401 (re-exported)
                              StorageError, backend_install_hint, backoff_delay, classify_error, credential_hint)
@@ -384,7 +385,8 @@ class Storage:
         """Write many objects on at most ``max_concurrency`` threads.
 
         All relpaths are checked before anything is written. On the first failure no further puts start; the
-        ones already running finish, and the first error is raised (naming the count if several failed).
+        ones already running finish, and the first error is raised (naming the count if several failed). The
+        threads are daemons: a process that exits while a put hangs (a stuck mount) is not held by them.
         """
         for rel in items:
             check_relpath(rel, self._shown)
@@ -392,18 +394,20 @@ class Storage:
             for rel, data in items.items():
                 self.put_bytes(rel, data)
             return
-        workers = min(self.max_concurrency, len(items))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hotload-storage") as pool:
-            futures: dict[Future[None], str] = {pool.submit(self.put_bytes, rel, data): rel
-                                                for rel, data in items.items()}
-            try:
-                done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-            except BaseException:  # Ctrl-C: leaving the block must not wait for every queued write first
-                pool.shutdown(wait=False, cancel_futures=True)
-                raise
+        pool = DaemonPool(min(self.max_concurrency, len(items)), "hotload-storage")
+        futures: dict[Future[None], str] = {pool.submit(self.put_bytes, rel, data): rel
+                                            for rel, data in items.items()}
+        try:
+            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
             for fut in pending:
                 fut.cancel()
             wait(futures)
+        except BaseException:  # Ctrl-C: returning must not wait for every queued write first
+            for fut in futures:
+                fut.cancel()
+            raise
+        finally:
+            pool.shutdown(wait=False)
         errors = [(futures[f], f.exception()) for f in futures if not f.cancelled() and f.exception()]
         if not errors:
             return

@@ -620,3 +620,26 @@ def test_a_rank_whose_close_times_out_still_votes_so_the_others_do_not_wait_for_
     assert raised == {0: None, 1: None}, raised  # rank 1: not the vote's own TimeoutError (rank 0 never voted)
     assert max(took.values()) < 8, took
     assert [(m.step, m.ok) for m in pubs[0].metrics.records] == [(0, True)]  # step 1 not published: rank 0 was late
+
+
+@pytest.mark.parametrize("close", [True, False], ids=["close-gave-up", "no-close"])
+def test_a_process_ending_while_the_commit_write_hangs_exits(close: bool) -> None:
+    """dist_scripts/exit_during_commit.py: the commit's small files were written on a ThreadPoolExecutor, whose
+    workers the interpreter joins at exit, so a trainer whose write hung (a stuck mount, a store that never
+    answers) never exited, after close() gave up or without close(), and before the exit warning was shown.
+    Daemon workers let it exit; the snapshot is dropped."""
+    import subprocess
+    import sys
+
+    from tests.dist_util import SCRIPTS
+
+    args = [sys.executable, str(SCRIPTS / "exit_during_commit.py"), *([] if close else ["--no-close"])]
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the process did not exit: {exc.stdout!r} {exc.stderr!r}")
+    assert done.returncode == 0 and "returning from main" in done.stdout, (done.stdout, done.stderr)
+    if close:
+        assert "close raised PublishError" in done.stdout and "close() gave up after 1 s" in done.stderr
+    else:
+        assert "exiting with 1 snapshot(s) still publishing on rank 0 and close() never called" in done.stderr

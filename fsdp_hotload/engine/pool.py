@@ -1,17 +1,10 @@
-"""Background threads: a fixed pool of daemon workers that hands back standard futures, a lower priority, and
-the slot where a background error waits for the trainer's thread.
-
-Why not ``ThreadPoolExecutor``: Python joins its workers when the interpreter exits, so a trainer that ends
-with a publish still in flight (no ``close()``, or Ctrl-C inside it) waited for that publish's uploads, hints and
-readiness polls, minutes against an unreachable fleet. Daemon workers let the process exit at once; what was in
-flight is dropped, the fleet keeps its last snapshot, and the next run starts with a full one.
+"""Background threads: the fixed pool of daemon workers (:class:`~fsdp_hotload.daemon_pool.DaemonPool`, kept
+beside the storage layer, which uses it too), warm-ups, a lower priority, and the slot where a background error
+waits for the trainer's thread.
 
 Example::
 
-    pool = DaemonPool(4, "hotload-upload-0")
-    futures = [pool.submit(upload, name) for name in files]
-    wait(futures)
-    pool.shutdown()
+    thread = start_warm_up(codec.warm_up, name="hotload-warmup-0", nice=10, what="the arc_v2 codec")
 """
 from __future__ import annotations
 
@@ -23,63 +16,11 @@ import queue
 import threading
 import time
 import weakref
-from concurrent.futures import Future
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
-T = TypeVar("T")
+from ..daemon_pool import DaemonPool  # noqa: F401 (re-exported: the engine's pools)
+
 log = logging.getLogger("fsdp_hotload")
-_Task = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
-
-
-class DaemonPool:
-    def __init__(self, workers: int, name: str) -> None:
-        if workers < 1:
-            raise ValueError(f"workers must be >= 1, got {workers}")
-        self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
-        self._closed = False
-        self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
-                         for i in range(workers)]
-        started = 0
-        try:
-            for t in self._threads:
-                t.start()
-                started += 1
-        except BaseException:
-            # Out of threads part way ("can't start new thread"): no pool is returned to shut down, so the
-            # workers that did start would wait on the queue for good, more of them at each snapshot that fails so.
-            for _ in range(started):
-                self._tasks.put(None)
-            for t in self._threads[:started]:
-                t.join()
-            raise
-
-    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
-        if self._closed:
-            raise RuntimeError("pool is shut down")
-        future: Future[T] = Future()
-        self._tasks.put((future, fn, args, kwargs))
-        return future
-
-    def _work(self) -> None:
-        while (task := self._tasks.get()) is not None:
-            future, fn, args, kwargs = task
-            del task  # a finished task's function must not stay alive here until the next one (serve_weakly)
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args, **kwargs))
-                except BaseException as exc:  # noqa: BLE001 - handed to whoever holds the future
-                    future.set_exception(exc)
-            del future, fn, args, kwargs
-
-    def shutdown(self) -> None:
-        """Run what was submitted, then stop the workers and wait for them."""
-        if self._closed:
-            return
-        self._closed = True
-        for _ in self._threads:
-            self._tasks.put(None)
-        for t in self._threads:
-            t.join()
 
 
 # Warm-up threads still running. They are daemons, so an early exit is not held by them; but a process whose
