@@ -74,6 +74,8 @@ class Slab:
         part (``part_shape``, which :meth:`fits`), and their ``(offset, count)`` in the box's C order, one run.
         None when the box holds none of them."""
         k = self.dim
+        if 0 in box.length:  # an empty box (its zero on a dim of size 1 would be squeezed away below)
+            return None
         for d in range(k):
             if not box.start[d] <= self.index[d] < box.start[d] + box.length[d]:
                 return None

@@ -109,3 +109,12 @@ def test_a_permuted_box_holds_the_permuted_tensors_elements() -> None:
         want = full[1:3, 0:3, 2:4].transpose(dims).reshape(-1)
         got = full.transpose(dims)[tuple(slice(a, a + m) for a, m in zip(moved.start, moved.length))].reshape(-1)
         assert np.array_equal(got, want), dims
+
+
+def test_an_empty_box_holds_no_part_even_where_its_empty_dim_has_size_one() -> None:
+    """A box of length 0 on a dim of size 1 after the slab's dim was cut into a non-empty part box with a run of 0
+    elements: that dim was squeezed away with its zero."""
+    slab = Slab.of((2, 1), 0, 1)
+    assert slab is not None
+    assert slab.cut(Box((0, 1), (1, 0)), (1, 1)) is None
+    assert slab.cut(Box((0, 0), (1, 1)), (1, 1)) is not None
