@@ -231,7 +231,7 @@ class HotloadCallback:
                     raise ValueError(note)
                 self._plan_names(split, rename, tie_word_embeddings, include_buffers, hf_names)
                 self._fingerprint = storage_fingerprint(model)
-                held: dict[str, torch.Tensor] = {}  # plain tensors, on every rank
+                held: dict[str, torch.Tensor] = {}  # plain parameters, on every rank
                 walked = local_chunks(model, **self._chunk_kwargs, plain=held)
                 self._specs = full_tensor_specs(model, **self._chunk_kwargs)
                 if not self._specs:  # the same on every rank
@@ -240,8 +240,7 @@ class HotloadCallback:
                 buffers = set(self._buffer_chunks(walked))
                 if isinstance(comm, GlooComm):
                     samples = replica_samples(walked, skip=buffers)
-                    buffers_held = {id(b) for b in model.buffers()}
-                    plain = plain_samples({path: t for path, t in held.items() if id(t) not in buffers_held})
+                    plain = plain_samples(held)
             except Exception as exc:  # noqa: BLE001 - raised by agree_on_chunks, on every rank
                 problem = exc
             self.walks = 1  # model walks for chunk views (the first here; again only when storage changed)

@@ -274,13 +274,15 @@ def local_chunks(
     with CPU offload, which pins a new copy: take the chunks after the first forward there). Loading a state
     dict or moving the model replaces storages; take the chunks again after that.
 
-    ``plain``: filled, on every rank, with the plain tensors (neither DTensors nor FSDP's) that published tensors
-    read, by path: every rank holds them whole and only rank 0 makes chunks of them, so this is what ranks compare
-    to tell replicas from partitions (:func:`~fsdp_hotload.fsdp_verify.plain_samples`), without another walk.
+    ``plain``: filled, on every rank, with the plain parameters (neither DTensors nor FSDP's; buffers left out, as
+    forward passes update them on each rank alone) that published tensors read, by path: every rank holds them
+    whole and only rank 0 makes chunks of them, so this is what ranks compare to tell replicas from partitions
+    (:func:`~fsdp_hotload.fsdp_verify.plain_samples`), without another walk.
     """
     policy = DtypePolicy.of(snapshot_dtype, dtype_overrides)
     chunks: list[LocalChunk] = []
     dtensor = _dtensor_type()
+    buffers = {id(b) for b in model.buffers()} if plain is not None else set()
     for name, src, paths in _plan(model, rename, tie_word_embeddings, include_buffers, split):
         shape, dtype = src.shape(), policy.code(name, src.dtype())
         for space, box, view in src.pieces(name):
@@ -292,7 +294,8 @@ def local_chunks(
             if isinstance(member, Segment):  # its range only: a part that rename leaves out is not compared
                 cut = (member.start, member.start + numel(member.part_shape))
                 path, member = f"{member.base_path}[{cut[0]}:{cut[1]}]", member.base
-            if isinstance(member, _PlainSource) and not (dtensor is not None and isinstance(member.tensor, dtensor)):
+            if (isinstance(member, _PlainSource) and id(member.tensor) not in buffers
+                    and not (dtensor is not None and isinstance(member.tensor, dtensor))):
                 plain.setdefault(path, member.tensor if cut is None else member.tensor.reshape(-1)[cut[0]:cut[1]])
     return chunks
 

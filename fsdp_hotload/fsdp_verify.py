@@ -146,8 +146,7 @@ def replica_samples(chunks: Sequence[LocalChunk], skip: Collection[int] = ()) ->
 
 def plain_samples(plain: Mapping[str, torch.Tensor]) -> dict[str, int]:
     """A CRC-32 of a few elements (:func:`_sample`) of each plain tensor in ``plain`` (``local_chunks(plain=)``:
-    parameters that are neither DTensors nor FSDP's, by path; leave the buffers out, as :func:`replica_samples`
-    does), empty and meta ones left out.
+    parameters that are neither DTensors nor FSDP's, by path, buffers left out), empty and meta ones left out.
 
     Why: every rank holds such a tensor whole and only rank 0 publishes it, taking the others for copies. A
     partition kept in a plain parameter (a hand-written tensor-parallel layer, each rank's own experts) would be
