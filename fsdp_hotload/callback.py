@@ -34,14 +34,15 @@ from .engine.comm import Comm, GlooComm, LocalComm
 from .engine.copies import storage_ptr
 from .engine.metrics import PublishMetrics
 from .engine.publisher import Publisher
-from .fsdp import (full_tensor_specs, local_chunks, model_parallel_note, source_dtypes, storage_fingerprint,
-                   tensor_paths)
-from .fsdp_verify import agree_on_chunks, plain_samples, replica_samples
+from .fsdp import (OwnershipError, full_tensor_specs, local_chunks, model_parallel_note, source_dtypes,
+                   storage_fingerprint, tensor_paths)
+from .fsdp_verify import RecheckReplicas, agree_on_chunks, plain_samples, replica_samples
 from .hf_config import base_tensors, names_note, narrowed_note, shapes_note
 from .hf_names import checkpoint_names, transformers_saved_shapes
 from .layout import TensorSpec
 from .masking import mask_url
 from .naming import Split, adapter_note
+from .storage_paths import root_key
 
 log = logging.getLogger("fsdp_hotload")
 # The callbacks attached to each optimizer: a second one publishing to the same bucket or deployment (a notebook
@@ -51,40 +52,11 @@ _ATTACHED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[weakref.ref[Ho
     weakref.WeakKeyDictionary()
 
 
-#: Protocols one backend serves under two names: the same store, whichever is written.
-_SAME_BACKEND = {"s3a": "s3", "gcs": "gs"}
-
-
-def _root(url: str, options: dict[str, Any] | None = None) -> str:
-    """A bucket as the storage layer reaches it: "bucket", "./bucket/", "file:///abs/bucket", a path through a
-    symlink or "..", and "S3://b/run/" each name one root however they are written; an object store's root
-    includes its endpoint (``storage_options``, or ``$AWS_ENDPOINT_URL``), so that one bucket path on two stores
-    (a MinIO per region) is two roots."""
-    from .storage_paths import normalise_root
-
-    try:
-        root = normalise_root(url)
-    except ValueError:
-        return url
-    scheme, sep, rest = root.partition("://")
-    if not sep:
-        return os.path.realpath(root)
-    scheme = scheme.lower()
-    if scheme in ("file", "local"):
-        return os.path.realpath(rest)
-    scheme = _SAME_BACKEND.get(scheme, scheme)
-    options = options or {}
-    nested = options.get("client_kwargs") if isinstance(options.get("client_kwargs"), dict) else {}
-    endpoint = options.get("endpoint_url") or nested.get("endpoint_url") or (
-        os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") if scheme == "s3" else None)
-    return f"{scheme}://{rest.rstrip('/')}" + (f" at {str(endpoint).rstrip('/')}" if endpoint else "")
-
-
 def _clash(a: HotloadConfig, b: HotloadConfig) -> str | None:
     """Why two callbacks must not both publish every step (the same bucket, whose retention would delete the
     other's snapshots, or a deployment both signal), or None: two buckets and two fleets (a policy and its draft
     model, one model in two regions) publish side by side from one optimizer."""
-    if _root(a.bucket_url, a.storage_options) == _root(b.bucket_url, b.storage_options):
+    if root_key(a.bucket_url, a.storage_options) == root_key(b.bucket_url, b.storage_options):
         return f"publishing to {mask_url(b.bucket_url)}"
     if a.hotload_api_url is not None and (a.hotload_api_url, a.account_id) == (b.hotload_api_url, b.account_id):
         shared = sorted(set(a.deployments) & set(b.deployments))
@@ -221,6 +193,7 @@ class HotloadCallback:
         self._comms = [comm, ctrl]
         try:
             walked: list[Any] = []
+            held: dict[str, torch.Tensor] = {}  # plain parameters, on every rank
             self._specs: list[Any] = []
             problem: Exception | None = None
             samples: list[int | None] | None = None  # replica_samples: told apart from partitions
@@ -231,7 +204,6 @@ class HotloadCallback:
                     raise ValueError(note)
                 self._plan_names(split, rename, tie_word_embeddings, include_buffers, hf_names)
                 self._fingerprint = storage_fingerprint(model)
-                held: dict[str, torch.Tensor] = {}  # plain parameters, on every rank
                 walked = local_chunks(model, **self._chunk_kwargs, plain=held)
                 self._specs = full_tensor_specs(model, **self._chunk_kwargs)
                 if not self._specs:  # the same on every rank
@@ -244,7 +216,9 @@ class HotloadCallback:
             except Exception as exc:  # noqa: BLE001 - raised by agree_on_chunks, on every rank
                 problem = exc
             self.walks = 1  # model walks for chunk views (the first here; again only when storage changed)
-            self._kept = agree_on_chunks(walked, self._specs, ctrl, problem, samples, plain)
+            agreed = agree_on_chunks(walked, self._specs, ctrl, problem, samples, plain)
+            self._kept = agreed.kept
+            self._recheck = RecheckReplicas(agreed, walked, held, self._fingerprint)
             chunks = [walked[i] for i in self._kept]
             self._buffer_idx = [j for j, i in enumerate(self._kept) if i in buffers]
             specs = [TensorSpec(n, tuple(s), d) for n, s, d in self._specs]
@@ -309,11 +283,25 @@ class HotloadCallback:
             raise RuntimeError("HotloadCallback is closed: create a new one to publish again")
         step = self.engine.checked_step(self._step if step is None else step)
         self._step = step + 1
+        if self._recheck.left:  # every rank, at the same call
+            self._recheck_replicas(step)
         # views are built only on steps that publish
         # only a host copy runs beside the next forward; a device copy is ordered before it on the device
         overlaps = background_copy and not self.engine.stager.cuda
         sources = self._background_sources if overlaps else self._sources
         return self.engine.publish(step, sources, background_copy=background_copy)
+
+    def _recheck_replicas(self, step: int) -> None:
+        """Compare the copies of a box again (:class:`~fsdp_hotload.fsdp_verify.RecheckReplicas`); where they
+        drifted apart, publishing stops on every rank at this step, before this step is published."""
+        why = self._recheck.run(self.engine.ctrl, self.model, self._chunk_kwargs, step)
+        if why is None:
+            return
+        error = OwnershipError(f"{why}. Publishing stops for the rest of this job")
+        self.engine.stop(error)
+        if not self.config.keep_training_on_error:
+            raise error
+        log.error("hotload: %s (keep_training_on_error: training goes on)", error)
 
     def _warn_about_model(self) -> None:
         """Said once, on rank 0: settings under which the fleet would serve something other than the trained

@@ -13,7 +13,7 @@ Example::
 from __future__ import annotations
 
 import zlib
-from typing import Any, Collection, Mapping, Sequence
+from typing import Any, Collection, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from .arc.errors import FormatError
 from .dtype_policy import DtypePolicy
 from .fsdp import (FLAT, SHAPE, Joined, LocalChunk, OwnershipError, Rename, Segment, TensorSpec, _ChunkLike,
                    _dtensor_type, _fsdp1_type, _fsdp2_type, _plan, full_tensor_specs, local_chunks, space_shape,
-                   wrapper_paths)
+                   storage_fingerprint, wrapper_paths)
 from .naming import Split, clean_name
 
 
@@ -156,9 +156,102 @@ def plain_samples(plain: Mapping[str, torch.Tensor]) -> dict[str, int]:
     return _crcs([(path, t) for path, t in plain.items() if t.numel() > 0 and not t.is_meta])
 
 
+class Agreed(NamedTuple):
+    """What :func:`agree_on_chunks` decided for this rank."""
+
+    kept: list[int]  # indexes of the chunks this rank publishes
+    shared: list[tuple[int, int]]  # (index, group) of its sampled chunks whose box another rank holds too
+    recheck: bool  # whether any rank holds such a chunk or a plain tensor (the same answer on every rank)
+    groups: list[tuple[str, Box]]  # rank 0 only: each group's tensor and box, for the messages of RecheckReplicas
+
+
+#: Calls of the callback's ``step()`` at which :class:`RecheckReplicas` compares the copies again.
+RECHECK_STEPS = 2
+
+_DRIFTED = ("copies that nothing keeps equal drift apart as they train, and only rank 0's would be published: "
+            "partitions seeded alike (each rank's own experts, initialised from one seed) or a parameter that no "
+            "wrapper syncs (a module left out of fully_shard, one FSDP1 ignores). Express a partition as DTensors "
+            "(FSDP2 over a device mesh), wrap the module nothing syncs, or publish a gathered state dict from rank 0 "
+            "with TensorPublisher")
+
+
+class RecheckReplicas:
+    """The comparison of copies that :func:`agree_on_chunks` makes at construction, made again at the first
+    ``RECHECK_STEPS`` steps of training.
+
+    Why: at construction, copies that start equal pass whether or not anything keeps them equal. Partitions
+    seeded alike and a parameter that no wrapper syncs pass there, drift apart from the first optimizer step on,
+    and only rank 0's would be published. Two steps, not one: a first ``step()`` called before any optimizer step
+    (to publish the initial weights) still sees the values of construction. Only chunks whose box another rank
+    holds too, and plain tensors, are read (:func:`_sample`); where no rank has any (FSDP2 over one mesh dim),
+    nothing is, and no collective runs.
+
+    Example::
+
+        recheck = RecheckReplicas(agreed, walked, plain, storage_fingerprint(model))
+        if recheck.left:                                          # every rank, at the same step
+            why = recheck.run(ctrl, model, chunk_kwargs, step)    # None, or why they differ (on every rank)
+    """
+
+    def __init__(self, agreed: Agreed, chunks: Sequence[LocalChunk], plain: Mapping[str, torch.Tensor],
+                 fingerprint: tuple[int, ...]) -> None:
+        self.left = RECHECK_STEPS if agreed.recheck else 0
+        self._shared, self._groups = agreed.shared, agreed.groups
+        self._views = [chunks[i].source for i, _g in agreed.shared] if self.left else []
+        self._plain = dict(plain) if self.left else {}
+        self._fingerprint = fingerprint
+
+    def run(self, ctrl: Any, model: nn.Module, chunk_kwargs: Mapping[str, Any], step: int) -> str | None:
+        """Collective over ``ctrl`` (a :class:`~fsdp_hotload.engine.comm.Comm`): None where every copy still
+        agrees, else why not, the same on every rank. A comparison that could not be made (a rank failed to read
+        its copies, or the collective failed) is a reason too."""
+        self.left -= 1
+        problem: str | None = None
+        mine: dict[int, int] = {}
+        plain: dict[str, int] = {}
+        try:
+            fingerprint = storage_fingerprint(model)
+            if fingerprint != self._fingerprint:  # the views would read memory the model let go of
+                held: dict[str, torch.Tensor] = {}
+                walked = local_chunks(model, **chunk_kwargs, plain=held)
+                self._views = [walked[i].source for i, _g in self._shared]
+                self._plain, self._fingerprint = held, fingerprint
+            mine = _crcs([(g, view) for (_i, g), view in zip(self._shared, self._views)])
+            plain = plain_samples(self._plain)
+        except Exception as exc:  # noqa: BLE001 - sent: the other ranks must not wait for this rank alone
+            problem = f"{type(exc).__name__}: {exc}"
+        if not self.left:
+            self._views, self._plain = [], {}
+        try:
+            gathered = ctrl.gather((problem, mine, plain))
+            return ctrl.broadcast(None if gathered is None else self._compare(gathered, step))
+        except RuntimeError as exc:  # gloo's: a peer gone, or one rank past the side group's timeout
+            return f"the ranks could not compare their copies of tensors at step {step}: {exc!r}"
+
+    def _compare(self, gathered: Sequence[tuple[str | None, Mapping[int, int], Mapping[str, int]]],
+                 step: int) -> str | None:
+        for r, (problem, _crcs_r, _plain) in enumerate(gathered):
+            if problem:
+                return f"rank {r} could not read its copies of tensors to compare them at step {step}: {problem}"
+        first: dict[int, tuple[int, int]] = {}
+        for r, (_problem, crcs, _plain) in enumerate(gathered):
+            for group, crc in crcs.items():
+                r0, crc0 = first.setdefault(group, (r, crc))
+                if crc0 != crc:
+                    name, box = self._groups[group]
+                    return (f"ranks {r0} and {r} held the same part of tensor {name!r} ({box.to_json()}) alike when "
+                            f"the callback was created and different values at step {step}: {_DRIFTED}")
+        if (found := _plain_difference([plain for *_x, plain in gathered])) is not None:
+            r, which = found
+            return (f"ranks 0 and {r} held plain tensor {which} (neither a DTensor nor FSDP's: rank 0 alone "
+                    f"publishes it) alike when the callback was created and different values at step {step}: "
+                    f"{_DRIFTED}")
+        return None
+
+
 def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], ctrl: Any,
                     failed: BaseException | None = None, samples: Sequence[int | None] | None = None,
-                    plain: Mapping[str, int] | None = None) -> list[int]:
+                    plain: Mapping[str, int] | None = None) -> Agreed:
     """Collective over ``ctrl`` (a :class:`~fsdp_hotload.engine.comm.Comm`), at construction: which of this
     rank's chunks it publishes (:func:`assign_chunks`), decided on rank 0 from every rank's chunk metadata.
     ``failed``: this rank's set-up failed before (reading ``hf_config_dir``, walking the model); it raises that,
@@ -168,7 +261,9 @@ def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], c
     or that sees other tensors than rank 0 would otherwise fail alone inside the publisher's set-up while the
     other ranks wait in its next collective. Every rank raises the same error instead, naming the rank.
     ``samples``: :func:`replica_samples` of ``chunks``; ranks holding one box with different samples are refused.
-    ``plain``: :func:`plain_samples` of the model; ranks whose plain tensors differ are refused alike.
+    ``plain``: :func:`plain_samples` of the model; ranks whose plain tensors differ are refused alike. Where
+    either is given, it also says which chunks to compare again once training has started
+    (:class:`RecheckReplicas`): those whose box another rank holds too.
     """
     devices = sorted({str(c.source.device) for c in chunks})
     problem = None
@@ -182,6 +277,7 @@ def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], c
                    "the GPU): pass include_buffers=False, or keep the buffers on the parameters' device")
     gathered = ctrl.gather(([c.meta() for c in chunks], list(specs), problem, samples, plain))
     verdict: Any = None
+    groups: list[tuple[str, Box]] = []
     if gathered is not None:
         try:
             for r, (_metas, _specs, trouble, _s, _p) in enumerate(gathered):
@@ -192,7 +288,9 @@ def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], c
                 _check_same_plain([p for _m, _s, _t, _x, p in gathered])
             kept = assign_chunks([metas for metas, _s, _t, _x, _p in gathered], specs,
                                  [x for _m, _s, _t, x, _p in gathered] if samples is not None else None)
-            verdict = {r: k for r, k in enumerate(kept) if len(k) != len(gathered[r][0])}  # only what changes
+            changes = {r: k for r, k in enumerate(kept) if len(k) != len(gathered[r][0])}  # only what changes
+            shared = _shared_boxes([(metas, x) for metas, _s, _t, x, _p in gathered], groups)
+            verdict = (changes, shared, bool(shared) or any(p for *_r, p in gathered))
         except OwnershipError as exc:
             verdict = str(exc)
     verdict = ctrl.broadcast(verdict)
@@ -200,7 +298,31 @@ def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], c
         raise failed
     if isinstance(verdict, str):
         raise OwnershipError(verdict)
-    return verdict.get(ctrl.rank, list(range(len(chunks))))
+    changes, shared, recheck = verdict
+    return Agreed(changes.get(ctrl.rank, list(range(len(chunks)))), shared.get(ctrl.rank, []), recheck, groups)
+
+
+def _shared_boxes(by_rank: Sequence[tuple[Sequence[Any], Sequence[int | None] | None]],
+                  groups: list[tuple[str, Box]]) -> dict[int, list[tuple[int, int]]]:
+    """``{rank: [(index, group), ...]}`` for the sampled chunks whose box several ranks hold (copies of one box
+    make a group, numbered in ``groups``); ranks without any are left out."""
+    holders: dict[tuple[str, str, Box], int] = {}
+    for metas, samples in by_rank:
+        for m, x in zip(metas, samples or ()):
+            if x is not None:
+                key = (m.name, m.space, m.box)
+                holders[key] = holders.get(key, 0) + 1
+    number: dict[tuple[str, str, Box], int] = {}
+    out: dict[int, list[tuple[int, int]]] = {}
+    for r, (metas, samples) in enumerate(by_rank):
+        for i, (m, x) in enumerate(zip(metas, samples or ())):
+            key = (m.name, m.space, m.box)
+            if x is not None and holders[key] > 1:
+                if key not in number:
+                    number[key] = len(groups)
+                    groups.append((m.name, m.box))
+                out.setdefault(r, []).append((i, number[key]))
+    return out
 
 
 def _check_same_specs(specs_by_rank: Sequence[Sequence[TensorSpec]]) -> None:
@@ -214,19 +336,26 @@ def _check_same_specs(specs_by_rank: Sequence[Sequence[TensorSpec]]) -> None:
             raise OwnershipError(f"ranks 0 and {r} see different tensor specs (e.g. {', '.join(diff)}){hint}")
 
 
-def _check_same_plain(plain_by_rank: Sequence[Mapping[str, int] | None]) -> None:
+def _plain_difference(plain_by_rank: Sequence[Mapping[str, int] | None]) -> tuple[int, str] | None:
+    """The first rank whose plain samples differ from rank 0's, with the first path and how many more differ."""
     for r, other in enumerate(plain_by_rank):
         differ = sorted(p for p, crc in (other or {}).items() if (plain_by_rank[0] or {}).get(p, crc) != crc)
         if differ:
-            more = f" and {len(differ) - 1} more" if len(differ) > 1 else ""
-            raise OwnershipError(
-                f"ranks 0 and {r} hold different values of plain tensor {differ[0]!r}{more} (a parameter that is "
-                "not sharded: neither a DTensor nor FSDP's), which every rank holds whole and rank 0 alone publishes. "
-                "A partition (a hand-written tensor-parallel layer, each rank's own experts) would be published as "
-                "rank 0's whole tensor: express it as DTensors (FSDP2 over a device mesh), or publish a gathered "
-                "state dict from rank 0 with TensorPublisher. A replica must start equal: seed every rank alike or "
-                "load the same checkpoint, and create the callback after a wrapper that broadcasts rank 0's "
-                "weights (DistributedDataParallel); a module left out of fully_shard is not synced by FSDP at all")
+            return r, repr(differ[0]) + (f" and {len(differ) - 1} more" if len(differ) > 1 else "")
+    return None
+
+
+def _check_same_plain(plain_by_rank: Sequence[Mapping[str, int] | None]) -> None:
+    if (found := _plain_difference(plain_by_rank)) is not None:
+        r, which = found
+        raise OwnershipError(
+            f"ranks 0 and {r} hold different values of plain tensor {which} (a parameter that is "
+            "not sharded: neither a DTensor nor FSDP's), which every rank holds whole and rank 0 alone publishes. "
+            "A partition (a hand-written tensor-parallel layer, each rank's own experts) would be published as "
+            "rank 0's whole tensor: express it as DTensors (FSDP2 over a device mesh), or publish a gathered "
+            "state dict from rank 0 with TensorPublisher. A replica must start equal: seed every rank alike or "
+            "load the same checkpoint, and create the callback after a wrapper that broadcasts rank 0's "
+            "weights (DistributedDataParallel); a module left out of fully_shard is not synced by FSDP at all")
 
 
 def assign_chunks(chunks_from_all_ranks: Sequence[Sequence[_ChunkLike]], specs: Sequence[TensorSpec],

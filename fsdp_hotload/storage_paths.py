@@ -127,3 +127,31 @@ def check_relpath(relpath: str, root: str, *, allow_empty: bool = False) -> str:
     if any(part in ("", ".", "..") for part in rel.split("/")):
         raise ValueError(f"bad relpath {relpath!r} under {root}: empty, '.' or '..' segment")
     return rel
+
+
+#: Protocols one backend serves under two names: the same store, whichever is written.
+_SAME_BACKEND = {"s3a": "s3", "gcs": "gs"}
+
+
+def root_key(url: str, options: dict[str, Any] | None = None) -> str:
+    """A bucket as the storage layer reaches it: "bucket", "./bucket/", "file:///abs/bucket", a path through a
+    symlink or "..", and "S3://b/run/" each name one root however they are written; an object store's root
+    includes its endpoint (``storage_options``, or ``$AWS_ENDPOINT_URL``), so that one bucket path on two stores
+    (a MinIO per region) is two roots. Why: two callbacks attached to one optimizer must not publish to one root
+    (``HotloadCallback.attach``), and must both publish to two."""
+    try:
+        root = normalise_root(url)
+    except ValueError:
+        return url
+    scheme, sep, rest = root.partition("://")
+    if not sep:
+        return os.path.realpath(root)
+    scheme = scheme.lower()
+    if scheme in ("file", "local"):
+        return os.path.realpath(rest)
+    scheme = _SAME_BACKEND.get(scheme, scheme)
+    options = options or {}
+    nested = options.get("client_kwargs") if isinstance(options.get("client_kwargs"), dict) else {}
+    endpoint = options.get("endpoint_url") or nested.get("endpoint_url") or (
+        os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") if scheme == "s3" else None)
+    return f"{scheme}://{rest.rstrip('/')}" + (f" at {str(endpoint).rstrip('/')}" if endpoint else "")

@@ -69,6 +69,8 @@ def objection(pub: Any, sources: object) -> str | None:
         return "publishing stopped after the ranks' agreement failed"
     if pub._broken is not None:
         return "publishing stopped after a collective failed"
+    if pub._halted is not None:
+        return f"publishing stopped ({pub._halted})"
     if pub._errors.due(pub._staged) or pub._carried is not None:
         return "an earlier publish failed (raised by close)"
     if threading.get_ident() != pub._stepping_thread:

@@ -166,6 +166,7 @@ class Publisher:
         self._errors = StoredError()
         self._staged = 0  # jobs staged so far (the next job's seq)
         self._broken: BaseException | None = None  # a collective failed: the side group is unusable
+        self._halted: BaseException | None = None  # stop() was called: nothing more is staged
         self._carried: BaseException | None = None  # a rank-local error after an outcome, for the next snapshot
         self._pending = 0
         self._idle = threading.Condition()
@@ -231,7 +232,7 @@ class Publisher:
         if step % self.config.publish_every:
             return False
         if self.config.busy_policy == "wait":
-            buf = None if self._broken is not None else self.stager.acquire(wait=True)
+            buf = None if self._broken is not None or self._halted is not None else self.stager.acquire(wait=True)
         else:
             if self.world == 1:
                 busy = self._busy()
@@ -334,15 +335,22 @@ class Publisher:
         if self.config.busy_policy == "skip" and self.world > 1 and step % self.config.publish_every == 0:
             self.agreements.start(self._busy())
 
+    def stop(self, why: BaseException) -> None:
+        """Stop publishing for the rest of the job, training going on: every later publish is skipped as busy, and
+        close() publishes nothing more. Call it on every rank at the same step, as the trainer's thread (the
+        callback does where copies of one tensor drifted apart), so the ranks' agreements stay paired."""
+        with self._api_lock:
+            self._halted = self._halted or why  # not _broken: the snapshots already queued still run on every rank
+
     @property
     def stopped(self) -> str | None:
         """Why publishing stopped for good (a collective on a side group failed), or None while it runs."""
-        broken = self._broken or self.agreements.failed
+        broken = self._broken or self._halted or self.agreements.failed
         return None if broken is None else repr(broken)
 
     def _busy(self) -> bool:
         """This rank's vote: no free slot, or publishing has stopped for good (see the module docstring)."""
-        return self._broken is not None or self.stager.free_slots() == 0
+        return self._broken is not None or self._halted is not None or self.stager.free_slots() == 0
 
     def fence(self) -> float:
         """Wait until the last staged copy has read its sources; returns seconds waited (added to that publish's

@@ -1,0 +1,127 @@
+"""Copies that agree when ``HotloadCallback`` is created and drift apart once training starts: the ranks compare
+them again at the first two steps, and publishing stops on every rank where they differ. Run under torchrun (gloo,
+CPU, 2 ranks). Each rank's loss is scaled by its rank, so what nothing syncs drifts at the first optimizer step.
+Cases:
+
+* ``seeded``: each rank's own experts under one name, initialised from one seed (FSDP2 over a size-1 mesh dim
+  leaves them whole on each rank): alike at construction, so the first comparison passed them as copies.
+* ``unsynced``: a module left out of ``fully_shard`` (only the first layer is wrapped): a plain parameter whose
+  gradients no rank shares.
+* ``before``: as ``seeded``, with a first ``step(0)`` before any optimizer step (publishing the initial weights):
+  the second comparison finds them.
+* ``keep``: as ``unsynced`` with ``keep_training_on_error``: nothing raises, publishing stops, training goes on.
+* ``ddp`` and ``hsdp``: copies that DistributedDataParallel and FSDP2's replicate mesh dim keep equal are compared
+  (both rounds run) and pass, with every step published.
+* ``fsdp``: FSDP2 over both ranks holds no copy: nothing is compared, no collective runs.
+
+Each rank writes per case what ``step()`` raised (or None), the steps published, the comparisons planned at
+construction and why publishing stopped, to --out/rank<r>.json.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from fsdp_hotload import HotloadCallback, HotloadConfig  # noqa: E402
+from tests.dist_util import finish, start_rank  # noqa: E402
+
+
+class Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)  # every rank alike: its own experts, seeded from one seed
+        self.experts = nn.Parameter(torch.randn(2, 4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.experts).sum(0)
+
+
+def seeded(mesh: Any) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = Experts()
+    fully_shard(model, mesh=mesh["edp"])
+    return model
+
+
+def unsynced(_mesh: Any) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model[0])  # the second layer is left out: a plain parameter that nothing syncs
+    return model
+
+
+def ddp(_mesh: Any) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+
+
+def hsdp(_mesh: Any) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model, mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard")))
+    return model
+
+
+def fsdp(_mesh: Any) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model)
+    return model
+
+
+def run(case: str, model: nn.Module, bucket: str, rank: int) -> dict[str, Any]:
+    config = HotloadConfig(bucket_url=f"{bucket}/{case}", keep_training_on_error=case == "keep",
+                           busy_policy="wait")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hot = HotloadCallback(model, config)
+    found: dict[str, Any] = {"planned": hot._recheck.left, "raised": None, "raised_at": None}
+    steps = range(1, 5) if case == "before" else range(4)
+    if case == "before":
+        hot.step(0)
+    for step in steps:
+        loss = model(torch.ones(3, 4)).sum() * (rank + 1)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        try:
+            hot.step(step)
+        except Exception as exc:  # noqa: BLE001 - written for the test to read
+            found["raised"], found["raised_at"] = f"{type(exc).__name__}: {exc}", step
+            break
+    found["stopped"] = hot.engine.stopped
+    hot.close(raise_errors=False)
+    found["published"] = [m.step for m in hot.metrics]
+    return found
+
+
+def main() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    bucket, out, rank = start_rank()
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "edp"))
+    found = {}
+    for case, build in (("seeded", seeded), ("unsynced", unsynced), ("before", seeded), ("keep", unsynced),
+                        ("ddp", ddp), ("hsdp", hsdp), ("fsdp", fsdp)):
+        found[case] = run(case, build(mesh), bucket, rank)
+    (out / f"rank{rank}.json").write_text(json.dumps(found))
+    torch.distributed.barrier()
+    finish()
+
+
+if __name__ == "__main__":
+    main()
