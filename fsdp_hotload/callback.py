@@ -218,7 +218,11 @@ class HotloadCallback:
             self.walks = 1  # model walks for chunk views (the first here; again only when storage changed)
             agreed = agree_on_chunks(walked, self._specs, ctrl, problem, samples, plain)
             self._kept = agreed.kept
-            self._recheck = RecheckReplicas(agreed, walked, held, self._fingerprint)
+            # A group of its own, only where there is something to compare again (the same answer on every rank).
+            again = GlooComm.create(config.side_group_timeout_s) if agreed.recheck else None
+            if again is not None:
+                self._comms.append(again)
+            self._recheck = RecheckReplicas(agreed, walked, held, self._fingerprint, again)
             chunks = [walked[i] for i in self._kept]
             self._buffer_idx = [j for j, i in enumerate(self._kept) if i in buffers]
             specs = [TensorSpec(n, tuple(s), d) for n, s, d in self._specs]
@@ -294,7 +298,7 @@ class HotloadCallback:
     def _recheck_replicas(self, step: int) -> None:
         """Compare the copies of a box again (:class:`~fsdp_hotload.fsdp_verify.RecheckReplicas`); where they
         drifted apart, publishing stops on every rank at this step, before this step is published."""
-        why = self._recheck.run(self.engine.ctrl, self.model, self._chunk_kwargs, step)
+        why = self._recheck.run(self.model, self._chunk_kwargs, step)
         if why is None:
             return
         error = OwnershipError(f"{why}. Publishing stops for the rest of this job")

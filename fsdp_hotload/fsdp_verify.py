@@ -12,6 +12,7 @@ Example::
 """
 from __future__ import annotations
 
+import logging
 import zlib
 from typing import Any, Collection, Mapping, NamedTuple, Sequence
 
@@ -26,6 +27,8 @@ from .fsdp import (FLAT, SHAPE, Joined, LocalChunk, OwnershipError, Rename, Segm
                    _dtensor_type, _fsdp1_type, _fsdp2_type, _plan, full_tensor_specs, local_chunks, space_shape,
                    storage_fingerprint, wrapper_paths)
 from .naming import Split, clean_name
+
+log = logging.getLogger("fsdp_hotload")
 
 
 def _is_distributed(model: nn.Module) -> bool:
@@ -162,11 +165,12 @@ class Agreed(NamedTuple):
     kept: list[int]  # indexes of the chunks this rank publishes
     shared: list[tuple[int, int]]  # (index, group) of its sampled chunks whose box another rank holds too
     recheck: bool  # whether any rank holds such a chunk or a plain tensor (the same answer on every rank)
-    groups: list[tuple[str, Box]]  # rank 0 only: each group's tensor and box, for the messages of RecheckReplicas
+    groups: list[tuple[str, Box, int]]  # rank 0 only: each group's tensor, box and sample at construction
+    plain: Mapping[str, int]  # rank 0 only: its plain samples at construction, which every rank's agreed with
 
 
-#: Calls of the callback's ``step()`` at which :class:`RecheckReplicas` compares the copies again.
-RECHECK_STEPS = 2
+#: The most calls of the callback's ``step()`` at which :class:`RecheckReplicas` compares the copies again.
+RECHECK_STEPS = 8
 
 _DRIFTED = ("copies that nothing keeps equal drift apart as they train, and only rank 0's would be published: "
             "partitions seeded alike (each rank's own experts, initialised from one seed) or a parameter that no "
@@ -176,77 +180,121 @@ _DRIFTED = ("copies that nothing keeps equal drift apart as they train, and only
 
 
 class RecheckReplicas:
-    """The comparison of copies that :func:`agree_on_chunks` makes at construction, made again at the first
-    ``RECHECK_STEPS`` steps of training.
+    """The comparison of copies that :func:`agree_on_chunks` makes at construction, made again once training has
+    changed them: at each ``step()`` until every compared tensor has changed since construction (and still
+    agrees), for at most ``RECHECK_STEPS`` calls.
 
     Why: at construction, copies that start equal pass whether or not anything keeps them equal. Partitions
-    seeded alike and a parameter that no wrapper syncs pass there, drift apart from the first optimizer step on,
-    and only rank 0's would be published. Two steps, not one: a first ``step()`` called before any optimizer step
-    (to publish the initial weights) still sees the values of construction. Only chunks whose box another rank
-    holds too, and plain tensors, are read (:func:`_sample`); where no rank has any (FSDP2 over one mesh dim),
-    nothing is, and no collective runs.
+    seeded alike and a parameter that no wrapper syncs pass there, drift apart from the first optimizer step that
+    changes them, and only rank 0's would be published. Not one fixed step: a first ``step()`` called before any
+    optimizer step (to publish the initial weights), a warmup that starts at a learning rate of 0, or experts
+    that get no tokens at first leave some tensors as they were, and equal copies then prove nothing. Only
+    chunks whose box another rank holds too, and plain tensors, are read (:func:`_sample`); where no rank has
+    any (FSDP2, HSDP), nothing is, and no collective runs. Frozen plain parameters are not read: unchanged, they
+    stay as equal as construction found them. The comparisons have a gloo group of their own (``comm``): the
+    trainer's side group also carries close()'s vote, which another thread may take meanwhile.
 
     Example::
 
-        recheck = RecheckReplicas(agreed, walked, plain, storage_fingerprint(model))
-        if recheck.left:                                          # every rank, at the same step
-            why = recheck.run(ctrl, model, chunk_kwargs, step)    # None, or why they differ (on every rank)
+        recheck = RecheckReplicas(agreed, walked, plain, storage_fingerprint(model), GlooComm.create())
+        if recheck.left:                                   # every rank, at the same step
+            why = recheck.run(model, chunk_kwargs, step)   # None, or why the copies differ (on every rank)
     """
 
     def __init__(self, agreed: Agreed, chunks: Sequence[LocalChunk], plain: Mapping[str, torch.Tensor],
-                 fingerprint: tuple[int, ...]) -> None:
+                 fingerprint: tuple[int, ...], comm: Any) -> None:
         self.left = RECHECK_STEPS if agreed.recheck else 0
-        self._shared, self._groups = agreed.shared, agreed.groups
-        self._views = [chunks[i].source for i, _g in agreed.shared] if self.left else []
-        self._plain = dict(plain) if self.left else {}
+        self.comm = comm
+        self._index = {g: i for i, g in agreed.shared}
+        self._views = {g: chunks[i].source for i, g in agreed.shared} if self.left else {}
+        # frozen (no gradient): unchanged, so they stay as equal as construction found them
+        self._plain = {p: t for p, t in plain.items() if t.requires_grad} if self.left else {}
+        self._groups, self._base_plain = agreed.groups, agreed.plain
+        self._layout = [(c.name, c.box) for c in chunks] if self.left else []
         self._fingerprint = fingerprint
+        if not self.left:
+            self.finish()
 
-    def run(self, ctrl: Any, model: nn.Module, chunk_kwargs: Mapping[str, Any], step: int) -> str | None:
-        """Collective over ``ctrl`` (a :class:`~fsdp_hotload.engine.comm.Comm`): None where every copy still
-        agrees, else why not, the same on every rank. A comparison that could not be made (a rank failed to read
-        its copies, or the collective failed) is a reason too."""
+    def finish(self) -> None:
+        """No more comparisons: the views and the group are let go (the group's destruction is local)."""
+        self.left, self._views, self._plain, self._layout = 0, {}, {}, []
+        comm, self.comm = self.comm, None
+        if comm is not None:
+            comm.close()
+
+    def run(self, model: nn.Module, chunk_kwargs: Mapping[str, Any], step: int) -> str | None:
+        """Collective over ``comm``: None where every copy still agrees, else why not, the same on every rank.
+
+        A comparison that cannot be made (a rank fails to read its copies, or the collective fails) is logged
+        and not made again: publishing goes on, as before the comparisons began, since ranks that saw the failure
+        differently would otherwise stop apart."""
         self.left -= 1
         problem: str | None = None
         mine: dict[int, int] = {}
         plain: dict[str, int] = {}
         try:
-            fingerprint = storage_fingerprint(model)
-            if fingerprint != self._fingerprint:  # the views would read memory the model let go of
-                held: dict[str, torch.Tensor] = {}
-                walked = local_chunks(model, **chunk_kwargs, plain=held)
-                self._views = [walked[i].source for i, _g in self._shared]
-                self._plain, self._fingerprint = held, fingerprint
-            mine = _crcs([(g, view) for (_i, g), view in zip(self._shared, self._views)])
-            plain = plain_samples(self._plain)
+            mine, plain = self._read(model, chunk_kwargs)
         except Exception as exc:  # noqa: BLE001 - sent: the other ranks must not wait for this rank alone
             problem = f"{type(exc).__name__}: {exc}"
-        if not self.left:
-            self._views, self._plain = [], {}
         try:
-            gathered = ctrl.gather((problem, mine, plain))
-            return ctrl.broadcast(None if gathered is None else self._compare(gathered, step))
-        except RuntimeError as exc:  # gloo's: a peer gone, or one rank past the side group's timeout
-            return f"the ranks could not compare their copies of tensors at step {step}: {exc!r}"
+            if self.comm is None:
+                raise RuntimeError("its group was destroyed")
+            gathered = self.comm.gather((problem, mine, plain))
+            kind, *rest = self.comm.broadcast(None if gathered is None else self._compare(gathered, step))
+        except Exception as exc:  # noqa: BLE001 - gloo's (a peer gone, a rank past the timeout), or closed meanwhile
+            kind, rest = "trouble", [f"its collective failed: {exc!r}"]
+        if kind == "trouble":
+            log.warning("hotload: the ranks' comparison of their copies of tensors at step %d could not be made, "
+                        "and is not made again (publishing goes on): %s", step, rest[0])
+        elif kind == "agree":
+            settled, settled_plain, more = rest
+            for g in settled:
+                self._views.pop(g, None)
+            for path in settled_plain:
+                self._plain.pop(path, None)
+            if more and self.left > 0:
+                return None
+        self.finish()
+        return rest[0] if kind == "differ" else None
+
+    def _read(self, model: nn.Module, chunk_kwargs: Mapping[str, Any]) -> tuple[dict[int, int], dict[str, int]]:
+        """This rank's samples of the copies still compared, read again from a new walk where the model's
+        storage changed (the views would read memory the model let go of)."""
+        fingerprint = storage_fingerprint(model)
+        if fingerprint != self._fingerprint:
+            held: dict[str, torch.Tensor] = {}
+            walked = local_chunks(model, **chunk_kwargs, plain=held)
+            if [(c.name, c.box) for c in walked] != self._layout or not set(self._plain) <= set(held):
+                raise RuntimeError("the model's tensors or sharding changed since HotloadCallback was created")
+            self._views = {g: walked[self._index[g]].source for g in self._views}
+            self._plain, self._fingerprint = {p: held[p] for p in self._plain}, fingerprint
+        return _crcs(list(self._views.items())), plain_samples(self._plain)
 
     def _compare(self, gathered: Sequence[tuple[str | None, Mapping[int, int], Mapping[str, int]]],
-                 step: int) -> str | None:
+                 step: int) -> tuple[Any, ...]:
+        """On rank 0: ("differ", why), ("trouble", why), or ("agree", groups and plain paths that changed since
+        construction, whether any compared tensor has not)."""
         for r, (problem, _crcs_r, _plain) in enumerate(gathered):
             if problem:
-                return f"rank {r} could not read its copies of tensors to compare them at step {step}: {problem}"
+                return "trouble", f"rank {r} could not read its copies: {problem}"
         first: dict[int, tuple[int, int]] = {}
         for r, (_problem, crcs, _plain) in enumerate(gathered):
             for group, crc in crcs.items():
                 r0, crc0 = first.setdefault(group, (r, crc))
                 if crc0 != crc:
-                    name, box = self._groups[group]
-                    return (f"ranks {r0} and {r} held the same part of tensor {name!r} ({box.to_json()}) alike when "
-                            f"the callback was created and different values at step {step}: {_DRIFTED}")
+                    name, box, _base = self._groups[group]
+                    return "differ", (f"ranks {r0} and {r} held the same part of tensor {name!r} ({box.to_json()}) "
+                                      f"alike when the callback was created and different values at step {step}: "
+                                      f"{_DRIFTED}")
         if (found := _plain_difference([plain for *_x, plain in gathered])) is not None:
             r, which = found
-            return (f"ranks 0 and {r} held plain tensor {which} (neither a DTensor nor FSDP's: rank 0 alone "
-                    f"publishes it) alike when the callback was created and different values at step {step}: "
-                    f"{_DRIFTED}")
-        return None
+            return "differ", (f"ranks 0 and {r} held plain tensor {which} (neither a DTensor nor FSDP's: rank 0 "
+                              f"alone publishes it) alike when the callback was created and different values at step "
+                              f"{step}: {_DRIFTED}")
+        settled = [g for g, (_r, crc) in first.items() if crc != self._groups[g][2]]
+        now = gathered[0][2]
+        settled_plain = [p for p, crc in now.items() if crc != self._base_plain.get(p, crc)]
+        return "agree", settled, settled_plain, len(settled) < len(first) or len(settled_plain) < len(now)
 
 
 def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], ctrl: Any,
@@ -277,7 +325,7 @@ def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], c
                    "the GPU): pass include_buffers=False, or keep the buffers on the parameters' device")
     gathered = ctrl.gather(([c.meta() for c in chunks], list(specs), problem, samples, plain))
     verdict: Any = None
-    groups: list[tuple[str, Box]] = []
+    groups: list[tuple[str, Box, int]] = []
     if gathered is not None:
         try:
             for r, (_metas, _specs, trouble, _s, _p) in enumerate(gathered):
@@ -299,13 +347,14 @@ def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], c
     if isinstance(verdict, str):
         raise OwnershipError(verdict)
     changes, shared, recheck = verdict
-    return Agreed(changes.get(ctrl.rank, list(range(len(chunks)))), shared.get(ctrl.rank, []), recheck, groups)
+    return Agreed(changes.get(ctrl.rank, list(range(len(chunks)))), shared.get(ctrl.rank, []), recheck, groups,
+                  plain if ctrl.rank == 0 and plain is not None else {})
 
 
 def _shared_boxes(by_rank: Sequence[tuple[Sequence[Any], Sequence[int | None] | None]],
-                  groups: list[tuple[str, Box]]) -> dict[int, list[tuple[int, int]]]:
+                  groups: list[tuple[str, Box, int]]) -> dict[int, list[tuple[int, int]]]:
     """``{rank: [(index, group), ...]}`` for the sampled chunks whose box several ranks hold (copies of one box
-    make a group, numbered in ``groups``); ranks without any are left out."""
+    make a group, numbered in ``groups`` with its sample); ranks without any are left out."""
     holders: dict[tuple[str, str, Box], int] = {}
     for metas, samples in by_rank:
         for m, x in zip(metas, samples or ()):
@@ -320,7 +369,7 @@ def _shared_boxes(by_rank: Sequence[tuple[Sequence[Any], Sequence[int | None] | 
             if x is not None and holders[key] > 1:
                 if key not in number:
                     number[key] = len(groups)
-                    groups.append((m.name, m.box))
+                    groups.append((m.name, m.box, int(x)))
                 out.setdefault(r, []).append((i, number[key]))
     return out
 

@@ -513,27 +513,38 @@ def test_ranks_holding_one_box_with_different_values_are_refused_as_partitions(t
 def test_copies_that_drift_apart_once_training_starts_stop_publishing_on_every_rank(tmp_path: Path) -> None:
     """torchrun, 2 ranks (dist_scripts/drift.py): copies were compared only at construction, so experts seeded
     alike on every rank, and a module left out of fully_shard, passed there and then drifted apart, with rank 0's
-    published as everyone's. The first two steps compare them again: where they differ, every rank stops
-    publishing at that step (raising, or only logging with keep_training_on_error), and nothing of that step goes
-    out. Copies that DDP keeps equal pass both rounds; FSDP2 and HSDP, which hold no undeclared copy, run none."""
+    published as everyone's. The steps compare them again until they have changed (a first step(0) before
+    training, or a first optimizer step at a learning rate of 0, changes nothing): where they differ, every rank
+    stops publishing at that step (raising, or only logging with keep_training_on_error), and nothing of that
+    step or any later one goes out, under either busy policy. Copies that DDP keeps equal pass; FSDP2 and HSDP,
+    which hold no undeclared copy, compare nothing."""
     out = tmp_path / "out"
     out.mkdir()
     run_torchrun(str(SCRIPTS / "drift.py"), 2, ["--bucket", str(tmp_path / "bucket"), "--out", str(out)])
     for rank in (0, 1):
         found = json.loads((out / f"rank{rank}.json").read_text())
-        seeded, unsynced, before, keep = found["seeded"], found["unsynced"], found["before"], found["keep"]
+        seeded, unsynced, before, warmup = found["seeded"], found["unsynced"], found["before"], found["warmup"]
         assert seeded["raised_at"] == 0 and seeded["raised"].startswith("OwnershipError: ranks 0 and 1 held the "
                                                                           "same part of tensor 'experts'"), seeded
         assert "different values at step 0" in seeded["raised"] and "Publishing stops" in seeded["raised"], seeded
         assert unsynced["raised_at"] == 0 and "held plain tensor '1.bias' and 1 more" in unsynced["raised"], unsynced
+        assert found["catch"]["raised_at"] == 0, found["catch"]  # raised once; the later steps publish nothing
         assert before["raised_at"] == 1 and "different values at step 1" in before["raised"], before
-        assert keep["raised"] is None and "held plain tensor '1.bias'" in keep["stopped"], keep
-        for case in (seeded, unsynced, keep):
-            assert case["planned"] == 2 and case["published"] == [] and case["stopped"], case
-        assert before["published"] == ([0] if rank == 0 else []), before  # step 0: before any optimizer step
-        for name, planned in (("ddp", 2), ("hsdp", 0), ("fsdp", 0)):
+        assert warmup["raised_at"] == 2 and "different values at step 2" in warmup["raised"], warmup
+        for name in ("keep", "skip_keep", "attach_keep"):
+            case = found[name]
+            assert case["raised"] is None and "held plain tensor '1.bias'" in case["stopped"], (name, case)
+        for name in ("seeded", "unsynced", "keep", "skip_keep", "attach_keep", "catch"):
+            case = found[name]
+            assert case["planned"] == 8 and case["published"] == [] and case["stopped"], (name, case)
+        # published before the weights changed, and only then
+        assert before["published"] == ([0] if rank == 0 else []), before
+        assert warmup["published"] == ([0, 1] if rank == 0 else []), warmup
+        for name, planned in (("frozen", 8), ("ddp", 8), ("hsdp", 0), ("fsdp", 0)):
             case = found[name]
             assert case["raised"] is None and case["stopped"] is None and case["planned"] == planned, (name, case)
+            assert case["left"] == 0, (name, case)  # DDP's: every copy changed at the first step, and agreed
+            # (frozen: the module left out is not compared, so the comparisons do not go on for it)
             assert case["published"] == ([0, 1, 2, 3] if rank == 0 else []), (name, case)
 
 

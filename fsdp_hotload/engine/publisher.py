@@ -241,7 +241,7 @@ class Publisher:
                     self.agree(step)  # agree() was not called for this step: agree now (waits for the others)
                 busy = self.agreements.read(self._agreement_failed)
             # Agreed free means this rank's slot is free too: only this thread takes slots.
-            buf = None if busy else self.stager.acquire(wait=True)
+            buf = None if busy or self._halted is not None else self.stager.acquire(wait=True)
         raise_now = False
         if buf is not None and self._errors.due(self._staged - self.config.max_inflight):
             # Slots free in job order, so holding one means the job max_inflight places back has ended here; its

@@ -1,7 +1,7 @@
 """Copies that agree when ``HotloadCallback`` is created and drift apart once training starts: the ranks compare
-them again at the first two steps, and publishing stops on every rank where they differ. Run under torchrun (gloo,
-CPU, 2 ranks). Each rank's loss is scaled by its rank, so what nothing syncs drifts at the first optimizer step.
-Cases:
+them again at each step until they have changed, and publishing stops on every rank where they differ. Run under
+torchrun (gloo, CPU, 2 ranks). Each rank's loss is scaled by its rank, so what nothing syncs drifts at the first
+optimizer step that changes it. Cases:
 
 * ``seeded``: each rank's own experts under one name, initialised from one seed (FSDP2 over a size-1 mesh dim
   leaves them whole on each rank): alike at construction, so the first comparison passed them as copies.
@@ -10,12 +10,19 @@ Cases:
 * ``before``: as ``seeded``, with a first ``step(0)`` before any optimizer step (publishing the initial weights):
   the second comparison finds them.
 * ``keep``: as ``unsynced`` with ``keep_training_on_error``: nothing raises, publishing stops, training goes on.
-* ``ddp`` and ``hsdp``: copies that DistributedDataParallel and FSDP2's replicate mesh dim keep equal are compared
-  (both rounds run) and pass, with every step published.
+* ``skip_keep``, ``attach_keep`` and ``catch``: the same under ``busy_policy="skip"`` (the default), from
+  ``step()`` or ``attach()``, and with a loop that catches the error and goes on: the skip policy's agreement,
+  taken before the stop, let the stopped step (or the next one) be published.
+* ``warmup``: as ``unsynced``, with a first ``step(0)`` before training and a first optimizer step at a learning
+  rate of 0: the first two comparisons see the values of construction, and the third finds the drift.
+* ``ddp`` and ``hsdp``: copies that DistributedDataParallel and FSDP2's replicate mesh dim keep equal pass, with
+  every step published; DDP's are compared until they have changed (the first optimizer step changes them all).
+* ``frozen``: as ``unsynced`` with the left-out module frozen: it stays equal, so it is not compared, and the
+  comparisons end at the first step instead of going on while it stays unchanged.
 * ``fsdp``: FSDP2 over both ranks holds no copy: nothing is compared, no collective runs.
 
 Each rank writes per case what ``step()`` raised (or None), the steps published, the comparisons planned at
-construction and why publishing stopped, to --out/rank<r>.json.
+construction, those left at the end, and why publishing stopped, to --out/rank<r>.json.
 """
 from __future__ import annotations
 
@@ -60,6 +67,12 @@ def unsynced(_mesh: Any) -> nn.Module:
     return model
 
 
+def frozen(mesh: Any) -> nn.Module:
+    model = unsynced(mesh)
+    model[1].requires_grad_(False)  # plain, and no optimizer step changes it
+    return model
+
+
 def ddp(_mesh: Any) -> nn.Module:
     torch.manual_seed(0)
     return nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
@@ -85,25 +98,34 @@ def fsdp(_mesh: Any) -> nn.Module:
 
 
 def run(case: str, model: nn.Module, bucket: str, rank: int) -> dict[str, Any]:
-    config = HotloadConfig(bucket_url=f"{bucket}/{case}", keep_training_on_error=case == "keep",
-                           busy_policy="wait")
+    """Four optimizer steps (five calls where a first ``step(0)`` comes before any), scaled per rank."""
+    keep, catch = case in ("keep", "skip_keep", "attach_keep"), case == "catch"
+    before = case in ("before", "warmup")
+    config = HotloadConfig(bucket_url=f"{bucket}/{case}", keep_training_on_error=keep,
+                           busy_policy="skip" if case in ("skip_keep", "attach_keep", "catch") else "wait")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     hot = HotloadCallback(model, config)
     found: dict[str, Any] = {"planned": hot._recheck.left, "raised": None, "raised_at": None}
-    steps = range(1, 5) if case == "before" else range(4)
-    if case == "before":
+    if case == "attach_keep":
+        hot.attach(opt)
+    if before:
         hot.step(0)
-    for step in steps:
+    for step in range(int(before), int(before) + 4):
+        for group in opt.param_groups:  # warmup: the first optimizer step changes nothing
+            group["lr"] = 0.0 if case == "warmup" and step == 1 else 0.1
         loss = model(torch.ones(3, 4)).sum() * (rank + 1)
         loss.backward()
         opt.step()
         opt.zero_grad()
         try:
-            hot.step(step)
+            if case != "attach_keep":
+                hot.step(step)
         except Exception as exc:  # noqa: BLE001 - written for the test to read
             found["raised"], found["raised_at"] = f"{type(exc).__name__}: {exc}", step
-            break
+            if not catch:  # a loop that catches it goes on training
+                break
     found["stopped"] = hot.engine.stopped
+    found["left"] = hot._recheck.left
     hot.close(raise_errors=False)
     found["published"] = [m.step for m in hot.metrics]
     return found
@@ -116,7 +138,8 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "edp"))
     found = {}
     for case, build in (("seeded", seeded), ("unsynced", unsynced), ("before", seeded), ("keep", unsynced),
-                        ("ddp", ddp), ("hsdp", hsdp), ("fsdp", fsdp)):
+                        ("skip_keep", unsynced), ("attach_keep", unsynced), ("catch", unsynced), ("warmup", unsynced),
+                        ("frozen", frozen), ("ddp", ddp), ("hsdp", hsdp), ("fsdp", fsdp)):
         found[case] = run(case, build(mesh), bucket, rank)
     (out / f"rank{rank}.json").write_text(json.dumps(found))
     torch.distributed.barrier()
