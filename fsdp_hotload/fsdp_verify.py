@@ -116,17 +116,29 @@ def _sample(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(view.shape, dtype=t.dtype, device=t.device).copy_(view).view(torch.uint8).reshape(-1)
 
 
-def _crcs(tensors: Sequence[tuple[Any, torch.Tensor]]) -> dict[Any, int]:
-    """A CRC-32 of :func:`_sample` of each tensor, by its key, in one host copy per device."""
-    heads: dict[torch.device, list[tuple[Any, torch.Tensor]]] = {}
+#: Integer dtypes of each element size: a tensor's bits, summed exactly (wrapping) in any order.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _crcs(tensors: Sequence[tuple[Any, torch.Tensor]], whole: bool = False) -> dict[Any, int]:
+    """A CRC-32 of :func:`_sample` of each tensor, by its key, in one host copy per device; ``whole`` folds in the
+    sum of every element's bits (read where the tensor lives, exact, so equal on every device), which catches a
+    change outside the sample: an embedding whose sampled rows no token reached."""
+    heads: dict[torch.device, list[tuple[Any, torch.Tensor, torch.Tensor | None]]] = {}
     for key, t in tensors:
-        heads.setdefault(t.device, []).append((key, _sample(t)))
+        bits = _BITS.get(t.element_size()) if whole else None
+        total = None if bits is None else t.detach().view(bits).sum(dtype=torch.int64).reshape(1)
+        heads.setdefault(t.device, []).append((key, _sample(t), total))
     out: dict[Any, int] = {}
     for items in heads.values():
-        joined = torch.cat([t for _k, t in items]).cpu().numpy()
+        joined = torch.cat([t for _k, t, _s in items]).cpu().numpy()
+        sums = [s for _k, _t, s in items if s is not None]
+        totals = iter(torch.cat(sums).cpu().numpy() if sums else ())
         at = 0
-        for key, t in items:
+        for key, t, total in items:
             out[key] = zlib.crc32(joined[at:at + t.numel()])
+            if total is not None:
+                out[key] = zlib.crc32(next(totals).tobytes(), out[key])
             at += t.numel()
     return out
 
@@ -147,7 +159,7 @@ def replica_samples(chunks: Sequence[LocalChunk], skip: Collection[int] = ()) ->
     return [crcs.get(i) for i in range(len(chunks))]
 
 
-def plain_samples(plain: Mapping[str, torch.Tensor]) -> dict[str, int]:
+def plain_samples(plain: Mapping[str, torch.Tensor], whole: bool = False) -> dict[str, int]:
     """A CRC-32 of a few elements (:func:`_sample`) of each plain tensor in ``plain`` (``local_chunks(plain=)``:
     parameters that are neither DTensors nor FSDP's, by path, buffers left out), empty and meta ones left out.
 
@@ -156,7 +168,7 @@ def plain_samples(plain: Mapping[str, torch.Tensor]) -> dict[str, int]:
     published as rank 0's whole tensor, and a parameter that no wrapper syncs (a module left out of
     ``fully_shard``) drifts from rank to rank. Ranks comparing them at construction refuse the first, and the
     second where the ranks start apart."""
-    return _crcs([(path, t) for path, t in plain.items() if t.numel() > 0 and not t.is_meta])
+    return _crcs([(path, t) for path, t in plain.items() if t.numel() > 0 and not t.is_meta], whole)
 
 
 class Agreed(NamedTuple):
@@ -165,12 +177,12 @@ class Agreed(NamedTuple):
     kept: list[int]  # indexes of the chunks this rank publishes
     shared: list[tuple[int, int]]  # (index, group) of its sampled chunks whose box another rank holds too
     recheck: bool  # whether any rank holds such a chunk or a plain tensor (the same answer on every rank)
-    groups: list[tuple[str, Box, int]]  # rank 0 only: each group's tensor, box and sample at construction
-    plain: Mapping[str, int]  # rank 0 only: its plain samples at construction, which every rank's agreed with
+    groups: list[tuple[str, Box]]  # rank 0 only: each group's tensor and box, for the messages of RecheckReplicas
 
 
-#: The most calls of the callback's ``step()`` at which :class:`RecheckReplicas` compares the copies again.
-RECHECK_STEPS = 8
+#: The most calls of the callback's ``step()`` at which :class:`RecheckReplicas` compares the copies again, and
+#: the comparisons at which a tensor must have changed (each since the one before) to be compared no more.
+RECHECK_STEPS, SETTLE_CHANGES = 8, 3
 
 _DRIFTED = ("copies that nothing keeps equal drift apart as they train, and only rank 0's would be published: "
             "partitions seeded alike (each rank's own experts, initialised from one seed) or a parameter that no "
@@ -181,18 +193,20 @@ _DRIFTED = ("copies that nothing keeps equal drift apart as they train, and only
 
 class RecheckReplicas:
     """The comparison of copies that :func:`agree_on_chunks` makes at construction, made again once training has
-    changed them: at each ``step()`` until every compared tensor has changed since construction (and still
-    agrees), for at most ``RECHECK_STEPS`` calls.
+    changed them: at each ``step()`` until every compared tensor has changed at ``SETTLE_CHANGES`` comparisons
+    (each since the one before) and still agrees, for at most ``RECHECK_STEPS`` calls.
 
     Why: at construction, copies that start equal pass whether or not anything keeps them equal. Partitions
     seeded alike and a parameter that no wrapper syncs pass there, drift apart from the first optimizer step that
     changes them, and only rank 0's would be published. Not one fixed step: a first ``step()`` called before any
     optimizer step (to publish the initial weights), a warmup that starts at a learning rate of 0, or experts
-    that get no tokens at first leave some tensors as they were, and equal copies then prove nothing. Only
-    chunks whose box another rank holds too, and plain tensors, are read (:func:`_sample`); where no rank has
-    any (FSDP2, HSDP), nothing is, and no collective runs. Frozen plain parameters are not read: unchanged, they
-    stay as equal as construction found them. The comparisons have a gloo group of their own (``comm``): the
-    trainer's side group also carries close()'s vote, which another thread may take meanwhile.
+    that get no tokens at first leave some tensors as they were, and equal copies then prove nothing. Nor one
+    change: a first step can change every rank's copy alike (weight decay over a zero gradient, Adam's first
+    update, about the learning rate times the gradient's sign). Only chunks whose box another rank holds too, and
+    plain tensors, are read (:func:`_sample`, and the sum of all their bits); where no rank has any (FSDP2,
+    HSDP), nothing is, and no collective runs. Frozen plain parameters are not read: unchanged, they stay as
+    equal as construction found them. The comparisons have a gloo group of their own (``comm``): the trainer's
+    side group also carries close()'s vote, which another thread may take meanwhile.
 
     Example::
 
@@ -209,7 +223,9 @@ class RecheckReplicas:
         self._views = {g: chunks[i].source for i, g in agreed.shared} if self.left else {}
         # frozen (no gradient): unchanged, so they stay as equal as construction found them
         self._plain = {p: t for p, t in plain.items() if t.requires_grad} if self.left else {}
-        self._groups, self._base_plain = agreed.groups, agreed.plain
+        self._groups = agreed.groups
+        self._prev: dict[tuple[str, Any], int] = {}  # rank 0: each tensor's digest at the last comparison
+        self._changes: dict[tuple[str, Any], int] = {}  # rank 0: comparisons at which it had changed since then
         self._layout = [(c.name, c.box) for c in chunks] if self.left else []
         self._fingerprint = fingerprint
         if not self.left:
@@ -268,7 +284,7 @@ class RecheckReplicas:
                 raise RuntimeError("the model's tensors or sharding changed since HotloadCallback was created")
             self._views = {g: walked[self._index[g]].source for g in self._views}
             self._plain, self._fingerprint = {p: held[p] for p in self._plain}, fingerprint
-        return _crcs(list(self._views.items())), plain_samples(self._plain)
+        return _crcs(list(self._views.items()), whole=True), plain_samples(self._plain, whole=True)
 
     def _compare(self, gathered: Sequence[tuple[str | None, Mapping[int, int], Mapping[str, int]]],
                  step: int) -> tuple[Any, ...]:
@@ -282,7 +298,7 @@ class RecheckReplicas:
             for group, crc in crcs.items():
                 r0, crc0 = first.setdefault(group, (r, crc))
                 if crc0 != crc:
-                    name, box, _base = self._groups[group]
+                    name, box = self._groups[group]
                     return "differ", (f"ranks {r0} and {r} held the same part of tensor {name!r} ({box.to_json()}) "
                                       f"alike when the callback was created and different values at step {step}: "
                                       f"{_DRIFTED}")
@@ -291,10 +307,17 @@ class RecheckReplicas:
             return "differ", (f"ranks 0 and {r} held plain tensor {which} (neither a DTensor nor FSDP's: rank 0 "
                               f"alone publishes it) alike when the callback was created and different values at step "
                               f"{step}: {_DRIFTED}")
-        settled = [g for g, (_r, crc) in first.items() if crc != self._groups[g][2]]
-        now = gathered[0][2]
-        settled_plain = [p for p, crc in now.items() if crc != self._base_plain.get(p, crc)]
-        return "agree", settled, settled_plain, len(settled) < len(first) or len(settled_plain) < len(now)
+        digests = {**{("group", g): crc for g, (_r, crc) in first.items()},
+                   **{("plain", p): crc for p, crc in gathered[0][2].items()}}  # every rank's plain agree
+        for key, digest in digests.items():
+            if key in self._prev and self._prev[key] != digest:
+                self._changes[key] = self._changes.get(key, 0) + 1
+            self._prev[key] = digest
+        settled = [key for key in digests if self._changes.get(key, 0) >= SETTLE_CHANGES]
+        for key in settled:
+            del self._prev[key], self._changes[key]
+        return ("agree", [g for kind, g in settled if kind == "group"], [p for kind, p in settled if kind == "plain"],
+                len(settled) < len(digests))
 
 
 def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], ctrl: Any,
@@ -325,7 +348,7 @@ def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], c
                    "the GPU): pass include_buffers=False, or keep the buffers on the parameters' device")
     gathered = ctrl.gather(([c.meta() for c in chunks], list(specs), problem, samples, plain))
     verdict: Any = None
-    groups: list[tuple[str, Box, int]] = []
+    groups: list[tuple[str, Box]] = []
     if gathered is not None:
         try:
             for r, (_metas, _specs, trouble, _s, _p) in enumerate(gathered):
@@ -347,14 +370,13 @@ def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], c
     if isinstance(verdict, str):
         raise OwnershipError(verdict)
     changes, shared, recheck = verdict
-    return Agreed(changes.get(ctrl.rank, list(range(len(chunks)))), shared.get(ctrl.rank, []), recheck, groups,
-                  plain if ctrl.rank == 0 and plain is not None else {})
+    return Agreed(changes.get(ctrl.rank, list(range(len(chunks)))), shared.get(ctrl.rank, []), recheck, groups)
 
 
 def _shared_boxes(by_rank: Sequence[tuple[Sequence[Any], Sequence[int | None] | None]],
-                  groups: list[tuple[str, Box, int]]) -> dict[int, list[tuple[int, int]]]:
+                  groups: list[tuple[str, Box]]) -> dict[int, list[tuple[int, int]]]:
     """``{rank: [(index, group), ...]}`` for the sampled chunks whose box several ranks hold (copies of one box
-    make a group, numbered in ``groups`` with its sample); ranks without any are left out."""
+    make a group, numbered in ``groups``); ranks without any are left out."""
     holders: dict[tuple[str, str, Box], int] = {}
     for metas, samples in by_rank:
         for m, x in zip(metas, samples or ()):
@@ -369,7 +391,7 @@ def _shared_boxes(by_rank: Sequence[tuple[Sequence[Any], Sequence[int | None] | 
             if x is not None and holders[key] > 1:
                 if key not in number:
                     number[key] = len(groups)
-                    groups.append((m.name, m.box, int(x)))
+                    groups.append((m.name, m.box))
                 out.setdefault(r, []).append((i, number[key]))
     return out
 

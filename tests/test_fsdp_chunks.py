@@ -514,7 +514,9 @@ def test_copies_that_drift_apart_once_training_starts_stop_publishing_on_every_r
     """torchrun, 2 ranks (dist_scripts/drift.py): copies were compared only at construction, so experts seeded
     alike on every rank, and a module left out of fully_shard, passed there and then drifted apart, with rank 0's
     published as everyone's. The steps compare them again until they have changed (a first step(0) before
-    training, or a first optimizer step at a learning rate of 0, changes nothing): where they differ, every rank
+    training, or a first optimizer step at a learning rate of 0, changes nothing; weight decay over a zero gradient
+    changes every copy alike) and the sum of all their bits (an embedding whose trained rows are not sampled): where
+    they differ, every rank
     stops publishing at that step (raising, or only logging with keep_training_on_error), and nothing of that
     step or any later one goes out, under either busy policy. Copies that DDP keeps equal pass; FSDP2 and HSDP,
     which hold no undeclared copy, compare nothing."""
@@ -531,10 +533,12 @@ def test_copies_that_drift_apart_once_training_starts_stop_publishing_on_every_r
         assert found["catch"]["raised_at"] == 0, found["catch"]  # raised once; the later steps publish nothing
         assert before["raised_at"] == 1 and "different values at step 1" in before["raised"], before
         assert warmup["raised_at"] == 2 and "different values at step 2" in warmup["raised"], warmup
+        assert found["decay"]["raised_at"] == 1 and "plain tensor 'head.weight'" in found["decay"]["raised"], found
+        assert found["sparse"]["raised_at"] == 0 and "plain tensor 'head.weight'" in found["sparse"]["raised"], found
         for name in ("keep", "skip_keep", "attach_keep"):
             case = found[name]
             assert case["raised"] is None and "held plain tensor '1.bias'" in case["stopped"], (name, case)
-        for name in ("seeded", "unsynced", "keep", "skip_keep", "attach_keep", "catch"):
+        for name in ("seeded", "unsynced", "keep", "skip_keep", "attach_keep", "catch", "sparse"):
             case = found[name]
             assert case["planned"] == 8 and case["published"] == [] and case["stopped"], (name, case)
         # published before the weights changed, and only then
@@ -543,8 +547,9 @@ def test_copies_that_drift_apart_once_training_starts_stop_publishing_on_every_r
         for name, planned in (("frozen", 8), ("ddp", 8), ("hsdp", 0), ("fsdp", 0)):
             case = found[name]
             assert case["raised"] is None and case["stopped"] is None and case["planned"] == planned, (name, case)
-            assert case["left"] == 0, (name, case)  # DDP's: every copy changed at the first step, and agreed
-            # (frozen: the module left out is not compared, so the comparisons do not go on for it)
+            # DDP's: every copy changed at each of the three comparisons after the first (the fourth step), and
+            # agreed; frozen: the module left out is not compared, so the comparisons do not go on for it
+            assert case["left"] == 0, (name, case)
             assert case["published"] == ([0, 1, 2, 3] if rank == 0 else []), (name, case)
 
 

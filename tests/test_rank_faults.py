@@ -399,7 +399,8 @@ def test_a_tensor_publisher_on_every_rank_is_told_on_the_ranks_other_than_0(tmp_
 def test_faults_on_one_rank_keep_the_ranks_in_step(tmp_path: Path) -> None:
     """torchrun, 2 ranks (dist_scripts/one_rank_faults.py).
 
-    staging: rank 1's rename raises once, while only it walks its model again. publish() raised on rank 1 alone,
+    staging: rank 1's rename raises once, while only it walks its model again (at step 4, once the ranks'
+    comparisons of their copies have ended, which walk it too). publish() raised on rank 1 alone,
     which then staged one step fewer than rank 0, and every later snapshot failed ("ranks staged different
     steps"). Now that snapshot fails on both ranks, raised at the same step on both, and the next one is full.
 
@@ -416,11 +417,12 @@ def test_faults_on_one_rank_keep_the_ranks_in_step(tmp_path: Path) -> None:
     staging = [r["staging"] for r in res]
     assert staging[0]["steps"] == staging[1]["steps"], staging  # the same steps staged, the error at one step
     assert [s.split(":")[0] for s in staging[0]["steps"]] == [
-        "started", "started", "started", "raised PublishError", "started", "started"], staging
-    assert "rank 1: copying the weights of step 2 failed" in staging[1]["steps"][3], staging
-    assert "no published name" in staging[1]["steps"][3], staging
+        "started", "started", "started", "started", "started", "raised PublishError", "started", "started"], staging
+    assert "rank 1: copying the weights of step 4 failed" in staging[1]["steps"][5], staging
+    assert "no published name" in staging[1]["steps"][5], staging
     assert [(step, kind, ok) for step, kind, ok, _ in staging[0]["metrics"]] == [
-        (0, "full", True), (1, "delta", True), (2, "delta", False), (4, "full", True), (5, "delta", True)], staging
+        (0, "full", True), (1, "delta", True), (2, "delta", True), (3, "delta", True), (4, "delta", False),
+        (6, "full", True), (7, "delta", True)], staging
     for agreement in (r["agreement"] for r in res):
         assert not [s for s in agreement["steps"] if s.startswith("raised")], agreement
         assert agreement["close"] == "ok" and agreement["stopped"], agreement

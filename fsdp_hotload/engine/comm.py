@@ -81,7 +81,8 @@ class GlooComm:
         import torch.distributed as dist
 
         self._dist = dist
-        self.group = group
+        self._group = group
+        self._closed = False
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self._global = [dist.get_global_rank(group, r) for r in range(self.world)] if group is not None else list(
@@ -106,10 +107,19 @@ class GlooComm:
 
     def close(self) -> None:
         """Destroy the group (local, not a collective). Why: each group holds gloo's threads and a socket per
-        peer, so a job that makes a new callback after every resharding would otherwise leak them."""
-        group, self.group = self.group, None
+        peer, so a job that makes a new callback after every resharding would otherwise leak them (they are freed
+        with the group object, which is let go here). A collective started after (another thread's close()) then
+        raises: with ``group=None`` it would run on torch's default group, the training one."""
+        group, self._group, self._closed = self._group, None, True
         if group is not None and self._dist.is_initialized():
             self._dist.destroy_process_group(group)
+
+    @property
+    def group(self) -> Any:
+        """The gloo group; RuntimeError once :meth:`close` destroyed it."""
+        if self._closed:
+            raise RuntimeError("this side group was destroyed (close() ran)")
+        return self._group
 
     def exchange(self, outgoing: Sequence[Blob]) -> list[Blob]:
         """Received blobs are the receive buffers themselves (numpy arrays), not copies: a full snapshot's pieces

@@ -17,6 +17,10 @@ optimizer step that changes it. Cases:
   rate of 0: the first two comparisons see the values of construction, and the third finds the drift.
 * ``ddp`` and ``hsdp``: copies that DistributedDataParallel and FSDP2's replicate mesh dim keep equal pass, with
   every step published; DDP's are compared until they have changed (the first optimizer step changes them all).
+* ``decay``: a head left out of ``fully_shard`` whose first gradient is zero: AdamW's weight decay changes it
+  alike on every rank at the first step, and it drifts from the second on (one change proved nothing).
+* ``sparse``: an embedding left out of ``fully_shard`` whose trained rows are none of the sampled ones: the sum
+  of all its bits tells the ranks apart.
 * ``frozen``: as ``unsynced`` with the left-out module frozen: it stays equal, so it is not compared, and the
   comparisons end at the first step instead of going on while it stays unchanged.
 * ``fsdp``: FSDP2 over both ranks holds no copy: nothing is compared, no collective runs.
@@ -67,6 +71,24 @@ def unsynced(_mesh: Any) -> nn.Module:
     return model
 
 
+class Headed(nn.Module):
+    """A body FSDP2 shards and a head left out of it: plain, and nothing syncs it."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        from torch.distributed.fsdp import fully_shard
+
+        torch.manual_seed(0)
+        self.body, self.head = nn.Linear(4, 4), head
+        fully_shard(self.body)
+        self.head_weight = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.head, nn.Embedding):  # rows 1-8 only: the sampled rows are 0, 9, 18, ..., 63
+            return self.body(x).sum() + self.head(torch.arange(1, 9)).sum()
+        return self.body(x).sum() + self.head_weight * self.head(x).sum()
+
+
 def frozen(mesh: Any) -> nn.Module:
     model = unsynced(mesh)
     model[1].requires_grad_(False)  # plain, and no optimizer step changes it
@@ -103,7 +125,8 @@ def run(case: str, model: nn.Module, bucket: str, rank: int) -> dict[str, Any]:
     before = case in ("before", "warmup")
     config = HotloadConfig(bucket_url=f"{bucket}/{case}", keep_training_on_error=keep,
                            busy_policy="skip" if case in ("skip_keep", "attach_keep", "catch") else "wait")
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = (torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01) if case == "decay"
+           else torch.optim.SGD(model.parameters(), lr=0.1))
     hot = HotloadCallback(model, config)
     found: dict[str, Any] = {"planned": hot._recheck.left, "raised": None, "raised_at": None}
     if case == "attach_keep":
@@ -113,7 +136,10 @@ def run(case: str, model: nn.Module, bucket: str, rank: int) -> dict[str, Any]:
     for step in range(int(before), int(before) + 4):
         for group in opt.param_groups:  # warmup: the first optimizer step changes nothing
             group["lr"] = 0.0 if case == "warmup" and step == 1 else 0.1
-        loss = model(torch.ones(3, 4)).sum() * (rank + 1)
+        if case == "decay":  # the head's first gradient is zero: weight decay alone changes it, alike
+            model.head_weight = 0.0 if step == 0 else 1.0
+        x = torch.ones(3, 4) * (1 - 2 * rank if case == "decay" else 1)  # Adam's updates ignore a loss scale
+        loss = model(x).sum() * (rank + 1)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -139,6 +165,8 @@ def main() -> None:
     found = {}
     for case, build in (("seeded", seeded), ("unsynced", unsynced), ("before", seeded), ("keep", unsynced),
                         ("skip_keep", unsynced), ("attach_keep", unsynced), ("catch", unsynced), ("warmup", unsynced),
+                        ("decay", lambda _m: Headed(nn.Linear(4, 4))),
+                        ("sparse", lambda _m: Headed(nn.Embedding(64, 4))),
                         ("frozen", frozen), ("ddp", ddp), ("hsdp", hsdp), ("fsdp", fsdp)):
         found[case] = run(case, build(mesh), bucket, rank)
     (out / f"rank{rank}.json").write_text(json.dumps(found))

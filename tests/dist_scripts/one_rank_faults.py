@@ -1,6 +1,6 @@
 """Faults on one rank of two that must not leave the ranks out of step (tests/test_rank_faults.py), in one job:
 
-* ``staging``: rank 1 alone swaps a parameter's storage at step 2, so it alone walks its model again at that
+* ``staging``: rank 1 alone swaps a parameter's storage at step 4, so it alone walks its model again at that
   publish, and its rename hook raises there once. publish() raised on rank 1 alone, which then staged one step
   fewer than rank 0: every later snapshot paired different steps and failed.
 * ``agreement`` (last: it breaks the trainer's side group): rank 0 pauses longer than collective_timeout_s
@@ -48,15 +48,16 @@ def run(case: str, bucket: str, rank: int) -> dict[str, Any]:
         cfg = HotloadConfig(bucket_url=bucket, busy_policy="skip", collective_timeout_s=2, keep_training_on_error=True)
         cb = HotloadCallback(model, cfg)
     steps: list[str] = []
-    for step in range(6 if case == "staging" else 7):
+    for step in range(8 if case == "staging" else 7):
         model(IDS).float().pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-        if case == "staging" and rank == 1 and step == 2:
+        # step 4: once the ranks' comparisons of the ignored parameter have ended (its walk would meet the fault)
+        if case == "staging" and rank == 1 and step == 4 and not cb._recheck.left:
             with torch.no_grad():
                 model.model.temp.data = model.model.temp.data.clone()  # a new storage: walked again
             armed[0] = True
-        if case == "agreement" and rank == 0 and step == 2:
+        if case == "agreement" and rank == 0 and step == 4:  # once the comparisons of copies ended (step 3)
             time.sleep(4)  # past collective_timeout_s
         try:
             steps.append("started" if cb.step(step) else "skipped")
