@@ -220,13 +220,13 @@ class RecheckReplicas:
         self.left = RECHECK_STEPS if agreed.recheck else 0
         self.comm = comm
         self._index = {g: i for i, g in agreed.shared}
-        self._views = {g: chunks[i].source for i, g in agreed.shared} if self.left else {}
+        self._views = {g: chunks[i].source for i, g in agreed.shared}
         # frozen (no gradient): unchanged, so they stay as equal as construction found them
-        self._plain = {p: t for p, t in plain.items() if t.requires_grad} if self.left else {}
+        self._plain = {p: t for p, t in plain.items() if t.requires_grad}
         self._groups = agreed.groups
         self._prev: dict[tuple[str, Any], int] = {}  # rank 0: each tensor's digest at the last comparison
         self._changes: dict[tuple[str, Any], int] = {}  # rank 0: comparisons at which it had changed since then
-        self._layout = [(c.name, c.box) for c in chunks] if self.left else []
+        self._layout = [(c.name, c.box) for c in chunks] if self.left else []  # only read where storage changed
         self._fingerprint = fingerprint
         if not self.left:
             self.finish()
@@ -288,8 +288,8 @@ class RecheckReplicas:
 
     def _compare(self, gathered: Sequence[tuple[str | None, Mapping[int, int], Mapping[str, int]]],
                  step: int) -> tuple[Any, ...]:
-        """On rank 0: ("differ", why), ("trouble", why), or ("agree", groups and plain paths that changed since
-        construction, whether any compared tensor has not)."""
+        """On rank 0: ("differ", why), ("trouble", why), or ("agree", the groups and plain paths now settled (changed
+        at ``SETTLE_CHANGES`` comparisons, each since the one before), whether any compared tensor is not)."""
         for r, (problem, _crcs_r, _plain) in enumerate(gathered):
             if problem:
                 return "trouble", f"rank {r} could not read its copies: {problem}"
