@@ -212,7 +212,7 @@ class HotloadCallback:
                 buffers = set(self._buffer_chunks(walked))
                 if isinstance(comm, GlooComm):
                     samples = replica_samples(walked, skip=buffers)
-                    plain = plain_samples(held)
+                    plain = plain_samples(held, whole=True)  # whole: rows a sample misses, once
             except Exception as exc:  # noqa: BLE001 - raised by agree_on_chunks, on every rank
                 problem = exc
             self.walks = 1  # model walks for chunk views (the first here; again only when storage changed)
@@ -222,7 +222,9 @@ class HotloadCallback:
             again = GlooComm.create(config.side_group_timeout_s) if agreed.recheck else None
             if again is not None:
                 self._comms.append(again)
-            self._recheck = RecheckReplicas(agreed, walked, held, self._fingerprint, again)
+            # then once per full snapshot's span of calls, for copies that start to drift later
+            self._recheck = RecheckReplicas(agreed, walked, held, self._fingerprint, again,
+                                            every=config.full_every * config.publish_every)
             chunks = [walked[i] for i in self._kept]
             self._buffer_idx = [j for j, i in enumerate(self._kept) if i in buffers]
             specs = [TensorSpec(n, tuple(s), d) for n, s, d in self._specs]
@@ -287,7 +289,7 @@ class HotloadCallback:
             raise RuntimeError("HotloadCallback is closed: create a new one to publish again")
         step = self.engine.checked_step(self._step if step is None else step)
         self._step = step + 1
-        if self._recheck.left:  # every rank, at the same call
+        if self._recheck.due():  # every rank, at the same call
             self._recheck_replicas(step)
         # views are built only on steps that publish
         # only a host copy runs beside the next forward; a device copy is ordered before it on the device

@@ -492,8 +492,8 @@ def test_ranks_holding_one_box_with_different_values_are_refused_as_partitions(t
     """torchrun, 2 ranks (dist_scripts/partitions.py): plain parameters Megatron marks tensor- or expert-parallel,
     and each rank's own experts under one name (which FSDP2 leaves whole on each rank), were taken for copies of
     one replica and only rank 0's published; so were experts alike in their first elements only, and a plain
-    parameter (no DTensor, no marks) that differs per rank. A buffer that differs per rank is still published from
-    rank 0."""
+    parameter (no DTensor, no marks) that differs per rank, also where only rows the samples skip differ. A buffer
+    that differs per rank is still published from rank 0."""
     out = tmp_path / "out"
     out.mkdir()
     run_torchrun(str(SCRIPTS / "partitions.py"), 2, ["--bucket", str(tmp_path / "bucket"), "--out", str(out)])
@@ -504,6 +504,7 @@ def test_ranks_holding_one_box_with_different_values_are_refused_as_partitions(t
         assert found["late"] is not None and "hold the same part of tensor 'experts'" in found["late"], found
         assert found["plain"] is not None and "OwnershipError" in found["plain"], found
         assert "ranks 0 and 1 hold different values of plain tensor '1.weight'" in found["plain"], found
+        assert found["rows"] is not None and "hold different values of plain tensor 'weight'" in found["rows"], found
         assert found["tp"] is not None and "tensor-parallel" in found["tp"] and "qkv.weight" in found["tp"]
         assert "TensorPublisher" in found["tp"], found
         assert found["expert"] is not None and "expert-parallel" in found["expert"], found
@@ -519,7 +520,9 @@ def test_copies_that_drift_apart_once_training_starts_stop_publishing_on_every_r
     they differ, every rank
     stops publishing at that step (raising, or only logging with keep_training_on_error), and nothing of that
     step or any later one goes out, under either busy policy. Copies that DDP keeps equal pass; FSDP2 and HSDP,
-    which hold no undeclared copy, compare nothing."""
+    which hold no undeclared copy, compare nothing. Once the first steps' comparisons end, every copy is compared
+    again once per full snapshot's span: a module frozen at construction and unfrozen later, and one that gets its
+    first gradient after those steps, were never compared again and drifted unseen."""
     out = tmp_path / "out"
     out.mkdir()
     run_torchrun(str(SCRIPTS / "drift.py"), 2, ["--bucket", str(tmp_path / "bucket"), "--out", str(out)])
@@ -544,13 +547,23 @@ def test_copies_that_drift_apart_once_training_starts_stop_publishing_on_every_r
         # published before the weights changed, and only then
         assert before["published"] == ([0] if rank == 0 else []), before
         assert warmup["published"] == ([0, 1] if rank == 0 else []), warmup
-        for name, planned in (("frozen", 8), ("ddp", 8), ("hsdp", 0), ("fsdp", 0)):
+        for name, planned, steps in (("frozen", 8, 4), ("ddp", 8, 8), ("hsdp", 0, 4), ("fsdp", 0, 4)):
             case = found[name]
             assert case["raised"] is None and case["stopped"] is None and case["planned"] == planned, (name, case)
             # DDP's: every copy changed at each of the three comparisons after the first (the fourth step), and
-            # agreed; frozen: the module left out is not compared, so the comparisons do not go on for it
-            assert case["left"] == 0, (name, case)
-            assert case["published"] == ([0, 1, 2, 3] if rank == 0 else []), (name, case)
+            # agreed, then agreed again at steps 5 and 7; frozen: the module left out is not compared, so the
+            # first phase does not go on for it. Both are still compared once per span; FSDP2 and HSDP never are.
+            assert case["left"] == 0 and case["active"] == (planned > 0), (name, case)
+            assert case["published"] == (list(range(steps)) if rank == 0 else []), (name, case)
+        unfrozen, late = found["unfrozen"], found["late"]
+        assert unfrozen["planned"] == 8 and unfrozen["raised_at"] == 2, unfrozen
+        assert "held plain tensor '1.bias' and 1 more" in unfrozen["raised"], unfrozen
+        assert "different values at step 2" in unfrozen["raised"], unfrozen
+        assert late["raised_at"] == 9 and "plain tensor 'head.bias' and 1 more" in late["raised"], late
+        # the drift of step 8 went out before the comparison of step 9 found it: one span at most
+        assert unfrozen["published"] == ([0, 1] if rank == 0 else []), unfrozen
+        assert late["published"] == (list(range(9)) if rank == 0 else []), late
+        assert not unfrozen["active"] and not late["active"] and unfrozen["stopped"] and late["stopped"], found
 
 
 @pytest.mark.parametrize("shape", [(), (1,), (5,), (9,), (100,), (1, 1), (3, 4), (100, 3), (7, 5, 9), (2, 32, 4)])

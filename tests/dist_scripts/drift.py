@@ -1,5 +1,6 @@
 """Copies that agree when ``HotloadCallback`` is created and drift apart once training starts: the ranks compare
-them again at each step until they have changed, and publishing stops on every rank where they differ. Run under
+them again at each step until they have changed, then once per full snapshot's span (``full_every=2`` here where
+that is tested), and publishing stops on every rank where they differ. Run under
 torchrun (gloo, CPU, 2 ranks). Each rank's loss is scaled by its rank, so what nothing syncs drifts at the first
 optimizer step that changes it. Cases:
 
@@ -16,7 +17,8 @@ optimizer step that changes it. Cases:
 * ``warmup``: as ``unsynced``, with a first ``step(0)`` before training and a first optimizer step at a learning
   rate of 0: the first two comparisons see the values of construction, and the third finds the drift.
 * ``ddp`` and ``hsdp``: copies that DistributedDataParallel and FSDP2's replicate mesh dim keep equal pass, with
-  every step published; DDP's are compared until they have changed (the first optimizer step changes them all).
+  every step published; DDP's are compared until they have changed (the first optimizer step changes them all),
+  and then at every second call (eight steps, ``full_every=2``), still agreeing.
 * ``decay``: a head left out of ``fully_shard`` whose first gradient is zero: AdamW's weight decay changes it
   alike on every rank at the first step, and it drifts from the second on (one change proved nothing).
 * ``sparse``: an embedding left out of ``fully_shard`` whose trained rows are none of the sampled ones: the sum
@@ -24,6 +26,10 @@ optimizer step that changes it. Cases:
 * ``frozen``: as ``unsynced`` with the left-out module frozen: it stays equal, so it is not compared, and the
   comparisons end at the first step instead of going on while it stays unchanged.
 * ``fsdp``: FSDP2 over both ranks holds no copy: nothing is compared, no collective runs.
+* ``unfrozen``: as ``frozen``, unfrozen before the third step (``full_every=2``): the first phase ended at the
+  first call, and the comparison two calls later finds the drift.
+* ``late``: a head left out of ``fully_shard`` that gets no gradient for eight steps, so it is unchanged through the
+  whole first phase, and drifts from the ninth step (``full_every=2``): found at the tenth.
 
 Each rank writes per case what ``step()`` raised (or None), the steps published, the comparisons planned at
 construction, those left at the end, and why publishing stopped, to --out/rank<r>.json.
@@ -120,10 +126,12 @@ def fsdp(_mesh: Any) -> nn.Module:
 
 
 def run(case: str, model: nn.Module, bucket: str, rank: int) -> dict[str, Any]:
-    """Four optimizer steps (five calls where a first ``step(0)`` comes before any), scaled per rank."""
+    """Four optimizer steps (five calls where a first ``step(0)`` comes before any; ``ddp`` eight and ``late``
+    ten), scaled per rank."""
     keep, catch = case in ("keep", "skip_keep", "attach_keep"), case == "catch"
     before = case in ("before", "warmup")
     config = HotloadConfig(bucket_url=f"{bucket}/{case}", keep_training_on_error=keep,
+                           full_every=2 if case in ("ddp", "unfrozen", "late") else 20,
                            busy_policy="skip" if case in ("skip_keep", "attach_keep", "catch") else "wait")
     opt = (torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01) if case == "decay"
            else torch.optim.SGD(model.parameters(), lr=0.1))
@@ -133,11 +141,15 @@ def run(case: str, model: nn.Module, bucket: str, rank: int) -> dict[str, Any]:
         hot.attach(opt)
     if before:
         hot.step(0)
-    for step in range(int(before), int(before) + 4):
+    for step in range(int(before), int(before) + {"ddp": 8, "late": 10}.get(case, 4)):
         for group in opt.param_groups:  # warmup: the first optimizer step changes nothing
             group["lr"] = 0.0 if case == "warmup" and step == 1 else 0.1
         if case == "decay":  # the head's first gradient is zero: weight decay alone changes it, alike
             model.head_weight = 0.0 if step == 0 else 1.0
+        if case == "late":  # no gradient through the first phase; SGD without decay leaves it as it was
+            model.head_weight = 0.0 if step < 8 else 1.0
+        if case == "unfrozen" and step == 2:
+            model[1].requires_grad_(True)
         x = torch.ones(3, 4) * (1 - 2 * rank if case == "decay" else 1)  # Adam's updates ignore a loss scale
         loss = model(x).sum() * (rank + 1)
         loss.backward()
@@ -151,7 +163,7 @@ def run(case: str, model: nn.Module, bucket: str, rank: int) -> dict[str, Any]:
             if not catch:  # a loop that catches it goes on training
                 break
     found["stopped"] = hot.engine.stopped
-    found["left"] = hot._recheck.left
+    found["left"], found["active"] = hot._recheck.left, hot._recheck.active
     hot.close(raise_errors=False)
     found["published"] = [m.step for m in hot.metrics]
     return found
@@ -167,7 +179,8 @@ def main() -> None:
                         ("skip_keep", unsynced), ("attach_keep", unsynced), ("catch", unsynced), ("warmup", unsynced),
                         ("decay", lambda _m: Headed(nn.Linear(4, 4))),
                         ("sparse", lambda _m: Headed(nn.Embedding(64, 4))),
-                        ("frozen", frozen), ("ddp", ddp), ("hsdp", hsdp), ("fsdp", fsdp)):
+                        ("frozen", frozen), ("ddp", ddp), ("hsdp", hsdp), ("fsdp", fsdp), ("unfrozen", frozen),
+                        ("late", lambda _m: Headed(nn.Linear(4, 4)))):
         found[case] = run(case, build(mesh), bucket, rank)
     (out / f"rank{rank}.json").write_text(json.dumps(found))
     torch.distributed.barrier()

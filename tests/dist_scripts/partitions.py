@@ -12,6 +12,8 @@ them on every rank. Run under torchrun (gloo, CPU, 2 ranks). Cases:
   only a tensor's first elements).
 * ``plain``: a plain parameter (no DTensor, no marks) that differs per rank, as a hand-written tensor-parallel layer
   holds it: only rank 0 made chunks of plain tensors, so no rank compared them.
+* ``rows``: a plain embedding whose ranks differ only in a row the samples do not read (they read rows 0, 9, 18,
+  ...): the sum of all its bits tells them apart.
 * ``split``: a plain tensor split in two parts, of which ``rename`` leaves out the one that differs per rank: only
   what is published is compared, so it is not refused.
 * ``buffers``: a module buffer that differs per rank (forward passes update buffers on each rank alone, as
@@ -91,11 +93,15 @@ def main() -> None:
     parts = {"split": lambda path, _shape: [("keep", 0, (1, 4)), ("local", 4, (1, 4))] if path == "w" else None,
              "rename": lambda name: None if name == "local" else name}
     torch.manual_seed(0)
+    rows = nn.Embedding(64, 4)
+    with torch.no_grad():
+        rows.weight[1].add_(rank)
+    torch.manual_seed(0)
     plain = nn.Linear(4, 4)
     plain.register_buffer("seen", torch.full((3,), float(rank)))
     found = {}
     for case, model in (("tp", megatron_tp(rank)), ("expert", megatron_expert()), ("ep", ep), ("late", late),
-                        ("plain", partition), ("split", fused), ("buffers", plain)):
+                        ("plain", partition), ("rows", rows), ("split", fused), ("buffers", plain)):
         try:
             extra: dict = parts if case == "split" else {}
             hot = HotloadCallback(model, HotloadConfig(bucket_url=f"{bucket}/{case}"), **extra)
