@@ -540,6 +540,7 @@ class HotloadCallback:
                 # the views keep the model's memory alive (a whole shard, on a GPU): a closed callback that its
                 # owner still holds must not, once the model has let go of that memory
                 self._views, self._fingerprint = [], None
+                self._recheck.finish(close=not self.engine.abandoned)
                 if not self.engine.abandoned:
                     self._close_comms()
 
@@ -554,6 +555,7 @@ class HotloadCallback:
             self.engine.close(raise_errors=False, timeout=timeout)
         finally:
             self._views, self._fingerprint = [], None
+            self._recheck.finish(close=False)
         if newest > staged and self.config.publish_on_close:
             lost = f"step {newest} is not published"
         elif in_flight:

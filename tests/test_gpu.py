@@ -159,6 +159,35 @@ def test_device_diff_memory_is_bounded_when_everything_changes(cache_on: str) ->
     assert extra <= DIFF_BLOCK * (9 + 2 * 2), "over the bound device_diff documents"
 
 
+def test_device_diffs_keep_one_pinned_arena() -> None:
+    """Deltas of changing sizes cut their host arrays from one pinned buffer per stager: page-locked memory stays
+    that buffer (under twice the largest diff's need), where three arrays per chunk and diff left torch's pinned
+    cache holding every size class they reached."""
+    cs = chunks("cuda")
+    st = Stager(cs, slots=1)
+    buf = st.acquire(wait=False)
+    assert buf is not None
+    st.wait_event(st.stage(buf))
+    st.promote(buf)
+    torch.cuda.synchronize()
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    most = 0
+    for stride in (1, 3, 29, 2, 101, 1, 5):
+        with torch.no_grad():
+            cs[0].source[::stride] += 1e-2
+        buf = st.acquire(wait=False)
+        assert buf is not None
+        st.wait_event(st.stage(buf))
+        diffs = st.diff(buf)
+        most = max(most, sum(d.changed * 8 + 2 * -(-d.changed * d.itemsize // 8) * 8 for d in diffs))
+        assert diffs[0].changed == len(range(0, 257 * 33, stride))
+        st.promote(buf)
+    arena = st._arena.buf
+    assert arena is not None and arena.is_pinned() and arena.numel() < 2 * most
+    held = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) - before
+    assert held <= arena.numel(), f"{held} bytes pinned for an arena of {arena.numel()}"
+
+
 def test_attached_callback_on_cuda_round_trips(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """attach() on a CUDA model: the copy goes on the side stream (no host fence), the device diff feeds the
     encoder, and every accepted snapshot rebuilt from the bucket equals the trainer's bytes."""

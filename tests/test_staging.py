@@ -53,6 +53,41 @@ def test_device_diff_arithmetic_matches_the_host_diff_on_cpu() -> None:
         assert [g.changed for g in gots] == [len(range(0, 257 * 33, 7)), 1, 0, 2]  # every 7th, a sign flip, 2 ints
 
 
+def test_device_diffs_cut_their_host_arrays_from_one_arena_kept_between_diffs() -> None:
+    """Each delta allocated three pinned host arrays per chunk, sized by its changes; torch's pinned cache rounds
+    each to a power of two and keeps every size class it made, so page-locked memory grew past the largest diff's
+    need over a run. The arrays are now views of one buffer per stager, kept while it is large enough and grown to
+    the next power of two when a diff needs more; the values stay exact (run here on CPU tensors)."""
+    from fsdp_hotload.engine.staging import HostArena
+
+    cs = chunks("cpu")
+    st = Stager(cs, slots=1)
+    arena = HostArena(pin=False)
+    sizes, most = [], 0
+    for stride in (3, 7, 50, 1):  # fewer changes after more, then every element
+        def change(stride: int = stride) -> None:
+            cs[0].source[::stride] += 1e-2
+            cs[3].source[stride % 5] += 1
+
+        buf = cache_then_stage(st, change)
+        assert st.cache is not None
+        gots = device_diff(buf, st.cache, st.slices, block=64, arena=arena)
+        for s, got in zip(st.slices, gots):
+            want = element_diff(st.cache[s.offset:s.offset + s.nbytes].numpy(),
+                                buf[s.offset:s.offset + s.nbytes].numpy(), s.itemsize)
+            got.check()
+            assert np.array_equal(got.idx, want.idx) and np.array_equal(got.old, want.old)
+            assert np.array_equal(got.new, want.new)
+        need = sum(g.changed * 8 + 2 * -(-g.changed * g.itemsize // 8) * 8 for g in gots)
+        most = max(most, need)
+        assert arena.buf is not None and need <= arena.buf.numel() < 2 * most  # a power of two, no larger
+        assert arena.buf.numel() & (arena.buf.numel() - 1) == 0
+        sizes.append((arena.buf.data_ptr(), arena.buf.numel()))
+        st.release(buf)
+    assert sizes[1] == sizes[0] and sizes[2] == sizes[0], sizes  # smaller needs: the same buffer, not a new one
+    assert sizes[3][1] > sizes[0][1], sizes  # every element changed: grown once
+
+
 def test_staging_keeps_nan_payloads_of_uncast_floats() -> None:
     """A copy without a cast moves the bits: NaN payloads and signed zeros arrive as the trainer holds them."""
     from dataclasses import replace
@@ -141,7 +176,7 @@ def test_all_staging_memory_is_taken_at_construction(monkeypatch: pytest.MonkeyP
 def test_device_diff_falls_back_where_nonzero_static_has_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch 2.4 and 2.5 define ``nonzero_static`` but have no CUDA kernel for it (one came in 2.6): the call
     raises NotImplementedError, which must not fail every delta; the diff takes ``nonzero`` instead."""
-    from fsdp_hotload.engine import staging
+    from fsdp_hotload.engine import device_diff as staging
 
     calls = []
 

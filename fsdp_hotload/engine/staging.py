@@ -5,9 +5,9 @@ dtype, on the chunks' own device. ``stage`` copies (and casts) every chunk's sou
 does so on a side stream and makes the training stream wait for that copy on the device, so the host returns at
 once and the next optimizer step cannot overwrite a parameter before it has been copied. The publisher's own device
 work (the diff, reading a full snapshot, filling a host cache) runs on a second stream of its own, so it never
-queues behind, or holds up, the training stream; the diff walks each chunk (adjacent chunks of one element size as
-one range) in blocks of ``DIFF_BLOCK`` elements, so its device temporaries stay below ~52 MB (bf16) however many
-values changed. On the CPU it can hand the copy to a helper thread (``background=True``); the caller then fences
+queues behind, or holds up, the training stream; the diff (``device_diff.py``) walks each chunk (adjacent chunks
+of one element size as one range) in blocks of ``DIFF_BLOCK`` elements, so its device temporaries stay below ~52 MB
+(bf16) however many values changed. On the CPU it can hand the copy to a helper thread (``background=True``); the caller then fences
 before the next update. The copies into each buffer are batched once and kept (``copies.CopyPlan``). The cache is
 one more buffer with the same layout holding the bytes of the last accepted snapshot; after an accepted publish the
 slot and the cache swap roles (no copy).
@@ -33,11 +33,12 @@ import numpy as np
 import torch
 
 from ..arc.codecs import ElementDiff, element_diff
-from ..arc.dtypes import UINT_BY_SIZE, itemsize, torch_name
+from ..arc.dtypes import itemsize, torch_name
 from .copies import SIGNED, CopyPlan, Slice, as_source, copy_groups, strided_cast, window
+from .device_diff import DIFF_BLOCK, HostArena, device_diff
 
-DIFF_BLOCK = 1 << 22  # elements per device-diff step (the device temporaries are ~13 bytes per element)
-_NO_STATIC_NONZERO: set[str] = set()  # device types whose torch has no nonzero_static kernel (see _positions)
+__all__ = ["DIFF_BLOCK", "ChunkInfo", "ChunkLike", "HostArena", "Stager", "device_diff"]
+
 
 
 class ChunkLike(Protocol):
@@ -106,6 +107,7 @@ class Stager:
         self._spare: torch.Tensor | None = self._alloc(
             torch.device("cpu") if cache_on == "host" and self.device.type != "cpu" else self.device)
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None  # the trainer's staging copies
+        self._arena = HostArena(pin=self.cuda)  # the device diff's host arrays, kept from one diff to the next
         self._work = torch.cuda.Stream(self.device) if self.cuda else None  # the publisher's device work
         self._copier: ThreadPoolExecutor | None = None  # host copies off the trainer's thread (``background``)
         self._views: dict[int, list[np.ndarray]] = {}  # host_views by buffer address
@@ -212,6 +214,9 @@ class Stager:
         srcs, changed = self._checked(sources)
         if not changed:
             return
+        if self._stream is not None:  # the caching allocator does not know the side stream reads the old ones
+            with self._on_device():
+                self._stream.synchronize()
         self._own = list(srcs)
         self._groups = copy_groups(self._own, self.slices)
         self._plans.clear()
@@ -365,7 +370,7 @@ class Stager:
             raise RuntimeError("no cache: the first publish must be full")
         if buf.device.type == "cuda":
             with self._on_work_stream():
-                return device_diff(buf, self.cache, self.slices)
+                return device_diff(buf, self.cache, self.slices, arena=self._arena)
         out = []
         for s in self.slices:
             new = buf[s.offset:s.offset + s.nbytes]
@@ -420,6 +425,7 @@ class Stager:
         if self._copier is not None:
             self._copier.shutdown(wait=True)
             self._copier = None
+        self._arena.buf = None
         if self._stream is not None and self._work is not None:  # no copy may still write a buffer let go of
             with self._on_device():
                 self._stream.synchronize()
@@ -439,119 +445,3 @@ class Stager:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-
-
-def device_diff(new: torch.Tensor, old: torch.Tensor, slices: Sequence[Slice], block: int = DIFF_BLOCK
-                ) -> list[ElementDiff]:
-    """Every chunk's changes between ``new`` (a slot's bytes, on its device) and ``old`` (the cache's bytes, on that
-    device or in host memory): positions and old/new values, copied straight into host arrays.
-
-    Chunks whose slices follow each other with the same element size are diffed as one range, then cut apart on
-    the host. Why: each block costs a handful of torch calls (~150 us on an H100, ~60 us on a CPU), so a split MoE
-    model's thousands of small expert parts cost a block each: on a CPU, 6,144 parts of 8 Ki elements took 476 ms
-    one by one against 119 ms as one range.
-    """
-    runs: list[list[int]] = []
-    for i, s in enumerate(slices):
-        last = slices[runs[-1][-1]] if runs else None
-        if last is not None and s.itemsize == last.itemsize and s.offset == last.offset + last.nbytes:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    ranges = [Slice(slices[r[0]].offset, sum(slices[i].nbytes for i in r), sum(slices[i].numel for i in r),
-                    slices[r[0]].itemsize, slices[r[0]].torch_dtype) for r in runs]
-    out: list[ElementDiff] = []
-    for r, d in zip(runs, _range_diffs(new, old, ranges, block)):
-        if len(r) == 1:
-            out.append(d)
-            continue
-        starts = np.cumsum([0] + [slices[i].numel for i in r])
-        bounds = np.searchsorted(d.idx, starts)
-        for k, i in enumerate(r):
-            lo, hi = bounds[k], bounds[k + 1]
-            out.append(ElementDiff(slices[i].numel, d.itemsize, d.idx[lo:hi] - starts[k], d.old[lo:hi], d.new[lo:hi]))
-    return out
-
-
-def _range_diffs(new: torch.Tensor, old: torch.Tensor, slices: Sequence[Slice], block: int) -> list[ElementDiff]:
-    """:func:`device_diff` of each of ``slices``, one range of elements each.
-
-    Why two passes over each block of at most ``block`` elements: the first counts every block's changes and
-    reads all the counts at once, so the host arrays are allocated once at their final size (pinned on CUDA:
-    the copies into them are queued and run at the link's speed); the second finds the positions, gathers both
-    values and copies them out. One pass instead left the host to shift, join and split the pieces: on an H100
-    that made a 2 GB shard with 2% changed take 0.27 s instead of 0.04 (``benchmarks/RESULTS.md``). The device
-    temporaries stay per block (a mask, the block's int64 positions, one gathered value array, and on a host
-    cache the block brought over: at most ``block * (9 + 2 * itemsize)`` bytes) however many values changed;
-    a host cache crosses to the device one block at a time, once per pass. The pinned host arrays go back to
-    torch's pinned-memory cache when the diff is dropped and serve the next one, so the host keeps as much
-    pinned memory as the largest diff needed (12 bytes per changed bf16 element).
-    """
-    pieces = [(i, start, min(block, s.numel - start)) for i, s in enumerate(slices)
-              for start in range(0, s.numel, block)]
-
-    def pair(i: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        s = slices[i]
-        kind = SIGNED[s.itemsize]
-        a = new[s.offset:s.offset + s.nbytes].view(kind)[start:start + n]
-        b = old[s.offset:s.offset + s.nbytes].view(kind)[start:start + n]
-        return a, b.to(a.device, non_blocking=True)  # a pinned host cache: queued, in order
-
-    counts = torch.stack([_count(torch.ne(*pair(*p))) for p in pieces]).tolist() if pieces else []
-    per_chunk = [0] * len(slices)
-    for (i, _, _), c in zip(pieces, counts):
-        per_chunk[i] += c
-    pin = new.device.type == "cuda"
-    host = [(torch.empty(c, dtype=torch.int64, pin_memory=pin),
-             *(torch.empty(c, dtype=SIGNED[s.itemsize], pin_memory=pin) for _ in range(2)))
-            for s, c in zip(slices, per_chunk)]
-    filled = [0] * len(slices)
-
-    def copy_out(i: int, start: int, n: int, c: int) -> None:
-        # A function of its own, so each block's temporaries are freed when it returns, not held by loop
-        # variables through the next block (which doubled the peak). Stream-ordered: the caching allocator gives
-        # a freed temporary only to later work on this stream, which runs after the copy out of it.
-        a, b = pair(i, start, n)
-        pos = _positions(torch.ne(a, b), c)
-        h_idx, h_old, h_new = host[i]
-        at = filled[i]
-        filled[i] += c
-        h_old[at:at + c].copy_(b.index_select(0, pos), non_blocking=True)
-        h_new[at:at + c].copy_(a.index_select(0, pos), non_blocking=True)
-        if start:
-            pos += start
-        h_idx[at:at + c].copy_(pos, non_blocking=True)
-
-    for (i, start, n), c in zip(pieces, counts):
-        if c:
-            copy_out(i, start, n, c)
-    if pin:
-        torch.cuda.current_stream(new.device).synchronize()
-    return [ElementDiff(s.numel, s.itemsize, h_idx.numpy(), h_old.numpy().view(UINT_BY_SIZE[s.itemsize]),
-                        h_new.numpy().view(UINT_BY_SIZE[s.itemsize])) for s, (h_idx, h_old, h_new) in zip(slices, host)]
-
-
-def _count(mask: torch.Tensor) -> torch.Tensor:
-    """How many elements of a bool mask are set, as a 0-d tensor, without the int64 copy of the mask that
-    summing a bool tensor makes (8 bytes per element): rows of 128 are summed as uint8 first."""
-    flat = mask.view(torch.uint8)
-    bulk = flat.numel() // 128 * 128
-    total = flat[:bulk].view(-1, 128).sum(1, dtype=torch.uint8).sum()
-    return total + flat[bulk:].sum() if bulk < flat.numel() else total
-
-
-def _positions(mask: torch.Tensor, count: int) -> torch.Tensor:
-    """Sorted int64 positions of the ``count`` set elements of ``mask``, without a host sync where torch has
-    ``nonzero_static`` (its padding, never needed since the count was read from the same bytes, is position 0:
-    a valid index, where -1 would fail on the device).
-
-    Why the fallback: torch 2.4 and 2.5 define ``nonzero_static`` for the CPU only, and on a CUDA tensor it
-    raises NotImplementedError; ``nonzero`` (one host sync per block) gives the same positions. The device type
-    is remembered, so the missing kernel costs one failed call per process, not one per block."""
-    kind = mask.device.type
-    if kind not in _NO_STATIC_NONZERO and hasattr(torch, "nonzero_static"):
-        try:
-            return torch.nonzero_static(mask, size=count, fill_value=0).reshape(-1)
-        except NotImplementedError:
-            _NO_STATIC_NONZERO.add(kind)
-    return torch.nonzero(mask).reshape(-1)
