@@ -8,9 +8,9 @@ work (the diff, reading a full snapshot, filling a host cache) runs on a second 
 queues behind, or holds up, the training stream; the diff (``device_diff.py``) walks each chunk (adjacent chunks
 of one element size as one range) in blocks of ``DIFF_BLOCK`` elements, so its device temporaries stay below ~52 MB
 (bf16) however many values changed. On the CPU it can hand the copy to a helper thread (``background=True``); the
-caller then fences before the next update. The copies into each buffer are batched once and kept (``copies.CopyPlan``). The cache is
-one more buffer with the same layout holding the bytes of the last accepted snapshot; after an accepted publish the
-slot and the cache swap roles (no copy).
+caller then fences before the next update. The copies into each buffer are batched once and kept
+(``copies.CopyPlan``). The cache is one more buffer with the same layout holding the bytes of the last accepted
+snapshot; after an accepted publish the slot and the cache swap roles (no copy).
 
 Example::
 
