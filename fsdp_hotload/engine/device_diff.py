@@ -116,19 +116,16 @@ def _range_diffs(new: torch.Tensor, old: torch.Tensor, slices: Sequence[Slice], 
     for (i, _, _), c in zip(pieces, counts):
         per_chunk[i] += c
     pin = new.device.type == "cuda"
-    sizes = [(c * 8, c * s.itemsize) for s, c in zip(slices, per_chunk)]
-    total = sum(-(-a // 8) * 8 + 2 * (-(-b // 8) * 8) for a, b in sizes)
+    layout: list[tuple[int, int, torch.dtype]] = []  # (offset, bytes, dtype): positions, old, new of each slice
+    total = 0
+    for s, c in zip(slices, per_chunk):
+        for nbytes, kind in ((c * 8, torch.int64), *((c * s.itemsize, SIGNED[s.itemsize]),) * 2):
+            layout.append((total, nbytes, kind))
+            total += nbytes + -nbytes % 8
     raw = (arena.take(total) if arena is not None and total else
            torch.empty(total, dtype=torch.uint8, pin_memory=pin and total > 0))
-    at = 0
-
-    def cut(nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-        nonlocal at
-        piece, at = raw[at:at + nbytes].view(dtype), at + -(-nbytes // 8) * 8
-        return piece
-
-    host = [(cut(a, torch.int64), cut(b, SIGNED[s.itemsize]), cut(b, SIGNED[s.itemsize]))
-            for s, (a, b) in zip(slices, sizes)]
+    cuts = [raw[o:o + n].view(kind) for o, n, kind in layout]
+    host = [(cuts[k], cuts[k + 1], cuts[k + 2]) for k in range(0, len(cuts), 3)]
     filled = [0] * len(slices)
 
     def copy_out(i: int, start: int, n: int, c: int) -> None:
