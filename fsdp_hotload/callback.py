@@ -36,7 +36,8 @@ from .engine.metrics import PublishMetrics
 from .engine.publisher import Publisher
 from .fsdp import (OwnershipError, full_tensor_specs, local_chunks, model_parallel_note, source_dtypes,
                    storage_fingerprint, tensor_paths)
-from .fsdp_verify import RecheckReplicas, agree_on_chunks, plain_samples, replica_samples
+from .fsdp_recheck import RecheckReplicas
+from .fsdp_verify import agree_on_chunks, plain_samples, replica_samples
 from .hf_config import base_tensors, names_note, narrowed_note, shapes_note
 from .hf_names import checkpoint_names, transformers_saved_shapes
 from .layout import TensorSpec
@@ -298,7 +299,7 @@ class HotloadCallback:
         return self.engine.publish(step, sources, background_copy=background_copy)
 
     def _recheck_replicas(self, step: int) -> None:
-        """Compare the copies of a box again (:class:`~fsdp_hotload.fsdp_verify.RecheckReplicas`); where they
+        """Compare the copies of a box again (:class:`~fsdp_hotload.fsdp_recheck.RecheckReplicas`); where they
         drifted apart, publishing stops on every rank at this step, before this step is published."""
         why = self._recheck.run(self.model, self._chunk_kwargs, step)
         if why is None:

@@ -25,7 +25,7 @@ from .arc.errors import FormatError
 from .dtype_policy import DtypePolicy
 from .fsdp import (FLAT, SHAPE, Joined, LocalChunk, OwnershipError, Rename, Segment, TensorSpec, _ChunkLike,
                    _dtensor_type, _fsdp1_type, _fsdp2_type, _plan, full_tensor_specs, local_chunks, space_shape,
-                   storage_fingerprint, wrapper_paths)
+                   wrapper_paths)
 from .naming import Split, clean_name
 
 log = logging.getLogger("fsdp_hotload")
@@ -191,180 +191,7 @@ class Agreed(NamedTuple):
     shared: list[tuple[int, int]]  # (index, group) of its sampled chunks whose box another rank holds too
     recheck: bool  # whether any rank holds such a chunk or a plain tensor (the same answer on every rank)
     groups: list[tuple[str, Box]]  # rank 0 only: each group's tensor and box, for the messages of RecheckReplicas
-
-
-#: The most calls of the callback's ``step()`` at which :class:`RecheckReplicas` compares the copies at each call,
-#: and the comparisons at which a tensor must have changed (each since the one before) to leave that first phase.
-RECHECK_STEPS, SETTLE_CHANGES = 8, 3
-
-_DRIFTED = ("copies that nothing keeps equal drift apart as they train, and only rank 0's would be published: "
-            "partitions seeded alike (each rank's own experts, initialised from one seed) or a parameter that no "
-            "wrapper syncs (a module left out of fully_shard, one FSDP1 ignores). Express a partition as DTensors "
-            "(FSDP2 over a device mesh), wrap the module nothing syncs, or publish a gathered state dict from rank 0 "
-            "with TensorPublisher")
-
-
-class RecheckReplicas:
-    """The comparison of copies that :func:`agree_on_chunks` makes at construction, made again once training has
-    changed them: at each ``step()`` until every compared tensor has changed at ``SETTLE_CHANGES`` comparisons
-    (each since the one before) and still agrees, for at most ``RECHECK_STEPS`` calls; then one comparison of
-    every copy each ``every`` calls (the callback passes ``full_every`` x ``publish_every``: a full snapshot's
-    span) for the rest of the job.
-
-    Why: at construction, copies that start equal pass whether or not anything keeps them equal. Partitions
-    seeded alike and a parameter that no wrapper syncs pass there, drift apart from the first optimizer step that
-    changes them, and only rank 0's would be published. Not one fixed step: a first ``step()`` called before any
-    optimizer step (to publish the initial weights), a warmup that starts at a learning rate of 0, or experts
-    that get no tokens at first leave some tensors as they were, and equal copies then prove nothing. Nor one
-    change: a first step can change every rank's copy alike (weight decay over a zero gradient, Adam's first
-    update, about the learning rate times the gradient's sign). Nor only those first steps: a tensor can start to
-    drift later (a module unfrozen after DistributedDataParallel was built, which then never syncs it; experts
-    that get their first tokens after eight steps), so every copy is compared again at each full snapshot's
-    span. Only chunks whose box another rank holds too, and plain tensors, are read (:func:`_sample`, and the sum
-    of all their bits); where no rank has any (FSDP2, HSDP), nothing is, and no collective runs. Plain
-    parameters are read only while they train (``requires_grad``): frozen, they stay as equal as construction
-    found them, and a frozen base model under LoRA adapters is not read every time. The comparisons have a gloo
-    group of their own (``comm``): the trainer's side group also carries close()'s vote, which another thread
-    may take meanwhile.
-
-    Example::
-
-        recheck = RecheckReplicas(agreed, walked, plain, storage_fingerprint(model), GlooComm.create(), every=20)
-        if recheck.due():                                  # every rank, at each step() call
-            why = recheck.run(model, chunk_kwargs, step)   # None, or why the copies differ (on every rank)
-    """
-
-    def __init__(self, agreed: Agreed, chunks: Sequence[LocalChunk], plain: Mapping[str, torch.Tensor],
-                 fingerprint: tuple[int, ...], comm: Any, every: int) -> None:
-        self.left = RECHECK_STEPS if agreed.recheck else 0  # calls left in the first phase (one comparison each)
-        self.every = every  # then, calls from one comparison to the next
-        self.comm = comm
-        self._wait = 0  # calls before the next comparison
-        self._index = {g: i for i, g in agreed.shared}
-        self._shared = {g: chunks[i].source for i, g in agreed.shared}  # every copy of a box, for the later phase
-        self._all_plain = dict(plain)  # every plain tensor: one may train later (unfrozen)
-        self._views, self._plain = dict(self._shared), dict(plain)  # those the first phase compares still
-        self._groups = agreed.groups
-        self._prev: dict[tuple[str, Any], int] = {}  # rank 0: each tensor's digest at the last comparison
-        self._changes: dict[tuple[str, Any], int] = {}  # rank 0: comparisons at which it had changed since then
-        self._layout = [(c.name, c.box) for c in chunks]  # only read where storage changed
-        self._fingerprint = fingerprint
-        if not self.left:
-            self.finish()
-
-    @property
-    def active(self) -> bool:
-        """Whether comparisons are still made (they end on a difference, on one that could not be made, or on
-        close)."""
-        return self.comm is not None
-
-    def due(self) -> bool:
-        """Counts one ``step()`` call: whether it compares. The same answer on every rank, as long as every rank
-        calls ``step()`` alike, which the publisher's own collectives need too."""
-        if self.comm is None:
-            return False
-        self._wait -= 1
-        return self._wait < 0
-
-    def finish(self, close: bool = True) -> None:
-        """No more comparisons: the views are let go, and with ``close`` the group (its destruction is local).
-        Why the views: they are the model's tensors, which a callback its owner still holds after close() must not
-        keep alive once the model has let go of them."""
-        self.left, self._views, self._plain, self._layout, self._shared, self._all_plain = 0, {}, {}, [], {}, {}
-        self._prev, self._changes = {}, {}
-        comm, self.comm = self.comm, None
-        if comm is not None and close:
-            comm.close()
-
-    def run(self, model: nn.Module, chunk_kwargs: Mapping[str, Any], step: int) -> str | None:
-        """Collective over ``comm``: None where every copy still agrees, else why not, the same on every rank.
-
-        A comparison that cannot be made (a rank fails to read its copies, or the collective fails) is logged
-        and not made again: publishing goes on, as before the comparisons began, since ranks that saw the failure
-        differently would otherwise stop apart."""
-        settling, self.left = self.left > 0, max(self.left - 1, 0)
-        problem: str | None = None
-        mine: dict[int, int] = {}
-        plain: dict[str, int] = {}
-        try:
-            mine, plain = self._read(model, chunk_kwargs, settling)
-        except Exception as exc:  # noqa: BLE001 - sent: the other ranks must not wait for this rank alone
-            problem = f"{type(exc).__name__}: {exc}"
-        try:
-            if self.comm is None:
-                raise RuntimeError("its group was destroyed")
-            gathered = self.comm.gather((problem, mine, plain))
-            kind, *rest = self.comm.broadcast(None if gathered is None else self._compare(gathered, step, settling))
-        except Exception as exc:  # noqa: BLE001 - gloo's (a peer gone, a rank past the timeout), or closed meanwhile
-            kind, rest = "trouble", [f"its collective failed: {exc!r}"]
-        if kind == "trouble":
-            log.warning("hotload: the ranks' comparison of their copies of tensors at step %d could not be made, "
-                        "and is not made again (publishing goes on): %s", step, rest[0])
-        elif kind == "agree":
-            settled, settled_plain, more = rest
-            for g in settled:
-                self._views.pop(g, None)
-            for path in settled_plain:
-                self._plain.pop(path, None)
-            if not (more and self.left > 0):  # the first phase is over: every copy, once per span from now on
-                self.left, self._prev, self._changes, self._wait = 0, {}, {}, self.every - 1
-            return None
-        self.finish()
-        return rest[0] if kind == "differ" else None
-
-    def _read(self, model: nn.Module, chunk_kwargs: Mapping[str, Any],
-              settling: bool) -> tuple[dict[int, int], dict[str, int]]:
-        """This rank's samples of the copies compared (in the first phase, those not settled), read again from
-        a new walk where the model's storage changed (the views would read memory the model let go of)."""
-        fingerprint = storage_fingerprint(model)
-        if fingerprint != self._fingerprint:
-            held: dict[str, torch.Tensor] = {}
-            walked = local_chunks(model, **chunk_kwargs, plain=held)
-            if [(c.name, c.box) for c in walked] != self._layout or not set(self._all_plain) <= set(held):
-                raise RuntimeError("the model's tensors or sharding changed since HotloadCallback was created")
-            self._shared = {g: walked[self._index[g]].source for g in self._shared}
-            self._all_plain, self._fingerprint = {p: held[p] for p in self._all_plain}, fingerprint
-            self._views = {g: self._shared[g] for g in self._views}
-            self._plain = {p: self._all_plain[p] for p in self._plain}
-        views, plain = (self._views, self._plain) if settling else (self._shared, self._all_plain)
-        training = {p: t for p, t in plain.items() if t.requires_grad}  # the same paths on every rank, or ignored
-        return _crcs(list(views.items()), whole=True), plain_samples(training, whole=True)
-
-    def _compare(self, gathered: Sequence[tuple[str | None, Mapping[int, int], Mapping[str, int]]],
-                 step: int, settling: bool) -> tuple[Any, ...]:
-        """On rank 0: ("differ", why), ("trouble", why), or ("agree", the groups and plain paths now settled (changed
-        at ``SETTLE_CHANGES`` comparisons, each since the one before), whether any compared tensor is not). After
-        the first phase nothing settles: ("agree", [], [], False)."""
-        for r, (problem, _crcs_r, _plain) in enumerate(gathered):
-            if problem:
-                return "trouble", f"rank {r} could not read its copies: {problem}"
-        first: dict[int, tuple[int, int]] = {}
-        for r, (_problem, crcs, _plain) in enumerate(gathered):
-            for group, crc in crcs.items():
-                r0, crc0 = first.setdefault(group, (r, crc))
-                if crc0 != crc:
-                    name, box = self._groups[group]
-                    return "differ", (f"ranks {r0} and {r} held the same part of tensor {name!r} ({box.to_json()}) "
-                                      f"alike when the callback was created and different values at step {step}: "
-                                      f"{_DRIFTED}")
-        if (found := _plain_difference([plain for *_x, plain in gathered])) is not None:
-            r, which = found
-            return "differ", (f"ranks 0 and {r} held plain tensor {which} (neither a DTensor nor FSDP's: rank 0 "
-                              f"alone publishes it) alike when the callback was created and different values at step "
-                              f"{step}: {_DRIFTED}")
-        if not settling:
-            return "agree", [], [], False
-        digests = {**{("group", g): crc for g, (_r, crc) in first.items()},
-                   **{("plain", p): crc for p, crc in gathered[0][2].items()}}  # every rank's plain agree
-        for key, digest in digests.items():
-            if key in self._prev and self._prev[key] != digest:
-                self._changes[key] = self._changes.get(key, 0) + 1
-            self._prev[key] = digest
-        settled = [key for key in digests if self._changes.get(key, 0) >= SETTLE_CHANGES]
-        for key in settled:
-            del self._prev[key], self._changes[key]
-        return ("agree", [g for kind, g in settled if kind == "group"], [p for kind, p in settled if kind == "plain"],
-                len(settled) < len(digests))
+    ngroups: int  # how many groups there are (the same on every rank)
 
 
 def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], ctrl: Any,
@@ -381,7 +208,7 @@ def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], c
     ``samples``: :func:`replica_samples` of ``chunks``; ranks holding one box with different samples are refused.
     ``plain``: :func:`plain_samples` of the model; ranks whose plain tensors differ are refused alike. Where
     either is given, it also says which chunks to compare again once training has started
-    (:class:`RecheckReplicas`): those whose box another rank holds too.
+    (:class:`~fsdp_hotload.fsdp_recheck.RecheckReplicas`): those whose box another rank holds too.
     """
     devices = sorted({str(c.source.device) for c in chunks})
     problem = None
@@ -408,7 +235,7 @@ def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], c
                                  [x for _m, _s, _t, x, _p in gathered] if samples is not None else None)
             changes = {r: k for r, k in enumerate(kept) if len(k) != len(gathered[r][0])}  # only what changes
             shared = _shared_boxes([(metas, x) for metas, _s, _t, x, _p in gathered], groups)
-            verdict = (changes, shared, bool(shared) or any(p for *_r, p in gathered))
+            verdict = (changes, shared, bool(shared) or any(p for *_r, p in gathered), len(groups))
         except OwnershipError as exc:
             verdict = str(exc)
     verdict = ctrl.broadcast(verdict)
@@ -416,8 +243,9 @@ def agree_on_chunks(chunks: Sequence[LocalChunk], specs: Sequence[TensorSpec], c
         raise failed
     if isinstance(verdict, str):
         raise OwnershipError(verdict)
-    changes, shared, recheck = verdict
-    return Agreed(changes.get(ctrl.rank, list(range(len(chunks)))), shared.get(ctrl.rank, []), recheck, groups)
+    changes, shared, recheck, ngroups = verdict
+    return Agreed(changes.get(ctrl.rank, list(range(len(chunks)))), shared.get(ctrl.rank, []), recheck, groups,
+                  ngroups)
 
 
 def _shared_boxes(by_rank: Sequence[tuple[Sequence[Any], Sequence[int | None] | None]],

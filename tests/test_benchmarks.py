@@ -261,6 +261,14 @@ def test_tensor_count_benchmark_publishes_fulls_and_deltas_at_every_count() -> N
     assert "cost per tensor at 600 over that at 300" in proc.stdout, proc.stdout
 
 
+def test_replica_compare_benchmark_times_both_collectives_on_every_count() -> None:
+    # each collective asserts that the copies agree, so a reduction that misread them fails the run
+    proc = _run([str(BENCH / "replica_compare.py"), "--nproc", "2", "--counts", "100,300", "--repeats", "1"], 120)
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [(r[0], r[1]) for r in rows] == [("2", "100"), ("2", "300")], proc.stdout
+    assert "machine:" in proc.stdout, proc.stdout
+
+
 def test_phase_orders_put_each_variant_after_every_other_equally_often() -> None:
     """A cyclic rotation of 4 variants put each one after the same variant in 5 of 6 rounds, so that whatever a
     phase leaves behind landed on one variant; the orders are now a Williams square."""

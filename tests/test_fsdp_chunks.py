@@ -547,9 +547,10 @@ def test_copies_that_drift_apart_once_training_starts_stop_publishing_on_every_r
         # published before the weights changed, and only then
         assert before["published"] == ([0] if rank == 0 else []), before
         assert warmup["published"] == ([0, 1] if rank == 0 else []), warmup
-        for name, planned, steps in (("frozen", 8, 4), ("ddp", 8, 8), ("hsdp", 0, 4), ("fsdp", 0, 4)):
+        for name, planned, steps, made in (("frozen", 8, 4, 1), ("ddp", 8, 8, 6), ("hsdp", 0, 4, 0), ("fsdp", 0, 4, 0)):
             case = found[name]
             assert case["raised"] is None and case["stopped"] is None and case["planned"] == planned, (name, case)
+            assert case["made"] == made, (name, case)  # ddp: steps 0-3, then 5 and 7
             # DDP's: every copy changed at each of the three comparisons after the first (the fourth step), and
             # agreed, then agreed again at steps 5 and 7; frozen: the module left out is not compared, so the
             # first phase does not go on for it. Both are still compared once per span; FSDP2 and HSDP never are.
@@ -560,6 +561,7 @@ def test_copies_that_drift_apart_once_training_starts_stop_publishing_on_every_r
         assert "held plain tensor '1.bias' and 1 more" in unfrozen["raised"], unfrozen
         assert "different values at step 2" in unfrozen["raised"], unfrozen
         assert late["raised_at"] == 9 and "plain tensor 'head.bias' and 1 more" in late["raised"], late
+        assert late["made"] == 9 and unfrozen["made"] == 2, found  # late: steps 0-7 and 9; unfrozen: 0 and 2
         # the drift of step 8 went out before the comparison of step 9 found it: one span at most
         assert unfrozen["published"] == ([0, 1] if rank == 0 else []), unfrozen
         assert late["published"] == (list(range(9)) if rank == 0 else []), late

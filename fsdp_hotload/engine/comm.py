@@ -2,7 +2,8 @@
 
 Two narrow operations cover the pipeline: ``exchange`` (each rank sends one byte blob to every other rank, used
 to route chunk payloads to the rank that writes each file) and ``gather``/``broadcast`` of small Python objects
-(statuses to rank 0, the outcome back). The publisher thread and the trainer's main thread each get their own
+(statuses to rank 0, the outcome back). Max-reductions carry the ranks' agreements and their comparisons of
+their copies of tensors. The publisher thread and the trainer's main thread each get their own
 group, because two threads must never interleave collectives on one group.
 
 Example::
@@ -14,7 +15,10 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 Blob = Any  # bytes-like: bytes, a writable memoryview (dumps_buffer), or a numpy uint8 array (received)
@@ -47,6 +51,10 @@ class Comm(Protocol):
         """Start a max-reduction; the returned function waits for and returns the result."""
         ...
 
+    def allreduce_max(self, values: "np.ndarray") -> "np.ndarray":
+        """The element-wise maximum of every rank's int64 array (one shape on every rank), on every rank."""
+        ...
+
     def close(self) -> None:
         """Release what the collectives hold (the group); called once, after the last collective."""
         ...
@@ -69,6 +77,9 @@ class LocalComm:
 
     def allreduce_max_async(self, value: int) -> "Callable[[], int]":
         return lambda: value
+
+    def allreduce_max(self, values: "np.ndarray") -> "np.ndarray":
+        return values.copy()
 
     def close(self) -> None:
         pass
@@ -219,6 +230,13 @@ class GlooComm:
             return int(t.item())
 
         return result
+
+    def allreduce_max(self, values: "np.ndarray") -> "np.ndarray":
+        import torch
+
+        t = torch.from_numpy(values.astype("int64", copy=True))  # a copy: reduced in place
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
+        return t.numpy()
 
 
 _INLINE = 8192 - 8  # object bytes that travel inside the fixed-size gather/broadcast buffer

@@ -32,7 +32,7 @@ optimizer step that changes it. Cases:
   whole first phase, and drifts from the ninth step (``full_every=2``): found at the tenth.
 
 Each rank writes per case what ``step()`` raised (or None), the steps published, the comparisons planned at
-construction, those left at the end, and why publishing stopped, to --out/rank<r>.json.
+construction, those left at the end, those made, and why publishing stopped, to --out/rank<r>.json.
 """
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def run(case: str, model: nn.Module, bucket: str, rank: int) -> dict[str, Any]:
             if not catch:  # a loop that catches it goes on training
                 break
     found["stopped"] = hot.engine.stopped
-    found["left"], found["active"] = hot._recheck.left, hot._recheck.active
+    found["left"], found["active"], found["made"] = hot._recheck.left, hot._recheck.active, hot._recheck.made
     hot.close(raise_errors=False)
     # a closed callback its owner still holds keeps none of the model's tensors for the comparisons
     found["held_after_close"] = hot._recheck.active or bool(hot._recheck._all_plain or hot._recheck._shared)

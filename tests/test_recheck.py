@@ -1,0 +1,150 @@
+"""The ranks' comparisons of their copies once training has started (``fsdp_recheck.RecheckReplicas``), with four
+ranks as threads of one process meeting over a real in-process comm (``tests.thread_comm``): one max-reduction per
+comparison, and a second round that names the ranks only where something differs. The torchrun cases (what a
+callback does with the verdict, over real gloo groups) are in test_fsdp_chunks.py."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_hotload.arc.boxes import Box
+from fsdp_hotload.fsdp import LocalChunk, storage_fingerprint
+from fsdp_hotload.fsdp_recheck import RecheckReplicas
+from fsdp_hotload.fsdp_verify import Agreed
+from tests.thread_comm import Meeting, ThreadComm, run_ranks
+
+WORLD = 4
+
+
+def plain_model() -> nn.Module:
+    torch.manual_seed(0)  # every rank alike
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+
+def build(rank: int, model: nn.Module, comm: ThreadComm, every: int = 5,
+          chunks: list[LocalChunk] | None = None, shared: list[tuple[int, int]] | None = None,
+          groups: list[tuple[str, Box]] | None = None) -> RecheckReplicas:
+    plain = dict(model.named_parameters())
+    agreed = Agreed([], shared or [], True, (groups or []) if rank == 0 else [], len(groups or []))
+    return RecheckReplicas(agreed, chunks or [], plain, storage_fingerprint(model), comm, every=every)
+
+
+def run_all(target: Any) -> dict[int, Any]:
+    out: dict[int, Any] = {}
+    run_ranks(lambda r: out.__setitem__(r, target(r)), WORLD)
+    return out
+
+
+def test_a_copy_that_drifts_on_one_rank_of_four_is_named_with_that_rank_on_every_rank() -> None:
+    """Every rank agrees at the first comparison; then rank 2 alone changes one element of '1.weight' and
+    '0.bias': every rank learns which tensor (the first path, and how many more) and which two ranks differ, and
+    stops comparing."""
+    meeting = Meeting(WORLD)
+    models = [plain_model() for _ in range(WORLD)]
+    rechecks = run_all(lambda r: build(r, models[r], ThreadComm(meeting, r, WORLD)))  # collective
+
+    def ranks(r: int) -> tuple[Any, ...]:
+        first = rechecks[r].run(models[r], {}, step=0)
+        if r == 2:
+            with torch.no_grad():
+                models[r][1].weight[1, 3] += 1.0
+                models[r][0].bias[0] += 1.0
+        second = rechecks[r].run(models[r], {}, step=1)
+        return first, second, rechecks[r].active, rechecks[r].made
+
+    out = run_all(ranks)
+    for r in range(WORLD):
+        first, second, active, made = out[r]
+        assert first is None and made == 2 and not active, out[r]
+        assert second.startswith("ranks 0 and 2 held plain tensor '0.bias' and 1 more"), second
+        assert "different values at step 1" in second, second
+
+
+def test_a_group_rank_0_does_not_hold_is_named_from_rank_0s_list() -> None:
+    """A box that ranks 1 and 3 hold alike at construction (group 0) and rank 3 changes: rank 0, which holds no
+    copy of it, names it from the groups it numbered, with the ranks that differ."""
+    meeting = Meeting(WORLD)
+    models = [nn.Module() for _ in range(WORLD)]  # no plain tensor: only the box is compared
+    sources = [torch.arange(6, dtype=torch.float32) for _ in range(WORLD)]
+    box = Box((0,), (6,))
+
+    def construct(r: int) -> RecheckReplicas:
+        held = r in (1, 3)
+        chunks = [LocalChunk("w", (12,), "F32", "flat", box, sources[r])] if held else []
+        return build(r, models[r], ThreadComm(meeting, r, WORLD), chunks=chunks, shared=[(0, 0)] if held else [],
+                     groups=[("w", box)])
+
+    rechecks = run_all(construct)
+
+    def ranks(r: int) -> tuple[Any, ...]:
+        first = rechecks[r].run(models[r], {}, step=3)
+        if r == 3:
+            sources[r][5] = 7.0
+        return first, rechecks[r].run(models[r], {}, step=4)
+
+    out = run_all(ranks)
+    for r in range(WORLD):
+        first, second = out[r]
+        assert first is None, out[r]
+        assert second.startswith("ranks 1 and 3 held the same part of tensor 'w' ({'start': [0], 'length': [6]})"), \
+            second
+
+
+def test_copies_that_change_alike_settle_and_are_then_compared_once_per_span(caplog: pytest.LogCaptureFixture) -> None:
+    """Every rank changes every tensor alike at each call: after the first comparison and three changes the first
+    phase ends on every rank (decided alike from the reduced digests, with no broadcast), and the next comparison is
+    ``every`` calls later. A parameter frozen on rank 1 alone is left out there, and still compared among the
+    others. Then rank 1 cannot read its copies: every rank logs it, names rank 1, and stops comparing."""
+    meeting = Meeting(WORLD)
+    models = [plain_model() for _ in range(WORLD)]
+    models[1][1].bias.requires_grad_(False)
+    rechecks = run_all(lambda r: build(r, models[r], ThreadComm(meeting, r, WORLD), every=3))
+
+    def ranks(r: int) -> tuple[Any, ...]:
+        trail = []
+        for step in range(8):
+            with torch.no_grad():
+                for p in models[r].parameters():
+                    p.add_(0.5)
+            if rechecks[r].due():
+                assert rechecks[r].run(models[r], {}, step) is None
+            trail.append((rechecks[r].made, rechecks[r].left))
+        if r == 1:  # its storage changed: read again from a walk, which fails here (a bad keyword)
+            models[r][0].weight.data = models[r][0].weight.data.clone()
+        kwargs = {"no_such_option": True}
+        assert rechecks[r].run(models[r], kwargs, 8) is None
+        return trail, rechecks[r].active
+
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        out = run_all(ranks)
+    for r in range(WORLD):
+        trail, active = out[r]
+        # compared at calls 0-3 (settled at the fourth), then at 6 (every 3 calls)
+        assert [m for m, _left in trail] == [1, 2, 3, 4, 4, 4, 5, 5], trail
+        assert trail[3][1] == 0 and not active, trail
+    assert caplog.text.count("rank 1 could not read its copies: TypeError") == WORLD, caplog.text
+
+
+def test_ranks_whose_compared_tensors_do_not_line_up_are_refused_at_construction() -> None:
+    """Each tensor has a slot in the reduced vector, numbered alike on every rank from its plain parameters' paths.
+    A rank with one more would reduce a longer vector (gloo fails or hangs on that) or line one tensor's digest up
+    with another's: the ranks compare their slots' layout once, at construction, and every rank refuses it."""
+    from fsdp_hotload.fsdp import OwnershipError
+
+    meeting = Meeting(WORLD)
+    models = [plain_model() for _ in range(WORLD)]
+    models[3].register_parameter("extra", nn.Parameter(torch.zeros(2)))
+
+    def ranks(r: int) -> str:
+        with pytest.raises(OwnershipError) as info:
+            build(r, models[r], ThreadComm(meeting, r, WORLD))
+        return str(info.value)
+
+    out = run_all(ranks)
+    for r in range(WORLD):
+        assert out[r].startswith("ranks 0 and 3 hold different plain parameters (4 and 5 tensors to compare as "
+                                 "copies, e.g. 'extra')"), out[r]
