@@ -1,5 +1,5 @@
 """The collective of the ranks' comparisons of their copies (``fsdp_recheck.RecheckReplicas``): one max-reduction
-of a vector of 16 bytes per compared tensor, against the baseline it replaced, measured in the same run: every rank's
+of a vector of 24 bytes per compared tensor, against the baseline it replaced, measured in the same run: every rank's
 ``{path: digest}`` dict gathered to rank 0, compared there, and the verdict broadcast.
 
 Why: the baseline sends rank 0 a dict per rank, so what rank 0 receives and compares grows with ranks x tensors
@@ -63,10 +63,11 @@ def job(counts: list[int], repeats: int, out: Path) -> None:
             got = comm.gather(digests)
             assert comm.broadcast(None if got is None else _plain_difference(got)) is None
 
-        def reduced() -> None:  # one reduction of digests and complements; every rank checks it
-            mine = np.full(2 * n + 1, -1, dtype=np.int64)
+        def reduced() -> None:  # one reduction of digests, complements and trains flags; every rank checks it
+            mine = np.full(3 * n + 1, -1, dtype=np.int64)
             mine[:n] = [digests[p] for p in paths]
             mine[n:2 * n] = _TOP - mine[:n]
+            mine[2 * n:3 * n] = 1
             top = comm.allreduce_max(mine)
             assert (top[:n] == _TOP - top[n:2 * n]).all() and top[-1] < 0
 
@@ -77,8 +78,8 @@ def job(counts: list[int], repeats: int, out: Path) -> None:
             assert recheck.run(model, {}, 0) is None
 
         rows.append({"n": n, "gather_s": best_of(repeats, gathered, dist.barrier),
-                     "reduce_s": best_of(repeats, reduced, dist.barrier), "run_s": best_of(repeats, whole, dist.barrier),
-                     "gather_bytes": world * len(pickle.dumps(digests)), "reduce_bytes": (2 * n + 1) * 8})
+                     "reduce_s": best_of(repeats, reduced, dist.barrier),
+                     "run_s": best_of(repeats, whole, dist.barrier), "gather_bytes": world * len(pickle.dumps(digests)), "reduce_bytes": (3 * n + 1) * 8})
     if rank == 0:
         (out / f"world{world}.json").write_text(json.dumps(rows))
     dist.barrier()

@@ -58,16 +58,16 @@ class RecheckReplicas:
     that get their first tokens after eight steps), so every copy is compared again at each full snapshot's
     span. Only chunks whose box another rank holds too, and plain tensors, are read (a few sampled elements and
     the sum of all their bits); where no rank has any (FSDP2, HSDP), nothing is, and no collective runs. Plain
-    parameters are read only while they train (``requires_grad``): frozen, they stay as equal as construction
-    found them, and a frozen base model under LoRA adapters is not read every time. The comparisons have a gloo
-    group of their own (``comm``): the trainer's side group also carries close()'s vote, which another thread
-    may take meanwhile.
+    parameters are read only while they train (``requires_grad`` on some rank): frozen, they stay as equal as
+    construction found them, and a frozen base model under LoRA adapters is not read every time. The comparisons
+    have a gloo group of their own (``comm``): the trainer's side group also carries close()'s vote, which
+    another thread may take meanwhile.
 
     How: every compared tensor has a slot (its group of copies, then each plain path), the same on every rank
-    (construction checks it, collectively: :meth:`_check_slots`).
-    Each rank reduces, by maximum, its digests and their complements (``_TOP - digest``; -1 where it read none),
-    so every rank learns the largest and the smallest digest of each slot from one reduction of 16 bytes per
-    slot, whatever the number of ranks, and decides alike what settled. Gathering each rank's digests to rank 0
+    (construction checks it, collectively: :meth:`_check_slots`). Each rank reduces, by maximum, its digests and
+    their complements (``_TOP - digest``; -1 where it read none), and whether it trains each plain tensor, so
+    every rank learns the largest and the smallest digest of each slot from one reduction of 24 bytes per slot,
+    whatever the number of ranks, and decides alike what settled. Gathering each rank's digests to rank 0
     instead sent it ranks x slots entries, pickled with their paths (23 bytes each for short names in
     ``benchmarks/replica_compare.py``, more for real ones: 0.5-1.4 GB per comparison at 512 ranks and 40,000
     plain tensors).
@@ -91,6 +91,7 @@ class RecheckReplicas:
         slots = agreed.ngroups + len(self._paths)
         self._prev = np.full(slots, -1, dtype=np.int64)  # each slot's digest at the last comparison that read it
         self._changes = np.zeros(slots, dtype=np.int64)  # comparisons at which it had changed since then
+        self._trains = np.zeros(slots, dtype=bool)  # plain slots some rank trained at the last comparison
         self._layout = [(c.name, c.box) for c in chunks]  # only read where storage changed
         self._fingerprint = fingerprint
         if not self.left:
@@ -152,11 +153,12 @@ class RecheckReplicas:
         settling, self.left = self.left > 0, max(self.left - 1, 0)
         problem: str | None = None
         slots = len(self._prev)
-        mine = np.full(2 * slots + 1, -1, dtype=np.int64)  # digests, complements, and whether a read failed
+        mine = np.full(3 * slots + 1, -1, dtype=np.int64)  # digests, complements, trains, whether a read failed
         try:
-            groups, plain = self._read(model, chunk_kwargs, settling)
+            groups, plain, trains = self._read(model, chunk_kwargs, settling)
             for slot, digest in [*groups.items(), *((self._slot[p], d) for p, d in plain.items())]:
                 mine[slot], mine[slots + slot] = digest, _TOP - digest
+            mine[[2 * slots + self._slot[p] for p in trains]] = 1
         except Exception as exc:  # noqa: BLE001 - told: the other ranks must not wait for this rank alone
             problem = f"{type(exc).__name__}: {exc}"
             mine[:] = -1
@@ -167,6 +169,7 @@ class RecheckReplicas:
                 raise RuntimeError("its group was destroyed")
             top = self.comm.allreduce_max(mine)
             high, low = top[:slots], _TOP - top[slots:2 * slots]
+            self._trains = top[2 * slots:3 * slots] > 0  # read on every rank from the next comparison on
             read = high >= 0  # some rank read the slot
             differ = np.flatnonzero(read & (high != low))
             kind, why = "agree", None
@@ -202,9 +205,11 @@ class RecheckReplicas:
         return bool((read & ~settled).any())
 
     def _read(self, model: nn.Module, chunk_kwargs: Mapping[str, Any],
-              settling: bool) -> tuple[dict[int, int], dict[str, int]]:
+              settling: bool) -> tuple[dict[int, int], dict[str, int], list[str]]:
         """This rank's samples of the copies compared (in the first phase, those not settled), read again from
-        a new walk where the model's storage changed (the views would read memory the model let go of)."""
+        a new walk where the model's storage changed (the views would read memory the model let go of), and the
+        plain paths that train here. A plain tensor is read where it trains, or where any rank trained it at the
+        last comparison: a copy frozen on rank 0 alone, and so never read there, would be published unseen."""
         fingerprint = storage_fingerprint(model)
         if fingerprint != self._fingerprint:
             held: dict[str, torch.Tensor] = {}
@@ -216,8 +221,9 @@ class RecheckReplicas:
             self._views = {g: self._shared[g] for g in self._views}
             self._plain = {p: self._all_plain[p] for p in self._plain}
         views, plain = (self._views, self._plain) if settling else (self._shared, self._all_plain)
-        training = {p: t for p, t in plain.items() if t.requires_grad}  # each rank its own: a slot others read
-        return _crcs(list(views.items()), whole=True), plain_samples(training, whole=True)
+        trains = [p for p, t in plain.items() if t.requires_grad]
+        read = {p: t for p, t in plain.items() if t.requires_grad or self._trains[self._slot[p]]}
+        return _crcs(list(views.items()), whole=True), plain_samples(read, whole=True), trains
 
     def _why(self, gathered: Sequence[tuple[str | None, int]], differ: np.ndarray, step: int) -> tuple[str, str]:
         """On rank 0: ("trouble", why) where a rank could not read its copies, else ("differ", why), naming the

@@ -148,3 +148,30 @@ def test_ranks_whose_compared_tensors_do_not_line_up_are_refused_at_construction
     for r in range(WORLD):
         assert out[r].startswith("ranks 0 and 3 hold different plain parameters (4 and 5 tensors to compare as "
                                  "copies, e.g. 'extra')"), out[r]
+
+
+def test_a_copy_frozen_on_rank_0_alone_is_still_compared() -> None:
+    """Plain tensors are read only while they train, each rank deciding by its own ``requires_grad``: a tensor
+    frozen on rank 0 alone, which the others train alike, was never read on rank 0, whose copy is the one
+    published, and the others agreed among themselves. Whether each rank trains a tensor goes into the reduction,
+    and from the next comparison every rank reads what any rank trains: the stale copy on rank 0 is found."""
+    meeting = Meeting(WORLD)
+    models = [plain_model() for _ in range(WORLD)]
+    models[0][1].bias.requires_grad_(False)
+    rechecks = run_all(lambda r: build(r, models[r], ThreadComm(meeting, r, WORLD)))
+
+    def ranks(r: int) -> list[Any]:
+        verdicts = []
+        for step in range(3):
+            with torch.no_grad():
+                for p in models[r].parameters():
+                    if p.requires_grad:
+                        p.add_(0.25)
+            verdicts.append(rechecks[r].run(models[r], {}, step))
+            if verdicts[-1] is not None:
+                break
+        return verdicts
+
+    out = run_all(ranks)
+    for r in range(WORLD):
+        assert out[r][0] is None and out[r][1].startswith("ranks 0 and 1 held plain tensor '1.bias' ("), out[r]
