@@ -56,12 +56,12 @@ class RecheckReplicas:
     update, about the learning rate times the gradient's sign). Nor only those first steps: a tensor can start to
     drift later (a module unfrozen after DistributedDataParallel was built, which then never syncs it; experts
     that get their first tokens after eight steps), so every copy is compared again at each full snapshot's
-    span. Only chunks whose box another rank holds too, and plain tensors, are read (a few sampled elements and
-    the sum of all their bits); where no rank has any (FSDP2, HSDP), nothing is, and no collective runs. Plain
-    parameters are read only while they train (``requires_grad`` on some rank): frozen, they stay as equal as
-    construction found them, and a frozen base model under LoRA adapters is not read every time. The comparisons
-    have a gloo group of their own (``comm``): the trainer's side group also carries close()'s vote, which
-    another thread may take meanwhile.
+    span. Only chunks whose box another rank holds too, and plain tensors, are read (a few sampled elements and the
+    sum of all their bits, or every byte of a small one); where no rank has any (FSDP2, HSDP), nothing is, and no
+    collective runs. Plain parameters are read only while they train (``requires_grad`` on some rank): frozen, they
+    stay as equal as construction found them, and a frozen base model under LoRA adapters is not read every time.
+    The comparisons have a gloo group of their own (``comm``): the trainer's side group also carries close()'s vote,
+    which another thread may take meanwhile.
 
     How: every compared tensor has a slot (its group of copies, then each plain path), the same on every rank
     (construction checks it, collectively: :meth:`_check_slots`). Each rank reduces, by maximum, its digests and

@@ -133,13 +133,24 @@ def _bit_sum(bits: torch.Tensor, block: int = SUM_BLOCK) -> torch.Tensor:
     return torch.stack([part.sum(dtype=torch.int64) for part in flat.split(rows)]).sum().reshape(1)
 
 
+#: Elements up to which a ``whole`` digest (:func:`_crcs`) reads every byte of a tensor rather than its sample and
+#: bit sum: 128 KiB of bf16, the size of a norm or a bias.
+WHOLE_ELEMENTS = 1 << 16
+
+
 def _crcs(tensors: Sequence[tuple[Any, torch.Tensor]], whole: bool = False) -> dict[Any, int]:
     """A CRC-32 of :func:`_sample` of each tensor, by its key, in one host copy per device; ``whole`` folds in the
     sum of every element's bits (read where the tensor lives, exact, so equal on every device), which catches a
-    change outside the sample: an embedding whose sampled rows no token reached."""
+    change outside the sample: an embedding whose sampled rows no token reached. With ``whole``, a tensor of at
+    most ``WHOLE_ELEMENTS`` elements goes into that host copy whole instead (in its logical order, whatever its
+    layout), and its CRC-32 covers every byte. Why: the sample and the sum took 25-30 us per tensor on a CPU, a
+    pause of 1.1 s on the trainer's thread for a model of 40,000 small plain parameters."""
     heads: dict[torch.device, list[tuple[Any, torch.Tensor, torch.Tensor | None]]] = {}
     for key, t in tensors:
         bits = _BITS.get(t.element_size()) if whole else None
+        if bits is not None and t.numel() <= WHOLE_ELEMENTS:
+            heads.setdefault(t.device, []).append((key, t.detach().reshape(-1).view(torch.uint8), None))
+            continue
         total = None if bits is None else _bit_sum(t.detach().view(bits))
         heads.setdefault(t.device, []).append((key, _sample(t), total))
     out: dict[Any, int] = {}

@@ -14,7 +14,7 @@ from torch import nn
 from fsdp_hotload.arc.boxes import Box
 from fsdp_hotload.fsdp import LocalChunk, storage_fingerprint
 from fsdp_hotload.fsdp_recheck import RecheckReplicas
-from fsdp_hotload.fsdp_verify import Agreed
+from fsdp_hotload.fsdp_verify import WHOLE_ELEMENTS, Agreed
 from tests.thread_comm import Meeting, ThreadComm, run_ranks
 
 WORLD = 4
@@ -175,3 +175,20 @@ def test_a_copy_frozen_on_rank_0_alone_is_still_compared() -> None:
     out = run_all(ranks)
     for r in range(WORLD):
         assert out[r][0] is None and out[r][1].startswith("ranks 0 and 1 held plain tensor '1.bias' ("), out[r]
+
+
+@pytest.mark.parametrize("rows", [64, WHOLE_ELEMENTS // 4 + 2])
+def test_a_change_outside_the_sample_changes_the_whole_digest_whatever_the_layout(rows: int) -> None:
+    """The digests the ranks compare: a few sampled elements, and with ``whole`` every element's bits, read whole
+    up to ``WHOLE_ELEMENTS`` elements and summed beyond. A change in a row the sample skips (row 1) changes the
+    whole digest either way, and equal values give equal digests whatever their memory layout."""
+    from fsdp_hotload.fsdp_verify import _crcs
+
+    base = torch.randn(rows, 4, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    changed = base.clone()
+    changed[1, 2] += 1.0
+    transposed = base.t().contiguous().t()  # the same values, column-major
+    sampled = _crcs([(0, base), (1, changed), (2, transposed)])
+    assert sampled[0] == sampled[1] == sampled[2]  # row 1 is outside the sample
+    digests = _crcs([(0, base), (1, changed), (2, transposed)], whole=True)
+    assert digests[0] != digests[1] and digests[0] == digests[2], digests
