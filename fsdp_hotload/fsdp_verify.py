@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import zlib
-from typing import Any, Collection, Mapping, NamedTuple, Sequence
+from typing import Any, Collection, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -134,37 +134,62 @@ def _bit_sum(bits: torch.Tensor, block: int = SUM_BLOCK) -> torch.Tensor:
 
 
 #: Elements up to which a ``whole`` digest (:func:`_crcs`) reads every byte of a tensor rather than its sample and
-#: bit sum: 128 KiB of bf16, the size of a norm or a bias.
-WHOLE_ELEMENTS = 1 << 16
+#: bit sum (128 KiB of bf16: a norm, a bias), and the bytes of each host copy of samples and such whole tensors.
+WHOLE_ELEMENTS, JOIN_BYTES = 1 << 16, 1 << 26
 
 
 def _crcs(tensors: Sequence[tuple[Any, torch.Tensor]], whole: bool = False) -> dict[Any, int]:
-    """A CRC-32 of :func:`_sample` of each tensor, by its key, in one host copy per device; ``whole`` folds in the
-    sum of every element's bits (read where the tensor lives, exact, so equal on every device), which catches a
-    change outside the sample: an embedding whose sampled rows no token reached. With ``whole``, a tensor of at
-    most ``WHOLE_ELEMENTS`` elements goes into that host copy whole instead (in its logical order, whatever its
-    layout), and its CRC-32 covers every byte. Why: the sample and the sum took 25-30 us per tensor on a CPU, a
-    pause of 1.1 s on the trainer's thread for a model of 40,000 small plain parameters."""
-    heads: dict[torch.device, list[tuple[Any, torch.Tensor, torch.Tensor | None]]] = {}
+    """A CRC-32 of :func:`_sample` of each tensor, by its key, in host copies of at most ``JOIN_BYTES`` per device;
+    ``whole`` folds in the sum of every element's bits (read where the tensor lives, exact, so equal on every
+    device), which catches a change outside the sample: an embedding whose sampled rows no token reached. With
+    ``whole``, a tensor of at most ``WHOLE_ELEMENTS`` elements goes into a host copy whole instead (in its logical
+    order, whatever its layout), and its CRC-32 covers every byte. Why: the sample and the sum took 25-30 us per
+    tensor on a CPU, a pause of 1.1 s on the trainer's thread for a model of 40,000 small plain parameters."""
+    heads: dict[torch.device, list[_Digest]] = {}
     for key, t in tensors:
         bits = _BITS.get(t.element_size()) if whole else None
-        if bits is not None and t.numel() <= WHOLE_ELEMENTS:
-            heads.setdefault(t.device, []).append((key, t.detach().reshape(-1).view(torch.uint8), None))
+        if bits is not None and t.numel() <= WHOLE_ELEMENTS:  # flattened only once its host copy is made
+            heads.setdefault(t.device, []).append(_Digest(key, t, None, t.numel() * t.element_size(), True))
             continue
         total = None if bits is None else _bit_sum(t.detach().view(bits))
-        heads.setdefault(t.device, []).append((key, _sample(t), total))
+        sample = _sample(t)
+        heads.setdefault(t.device, []).append(_Digest(key, sample, total, sample.numel(), False))
     out: dict[Any, int] = {}
     for items in heads.values():
-        joined = torch.cat([t for _k, t, _s in items]).cpu().numpy()
-        sums = [s for _k, _t, s in items if s is not None]
-        totals = iter(torch.cat(sums).cpu().numpy() if sums else ())
-        at = 0
-        for key, t, total in items:
-            out[key] = zlib.crc32(joined[at:at + t.numel()])
-            if total is not None:
-                out[key] = zlib.crc32(next(totals).tobytes(), out[key])
-            at += t.numel()
+        for batch in _batches(items, JOIN_BYTES):
+            joined = torch.cat([d.bytes.detach().reshape(-1).view(torch.uint8) if d.flatten else d.bytes
+                                for d in batch]).cpu().numpy()
+            sums = [d.total for d in batch if d.total is not None]
+            totals = iter(torch.cat(sums).cpu().numpy() if sums else ())
+            at = 0
+            for d in batch:
+                out[d.key] = zlib.crc32(joined[at:at + d.nbytes])
+                if d.total is not None:
+                    out[d.key] = zlib.crc32(next(totals).tobytes(), out[d.key])
+                at += d.nbytes
     return out
+
+
+class _Digest(NamedTuple):
+    """What :func:`_crcs` reads of one tensor: its sample (uint8), or the tensor itself to flatten whole."""
+
+    key: Any
+    bytes: torch.Tensor
+    total: torch.Tensor | None  # the sum of its bits, shape (1,), or None
+    nbytes: int  # bytes it takes in the host copy
+    flatten: bool  # whether ``bytes`` is the tensor itself
+
+
+def _batches(items: Sequence[_Digest], limit: int) -> Iterator[Sequence[_Digest]]:
+    """``items`` in runs of at most ``limit`` bytes in all, or of one item."""
+    start, size = 0, 0
+    for i, item in enumerate(items):
+        if i > start and size + item.nbytes > limit:
+            yield items[start:i]
+            start, size = i, 0
+        size += item.nbytes
+    if start < len(items):
+        yield items[start:]
 
 
 def replica_samples(chunks: Sequence[LocalChunk], skip: Collection[int] = ()) -> list[int | None]:

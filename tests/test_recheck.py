@@ -192,3 +192,18 @@ def test_a_change_outside_the_sample_changes_the_whole_digest_whatever_the_layou
     assert sampled[0] == sampled[1] == sampled[2]  # row 1 is outside the sample
     digests = _crcs([(0, base), (1, changed), (2, transposed)], whole=True)
     assert digests[0] != digests[1] and digests[0] == digests[2], digests
+
+
+def test_digests_do_not_depend_on_how_the_host_copies_are_cut(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Samples and small tensors are copied to the host in runs of at most ``JOIN_BYTES`` (so that many tensors of
+    up to 128 KiB each do not take one host copy of their whole size): runs of any length give the same digests."""
+    import fsdp_hotload.fsdp_verify as verify
+
+    g = torch.Generator().manual_seed(1)
+    tensors = [(i, torch.randn(shape, generator=g)) for i, shape in
+               enumerate([(3,), (300, 7), (WHOLE_ELEMENTS // 7 + 1, 7), (2, 2), (WHOLE_ELEMENTS,), ()])]
+    tensors.append((6, tensors[1][1].t()))  # a transposed view, read in its logical order
+    one_run = verify._crcs(tensors, whole=True)
+    monkeypatch.setattr(verify, "JOIN_BYTES", 100)  # most items alone, some over the limit
+    assert verify._crcs(tensors, whole=True) == one_run
+    assert len(set(one_run.values())) == len(tensors)
