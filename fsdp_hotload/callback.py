@@ -117,8 +117,12 @@ def _what_changed(old_specs: list[Any], specs: list[Any], old_layout: list[Any],
     return f"this rank held {len(old_layout)} parts, now {len(layout)}"
 
 
-def _destroy_dropped(comms: list[Comm]) -> None:
-    """The side groups of a callback whose engine was collected without close() (or after an abandoned one)."""
+def _destroy_dropped(comms: list[Comm], stop_engine: Callable[[], Any]) -> None:
+    """The side groups of a callback whose engine was collected without close() (or after an abandoned one),
+    destroyed once the engine's own finalizer (``stop_engine``, which runs at most once) has ended its threads.
+    Why it is called here: finalizers of one object run newest first, so this one, registered after the engine's,
+    would otherwise destroy the groups before the engine's threads were told to stop."""
+    stop_engine()
     while comms:
         with contextlib.suppress(Exception):  # nobody is left to be told
             comms.pop().close()
@@ -236,7 +240,7 @@ class HotloadCallback:
         # Dropped without close(), the engine's finalizer ends its threads; this one then destroys the side groups
         # (gloo's threads and a socket per peer each), which torch's registry would keep for the process's life.
         # Not before: nothing can be in their collectives once the engine, which a running job holds, is gone.
-        weakref.finalize(self.engine, _destroy_dropped, self._comms).atexit = False
+        weakref.finalize(self.engine, _destroy_dropped, self._comms, self.engine.drop_finalizer).atexit = False
         if self.engine.rank == 0 and len(chunks) >= MANY_CHUNKS:
             log.info("hotload: %d chunks on this rank; the interpreter's full garbage collections over that many "
                      "objects hold the GIL for a while on the publisher's thread: calling gc.freeze() once the model, "

@@ -357,7 +357,8 @@ def test_a_rank_whose_encode_failed_sends_nothing_and_nobody_writes(tmp_path: Pa
 
 def test_a_callback_dropped_without_close_frees_its_side_groups(tmp_path: Path) -> None:
     """torchrun, 2 ranks (dist_scripts/dropped_callback.py): three callbacks dropped without close(), then one
-    closed. Each dropped one left its two gloo groups, and their sockets, for the life of the process."""
+    closed. Each dropped one left its gloo groups, and their sockets, for the life of the process; once that was
+    fixed, they were destroyed before its engine's threads were told to stop (finalizers run newest first)."""
     from tests.dist_util import SCRIPTS, run_torchrun
 
     run_torchrun(str(SCRIPTS / "dropped_callback.py"), 2, ["--bucket", str(tmp_path / "bucket"), "--out",
@@ -366,6 +367,8 @@ def test_a_callback_dropped_without_close_frees_its_side_groups(tmp_path: Path) 
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got["collected"] == [True] * 3, got
         assert len(set(got["sockets"])) == 1, got  # as many open sockets after each as before the first
+        # every group a drop destroyed (at least the two sides of each), after the engine's threads were told
+        assert len(got["stopped_first"]) >= 6 and all(got["stopped_first"]), got
 
 
 def test_close_after_destroy_process_group_says_what_happened(tmp_path: Path) -> None:

@@ -198,8 +198,9 @@ class Publisher:
         self._helpers: list[Any] = [self.writer, self.encoder, self.stager, self._progress]
         if self.signaller is not None:
             self._helpers.append(self.signaller)
-        self._finalizer = weakref.finalize(self, stop_dropped, self._queue, self._helpers)
-        self._finalizer.atexit = False  # at exit the daemon threads just stop (see pool.py)
+        # public: a finalizer of the owner's that frees what these threads use calls it first (it runs once)
+        self.drop_finalizer = weakref.finalize(self, stop_dropped, self._queue, self._helpers)
+        self.drop_finalizer.atexit = False  # at exit the daemon threads just stop (see pool.py)
         track(self)
 
     # ================================================================== main thread
@@ -450,7 +451,7 @@ class Publisher:
     def _free(self, deadline: float | None = None) -> None:
         """Stop the helper threads and free the buffers; after the publisher thread ended (an abandoned one's
         thread calls it itself, once its stuck call returned)."""
-        self._finalizer.detach()
+        self.drop_finalizer.detach()
         if not self.committer.wait_retention(left(deadline)):  # rank 0's deletes after the last snapshot
             log.warning("hotload: retention still running at close's deadline: it goes on while the process lives")
         self.writer.shutdown()
