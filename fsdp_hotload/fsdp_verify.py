@@ -157,8 +157,7 @@ def _crcs(tensors: Sequence[tuple[Any, torch.Tensor]], whole: bool = False) -> d
     out: dict[Any, int] = {}
     for items in heads.values():
         for batch in _batches(items, JOIN_BYTES):
-            joined = torch.cat([d.bytes.detach().reshape(-1).view(torch.uint8) if d.flatten else d.bytes
-                                for d in batch]).cpu().numpy()
+            joined = torch.cat([_flat_bytes(d.bytes) if d.flatten else d.bytes for d in batch]).cpu().numpy()
             sums = [d.total for d in batch if d.total is not None]
             totals = iter(torch.cat(sums).cpu().numpy() if sums else ())
             at = 0
@@ -168,6 +167,16 @@ def _crcs(tensors: Sequence[tuple[Any, torch.Tensor]], whole: bool = False) -> d
                     out[d.key] = zlib.crc32(next(totals).tobytes(), out[d.key])
                 at += d.nbytes
     return out
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes in its logical order, flat. Why the copy: ``reshape(-1)`` keeps a view wherever it can, and
+    a view whose stride is not 1 (a column ``w[:, 0]``, or one element of stride 3, which counts as contiguous)
+    cannot be viewed as bytes."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:
+        flat = torch.empty(flat.shape, dtype=flat.dtype, device=flat.device).copy_(flat)
+    return flat.view(torch.uint8)
 
 
 class _Digest(NamedTuple):

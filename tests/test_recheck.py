@@ -194,6 +194,27 @@ def test_a_change_outside_the_sample_changes_the_whole_digest_whatever_the_layou
     assert digests[0] != digests[1] and digests[0] == digests[2], digests
 
 
+def test_small_tensors_are_read_whole_whatever_their_strides() -> None:
+    """Every byte of a small tensor counts, in any layout: two elements swapped outside the sample (which a bit sum
+    cannot see) change its digest, and strided views (a column, one element of stride 3, a transposed part taken
+    flat) digest as their contiguous copies. Those views raised "self.stride(-1) must be 1 to view ... as Byte",
+    which failed construction on every rank, or ended the comparisons for the rest of the job."""
+    from fsdp_hotload.fsdp_verify import _crcs
+
+    base = torch.randn(64, 4, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    swapped = base.clone()
+    swapped[1, [1, 2]] = swapped[1, [2, 1]]
+    assert base[1, 1] != base[1, 2]
+    digests = _crcs([(0, base), (1, swapped)], whole=True)
+    assert digests[0] != digests[1], digests
+    wide = torch.randn(6, 3, generator=torch.Generator().manual_seed(1))
+    views = [wide[:, 0], torch.ones(1, 3)[:, 0], wide.t().reshape(-1)[::2], wide.t()[1:], wide[:1, ::3]]
+    assert [v.reshape(-1).stride(0) for v in views[:2]] == [3, 3]
+    strided = _crcs(list(enumerate(views)), whole=True)
+    copies = _crcs([(i, torch.empty(v.shape, dtype=v.dtype).copy_(v)) for i, v in enumerate(views)], whole=True)
+    assert strided == copies
+
+
 def test_digests_do_not_depend_on_how_the_host_copies_are_cut(monkeypatch: pytest.MonkeyPatch) -> None:
     """Samples and small tensors are copied to the host in runs of at most ``JOIN_BYTES`` (so that many tensors of
     up to 128 KiB each do not take one host copy of their whole size): runs of any length give the same digests."""
