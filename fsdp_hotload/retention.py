@@ -18,7 +18,7 @@ import logging
 import math
 import re
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from .hf_config import AUX_SUBFOLDERS, is_aux_file
 from .identity import validate_identity
@@ -278,13 +278,14 @@ def _reread_kept(storage: Storage, committed: list[CommitInfo], keep_last: int, 
 
 
 def retain_after(storage: Storage, keep_last: int, identity: str, *, session: str, since: float,
-                 grace_s: float = LIVE_GRACE_S, keep: Iterable[str] = (), markers: MarkerCache | None = None) -> None:
-    """:func:`apply_retention` once ``identity`` is served, protecting it and ``keep`` (snapshots the run reads
-    from): a problem is logged, not raised, since the snapshot is served already and the next publish tries
-    again."""
+                 grace_s: float = LIVE_GRACE_S, keep: Iterable[str] = (), markers: MarkerCache | None = None,
+                 spare: Callable[[], Iterable[str]] | None = None) -> None:
+    """:func:`apply_retention` once ``identity`` is served, protecting it, ``keep`` (snapshots the run reads
+    from) and what ``spare`` returns: a problem is logged, not raised, since the snapshot is served already and
+    the next publish tries again."""
     try:
         apply_retention(storage, keep_last, protected={identity, *keep}, session=session, since=since,
-                        grace_s=grace_s, markers=markers)
+                        grace_s=grace_s, markers=markers, spare=spare)
     except Exception as exc:  # noqa: BLE001
         logger.warning("hotload: retention after %s failed (retried at the next publish): %s", identity, exc)
 
@@ -292,7 +293,7 @@ def retain_after(storage: Storage, keep_last: int, identity: str, *, session: st
 def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] = frozenset(), *,
                     delete_incomplete: bool = False, session: str | None = None, since: float = 0.0,
                     now: float | None = None, grace_s: float = LIVE_GRACE_S,
-                    markers: MarkerCache | None = None) -> list[str]:
+                    markers: MarkerCache | None = None, spare: Callable[[], Iterable[str]] | None = None) -> list[str]:
     """Delete the snapshots :func:`plan_retention` gives up, and return their identities (in deletion order).
 
     With ``session`` (the caller's identity suffix) and ``since`` (when the caller started, ``time.time()``),
@@ -310,6 +311,11 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
     leaves no committed snapshot whose chain or files are gone; its shards go last, so what such a crash leaves
     is still recognised as a publisher's folder, and swept by a later pass.
 
+    ``spare`` is called once the commit markers are read, and those of the identities it returns that are
+    committed are protected too: a publisher's snapshots committed since the one its pass runs for, known only
+    once the listing is done (a pass over many markers takes seconds, and a snapshot committed meanwhile may be
+    served by some replica).
+
     ``delete_incomplete`` (off by default) also removes directories without a marker whose files are all older
     than the newest committed snapshot. It is off because an upload in flight looks exactly like an abandoned
     one: at a full-snapshot step a delta may be committed while the full one is still uploading, and another
@@ -322,6 +328,9 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
     protected = frozenset(protected)
     dirs = _snapshot_dirs(storage)
     committed = list_committed(storage, dirs=dirs, markers=markers)
+    if spare is not None:  # asked once the markers are read: a commit that landed while they were is spared too;
+        # one whose marker the listing missed is not deleted anyway (nor named protected: it would keep its run's)
+        protected |= frozenset(spare()) & {c.identity for c in committed}
     if markers is not None:
         committed = _reread_kept(storage, committed, keep_last, protected, markers)
     by_id = {c.identity: c for c in committed}

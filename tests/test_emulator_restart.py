@@ -206,3 +206,53 @@ def test_retention_keeps_every_link_a_restarted_replica_needs(tmp_path: Path) ->
         assert [m.kind for m in pub.metrics] == ["full", "delta", "delta"] * 2 + ["full", "delta"]
         left = sorted(p.name for p in Path(bucket).iterdir() if p.is_dir())
         assert left == sorted(m.identity for m in pub.metrics[-2:])  # the others were deleted
+
+
+def test_a_late_retention_pass_spares_a_snapshot_one_replica_serves(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A retention pass protected only the snapshot it was queued for. One that ran late (another pass still
+    running, a bucket of many markers) after a delta failed on one replica and loaded on the other, and a full
+    after it failed everywhere, kept only the newest commit and the queued one's chain: it deleted the delta
+    replica 0 served, which that replica could then not rebuild on a restart. The passes are held here till then."""
+    import threading
+
+    import fsdp_hotload.retention as retention
+
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    release = threading.Event()
+    real = retention.retain_after
+
+    def held(*args: Any, **kwargs: Any) -> None:
+        assert release.wait(60)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(retention, "retain_after", held)
+    with HotLoadEmulator(bucket, replicas=2, api_key="test-key") as emu:
+        cfg = config(bucket, emu, tmp_path, full_every=100, keep_last=1, keep_training_on_error=True)
+        with TensorPublisher(model, cfg) as pub:
+            for step in range(4):  # full, delta (both served); a delta replica 1 fails; a full both fail
+                emu.fail_next_loads(1, replica=1) if step == 2 else emu.fail_next_loads(1) if step == 3 else None
+                train_step(model, step)
+                assert pub.publish(step, model)
+                deadline = time.monotonic() + 30  # not wait(): it waits for the retention held here too
+                while len(pub.metrics) <= step and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                if step == 2:
+                    partial, partial_bytes = pub.metrics[-1].identity, expected_sha(model)
+            assert [(m.kind, m.ok) for m in pub.metrics] == [("full", True), ("delta", True), ("delta", False),
+                                                             ("full", False)]
+            assert [identity for identity, _ in served_by(emu)] == [partial, pub.metrics[1].identity]
+            release.set()
+            pub.wait()  # both passes: the one queued at step 0, then the one for step 1
+            assert (Path(bucket) / partial).is_dir()
+            emu.restart_replica(0)
+            rep = restarted(emu, 0)
+            assert rep["error"] is None, rep["error"]
+            assert served_by(emu)[0] == (partial, partial_bytes)
+            train_step(model, 4)
+            assert pub.publish(4, model)
+            pub.wait()  # served everywhere: its pass lets the failed ones go
+            assert pub.metrics[-1].ok
+        left = sorted(p.name for p in Path(bucket).iterdir() if p.is_dir())
+        assert left == [pub.metrics[-1].identity]

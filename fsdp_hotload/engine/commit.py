@@ -42,6 +42,9 @@ class Committer:
         self._retention = threading.Condition()
         self._retaining = False  # a retention pass runs (on its own thread)
         self._retain_next: str | None = None  # the newest served identity it has yet to run for
+        # with keep_last: the identities committed here (or being committed), oldest first, from the one the last
+        # pass ran for on. A pass spares those after its own: one that failed part way may be served by a replica.
+        self._commits: list[str] = []
         self._markers: MarkerCache | None = None  # made at the first retention pass
         # hf_config_dir inside a local root (an earlier run's full snapshot this one continues from): read again at
         # every full (carry_base_tensors), so retention keeps it
@@ -77,6 +80,9 @@ class Committer:
             if errors:
                 raise PublishError("; ".join(errors))
             prog.stage("writing the manifests and the commit marker")
+            if self.config.keep_last:  # before its marker: a pass that reads the marker spares it
+                with self._retention:
+                    self._commits.append(identity)
             self._write_manifests(identity, kind, parent, files, abandoned)
             committed = True
             if self.signaller is not None:
@@ -108,7 +114,14 @@ class Committer:
         and staleness, and run after it on the publisher's thread they delayed the next snapshot, staged and
         waiting meanwhile. One pass at a time: identities served while one runs are left to the next pass, for
         the newest. Problems are logged: the next pass tries again. It is safe beside uploads: an unmarked
-        folder of this session newer than its newest commit (one in flight) is never swept."""
+        folder of this session newer than its newest commit (one in flight) is never swept.
+
+        What a pass spares is decided when it runs, not when it was asked for: every snapshot committed here after
+        ``identity`` too. Why: a pass can start late (another still running, a bucket of many markers), and a
+        publish committed meanwhile that failed part way (one replica loaded it, another did not, or one
+        deployment of several) is served by some replica; as it was not the newest commit any more, the pass
+        deleted it, and that replica could not rebuild its weights on a restart. Once a later snapshot is served
+        everywhere, its pass lets them go."""
         if not self.config.keep_last:
             return
         with self._retention:
@@ -135,9 +148,16 @@ class Committer:
                     self._retaining = False
                     self._retention.notify_all()
                     return
+                if identity in self._commits:  # those before it are never spared again
+                    self._commits = self._commits[self._commits.index(identity):]
             retain_after(self.storage, self.config.keep_last, identity, session=self.session, since=self.started,
-                         grace_s=self.config.retention_grace_s, keep=self.inputs,
-                         markers=self._markers)  # logs, never raises
+                         grace_s=self.config.retention_grace_s, keep=self.inputs, markers=self._markers,
+                         spare=lambda: self._committed_after(identity))  # logs, never raises
+
+    def _committed_after(self, identity: str) -> list[str]:
+        """The identities committed here since ``identity`` (the ones being committed too), when a pass asks."""
+        with self._retention:
+            return [i for i in self._commits if i != identity]
 
     def wait_retention(self, timeout: float | None = None) -> bool:
         """Wait for the retention pass in flight (close); False if it still runs after ``timeout`` seconds (it
