@@ -117,10 +117,10 @@ def check_config(config: dict[str, Any], base: dict[str, Any] | None, ignore: li
     """The server compares the snapshot's config.json with the base model's; same error kinds as the docs."""
     if base is None:
         return
-    # quantization_config: allowed on a quantized snapshot (and absent from a bf16 upload of a quantized base);
-    # check_quantization decides whether it fits the tensors
+    # quantization_config: allowed on a quantized snapshot (check_quantization decides whether it fits the
+    # tensors); left out of a bf16 upload of a quantized base, it is a key the base alone has, unless ignored
     skip = set(ignore) | {"quantization_config"}
-    only_base = sorted(k for k in base if k not in config and k not in skip)
+    only_base = sorted(k for k in base if k not in config and k not in ignore)
     only_snap = sorted(k for k in config if k not in base and k not in skip)
     if only_base:
         raise LoadError(f"{identity}/config.json: Extra base model config options: {', '.join(only_base)}")

@@ -26,8 +26,8 @@ from .arc.stio import MAX_HEADER_BYTES
 from .layout import LayoutError
 
 __all__ = ["AUX_FILENAMES", "AUX_PATTERNS", "AUX_SUBFOLDERS", "base_tensor_shapes", "carried_files",
-           "dropped_config_keys", "dtype_note", "hf_aux_files", "is_aux_file", "names_note", "snapshot_files",
-           "without_unbacked_quantization"]
+           "dropped_config_keys", "dtype_note", "hf_aux_files", "ignored_config_keys", "is_aux_file", "names_note",
+           "snapshot_files", "without_unbacked_quantization"]
 
 log = logging.getLogger("fsdp_hotload")
 
@@ -189,6 +189,25 @@ def dropped_config_keys(base_files: dict[str, bytes], files: dict[str, bytes]) -
     if not isinstance(base_keys, dict) or not isinstance(our_keys, dict):
         return []
     return sorted(set(base_keys) - set(our_keys))
+
+
+def ignored_config_keys(base_files: dict[str, bytes], files: dict[str, bytes], dtypes: Iterable[str]) -> list[str]:
+    """What each signal names in ``validation.extra_fields_ignore``: :func:`dropped_config_keys`, and, where the
+    snapshots carry a ``config.json`` and none of ``dtypes`` (the published tensors' safetensors codes) is
+    quantized, each of :data:`QUANTIZATION_KEYS` that their ``config.json`` lacks.
+
+    Why the second part: the server compares with the deployment's base model, which may be quantized while
+    ``hf_config_dir`` holds a config without the key (an earlier run's snapshot, or a bf16 copy of an FP8 base,
+    as the README advises for ``carry_base_tensors``). Nothing was dropped then, so nothing was named, and every
+    publish was refused with "Extra base model config options". Naming a key that neither config has leaves the
+    comparison as it was."""
+    names = set(dropped_config_keys(base_files, files))
+    ours = files.get("config.json")
+    if ours is not None and not any(map(is_quantized, dtypes)):
+        config = json.loads(ours)
+        if isinstance(config, dict):
+            names |= {key for key in QUANTIZATION_KEYS if key not in config}
+    return sorted(names)
 
 
 _CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "half": "F16", "float32": "F32", "float": "F32"}

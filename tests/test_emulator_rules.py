@@ -171,8 +171,9 @@ def test_a_snapshot_with_the_lora_marker_is_never_loaded_as_full_weights(tmp_pat
 @pytest.mark.parametrize("quantized", ["snapshot", "base"])
 def test_a_quantization_config_may_differ_from_the_base_models(tmp_path: Path, quantized: str) -> None:
     """Protocol §6.2 allows a quantization_config on a quantized snapshot: an fp8 snapshot of a bf16 base was
-    refused as 'Extra snapshot model config options', and a bf16 upload of an fp8 base (config without the key)
-    as 'Extra base model config options'."""
+    refused as 'Extra snapshot model config options'. A bf16 upload of an fp8 base (config without the key) is
+    refused as 'Extra base model config options' unless the signal names the key in extra_fields_ignore (§2.4,
+    which §6.2 does not waive; the emulator let it pass, so a publisher that forgot to name it went unseen)."""
     qconf = {**CONFIG, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}
     bucket = tmp_path / "bucket"
     tensors = tiny_model(0)
@@ -182,9 +183,16 @@ def test_a_quantization_config_may_differ_from_the_base_models(tmp_path: Path, q
         tensors[name] = RawTensor("F8_E4M3", t.shape, np.arange(int(np.prod(t.shape)), dtype=np.uint8))
     with HotLoadEmulator(str(bucket), replicas=1, api_key=EMULATOR_API_KEY,
                          base_config=CONFIG if quantized == "snapshot" else qconf) as emu:
+        client = client_for(emu)
+        if quantized == "base":
+            folder = write_full_snapshot(bucket, "step-0", tensors)
+            (folder / "config.json").write_text(json.dumps(CONFIG))
+            client.signal("step-0")
+            with pytest.raises(HotLoadError, match="Extra base model config options: quantization_config"):
+                client.wait_ready("step-0", timeout_s=30)
         folder = write_full_snapshot(bucket, "step-1", tensors)
         (folder / "config.json").write_text(json.dumps(qconf if quantized == "snapshot" else CONFIG))
-        client = client_for(emu)
-        client.signal("step-1")
+        client.signal("step-1", validation=None if quantized == "snapshot" else {
+            "extra_fields_ignore": ["quantization_config"]})
         client.wait_ready("step-1", timeout_s=30)
         assert served(emu) == ("step-1", digest_map(tensors))

@@ -121,14 +121,18 @@ def test_widened_fp8_weights_are_warned_about_per_glob_and_scales_are_not_taken_
     assert DtypePolicy.of("bfloat16", {"a.*": "bfloat16"}).notes({"a.weight": fp8}) == []  # no scales: lossless
 
 
-def test_an_fp8_base_trained_in_bf16_is_served_with_the_dropped_key_ignored(tmp_path: Path) -> None:
+@pytest.mark.parametrize("folder", ["base", "bf16 copy"])
+def test_an_fp8_base_trained_in_bf16_is_served_with_the_dropped_key_ignored(tmp_path: Path, folder: str) -> None:
     """The server compares the snapshot's config.json with the base's and rejects a key present in only one:
-    each signal names the quantization_config the snapshots leave out in validation.extra_fields_ignore."""
+    each signal names the quantization_config the snapshots leave out in validation.extra_fields_ignore. Only a
+    key dropped from hf_config_dir's config.json was named, so a bf16 copy of the base there (or an earlier
+    snapshot) left the list empty, and the server refused every publish."""
     from fsdp_hotload.emulator import HotLoadEmulator
 
     hf = tmp_path / "hf"
     hf.mkdir()
-    (hf / "config.json").write_text(json.dumps(FP8_BASE))
+    held = FP8_BASE if folder == "base" else {k: v for k, v in FP8_BASE.items() if k != "quantization_config"}
+    (hf / "config.json").write_text(json.dumps(held))
     bucket = str(tmp_path / "bucket")
     model = {"model.layers.0.mlp.up_proj.weight": torch.randn(8, 4), "model.norm.weight": torch.ones(4)}
     with HotLoadEmulator(bucket, base_config=FP8_BASE, api_key="k", replicas=1) as emu:

@@ -47,7 +47,7 @@ import torch
 from ..arc.codecs import get_codec
 from ..config import HotloadConfig
 from ..identity import new_identity
-from ..hf_config import carried_files, dropped_config_keys, hf_aux_files
+from ..hf_config import carried_files, hf_aux_files, ignored_config_keys
 from ..layout import ShardPlan, TensorSpec, plan_shards
 from ..retention import SESSION, discard_snapshot
 from ..storage import Storage
@@ -148,7 +148,8 @@ class Publisher:
             warm, name=f"hotload-warmup-{self.rank}", nice=config.background_nice, what=f"the {self.codec.name} codec")
         self.cadence = Cadence(config.full_every, config.max_chain_length)
         if self.rank == 0 and self.signaller is not None:
-            self.signaller.extra_fields_ignore = dropped_config_keys(base_files, self._aux)
+            self.signaller.extra_fields_ignore = ignored_config_keys(base_files, self._aux,
+                                                                     [s.dtype for s in specs])
         self.committer = Committer(self.plan, self.storage, config, self._aux, self.signaller, session=self.session,
                                    started=time.time())  # snapshots others commit after this are a live run's
         if self.rank == 0:
