@@ -248,6 +248,11 @@ class HotloadConfig(BaseModel):
             raise ValueError(f"{info.field_name} is empty; leave it unset for None")
         if v is not None and v != v.strip():  # a ConfigMap value's newline would end up in the file's name
             raise ValueError(f"{info.field_name} {v!r} starts or ends with white space")
+        if v is not None and re.match(r"[A-Za-z][A-Za-z0-9+.-]+://", v):  # it was "does not exist" at start
+            what = ("download the base model's config and tokenizer files to a local folder" if
+                    info.field_name == "hf_config_dir" else "copy the file to the bucket after the run")
+            raise ValueError(f"{info.field_name} {mask_url(v)!r} is a URL, and rank 0 opens it as a local path: "
+                             f"{what}")
         return os.path.expanduser(v) if v else v
 
     def __repr_args__(self) -> Any:

@@ -190,6 +190,18 @@ def test_paths_with_surrounding_white_space_are_refused_by_name(monkeypatch: pyt
     assert "white space" in str(info.value)
 
 
+@pytest.mark.parametrize("field", ["hf_config_dir", "metrics_path"])
+def test_a_url_for_a_local_path_is_refused_by_name(field: str) -> None:
+    """Both are opened as local paths on rank 0: an S3 URL for hf_config_dir failed at start with "does not exist
+    or is not a folder", and one for metrics_path created a folder named s3: in the working directory."""
+    with pytest.raises(ValueError, match=f"{field} 's3://models/qwen3-8b' is a URL, and rank 0 opens it as a local"):
+        HotloadConfig(bucket_url="/tmp/bucket", **{field: "s3://models/qwen3-8b"})
+    with pytest.raises(ValueError, match="is a URL") as info:
+        HotloadConfig(bucket_url="/tmp/bucket", **{field: "https://u:Hunter2pw@hub.internal/qwen"})
+    assert "Hunter2pw" not in str(info.value)
+    assert getattr(HotloadConfig(bucket_url="/tmp/bucket", **{field: "models/s3:/x"}), field) == "models/s3:/x"
+
+
 def test_a_bucket_url_naming_no_bucket_is_refused_without_its_password(monkeypatch: pytest.MonkeyPatch) -> None:
     """sftp://u:$PW@host:$PORT with PORT unset: the error printed the password (every rank's log)."""
     monkeypatch.setenv("HOTLOAD_BUCKET_URL", "sftp://trainer:Hunter2pw@storage.internal:")
