@@ -387,3 +387,42 @@ def test_version_1_payloads_without_crc_are_still_read(valid: dict[int, tuple[by
         SparseCodec().decode(old, parent, 2, out)
         SparseCodec().decode(payload, parent, 2, want)
         assert np.array_equal(out, want)
+
+
+def test_arrays_written_while_they_are_diffed_raise_instead_of_corrupting_the_heap() -> None:
+    """The host diff counts the changes, allocates that many positions and fills them in a second pass, GIL-free.
+    Bytes that another thread changes between the passes made the second write past its array: glibc aborted
+    the process ("malloc(): invalid size"), or the positions held garbage. Now the second pass is bounded and a
+    count that moved raises. Whatever a diff returns meanwhile is well formed."""
+    import threading
+    import time
+
+    from fsdp_hotload.arc.codecs import element_diff
+
+    n = 1 << 18
+    parent, new = np.zeros(2 * n, np.uint8), np.zeros(2 * n, np.uint8)
+    stop = threading.Event()
+
+    def writer() -> None:
+        v = 0
+        while not stop.is_set():
+            v ^= 1
+            new[::2] = v  # every element flips between equal to the parent and not
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    raised, deadline = 0, time.monotonic() + 30
+    try:
+        while raised < 3 and time.monotonic() < deadline:
+            try:
+                diff = element_diff(parent, new, 2)
+            except RuntimeError as exc:
+                assert "changed while they were diffed" in str(exc)
+                raised += 1
+                continue
+            assert diff.idx.size == diff.old.size == diff.new.size
+            assert ((diff.idx >= 0) & (diff.idx < n)).all() and (np.diff(diff.idx) > 0).all()
+    finally:
+        stop.set()
+        thread.join()
+    assert raised == 3

@@ -22,18 +22,28 @@ def _count_diff(a: np.ndarray, b: np.ndarray) -> int:
 
 
 @njit(**_JIT)
-def _fill_diff(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+def _fill_diff(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> int:
+    """Writes the positions into ``out``, never past its end; returns how many it found."""
     j = 0
     for i in range(a.size):
         if a[i] != b[i]:
-            out[j] = i
+            if j < out.size:
+                out[j] = i
             j += 1
+    return j
 
 
 def diff_positions(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Sorted int64 positions where two equal-length 1-D arrays differ."""
+    """Sorted int64 positions where two equal-length 1-D arrays differ.
+
+    Two passes, a count and then the positions, so that only the changes are allocated. Why the second is
+    bounded: arrays written while they are diffed (by another thread) would change the count between the passes,
+    and an unchecked pass wrote past its array into the heap, a corruption found only later elsewhere (a fuzz
+    abort of this shape was never explained); now that raises, and the publish fails cleanly."""
     out = np.empty(_count_diff(a, b), dtype=np.int64)
-    _fill_diff(a, b, out)
+    if _fill_diff(a, b, out) != out.size:
+        raise RuntimeError(f"the arrays changed while they were diffed ({a.size} elements): another thread writes "
+                           "one of them")
     return out
 
 
