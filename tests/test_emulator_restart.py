@@ -232,7 +232,10 @@ def test_a_late_retention_pass_spares_a_snapshot_one_replica_serves(tmp_path: Pa
         cfg = config(bucket, emu, tmp_path, full_every=100, keep_last=1, keep_training_on_error=True)
         with TensorPublisher(model, cfg) as pub:
             for step in range(4):  # full, delta (both served); a delta replica 1 fails; a full both fail
-                emu.fail_next_loads(1, replica=1) if step == 2 else emu.fail_next_loads(1) if step == 3 else None
+                if step == 2:
+                    emu.fail_next_loads(1, replica=1)
+                elif step == 3:
+                    emu.fail_next_loads(1)
                 train_step(model, step)
                 assert pub.publish(step, model)
                 deadline = time.monotonic() + 30  # not wait(): it waits for the retention held here too
