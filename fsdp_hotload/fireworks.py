@@ -328,7 +328,7 @@ class HotLoadClient:
             if unsendable is not None:
                 # Raised outside the except block so the original exception (whose text may hold the key) is
                 # not chained as __context__.
-                raise HotLoadRequestError(self.redact(unsendable), hint=hint)
+                raise HotLoadRequestError(self.redact(unsendable), hint=hint, attempts=sent)
             delay = backoff_delay(attempt, self.backoff_initial_s, self.backoff_max_s, 1.0)  # no jitter: one caller
             if wait_hint is not None:
                 delay = max(delay, min(wait_hint, self.backoff_max_s))
@@ -341,6 +341,7 @@ class HotLoadClient:
                     ),
                     hint="check that base_url (hotload_api_url) is reachable from this host (proxy, firewall, DNS); "
                     "raise retry_budget_s for flaky networks (HotloadConfig: ready_timeout_s, capped at 300 s)",
+                    attempts=sent,
                 )
             log.warning("%s failed (%s); retry %d in %.1fs", what, self.redact(failure), attempt, delay)
             if self._canceller.wait(delay):

@@ -42,6 +42,7 @@ __all__ = [
     "ReplicaStatus",
     "ResetPromptCache",
     "ValidationOptions",
+    "never_taken",
     "validate_filename",
     "validate_identity",
 ]
@@ -103,6 +104,18 @@ class HotLoadResponseError(HotLoadError):
 class HotLoadBodyError(HotLoadResponseError):
     """A 2xx body that is not JSON at all: a proxy's page, say. While polling it is waited through, as the
     reference client does; only a JSON status without a ``replicas`` list ends the wait."""
+
+
+def never_taken(exc: BaseException) -> bool:
+    """Whether a failed request cannot have been taken by the server: one that reached no server (``attempts`` 0:
+    no connection, or one that could not be sent as built), or a 4xx answer to the only attempt that reached it.
+    Not a 408 or 409 (a timeout, a conflict), nor a cancelled one: the server may have the request. Why: a
+    snapshot whose signal no deployment took is loaded by no replica, so it may be deleted at once (signal.py)."""
+    if not isinstance(exc, HotLoadError) or isinstance(exc, HotLoadCancelled):
+        return False
+    if exc.status_code is None:
+        return exc.attempts == 0
+    return 400 <= exc.status_code < 500 and exc.status_code not in (408, 409) and exc.attempts == 1
 
 
 # ---------------------------------------------------------------------------------------------------- identity

@@ -73,6 +73,17 @@ def discard_snapshot(storage: Storage, identity: str) -> None:
         logger.warning("hotload: could not delete the files of failed snapshot %s: %s", identity, exc)
 
 
+def retract_snapshot(storage: Storage, identity: str) -> None:
+    """Delete a committed snapshot no reader was told of (its signal was taken by no deployment), best effort: its
+    marker first, so that one stopped part way leaves a folder without a marker, which a later pass sweeps."""
+    try:
+        storage.delete_prefix(_marker_path(identity))
+        _delete_files(storage, identity)
+        logger.info("hotload: deleted snapshot %s: no deployment took its signal (keep_last)", storage.uri(identity))
+    except Exception as exc:  # noqa: BLE001 - a later pass deletes it (it is not spared)
+        logger.warning("hotload: could not delete snapshot %s, which no deployment took: %s", identity, exc)
+
+
 def _ancestors_closure(roots: Iterable[str], by_id: dict[str, CommitInfo]) -> set[str]:
     """The roots plus every snapshot reachable through parent links (cycles and gaps tolerated)."""
     keep: set[str] = set()

@@ -259,3 +259,61 @@ def test_a_late_retention_pass_spares_a_snapshot_one_replica_serves(tmp_path: Pa
             assert pub.metrics[-1].ok
         left = sorted(p.name for p in Path(bucket).iterdir() if p.is_dir())
         assert left == [pub.metrics[-1].identity]
+
+
+@pytest.mark.parametrize("keep_last", [1, None], ids=["keep_last", "keep-all"])
+def test_a_snapshot_whose_signal_every_deployment_refused_is_deleted_at_once(tmp_path: Path,
+                                                                           keep_last: int | None) -> None:
+    """No retention pass runs while publishes fail, so with keep_training_on_error a fleet that refused every
+    signal left a committed full snapshot per publish in the bucket until one was served. A snapshot whose signal
+    no deployment took (HTTP 400 here) is loaded by no replica: with keep_last it is deleted at once, and the
+    served chain stays whole (a restarted replica rebuilds it). Without keep_last every snapshot is kept."""
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+
+    def folders() -> list[str]:
+        return sorted(p.name for p in Path(bucket).iterdir() if p.is_dir())
+
+    with HotLoadEmulator(bucket, replicas=2, api_key="test-key") as emu:
+        cfg = config(bucket, emu, tmp_path, full_every=100, keep_last=keep_last, keep_training_on_error=True)
+        with TensorPublisher(model, cfg) as pub:
+            for step in range(4):  # full, delta (served); a delta, then a full, both refused
+                if step >= 2:
+                    emu.reject_next_signals(1, status=400, message="injected: refused")
+                train_step(model, step)
+                assert pub.publish(step, model)
+                pub.wait()
+                if step == 1:
+                    served_bytes = expected_sha(model)
+            ids = [m.identity for m in pub.metrics]
+            assert [(m.kind, m.ok) for m in pub.metrics] == [("full", True), ("delta", True), ("delta", False),
+                                                             ("full", False)]
+            assert all("injected: refused" in str(m.error) for m in pub.metrics[2:])
+            assert folders() == sorted(ids if keep_last is None else ids[:2])
+            emu.restart_replica(0)
+            rep = restarted(emu, 0)
+            assert rep["error"] is None, rep["error"]
+            assert served_by(emu) == [(ids[1], served_bytes)] * 2
+            train_step(model, 4)
+            assert pub.publish(4, model)
+            pub.wait()
+            assert (pub.metrics[-1].kind, pub.metrics[-1].ok) == ("full", True)
+        last = pub.metrics[-1].identity
+    assert folders() == sorted([*ids, last] if keep_last is None else [last])
+
+
+def test_a_snapshot_signalled_to_no_deployment_is_deleted(tmp_path: Path) -> None:
+    """A hot-load manager that never comes up: nothing is signalled, so nothing is loaded, and each publish's
+    committed full snapshot is deleted as its wait for the manager ends (keep_last)."""
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=1, api_key="test-key", manager_delay_s=3600) as emu:
+        cfg = config(bucket, emu, tmp_path, full_every=100, keep_last=2, keep_training_on_error=True,
+                     ready_timeout_s=0.3)
+        with TensorPublisher(model, cfg) as pub:
+            for step in range(3):
+                train_step(model, step)
+                assert pub.publish(step, model)
+                pub.wait()
+            assert [(m.kind, m.ok) for m in pub.metrics] == [("full", False)] * 3
+    assert [p.name for p in Path(bucket).iterdir() if p.is_dir()] == []

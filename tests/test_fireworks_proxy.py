@@ -23,6 +23,7 @@ import pytest
 
 from fsdp_hotload.emulator import HotLoadEmulator
 from fsdp_hotload.fireworks import HotLoadClient, HotLoadError, HotLoadRequestError
+from fsdp_hotload.fireworks_models import never_taken
 from tests.emulator_fixture import EMULATOR_API_KEY, tiny_model, write_full_snapshot
 from tests.http_fixture import serve, tls_files
 
@@ -231,6 +232,7 @@ def test_a_409_is_an_earlier_attempt_accepted_only_if_one_was_sent(monkeypatch: 
         with pytest.raises(HotLoadError, match="HTTP 409") as err:
             client.signal("step-2")
         assert err.value.attempts == 1 and posts == ["/hot_load/v1/models/hot_load"]
+        assert not never_taken(err.value)  # a conflict: the server may hold that identity
     finally:
         httpd.shutdown()
         httpd.server_close()
@@ -259,3 +261,42 @@ def test_a_certificate_that_fails_verification_is_not_retried(tmp_path: Path) ->
             client.signal("step-1")
         assert time.monotonic() - started < 5.0
     assert "system CA certificates" in str(info.value) and got == []
+    assert never_taken(info.value)
+
+
+@pytest.mark.parametrize("answers, taken", [([400], False), ([404], False), ([503, 400], True), ([503, 503], True),
+                                            ([None], False)],
+                         ids=["400", "404", "503-then-400", "503s", "refused"])
+def test_a_signal_is_never_taken_only_where_no_attempt_can_have_reached_the_server(
+        monkeypatch: pytest.MonkeyPatch, answers: list[int | None], taken: bool) -> None:
+    """never_taken (a committed snapshot no deployment took is deleted at once): a 4xx to the only attempt that
+    reached the server, or no attempt that did; not once a 5xx answered an earlier one (the server may have acted
+    on it), nor when every attempt got a 5xx."""
+    _use_proxy(monkeypatch)
+    left = list(answers)
+
+    class Scripted(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            status = left.pop(0) if len(left) > 1 else left[0]
+            out = b'{"error": {"message": "scripted"}}'
+            self.send_response(status or 500)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+    if answers == [None]:  # bound, never listening: every connection is refused
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        try:
+            with pytest.raises(HotLoadError, match="no answer") as err:
+                _client(f"http://127.0.0.1:{sock.getsockname()[1]}", retry_budget_s=0.3).signal("step-1")
+        finally:
+            sock.close()
+    else:
+        with serve(Scripted) as url, pytest.raises(HotLoadError, match="HTTP") as err:
+            _client(url, retry_budget_s=0.3).signal("step-1")
+    assert never_taken(err.value) is not taken, (err.value, err.value.attempts)

@@ -21,7 +21,7 @@ from ..config import HotloadConfig
 from ..layout import ShardPlan
 from ..storage import Storage
 from .jobs import Job, Outcome, PublishError, RankStatus, summarize
-from .signal import Signaller
+from .signal import NotSignalled, Signaller
 
 if TYPE_CHECKING:
     from ..markers import MarkerCache
@@ -101,6 +101,8 @@ class Committer:
                 from ..retention import discard_snapshot
 
                 discard_snapshot(self.storage, identity)
+            elif isinstance(exc, NotSignalled) and self.config.keep_last:
+                self._retract(identity)
         m.total_s = time.perf_counter() - job.t_hook  # hook to every replica ready: retention comes after
         after = self.storage.stats.snapshot()  # a throttled commit marker is this publish's, not nobody's
         m.throttled += int(after.get("throttled", 0) - before.get("throttled", 0))
@@ -153,6 +155,17 @@ class Committer:
             retain_after(self.storage, self.config.keep_last, identity, session=self.session, since=self.started,
                          grace_s=self.config.retention_grace_s, keep=self.inputs, markers=self._markers,
                          spare=lambda: self._committed_after(identity))  # logs, never raises
+
+    def _retract(self, identity: str) -> None:
+        """Delete a committed snapshot whose signal no deployment took (:class:`.signal.NotSignalled`): no replica
+        can load it, and while the fleet is down or refuses every signal no retention pass runs, so each publish
+        left a full snapshot in the bucket. Its marker goes first, as in a retention pass."""
+        from ..retention import retract_snapshot
+
+        with self._retention:
+            if identity in self._commits:
+                self._commits.remove(identity)
+        retract_snapshot(self.storage, identity)
 
     def _committed_after(self, identity: str) -> list[str]:
         """The identities committed here since ``identity`` (the ones being committed too), when a pass asks."""

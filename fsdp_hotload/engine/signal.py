@@ -20,6 +20,7 @@ import urllib.parse
 from typing import Any, Callable, Sequence
 
 from ..config import HotloadConfig
+from ..fireworks_models import never_taken
 from .pool import DaemonPool
 
 log = logging.getLogger("fsdp_hotload")
@@ -30,6 +31,13 @@ HINT_DEADLINE_S = 10.0
 SIGNAL_RETRY_BUDGET_S = 300.0
 #: The longest the first signal to a deployment waits for its hot-load manager (replicas reported).
 MANAGER_WAIT_S = 300.0
+
+
+class NotSignalled(RuntimeError):
+    """No deployment can have taken the snapshot's signal: it failed before any was sent (a hot-load manager not
+    up, a chain that does not match), or every deployment refused it (:func:`.fireworks_models.never_taken`).
+    Why a class of its own: no replica loads such a snapshot, so with ``keep_last`` it is deleted at once; each
+    publish of a job whose fleet is down or refuses it otherwise kept a full snapshot until one was served."""
 
 
 def longest_signal_s(cfg: HotloadConfig) -> float:
@@ -167,18 +175,20 @@ class Signaller:
             failed = self._on_each(new, lambda c: self._first_seen.__setitem__(c.deployment_name,
                                                                                 c.wait_manager(timeout_s=wait_s)))
             self._managers_up.update(c.deployment_name for c in new if c.deployment_name not in failed)
-            _raise(failed)
+            _raise(failed, NotSignalled)
         for name in [c.deployment_name for c in self.clients if c.deployment_name in self._first_seen]:
             _say_what_is_served(name, self._first_seen.pop(name), identity)  # once, by the rank that signals
         if previous is not None:  # every chain is checked before any deployment is signalled
             for c in self.clients:
                 if self.served[c.deployment_name] != previous:
-                    raise RuntimeError(f"deployment {c.deployment_name} serves {self.served[c.deployment_name]!r}, "
+                    raise NotSignalled(f"deployment {c.deployment_name} serves {self.served[c.deployment_name]!r}, "
                                        f"not the delta's parent {previous!r}; a full snapshot is needed")
         validation = {"extra_fields_ignore": self.extra_fields_ignore} if self.extra_fields_ignore else None
-        _raise(self._on_each(self.clients, lambda c: c.signal(
+        failed = self._on_each(self.clients, lambda c: c.signal(
             identity, previous_identity=previous, reset_prompt_cache=self.reset_prompt_cache,
-            compression_format=self.compression_format, validation=validation)))
+            compression_format=self.compression_format, validation=validation))
+        taken = len(failed) < len(self.clients) or not all(map(never_taken, failed.values()))
+        _raise(failed, RuntimeError if taken else NotSignalled)
         t0 = time.perf_counter()
         failed = self._on_each(self.clients, lambda c: c.wait_ready(
             identity, timeout_s=self.ready_timeout_s,
@@ -189,16 +199,16 @@ class Signaller:
         _raise(failed)
         return time.perf_counter() - t0
 
-    def _on_each(self, clients: list[Any], fn: Callable[[Any], Any]) -> dict[str, str]:
+    def _on_each(self, clients: list[Any], fn: Callable[[Any], Any]) -> dict[str, Exception]:
         """Run ``fn`` on every client at once in the pool and wait for all; returns {deployment: error} of those
         that failed."""
         futures = [(c, self._pool.submit(fn, c)) for c in clients]
-        failed: dict[str, str] = {}
+        failed: dict[str, Exception] = {}
         for c, f in futures:
             try:
                 f.result()
             except Exception as exc:  # noqa: BLE001 - collected: every deployment is waited for
-                failed[c.deployment_name] = str(exc)
+                failed[c.deployment_name] = exc
         return failed
 
     def cancel(self) -> None:
@@ -226,6 +236,6 @@ def _say_what_is_served(deployment: str, st: Any, identity: str) -> None:
              identity)
 
 
-def _raise(failed: dict[str, str]) -> None:
+def _raise(failed: dict[str, Exception], kind: type[RuntimeError] = RuntimeError) -> None:
     if failed:
-        raise RuntimeError("; ".join(f"{name}: {error}" for name, error in failed.items()))
+        raise kind("; ".join(f"{name}: {error}" for name, error in failed.items()))
