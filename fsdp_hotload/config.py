@@ -40,6 +40,14 @@ MAX_TIMEOUT_S = 30 * 24 * 3600.0  # a finite bound: gloo takes timeouts as integ
 NON_CONFIG_ENV: frozenset[str] = frozenset({"HOTLOAD_ARC_ENCODER", "HOTLOAD_ARC_ONE_CALL", "HOTLOAD_LIBZSTD"})
 
 
+def _is_protocol(name: str) -> bool:
+    """Whether fsspec knows ``name`` as a protocol (``s3:bucket/x`` is a URL missing its slashes, as the storage
+    root's check says; ``a:b`` is a name)."""
+    import fsspec
+
+    return name.lower() in fsspec.available_protocols()
+
+
 class HotloadConfig(BaseModel):
     """Settings of one trainer's publishing to one bucket and zero or more deployments.
 
@@ -248,8 +256,12 @@ class HotloadConfig(BaseModel):
             raise ValueError(f"{info.field_name} is empty; leave it unset for None")
         if v is not None and v != v.strip():  # a ConfigMap value's newline would end up in the file's name
             raise ValueError(f"{info.field_name} {v!r} starts or ends with white space")
-        if v is not None and re.match(r"[A-Za-z][A-Za-z0-9+.-]+://", v):  # it was "does not exist" at start
-            what = ("download the base model's config and tokenizer files to a local folder" if
+        scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]+):", v or "")  # two letters or more: not a drive (C:)
+        if v is not None and scheme and ("://" in v[:scheme.end() + 2] or _is_protocol(scheme[1])):
+            # it was "does not exist" at start, or (s3:bucket/x) a folder of that name in the working directory
+            local = urllib.parse.urlsplit(v).path if scheme[1].lower() in ("file", "local") else None
+            what = (f"give the local path {local!r}" if local else
+                    "download the base model's config and tokenizer files to a local folder" if
                     info.field_name == "hf_config_dir" else "copy the file to the bucket after the run")
             raise ValueError(f"{info.field_name} {mask_url(v)!r} is a URL, and rank 0 opens it as a local path: "
                              f"{what}")

@@ -200,6 +200,13 @@ def test_a_url_for_a_local_path_is_refused_by_name(field: str) -> None:
         HotloadConfig(bucket_url="/tmp/bucket", **{field: "https://u:Hunter2pw@hub.internal/qwen"})
     assert "Hunter2pw" not in str(info.value)
     assert getattr(HotloadConfig(bucket_url="/tmp/bucket", **{field: "models/s3:/x"}), field) == "models/s3:/x"
+    for url in ["s3:models/qwen3-8b", "gs:b/x"]:  # no slashes: a folder "s3:models" was made in the working dir
+        with pytest.raises(ValueError, match=f"{field} '{url}' is a URL"):
+            HotloadConfig(bucket_url="/tmp/bucket", **{field: url})
+    with pytest.raises(ValueError, match="give the local path '/srv/qwen'"):
+        HotloadConfig(bucket_url="/tmp/bucket", **{field: "file:///srv/qwen"})
+    for path in ["C:/models/qwen", "a:b/qwen", "./qwen"]:  # a drive letter, a name with a colon
+        assert getattr(HotloadConfig(bucket_url="/tmp/bucket", **{field: path}), field) == path
 
 
 def test_a_bucket_url_naming_no_bucket_is_refused_without_its_password(monkeypatch: pytest.MonkeyPatch) -> None:
