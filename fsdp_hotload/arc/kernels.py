@@ -37,9 +37,11 @@ def diff_positions(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Sorted int64 positions where two equal-length 1-D arrays differ.
 
     Two passes, a count and then the positions, so that only the changes are allocated. Why the second is
-    bounded: arrays written while they are diffed (by another thread) would change the count between the passes,
+    bounded: arrays written while they are diffed (by another thread) can change the count between the passes,
     and an unchecked pass wrote past its array into the heap, a corruption found only later elsewhere (a fuzz
-    abort of this shape was never explained); now that raises, and the publish fails cleanly."""
+    abort of this shape was never explained). Now the heap is safe, and a count that moved raises. It is a
+    guard, not a detector: a write that leaves the count as it was gives positions of no single state. Nothing
+    in the engine writes a slot or the cache while it is diffed (async copies are waited for first)."""
     out = np.empty(_count_diff(a, b), dtype=np.int64)
     if _fill_diff(a, b, out) != out.size:
         raise RuntimeError(f"the arrays changed while they were diffed ({a.size} elements): another thread writes "
