@@ -119,6 +119,12 @@ class HotloadConfig(BaseModel):
     send_hints: bool = Field(True, description="send a per-file hint as each file becomes durable")
     reset_prompt_cache: Literal["all", "new_session", "none"] | None = Field(
         None, description="prompt-cache reset the fleet applies with each new snapshot (sent with every signal)")
+    extra_fields_ignore: list[str] | None = Field(
+        None, description="top-level config.json keys each signal asks the server to leave out of its comparison "
+                          "with the base model's config (validation.extra_fields_ignore), besides those the snapshots "
+                          "drop from hf_config_dir's; None also names quantization_config and compression_config "
+                          "where no published tensor is quantized and the snapshots' config lacks them (a quantized "
+                          "base served from a bf16 copy's config); [] names only the dropped ones")
     # --- what and when
     full_every: int = Field(20, ge=1, description="a full snapshot every N publishes (first one is always full)")
     max_chain_length: int | None = Field(None, ge=1, description="force a full snapshot after this many deltas")
@@ -220,6 +226,15 @@ class HotloadConfig(BaseModel):
     def _carry_globs(cls, v: list[str]) -> list[str]:
         if any(not pattern.strip() for pattern in v):
             raise ValueError("carry_base_tensors has an empty glob")
+        return v
+
+    @field_validator("extra_fields_ignore")
+    @classmethod
+    def _config_keys(cls, v: list[str] | None) -> list[str] | None:
+        bad = [key for key in v or [] if not key or key != key.strip() or "." in key]
+        if bad:
+            raise ValueError(f"extra_fields_ignore names {bad[0]!r}: give top-level config.json keys (the server "
+                             "ignores top-level keys only), without white space")
         return v
 
     @field_validator("bucket_url")

@@ -191,17 +191,22 @@ def dropped_config_keys(base_files: dict[str, bytes], files: dict[str, bytes]) -
     return sorted(set(base_keys) - set(our_keys))
 
 
-def ignored_config_keys(base_files: dict[str, bytes], files: dict[str, bytes], dtypes: Iterable[str]) -> list[str]:
-    """What each signal names in ``validation.extra_fields_ignore``: :func:`dropped_config_keys`, and, where the
-    snapshots carry a ``config.json`` and none of ``dtypes`` (the published tensors' safetensors codes) is
-    quantized, each of :data:`QUANTIZATION_KEYS` that their ``config.json`` lacks.
+def ignored_config_keys(base_files: dict[str, bytes], files: dict[str, bytes], dtypes: Iterable[str],
+                        named: Iterable[str] | None = None) -> list[str]:
+    """What each signal names in ``validation.extra_fields_ignore``: :func:`dropped_config_keys`, and ``named``
+    (``HotloadConfig.extra_fields_ignore``), or where that is None and the snapshots carry a ``config.json`` and
+    none of ``dtypes`` (the published tensors' safetensors codes) is quantized, each of :data:`QUANTIZATION_KEYS`
+    that their ``config.json`` lacks.
 
     Why the second part: the server compares with the deployment's base model, which may be quantized while
     ``hf_config_dir`` holds a config without the key (an earlier run's snapshot, or a bf16 copy of an FP8 base,
     as the README advises for ``carry_base_tensors``). Nothing was dropped then, so nothing was named, and every
-    publish was refused with "Extra base model config options". Naming a key that neither config has leaves the
-    comparison as it was."""
+    publish was refused with "Extra base model config options". That naming a key neither config has leaves the
+    comparison as it was is inferred (the API documents the field, not that case): ``named`` (``[]``) turns this
+    part off."""
     names = set(dropped_config_keys(base_files, files))
+    if named is not None:
+        return sorted(names | set(named))
     ours = files.get("config.json")
     if ours is not None and not any(map(is_quantized, dtypes)):
         config = json.loads(ours)

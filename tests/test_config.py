@@ -215,3 +215,13 @@ def test_a_bucket_url_naming_no_bucket_is_refused_without_its_password(monkeypat
     with pytest.raises(ValueError, match="names no folder or bucket") as info:
         HotloadConfig.from_env()
     assert "Hunter2pw" not in str(info.value)
+
+
+def test_extra_fields_ignore_takes_top_level_keys_only() -> None:
+    """The server ignores top-level config.json keys only: a dotted path or a padded name would be sent and never
+    match, so every publish it was meant to save would still be refused."""
+    assert HotloadConfig(bucket_url="/tmp/b", extra_fields_ignore=["quantization_config"]).extra_fields_ignore == \
+        ["quantization_config"]
+    for bad in ["quantization_config.quant_method", " quantization_config", ""]:
+        with pytest.raises(ValueError, match=f"extra_fields_ignore names {bad!r}"):
+            HotloadConfig(bucket_url="/tmp/b", extra_fields_ignore=[bad])

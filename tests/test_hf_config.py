@@ -121,12 +121,15 @@ def test_widened_fp8_weights_are_warned_about_per_glob_and_scales_are_not_taken_
     assert DtypePolicy.of("bfloat16", {"a.*": "bfloat16"}).notes({"a.weight": fp8}) == []  # no scales: lossless
 
 
-@pytest.mark.parametrize("folder", ["base", "bf16 copy"])
-def test_an_fp8_base_trained_in_bf16_is_served_with_the_dropped_key_ignored(tmp_path: Path, folder: str) -> None:
+@pytest.mark.parametrize("folder, named", [("base", None), ("bf16 copy", None), ("bf16 copy", ["quantization_config"]),
+                                           ("bf16 copy", []), ("base", [])])
+def test_an_fp8_base_trained_in_bf16_is_served_with_the_dropped_key_ignored(tmp_path: Path, folder: str,
+                                                                            named: list[str] | None) -> None:
     """The server compares the snapshot's config.json with the base's and rejects a key present in only one:
     each signal names the quantization_config the snapshots leave out in validation.extra_fields_ignore. Only a
     key dropped from hf_config_dir's config.json was named, so a bf16 copy of the base there (or an earlier
-    snapshot) left the list empty, and the server refused every publish."""
+    snapshot) left the list empty, and the server refused every publish. extra_fields_ignore ([] here) turns
+    the automatic names off; the dropped key is named whatever it says."""
     from fsdp_hotload.emulator import HotLoadEmulator
 
     hf = tmp_path / "hf"
@@ -138,12 +141,16 @@ def test_an_fp8_base_trained_in_bf16_is_served_with_the_dropped_key_ignored(tmp_
     with HotLoadEmulator(bucket, base_config=FP8_BASE, api_key="k", replicas=1) as emu:
         cfg = HotloadConfig(bucket_url=bucket, hf_config_dir=str(hf), hotload_api_url=emu.url, account_id="a",
                             model_id="m", deployment_id="d", api_key="k", ready_timeout_s=20, poll_interval_s=0.02,
-                            busy_policy="wait")
+                            busy_policy="wait", extra_fields_ignore=named, keep_training_on_error=True)
         with TensorPublisher(model, cfg) as pub:
             for step in range(2):
                 model["model.norm.weight"][step] += 1.0
                 pub.publish(step, model)
                 pub.wait()
+    if folder == "bf16 copy" and named == []:  # nothing named: every snapshot is refused
+        assert [(m.kind, m.ok) for m in pub.metrics] == [("full", False)] * 2
+        assert all("Extra base model config options: quantization_config" in str(m.error) for m in pub.metrics)
+        return
     # without the ignore list the full snapshot fails: "Extra base model config options: quantization_config"
     assert [(m.kind, m.ok, m.error) for m in pub.metrics] == [("full", True, None), ("delta", True, None)]
     served = rebuild_accepted(tmp_path / "bucket", pub.metrics)[pub.metrics[1].identity]

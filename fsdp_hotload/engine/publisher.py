@@ -148,8 +148,8 @@ class Publisher:
             warm, name=f"hotload-warmup-{self.rank}", nice=config.background_nice, what=f"the {self.codec.name} codec")
         self.cadence = Cadence(config.full_every, config.max_chain_length)
         if self.rank == 0 and self.signaller is not None:
-            self.signaller.extra_fields_ignore = ignored_config_keys(base_files, self._aux,
-                                                                     [s.dtype for s in specs])
+            self.signaller.extra_fields_ignore = ignored_config_keys(base_files, self._aux, [s.dtype for s in specs],
+                                                                     config.extra_fields_ignore)
         self.committer = Committer(self.plan, self.storage, config, self._aux, self.signaller, session=self.session,
                                    started=time.time())  # snapshots others commit after this are a live run's
         if self.rank == 0:
