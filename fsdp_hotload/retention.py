@@ -64,6 +64,13 @@ def _delete_files(storage: Storage, identity: str) -> None:
     storage.delete_prefix(identity, last=_is_shard)
 
 
+def _delete_committed(storage: Storage, identity: str) -> None:
+    """A committed snapshot's marker, then its files: a delete that stops part way leaves no marker vouching for
+    files that are gone, and a later pass sweeps the unmarked folder."""
+    storage.delete_prefix(_marker_path(identity))
+    _delete_files(storage, identity)
+
+
 def discard_snapshot(storage: Storage, identity: str) -> None:
     """Delete an uncommitted snapshot's files, best effort. Why: retention skips folders without a commit marker,
     so each failed publish would otherwise leave most of a snapshot in the bucket for good."""
@@ -74,11 +81,9 @@ def discard_snapshot(storage: Storage, identity: str) -> None:
 
 
 def retract_snapshot(storage: Storage, identity: str) -> None:
-    """Delete a committed snapshot no reader was told of (its signal was taken by no deployment), best effort: its
-    marker first, so that one stopped part way leaves a folder without a marker, which a later pass sweeps."""
+    """Delete a committed snapshot no reader was told of (its signal was taken by no deployment), best effort."""
     try:
-        storage.delete_prefix(_marker_path(identity))
-        _delete_files(storage, identity)
+        _delete_committed(storage, identity)
         logger.info("hotload: deleted snapshot %s: no deployment took its signal (keep_last)", storage.uri(identity))
     except Exception as exc:  # noqa: BLE001 - a later pass deletes it (it is not spared)
         logger.warning("hotload: could not delete snapshot %s, which no deployment took: %s", identity, exc)
@@ -368,8 +373,7 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
     for identity in sorted(doomed, key=lambda i: (by_id[i].created_at, i), reverse=True):
         if markers is not None:
             markers.forget(identity)
-        storage.delete_prefix(_marker_path(identity))
-        _delete_files(storage, identity)
+        _delete_committed(storage, identity)
         deleted.append(identity)
         logger.info("retention: deleted snapshot %s", storage.uri(identity))
     # A committed snapshot's parent is never swept, also where its marker was not read (see plan_retention).
