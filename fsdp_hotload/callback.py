@@ -530,7 +530,8 @@ class HotloadCallback:
 
         ``timeout`` (default ``config.close_timeout_s``) bounds the wait: past it, the snapshots in flight are
         abandoned and PublishError is raised; the side groups are then left for the process's exit, since a
-        stuck thread may still be in one of their collectives."""
+        stuck thread may still be in one of their collectives. It bounds the ranks' vote on the newest step too.
+        Closing on an exception (or with ``raise_errors=False``) does not vote, and tells the other ranks so."""
         self._close(raise_errors, timeout, None)
 
     def _close(self, raise_errors: bool, timeout: float | None, propagating: bool | None) -> None:

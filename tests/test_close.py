@@ -574,12 +574,14 @@ def test_a_rank_whose_close_times_out_still_votes_so_the_others_do_not_wait_for_
     """In-process ranks. Rank 0's write hangs past its close(timeout=0.5); the write returns at 2 s, so rank 1's
     close (no deadline) sees the snapshot end and votes on publishing the newest step. Rank 0 used to give up
     before that vote and never take part in it, leaving rank 1 waiting in it until the trainer group's timeout
-    (over an hour by default; 10 s here). Rank 0 now votes (against) past its deadline, and the vote waits for
-    rank 1; the snapshot ended meanwhile, so both close without an error and it is committed."""
+    (over an hour by default; 10 s here). Rank 0 now votes (against) past its deadline, without waiting for the
+    others' votes (a deadline bounds the vote too), and gives the snapshot up, as close_timeout_s says; rank 1's
+    vote ends with rank 0's, and its close raises that the snapshot was given up. Neither waits for the other."""
     import time
 
     import fsspec
 
+    from fsdp_hotload.engine import PublishError
     from fsdp_hotload.storage import Storage
 
     bucket = str(tmp_path / "bucket")
@@ -617,9 +619,113 @@ def test_a_rank_whose_close_times_out_still_votes_so_the_others_do_not_wait_for_
     finally:
         hanging.release.set()
         unstick.cancel()
-    assert raised == {0: None, 1: None}, raised  # rank 1: not the vote's own TimeoutError (rank 0 never voted)
+    assert isinstance(raised[0], PublishError) and "close() gave up after 0.5 s" in str(raised[0]), raised
+    assert isinstance(raised[1], PublishError) and "close() gave up on it" in str(raised[1]), raised  # not a hang
     assert max(took.values()) < 8, took
-    assert [(m.step, m.ok) for m in pubs[0].metrics.records] == [(0, True)]  # step 1 not published: rank 0 was late
+    assert [(m.step, m.ok) for m in pubs[0].metrics.records] == [(0, False)]  # step 1 not published: rank 0 was late
+
+
+def test_close_timeout_bounds_the_vote_and_no_rank_publishes_alone(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """In-process ranks, step 1 left to publish at close. Rank 1 reaches close() 4 s after rank 0 (a slow write of
+    its own after the last step); rank 0's close has a 1 s deadline. Rank 0 waited in the vote past its deadline
+    until rank 1 came (until the trainer group's timeout if it never does). Now it stops at its deadline and
+    publishes nothing more; rank 1's vote, which ends at once with rank 0's, sees that rank 0 stopped, so it does
+    not publish step 1 alone either (a snapshot rank 0 would never join)."""
+    import time
+
+    from fsdp_hotload.storage import Storage
+
+    bucket = str(tmp_path / "bucket")
+    names, n = ["a", "b"], 1024
+    specs = [TensorSpec(name, (n,), "BF16") for name in names]
+    cfg = HotloadConfig(bucket_url=bucket, publish_every=2, busy_policy="wait")
+    data, ctrl = Meeting(2, timeout_s=20.0), Meeting(2, timeout_s=20.0)
+    pubs: list[Any] = [None, None]
+    raised: dict[int, BaseException | None] = {0: None, 1: None}
+    took: dict[int, float] = {}
+
+    def make(rank: int) -> None:
+        chunk = WholeChunk(names[rank], (n,), "BF16", "flat", Box.flat(0, n), torch.zeros(n, dtype=torch.bfloat16))
+        pubs[rank] = Publisher([chunk], specs, cfg, comm=ThreadComm(data, rank, 2), ctrl=ThreadComm(ctrl, rank, 2),
+                               storage=Storage(bucket))
+
+    def run(rank: int) -> None:
+        pubs[rank].publish(0)
+        pubs[rank].publish(1)  # not a publish step: the newest one, which close votes on
+        pubs[rank].wait()
+        time.sleep(4.0 if rank == 1 else 0.0)
+        t0 = time.monotonic()
+        try:
+            pubs[rank].close(timeout=1.0 if rank == 0 else None)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            raised[rank] = exc
+        took[rank] = time.monotonic() - t0
+
+    run_ranks(make, 2)
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        run_ranks(run, 2, timeout_s=60)
+    said = [r.getMessage() for r in caplog.records]
+    assert raised == {0: None, 1: None}, raised
+    assert took[0] < 3 and took[1] < 3, took  # rank 0 at its deadline, not when rank 1 came (4 s)
+    assert [(m.step, m.ok) for m in pubs[0].metrics.records] == [(0, True)]
+    assert len([line for line in said if "step 1 is not published at close" in line
+                and "rank 0 stopped waiting for the others at close()'s deadline" in line]) == 2, said
+
+
+class _BrokenVoteComm(ThreadComm):
+    """The trainer's side group breaks in close()'s vote (as when a peer's end of it closes), with no note left."""
+
+    def allreduce_max_async(self, value: int) -> Any:
+        super().allreduce_max_async(value)
+
+        def result(timeout: float | None = None) -> int:
+            raise RuntimeError("injected: Connection closed by peer")
+
+        return result
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["raise", "keep_training_on_error"])
+def test_a_failed_vote_is_raised_by_close_unless_errors_are_only_logged(tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture,
+                                                                       keep: bool) -> None:
+    """In-process ranks, step 1 left to publish at close, and the vote on it fails. close() raised that failure
+    even with keep_training_on_error, which logs every other publishing error; now it logs it there (and still
+    raises it otherwise). No rank publishes step 1 either way."""
+    from fsdp_hotload.engine import PublishError
+    from fsdp_hotload.storage import Storage
+
+    bucket = str(tmp_path / "bucket")
+    names, n = ["a", "b"], 1024
+    specs = [TensorSpec(name, (n,), "BF16") for name in names]
+    cfg = HotloadConfig(bucket_url=bucket, publish_every=2, busy_policy="wait", keep_training_on_error=keep)
+    data, ctrl = Meeting(2, timeout_s=20.0), Meeting(2, timeout_s=20.0)
+    pubs: list[Any] = [None, None]
+    raised: dict[int, BaseException | None] = {0: None, 1: None}
+
+    def make(rank: int) -> None:
+        chunk = WholeChunk(names[rank], (n,), "BF16", "flat", Box.flat(0, n), torch.zeros(n, dtype=torch.bfloat16))
+        pubs[rank] = Publisher([chunk], specs, cfg, comm=ThreadComm(data, rank, 2),
+                               ctrl=_BrokenVoteComm(ctrl, rank, 2), storage=Storage(bucket))
+
+    def run(rank: int) -> None:
+        pubs[rank].publish(0)
+        pubs[rank].publish(1)
+        try:
+            pubs[rank].close()
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            raised[rank] = exc
+
+    run_ranks(make, 2)
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        run_ranks(run, 2, timeout_s=60)
+    if keep:
+        assert raised == {0: None, 1: None}, raised
+        assert caplog.text.count("the ranks' vote on publishing the newest step at close failed") == 2, caplog.text
+    else:
+        assert all(isinstance(e, PublishError) and "injected: Connection closed by peer" in str(e)
+                   for e in raised.values()), raised
+    assert [(m.step, m.ok) for m in pubs[0].metrics.records] == [(0, True)]
 
 
 @pytest.mark.parametrize("close", [True, False], ids=["close-gave-up", "no-close"])

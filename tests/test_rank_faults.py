@@ -371,6 +371,23 @@ def test_a_callback_dropped_without_close_frees_its_side_groups(tmp_path: Path) 
         assert len(got["stopped_first"]) >= 6 and all(got["stopped_first"]), got
 
 
+def test_a_rank_closing_on_an_exception_does_not_leave_the_others_waiting_in_the_vote(tmp_path: Path) -> None:
+    """torchrun, 2 ranks (dist_scripts/vote_after_peer_error.py): rank 1 leaves ``with cb:`` on an exception and
+    waits at a barrier; rank 0 closes cleanly, with step 3 left to publish. Rank 0 waited in close()'s vote for a
+    rank that never votes, until the side group's timeout (30 s here, over an hour by default), and then raised;
+    now rank 1 says it will not vote, rank 0 stops waiting at once, and publishes nothing more."""
+    from tests.dist_util import SCRIPTS, run_torchrun
+
+    run_torchrun(str(SCRIPTS / "vote_after_peer_error.py"), 2, ["--bucket", str(tmp_path / "bucket"), "--out",
+                                                                str(tmp_path)])
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert got[1]["error"] == "OSError: injected: this rank's checkpoint write failed", got[1]
+    assert got[0]["error"] is None and got[0]["s"] < 20, got[0]  # not the vote's failure at the group's timeout
+    assert [0, True] in got[0]["published"] and 3 not in [step for step, _ in got[0]["published"]], got[0]
+    said = [w for w in got[0]["warnings"] if "step 3 is not published at close" in w]
+    assert len(said) == 1 and "rank 1 closes on an exception" in said[0], got[0]["warnings"]
+
+
 def test_close_after_destroy_process_group_says_what_happened(tmp_path: Path) -> None:
     """torchrun, 2 ranks (dist_scripts/destroyed_first.py): close() after destroy_process_group(), with step 1
     left to publish at close. It raised "Group <...> is not registered", which named neither the cause nor the

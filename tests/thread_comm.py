@@ -33,16 +33,23 @@ class Meeting:
         self.world, self.timeout_s = world, timeout_s
         self._cond = threading.Condition()
         self._values: dict[int, dict[int, Any]] = {}
+        self.notes: dict[str, str] = {}  # the job's key-value store (Comm.note)
 
     def put(self, n: int, rank: int, value: Any) -> None:
         with self._cond:
             self._values.setdefault(n, {})[rank] = value
             self._cond.notify_all()
 
-    def get(self, n: int) -> dict[int, Any]:
+    def get(self, n: int, timeout: float | None = None) -> dict[int, Any]:
+        """Every rank's value of collective ``n``; TimeoutError after ``timeout`` s, RuntimeError (as gloo's own
+        timeout) after the group's ``timeout_s`` when none is given."""
         with self._cond:
-            if not self._cond.wait_for(lambda: len(self._values.get(n, {})) == self.world, self.timeout_s):
-                raise TimeoutError(f"collective {n}: only ranks {sorted(self._values.get(n, {}))} arrived")
+            if not self._cond.wait_for(lambda: len(self._values.get(n, {})) == self.world,
+                                       self.timeout_s if timeout is None else timeout):
+                arrived = sorted(self._values.get(n, {}))
+                if timeout is not None:
+                    raise TimeoutError(f"collective {n}: only ranks {arrived} arrived within {timeout:g} s")
+                raise RuntimeError(f"collective {n}: only ranks {arrived} arrived (the group's timeout)")
             return dict(self._values[n])
 
 
@@ -70,11 +77,11 @@ class ThreadComm:
             time.sleep(self.outcome_delay_s)
         return value
 
-    def allreduce_max_async(self, value: int) -> Callable[[], int]:
+    def allreduce_max_async(self, value: int) -> Callable[..., int]:
         self._n += 1
         n = self._n
         self.meeting.put(n, self.rank, value)
-        return lambda: max(self.meeting.get(n).values())
+        return lambda timeout=None: max(self.meeting.get(n, timeout).values())
 
     def allreduce_max(self, values: Any) -> Any:
         import numpy as np
@@ -83,6 +90,12 @@ class ThreadComm:
         n = self._n
         self.meeting.put(n, self.rank, values)
         return np.maximum.reduce(list(self.meeting.get(n).values()))
+
+    def note(self, key: str, value: str) -> None:
+        self.meeting.notes[key] = value
+
+    def noted(self, key: str) -> str | None:
+        return self.meeting.notes.get(key)
 
     def close(self) -> None:
         pass

@@ -14,7 +14,9 @@ Example::
 from __future__ import annotations
 
 import io
+import logging
 import pickle
+import threading
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 if TYPE_CHECKING:
@@ -47,12 +49,23 @@ class Comm(Protocol):
         """Rank 0's object on every rank."""
         ...
 
-    def allreduce_max_async(self, value: int) -> "Callable[[], int]":
-        """Start a max-reduction; the returned function waits for and returns the result."""
+    def allreduce_max_async(self, value: int) -> "Callable[..., int]":
+        """Start a max-reduction; the returned function, ``result(timeout=None)``, waits for and returns the
+        result: past ``timeout`` seconds it raises TimeoutError and the reduction stays pending."""
         ...
 
     def allreduce_max(self, values: "np.ndarray") -> "np.ndarray":
         """The element-wise maximum of every rank's int64 array (one shape on every rank), on every rank."""
+        ...
+
+    def note(self, key: str, value: str) -> None:
+        """Leave ``value`` under ``key`` for the other ranks, outside any collective: it never waits for them
+        (why: a rank leaving on an exception tells the others it will not take part, and must not wait for them,
+        since they may be stuck elsewhere). Best effort: it never raises."""
+        ...
+
+    def noted(self, key: str) -> str | None:
+        """The value some rank left under ``key`` (:meth:`note`), or None (also where it cannot be read)."""
         ...
 
     def close(self) -> None:
@@ -75,11 +88,17 @@ class LocalComm:
     def broadcast(self, obj: Any) -> Any:
         return obj
 
-    def allreduce_max_async(self, value: int) -> "Callable[[], int]":
-        return lambda: value
+    def allreduce_max_async(self, value: int) -> "Callable[..., int]":
+        return lambda timeout=None: value
 
     def allreduce_max(self, values: "np.ndarray") -> "np.ndarray":
         return values.copy()
+
+    def note(self, key: str, value: str) -> None:
+        pass
+
+    def noted(self, key: str) -> str | None:
+        return None
 
     def close(self) -> None:
         pass
@@ -94,6 +113,7 @@ class GlooComm:
         self._dist = dist
         self._group = group
         self._closed = False
+        self._async: list[Any] = []  # reductions started and not yet seen to end (see close)
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self._global = [dist.get_global_rank(group, r) for r in range(self.world)] if group is not None else list(
@@ -120,8 +140,16 @@ class GlooComm:
         """Destroy the group (local, not a collective). Why: each group holds gloo's threads and a socket per
         peer, so a job that makes a new callback after every resharding would otherwise leak them (they are freed
         with the group object, which is let go here). A collective started after (another thread's close()) then
-        raises: with ``group=None`` it would run on torch's default group, the training one."""
+        raises: with ``group=None`` it would run on torch's default group, the training one.
+
+        A group with a reduction still pending (a vote that a rank gave up on) is left for the process's exit:
+        gloo cannot cancel it, and destroying the group may wait for it until the group's timeout."""
         group, self._group, self._closed = self._group, None, True
+        if any(not work.is_completed() for work in self._async):
+            logging.getLogger("fsdp_hotload").info(
+                "hotload: a side group with a reduction still pending is left for the process's exit")
+            return
+        self._async.clear()  # a work holds its group: the group's sockets close only once none is left
         if group is not None and self._dist.is_initialized():
             self._dist.destroy_process_group(group)
 
@@ -219,17 +247,41 @@ class GlooComm:
         dist.broadcast(buf, src=root, group=self.group)
         return _unframed(buf, lambda big: dist.broadcast(big, src=root, group=self.group))
 
-    def allreduce_max_async(self, value: int) -> "Callable[[], int]":
+    def allreduce_max_async(self, value: int) -> "Callable[..., int]":
         import torch
 
         t = torch.tensor([value], dtype=torch.int64)
         work = self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._async = [w for w in self._async if not w.is_completed()] + [work]
+        ended = threading.Event()  # set on success and on failure; waited on, not work.wait(timeout), so a wait
+        work.get_future().add_done_callback(lambda _: ended.set())  # cut short is told from gloo's own errors
 
-        def result() -> int:
+        def result(timeout: float | None = None) -> int:
+            if timeout is not None and not ended.wait(timeout):
+                raise TimeoutError(f"the max-reduction did not end within {timeout:g} s")
             work.wait()
             return int(t.item())
 
         return result
+
+    def note(self, key: str, value: str) -> None:
+        try:
+            self._store().set(key, value)
+        except Exception as exc:  # noqa: BLE001 - best effort: the others then wait on their own deadline
+            logging.getLogger("fsdp_hotload").debug("hotload: could not leave a note for the other ranks: %r", exc)
+
+    def noted(self, key: str) -> str | None:
+        try:
+            store = self._store()
+            return store.get(key).decode() if store.check([key]) else None
+        except Exception:  # noqa: BLE001 - unreadable: as if none was left (a gone peer fails the collective)
+            return None
+
+    def _store(self) -> Any:
+        """The job's key-value store (the rendezvous one; torch has no public accessor for it)."""
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
 
     def allreduce_max(self, values: "np.ndarray") -> "np.ndarray":
         import torch

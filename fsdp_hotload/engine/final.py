@@ -16,12 +16,17 @@ import threading
 import time
 from typing import Any
 
+from .agreement import NoVote
+from .exits import deadline_after
+from .jobs import PublishError
+
 log = logging.getLogger("fsdp_hotload")
 
 
 def publish_newest(pub: Any, sources: Any, timeout: float | None) -> bool:
     """The body of ``Publisher.publish_final`` (see there); ``pub`` is the Publisher, its API lock held."""
     late: TimeoutError | None = None
+    deadline = deadline_after(timeout)  # the vote's too: a rank that never votes must not hold this one
     try:
         pub.wait(timeout)
     except TimeoutError as exc:
@@ -41,10 +46,12 @@ def publish_newest(pub: Any, sources: Any, timeout: float | None) -> bool:
     if wanted and late is not None:
         why = why or "close()'s timeout passed while snapshots were in flight"
     vote = int(not wanted or why is not None)  # a broken rank votes too: ctrl is not the group that broke
-    if pub.world > 1 and (pub.agreements.failed is not None  # no vote can be taken: nobody publishes
-                          or pub.agreements.vote(vote)):
-        why = why or ("another rank cannot publish it" if wanted else None)  # one vote: all ranks, or none
-        wanted = False
+    if pub.world > 1:  # one vote: all ranks publish, or none
+        declined = ("the ranks' agreement failed earlier" if pub.agreements.failed is not None  # no vote: nobody
+                    else _declined(pub, vote, deadline))
+        if declined is not None:
+            why = why or (declined if wanted else None)
+            wanted = False
     if late is not None and pub._pending:
         raise late
     if why is not None:
@@ -61,6 +68,20 @@ def publish_newest(pub: Any, sources: Any, timeout: float | None) -> bool:
     pub._skipped -= pub._skipped_newest
     pub._start(pub.latest_step, buf, sources, False, t0)
     return True
+
+
+def _declined(pub: Any, vote: int, deadline: float | None) -> str | None:
+    """The vote: None where every rank may publish, else why not (some rank objects, or no vote could be taken:
+    no rank publishes then). Its failure is raised, or logged with ``keep_training_on_error``."""
+    try:
+        return "another rank cannot publish it" if pub.agreements.vote(vote, deadline) else None
+    except NoVote as exc:
+        return f"the ranks' vote ended without every rank's: {exc}"
+    except PublishError as exc:
+        if not pub.config.keep_training_on_error:
+            raise
+        log.error("hotload: the ranks' vote on publishing the newest step at close failed: %s", exc)
+        return "the ranks' vote failed"
 
 
 def objection(pub: Any, sources: object) -> str | None:

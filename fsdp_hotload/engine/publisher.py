@@ -173,7 +173,7 @@ class Publisher:
         self._idle = threading.Condition()
         self._skipped = 0
         self._skipped_newest = False  # the newest step counted in _skipped (busy): not once close() publishes it
-        self.agreements = Agreements(self.ctrl)  # the skip policy's, and close()'s vote
+        self.agreements = Agreements(self.ctrl, self.session)  # the skip policy's, and close()'s vote
         self.early_agreement = False  # set while a caller starts each agreement with agree() (see there)
         self._copying: Job | None = None  # the job whose host copy runs on the stager's helper thread
         every = config.progress_log_s
@@ -310,9 +310,10 @@ class Publisher:
         another thread than the training steps (the weights may be changing), or when the newest ``publish``
         brought its own tensors and they are not given again (a function given there is called again). Every
         rank must call it (``close`` does, with ``config.publish_on_close``, unless it closes on an exception).
-        ``timeout`` bounds that wait: past it this rank still votes (against), so that a rank whose wait ended in
-        time is not left waiting for its vote, and raises TimeoutError if snapshots are still in flight after the
-        vote, which waits for the other ranks to reach it (at their own deadlines, or once the snapshots end)."""
+        ``timeout`` bounds that wait and the vote: past it this rank still votes (against), so that a rank whose
+        wait ended in time is not left waiting for its vote, stops waiting for the others' votes (none publishes
+        then), and raises TimeoutError if snapshots are still in flight. A rank that closes on an exception does
+        not vote; it tells the others, who stop waiting at once (see agreement.py)."""
         with self._api_lock:
             if self._closing:
                 raise RuntimeError("publisher is closed")
@@ -394,7 +395,7 @@ class Publisher:
         """Publish a skipped newest step (:meth:`publish_final`), finish in-flight snapshots, stop the thread, and
         raise a stored error. From another thread, it waits for a publish() under way; later ones raise. Closing
         on an exception (``raise_errors=False``, or while one propagates) publishes nothing more and does not
-        vote: the weights may be half updated.
+        vote (the weights may be half updated); it tells the other ranks so, without waiting for them.
 
         ``timeout`` (default ``config.close_timeout_s``; None waits as long as the snapshots take) bounds the waits
         for snapshots in flight: past it, they are abandoned (:func:`.exits.abandon`) and PublishError is raised.
@@ -418,6 +419,10 @@ class Publisher:
             if final and propagating and self.latest_step > self._last_staged:
                 log.warning("hotload: closing while an exception propagates: the newest step %d is not published",
                             self.latest_step)
+            if self.config.publish_on_close and not self._closing and not (final and not propagating):
+                # the others vote at their close: a vote this rank started could hold its exit while they are
+                # stuck elsewhere (a training collective), so it leaves a note instead (agreement.py)
+                self.agreements.withdraw("closes on an exception")
             if final and not propagating:
                 try:
                     self.publish_final(sources, timeout=left(deadline))
