@@ -6,6 +6,7 @@ Example::
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -100,3 +101,27 @@ def start_rank() -> tuple[str, Path, int]:
     args = p.parse_args()
     dist.init_process_group("gloo")
     return args.bucket, Path(args.out), dist.get_rank()
+
+
+class WarningLines(logging.Handler):
+    """The messages of hotload's warnings (and worse) logged in this process, for a script to write out.
+
+    Example::
+
+        said = WarningLines.attach()
+        ...
+        Path(out, "rank0.json").write_text(json.dumps(said.lines))
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    @classmethod
+    def attach(cls, logger: str = "fsdp_hotload") -> "WarningLines":
+        handler = cls()
+        logging.getLogger(logger).addHandler(handler)
+        return handler

@@ -625,6 +625,26 @@ def test_a_rank_whose_close_times_out_still_votes_so_the_others_do_not_wait_for_
     assert [(m.step, m.ok) for m in pubs[0].metrics.records] == [(0, False)]  # step 1 not published: rank 0 was late
 
 
+def _thread_rank_publishers(bucket: str, ctrl_comm: type = ThreadComm, **settings: Any) -> list[Any]:
+    """Two in-process ranks' publishers of one 1024-element bf16 tensor each (a, b), step 1 left to publish at close
+    (``publish_every=2``); ``ctrl_comm`` makes the trainer's side group."""
+    from fsdp_hotload.storage import Storage
+
+    names, n = ["a", "b"], 1024
+    specs = [TensorSpec(name, (n,), "BF16") for name in names]
+    cfg = HotloadConfig(bucket_url=bucket, publish_every=2, busy_policy="wait", **settings)
+    data, ctrl = Meeting(2, timeout_s=20.0), Meeting(2, timeout_s=20.0)
+    pubs: list[Any] = [None, None]
+
+    def make(rank: int) -> None:
+        chunk = WholeChunk(names[rank], (n,), "BF16", "flat", Box.flat(0, n), torch.zeros(n, dtype=torch.bfloat16))
+        pubs[rank] = Publisher([chunk], specs, cfg, comm=ThreadComm(data, rank, 2), ctrl=ctrl_comm(ctrl, rank, 2),
+                               storage=Storage(bucket))
+
+    run_ranks(make, 2)
+    return pubs
+
+
 def test_close_timeout_bounds_the_vote_and_no_rank_publishes_alone(tmp_path: Path,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     """In-process ranks, step 1 left to publish at close. Rank 1 reaches close() 4 s after rank 0 (a slow write of
@@ -634,21 +654,9 @@ def test_close_timeout_bounds_the_vote_and_no_rank_publishes_alone(tmp_path: Pat
     not publish step 1 alone either (a snapshot rank 0 would never join)."""
     import time
 
-    from fsdp_hotload.storage import Storage
-
-    bucket = str(tmp_path / "bucket")
-    names, n = ["a", "b"], 1024
-    specs = [TensorSpec(name, (n,), "BF16") for name in names]
-    cfg = HotloadConfig(bucket_url=bucket, publish_every=2, busy_policy="wait")
-    data, ctrl = Meeting(2, timeout_s=20.0), Meeting(2, timeout_s=20.0)
-    pubs: list[Any] = [None, None]
+    pubs = _thread_rank_publishers(str(tmp_path / "bucket"))
     raised: dict[int, BaseException | None] = {0: None, 1: None}
     took: dict[int, float] = {}
-
-    def make(rank: int) -> None:
-        chunk = WholeChunk(names[rank], (n,), "BF16", "flat", Box.flat(0, n), torch.zeros(n, dtype=torch.bfloat16))
-        pubs[rank] = Publisher([chunk], specs, cfg, comm=ThreadComm(data, rank, 2), ctrl=ThreadComm(ctrl, rank, 2),
-                               storage=Storage(bucket))
 
     def run(rank: int) -> None:
         pubs[rank].publish(0)
@@ -662,7 +670,6 @@ def test_close_timeout_bounds_the_vote_and_no_rank_publishes_alone(tmp_path: Pat
             raised[rank] = exc
         took[rank] = time.monotonic() - t0
 
-    run_ranks(make, 2)
     with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
         run_ranks(run, 2, timeout_s=60)
     said = [r.getMessage() for r in caplog.records]
@@ -693,20 +700,9 @@ def test_a_failed_vote_is_raised_by_close_unless_errors_are_only_logged(tmp_path
     even with keep_training_on_error, which logs every other publishing error; now it logs it there (and still
     raises it otherwise). No rank publishes step 1 either way."""
     from fsdp_hotload.engine import PublishError
-    from fsdp_hotload.storage import Storage
 
-    bucket = str(tmp_path / "bucket")
-    names, n = ["a", "b"], 1024
-    specs = [TensorSpec(name, (n,), "BF16") for name in names]
-    cfg = HotloadConfig(bucket_url=bucket, publish_every=2, busy_policy="wait", keep_training_on_error=keep)
-    data, ctrl = Meeting(2, timeout_s=20.0), Meeting(2, timeout_s=20.0)
-    pubs: list[Any] = [None, None]
+    pubs = _thread_rank_publishers(str(tmp_path / "bucket"), _BrokenVoteComm, keep_training_on_error=keep)
     raised: dict[int, BaseException | None] = {0: None, 1: None}
-
-    def make(rank: int) -> None:
-        chunk = WholeChunk(names[rank], (n,), "BF16", "flat", Box.flat(0, n), torch.zeros(n, dtype=torch.bfloat16))
-        pubs[rank] = Publisher([chunk], specs, cfg, comm=ThreadComm(data, rank, 2),
-                               ctrl=_BrokenVoteComm(ctrl, rank, 2), storage=Storage(bucket))
 
     def run(rank: int) -> None:
         pubs[rank].publish(0)
@@ -716,7 +712,6 @@ def test_a_failed_vote_is_raised_by_close_unless_errors_are_only_logged(tmp_path
         except BaseException as exc:  # noqa: BLE001 - checked below
             raised[rank] = exc
 
-    run_ranks(make, 2)
     with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
         run_ranks(run, 2, timeout_s=60)
     if keep:

@@ -6,7 +6,6 @@ Each rank builds one, publishes a step and closes; it writes the hotload warning
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from pathlib import Path
 
@@ -16,22 +15,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fsdp_hotload import HotloadConfig, TensorPublisher  # noqa: E402
-from tests.dist_util import start_rank  # noqa: E402
-
-
-class Kept(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
+from tests.dist_util import WarningLines, start_rank  # noqa: E402
 
 
 def main() -> None:
     bucket, out, rank = start_rank()
-    kept = Kept()
-    logging.getLogger("fsdp_hotload").addHandler(kept)
+    kept = WarningLines.attach()
     state = {"model.norm.weight": torch.ones(8)}
     with TensorPublisher(state, HotloadConfig(bucket_url=f"{bucket}/rank{rank}")) as pub:
         pub.publish(0, state)

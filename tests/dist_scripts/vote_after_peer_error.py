@@ -9,7 +9,6 @@ close ended, how long it took, the warnings logged, and (rank 0) the steps publi
 from __future__ import annotations
 
 import json
-import logging
 import sys
 import time
 from pathlib import Path
@@ -21,22 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fsdp_hotload import HotloadCallback, HotloadConfig  # noqa: E402
 from tests.dist_scripts.check_chunks import fsdp2  # noqa: E402
-from tests.dist_util import finish, start_rank  # noqa: E402
-
-
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
+from tests.dist_util import WarningLines, finish, start_rank  # noqa: E402
 
 
 def main() -> None:
     bucket, out, rank = start_rank()
-    warnings = _Warnings()
-    logging.getLogger("fsdp_hotload").addHandler(warnings)
+    warnings = WarningLines.attach()
     model = fsdp2(dist.get_world_size(), hsdp=False)
     cb = HotloadCallback(model, HotloadConfig(bucket_url=bucket, publish_every=2, collective_timeout_s=30))
     error, started = None, time.monotonic()
