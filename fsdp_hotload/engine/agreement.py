@@ -43,7 +43,7 @@ class Agreements:
         self.ctrl = ctrl
         self._absent = f"hotload/{session}/closes-without-voting"  # the note's key: one per publisher of the job
         self.failed: BaseException | None = None  # the first failed reduction: ctrl is unusable
-        self._pending: Callable[[], int] | None = None
+        self._pending: Callable[..., int] | None = None
 
     @property
     def pending(self) -> bool:
