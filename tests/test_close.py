@@ -632,7 +632,7 @@ def _thread_rank_publishers(bucket: str, ctrl_comm: type = ThreadComm, **setting
 
     names, n = ["a", "b"], 1024
     specs = [TensorSpec(name, (n,), "BF16") for name in names]
-    cfg = HotloadConfig(bucket_url=bucket, publish_every=2, busy_policy="wait", **settings)
+    cfg = HotloadConfig(bucket_url=bucket, **{"publish_every": 2, "busy_policy": "wait", **settings})
     data, ctrl = Meeting(2, timeout_s=20.0), Meeting(2, timeout_s=20.0)
     pubs: list[Any] = [None, None]
 
@@ -678,6 +678,37 @@ def test_close_timeout_bounds_the_vote_and_no_rank_publishes_alone(tmp_path: Pat
     assert [(m.step, m.ok) for m in pubs[0].metrics.records] == [(0, True)]
     assert len([line for line in said if "step 1 is not published at close" in line
                 and "rank 0 stopped waiting for the others at close()'s deadline" in line]) == 2, said
+
+
+def test_a_busy_agreement_left_pending_at_close_ends_when_the_other_rank_closes_on_an_exception(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """In-process ranks, skip policy. Rank 1 raises before its step 1 and closes on it; rank 0's step 1 was
+    skipped (busy) and started the agreement for the next publish, which rank 1 never starts. Rank 0's clean close
+    read it with no bound before its vote, so it waited until the trainer group's timeout (over an hour by default;
+    20 s here) and raised; now rank 1's note ends that wait too, and rank 0 publishes nothing more."""
+    import time
+
+    pubs = _thread_rank_publishers(str(tmp_path / "bucket"), busy_policy="skip", publish_every=1)
+    raised: dict[int, BaseException | None] = {0: None, 1: None}
+    took: dict[int, float] = {}
+
+    def run(rank: int) -> None:
+        pubs[rank].publish(0)
+        if rank == 0:
+            assert pubs[0].publish(1) is False  # busy: step 0's snapshot held the slot when its agreement began
+        t0 = time.monotonic()
+        try:
+            pubs[rank].close(raise_errors=rank == 0)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            raised[rank] = exc
+        took[rank] = time.monotonic() - t0
+
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        run_ranks(run, 2, timeout_s=60)
+    assert raised == {0: None, 1: None}, raised
+    assert took[0] < 10, took  # not the group's timeout (20 s)
+    assert [(m.step, m.ok) for m in pubs[0].metrics.records] == [(0, True)]
+    assert "step 1 is not published at close: no vote can be taken: rank 1 closes on an exception" in caplog.text
 
 
 class _BrokenVoteComm(ThreadComm):

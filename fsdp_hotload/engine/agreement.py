@@ -71,7 +71,31 @@ class Agreements:
         :class:`NoVote` once some rank said it will not vote (:meth:`withdraw`) or at ``deadline`` (monotonic)."""
         if self.failed is not None:
             raise PublishError(f"the ranks' agreement on the trainer's side group failed earlier: {self.failed!r}")
-        result = self.ctrl.allreduce_max_async(value)
+        got = self._await(self.ctrl.allreduce_max_async(value), deadline)
+        # Every rank voted, but one may have stopped waiting just before the last vote came: it does not publish,
+        # so neither does this one. (Its note comes before it stops waiting; a vote ending in that instant is
+        # missed, and the snapshot that rank does not join fails with the error.)
+        absent = self.ctrl.noted(self._absent)
+        if absent is not None:
+            raise NoVote(absent)
+        return got
+
+    def read_at_close(self, on_failure: Callable[[PublishError], None], deadline: float | None) -> None:
+        """close(): read a pending "busy" agreement before the vote, bounded as the vote is. Why: a rank that
+        raised before its last publish never started it, so only a note or the deadline can end it; then no vote
+        is taken (:attr:`failed`), and no rank publishes."""
+        pending, self._pending = self._pending, None
+        if pending is None or self.failed is not None:
+            return
+        try:
+            self._await(pending, deadline)
+        except NoVote:
+            pass
+        except PublishError as exc:
+            on_failure(exc)
+
+    def _await(self, result: Callable[..., int], deadline: float | None) -> int:
+        """``result``'s value, waited for until some rank leaves a note or ``deadline`` passes (:class:`NoVote`)."""
         while True:
             try:
                 got = self._result(result, POLL_S if deadline is None else min(POLL_S, left(deadline) or 0.0))
@@ -88,13 +112,8 @@ class Agreements:
                 absent = self.ctrl.noted(self._absent)
                 if absent is None:
                     raise
-                raise NoVote(absent) from exc
-            # Every rank voted, but one may have stopped waiting just before the last vote came: it does not
-            # publish, so neither does this one. (Its note comes before it stops waiting; a vote ending in that
-            # instant is missed, and the snapshot that rank does not join fails with the error.)
-            absent = self.ctrl.noted(self._absent)
-            if absent is not None:
-                raise NoVote(absent)
+                self.failed = NoVote(absent)
+                raise self.failed from exc
             return got
 
     def withdraw(self, why: str) -> None:

@@ -114,6 +114,7 @@ class GlooComm:
         self._group = group
         self._closed = False
         self._async: list[Any] = []  # reductions started and not yet seen to end (see close)
+        self._store: Any = _job_store()  # held: destroy_process_group() unregisters the default one
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self._global = [dist.get_global_rank(group, r) for r in range(self.world)] if group is not None else list(
@@ -266,22 +267,34 @@ class GlooComm:
 
     def note(self, key: str, value: str) -> None:
         try:
-            self._store().set(key, value)
+            self._store.set(key, value)  # returns at once, also where the store's host stopped answering
         except Exception as exc:  # noqa: BLE001 - best effort: the others then wait on their own deadline
             logging.getLogger("fsdp_hotload").debug("hotload: could not leave a note for the other ranks: %r", exc)
 
     def noted(self, key: str) -> str | None:
-        try:
-            store = self._store()
-            return store.get(key).decode() if store.check([key]) else None
-        except Exception:  # noqa: BLE001 - unreadable: as if none was left (a gone peer fails the collective)
+        """Read on a daemon thread, waited for at most ``STORE_READ_S``: a read from a store whose host stopped
+        answering (no reset) blocks past the store's own timeout. After one such read the store is not read
+        again (None from then on: the vote's other bounds apply)."""
+        store, got = self._store, []
+        if store is None:
             return None
 
-    def _store(self) -> Any:
-        """The job's key-value store (the rendezvous one; torch has no public accessor for it)."""
-        from torch.distributed import distributed_c10d
+        def read() -> None:
+            try:
+                got.append(store.get(key).decode() if store.check([key]) else None)
+            except Exception:  # noqa: BLE001 - unreadable: as if none was left (a gone peer fails the collective)
+                got.append(None)
 
-        return distributed_c10d._get_default_store()
+        reader = threading.Thread(target=read, name="hotload-store-read", daemon=True)
+        reader.start()
+        reader.join(STORE_READ_S)
+        if reader.is_alive():
+            self._store = None
+            logging.getLogger("fsdp_hotload").warning(
+                "hotload: the job's store did not answer within %g s: the other ranks' notes are not read",
+                STORE_READ_S)
+            return None
+        return got[0]
 
     def allreduce_max(self, values: "np.ndarray") -> "np.ndarray":
         import torch
@@ -289,6 +302,19 @@ class GlooComm:
         t = torch.from_numpy(values.astype("int64", copy=True))  # a copy: reduced in place
         self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
         return t.numpy()
+
+
+STORE_READ_S = 2.0  # the longest a read of the job's store is waited for (GlooComm.noted)
+
+
+def _job_store() -> Any:
+    """The job's key-value store (the rendezvous one; torch has no public accessor for it), or None."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store: notes are not left, the vote's other bounds apply
+        return None
 
 
 _INLINE = 8192 - 8  # object bytes that travel inside the fixed-size gather/broadcast buffer

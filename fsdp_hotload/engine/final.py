@@ -32,7 +32,7 @@ def publish_newest(pub: Any, sources: Any, timeout: float | None) -> bool:
     except TimeoutError as exc:
         late = exc
     if pub.agreements.pending:  # an agreement for a step that never came: read it, it pairs
-        pub.agreements.read(pub._agreement_failed)
+        pub.agreements.read_at_close(pub._agreement_failed, deadline)
     if pub.config.keep_training_on_error:
         pub.raise_if_failed()  # logs it
         if pub.rank == 0 and pub._last_accepted < pub._last_staged == pub.latest_step:
@@ -86,6 +86,8 @@ def _declined(pub: Any, vote: int, deadline: float | None) -> str | None:
 
 def objection(pub: Any, sources: object) -> str | None:
     """Why this rank may not publish the newest step at close, or None."""
+    if isinstance(pub.agreements.failed, NoVote):
+        return f"no vote can be taken: {pub.agreements.failed}"
     if pub.agreements.failed is not None:
         return "publishing stopped after the ranks' agreement failed"
     if pub._broken is not None:
