@@ -113,7 +113,7 @@ class GlooComm:
         self._dist = dist
         self._group = group
         self._closed = False
-        self._async: list[Any] = []  # reductions started and not yet seen to end (see close)
+        self._async: list[Any] = []  # reductions a bounded wait gave up on (see close)
         self._store: Any = _job_store()  # held: destroy_process_group() unregisters the default one
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -150,7 +150,7 @@ class GlooComm:
             logging.getLogger("fsdp_hotload").info(
                 "hotload: a side group with a reduction still pending is left for the process's exit")
             return
-        self._async.clear()  # a work holds its group: the group's sockets close only once none is left
+        self._async.clear()  # a work holds its group, whose sockets close only once none is left
         if group is not None and self._dist.is_initialized():
             self._dist.destroy_process_group(group)
 
@@ -253,13 +253,17 @@ class GlooComm:
 
         t = torch.tensor([value], dtype=torch.int64)
         work = self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group, async_op=True)
-        self._async = [w for w in self._async if not w.is_completed()] + [work]
-        ended = threading.Event()  # set on success and on failure; waited on, not work.wait(timeout), so a wait
-        work.get_future().add_done_callback(lambda _: ended.set())  # cut short is told from gloo's own errors
+        ended: list[threading.Event] = []  # made at the first bounded wait: the busy agreement's start stays as is
 
         def result(timeout: float | None = None) -> int:
-            if timeout is not None and not ended.wait(timeout):
-                raise TimeoutError(f"the max-reduction did not end within {timeout:g} s")
+            if timeout is not None:
+                if not ended:  # set on success and on failure; waited on, not work.wait(timeout), so a wait cut
+                    ended.append(threading.Event())  # short is told from gloo's own errors
+                    work.get_future().add_done_callback(lambda _: ended[0].set())
+                if not ended[0].wait(timeout):
+                    if work not in self._async:
+                        self._async.append(work)  # may stay pending: close() must not destroy its group
+                    raise TimeoutError(f"the max-reduction did not end within {timeout:g} s")
             work.wait()
             return int(t.item())
 
