@@ -712,15 +712,12 @@ def test_a_busy_agreement_left_pending_at_close_ends_when_the_other_rank_closes_
 
 
 class _BrokenVoteComm(ThreadComm):
-    """The trainer's side group breaks in close()'s vote (as when a peer's end of it closes), with no note left."""
+    """The job's store fails in close()'s vote (as when its host is gone)."""
 
-    def allreduce_max_async(self, value: int) -> Any:
-        super().allreduce_max_async(value)
+    def count(self, key: str, n: int) -> int:
+        from fsdp_hotload.engine.comm import StoreError
 
-        def result(timeout: float | None = None) -> int:
-            raise RuntimeError("injected: Connection closed by peer")
-
-        return result
+        raise StoreError("injected: Connection reset by peer")
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["raise", "keep_training_on_error"])
@@ -749,7 +746,7 @@ def test_a_failed_vote_is_raised_by_close_unless_errors_are_only_logged(tmp_path
         assert raised == {0: None, 1: None}, raised
         assert caplog.text.count("the ranks' vote on publishing the newest step at close failed") == 2, caplog.text
     else:
-        assert all(isinstance(e, PublishError) and "injected: Connection closed by peer" in str(e)
+        assert all(isinstance(e, PublishError) and "injected: Connection reset by peer" in str(e)
                    for e in raised.values()), raised
     assert [(m.step, m.ok) for m in pubs[0].metrics.records] == [(0, True)]
 

@@ -388,6 +388,23 @@ def test_a_rank_closing_on_an_exception_does_not_leave_the_others_waiting_in_the
     assert len(said) == 1 and "rank 1 closes on an exception" in said[0], got[0]["warnings"]
 
 
+def test_a_vote_given_up_at_close_timeout_leaves_nothing_that_holds_the_process(tmp_path: Path) -> None:
+    """torchrun, 2 ranks (dist_scripts/vote_gave_up_exit.py): rank 0's close() gives up on the vote at its 1 s
+    deadline, rank 1 closes 3 s later without voting and keeps its process alive. The vote was a gloo reduction,
+    left pending: rank 0's destroy_process_group() then returned only once rank 1's process had exited (Z10
+    measured 28 s), and its exit could end in SIGABRT. The vote is now taken in the job's store."""
+    from tests.dist_util import SCRIPTS, run_torchrun
+
+    run_torchrun(str(SCRIPTS / "vote_gave_up_exit.py"), 2, ["--bucket", str(tmp_path / "bucket"), "--out",
+                                                            str(tmp_path)])
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert got[1]["rank 0 torn down while rank 1 lives"] is True, got
+    assert got[0]["error"] is None and [0, True] in got[0]["published"], got[0]
+    assert 3 not in [step for step, _ in got[0]["published"]], got[0]
+    said = [w for w in got[0]["warnings"] if "step 3 is not published at close" in w]
+    assert len(said) == 1 and "rank 0 stopped waiting for the others at close()'s deadline" in said[0], got[0]
+
+
 def test_close_after_destroy_process_group_says_what_happened(tmp_path: Path) -> None:
     """torchrun, 2 ranks (dist_scripts/destroyed_first.py): close() after destroy_process_group(), with step 1
     left to publish at close. It raised "Group <...> is not registered", which named neither the cause nor the

@@ -34,6 +34,7 @@ class Meeting:
         self._cond = threading.Condition()
         self._values: dict[int, dict[int, Any]] = {}
         self.notes: dict[str, str] = {}  # the job's key-value store (Comm.note)
+        self.lock = threading.Lock()  # the store's atomic operations (Comm.count, Comm.settle)
 
     def put(self, n: int, rank: int, value: Any) -> None:
         with self._cond:
@@ -96,6 +97,16 @@ class ThreadComm:
 
     def noted(self, key: str) -> str | None:
         return self.meeting.notes.get(key)
+
+    def count(self, key: str, n: int) -> int:
+        with self.meeting.lock:
+            total = int(self.meeting.notes.get(key, 0)) + n
+            self.meeting.notes[key] = str(total)
+            return total
+
+    def settle(self, key: str, value: str) -> str:
+        with self.meeting.lock:
+            return self.meeting.notes.setdefault(key, value)
 
     def close(self) -> None:
         pass

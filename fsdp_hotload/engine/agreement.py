@@ -1,47 +1,59 @@
-"""The ranks' agreements on the trainer's side group (``ctrl``): the skip policy's "is some rank busy?" before a
-publish, and close()'s vote on publishing the newest step.
+"""The ranks' agreements: the skip policy's "is some rank busy?" before a publish (a reduction on the trainer's side
+group, ``ctrl``), and close()'s vote on publishing the newest step (in the job's key-value store).
 
-Why apart from the publisher's own group: these run from the training thread, between steps, while the snapshots
-use the other group in the background; each is a max-reduction every rank must take at the same point.
-Why a failure is kept: a reduction that failed (a peer gone, or one rank paused past ``collective_timeout_s``)
+Why the busy agreement is a reduction apart from the publisher's own group: it runs from the training thread,
+between steps, while the snapshots use the other group in the background; every rank takes it at the same point.
+Why its failure is kept: a reduction that failed (a peer gone, or one rank paused past ``collective_timeout_s``)
 stays failed and leaves ``ctrl`` unusable. Read again at every later step it raised gloo's own error at each one,
 ``keep_training_on_error`` or not. Now it is reported once, no further agreement starts, and every later step
 counts as busy, so publishing stops while training goes on.
 
-Why close()'s vote is bounded: a rank that leaves on an exception does not vote (its weights may be half updated,
-and the others may be stuck elsewhere, in a training collective, so a vote it started could hold its exit until
-the group's timeout). It leaves a note instead (:meth:`Agreements.withdraw`, in the job's store); a rank waiting
-in the vote reads it and stops waiting. A rank that stops waiting at close()'s deadline leaves one too, so the
-others stop as well, and one whose vote ends later still reads it: no rank publishes then.
+Why close()'s vote is taken in the store, not on ``ctrl``: a vote must be able to end without every rank's. A rank
+that leaves on an exception does not vote (its weights may be half updated), and a rank whose close() deadline
+passes stops waiting. A gloo reduction cannot be cancelled: left pending, it held the process's exit until the
+other ranks' processes exited, and could end it in SIGABRT. In the store each rank counts its arrival (and its
+objection), and the decision is set once, atomically (``compare_set``): "publish"/"skip" by the rank that sees
+every rank arrived, or "abort" by one that withdraws (:meth:`Agreements.withdraw`) or stops waiting. Every rank
+reads the one decision, so no rank publishes alone.
 
 Example::
 
-    agreements = Agreements(ctrl, session="a1b2c3d4")
+    agreements = Agreements(ctrl, key="a1b2c3d4-5e6f")
     agreements.start(busy=no_free_slot)          # every rank, the same step
     busy = agreements.read(on_failure=store)     # True: skip this publish
+    objected = agreements.vote(0, deadline)      # close(): every rank; NoVote where one withdrew
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
-from .comm import Comm
-from .exits import left
+from .comm import Comm, StoreError
+from .exits import deadline_after, left
 from .jobs import PublishError
 
-POLL_S = 0.25  # how often a rank waiting in the vote looks for a note that some rank will not vote
+POLL_S = 0.25  # the longest a rank waiting in the vote sleeps between two looks at the store
+FIRST_POLL_S = 0.005  # the first sleep; doubled up to POLL_S (the ranks usually arrive within milliseconds)
+ABORT = "abort:"  # the decision's prefix when the vote ended without every rank's (then the reason)
 
 
 class NoVote(PublishError):
-    """close()'s vote ended without every rank's: one closes without voting, or close()'s deadline passed. The
-    reduction stays pending on ``ctrl`` (gloo cannot cancel it), so no other agreement starts on it."""
+    """close()'s vote ended without every rank's: one closes without voting, or close()'s deadline passed. No rank
+    publishes then."""
 
 
 class Agreements:
-    """Max-reductions on ``ctrl``: one pending "busy" agreement at a time, and votes."""
+    """The busy agreement (one pending max-reduction on ``ctrl`` at a time) and close()'s votes (in the store).
 
-    def __init__(self, ctrl: Comm, session: str = "") -> None:
+    ``key``: unique to this publisher in the job, the same on every rank (its keys in the store start with it).
+    ``wait_s``: how long a vote waits for the others where close() has no deadline (the side group's timeout)."""
+
+    def __init__(self, ctrl: Comm, key: str = "", wait_s: float | None = None) -> None:
         self.ctrl = ctrl
-        self._absent = f"hotload/{session}/closes-without-voting"  # the note's key: one per publisher of the job
+        self._key = f"hotload/{key}"
+        self._absent = f"{self._key}/closes-without-voting"  # the note of a rank that will not vote
+        self._wait_s = wait_s
+        self._votes = 0  # votes taken: the next one's number, the same on every rank
         self.failed: BaseException | None = None  # the first failed reduction: ctrl is unusable
         self._pending: Callable[..., int] | None = None
 
@@ -67,23 +79,55 @@ class Agreements:
             return True
 
     def vote(self, value: int, deadline: float | None = None) -> int:
-        """The maximum of every rank's ``value``; a PublishError (not gloo's own error) where it fails, and
-        :class:`NoVote` once some rank said it will not vote (:meth:`withdraw`) or at ``deadline`` (monotonic)."""
+        """1 where some rank voted a nonzero ``value`` (it objects), else 0; :class:`NoVote` once some rank said it
+        will not vote (:meth:`withdraw`) or at ``deadline`` (monotonic; None: ``wait_s``); a PublishError where the
+        job's store cannot be reached. Every rank that reads the decision gets the same one."""
         if self.failed is not None:
             raise PublishError(f"the ranks' agreement on the trainer's side group failed earlier: {self.failed!r}")
-        got = self._await(self.ctrl.allreduce_max_async(value), deadline)
-        # Every rank voted, but one may have stopped waiting just before the last vote came: it does not publish,
-        # so neither does this one. (Its note comes before it stops waiting; a vote ending in that instant is
-        # missed, and the snapshot that rank does not join fails with the error.)
-        absent = self.ctrl.noted(self._absent)
-        if absent is not None:
-            raise NoVote(absent)
-        return got
+        vote = f"{self._key}/vote{self._votes}"
+        self._votes += 1
+        deadline = deadline if deadline is not None else deadline_after(self._wait_s)
+        try:
+            return self._decided(self._decide(vote, value, deadline))
+        except StoreError as exc:  # as a collective that failed: raised by close() (logged where errors are)
+            why = f"rank {self.ctrl.rank} could not reach the job's store: {exc}"
+            self.ctrl.note(self._absent, why)  # best effort: where the store is gone, the others find it so too
+            raise PublishError(why) from exc
+
+    def _decide(self, vote: str, value: int, deadline: float | None) -> str:
+        """The vote's decision, set by this rank where it is the last to arrive (or gives up), else read."""
+        ctrl, decision = self.ctrl, f"{vote}/decision"
+        if value:  # counted before the arrival: a rank that sees every arrival sees every objection
+            ctrl.count(f"{vote}/objections", 1)
+        arrived = ctrl.count(f"{vote}/arrived", 1)
+        sleep = FIRST_POLL_S
+        while True:
+            if arrived >= ctrl.world:
+                return ctrl.settle(decision, "skip" if ctrl.count(f"{vote}/objections", 0) else "publish")
+            held = ctrl.noted(decision)
+            if held is not None:
+                return held
+            absent = ctrl.noted(self._absent)
+            if absent is not None:
+                return ctrl.settle(decision, ABORT + absent)
+            if left(deadline) == 0:
+                why = f"rank {ctrl.rank} stopped waiting for the others at close()'s deadline"
+                ctrl.note(self._absent, why)  # for a later vote, and a busy agreement left pending (read_at_close)
+                return ctrl.settle(decision, ABORT + why)
+            time.sleep(sleep if deadline is None else min(sleep, left(deadline) or 0.0))
+            sleep = min(sleep * 2, POLL_S)
+            arrived = ctrl.count(f"{vote}/arrived", 0)
+
+    @staticmethod
+    def _decided(held: str) -> int:
+        if held.startswith(ABORT):
+            raise NoVote(held[len(ABORT):])
+        return int(held == "skip")
 
     def read_at_close(self, on_failure: Callable[[PublishError], None], deadline: float | None) -> None:
         """close(): read a pending "busy" agreement before the vote, bounded as the vote is. Why: a rank that
         raised before its last publish never started it, so only a note or the deadline can end it; then no vote
-        is taken (:attr:`failed`), and no rank publishes."""
+        is taken (:attr:`failed`), and no rank publishes. (That reduction stays pending: gloo cannot cancel it.)"""
         pending, self._pending = self._pending, None
         if pending is None or self.failed is not None:
             return
@@ -103,7 +147,7 @@ class Agreements:
                 absent = self.ctrl.noted(self._absent)
                 if absent is None and left(deadline) != 0:
                     continue
-                if absent is None:  # the others stop waiting too, and one whose vote ends later reads it
+                if absent is None:  # the others stop waiting too
                     absent = f"rank {self.ctrl.rank} stopped waiting for the others at close()'s deadline"
                     self.ctrl.note(self._absent, absent)
                 self.failed = NoVote(absent)
@@ -117,8 +161,9 @@ class Agreements:
             return got
 
     def withdraw(self, why: str) -> None:
-        """Tell the others, without waiting for them, that this rank will not vote (it closes on an exception)."""
-        if self.failed is None and self.ctrl.world > 1:
+        """Tell the others, without waiting for them, that this rank will not vote (it closes on an exception, or
+        gives up on close()): the vote they wait in (or will take) ends with no rank publishing."""
+        if self.ctrl.world > 1:
             self.ctrl.note(self._absent, f"rank {self.ctrl.rank} {why}")
 
     def _result(self, result: Callable[..., int], timeout: float | None = None) -> int:

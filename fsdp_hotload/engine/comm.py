@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 Blob = Any  # bytes-like: bytes, a writable memoryview (dumps_buffer), or a numpy uint8 array (received)
 
 
+class StoreError(RuntimeError):
+    """The job's key-value store could not be read or written: its host is gone, or did not answer within
+    ``STORE_READ_S``, or torch gave none."""
+
+
 class ExchangeSkipped(RuntimeError):
     """No blob moved in an exchange: a rank could not take its part. Raised on every rank of the group, after
     they agreed on it, so the group stays usable (unlike a collective that failed or timed out)."""
@@ -68,6 +73,16 @@ class Comm(Protocol):
         """The value some rank left under ``key`` (:meth:`note`), or None (also where it cannot be read)."""
         ...
 
+    def count(self, key: str, n: int) -> int:
+        """Add ``n`` to the counter ``key`` in the job's store, atomically; the new total (n=0 reads it).
+        :class:`StoreError` where the store cannot be reached."""
+        ...
+
+    def settle(self, key: str, value: str) -> str:
+        """Set ``key`` to ``value`` unless some rank set it first, atomically; the value it holds now (the first
+        one set). Why: one decision every rank reads, whoever sets it. :class:`StoreError` as :meth:`count`."""
+        ...
+
     def close(self) -> None:
         """Release what the collectives hold (the group); called once, after the last collective."""
         ...
@@ -78,6 +93,9 @@ class LocalComm:
 
     rank = 0
     world = 1
+
+    def __init__(self) -> None:
+        self._kv: dict[str, Any] = {}
 
     def exchange(self, outgoing: Sequence[Blob]) -> list[Blob]:
         return [outgoing[0]]
@@ -100,6 +118,13 @@ class LocalComm:
     def noted(self, key: str) -> str | None:
         return None
 
+    def count(self, key: str, n: int) -> int:
+        self._kv[key] = self._kv.get(key, 0) + n
+        return int(self._kv[key])
+
+    def settle(self, key: str, value: str) -> str:
+        return str(self._kv.setdefault(key, value))
+
     def close(self) -> None:
         pass
 
@@ -114,7 +139,7 @@ class GlooComm:
         self._group = group
         self._closed = False
         self._async: list[Any] = []  # reductions a bounded wait gave up on (see close)
-        self._store: Any = _job_store()  # held: destroy_process_group() unregisters the default one
+        self.kv = JobStore(_job_store())  # held: destroy_process_group() unregisters the default one
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self._global = [dist.get_global_rank(group, r) for r in range(self.world)] if group is not None else list(
@@ -143,8 +168,8 @@ class GlooComm:
         with the group object, which is let go here). A collective started after (another thread's close()) then
         raises: with ``group=None`` it would run on torch's default group, the training one.
 
-        A group with a reduction still pending (a vote that a rank gave up on) is left for the process's exit:
-        gloo cannot cancel it, and destroying the group may wait for it until the group's timeout."""
+        A group with a reduction still pending (a busy agreement that close() gave up on) is left for the
+        process's exit: gloo cannot cancel it, and destroying the group may wait for it until the group's timeout."""
         group, self._group, self._closed = self._group, None, True
         if any(not work.is_completed() for work in self._async):
             logging.getLogger("fsdp_hotload").info(
@@ -270,35 +295,16 @@ class GlooComm:
         return result
 
     def note(self, key: str, value: str) -> None:
-        try:
-            self._store.set(key, value)  # returns at once, also where the store's host stopped answering
-        except Exception as exc:  # noqa: BLE001 - best effort: the others then wait on their own deadline
-            logging.getLogger("fsdp_hotload").debug("hotload: could not leave a note for the other ranks: %r", exc)
+        self.kv.note(key, value)
 
     def noted(self, key: str) -> str | None:
-        """Read on a daemon thread, waited for at most ``STORE_READ_S``: a read from a store whose host stopped
-        answering (no reset) blocks past the store's own timeout. After one such read the store is not read
-        again (None from then on: the vote's other bounds apply)."""
-        store, got = self._store, []
-        if store is None:
-            return None
+        return self.kv.noted(key)
 
-        def read() -> None:
-            try:
-                got.append(store.get(key).decode() if store.check([key]) else None)
-            except Exception:  # noqa: BLE001 - unreadable: as if none was left (a gone peer fails the collective)
-                got.append(None)
+    def count(self, key: str, n: int) -> int:
+        return self.kv.count(key, n)
 
-        reader = threading.Thread(target=read, name="hotload-store-read", daemon=True)
-        reader.start()
-        reader.join(STORE_READ_S)
-        if reader.is_alive():
-            self._store = None
-            logging.getLogger("fsdp_hotload").warning(
-                "hotload: the job's store did not answer within %g s: the other ranks' notes are not read",
-                STORE_READ_S)
-            return None
-        return got[0]
+    def settle(self, key: str, value: str) -> str:
+        return self.kv.settle(key, value)
 
     def allreduce_max(self, values: "np.ndarray") -> "np.ndarray":
         import torch
@@ -308,7 +314,69 @@ class GlooComm:
         return t.numpy()
 
 
-STORE_READ_S = 2.0  # the longest a read of the job's store is waited for (GlooComm.noted)
+class JobStore:
+    """The job's key-value store (torch.distributed's, where the ranks met), for :meth:`Comm.note`,
+    :meth:`Comm.count` and :meth:`Comm.settle`: what the ranks tell each other outside any collective.
+
+    Why every call is bounded (``STORE_READ_S``, on a daemon thread): a call to a store whose host stopped
+    answering (frozen, or lost without a TCP reset) blocks past the store's own timeout, 30 minutes by default.
+    After one such call the store is not used again: :class:`StoreError` from then on (``noted``: None).
+
+    Example::
+
+        kv = JobStore(store)                     # a torch.distributed Store, or None
+        kv.settle("hotload/x/decision", "skip")  # "skip", or what another rank set first
+    """
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+
+    def note(self, key: str, value: str) -> None:
+        try:
+            self._call(lambda store: store.set(key, value))
+        except StoreError as exc:  # best effort: the others then wait on their own deadline
+            logging.getLogger("fsdp_hotload").debug("hotload: could not leave a note for the other ranks: %s", exc)
+
+    def noted(self, key: str) -> str | None:
+        try:
+            return self._call(lambda store: store.get(key).decode() if store.check([key]) else None)
+        except StoreError:  # unreadable: as if none was left (the vote's own store calls raise it)
+            return None
+
+    def count(self, key: str, n: int) -> int:
+        return int(self._call(lambda store: store.add(key, n)))
+
+    def settle(self, key: str, value: str) -> str:
+        held = self._call(lambda store: store.compare_set(key, "", value))  # "": set where it is not yet
+        return bytes(held).decode()
+
+    def _call(self, op: Callable[[Any], Any]) -> Any:
+        """``op(store)``, run on a daemon thread and waited for at most ``STORE_READ_S``."""
+        store, got = self._store, []
+        if store is None:
+            raise StoreError("none was found, or it stopped answering earlier")
+
+        def call() -> None:
+            try:
+                got.append((True, op(store)))
+            except Exception as exc:  # noqa: BLE001 - told to the caller
+                got.append((False, exc))
+
+        caller = threading.Thread(target=call, name="hotload-store", daemon=True)
+        caller.start()
+        caller.join(STORE_READ_S)
+        if caller.is_alive():
+            self._store = None
+            logging.getLogger("fsdp_hotload").warning(
+                "hotload: the job's store did not answer within %g s: it is not used again", STORE_READ_S)
+            raise StoreError(f"it did not answer within {STORE_READ_S:g} s")
+        ok, value = got[0]
+        if not ok:
+            raise StoreError(repr(value)) from value
+        return value
+
+
+STORE_READ_S = 2.0  # the longest a call to the job's store is waited for (JobStore)
 
 
 def _job_store() -> Any:
@@ -317,7 +385,7 @@ def _job_store() -> Any:
         from torch.distributed import distributed_c10d
 
         return distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - no store: notes are not left, the vote's other bounds apply
+    except Exception:  # noqa: BLE001 - none: no note is left, and close()'s vote ends at once (StoreError)
         return None
 
 

@@ -79,7 +79,7 @@ def _declined(pub: Any, vote: int, deadline: float | None) -> str | None:
         return f"the ranks' vote ended without every rank's: {exc}"
     except PublishError as exc:
         if not pub.config.keep_training_on_error:
-            raise
+            raise PublishError(f"the ranks' vote on publishing the newest step at close failed: {exc}") from exc
         log.error("hotload: the ranks' vote on publishing the newest step at close failed: %s", exc)
         return "the ranks' vote failed"
 

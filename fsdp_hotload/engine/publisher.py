@@ -131,7 +131,9 @@ class Publisher:
             # instances, even within one process (a restarted publisher must not reuse an identity).
             shared = None if problem is not None else {  # the tensors too, for callers that did not compare them
                 **config.shared_settings(), "tensor specs": hashlib.sha256(self.plan.to_spec_json()).hexdigest()[:16]}
-            self.session = agree_on_start(self.ctrl, problem, session or secrets.token_hex(4), shared)
+            # The agreements' key in the job's store: unique to this publisher (a session may be given again).
+            self.session, self._store_key = agree_on_start(
+                self.ctrl, problem, (session or secrets.token_hex(4), secrets.token_hex(8)), shared)
             if not SESSION.fullmatch(self.session):  # retention only sweeps, and aborts uploads in, folders named so
                 raise ValueError(f"session {self.session!r}: must be 8 lowercase hex digits, as a publisher makes")
             new_identity(0, prefix=config.identity_prefix, session=self.session)  # a bad prefix fails here
@@ -173,7 +175,7 @@ class Publisher:
         self._idle = threading.Condition()
         self._skipped = 0
         self._skipped_newest = False  # the newest step counted in _skipped (busy): not once close() publishes it
-        self.agreements = Agreements(self.ctrl, self.session)  # the skip policy's, and close()'s vote
+        self.agreements = Agreements(self.ctrl, self._store_key, wait_s=config.side_group_timeout_s)
         self.early_agreement = False  # set while a caller starts each agreement with agree() (see there)
         self._copying: Job | None = None  # the job whose host copy runs on the stager's helper thread
         every = config.progress_log_s
@@ -407,6 +409,8 @@ class Publisher:
         # Bounded too: with the wait policy, a publish() on the trainer's thread waits for a slot behind a stuck one.
         if not self._api_lock.acquire(timeout=-1 if deadline is None else left(deadline)):
             if not self.closed:
+                if self.config.publish_on_close and not self._closing:  # the others' vote must not wait for it
+                    self.agreements.withdraw("gave up on close() while another call held the publisher")
                 abandon(self, timeout, raise_errors)
             return
         try:
