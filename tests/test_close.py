@@ -680,6 +680,51 @@ def test_close_timeout_bounds_the_vote_and_no_rank_publishes_alone(tmp_path: Pat
                 and "rank 0 stopped waiting for the others at close()'s deadline" in line]) == 2, said
 
 
+def test_a_watchdog_close_that_cannot_take_the_publisher_ends_the_others_vote(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """In-process ranks, step 1 left to publish at close. On rank 0 another call holds the publisher (its training
+    thread stuck in a publish), and a watchdog's close(timeout=0.5) gives up on taking it. That close returned
+    without a word for the others, so rank 1's close waited in the vote for rank 0 until the side group's timeout
+    (20 s here); now it leaves a note, and rank 1 stops at once, publishing nothing more."""
+    import time
+
+    from fsdp_hotload.engine import PublishError
+
+    pubs = _thread_rank_publishers(str(tmp_path / "bucket"), collective_timeout_s=20)
+    raised: dict[int, BaseException | None] = {0: None, 1: None}
+    took: dict[int, float] = {}
+
+    def run(rank: int) -> None:
+        pubs[rank].publish(0)
+        pubs[rank].publish(1)
+        pubs[rank].wait()
+        if rank == 1:
+            time.sleep(0.5)
+            close(1, None)
+            return
+        with pubs[0]._api_lock:  # the training thread, stuck inside a publish
+            watchdog = threading.Thread(target=close, args=(0, 0.5))
+            watchdog.start()
+            watchdog.join()
+
+    def close(rank: int, timeout: float | None) -> None:
+        t0 = time.monotonic()
+        try:
+            pubs[rank].close(timeout=timeout)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            raised[rank] = exc
+        took[rank] = time.monotonic() - t0
+
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        run_ranks(run, 2, timeout_s=60)
+    assert raised[1] is None and took[1] < 10, (raised, took)  # not the side group's timeout (20 s)
+    assert isinstance(raised[0], PublishError) and "with no snapshot in flight: another call held the publisher" in str(
+        raised[0]), raised
+    assert [(m.step, m.ok) for m in pubs[0].metrics.records] == [(0, True)]
+    assert any("step 1 is not published at close" in r.getMessage() and "rank 0 gave up on close()" in r.getMessage()
+               for r in caplog.records), caplog.text
+
+
 def test_a_busy_agreement_left_pending_at_close_ends_when_the_other_rank_closes_on_an_exception(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """In-process ranks, skip policy. Rank 1 raises before its step 1 and closes on it; rank 0's step 1 was

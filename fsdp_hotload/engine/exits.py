@@ -67,17 +67,23 @@ def gave_up_message(timeout: float | None, pending: int, rank: int, where: str) 
             "snapshot it accepted (one already signalled may still load); the stuck call is left to a daemon thread")
 
 
-def abandon(pub: Any, timeout: float | None, raise_errors: bool) -> None:
+def abandon(pub: Any, timeout: float | None, raise_errors: bool, locked_out: bool = False) -> None:
     """close()'s deadline passed: leave the stuck snapshots of ``pub`` (a Publisher) to the daemon threads (the
     process may exit) and free nothing under them: the publisher thread frees its helpers once the stuck call
     returns, if it does (the side groups stay for the process's exit); snapshots still queued are dropped, and a
-    publish() waiting for a slot (the wait policy) raises instead of waiting on."""
+    publish() waiting for a slot (the wait policy) raises instead of waiting on. ``locked_out``: close() could not
+    take the publisher from another call (then it says so, where no snapshot is in flight)."""
     pub.closed = pub.abandoned = True
     pub._broken = pub._broken or PublishError("close() gave up on the snapshots in flight")
     pub.stager.refuse()
     if pub.signaller is not None:  # a thread stuck polling the deployment ends now, not at ready_timeout_s
         pub.signaller.cancel()
-    msg = gave_up_message(timeout, pub._pending, pub.rank, pub._prog.describe(time.perf_counter(), pub.latest_step))
+    if pub._pending or not locked_out:
+        msg = gave_up_message(timeout, pub._pending, pub.rank, pub._prog.describe(time.perf_counter(), pub.latest_step))
+    else:  # the last publish is not described: it ended
+        msg = (f"close() gave up after {timeout:g} s (close_timeout_s) on rank {pub.rank} with no snapshot in "
+               "flight: another call held the publisher all that time (a publish() on the training thread, or a "
+               "close() on another thread), so nothing more is published")
     pub._progress.close()  # the dropped snapshot is not reported on while the stuck call lasts
     with contextlib.suppress(queue.Full):  # (never full: the running job left it) the thread ends after it
         pub._queue.put_nowait(None)

@@ -411,7 +411,7 @@ class Publisher:
             if not self.closed:
                 if self.config.publish_on_close and not self._closing:  # the others' vote must not wait for it
                     self.agreements.withdraw("gave up on close() while another call held the publisher")
-                abandon(self, timeout, raise_errors)
+                abandon(self, timeout, raise_errors, locked_out=True)
             return
         try:
             if self.closed:
