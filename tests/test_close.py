@@ -756,6 +756,46 @@ def test_a_busy_agreement_left_pending_at_close_ends_when_the_other_rank_closes_
     assert "step 1 is not published at close: no vote can be taken: rank 1 closes on an exception" in caplog.text
 
 
+class _BusyAgreementFailsOnRank0(ThreadComm):
+    """The skip policy's "is some rank busy?" reduction fails on rank 0 only (it says busy, so rank 1 skips too)."""
+
+    def allreduce_max_async(self, value: int) -> Any:
+        done = super().allreduce_max_async(1 if self.rank == 0 else value)
+        if self.rank != 0:
+            return done
+
+        def result(timeout: float | None = None) -> int:
+            raise RuntimeError("injected: Connection closed by peer")
+
+        return result
+
+
+def test_a_rank_whose_busy_agreement_failed_does_not_leave_the_others_waiting_in_the_vote(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """In-process ranks, skip policy, step 1 skipped on both and left to publish at close. Rank 0's busy agreement
+    failed (on its side only), so it takes no vote; rank 1's vote waited for it until the side group's timeout
+    (20 s here, over an hour by default). Now rank 0 leaves the note, and rank 1 stops at once."""
+    import time
+
+    pubs = _thread_rank_publishers(str(tmp_path / "bucket"), _BusyAgreementFailsOnRank0, busy_policy="skip",
+                                   publish_every=1, collective_timeout_s=20, keep_training_on_error=True)
+    took: dict[int, float] = {}
+
+    def run(rank: int) -> None:
+        pubs[rank].publish(0)
+        assert pubs[rank].publish(1) is False  # busy on both: rank 0's agreement failed, and it said busy
+        t0 = time.monotonic()
+        pubs[rank].close()
+        took[rank] = time.monotonic() - t0
+
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        run_ranks(run, 2, timeout_s=60)
+    assert took[1] < 10, took  # not the side group's timeout
+    assert [(m.step, m.ok) for m in pubs[0].metrics.records] == [(0, True)]
+    assert any("step 1 is not published at close" in r.getMessage() and "rank 0 cannot vote" in r.getMessage()
+               for r in caplog.records), caplog.text
+
+
 class _BrokenVoteComm(ThreadComm):
     """The job's store fails in close()'s vote (as when its host is gone)."""
 

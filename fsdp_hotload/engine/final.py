@@ -47,8 +47,11 @@ def publish_newest(pub: Any, sources: Any, timeout: float | None) -> bool:
         why = why or "close()'s timeout passed while snapshots were in flight"
     vote = int(not wanted or why is not None)  # a broken rank votes too: ctrl is not the group that broke
     if pub.world > 1:  # one vote: all ranks publish, or none
-        declined = ("the ranks' agreement failed earlier" if pub.agreements.failed is not None  # no vote: nobody
-                    else _declined(pub, vote, deadline))
+        if pub.agreements.failed is not None:  # no vote from this rank: the others must not wait for it
+            pub.agreements.withdraw("cannot vote: its agreement on the trainer's side group failed earlier")
+            declined: str | None = "the ranks' agreement failed earlier"
+        else:
+            declined = _declined(pub, vote, deadline)
         if declined is not None:
             why = why or (declined if wanted else None)
             wanted = False
