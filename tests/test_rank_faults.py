@@ -405,6 +405,19 @@ def test_a_vote_given_up_at_close_timeout_leaves_nothing_that_holds_the_process(
     assert len(said) == 1 and "rank 0 stopped waiting for the others at close()'s deadline" in said[0], got[0]
 
 
+def test_a_rank_that_exits_without_close_does_not_hold_the_others_vote(tmp_path: Path) -> None:
+    """torchrun, 2 ranks (dist_scripts/vote_peer_exits.py): rank 1 exits normally without close(); rank 0's close()
+    waited for its vote until the side group's timeout (30 s here). Its exit now leaves the note."""
+    from tests.dist_util import SCRIPTS, run_torchrun
+
+    run_torchrun(str(SCRIPTS / "vote_peer_exits.py"), 2, ["--bucket", str(tmp_path / "bucket"), "--out",
+                                                          str(tmp_path)])
+    got = json.loads((tmp_path / "rank0.json").read_text())
+    assert got["error"] is None and got["s"] < 20, got
+    said = [w for w in got["warnings"] if "step 3 is not published at close" in w]
+    assert len(said) == 1 and "rank 1 exited without calling close()" in said[0], got
+
+
 def test_close_after_destroy_process_group_says_what_happened(tmp_path: Path) -> None:
     """torchrun, 2 ranks (dist_scripts/destroyed_first.py): close() after destroy_process_group(), with step 1
     left to publish at close. It raised "Group <...> is not registered", which named neither the cause nor the

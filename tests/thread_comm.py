@@ -92,7 +92,7 @@ class ThreadComm:
         self.meeting.put(n, self.rank, values)
         return np.maximum.reduce(list(self.meeting.get(n).values()))
 
-    def note(self, key: str, value: str) -> None:
+    def note(self, key: str, value: str, *, at_exit: bool = False) -> None:
         self.meeting.notes[key] = value
 
     def noted(self, key: str) -> str | None:

@@ -14,7 +14,9 @@ passes stops waiting. A gloo reduction cannot be cancelled: left pending, it hel
 other ranks' processes exited, and could end it in SIGABRT. In the store each rank counts its arrival (and its
 objection), and the decision is set once, atomically (``compare_set``): "publish"/"skip" by the rank that sees
 every rank arrived, or "abort" by one that withdraws (:meth:`Agreements.withdraw`) or stops waiting. Every rank
-reads the one decision, so no rank publishes alone.
+reads the one decision, so no rank publishes alone. A store call not answered in time (a paused host) is retried at
+the next poll; an arrival not answered may still count later, so that rank acts only on a decision read once the
+store answers again (it settles "abort", or reads a "publish" set after its arrival counted).
 
 Example::
 
@@ -28,12 +30,13 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from .comm import Comm, StoreError
+from .comm import Comm, StoreError, StoreTimeout
 from .exits import deadline_after, left
 from .jobs import PublishError
 
 POLL_S = 0.25  # the longest a rank waiting in the vote sleeps between two looks at the store
 FIRST_POLL_S = 0.005  # the first sleep; doubled up to POLL_S (the ranks usually arrive within milliseconds)
+READ_S = 5.0  # the longest rank 0 waits, after a decision, for every rank to have read it (see Agreements._read)
 ABORT = "abort:"  # the decision's prefix when the vote ended without every rank's (then the reason)
 
 
@@ -88,7 +91,10 @@ class Agreements:
         self._votes += 1
         deadline = deadline if deadline is not None else deadline_after(self._wait_s)
         try:
-            return self._decided(self._decide(vote, value, deadline))
+            held = self._decide(vote, value, deadline)
+            if not held.startswith(ABORT):
+                self._read(vote, deadline)
+            return self._decided(held)
         except StoreError as exc:  # as a collective that failed: raised by close() (logged where errors are)
             why = f"rank {self.ctrl.rank} could not reach the job's store: {exc}"
             self.ctrl.note(self._absent, why)  # best effort: where the store is gone, the others find it so too
@@ -97,26 +103,60 @@ class Agreements:
     def _decide(self, vote: str, value: int, deadline: float | None) -> str:
         """The vote's decision, set by this rank where it is the last to arrive (or gives up), else read."""
         ctrl, decision = self.ctrl, f"{vote}/decision"
-        if value:  # counted before the arrival: a rank that sees every arrival sees every objection
-            ctrl.count(f"{vote}/objections", 1)
-        arrived = ctrl.count(f"{vote}/arrived", 1)
+        try:
+            if value:  # counted before the arrival: a rank that sees every arrival sees every objection
+                ctrl.count(f"{vote}/objections", 1)
+            arrived = ctrl.count(f"{vote}/arrived", 1)
+        except StoreTimeout:  # it may still be counted once the store answers: act only on a decision set from now
+            return self._abort_when_answered(decision, deadline)
         sleep = FIRST_POLL_S
         while True:
-            if arrived >= ctrl.world:
-                return ctrl.settle(decision, "skip" if ctrl.count(f"{vote}/objections", 0) else "publish")
-            held = ctrl.noted(decision)
-            if held is not None:
-                return held
-            absent = ctrl.noted(self._absent)
-            if absent is not None:
-                return ctrl.settle(decision, ABORT + absent)
+            try:  # a call the store did not answer in time is retried at the next poll (a host paused a while)
+                if arrived >= ctrl.world:
+                    return ctrl.settle(decision, "skip" if ctrl.count(f"{vote}/objections", 0) else "publish")
+                held = ctrl.noted(decision)
+                if held is not None:
+                    return held
+                absent = ctrl.noted(self._absent)
+                if absent is not None:
+                    return ctrl.settle(decision, ABORT + absent)
+            except StoreTimeout:
+                pass
             if left(deadline) == 0:
                 why = f"rank {ctrl.rank} stopped waiting for the others at close()'s deadline"
                 ctrl.note(self._absent, why)  # for a later vote, and a busy agreement left pending (read_at_close)
                 return ctrl.settle(decision, ABORT + why)
             time.sleep(sleep if deadline is None else min(sleep, left(deadline) or 0.0))
             sleep = min(sleep * 2, POLL_S)
-            arrived = ctrl.count(f"{vote}/arrived", 0)
+            try:
+                arrived = ctrl.count(f"{vote}/arrived", 0)
+            except StoreTimeout:
+                pass
+
+    def _abort_when_answered(self, decision: str, deadline: float | None) -> str:
+        """This rank's arrival was not answered in time: settle "abort" once the store answers again (before the
+        deadline), and take whatever decision holds then (a "publish" set once the arrival was counted)."""
+        why = f"rank {self.ctrl.rank}'s vote did not reach the job's store in time"
+        while True:
+            try:
+                return self.ctrl.settle(decision, ABORT + why)
+            except StoreTimeout:
+                if left(deadline) == 0:
+                    raise
+            time.sleep(POLL_S if deadline is None else min(POLL_S, left(deadline) or 0.0))
+
+    def _read(self, vote: str, deadline: float | None) -> None:
+        """Each rank says it read the decision; rank 0 waits (``READ_S`` at most) until every rank has. Why: with
+        ``env://`` init rank 0's process hosts the store, and one that exits right after it decided leaves the
+        others, still between two polls, with no store to read the decision from."""
+        ctrl, until = self.ctrl, time.monotonic() + READ_S
+        try:
+            read = ctrl.count(f"{vote}/read", 1)
+            while ctrl.rank == 0 and read < ctrl.world and time.monotonic() < until and left(deadline) != 0:
+                time.sleep(FIRST_POLL_S)
+                read = ctrl.count(f"{vote}/read", 0)
+        except StoreError:  # the decision is known: a store that fails now changes nothing for this rank
+            pass
 
     @staticmethod
     def _decided(held: str) -> int:
@@ -160,11 +200,11 @@ class Agreements:
                 raise self.failed from exc
             return got
 
-    def withdraw(self, why: str) -> None:
-        """Tell the others, without waiting for them, that this rank will not vote (it closes on an exception, or
-        gives up on close()): the vote they wait in (or will take) ends with no rank publishing."""
+    def withdraw(self, why: str, *, at_exit: bool = False) -> None:
+        """Tell the others, without waiting for them, that this rank will not vote (it closes on an exception,
+        gives up on close(), or exits without it): the vote they wait in (or will take) ends, no rank publishing."""
         if self.ctrl.world > 1:
-            self.ctrl.note(self._absent, f"rank {self.ctrl.rank} {why}")
+            self.ctrl.note(self._absent, f"rank {self.ctrl.rank} {why}", at_exit=at_exit)
 
     def _result(self, result: Callable[..., int], timeout: float | None = None) -> int:
         try:

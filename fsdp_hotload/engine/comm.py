@@ -28,7 +28,12 @@ Blob = Any  # bytes-like: bytes, a writable memoryview (dumps_buffer), or a nump
 
 class StoreError(RuntimeError):
     """The job's key-value store could not be read or written: its host is gone, or did not answer within
-    ``STORE_READ_S``, or torch gave none."""
+    ``STORE_READ_S`` (:class:`StoreTimeout`), or torch gave none."""
+
+
+class StoreTimeout(StoreError):
+    """A call to the job's store did not return within ``STORE_READ_S`` (or an earlier one still has not): it may
+    still take effect, and the store may answer again."""
 
 
 class ExchangeSkipped(RuntimeError):
@@ -63,10 +68,10 @@ class Comm(Protocol):
         """The element-wise maximum of every rank's int64 array (one shape on every rank), on every rank."""
         ...
 
-    def note(self, key: str, value: str) -> None:
+    def note(self, key: str, value: str, *, at_exit: bool = False) -> None:
         """Leave ``value`` under ``key`` for the other ranks, outside any collective: it never waits for them
         (why: a rank leaving on an exception tells the others it will not take part, and must not wait for them,
-        since they may be stuck elsewhere). Best effort: it never raises."""
+        since they may be stuck elsewhere). Best effort: it never raises. ``at_exit``: from an atexit hook."""
         ...
 
     def noted(self, key: str) -> str | None:
@@ -112,7 +117,7 @@ class LocalComm:
     def allreduce_max(self, values: "np.ndarray") -> "np.ndarray":
         return values.copy()
 
-    def note(self, key: str, value: str) -> None:
+    def note(self, key: str, value: str, *, at_exit: bool = False) -> None:
         pass
 
     def noted(self, key: str) -> str | None:
@@ -294,8 +299,8 @@ class GlooComm:
 
         return result
 
-    def note(self, key: str, value: str) -> None:
-        self.kv.note(key, value)
+    def note(self, key: str, value: str, *, at_exit: bool = False) -> None:
+        self.kv.note(key, value, at_exit=at_exit)
 
     def noted(self, key: str) -> str | None:
         return self.kv.noted(key)
@@ -320,7 +325,8 @@ class JobStore:
 
     Why every call is bounded (``STORE_READ_S``, on a daemon thread): a call to a store whose host stopped
     answering (frozen, or lost without a TCP reset) blocks past the store's own timeout, 30 minutes by default.
-    After one such call the store is not used again: :class:`StoreError` from then on (``noted``: None).
+    While such a call has not returned, every other one raises :class:`StoreTimeout` at once (``noted``: None), so
+    at most one thread waits on the store; once it returns, the store is used again (a host paused for a while).
 
     Example::
 
@@ -330,11 +336,18 @@ class JobStore:
 
     def __init__(self, store: Any) -> None:
         self._store = store
+        self._stuck: threading.Thread | None = None  # a call that did not return within STORE_READ_S
+        self._warned = False
 
-    def note(self, key: str, value: str) -> None:
+    def note(self, key: str, value: str, *, at_exit: bool = False) -> None:
+        """``at_exit``: set on this thread (no new thread can start at the interpreter's exit; a set returns at
+        once, also where the store's host stopped answering)."""
         try:
-            self._call(lambda store: store.set(key, value))
-        except StoreError as exc:  # best effort: the others then wait on their own deadline
+            if at_exit and self._store is not None:
+                self._store.set(key, value)
+            else:
+                self._call(lambda store: store.set(key, value))
+        except Exception as exc:  # noqa: BLE001 - best effort: the others then wait on their own deadline
             logging.getLogger("fsdp_hotload").debug("hotload: could not leave a note for the other ranks: %s", exc)
 
     def noted(self, key: str) -> str | None:
@@ -354,7 +367,10 @@ class JobStore:
         """``op(store)``, run on a daemon thread and waited for at most ``STORE_READ_S``."""
         store, got = self._store, []
         if store is None:
-            raise StoreError("none was found, or it stopped answering earlier")
+            raise StoreError("torch.distributed has none")
+        if self._stuck is not None and self._stuck.is_alive():
+            raise StoreTimeout(f"an earlier call has not returned (it did not answer within {STORE_READ_S:g} s)")
+        self._stuck = None
 
         def call() -> None:
             try:
@@ -366,10 +382,13 @@ class JobStore:
         caller.start()
         caller.join(STORE_READ_S)
         if caller.is_alive():
-            self._store = None
-            logging.getLogger("fsdp_hotload").warning(
-                "hotload: the job's store did not answer within %g s: it is not used again", STORE_READ_S)
-            raise StoreError(f"it did not answer within {STORE_READ_S:g} s")
+            self._stuck = caller
+            if not self._warned:
+                self._warned = True
+                logging.getLogger("fsdp_hotload").warning(
+                    "hotload: the job's store did not answer within %g s: it is not used until that call returns",
+                    STORE_READ_S)
+            raise StoreTimeout(f"it did not answer within {STORE_READ_S:g} s")
         ok, value = got[0]
         if not ok:
             raise StoreError(repr(value)) from value

@@ -37,6 +37,8 @@ def track(pub: Any) -> None:
 @atexit.register
 def _warn_unclosed() -> None:
     for pub in list(_open):
+        if not pub._close_called and pub.config.publish_on_close:  # the others' close() must not wait for it
+            pub.agreements.withdraw("exited without calling close()", at_exit=True)
         if not pub.closed and pub._pending:  # close() never called, or blocked (a storage call that hangs?)
             how = "while close() waits for them" if pub._close_called else "and close() never called"
             hint = "" if pub._close_called else "; call close() (or use `with`) to wait for them"
