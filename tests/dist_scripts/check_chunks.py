@@ -274,6 +274,16 @@ def check_all(label: str, model: nn.Module, *, dtypes: dict[str, torch.dtype], u
     verify(f"{label}/after-backward-update", model, names, chunks=chunks, tie_word_embeddings=False)
 
 
+def train_and_publish(model: nn.Module, cb: Any, steps: int) -> None:
+    """``steps`` steps that change every parameter, each published (or skipped) and waited for."""
+    for step in range(steps):
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(0.01)
+        cb.step(step)
+        cb.wait()
+
+
 def fsdp2(world: int, hsdp: bool) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

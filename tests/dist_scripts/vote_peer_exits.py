@@ -11,13 +11,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fsdp_hotload import HotloadCallback, HotloadConfig  # noqa: E402
-from tests.dist_scripts.check_chunks import fsdp2  # noqa: E402
+from tests.dist_scripts.check_chunks import fsdp2, train_and_publish  # noqa: E402
 from tests.dist_util import WarningLines, finish, start_rank  # noqa: E402
 
 
@@ -26,12 +25,7 @@ def main() -> None:
     warnings = WarningLines.attach()
     model = fsdp2(dist.get_world_size(), hsdp=False)
     cb = HotloadCallback(model, HotloadConfig(bucket_url=bucket, publish_every=2, collective_timeout_s=30))
-    for step in range(4):
-        with torch.no_grad():
-            for param in model.parameters():
-                param.add_(0.01)
-        cb.step(step)
-        cb.wait()
+    train_and_publish(model, cb, 4)
     dist.barrier()
     if rank == 1:
         sys.exit(0)  # a normal exit, atexit hooks included, without close()
