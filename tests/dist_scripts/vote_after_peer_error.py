@@ -13,13 +13,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fsdp_hotload import HotloadCallback, HotloadConfig  # noqa: E402
-from tests.dist_scripts.check_chunks import fsdp2  # noqa: E402
+from tests.dist_scripts.check_chunks import fsdp2, train_and_publish  # noqa: E402
 from tests.dist_util import WarningLines, finish, start_rank  # noqa: E402
 
 
@@ -31,12 +30,7 @@ def main() -> None:
     error, started = None, time.monotonic()
     try:
         with cb:
-            for step in range(4):
-                with torch.no_grad():
-                    for param in model.parameters():
-                        param.add_(0.01)
-                cb.step(step)
-                cb.wait()
+            train_and_publish(model, cb, 4)
             started = time.monotonic()
             if rank == 1:
                 raise OSError("injected: this rank's checkpoint write failed")
