@@ -99,8 +99,13 @@ class HotloadConfig(BaseModel):
                                                    "of account_id")
     deployment_id: str | list[str] | None = Field(None, description="one deployment or a list (several pools "
                                                                     "reading the same bucket); a snapshot is signalled "
-                                                                    "to all at once and counts as served when every "
-                                                                    "one serves it")
+                                                                    "to all at once (deployments_required says which "
+                                                                    "must serve it)")
+    deployments_required: Literal["all", "any"] = Field(
+        "all", description="with several deployments, which must serve a snapshot for it to count as published: "
+                           "'all' (one that fails fails the publish, and the next one is full for all), or 'any' "
+                           "(the others go on; one that fails is left behind, out of the deltas, until the next "
+                           "full snapshot, and named in the metrics' deployments_behind)")
     api_key: SecretStr | None = Field(None, description="defaults to $FIREWORKS_API_KEY; never logged")
     hotload_api_headers: dict[str, str] = Field(default_factory=dict, description="extra headers on every "
                                                 "hot-load request, e.g. a private gateway's secret; they override "
@@ -349,7 +354,7 @@ class HotloadConfig(BaseModel):
             check_url(self.hotload_api_url, self.hotload_api_allow_http, "hotload_api_url")
         else:  # a forgotten URL would publish to storage only, every record ok, and the fleet would never move
             given = [f for f in ("account_id", "model_id", "deployment_id", "hotload_api_headers", "reset_prompt_cache")
-                     if getattr(self, f)]
+                     if getattr(self, f)] + (["deployments_required"] if self.deployments_required != "all" else [])
             if given:
                 raise ValueError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} set but hotload_api_url is "
                                  "not, so no snapshot would be signalled: set hotload_api_url too, or leave them unset "

@@ -18,11 +18,14 @@ from tests.test_publisher import config, expected_sha, make_model, train_step
 from tests.test_publisher import served as served_by
 
 
-def restarted(emu: HotLoadEmulator, replica: int, count: int = 1, timeout_s: float = 30) -> dict[str, Any]:
-    """Wait until ``replica`` has finished its ``count``-th restart; returns its state."""
+def restarted(emu: HotLoadEmulator, replica: int, count: int = 1, timeout_s: float = 30,
+              deployment: str | None = None) -> dict[str, Any]:
+    """Wait until ``replica`` (of ``deployment``, or of the only one) has finished its ``count``-th restart;
+    returns its state."""
     deadline = time.monotonic() + timeout_s
     while True:
-        (dep,) = emu.state()["deployments"].values()
+        deps = emu.state()["deployments"]
+        (dep,) = deps.values() if deployment is None else [deps[deployment]]
         rep = dep["replicas"][replica]
         if rep["restarts"] >= count and rep["stage"] in ("done", "error", "idle"):
             return rep

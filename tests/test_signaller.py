@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from fsdp_hotload.engine.signal import Signaller
+from fsdp_hotload.engine.signal import NotSignalled, Signaller
 from fsdp_hotload.fireworks import HotLoadClient
 from tests.http_fixture import serve
 
@@ -20,7 +20,8 @@ DEPLOYMENTS = ("d1", "d2", "d3")
 
 class Fleet:
     """Each POST is held until every deployment's POST has arrived (or 3 s pass): signals sent one after another
-    would each wait out the hold, signals sent together pass at once. ``refuse`` names deployments answered 409."""
+    would each wait out the hold, signals sent together pass at once (``expect``: how many are signalled).
+    ``refuse`` names deployments answered 409; ``down`` those that report no replica (a manager not up)."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
@@ -29,6 +30,9 @@ class Fleet:
         self.in_flight = 0
         self.serving: dict[str, str] = {}
         self.refuse: set[str] = set()
+        self.down: set[str] = set()
+        self.expect = len(DEPLOYMENTS)
+        self.gets: dict[str, int] = {}  # status requests per deployment
 
     def post(self, deployment: str, identity: str) -> int:
         with self.cond:
@@ -36,7 +40,7 @@ class Fleet:
             self.most_at_once = max(self.most_at_once, self.in_flight)
             self.arrived[identity] = self.arrived.get(identity, 0) + 1
             self.cond.notify_all()
-            self.cond.wait_for(lambda: self.arrived[identity] >= len(DEPLOYMENTS), timeout=3)
+            self.cond.wait_for(lambda: self.arrived[identity] >= self.expect, timeout=3)
             self.in_flight -= 1
             if deployment in self.refuse:
                 return 409
@@ -63,9 +67,11 @@ def fleet() -> Iterator[tuple[str, Fleet]]:
             self._reply(status, {"status": "ok"} if status == 200 else {"error": {"message": "refused"}})
 
         def do_GET(self) -> None:  # noqa: N802
-            current = state.serving.get(self.headers["fireworks-deployment"].rsplit("/", 1)[-1])
-            self._reply(200, {"replicas": [{"current_snapshot_identity": current, "readiness": True,
-                                            "loading_state": {"stage": "done"}}]})
+            deployment = self.headers["fireworks-deployment"].rsplit("/", 1)[-1]
+            state.gets[deployment] = state.gets.get(deployment, 0) + 1
+            current = state.serving.get(deployment)
+            self._reply(200, {"replicas": [] if deployment in state.down else [
+                {"current_snapshot_identity": current, "readiness": True, "loading_state": {"stage": "done"}}]})
 
         def log_message(self, *args: Any) -> None:
             pass
@@ -95,6 +101,78 @@ def test_deployments_are_signalled_at_once_and_each_failure_is_named(fleet: tupl
         with pytest.raises(RuntimeError, match="serves 's1', not the delta's parent 's2'"):
             sig.signal_and_wait("s3", "s2")  # d1 and d3 accepted s2 but were not waited for: a full is needed
         assert state.arrived.get("s3") is None, "no deployment is signalled when any chain is broken"
+    finally:
+        sig.close()
+
+
+def test_with_any_a_deployment_whose_manager_is_down_costs_the_others_one_wait(
+        fleet: tuple[str, Fleet], caplog: pytest.LogCaptureFixture) -> None:
+    """deployments_required="all" waits for every manager at each snapshot and signals none while one is down.
+    With "any" the first snapshot waits for them (at most the manager wait, here ready_timeout_s), then goes on
+    with those up; later deltas leave the one that is down out without asking, and each full asks it once."""
+    url, state = fleet
+    state.down, state.expect = {"d3"}, 2
+    clients = [HotLoadClient(url, account_id="a", model_id="m", deployment_id=d, api_key="k", poll_interval_s=0.02,
+                             retry_budget_s=5) for d in DEPLOYMENTS]
+    d3 = "accounts/a/deployments/d3"
+    strict = Signaller(clients, ready_timeout_s=0.5)
+    with pytest.raises(NotSignalled, match="d3.*no replica"):
+        strict.signal_and_wait("s0", None)
+    assert state.arrived == {}  # nobody was signalled
+    strict.close()
+
+    clients = [HotLoadClient(url, account_id="a", model_id="m", deployment_id=d, api_key="k", poll_interval_s=0.02,
+                             retry_budget_s=5) for d in DEPLOYMENTS]
+    sig = Signaller(clients, ready_timeout_s=1.0, require_all=False)
+
+    def timed(identity: str, previous: str | None) -> float:
+        t0 = time.monotonic()
+        sig.signal_and_wait(identity, previous)
+        return time.monotonic() - t0
+
+    try:
+        with caplog.at_level(logging.INFO, logger="fsdp_hotload"):
+            assert timed("s1", None) >= 0.9  # the manager wait, once
+            assert state.serving == {"d1": "s1", "d2": "s1"} and list(sig.behind) == [d3]
+            asked = state.gets["d3"]
+            assert timed("s2", "s1") < 0.5 and state.gets["d3"] == asked  # a delta: d3 is not asked
+            assert timed("s3", None) < 0.5 and state.gets["d3"] == asked + 1  # a full: asked once, no wait
+            state.down = set()
+            assert timed("s4", "s3") < 0.5 and "d3" not in state.serving and list(sig.behind) == [d3]
+            state.expect = 3
+            timed("s5", None)
+        assert state.serving == {"d1": "s5", "d2": "s5", "d3": "s5"} and sig.behind == {}
+        assert sig.may_serve() == {"s5"} and sig.not_serving("s5") == []
+        told = [r.getMessage() for r in caplog.records if "d3" in r.getMessage()]
+        assert sum("does not serve s1" in t for t in told) == 1 and not any("does not serve s2" in t for t in told)
+        assert any("d3 serves s5: it is no longer behind" in t for t in told)
+    finally:
+        sig.close()
+
+
+def test_with_any_a_refused_deployment_is_left_out_of_the_deltas_until_the_next_full(
+        fleet: tuple[str, Fleet]) -> None:
+    url, state = fleet
+    clients = [HotLoadClient(url, account_id="a", model_id="m", deployment_id=d, api_key="k", poll_interval_s=0.02,
+                             retry_budget_s=5) for d in DEPLOYMENTS]
+    sig = Signaller(clients, ready_timeout_s=10, require_all=False)
+    d2 = "accounts/a/deployments/d2"
+    try:
+        sig.signal_and_wait("s1", None)
+        state.refuse = {"d2"}
+        sig.signal_and_wait("s2", "s1")  # d2 refuses (409): the others serve s2
+        assert state.serving == {"d1": "s2", "d2": "s1", "d3": "s2"} and list(sig.behind) == [d2]
+        assert "its signal failed" in sig.behind[d2] and sig.not_serving("s2") == [d2]
+        assert sig.may_serve() == {"s1", "s2"}  # a 409 may have been taken: d2 may load s2 yet
+        state.refuse, state.expect = set(), 2
+        sig.signal_and_wait("s3", "s2")
+        assert state.arrived["s3"] == 2 and state.serving["d2"] == "s1"  # d2 serves none of this chain
+        state.refuse = {"d1", "d3"}
+        with pytest.raises(RuntimeError, match="d1.*d3"):  # every deployment signalled failed: the publish fails
+            sig.signal_and_wait("s4", "s3")
+        state.refuse, state.expect = set(), 3
+        sig.signal_and_wait("s5", None)
+        assert set(state.serving.values()) == {"s5"} and sig.behind == {}
     finally:
         sig.close()
 

@@ -92,11 +92,13 @@ class Committer:
                                                          on_poll=prog.polled)
                 m.signal_s = time.perf_counter() - t_signal - ready_s
                 m.ready_s = ready_s
+                m.deployments_behind = sorted(self.signaller.behind)
             m.ok = True
         except Exception as exc:  # noqa: BLE001 - any failure ends this chain; the next publish is full
             m.error = str(exc)  # served identities only change on success
             if t_signal is not None:  # a signal or readiness wait that failed: its time, both parts together
                 m.signal_s = time.perf_counter() - t_signal
+                m.deployments_behind = self.signaller.not_serving(identity) if self.signaller else []
             if not committed:
                 from ..retention import discard_snapshot
 
@@ -154,7 +156,7 @@ class Committer:
                     self._commits = self._commits[self._commits.index(identity):]
             retain_after(self.storage, self.config.keep_last, identity, session=self.session, since=self.started,
                          grace_s=self.config.retention_grace_s, keep=self.inputs, markers=self._markers,
-                         spare=lambda: self._committed_after(identity))  # logs, never raises
+                         spare=lambda: self._spared(identity))  # logs, never raises
 
     def _retract(self, identity: str) -> None:
         """Delete a committed snapshot whose signal no deployment took (:class:`.signal.NotSignalled`): no replica
@@ -167,10 +169,13 @@ class Committer:
                 self._commits.remove(identity)
         retract_snapshot(self.storage, identity)
 
-    def _committed_after(self, identity: str) -> list[str]:
-        """The identities committed here since ``identity`` (the ones being committed too), when a pass asks."""
+    def _spared(self, identity: str) -> list[str]:
+        """What a pass for ``identity`` spares besides it, when it asks: the identities committed here since (the
+        ones being committed too), and every snapshot a deployment serves or may load (one left behind with
+        ``deployments_required="any"`` serves an older one)."""
         with self._retention:
-            return [i for i in self._commits if i != identity]
+            after = [i for i in self._commits if i != identity]
+        return after + sorted(self.signaller.may_serve() if self.signaller is not None else ())
 
     def wait_retention(self, timeout: float | None = None) -> bool:
         """Wait for the retention pass in flight (close); False if it still runs after ``timeout`` seconds (it

@@ -5,7 +5,7 @@ import json
 import logging
 import os
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 log = logging.getLogger("fsdp_hotload")
 
@@ -37,6 +37,9 @@ class PublishMetrics:
     retries: int = 0  # storage calls retried by hotload (botocore's one retry per S3 request is not counted)
     skipped_before: int = 0  # steps skipped because the publisher was busy
     slowest_rank: int | None = None  # the rank whose diff+encode+upload took longest (several ranks only)
+    # deployments signalled for it (or whose turn it was) that do not serve it: with deployments_required="any",
+    # those left behind while the snapshot counts as served; on a failed signal, those that did not take it
+    deployments_behind: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -49,7 +52,8 @@ class PublishMetrics:
         return (f"step {self.step} {self.kind} {self.identity}: {self.bytes_written / 1e6:.2f} MB ({ratio}){changed}"
                 f" blocking {self.blocking_ms:.1f} ms, upload {self.upload_s:.2f}s"
                 + (f" (slowest rank {self.slowest_rank})" if self.slowest_rank is not None else "")
-                + f", ready {self.ready_s:.2f}s")
+                + f", ready {self.ready_s:.2f}s"
+                + (f" (not served by {', '.join(self.deployments_behind)})" if self.deployments_behind else ""))
 
 
 class MetricsSink:

@@ -1,9 +1,11 @@
 """Signalling: tell every deployment about a snapshot and wait until all their replicas serve it.
 
 One snapshot can feed several deployments (rollout pools in several regions reading one bucket). Each keeps its
-own chain state: the identity it serves, which is the ``previous_snapshot_identity`` of its next delta. The
-publisher advances its cache only when every deployment accepted, so after any failure the chains agree again at
-the next (full) snapshot.
+own chain state: the identity it serves, which is the ``previous_snapshot_identity`` of its next delta. With
+``deployments_required="all"`` (the default) the publisher advances its cache only when every deployment
+accepted, so after any failure the chains agree again at the next (full) snapshot. With ``"any"`` a deployment
+that fails is left behind: the others take the deltas, and it is signalled again at the next full snapshot (its
+chain no longer matches theirs), so one region that is down does not stop the rest of the fleet.
 
 Example::
 
@@ -83,12 +85,19 @@ def warn_at_start(cfg: HotloadConfig, codec: Any = None) -> None:
 
 class Signaller:
     def __init__(self, clients: Sequence[Any], *, ready_timeout_s: float = 600.0,
-                 reset_prompt_cache: str | None = None, compression_format: str = "arc_v2") -> None:
+                 reset_prompt_cache: str | None = None, compression_format: str = "arc_v2",
+                 require_all: bool = True) -> None:
         self.clients = list(clients)
+        self.require_all = require_all  # False: deployments_required="any"
         self.compression_format = compression_format  # the codec of the deltas; Fireworks accepts arc_v2
         self.ready_timeout_s = ready_timeout_s
         self.reset_prompt_cache = reset_prompt_cache
         self.served: dict[str, str | None] = {c.deployment_name: None for c in self.clients}
+        # deployment -> why it does not serve the newest snapshot that counted as served ("any" only)
+        self.behind: dict[str, str] = {}
+        self._signalled: dict[str, str] = {}  # deployment -> a snapshot signalled to it that it may load yet
+        self._state = threading.Lock()  # served and _signalled: retention reads them on its own thread
+        self._managers_waited = False  # a signal waited for every manager ("any": later ones only ask once)
         self._pool = DaemonPool(max(1, len(self.clients)), "hotload-signal")
         self._hints_failed: dict[str, str] = {}  # deployment -> the identity whose hints stopped after a failure
         self._managers_up: set[str] = set()  # deployments that reported a replica (safe to signal)
@@ -113,7 +122,19 @@ class Signaller:
                                  retry_budget_s=min(SIGNAL_RETRY_BUDGET_S, cfg.ready_timeout_s))
                    for d in cfg.deployments]
         return cls(clients, ready_timeout_s=cfg.ready_timeout_s, reset_prompt_cache=cfg.reset_prompt_cache,
-                   compression_format=cfg.codec)
+                   compression_format=cfg.codec, require_all=cfg.deployments_required == "all")
+
+    def may_serve(self) -> set[str]:
+        """Every snapshot a deployment serves, or was signalled and may load yet. Retention spares them and their
+        chains. Why: a deployment left behind (``deployments_required="any"``) serves an older snapshot than
+        the others, and a replica of it that restarts rebuilds that snapshot from the bucket."""
+        with self._state:
+            return {i for i in (*self.served.values(), *self._signalled.values()) if i}
+
+    def not_serving(self, identity: str) -> list[str]:
+        """The deployments not known to serve ``identity`` (for the metrics)."""
+        with self._state:
+            return sorted(name for name, served in self.served.items() if served != identity)
 
     def hint(self, identity: str, filename: str, previous: str | None) -> None:
         """Best effort: a lost hint only delays the replicas' prefetch, never correctness. So each hint gets at
@@ -168,36 +189,93 @@ class Signaller:
         removes the deployment's secrets from text the server sent, before it is logged.
 
         Each phase runs on every deployment at once: a signal may retry for minutes, and one deployment after
-        another, stalled signals could outlast the side group's timeout the other ranks wait under."""
+        another, stalled signals could outlast the side group's timeout the other ranks wait under.
+
+        With ``require_all`` False, a deployment that fails a phase is left out of the next ones (and named in
+        :attr:`behind`); only when every deployment fails does this raise as it does otherwise. A delta goes only
+        to the deployments that serve its parent."""
+        left: dict[str, str] = {}  # deployment -> why it is not signalled this snapshot (require_all False)
+        clients = self._up_managers(previous, left)
+        for name in [c.deployment_name for c in clients if c.deployment_name in self._first_seen]:
+            _say_what_is_served(name, self._first_seen.pop(name), identity)  # once, by the rank that signals
+        if previous is not None:  # every chain is checked before any deployment is signalled
+            for c in list(clients):
+                if self.served[c.deployment_name] != previous:
+                    why = (f"deployment {c.deployment_name} serves {self.served[c.deployment_name]!r}, not the "
+                           f"delta's parent {previous!r}; a full snapshot is needed")
+                    if self.require_all or len(clients) == 1:
+                        raise NotSignalled(why)
+                    left[c.deployment_name] = why
+                    clients.remove(c)
+        validation = {"extra_fields_ignore": self.extra_fields_ignore} if self.extra_fields_ignore else None
+        failed = self._on_each(clients, lambda c: c.signal(
+            identity, previous_identity=previous, reset_prompt_cache=self.reset_prompt_cache,
+            compression_format=self.compression_format, validation=validation))
+        with self._state:
+            self._signalled.update((c.deployment_name, identity) for c in clients  # it may load these
+                                   if c.deployment_name not in failed or not never_taken(failed[c.deployment_name]))
+        taken = len(failed) < len(clients) or not all(map(never_taken, failed.values()))
+        clients = self._go_on(clients, failed, left, "its signal failed", RuntimeError if taken else NotSignalled)
+        t0 = time.perf_counter()
+        failed = self._on_each(clients, lambda c: c.wait_ready(
+            identity, timeout_s=self.ready_timeout_s,
+            on_poll=None if on_poll is None else lambda st: on_poll(c.deployment_name, st, c.redact)))
+        with self._state:
+            for c in clients:
+                if c.deployment_name not in failed:
+                    self.served[c.deployment_name] = identity
+                    self._signalled.pop(c.deployment_name, None)
+        self._go_on(clients, failed, left, "it did not serve it", RuntimeError)
+        self._left_behind(identity, left)
+        return time.perf_counter() - t0
+
+    def _up_managers(self, previous: str | None, left: dict[str, str]) -> list[Any]:
+        """The clients whose hot-load manager reported a replica, safe to signal. The first signal waits for
+        every manager, at most ``MANAGER_WAIT_S``; with ``require_all`` every later one that finds a manager
+        still down waits again. Without it, a later full snapshot asks such a deployment once and signals it if
+        it is up, and a delta leaves it out (it serves none of this chain): a region that stays down costs the
+        others no wait."""
         new = [c for c in self.clients if c.deployment_name not in self._managers_up]
-        if new:
+        failed: dict[str, Exception] = {}
+        if new and (self.require_all or not self._managers_waited):
             wait_s = min(MANAGER_WAIT_S, self.ready_timeout_s)
             failed = self._on_each(new, lambda c: self._first_seen.__setitem__(c.deployment_name,
                                                                                 c.wait_manager(timeout_s=wait_s)))
-            self._managers_up.update(c.deployment_name for c in new if c.deployment_name not in failed)
-            _raise(failed, NotSignalled)
-        for name in [c.deployment_name for c in self.clients if c.deployment_name in self._first_seen]:
-            _say_what_is_served(name, self._first_seen.pop(name), identity)  # once, by the rank that signals
-        if previous is not None:  # every chain is checked before any deployment is signalled
-            for c in self.clients:
-                if self.served[c.deployment_name] != previous:
-                    raise NotSignalled(f"deployment {c.deployment_name} serves {self.served[c.deployment_name]!r}, "
-                                       f"not the delta's parent {previous!r}; a full snapshot is needed")
-        validation = {"extra_fields_ignore": self.extra_fields_ignore} if self.extra_fields_ignore else None
-        failed = self._on_each(self.clients, lambda c: c.signal(
-            identity, previous_identity=previous, reset_prompt_cache=self.reset_prompt_cache,
-            compression_format=self.compression_format, validation=validation))
-        taken = len(failed) < len(self.clients) or not all(map(never_taken, failed.values()))
-        _raise(failed, RuntimeError if taken else NotSignalled)
-        t0 = time.perf_counter()
-        failed = self._on_each(self.clients, lambda c: c.wait_ready(
-            identity, timeout_s=self.ready_timeout_s,
-            on_poll=None if on_poll is None else lambda st: on_poll(c.deployment_name, st, c.redact)))
-        for c in self.clients:
-            if c.deployment_name not in failed:
-                self.served[c.deployment_name] = identity
-        _raise(failed)
-        return time.perf_counter() - t0
+            self._managers_waited = True
+        elif new and previous is None:
+            failed = self._on_each(new, self._ask_manager)
+        elif new:
+            failed = {c.deployment_name: RuntimeError("its hot-load manager has not reported a replica yet")
+                      for c in new}
+        self._managers_up.update(c.deployment_name for c in new if c.deployment_name not in failed)
+        return self._go_on(self.clients, failed, left, "not signalled", NotSignalled)
+
+    def _ask_manager(self, c: Any) -> None:
+        st = c.status(deadline=time.monotonic() + min(HINT_DEADLINE_S, self.ready_timeout_s))
+        if not st.replicas:
+            raise RuntimeError("it reports no replica yet (its hot-load manager is not up)")
+        self._first_seen[c.deployment_name] = st
+
+    def _go_on(self, clients: list[Any], failed: dict[str, Exception], left: dict[str, str], what: str,
+               kind: type[RuntimeError]) -> list[Any]:
+        """The clients that did not fail, to carry on with; raises ``kind`` instead where every deployment must
+        take part (``require_all``) or none is left."""
+        if failed and (self.require_all or len(failed) == len(clients)):
+            _raise(failed, kind)
+        left.update((name, f"{what}: {exc}") for name, exc in failed.items())
+        return [c for c in clients if c.deployment_name not in failed]
+
+    def _left_behind(self, identity: str, left: dict[str, str]) -> None:
+        """Record and log (on a change only: a deployment left out of every delta until the next full would
+        otherwise log at every step) the deployments that do not serve ``identity``."""
+        before, self.behind = self.behind, dict(left)
+        for name, why in left.items():
+            if name not in before:
+                log.warning("hotload: deployment %s does not serve %s (%s); the others go on "
+                            "(deployments_required='any'), and it is signalled again at the next full snapshot",
+                            name, identity, why)
+        for name in sorted(before.keys() - left.keys()):
+            log.info("hotload: deployment %s serves %s: it is no longer behind", name, identity)
 
     def _on_each(self, clients: list[Any], fn: Callable[[Any], Any]) -> dict[str, Exception]:
         """Run ``fn`` on every client at once in the pool and wait for all; returns {deployment: error} of those
