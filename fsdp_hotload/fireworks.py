@@ -403,9 +403,11 @@ class HotLoadClient:
         validation: ValidationOptions | Mapping[str, Any] | None = None,
         source_url: str | None = None,
         compression_format: str = "arc_v2",
+        deadline: float | None = None,
     ) -> dict[str, Any]:
         """Tell the deployment that snapshot ``identity`` is complete in the bucket (a delta when
-        ``previous_identity`` is given). Returns the response body; success means accepted, not loaded."""
+        ``previous_identity`` is given). Returns the response body; success means accepted, not loaded.
+        ``deadline`` (``time.monotonic()``) ends the retries before ``retry_budget_s`` does."""
         validate_identity(identity)
         if previous_identity is not None:
             validate_identity(previous_identity, field="previous_identity")
@@ -429,7 +431,7 @@ class HotLoadClient:
 
         with_cache = reset_prompt_cache is not None and self.send_reset_prompt_cache
         try:
-            result = self._request("POST", HOT_LOAD_PATH, body(with_cache), extra_headers=extra)
+            result = self._request("POST", HOT_LOAD_PATH, body(with_cache), extra_headers=extra, deadline=deadline)
         except HotLoadError as exc:
             if exc.status_code == 409 and exc.attempts > 1:
                 # A conflict for a signal sent again (an answer lost, a 5xx): the identity is new to this run, so
@@ -451,7 +453,7 @@ class HotLoadClient:
                 raise
             log.warning("server does not accept reset_prompt_cache; signalling %r without it from now on", identity)
             self.send_reset_prompt_cache = False
-            result = self._request("POST", HOT_LOAD_PATH, body(False), extra_headers=extra)
+            result = self._request("POST", HOT_LOAD_PATH, body(False), extra_headers=extra, deadline=deadline)
         log.info("signalled %s snapshot %r to %s", "delta" if meta else "full", identity, self.deployment_name)
         if result is None:
             return {}

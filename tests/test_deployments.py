@@ -64,6 +64,9 @@ def test_a_failing_deployment_is_left_behind_and_the_others_take_every_snapshot(
         assert [m.kind for m in pub.metrics] == ["full", "delta", "delta", "full", "delta", "delta", "full"]
         signalled = [r["identity"] for r in emu.state()["deployments"][EU]["ledger"]]
         assert signalled == [pub.metrics[i].identity for i in (0, 1, 3, 6)]  # no delta after it fell behind
+        hinted = {h["identity"] for h in emu.state()["deployments"][EU]["hints"]}
+        assert hinted == {pub.metrics[0].identity, pub.metrics[1].identity}  # none once it was behind
+        assert {h["identity"] for h in emu.state()["deployments"][US]["hints"]} == {m.identity for m in pub.metrics}
     behind = [r.getMessage() for r in caplog.records if "does not serve" in r.getMessage()]
     assert len(behind) == 1 and "pool-eu" in behind[0], behind  # said once, not at every step it stays behind
     assert any("pool-eu serves" in r.getMessage() and "no longer behind" in r.getMessage() for r in caplog.records)
@@ -89,3 +92,68 @@ def test_every_deployment_failing_still_fails_the_publish(tmp_path: Path) -> Non
         assert [(m.kind, m.ok) for m in pub.metrics] == [("full", True), ("delta", False), ("full", True)]
         assert pub.metrics[1].deployments_behind == [EU, US]
         assert serves(emu, US) == serves(emu, EU) == (pub.metrics[2].identity, expected_sha(model))
+
+
+def test_retention_keeps_what_any_replica_of_a_deployment_left_behind_serves(tmp_path: Path) -> None:
+    """A deployment whose replicas split on a delta (one loads it, one fails) and that then fails the next full
+    snapshot: the delta is served by one of its replicas, so retention must keep it, though the deployment's
+    confirmed snapshot is older and a newer one was signalled since."""
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=2, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], deployments_required="any",
+                     full_every=3, keep_last=1)
+        with TensorPublisher(model, cfg) as pub:
+            for step in range(5):
+                train_step(model, step)
+                if step == 1:
+                    emu.fail_next_loads(1, replica=1, deployment=EU)
+                if step == 3:
+                    emu.fail_next_loads(1, deployment=EU)  # both replicas fail the full
+                if step == 1:
+                    digest_1 = expected_sha(model)
+                pub.publish(step, model)
+                pub.wait()
+                assert pub.metrics[-1].ok and pub.metrics[-1].deployments_behind == ([EU] if step else [])
+            names = {p.name for p in Path(bucket).iterdir()}
+            assert pub.metrics[2].identity not in names  # retention did run
+            emu.restart_replica(0, deployment=EU)  # it served step 1: rebuilt from the bucket
+            rep = restarted(emu, 0, deployment=EU)
+            assert (rep["stage"], rep["error"]) == ("done", None), rep
+            (_, first), _ = [(r["identity"], {k: t["digest"] for k, t in r["tensors"].items()})
+                             for r in emu.state()["deployments"][EU]["replicas"]]
+            assert rep["identity"] == pub.metrics[1].identity and first == digest_1
+
+
+def test_close_ends_a_deployment_left_behind_on_the_final_weights(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """The step close() publishes would be a delta, which a deployment left behind is not signalled: it is full
+    then, so every deployment ends on the trainer's final bytes. Where close() has nothing more to publish, it
+    says which deployment is behind and what it serves."""
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], deployments_required="any",
+                     publish_every=2)
+        pub = TensorPublisher(model, cfg)
+        for step in range(4):  # steps 0 and 2 are published; 3 is the newest, left to close()
+            train_step(model, step)
+            if step == 2:
+                emu.fail_next_loads(1, deployment=EU)
+            pub.publish(step, model)
+            pub.wait()
+        pub.close()
+        assert [(m.step, m.kind, m.deployments_behind) for m in pub.metrics] == \
+            [(0, "full", []), (2, "delta", [EU]), (3, "full", [])]
+        assert serves(emu, US) == serves(emu, EU) == (pub.metrics[-1].identity, expected_sha(model))
+
+        cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], deployments_required="any")
+        with caplog.at_level(logging.WARNING, logger="fsdp_hotload"), TensorPublisher(model, cfg) as pub:
+            pub.publish(0, model)
+            pub.wait()
+            emu.fail_next_loads(1, deployment=EU)
+            train_step(model, 4)
+            pub.publish(1, model)  # the newest step: close() has nothing more to publish
+        assert pub.metrics[-1].deployments_behind == [EU]
+        assert f"{EU} serves {pub.metrics[0].identity}" in caplog.text and "closing with deployment(s) left" \
+            in caplog.text

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
 Kind = Literal["full", "delta"]
 
@@ -26,6 +26,8 @@ class Cadence:
     accepted: str | None = None  # identity of the last snapshot every deployment serves
     deltas_since_full: int = 0
     force_full: bool = True
+    # deployments that do not serve ``accepted`` (deployments_required="any"): the final snapshot is full for them
+    behind: tuple[str, ...] = ()
 
     def next_kind(self) -> Kind:
         if self.force_full or self.accepted is None:
@@ -36,8 +38,8 @@ class Cadence:
             return "full"
         return "delta"
 
-    def on_success(self, identity: str, kind: Kind) -> None:
-        self.accepted = identity
+    def on_success(self, identity: str, kind: Kind, behind: Sequence[str] = ()) -> None:
+        self.accepted, self.behind = identity, tuple(behind)
         self.force_full = False
         self.deltas_since_full = 0 if kind == "full" else self.deltas_since_full + 1
 

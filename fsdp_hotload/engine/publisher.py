@@ -558,7 +558,9 @@ class Publisher:
             self._cache_parts = new_parts
             if self._carrier is not None:
                 self._carrier.accepted(kind)
-            self.cadence.on_success(identity, kind)
+            self.cadence.on_success(identity, kind, outcome.metrics.deployments_behind if outcome.metrics else ())
+            if self.signaller is not None:  # every rank hints; rank 0 alone knows who is behind until now
+                self.signaller.hint_skip = frozenset(self.cadence.behind)
         else:
             self._errors.store(PublishError(outcome.error or "publish failed"), job.seq)  # before the slot is free
             self.stager.release(job.buf)

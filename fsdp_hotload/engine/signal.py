@@ -22,7 +22,7 @@ import urllib.parse
 from typing import Any, Callable, Sequence
 
 from ..config import HotloadConfig
-from ..fireworks_models import never_taken
+from ..fireworks_models import HotLoadCancelled, never_taken
 from .pool import DaemonPool
 
 log = logging.getLogger("fsdp_hotload")
@@ -95,7 +95,11 @@ class Signaller:
         self.served: dict[str, str | None] = {c.deployment_name: None for c in self.clients}
         # deployment -> why it does not serve the newest snapshot that counted as served ("any" only)
         self.behind: dict[str, str] = {}
-        self._signalled: dict[str, str] = {}  # deployment -> a snapshot signalled to it that it may load yet
+        # deployment -> the snapshots its replicas may serve besides the one it serves everywhere (``served``):
+        # signalled and not confirmed, or reported by a replica when a wait failed
+        self._signalled: dict[str, set[str]] = {}
+        # deployments left behind (the last outcome's deployments_behind), which get no hints
+        self.hint_skip: frozenset[str] = frozenset()
         self._state = threading.Lock()  # served and _signalled: retention reads them on its own thread
         self._managers_waited = False  # a signal waited for every manager ("any": later ones only ask once)
         self._pool = DaemonPool(max(1, len(self.clients)), "hotload-signal")
@@ -129,7 +133,7 @@ class Signaller:
         chains. Why: a deployment left behind (``deployments_required="any"``) serves an older snapshot than
         the others, and a replica of it that restarts rebuilds that snapshot from the bucket."""
         with self._state:
-            return {i for i in (*self.served.values(), *self._signalled.values()) if i}
+            return {i for i in self.served.values() if i}.union(*self._signalled.values())
 
     def not_serving(self, identity: str) -> list[str]:
         """The deployments not known to serve ``identity`` (for the metrics)."""
@@ -145,10 +149,14 @@ class Signaller:
         can crash the serving container (the reference client waits for replicas before its first signal), and
         a hint is a POST to the same service (that it carries the same risk is inferred, not documented); rank
         0's manager wait runs only after the files are uploaded, and the other ranks never run it. So each
-        Signaller asks once (one status GET) and, while none is reported, skips that snapshot's hints."""
+        Signaller asks once (one status GET) and, while none is reported, skips that snapshot's hints. A deployment
+        left behind (``hint_skip``) gets no hints: it is not signalled deltas, and its full snapshot's signal is
+        enough (a region that is down would otherwise hold each snapshot's outcome up to ``HINT_DEADLINE_S``)."""
         for c in self.clients:
             if self._hints_failed.get(c.deployment_name) == identity:
                 continue
+            if c.deployment_name in self.hint_skip:  # left behind: not signalled a delta, and one that is down
+                continue  # would hold every snapshot's outcome for the hints' retries
             if not self._manager_up_for_hints(c, identity):
                 continue
             try:
@@ -208,23 +216,36 @@ class Signaller:
                     left[c.deployment_name] = why
                     clients.remove(c)
         validation = {"extra_fields_ignore": self.extra_fields_ignore} if self.extra_fields_ignore else None
+        lagging = set(self.behind)  # already behind before this snapshot: its signal gets a short retry budget
         failed = self._on_each(clients, lambda c: c.signal(
             identity, previous_identity=previous, reset_prompt_cache=self.reset_prompt_cache,
-            compression_format=self.compression_format, validation=validation))
+            compression_format=self.compression_format, validation=validation,
+            deadline=time.monotonic() + HINT_DEADLINE_S if c.deployment_name in lagging else None))
         with self._state:
-            self._signalled.update((c.deployment_name, identity) for c in clients  # it may load these
-                                   if c.deployment_name not in failed or not never_taken(failed[c.deployment_name]))
+            for c in clients:  # it may load these
+                if c.deployment_name not in failed or not never_taken(failed[c.deployment_name]):
+                    self._signalled.setdefault(c.deployment_name, set()).add(identity)
         taken = len(failed) < len(clients) or not all(map(never_taken, failed.values()))
         clients = self._go_on(clients, failed, left, "its signal failed", RuntimeError if taken else NotSignalled)
         t0 = time.perf_counter()
-        failed = self._on_each(clients, lambda c: c.wait_ready(
-            identity, timeout_s=self.ready_timeout_s,
-            on_poll=None if on_poll is None else lambda st: on_poll(c.deployment_name, st, c.redact)))
+        last: dict[str, Any] = {}  # deployment -> its last status polled
+
+        def polled(c: Any, st: Any) -> None:
+            last[c.deployment_name] = st
+            if on_poll is not None:
+                on_poll(c.deployment_name, st, c.redact)
+
+        failed = self._on_each(clients, lambda c: c.wait_ready(identity, timeout_s=self.ready_timeout_s,
+                                                                on_poll=lambda st: polled(c, st)))
         with self._state:
             for c in clients:
-                if c.deployment_name not in failed:
-                    self.served[c.deployment_name] = identity
-                    self._signalled.pop(c.deployment_name, None)
+                name = c.deployment_name
+                if name not in failed:
+                    self.served[name] = identity
+                    self._signalled.pop(name, None)
+                elif name in last:  # what its replicas serve now, and this snapshot, which a load may still end in
+                    self._signalled[name] = {r.current_snapshot_identity for r in last[name].replicas
+                                             if r.current_snapshot_identity} | {identity}
         self._go_on(clients, failed, left, "it did not serve it", RuntimeError)
         self._left_behind(identity, left)
         return time.perf_counter() - t0
@@ -259,8 +280,10 @@ class Signaller:
     def _go_on(self, clients: list[Any], failed: dict[str, Exception], left: dict[str, str], what: str,
                kind: type[RuntimeError]) -> list[Any]:
         """The clients that did not fail, to carry on with; raises ``kind`` instead where every deployment must
-        take part (``require_all``) or none is left."""
-        if failed and (self.require_all or len(failed) == len(clients)):
+        take part (``require_all``) or none is left, or where close() cancelled a wait (given up on, the snapshot
+        must not count as served by the deployments that were quicker)."""
+        if failed and (self.require_all or len(failed) == len(clients)
+                       or any(isinstance(exc, HotLoadCancelled) for exc in failed.values())):
             _raise(failed, kind)
         left.update((name, f"{what}: {exc}") for name, exc in failed.items())
         return [c for c in clients if c.deployment_name not in failed]
