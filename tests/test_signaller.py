@@ -31,6 +31,7 @@ class Fleet:
         self.serving: dict[str, str] = {}
         self.refuse: set[str] = set()
         self.down: set[str] = set()
+        self.stuck: set[str] = set()  # their replicas never report what they were signalled
         self.expect = len(DEPLOYMENTS)
         self.gets: dict[str, int] = {}  # status requests per deployment
 
@@ -69,7 +70,7 @@ def fleet() -> Iterator[tuple[str, Fleet]]:
         def do_GET(self) -> None:  # noqa: N802
             deployment = self.headers["fireworks-deployment"].rsplit("/", 1)[-1]
             state.gets[deployment] = state.gets.get(deployment, 0) + 1
-            current = state.serving.get(deployment)
+            current = None if deployment in state.stuck else state.serving.get(deployment)
             self._reply(200, {"replicas": [] if deployment in state.down else [
                 {"current_snapshot_identity": current, "readiness": True, "loading_state": {"stage": "done"}}]})
 
@@ -174,6 +175,26 @@ def test_with_any_a_refused_deployment_is_left_out_of_the_deltas_until_the_next_
         sig.signal_and_wait("s5", None)
         assert set(state.serving.values()) == {"s5"} and sig.behind == {}
     finally:
+        sig.close()
+
+
+def test_with_any_a_wait_cancelled_by_close_fails_the_snapshot(fleet: tuple[str, Fleet]) -> None:
+    """close() gave up (cancel()) while d2 was still loading: the snapshot must not count as served by the quicker
+    deployments, with d2 merely left behind."""
+    url, state = fleet
+    state.stuck = {"d2"}
+    clients = [HotLoadClient(url, account_id="a", model_id="m", deployment_id=d, api_key="k", poll_interval_s=0.02,
+                             retry_budget_s=5) for d in DEPLOYMENTS]
+    sig = Signaller(clients, ready_timeout_s=10, require_all=False)
+    timer = threading.Timer(0.5, sig.cancel)
+    timer.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="d2.*cancel"):
+            sig.signal_and_wait("s1", None)
+        assert time.monotonic() - t0 < 5 and sig.behind == {}
+    finally:
+        timer.cancel()
         sig.close()
 
 
