@@ -104,8 +104,9 @@ class HotloadConfig(BaseModel):
     deployments_required: Literal["all", "any"] = Field(
         "all", description="with several deployments, which must serve a snapshot for it to count as published: "
                            "'all' (one that fails fails the publish, and the next one is full for all), or 'any' "
-                           "(the others go on; one that fails is left behind, out of the deltas, until the next "
-                           "full snapshot, and named in the metrics' deployments_behind)")
+                           "(the others go on; one that fails is left behind, named in the metrics' "
+                           "deployments_behind, and catches up on a thread of its own, loading the snapshots it "
+                           "missed in order, or at the next full snapshot)")
     api_key: SecretStr | None = Field(None, description="defaults to $FIREWORKS_API_KEY; never logged")
     hotload_api_headers: dict[str, str] = Field(default_factory=dict, description="extra headers on every "
                                                 "hot-load request, e.g. a private gateway's secret; they override "

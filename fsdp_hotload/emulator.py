@@ -172,7 +172,7 @@ class HotLoadEmulator:
         self._storage: Any = None
         self._lock = threading.Lock()
         self._errors: list[BaseException] = []
-        self._reject: list[tuple[int, str]] = []
+        self._reject: list[tuple[int, str, str | None]] = []  # (status, message, deployment or None: any)
         self._deployments: dict[str, Deployment] = {}
         self._serving = False  # False from stop(): a request still in a handler thread makes no new deployment
         self.settings = EmulatorSettings(
@@ -278,11 +278,14 @@ class HotLoadEmulator:
         """Every load waits this long after its download starts (makes in-flight states observable)."""
         self.settings.load_delay_s = float(seconds)
 
-    def reject_next_signals(self, k: int, status: int = 503, message: str = "injected fault: service unavailable") \
-            -> None:
-        """The next ``k`` signal POSTs are answered with ``status`` and ``message`` before any validation."""
+    def reject_next_signals(self, k: int, status: int = 503, message: str = "injected fault: service unavailable",
+                            deployment: str | None = None) -> None:
+        """The next ``k`` signal POSTs (to ``deployment`` only, a name such as ``"accounts/a/deployments/d"``, if
+        given) are answered with ``status`` and ``message`` before any validation of their body."""
+        if deployment is not None and not _DEPLOYMENT_RE.fullmatch(deployment):
+            raise ValueError(f"deployment must be a name such as 'accounts/a/deployments/d', got {deployment!r}")
         with self._lock:
-            self._reject.extend([(status, message)] * k)
+            self._reject.extend([(status, message, deployment)] * k)
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -413,11 +416,12 @@ class HotLoadEmulator:
             return exc.status, {"error": {"message": str(exc), "code": exc.status}}
 
     def _signal(self, headers: Any, body: bytes) -> tuple[int, Any]:
-        with self._lock:
-            reject = self._reject.pop(0) if self._reject else None
-        if reject is not None:
-            raise _HttpError(*reject)
         dep = self._routed(headers)
+        with self._lock:
+            i = next((i for i, r in enumerate(self._reject) if r[2] in (None, dep.key)), None)
+            reject = self._reject.pop(i) if i is not None else None
+        if reject is not None:
+            raise _HttpError(*reject[:2])
         obj = self._json_body(body)
         try:
             req = HotLoadRequest.model_validate(obj)

@@ -1,5 +1,6 @@
 """Several deployments on one bucket with ``deployments_required="any"``: one that fails is left behind while the
-others take every snapshot, it catches up at the next full one, and retention keeps what it serves."""
+others take every snapshot, it catches up by loading those it missed in order (or at the next full one after a
+failed load), and retention keeps what it serves."""
 from __future__ import annotations
 
 import logging
@@ -157,3 +158,97 @@ def test_close_ends_a_deployment_left_behind_on_the_final_weights(tmp_path: Path
         assert pub.metrics[-1].deployments_behind == [EU]
         assert f"{EU} serves {pub.metrics[0].identity}" in caplog.text and "closing with deployment(s) left" \
             in caplog.text
+
+
+def every_replica(emu: HotLoadEmulator, deployment: str) -> list[tuple[str | None, dict[str, str]]]:
+    return [(r["identity"], {k: t["digest"] for k, t in r["tensors"].items()})
+            for r in emu.state()["deployments"][deployment]["replicas"]]
+
+
+def ledger(emu: HotLoadEmulator, deployment: str) -> list[str]:
+    return [r["identity"] for r in emu.state()["deployments"][deployment]["ledger"]]
+
+
+def test_a_deployment_that_refused_signals_catches_up_on_the_deltas_it_missed(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """pool-eu refuses the signals of step 1 (and the first catch-up's): it is left behind, and once it takes
+    signals again it is signalled steps 1 and 2 in order, each after the one before is served, so it serves the
+    newest weights before the next full snapshot, from deltas alone. Retention (keep_last=1) keeps what it loads.
+    No snapshot is held for it: the publishes of the others take no longer."""
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=2, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], deployments_required="any",
+                     full_every=10, keep_last=1)
+        digests: list[dict[str, str]] = []
+        with caplog.at_level(logging.INFO, logger="fsdp_hotload"), TensorPublisher(model, cfg) as pub:
+            for step in range(5):
+                train_step(model, step)
+                digests.append(expected_sha(model))
+                if step == 1:
+                    emu.reject_next_signals(2, status=400, message="injected: refused", deployment=EU)
+                pub.publish(step, model)
+                pub.wait()
+                assert pub.engine.signaller is not None and pub.engine.signaller.drain(30)
+                m = pub.metrics[-1]
+                assert m.ok, m.error
+                assert m.deployments_behind == ([EU] if step in (1, 2) else []), (step, m.deployments_behind)
+                assert every_replica(emu, US) == [(m.identity, digests[step])] * 2
+                if step != 1:  # step 1: the catch-up's signal was refused too; from step 2 on it serves the newest
+                    assert every_replica(emu, EU) == [(m.identity, digests[step])] * 2
+                else:
+                    assert every_replica(emu, EU) == [(pub.metrics[0].identity, digests[0])] * 2
+        assert [m.kind for m in pub.metrics] == ["full"] + ["delta"] * 4  # no full snapshot for it
+        assert ledger(emu, EU) == [m.identity for m in pub.metrics]  # each once, in order
+        rows = emu.state()["deployments"][EU]["ledger"]
+        assert [r["previous"] for r in rows[1:]] == [m.identity for m in pub.metrics[:-1]]
+    said = caplog.text
+    assert "catch-up stopped at " + pub.metrics[1].identity in said
+    assert f"deployment {EU} caught up: serves {pub.metrics[2].identity} (2 snapshot(s) loaded" in said
+
+
+def test_a_deployment_down_at_a_full_snapshot_catches_up_from_it(tmp_path: Path) -> None:
+    """pool-eu refuses signals from step 1 through the full snapshot of step 3 (and a catch-up after it): when it
+    takes signals again it loads that full snapshot and the deltas after it, never the deltas of the chain
+    before (deleted by retention meanwhile, keep_last=1), and serves the newest bytes."""
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], deployments_required="any",
+                     full_every=3, keep_last=1)
+        with TensorPublisher(model, cfg) as pub:
+            for step in range(6):
+                train_step(model, step)
+                if step == 1:  # the main signals of steps 1-3 and the catch-ups after steps 1 and 3 (step 2 had
+                    emu.reject_next_signals(5, status=400, deployment=EU)  # none: its next, step 1, was refused)
+                pub.publish(step, model)
+                pub.wait()
+                assert pub.engine.signaller is not None and pub.engine.signaller.drain(30)
+                m = pub.metrics[-1]
+                assert m.ok and m.deployments_behind == ([EU] if step in (1, 2, 3, 4) else []), (step, m)
+        kinds = [m.kind for m in pub.metrics]
+        assert kinds == ["full", "delta", "delta", "full", "delta", "delta"]
+        ids = [m.identity for m in pub.metrics]
+        assert ledger(emu, EU) == [ids[0], ids[3], ids[4], ids[5]]
+        assert serves(emu, EU) == serves(emu, US) == (ids[5], expected_sha(model))
+
+
+def test_close_waits_for_a_deployment_catching_up(tmp_path: Path) -> None:
+    """Loads slow enough that pool-eu still catches up when close() starts: close() waits for it, and it ends on
+    the trainer's final bytes like the others."""
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], deployments_required="any",
+                     publish_on_close=False)
+        pub = TensorPublisher(model, cfg)
+        for step in range(3):
+            train_step(model, step)
+            if step == 1:
+                emu.reject_next_signals(2, status=400, deployment=EU)
+                emu.set_load_delay(0.3)
+            pub.publish(step, model)
+            pub.wait()
+        assert pub.metrics[-1].deployments_behind == [EU]
+        pub.close()
+        assert serves(emu, US) == serves(emu, EU) == (pub.metrics[-1].identity, expected_sha(model))

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from .agreement import NoVote
-from .exits import deadline_after
+from .exits import deadline_after, left
 from .jobs import PublishError
 
 log = logging.getLogger("fsdp_hotload")
@@ -61,7 +61,7 @@ def publish_newest(pub: Any, sources: Any, timeout: float | None) -> bool:
         log.warning("hotload: the newest step %d is not published at close: %s (the last snapshot sent: "
                     "step %d)", pub.latest_step, why, pub._last_staged)
     if not wanted or why is not None:
-        _say_who_is_behind(pub)
+        _say_who_is_behind(pub, deadline)
         return False
     if pub.cadence.behind:  # a delta would leave them out: the fleet is to end on the final weights everywhere
         pub.cadence.force_full = True
@@ -91,12 +91,17 @@ def _declined(pub: Any, vote: int, deadline: float | None) -> str | None:
         return "the ranks' vote failed"
 
 
-def _say_who_is_behind(pub: Any) -> None:
+def _say_who_is_behind(pub: Any, deadline: float | None) -> None:
     """At a close that publishes nothing more, the deployments left behind (``deployments_required="any"``): the
-    job ends with them serving an older snapshot than the others, said once more where it is seen last."""
+    job ends with them serving an older snapshot than the others, said once more where it is seen last. Those
+    catching up are waited for first (until close()'s deadline)."""
     if pub.rank != 0 or not pub.cadence.behind or pub.signaller is None:
         return
-    served = {name: pub.signaller.served.get(name) for name in pub.cadence.behind}
+    pub.signaller.drain(left(deadline))
+    served = {name: pub.signaller.served.get(name) for name in pub.cadence.behind
+              if pub.signaller.served.get(name) != pub.cadence.accepted}
+    if not served:
+        return
     log.warning("hotload: closing with deployment(s) left behind, which do not serve the newest snapshot %s: %s",
                 pub.cadence.accepted, ", ".join(f"{name} serves {ident or 'none of this run'}"
                                                 for name, ident in served.items()))

@@ -470,7 +470,7 @@ class Publisher:
             self._warm_up.join(left(deadline))
         self.stager.close()
         if self.signaller is not None:
-            self.signaller.close()
+            self.signaller.close(0.0 if self.abandoned else left(deadline))  # close(): deployments catching up
         self._progress.close()
 
     def _ensure_thread(self) -> None:

@@ -4,8 +4,11 @@ One snapshot can feed several deployments (rollout pools in several regions read
 own chain state: the identity it serves, which is the ``previous_snapshot_identity`` of its next delta. With
 ``deployments_required="all"`` (the default) the publisher advances its cache only when every deployment
 accepted, so after any failure the chains agree again at the next (full) snapshot. With ``"any"`` a deployment
-that fails is left behind: the others take the deltas, and it is signalled again at the next full snapshot (its
-chain no longer matches theirs), so one region that is down does not stop the rest of the fleet.
+that fails is left behind: the others take the deltas, so one region that is down does not stop the rest of the
+fleet. It catches up on a thread of its own (a *catch-up*), which signals it the snapshots it missed, in order,
+each once the one before is served: the deltas since the one it serves, or the newest full snapshot and the deltas
+after it. A snapshot it took a signal of and did not serve is never signalled to it again (a reused identity is
+refused), so after a failed load it waits for the next full snapshot.
 
 Example::
 
@@ -107,6 +110,13 @@ class Signaller:
         self._managers_up: set[str] = set()  # deployments that reported a replica (safe to signal)
         self._first_seen: dict[str, Any] = {}  # deployment -> the status that first reported a replica, until logged
         self._hint_lock = threading.Lock()
+        # "any" only: the snapshots served since the newest full one, in order (what a catch-up signals), each
+        # deployment's catch-up in flight, and the snapshots of that chain each took a signal of
+        self._chain: list[str] = []
+        self._lanes: dict[str, threading.Thread] = {}
+        self._lanes_done = threading.Condition(self._state)
+        self._taken: dict[str, set[str]] = {}
+        self._lane_warned: set[str] = set()  # deployments whose catch-up failure was logged as a warning
         # Top-level base config keys the snapshots leave out (a quantization_config without quantized weights):
         # sent with every signal, since the server rejects a key present in only one of the two configs.
         self.extra_fields_ignore: list[str] = []
@@ -204,6 +214,15 @@ class Signaller:
         to the deployments that serve its parent."""
         left: dict[str, str] = {}  # deployment -> why it is not signalled this snapshot (require_all False)
         clients = self._up_managers(previous, left)
+        with self._state:  # one catching up gets this snapshot after the ones before it, from its catch-up
+            busy = {c.deployment_name: len(self._chain) - self._chain.index(self.served[c.deployment_name]) - 1
+                    if self.served[c.deployment_name] in self._chain else len(self._chain)
+                    for c in clients if c.deployment_name in self._lanes}
+        for c in [c for c in clients if c.deployment_name in busy]:
+            left[c.deployment_name] = f"catching up ({busy[c.deployment_name]} earlier snapshot(s) to load first)"
+            clients.remove(c)
+        if busy and not clients:
+            raise NotSignalled("; ".join(f"{name}: {why}" for name, why in left.items()))
         for name in [c.deployment_name for c in clients if c.deployment_name in self._first_seen]:
             _say_what_is_served(name, self._first_seen.pop(name), identity)  # once, by the rank that signals
         if previous is not None:  # every chain is checked before any deployment is signalled
@@ -222,9 +241,10 @@ class Signaller:
             compression_format=self.compression_format, validation=validation,
             deadline=time.monotonic() + HINT_DEADLINE_S if c.deployment_name in lagging else None))
         with self._state:
-            for c in clients:  # it may load these
+            for c in clients:  # it may load these, and is never signalled them again
                 if c.deployment_name not in failed or not never_taken(failed[c.deployment_name]):
                     self._signalled.setdefault(c.deployment_name, set()).add(identity)
+                    self._taken.setdefault(c.deployment_name, set()).add(identity)
         taken = len(failed) < len(clients) or not all(map(never_taken, failed.values()))
         clients = self._go_on(clients, failed, left, "its signal failed", RuntimeError if taken else NotSignalled)
         t0 = time.perf_counter()
@@ -248,6 +268,9 @@ class Signaller:
                                              if r.current_snapshot_identity} | {identity}
         self._go_on(clients, failed, left, "it did not serve it", RuntimeError)
         self._left_behind(identity, left)
+        if not self.require_all:
+            self._extend_chain(identity, previous)
+            self._catch_up()
         return time.perf_counter() - t0
 
     def _up_managers(self, previous: str | None, left: dict[str, str]) -> list[Any]:
@@ -295,10 +318,114 @@ class Signaller:
         for name, why in left.items():
             if name not in before:
                 log.warning("hotload: deployment %s does not serve %s (%s); the others go on "
-                            "(deployments_required='any'), and it is signalled again at the next full snapshot",
-                            name, identity, why)
+                            "(deployments_required='any'), and it catches up when it takes the snapshots it "
+                            "missed, or at the next full snapshot", name, identity, why)
         for name in sorted(before.keys() - left.keys()):
             log.info("hotload: deployment %s serves %s: it is no longer behind", name, identity)
+            self._lane_warned.discard(name)
+
+    def _extend_chain(self, identity: str, previous: str | None) -> None:
+        """``identity`` counted as served: the chain catch-ups follow ends with it."""
+        with self._state:
+            if previous is None:
+                self._chain = [identity]
+            elif self._chain and self._chain[-1] == previous:
+                self._chain.append(identity)
+            else:  # not known from its full snapshot on: nothing to catch up on until the next one
+                self._chain = []
+            chain = set(self._chain)
+            self._taken = {name: ids & chain for name, ids in self._taken.items()}
+
+    def _next_for(self, name: str) -> tuple[str, str | None] | None:
+        """The snapshot a catch-up signals ``name`` next, and its parent there (None: a full one); None when it
+        serves the newest or cannot take the next one (it took its signal before). Called under ``_state``."""
+        served, chain = self.served[name], self._chain
+        if not chain or served == chain[-1]:
+            return None
+        i = chain.index(served) + 1 if served in chain else 0
+        if chain[i] in self._taken.get(name, ()):  # signalled and not served: a second signal is refused
+            return None
+        return chain[i], chain[i - 1] if i else None
+
+    def _catch_up(self) -> None:
+        """Start a catch-up for each deployment behind the chain that can take its next snapshot (and whose
+        hot-load manager reported a replica). Each runs on a thread of its own: a region that stays down costs
+        each snapshot one signal's retries (``HINT_DEADLINE_S``) there, never time on the publisher's thread."""
+        for c in self.clients:
+            name = c.deployment_name
+            with self._state:
+                if name in self._lanes or name not in self._managers_up or self._next_for(name) is None:
+                    continue
+                lane = threading.Thread(target=self._lane, args=(c,), name="hotload-catch-up", daemon=True)
+                self._lanes[name] = lane
+            try:
+                lane.start()
+            except RuntimeError as exc:  # no threads left: the next snapshot tries again
+                log.warning("hotload: cannot start %s's catch-up: %s", name, exc)
+                with self._state:
+                    del self._lanes[name]
+                    self._lanes_done.notify_all()
+
+    def _lane(self, c: Any) -> None:
+        """One catch-up: signal ``c`` the next snapshot of the chain, wait until every replica serves it, repeat
+        until it serves the newest. A failure ends it; the next snapshot starts another where it can."""
+        name, t0, loaded, target = c.deployment_name, time.perf_counter(), 0, None
+        validation = {"extra_fields_ignore": self.extra_fields_ignore} if self.extra_fields_ignore else None
+        try:
+            while True:
+                with self._state:
+                    nxt = self._next_for(name)
+                    if nxt is None:
+                        break
+                    (target, previous), served = nxt, self.served[name]
+                    self._signalled.setdefault(name, set()).add(target)  # retention spares it from now on
+                    if not loaded:
+                        log.info("hotload: deployment %s serves %s: catching up, from %s (%d snapshot(s) to load "
+                                 "in order)", name, served or "no snapshot of this run", target,
+                                 len(self._chain) - self._chain.index(target))
+                try:
+                    c.signal(target, previous_identity=previous, reset_prompt_cache=self.reset_prompt_cache,
+                             compression_format=self.compression_format, validation=validation,
+                             deadline=time.monotonic() + HINT_DEADLINE_S)
+                except Exception as exc:
+                    with self._state:
+                        if never_taken(exc):  # it may be signalled again
+                            self._signalled.get(name, set()).discard(target)
+                        else:
+                            self._taken.setdefault(name, set()).add(target)
+                    raise
+                with self._state:
+                    self._taken.setdefault(name, set()).add(target)
+                c.wait_ready(target, timeout_s=self.ready_timeout_s)
+                with self._state:
+                    self.served[name] = target
+                    self._signalled.pop(name, None)
+                loaded += 1
+        except HotLoadCancelled:
+            log.info("hotload: %s's catch-up ended at %s: cancelled (closing)", name, target)
+        except Exception as exc:  # noqa: BLE001 - logged; it stays behind until a later catch-up or full snapshot
+            level = logging.INFO if name in self._lane_warned else logging.WARNING
+            self._lane_warned.add(name)
+            log.log(level, "hotload: %s's catch-up stopped at %s (%d snapshot(s) loaded): %s", name, target,
+                    loaded, exc)
+        else:
+            if loaded:
+                self._lane_warned.discard(name)
+                log.info("hotload: deployment %s caught up: serves %s (%d snapshot(s) loaded in %.1f s)", name,
+                         target, loaded, time.perf_counter() - t0)
+        finally:
+            with self._state:
+                del self._lanes[name]
+                self._lanes_done.notify_all()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until no deployment is catching up (``deployments_required="any"``); False if one still is after
+        ``timeout`` seconds. close() waits so that every deployment that can take them ends on the newest weights.
+        """
+        with self._state:
+            if self._lanes and timeout != 0:
+                log.info("hotload: waiting for %s to catch up", ", ".join(sorted(self._lanes)))
+            return self._lanes_done.wait_for(lambda: not self._lanes, timeout)
 
     def _on_each(self, clients: list[Any], fn: Callable[[Any], Any]) -> dict[str, Exception]:
         """Run ``fn`` on every client at once in the pool and wait for all; returns {deployment: error} of those
@@ -319,7 +446,12 @@ class Signaller:
         for c in self.clients:
             c.cancel()
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = 0.0) -> None:
+        """Cancel what is in flight, after waiting up to ``timeout`` seconds (None: no limit) for the deployments
+        catching up."""
+        if not self.drain(timeout):
+            log.warning("hotload: closing while %s still catch(es) up: cancelled, it serves an older snapshot",
+                        ", ".join(sorted(self._lanes)))
         self.cancel()
         self._pool.shutdown()
 
