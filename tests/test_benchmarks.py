@@ -359,3 +359,12 @@ def test_retention_markers_benchmark_reads_each_marker_once() -> None:
     # 21 then 22 markers; with the cache the new one, and the one before it again (keep_last=2)
     assert "| off | 21.5 |" in proc.stdout and "| on | 2 |" in proc.stdout, proc.stdout
     assert "ratio GETs per pass with the cache / without: 0.093" in proc.stdout and "machine:" in proc.stdout
+
+
+def test_catch_up_benchmark_reports_a_deployment_that_catches_up() -> None:
+    proc = _run([str(BENCH / "catch_up.py"), "--steps", "6", "--out-from", "1", "--out-to", "2", "--load-s", "0",
+                 "--step-s", "0.3"], 120)
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| o")}
+    assert set(rows) == {"| off", "| on"} and "machine:" in proc.stdout, proc.stdout
+    assert rows["| off"][1] == "0 1 2 3 4 5" and rows["| on"][1].endswith("0 0"), proc.stdout  # behind from step 1
+    assert int(rows["| on"][2]) < int(rows["| off"][2]), proc.stdout

@@ -1,0 +1,118 @@
+"""How stale a deployment left behind stays, with and without its catch-up (``deployments_required="any"``).
+
+Two deployments read one bucket; one (``pool-eu``) refuses every signal (HTTP 400, as a region whose API is down or
+refuses requests) during publishes ``--out-from`` to ``--out-to`` (inclusive), then takes them again. Without a
+catch-up it serves its last snapshot until the next full one (``full_every`` publishes apart); with it, it loads
+the snapshots it missed, in order, on a thread of its own. A TensorPublisher (one process) publishes ``--steps``
+steps of a 4-tensor model to a local-folder bucket; the in-process emulator serves both deployments (2 replicas
+each, every load delayed ``--load-s``), and the trainer steps ``--step-s`` apart. After each step's publish, and
+its step time, the script reads which step each ``pool-eu`` replica serves and compares the bytes it serves with
+the trainer's. It prints per run: the staleness of ``pool-eu`` (published step minus the step it serves) per
+step, its sum and the steps behind, the publishes whose bytes it served, its loads, the bytes written, and the
+median hook-to-served time of the publishes (what the healthy deployment waits). The baseline, in the same run, is
+the same job without the catch-up.
+
+    python benchmarks/catch_up.py [--steps 20] [--full-every 10] [--out-from 2] [--out-to 4] [--load-s 0.5]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+EU = "accounts/acct/deployments/pool-eu"
+
+
+def run(catch_up: bool, args: argparse.Namespace) -> dict[str, Any]:
+    from fsdp_hotload.config import HotloadConfig
+    from fsdp_hotload.emulator import HotLoadEmulator
+    from fsdp_hotload.engine.signal import Signaller
+    from fsdp_hotload.arc.dtypes import RawTensor
+    from fsdp_hotload.publish import TensorPublisher
+
+    real = Signaller._catch_up
+    if not catch_up:
+        Signaller._catch_up = lambda self: None  # type: ignore[method-assign]
+    try:
+        g = torch.Generator().manual_seed(0)
+        model = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(512, 512, generator=g) for i in range(4)}
+        stale: list[int] = []
+        exact = 0
+        with tempfile.TemporaryDirectory() as d, HotLoadEmulator(f"{d}/bucket", replicas=2, api_key="k3y") as emu:
+            Path(d, "hf").mkdir()
+            Path(d, "hf", "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 512}))
+            Path(d, "hf", "tokenizer.json").write_text("{}")
+            emu.set_load_delay(args.load_s)
+            cfg = HotloadConfig(bucket_url=f"{d}/bucket", hf_config_dir=f"{d}/hf", hotload_api_url=emu.url,
+                                account_id="acct", model_id="m", api_key="k3y", deployment_id=["pool-us", "pool-eu"],
+                                deployments_required="any", full_every=args.full_every, keep_last=2,
+                                poll_interval_s=0.02, ready_timeout_s=60, publish_on_close=False,
+                                progress_log_s=None)
+            steps: dict[str, int] = {}
+            with TensorPublisher(model, cfg) as pub:
+                for step in range(args.steps):
+                    gen = torch.Generator().manual_seed(1000 + step)
+                    for t in model.values():  # an RL-like update: ~3% of the values move
+                        t.add_((torch.rand(t.shape, generator=gen) < 0.03) * torch.randn(t.shape, generator=gen))
+                    want = {k: RawTensor.from_any(v.bfloat16()).digest() for k, v in model.items()}
+                    if step == args.out_from:
+                        emu.reject_next_signals(1_000_000, status=400, message="region down", deployment=EU)
+                    if step == args.out_to + 1:
+                        emu._reject.clear()  # noqa: SLF001 - the outage ends
+                    pub.publish(step, model)
+                    pub.wait()
+                    m = pub.metrics[-1]
+                    if not m.ok:
+                        raise SystemExit(f"step {step} failed: {m.error}")
+                    steps[m.identity] = step
+                    time.sleep(args.step_s)  # the next training step: a catch-up runs meanwhile
+                    reps = emu.state()["deployments"][EU]["replicas"]
+                    oldest = min(steps.get(r["identity"], -1) for r in reps)
+                    stale.append(step - oldest)
+                    exact += oldest == step and all(
+                        {k: t["digest"] for k, t in r["tensors"].items()} == want for r in reps)
+            loads = len(emu.state()["deployments"][EU]["ledger"])
+        ok = [m for m in pub.metrics if m.ok]
+        return dict(stale=stale, exact=exact, loads=loads, mb=sum(m.bytes_written for m in ok) / 1e6,
+                    fulls=sum(m.kind == "full" for m in ok), total=statistics.median(m.total_s for m in ok))
+    finally:
+        Signaller._catch_up = real  # type: ignore[method-assign]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=20, help="trainer steps, each published")
+    p.add_argument("--full-every", type=int, default=10, help="full_every")
+    p.add_argument("--out-from", type=int, default=2, help="first step whose signals pool-eu refuses")
+    p.add_argument("--out-to", type=int, default=4, help="last step whose signals pool-eu refuses")
+    p.add_argument("--load-s", type=float, default=0.5, help="seconds every load takes in the emulator")
+    p.add_argument("--step-s", type=float, default=1.0, help="seconds per trainer step after its publish")
+    args = p.parse_args()
+    from benchmarks.machine_info import machine
+
+    print(f"machine: {machine()}")
+    print("| catch-up | pool-eu staleness per step | sum | steps behind | served bit-exact | pool-eu loads | "
+          "full snapshots | MB written | hook to served, median s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    sums = {}
+    for catch_up in (False, True):
+        r = run(catch_up, args)
+        sums[catch_up] = sum(r["stale"])
+        print(f"| {'on' if catch_up else 'off'} | {' '.join(map(str, r['stale']))} | {sums[catch_up]} | "
+              f"{sum(1 for s in r['stale'] if s)} | {r['exact']}/{args.steps} | {r['loads']} | {r['fulls']} | "
+              f"{r['mb']:.1f} | {r['total']:.3f} |")
+    print(f"ratio pool-eu staleness (sum) with catch-up / without: {sums[True] / max(sums[False], 1):.2f}")
+
+
+if __name__ == "__main__":
+    main()
