@@ -166,8 +166,9 @@ class HotloadConfig(BaseModel):
                                    "not when closing on an error")
     close_timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False, description="how "
                                           "long close() waits for the snapshots in flight before it abandons them "
-                                          "and raises, and for the ranks' vote on the newest step (past it none "
-                                          "publishes that step); None = as long as they take (S3/GCS calls and "
+                                          "and raises, for the ranks' vote on the newest step (past it none "
+                                          "publishes that step), and for deployments catching up (past it their "
+                                          "catch-up is cancelled); None = as long as they take (S3/GCS calls and "
                                           "readiness have deadlines of their own, a hung local write has none)")
     keep_training_on_error: bool = Field(False, description="log background errors instead of raising them on "
                                                             "the next step")
