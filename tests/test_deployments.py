@@ -169,9 +169,11 @@ def ledger(emu: HotLoadEmulator, deployment: str) -> list[str]:
     return [r["identity"] for r in emu.state()["deployments"][deployment]["ledger"]]
 
 
+@pytest.mark.parametrize("status", [400, 501])
 def test_a_deployment_that_refused_signals_catches_up_on_the_deltas_it_missed(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """pool-eu refuses the signals of step 1 (and the first catch-up's): it is left behind, and once it takes
+        status: int, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """pool-eu refuses the signals of step 1 (and the first catch-up's; a 4xx, or a 5xx the client does not retry:
+    both are sent again): it is left behind, and once it takes
     signals again it is signalled steps 1 and 2 in order, each after the one before is served, so it serves the
     newest weights before the next full snapshot, from deltas alone. Retention (keep_last=1) keeps what it loads.
     No snapshot is held for it: the publishes of the others take no longer."""
@@ -186,7 +188,7 @@ def test_a_deployment_that_refused_signals_catches_up_on_the_deltas_it_missed(
                 train_step(model, step)
                 digests.append(expected_sha(model))
                 if step == 1:
-                    emu.reject_next_signals(2, status=400, message="injected: refused", deployment=EU)
+                    emu.reject_next_signals(2, status=status, message="injected: refused", deployment=EU)
                 pub.publish(step, model)
                 pub.wait()
                 assert pub.engine.signaller is not None and pub.engine.signaller.drain(30)

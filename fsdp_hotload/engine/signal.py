@@ -7,8 +7,9 @@ accepted, so after any failure the chains agree again at the next (full) snapsho
 that fails is left behind: the others take the deltas, so one region that is down does not stop the rest of the
 fleet. It catches up on a thread of its own (a *catch-up*), which signals it the snapshots it missed, in order,
 each once the one before is served: the deltas since the one it serves, or the newest full snapshot and the deltas
-after it. A snapshot it took a signal of and did not serve is never signalled to it again (a reused identity is
-refused), so after a failed load it waits for the next full snapshot.
+after it. A snapshot whose signal it accepted and then did not serve (a load error, a readiness timeout) is never
+signalled to it again (a reused identity is refused), so after a failed load it waits for the next full snapshot; a
+signal that failed (refused, a 5xx, no connection), but for a 409, may be sent again: at worst it is refused again.
 
 Example::
 
@@ -111,7 +112,7 @@ class Signaller:
         self._first_seen: dict[str, Any] = {}  # deployment -> the status that first reported a replica, until logged
         self._hint_lock = threading.Lock()
         # "any" only: the snapshots served since the newest full one, in order (what a catch-up signals), each
-        # deployment's catch-up in flight, and the snapshots of that chain each took a signal of
+        # deployment's catch-up in flight, and the snapshots of that chain whose signal each accepted
         self._chain: list[str] = []
         self._lanes: dict[str, threading.Thread] = {}
         self._lanes_done = threading.Condition(self._state)
@@ -241,9 +242,10 @@ class Signaller:
             compression_format=self.compression_format, validation=validation,
             deadline=time.monotonic() + HINT_DEADLINE_S if c.deployment_name in lagging else None))
         with self._state:
-            for c in clients:  # it may load these, and is never signalled them again
+            for c in clients:  # it may load these; those that accepted it are never signalled it again
                 if c.deployment_name not in failed or not never_taken(failed[c.deployment_name]):
                     self._signalled.setdefault(c.deployment_name, set()).add(identity)
+                if c.deployment_name not in failed or _has_it(failed[c.deployment_name]):
                     self._taken.setdefault(c.deployment_name, set()).add(identity)
         taken = len(failed) < len(clients) or not all(map(never_taken, failed.values()))
         clients = self._go_on(clients, failed, left, "its signal failed", RuntimeError if taken else NotSignalled)
@@ -338,12 +340,12 @@ class Signaller:
 
     def _next_for(self, name: str) -> tuple[str, str | None] | None:
         """The snapshot a catch-up signals ``name`` next, and its parent there (None: a full one); None when it
-        serves the newest or cannot take the next one (it took its signal before). Called under ``_state``."""
+        serves the newest or cannot take the next one (it accepted its signal before). Called under ``_state``."""
         served, chain = self.served[name], self._chain
         if not chain or served == chain[-1]:
             return None
         i = chain.index(served) + 1 if served in chain else 0
-        if chain[i] in self._taken.get(name, ()):  # signalled and not served: a second signal is refused
+        if chain[i] in self._taken.get(name, ()):  # accepted and not served: a second signal is refused
             return None
         return chain[i], chain[i - 1] if i else None
 
@@ -379,19 +381,20 @@ class Signaller:
                         break
                     (target, previous), served = nxt, self.served[name]
                     self._signalled.setdefault(name, set()).add(target)  # retention spares it from now on
-                    if not loaded:
-                        log.info("hotload: deployment %s serves %s: catching up, from %s (%d snapshot(s) to load "
-                                 "in order)", name, served or "no snapshot of this run", target,
-                                 len(self._chain) - self._chain.index(target))
+                    if not loaded:  # once per fall behind: a region that stays down tries at every publish
+                        log.log(logging.DEBUG if name in self._lane_warned else logging.INFO,
+                                "hotload: deployment %s serves %s: catching up, from %s (%d snapshot(s) to load "
+                                "in order)", name, served or "no snapshot of this run", target,
+                                len(self._chain) - self._chain.index(target))
                 try:
                     c.signal(target, previous_identity=previous, reset_prompt_cache=self.reset_prompt_cache,
                              compression_format=self.compression_format, validation=validation,
                              deadline=time.monotonic() + HINT_DEADLINE_S)
                 except Exception as exc:
                     with self._state:
-                        if never_taken(exc):  # it may be signalled again
+                        if never_taken(exc):  # no replica loads it
                             self._signalled.get(name, set()).discard(target)
-                        else:
+                        if _has_it(exc):
                             self._taken.setdefault(name, set()).add(target)
                     raise
                 with self._state:
@@ -404,10 +407,10 @@ class Signaller:
         except HotLoadCancelled:
             log.info("hotload: %s's catch-up ended at %s: cancelled (closing)", name, target)
         except Exception as exc:  # noqa: BLE001 - logged; it stays behind until a later catch-up or full snapshot
-            level = logging.INFO if name in self._lane_warned else logging.WARNING
+            level = logging.DEBUG if name in self._lane_warned else logging.WARNING
             self._lane_warned.add(name)
-            log.log(level, "hotload: %s's catch-up stopped at %s (%d snapshot(s) loaded): %s", name, target,
-                    loaded, exc)
+            log.log(level, "hotload: %s's catch-up stopped at %s (%d snapshot(s) loaded; tried again after each "
+                    "publish, logged at DEBUG until it catches up): %s", name, target, loaded, exc)
         else:
             if loaded:
                 self._lane_warned.discard(name)
@@ -467,6 +470,12 @@ def _say_what_is_served(deployment: str, st: Any, identity: str) -> None:
     now = f"serving {', '.join(served)}{' (another run)' if others else ''}" if served else "serving no snapshot yet"
     log.info("hotload: deployment %s is up (%d replica(s)), %s; signalling %s", deployment, len(st.replicas), now,
              identity)
+
+
+def _has_it(exc: BaseException) -> bool:
+    """A failed signal the deployment answered 409 (a conflict: it holds that identity already), so that sending
+    it again is refused too; any other failure (refused, a 5xx, no connection, a timeout) may be sent again."""
+    return getattr(exc, "status_code", None) == 409
 
 
 def _raise(failed: dict[str, Exception], kind: type[RuntimeError] = RuntimeError) -> None:
