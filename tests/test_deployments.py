@@ -254,3 +254,70 @@ def test_close_waits_for_a_deployment_catching_up(tmp_path: Path) -> None:
         assert pub.metrics[-1].deployments_behind == [EU]
         pub.close()
         assert serves(emu, US) == serves(emu, EU) == (pub.metrics[-1].identity, expected_sha(model))
+
+
+def test_a_deployment_whose_loads_are_slow_rejoins_the_publishes_after_catching_up(tmp_path: Path) -> None:
+    """Loads slower than an upload, publishes back to back: the catch-up after step 1 still loads step 1 when step
+    2 is signalled. pool-eu is signalled step 2 once it ends, with the others, instead of being left out again
+    (and caught up after each publish, behind for the rest of the job)."""
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], deployments_required="any")
+        emu.set_load_delay(0.3)
+        with TensorPublisher(model, cfg) as pub:
+            for step in range(6):
+                train_step(model, step)
+                if step == 1:
+                    emu.reject_next_signals(1, status=400, deployment=EU)
+                pub.publish(step, model)
+                pub.wait()
+            assert [m.deployments_behind for m in pub.metrics] == [[], [EU], [], [], [], []]
+            assert serves(emu, EU) == serves(emu, US) == (pub.metrics[-1].identity, expected_sha(model))
+            hinted = {h["identity"] for h in emu.state()["deployments"][EU]["hints"]}
+            assert {m.identity for m in pub.metrics[3:]} <= hinted  # hinted again once it had rejoined
+
+
+def test_close_publishes_a_delta_for_a_deployment_catching_up_and_waits_for_it(tmp_path: Path) -> None:
+    """pool-eu was catching up at the last publish: the step close() publishes is a delta (its catch-up takes it;
+    a full snapshot is for a deployment that cannot catch up), and close() waits until it serves it."""
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], deployments_required="any",
+                     publish_every=2)
+        emu.set_load_delay(0.2)
+        pub = TensorPublisher(model, cfg)
+        for step in range(6):  # 0, 2 and 4 are published; 5 is left to close()
+            train_step(model, step)
+            if step == 2:  # its signal and the catch-up's after it
+                emu.reject_next_signals(2, status=400, deployment=EU)
+            pub.publish(step, model)
+            pub.wait()
+        assert [(m.deployments_behind, m.deployments_catching_up) for m in pub.metrics] == \
+            [([], []), ([EU], [EU]), ([EU], [EU])]  # a catch-up started after each (the first one's refused)
+        pub.close()
+        assert [(m.step, m.kind) for m in pub.metrics] == [(0, "full"), (2, "delta"), (4, "delta"), (5, "delta")]
+        assert serves(emu, US) == serves(emu, EU) == (pub.metrics[-1].identity, expected_sha(model))
+
+
+def test_closing_on_an_exception_does_not_wait_for_a_catch_up(tmp_path: Path) -> None:
+    """An exception leaving the ``with`` block: close() cancels a catch-up at once (the job may be hung, and the
+    user waits for the error), rather than waiting for every snapshot it has left."""
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], deployments_required="any")
+        with pytest.raises(ValueError, match="diverged"):
+            with TensorPublisher(model, cfg) as pub:
+                for step in range(6):
+                    train_step(model, step)
+                    if step == 1:
+                        emu.reject_next_signals(5, status=400, deployment=EU)  # steps 1-4 and the catch-ups
+                    if step == 5:
+                        emu.set_load_delay(1.0)  # from here a catch-up of 5 snapshots takes 5 s
+                    pub.publish(step, model)
+                    pub.wait()
+                assert pub.metrics[-1].deployments_catching_up == [EU]
+                raise ValueError("training diverged")
+        assert len(ledger(emu, EU)) < 3  # cancelled at the first or second load of its catch-up

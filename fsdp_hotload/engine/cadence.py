@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Any, Literal
 
 Kind = Literal["full", "delta"]
 
@@ -26,8 +26,10 @@ class Cadence:
     accepted: str | None = None  # identity of the last snapshot every deployment serves
     deltas_since_full: int = 0
     force_full: bool = True
-    # deployments that do not serve ``accepted`` (deployments_required="any"): the final snapshot is full for them
+    # deployments that do not serve ``accepted`` (deployments_required="any"): the final snapshot is full for
+    # those of them that were not catching up (the others take it through their catch-up)
     behind: tuple[str, ...] = ()
+    catching_up: tuple[str, ...] = ()
 
     def next_kind(self) -> Kind:
         if self.force_full or self.accepted is None:
@@ -38,8 +40,11 @@ class Cadence:
             return "full"
         return "delta"
 
-    def on_success(self, identity: str, kind: Kind, behind: Sequence[str] = ()) -> None:
-        self.accepted, self.behind = identity, tuple(behind)
+    def on_success(self, identity: str, kind: Kind, metrics: Any = None) -> None:
+        """``metrics``: the snapshot's PublishMetrics (who does not serve it), or None."""
+        self.accepted = identity
+        self.behind = tuple(getattr(metrics, "deployments_behind", ()))
+        self.catching_up = tuple(getattr(metrics, "deployments_catching_up", ()))
         self.force_full = False
         self.deltas_since_full = 0 if kind == "full" else self.deltas_since_full + 1
 

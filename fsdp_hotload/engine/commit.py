@@ -93,6 +93,7 @@ class Committer:
                 m.signal_s = time.perf_counter() - t_signal - ready_s
                 m.ready_s = ready_s
                 m.deployments_behind = sorted(self.signaller.behind)
+                m.deployments_catching_up = sorted(self.signaller.catching_up)
             m.ok = True
         except Exception as exc:  # noqa: BLE001 - any failure ends this chain; the next publish is full
             m.error = str(exc)  # served identities only change on success

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from .agreement import NoVote
-from .exits import deadline_after, left
+from .exits import deadline_after
 from .jobs import PublishError
 
 log = logging.getLogger("fsdp_hotload")
@@ -61,14 +61,14 @@ def publish_newest(pub: Any, sources: Any, timeout: float | None) -> bool:
         log.warning("hotload: the newest step %d is not published at close: %s (the last snapshot sent: "
                     "step %d)", pub.latest_step, why, pub._last_staged)
     if not wanted or why is not None:
-        _say_who_is_behind(pub, deadline)
         return False
-    if pub.cadence.behind:  # a delta would leave them out: the fleet is to end on the final weights everywhere
+    stuck = [name for name in pub.cadence.behind if name not in pub.cadence.catching_up]
+    if stuck:  # a delta would leave them out: the fleet is to end on the final weights everywhere
         pub.cadence.force_full = True
     if pub.rank == 0:
         log.info("hotload: publishing step %d at close (the newest published before it: step %d)%s",
                  pub.latest_step, pub._last_staged,
-                 f", a full snapshot for {', '.join(pub.cadence.behind)}, left behind" if pub.cadence.behind else "")
+                 f", a full snapshot for {', '.join(stuck)}, left behind" if stuck else "")
     t0 = time.perf_counter()  # blocking_ms: the copy, as for any publish (not the wait for the others)
     buf = pub.stager.acquire(wait=True)
     assert buf is not None
@@ -89,22 +89,6 @@ def _declined(pub: Any, vote: int, deadline: float | None) -> str | None:
             raise PublishError(f"the ranks' vote on publishing the newest step at close failed: {exc}") from exc
         log.error("hotload: the ranks' vote on publishing the newest step at close failed: %s", exc)
         return "the ranks' vote failed"
-
-
-def _say_who_is_behind(pub: Any, deadline: float | None) -> None:
-    """At a close that publishes nothing more, the deployments left behind (``deployments_required="any"``): the
-    job ends with them serving an older snapshot than the others, said once more where it is seen last. Those
-    catching up are waited for first (until close()'s deadline)."""
-    if pub.rank != 0 or not pub.cadence.behind or pub.signaller is None:
-        return
-    pub.signaller.drain(left(deadline))
-    served = {name: pub.signaller.served.get(name) for name in pub.cadence.behind
-              if pub.signaller.served.get(name) != pub.cadence.accepted}
-    if not served:
-        return
-    log.warning("hotload: closing with deployment(s) left behind, which do not serve the newest snapshot %s: %s",
-                pub.cadence.accepted, ", ".join(f"{name} serves {ident or 'none of this run'}"
-                                                for name, ident in served.items()))
 
 
 def objection(pub: Any, sources: object) -> str | None:

@@ -40,6 +40,8 @@ class PublishMetrics:
     # deployments signalled for it (or whose turn it was) that do not serve it: with deployments_required="any",
     # those left behind while the snapshot counts as served; on a failed signal, those that did not take it
     deployments_behind: list[str] = field(default_factory=list)
+    # of those left behind, the ones whose catch-up was under way (loading the snapshots they missed, in order)
+    deployments_catching_up: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -53,7 +55,9 @@ class PublishMetrics:
                 f" blocking {self.blocking_ms:.1f} ms, upload {self.upload_s:.2f}s"
                 + (f" (slowest rank {self.slowest_rank})" if self.slowest_rank is not None else "")
                 + f", ready {self.ready_s:.2f}s"
-                + (f" (not served by {', '.join(self.deployments_behind)})" if self.deployments_behind else ""))
+                + (f" (not served by {', '.join(self.deployments_behind)})" if self.deployments_behind else "")
+                + (f" ({', '.join(self.deployments_catching_up)} catching up)" if self.deployments_catching_up
+                   else ""))
 
 
 class MetricsSink:

@@ -446,7 +446,7 @@ class Publisher:
             self._thread.join()
         if self._carried is not None:  # no later snapshot carried it
             self._errors.store(self._carried, self._staged)
-        self._free(deadline)
+        self._free(deadline, drain=raise_errors and not propagating)  # not on an exception: it may be a hang
         if raise_errors:
             if final_error is not None and self._errors.due(self._staged) and not self.config.keep_training_on_error:
                 log.error("hotload: publishing the newest step at close failed: %r", final_error)  # raised: the other
@@ -458,7 +458,7 @@ class Publisher:
         if err is not None:
             log.warning("hotload: a publish failed before close (not raised: closing on another error): %s", err)
 
-    def _free(self, deadline: float | None = None) -> None:
+    def _free(self, deadline: float | None = None, drain: bool = False) -> None:
         """Stop the helper threads and free the buffers; after the publisher thread ended (an abandoned one's
         thread calls it itself, once its stuck call returned)."""
         self.drop_finalizer.detach()
@@ -470,7 +470,7 @@ class Publisher:
             self._warm_up.join(left(deadline))
         self.stager.close()
         if self.signaller is not None:
-            self.signaller.close(0.0 if self.abandoned else left(deadline))  # close(): deployments catching up
+            self.signaller.close(left(deadline) if drain else 0.0)  # close(): deployments catching up
         self._progress.close()
 
     def _ensure_thread(self) -> None:
@@ -558,7 +558,7 @@ class Publisher:
             self._cache_parts = new_parts
             if self._carrier is not None:
                 self._carrier.accepted(kind)
-            self.cadence.on_success(identity, kind, outcome.metrics.deployments_behind if outcome.metrics else ())
+            self.cadence.on_success(identity, kind, outcome.metrics)
             if self.signaller is not None:  # every rank hints; rank 0 alone knows who is behind until now
                 self.signaller.hint_skip = frozenset(self.cadence.behind)
         else:

@@ -7,7 +7,8 @@ accepted, so after any failure the chains agree again at the next (full) snapsho
 that fails is left behind: the others take the deltas, so one region that is down does not stop the rest of the
 fleet. It catches up on a thread of its own (a *catch-up*), which signals it the snapshots it missed, in order,
 each once the one before is served: the deltas since the one it serves, or the newest full snapshot and the deltas
-after it. A snapshot whose signal it accepted and then did not serve (a load error, a readiness timeout) is never
+after it. A publish signals it again once its catch-up ends, where that loads the new snapshot's parent (or, for a
+full snapshot, anything: the catch-up stops after its load in flight). A snapshot whose signal it accepted and then did not serve (a load error, a readiness timeout) is never
 signalled to it again (a reused identity is refused), so after a failed load it waits for the next full snapshot; a
 signal that failed (refused, a 5xx, no connection), but for a 409, may be sent again: at worst it is refused again.
 
@@ -116,8 +117,13 @@ class Signaller:
         self._chain: list[str] = []
         self._lanes: dict[str, threading.Thread] = {}
         self._lanes_done = threading.Condition(self._state)
+        self._lane_at: dict[str, str] = {}  # deployment -> the snapshot its catch-up loads now
+        self._lane_stop: set[str] = set()  # catch-ups to end after the load in flight (the publish takes over)
         self._taken: dict[str, set[str]] = {}
         self._lane_warned: set[str] = set()  # deployments whose catch-up failure was logged as a warning
+        # deployments behind at the last snapshot served whose catch-up was under way then: the next snapshot
+        # reaches them through it, so close() need not publish a full snapshot for them
+        self.catching_up: frozenset[str] = frozenset()
         # Top-level base config keys the snapshots leave out (a quantization_config without quantized weights):
         # sent with every signal, since the server rejects a key present in only one of the two configs.
         self.extra_fields_ignore: list[str] = []
@@ -215,10 +221,7 @@ class Signaller:
         to the deployments that serve its parent."""
         left: dict[str, str] = {}  # deployment -> why it is not signalled this snapshot (require_all False)
         clients = self._up_managers(previous, left)
-        with self._state:  # one catching up gets this snapshot after the ones before it, from its catch-up
-            busy = {c.deployment_name: len(self._chain) - self._chain.index(self.served[c.deployment_name]) - 1
-                    if self.served[c.deployment_name] in self._chain else len(self._chain)
-                    for c in clients if c.deployment_name in self._lanes}
+        busy, joining = self._busy(clients, previous)
         for c in [c for c in clients if c.deployment_name in busy]:
             left[c.deployment_name] = f"catching up ({busy[c.deployment_name]} earlier snapshot(s) to load first)"
             clients.remove(c)
@@ -227,8 +230,8 @@ class Signaller:
         for name in [c.deployment_name for c in clients if c.deployment_name in self._first_seen]:
             _say_what_is_served(name, self._first_seen.pop(name), identity)  # once, by the rank that signals
         if previous is not None:  # every chain is checked before any deployment is signalled
-            for c in list(clients):
-                if self.served[c.deployment_name] != previous:
+            for c in list(clients):  # those joining from a catch-up are checked once it ends (_joined)
+                if c.deployment_name not in joining and self.served[c.deployment_name] != previous:
                     why = (f"deployment {c.deployment_name} serves {self.served[c.deployment_name]!r}, not the "
                            f"delta's parent {previous!r}; a full snapshot is needed")
                     if self.require_all or len(clients) == 1:
@@ -237,7 +240,7 @@ class Signaller:
                     clients.remove(c)
         validation = {"extra_fields_ignore": self.extra_fields_ignore} if self.extra_fields_ignore else None
         lagging = set(self.behind)  # already behind before this snapshot: its signal gets a short retry budget
-        failed = self._on_each(clients, lambda c: c.signal(
+        failed = self._on_each(clients, lambda c: self._joined(c, previous, joining) and c.signal(
             identity, previous_identity=previous, reset_prompt_cache=self.reset_prompt_cache,
             compression_format=self.compression_format, validation=validation,
             deadline=time.monotonic() + HINT_DEADLINE_S if c.deployment_name in lagging else None))
@@ -245,7 +248,7 @@ class Signaller:
             for c in clients:  # it may load these; those that accepted it are never signalled it again
                 if c.deployment_name not in failed or not never_taken(failed[c.deployment_name]):
                     self._signalled.setdefault(c.deployment_name, set()).add(identity)
-                if c.deployment_name not in failed or _has_it(failed[c.deployment_name]):
+                if not self.require_all and (c.deployment_name not in failed or _has_it(failed[c.deployment_name])):
                     self._taken.setdefault(c.deployment_name, set()).add(identity)
         taken = len(failed) < len(clients) or not all(map(never_taken, failed.values()))
         clients = self._go_on(clients, failed, left, "its signal failed", RuntimeError if taken else NotSignalled)
@@ -273,7 +276,42 @@ class Signaller:
         if not self.require_all:
             self._extend_chain(identity, previous)
             self._catch_up()
+            with self._state:
+                self.catching_up = frozenset(self.behind.keys() & self._lanes.keys())
         return time.perf_counter() - t0
+
+    def _busy(self, clients: list[Any], previous: str | None) -> tuple[dict[str, int], set[str]]:
+        """Of the deployments catching up: those this snapshot leaves out (-> how many snapshots their catch-up
+        has left), and those it signals once their catch-up ends: every one for a full snapshot (their catch-up
+        stops after the load in flight), and for a delta those whose catch-up loads its parent. Why: a catch-up
+        ends at the chain's end, the parent, while the snapshot after it is being signalled; left out again, a
+        deployment whose loads take longer than an upload never rejoined the publishes."""
+        busy: dict[str, int] = {}
+        joining: set[str] = set()
+        with self._state:
+            for name in (c.deployment_name for c in clients if c.deployment_name in self._lanes):
+                if previous is None or previous in (self._lane_at.get(name), self.served[name]):
+                    self._lane_stop.add(name)
+                    joining.add(name)
+                else:
+                    at = self._lane_at.get(name, self.served[name])
+                    busy[name] = len(self._chain) - self._chain.index(at) if at in self._chain else len(self._chain)
+        return busy, joining
+
+    def _joined(self, c: Any, previous: str | None, joining: set[str]) -> bool:
+        """For a deployment catching up (``joining``): wait for its catch-up to end (its load in flight, at most
+        about ``ready_timeout_s``), and fail its signal of a delta if it does not serve the delta's parent then."""
+        name = c.deployment_name
+        if name not in joining:
+            return True
+        with self._state:
+            if not self._lanes_done.wait_for(lambda: name not in self._lanes,
+                                             self.ready_timeout_s + HINT_DEADLINE_S + 5.0):
+                raise RuntimeError("its catch-up did not end in time")
+            if previous is not None and self.served[name] != previous:
+                raise RuntimeError(f"its catch-up ended before {previous!r}, the delta's parent "
+                                   f"(it serves {self.served[name]!r})")
+        return True
 
     def _up_managers(self, previous: str | None, left: dict[str, str]) -> list[Any]:
         """The clients whose hot-load manager reported a replica, safe to signal. The first signal waits for
@@ -365,8 +403,7 @@ class Signaller:
             except RuntimeError as exc:  # no threads left: the next snapshot tries again
                 log.warning("hotload: cannot start %s's catch-up: %s", name, exc)
                 with self._state:
-                    del self._lanes[name]
-                    self._lanes_done.notify_all()
+                    self._end_lane(name)
 
     def _lane(self, c: Any) -> None:
         """One catch-up: signal ``c`` the next snapshot of the chain, wait until every replica serves it, repeat
@@ -376,10 +413,12 @@ class Signaller:
         try:
             while True:
                 with self._state:
-                    nxt = self._next_for(name)
-                    if nxt is None:
+                    nxt = None if name in self._lane_stop else self._next_for(name)
+                    if nxt is None:  # ended where the decision is taken: a publish must not see it running
+                        self._end_lane(name)
                         break
                     (target, previous), served = nxt, self.served[name]
+                    self._lane_at[name] = target
                     self._signalled.setdefault(name, set()).add(target)  # retention spares it from now on
                     if not loaded:  # once per fall behind: a region that stays down tries at every publish
                         log.log(logging.DEBUG if name in self._lane_warned else logging.INFO,
@@ -418,8 +457,15 @@ class Signaller:
                          target, loaded, time.perf_counter() - t0)
         finally:
             with self._state:
-                del self._lanes[name]
-                self._lanes_done.notify_all()
+                if self._lanes.get(name) is threading.current_thread():
+                    self._end_lane(name)
+
+    def _end_lane(self, name: str) -> None:
+        """Called under ``_state``."""
+        self._lanes.pop(name, None)
+        self._lane_at.pop(name, None)
+        self._lane_stop.discard(name)
+        self._lanes_done.notify_all()
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until no deployment is catching up (``deployments_required="any"``); False if one still is after
@@ -450,13 +496,21 @@ class Signaller:
             c.cancel()
 
     def close(self, timeout: float | None = 0.0) -> None:
-        """Cancel what is in flight, after waiting up to ``timeout`` seconds (None: no limit) for the deployments
-        catching up."""
-        if not self.drain(timeout):
-            log.warning("hotload: closing while %s still catch(es) up: cancelled, it serves an older snapshot",
-                        ", ".join(sorted(self._lanes)))
+        """Cancel what is in flight, after waiting up to ``timeout`` seconds (None: ``ready_timeout_s``) for the
+        deployments catching up; then name each deployment left behind, and what it serves, where the job's end is
+        seen last. Why a bound without a timeout: the other ranks have returned from close() meanwhile, and a
+        script's next collective waits for this one."""
+        if not self.drain(self.ready_timeout_s if timeout is None else timeout):
+            log.warning("hotload: closing while %s still catch(es) up: cancelled", ", ".join(sorted(self._lanes)))
         self.cancel()
         self._pool.shutdown()
+        with self._state:
+            newest = self._chain[-1] if self._chain and not self.require_all else None
+            behind = {name: ident for name, ident in self.served.items() if newest is not None and ident != newest}
+        if behind:
+            log.warning("hotload: closing with deployment(s) left behind, which do not serve the newest snapshot "
+                        "%s: %s", newest, ", ".join(f"{name} serves {ident or 'none of this run'}"
+                                                    for name, ident in behind.items()))
 
 
 def _say_what_is_served(deployment: str, st: Any, identity: str) -> None:
