@@ -1,16 +1,17 @@
 """Signalling: tell every deployment about a snapshot and wait until all their replicas serve it.
 
-One snapshot can feed several deployments (rollout pools in several regions reading one bucket). Each keeps its
-own chain state: the identity it serves, which is the ``previous_snapshot_identity`` of its next delta. With
-``deployments_required="all"`` (the default) the publisher advances its cache only when every deployment
-accepted, so after any failure the chains agree again at the next (full) snapshot. With ``"any"`` a deployment
-that fails is left behind: the others take the deltas, so one region that is down does not stop the rest of the
-fleet. It catches up on a thread of its own (a *catch-up*), which signals it the snapshots it missed, in order,
-each once the one before is served: the deltas since the one it serves, or the newest full snapshot and the deltas
-after it. A publish signals it again once its catch-up ends, where that loads the new snapshot's parent (or, for a
-full snapshot, anything: the catch-up stops after its load in flight). A snapshot whose signal it accepted and then did not serve (a load error, a readiness timeout) is never
-signalled to it again (a reused identity is refused), so after a failed load it waits for the next full snapshot; a
-signal that failed (refused, a 5xx, no connection), but for a 409, may be sent again: at worst it is refused again.
+One snapshot can feed several deployments (rollout pools in several regions reading one bucket). Each keeps its own
+chain state: the identity it serves, which is the ``previous_snapshot_identity`` of its next delta. With
+``deployments_required="all"`` (the default) the publisher advances its cache only when every deployment accepted,
+so after any failure the chains agree again at the next (full) snapshot. With ``"any"`` a deployment that fails is
+left behind: the others take the deltas, so one region that is down does not stop the rest of the fleet. It catches
+up on a thread of its own (a *catch-up*), which signals it the snapshots it missed, in order, each once the one
+before is served: the deltas since the one it serves, or the newest full snapshot and the deltas after it. A publish
+signals it again once its catch-up ends, where that loads the new snapshot's parent (or, for a full snapshot,
+anything: the catch-up stops after its load in flight). A snapshot whose signal it accepted and then did not serve
+(a load error, a readiness timeout) is never signalled to it again (a reused identity is refused), so after a failed
+load it waits for the next full snapshot; a signal that failed (refused, a 5xx, no connection), but for a 409, may
+be sent again: at worst it is refused again.
 
 Example::
 
@@ -293,9 +294,11 @@ class Signaller:
                 if previous is None or previous in (self._lane_at.get(name), self.served[name]):
                     self._lane_stop.add(name)
                     joining.add(name)
-                else:
-                    at = self._lane_at.get(name, self.served[name])
-                    busy[name] = len(self._chain) - self._chain.index(at) if at in self._chain else len(self._chain)
+                else:  # what is left: the snapshot it loads now (if any) and those after it
+                    at = self._lane_at.get(name)
+                    i = self._chain.index(at) if at in self._chain else (
+                        self._chain.index(self.served[name]) + 1 if self.served[name] in self._chain else 0)
+                    busy[name] = len(self._chain) - i
         return busy, joining
 
     def _joined(self, c: Any, previous: str | None, joining: set[str]) -> bool:
@@ -408,12 +411,13 @@ class Signaller:
     def _lane(self, c: Any) -> None:
         """One catch-up: signal ``c`` the next snapshot of the chain, wait until every replica serves it, repeat
         until it serves the newest. A failure ends it; the next snapshot starts another where it can."""
-        name, t0, loaded, target = c.deployment_name, time.perf_counter(), 0, None
+        name, t0, loaded, target, handed = c.deployment_name, time.perf_counter(), 0, None, False
         validation = {"extra_fields_ignore": self.extra_fields_ignore} if self.extra_fields_ignore else None
         try:
             while True:
                 with self._state:
-                    nxt = None if name in self._lane_stop else self._next_for(name)
+                    handed = name in self._lane_stop  # a publish signals it next
+                    nxt = None if handed else self._next_for(name)
                     if nxt is None:  # ended where the decision is taken: a publish must not see it running
                         self._end_lane(name)
                         break
@@ -453,8 +457,9 @@ class Signaller:
         else:
             if loaded:
                 self._lane_warned.discard(name)
-                log.info("hotload: deployment %s caught up: serves %s (%d snapshot(s) loaded in %.1f s)", name,
-                         target, loaded, time.perf_counter() - t0)
+                log.info("hotload: deployment %s %s: serves %s (%d snapshot(s) loaded in %.1f s)", name,
+                         "joins the publish's signal" if handed else "caught up", target, loaded,
+                         time.perf_counter() - t0)
         finally:
             with self._state:
                 if self._lanes.get(name) is threading.current_thread():
