@@ -23,9 +23,14 @@ def replica(emu: HotLoadEmulator, deployment: str) -> dict[str, Any]:
     return rep
 
 
+def every_replica(emu: HotLoadEmulator, deployment: str) -> list[tuple[str | None, dict[str, str]]]:
+    return [(r["identity"], {k: t["digest"] for k, t in r["tensors"].items()})
+            for r in emu.state()["deployments"][deployment]["replicas"]]
+
+
 def serves(emu: HotLoadEmulator, deployment: str) -> tuple[str | None, dict[str, str]]:
-    rep = replica(emu, deployment)
-    return rep["identity"], {k: t["digest"] for k, t in rep["tensors"].items()}
+    (only,) = every_replica(emu, deployment)
+    return only
 
 
 def test_a_failing_deployment_is_left_behind_and_the_others_take_every_snapshot(
@@ -121,8 +126,7 @@ def test_retention_keeps_what_any_replica_of_a_deployment_left_behind_serves(tmp
             emu.restart_replica(0, deployment=EU)  # it served step 1: rebuilt from the bucket
             rep = restarted(emu, 0, deployment=EU)
             assert (rep["stage"], rep["error"]) == ("done", None), rep
-            (_, first), _ = [(r["identity"], {k: t["digest"] for k, t in r["tensors"].items()})
-                             for r in emu.state()["deployments"][EU]["replicas"]]
+            (_, first), _ = every_replica(emu, EU)
             assert rep["identity"] == pub.metrics[1].identity and first == digest_1
 
 
@@ -158,11 +162,6 @@ def test_close_ends_a_deployment_left_behind_on_the_final_weights(tmp_path: Path
         assert pub.metrics[-1].deployments_behind == [EU]
         assert f"{EU} serves {pub.metrics[0].identity}" in caplog.text and "closing with deployment(s) left" \
             in caplog.text
-
-
-def every_replica(emu: HotLoadEmulator, deployment: str) -> list[tuple[str | None, dict[str, str]]]:
-    return [(r["identity"], {k: t["digest"] for k, t in r["tensors"].items()})
-            for r in emu.state()["deployments"][deployment]["replicas"]]
 
 
 def ledger(emu: HotLoadEmulator, deployment: str) -> list[str]:
