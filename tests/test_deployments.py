@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -16,11 +15,6 @@ from tests.test_emulator_restart import restarted
 from tests.test_publisher import API_KEY, config, expected_sha, make_model, train_step
 
 US, EU = "accounts/acct/deployments/pool-us", "accounts/acct/deployments/pool-eu"
-
-
-def replica(emu: HotLoadEmulator, deployment: str) -> dict[str, Any]:
-    (rep,) = emu.state()["deployments"][deployment]["replicas"]
-    return rep
 
 
 def every_replica(emu: HotLoadEmulator, deployment: str) -> list[tuple[str | None, dict[str, str]]]:
