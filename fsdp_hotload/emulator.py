@@ -63,6 +63,14 @@ _DEPLOYMENT_RE = re.compile(r"accounts/[^/]+/deployments/[^/]+")
 _META_KEYS = ("previous_snapshot_identity", "compression_format", "checksum_format")
 
 
+def _checked(deployment: str) -> str:
+    """``deployment``, a name such as ``"accounts/a/deployments/d"`` (a fault injected on a bare id would match
+    no request)."""
+    if not _DEPLOYMENT_RE.fullmatch(deployment):
+        raise ValueError(f"deployment must be a name such as 'accounts/a/deployments/d', got {deployment!r}")
+    return deployment
+
+
 class _HttpError(Exception):
     def __init__(self, status: int, message: str) -> None:
         self.status = status
@@ -250,8 +258,8 @@ class HotLoadEmulator:
         targets = range(self.replicas) if replica is None else [replica]
         if replica is not None and not 0 <= replica < self.replicas:
             raise ValueError(f"replica must be in [0, {self.replicas}), got {replica}")
-        if deployment is not None and not _DEPLOYMENT_RE.fullmatch(deployment):
-            raise ValueError(f"deployment must be a name such as 'accounts/a/deployments/d', got {deployment!r}")
+        if deployment is not None:
+            _checked(deployment)
         with self._lock:
             keys = [deployment] if deployment is not None else [*self._deployments, ""]
         with self.settings.lock:
@@ -274,16 +282,28 @@ class HotLoadEmulator:
         for dep in deps:
             dep.restart_replica(replica)
 
-    def set_load_delay(self, seconds: float) -> None:
-        """Every load waits this long after its download starts (makes in-flight states observable)."""
-        self.settings.load_delay_s = float(seconds)
+    def set_load_delay(self, seconds: float, deployment: str | None = None) -> None:
+        """Every load waits this long after its download starts (makes in-flight states observable); with
+        ``deployment`` (a name such as ``"accounts/a/deployments/d"``), that deployment's loads only, whatever the
+        delay of the others (a region whose loads hang)."""
+        if deployment is None:
+            self.settings.load_delay_s = float(seconds)
+        else:
+            self.settings.load_delays[_checked(deployment)] = float(seconds)
+
+    def set_manager_up(self, up: bool, deployment: str) -> None:
+        """Take ``deployment``'s hot-load manager down (``up`` False: GET reports no replica, signals and hints are
+        refused with 503, as while ``manager_delay_s`` runs) or bring it back; also for a deployment that no
+        request has named yet. Why: a region whose manager is down while the trainer starts, and comes up later."""
+        with self.settings.lock:
+            (self.settings.managers_down.discard if up else self.settings.managers_down.add)(_checked(deployment))
 
     def reject_next_signals(self, k: int, status: int = 503, message: str = "injected fault: service unavailable",
                             deployment: str | None = None) -> None:
         """The next ``k`` signal POSTs (to ``deployment`` only, a name such as ``"accounts/a/deployments/d"``, if
         given) are answered with ``status`` and ``message`` before any validation of their body."""
-        if deployment is not None and not _DEPLOYMENT_RE.fullmatch(deployment):
-            raise ValueError(f"deployment must be a name such as 'accounts/a/deployments/d', got {deployment!r}")
+        if deployment is not None:
+            _checked(deployment)
         with self._lock:
             self._reject.extend([(status, message, deployment)] * k)
 

@@ -60,6 +60,8 @@ class EmulatorSettings:
     # hint came. Not refused (the service's answer is not documented), counted in state() as hints_before_file.
     file_exists: Callable[[str], bool] | None = None
     load_delay_s: float = 0.0
+    load_delays: dict[str, float] = field(default_factory=dict)  # deployment key -> its own load_delay_s
+    managers_down: set[str] = field(default_factory=set)  # deployment keys whose manager is taken down
     # Seconds after a deployment's first request before its hot-load manager is up: until then GET reports no
     # replicas and a signal is refused (on the real service a signal that early can crash the serving container).
     manager_delay_s: float = 0.0
@@ -242,7 +244,8 @@ class Replica:
             if dep.settings.take_failure(dep.key, self.index):
                 raise LoadError(f"injected fault: replica {self.index} fails this load (fail_next_loads)")
             started = time.monotonic()  # re-read each tick: set_load_delay(0) releases loads already waiting
-            while time.monotonic() - started < dep.settings.load_delay_s and job.generation == dep.generation:
+            while time.monotonic() - started < dep.settings.load_delays.get(dep.key, dep.settings.load_delay_s) \
+                    and job.generation == dep.generation:
                 time.sleep(0.01)
             if job.generation != dep.generation:  # ledger reset or shutdown while waiting
                 with dep.lock:
@@ -376,7 +379,8 @@ class Deployment:
         self.hints_before_file = 0  # hints for a file not (yet) in the bucket: a publisher must hint durable files
 
     def manager_up(self) -> bool:
-        return time.monotonic() - self.created >= self.settings.manager_delay_s
+        return self.key not in self.settings.managers_down and \
+            time.monotonic() - self.created >= self.settings.manager_delay_s
 
     def check_model(self, model: str) -> None:
         with self.lock:

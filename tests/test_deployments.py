@@ -4,7 +4,9 @@ failed load), and retention keeps what it serves."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -314,3 +316,104 @@ def test_closing_on_an_exception_does_not_wait_for_a_catch_up(tmp_path: Path) ->
                 assert pub.metrics[-1].deployments_catching_up == [EU]
                 raise ValueError("training diverged")
         assert len(ledger(emu, EU)) < 3  # cancelled at the first or second load of its catch-up
+
+
+def until(what: str, ok: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_load_that_outlasts_its_readiness_wait_is_found_by_the_catch_up(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """pool-eu's load of step 1 takes longer than ready_timeout_s: the publish gives up on it, but the load ends
+    later. The catch-up after step 2 asks whether it serves step 1 by now (a second signal of it would be
+    refused), finds it does, and signals it step 2: it serves the newest weights again without a full snapshot,
+    where it used to wait for the next one (here 10 publishes later)."""
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], deployments_required="any",
+                     full_every=10, ready_timeout_s=1.5)
+        digests: list[dict[str, str]] = []
+        with caplog.at_level(logging.INFO, logger="fsdp_hotload"), TensorPublisher(model, cfg) as pub:
+            assert pub.engine.signaller is not None
+            for step in range(4):
+                train_step(model, step)
+                digests.append(expected_sha(model))
+                emu.set_load_delay(3.0 if step == 1 else 0.0, deployment=EU)
+                pub.publish(step, model)
+                pub.wait()
+                assert pub.engine.signaller.drain(30)
+                if step == 1:  # given up on, and still loading: then it serves step 1 after all
+                    assert pub.metrics[-1].deployments_behind == [EU] and serves(emu, EU)[0] != pub.metrics[1].identity
+                    until("pool-eu's late load", lambda: serves(emu, EU) == (pub.metrics[1].identity, digests[1]))
+                assert every_replica(emu, US) == [(pub.metrics[-1].identity, digests[step])]
+            ids = [m.identity for m in pub.metrics]
+            assert [m.deployments_behind for m in pub.metrics] == [[], [EU], [EU], []]
+            assert [m.kind for m in pub.metrics] == ["full"] + ["delta"] * 3
+            assert serves(emu, EU) == (ids[3], digests[3])
+        assert ledger(emu, EU) == ids  # step 1 signalled once, step 2 by the catch-up
+    assert f"deployment {EU} serves {ids[1]} after all" in caplog.text
+
+
+def test_replicas_hanging_in_a_load_cost_a_full_snapshot_no_readiness_wait(tmp_path: Path) -> None:
+    """pool-eu's replicas hang in the load of step 1 (its readiness wait times out). The full snapshot of step 2 is
+    signalled to it by its catch-up, on a thread of its own: the publish does not wait ready_timeout_s for it
+    again (it used to at every full snapshot), and pool-eu still ends on the newest weights once its load ends."""
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], deployments_required="any",
+                     full_every=2, ready_timeout_s=3.0)
+        with TensorPublisher(model, cfg) as pub:
+            assert pub.engine.signaller is not None
+            for step in range(4):
+                train_step(model, step)
+                if step == 1:
+                    emu.set_load_delay(120.0, deployment=EU)
+                pub.publish(step, model)
+                pub.wait()
+                m = pub.metrics[-1]
+                assert m.ok, m.error
+                if step == 1:
+                    assert m.ready_s >= cfg.ready_timeout_s and m.deployments_behind == [EU]
+                if step == 2:  # left to its catch-up, which is waiting for it
+                    assert m.kind == "full" and m.ready_s < cfg.ready_timeout_s, m
+                    assert m.deployments_behind == m.deployments_catching_up == [EU]
+                    until("the catch-up's signal", lambda: m.identity in ledger(emu, EU))
+                    emu.set_load_delay(0.0, deployment=EU)  # the hang ends: step 1, then step 2
+                assert pub.engine.signaller.drain(30)
+                assert serves(emu, US) == (m.identity, expected_sha(model))
+                if step != 1:
+                    assert serves(emu, EU) == (m.identity, expected_sha(model))
+            assert pub.metrics[-1].deployments_behind == []  # back on the deltas
+
+
+def test_a_deployment_whose_manager_comes_up_late_catches_up_from_the_full_snapshot(tmp_path: Path) -> None:
+    """pool-eu's hot-load manager is down when the trainer starts and comes up after step 1: its catch-up, which
+    asks it after each publish (one status request, off the publisher's thread), finds it up and loads the full
+    snapshot and the deltas after it, without a signal before it was up and without waiting for the next full."""
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        emu.set_manager_up(False, deployment=EU)
+        cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], deployments_required="any",
+                     full_every=10, ready_timeout_s=1.5)
+        with TensorPublisher(model, cfg) as pub:
+            assert pub.engine.signaller is not None
+            for step in range(4):
+                train_step(model, step)
+                if step == 2:
+                    emu.set_manager_up(True, deployment=EU)
+                pub.publish(step, model)
+                pub.wait()
+                assert pub.engine.signaller.drain(30)
+                assert serves(emu, US) == (pub.metrics[-1].identity, expected_sha(model))
+            ids = [m.identity for m in pub.metrics]
+            assert [m.deployments_behind for m in pub.metrics] == [[EU], [EU], [EU], []]
+            assert [m.kind for m in pub.metrics] == ["full"] + ["delta"] * 3
+            assert serves(emu, EU) == (ids[3], expected_sha(model))
+        assert ledger(emu, EU) == ids  # the full snapshot, then each delta, once
+        assert emu.state()["deployments"][EU]["premature_signals"] == 0

@@ -412,6 +412,31 @@ def test_fail_next_loads_counts_per_deployment(emulator: HotLoadEmulator) -> Non
         emulator.fail_next_loads(1, deployment="eu")
 
 
+def test_one_deployments_manager_and_load_delay(emulator: HotLoadEmulator) -> None:
+    """``set_manager_up`` and ``set_load_delay(deployment=)`` act on one deployment, also before any request named
+    it: its GET reports no replica and its signal is refused (503, counted as premature) while the other's is not,
+    and its loads take the delay set for it."""
+    us, eu = client_for(emulator, deployment_id="us"), client_for(emulator, deployment_id="eu")
+    name = "accounts/acct/deployments/eu"
+    emulator.set_manager_up(False, name)
+    emulator.set_load_delay(1.5, deployment=name)
+    write_full_snapshot(emulator.bucket, "step-1", tiny_model(1))
+    assert us.status().replicas and not eu.status().replicas
+    with pytest.raises(HotLoadError) as info:
+        eu.signal("step-1", deadline=time.monotonic() + 0.5)
+    assert info.value.status_code == 503 and emulator.state()["deployments"][name]["premature_signals"] >= 1
+    emulator.set_manager_up(True, name)
+    took = []
+    for client in (us, eu):
+        t0 = time.monotonic()
+        client.signal("step-1")
+        client.wait_ready("step-1", timeout_s=30)
+        took.append(time.monotonic() - t0)
+    assert took[0] < 1.5 <= took[1], took
+    with pytest.raises(ValueError, match="deployment must be a name"):
+        emulator.set_manager_up(True, "eu")
+
+
 def test_reject_next_signals_is_retried_by_the_client(emulator: HotLoadEmulator) -> None:
     client = client_for(emulator)
     emulator.reject_next_signals(2, status=503, message="warming up")

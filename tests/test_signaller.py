@@ -110,7 +110,9 @@ def test_with_any_a_deployment_whose_manager_is_down_costs_the_others_one_wait(
         fleet: tuple[str, Fleet], caplog: pytest.LogCaptureFixture) -> None:
     """deployments_required="all" waits for every manager at each snapshot and signals none while one is down.
     With "any" the first snapshot waits for them (at most the manager wait, here ready_timeout_s), then goes on
-    with those up; later deltas leave the one that is down out without asking, and each full asks it once."""
+    with those up; later deltas leave the one that is down out without asking, and each full asks it once. Its
+    catch-up asks it once after each publish, off the publisher's thread, and once it is up, brings it to the
+    newest snapshot: the next delta is signalled to it too."""
     url, state = fleet
     state.down, state.expect = {"d3"}, 2
     clients = [HotLoadClient(url, account_id="a", model_id="m", deployment_id=d, api_key="k", poll_interval_s=0.02,
@@ -135,13 +137,16 @@ def test_with_any_a_deployment_whose_manager_is_down_costs_the_others_one_wait(
         with caplog.at_level(logging.INFO, logger="fsdp_hotload"):
             assert timed("s1", None) >= 0.9  # the manager wait, once
             assert state.serving == {"d1": "s1", "d2": "s1"} and list(sig.behind) == [d3]
+            assert sig.drain(5)  # its catch-up asked once, and stopped
             asked = state.gets["d3"]
-            assert timed("s2", "s1") < 0.5 and state.gets["d3"] == asked  # a delta: d3 is not asked
-            assert timed("s3", None) < 0.5 and state.gets["d3"] == asked + 1  # a full: asked once, no wait
+            assert timed("s2", "s1") < 0.5 and sig.drain(5) and state.gets["d3"] == asked + 1  # its catch-up only
+            assert timed("s3", None) < 0.5 and sig.drain(5) and state.gets["d3"] == asked + 3  # the publish, once
             state.down = set()
             assert timed("s4", "s3") < 0.5 and "d3" not in state.serving and list(sig.behind) == [d3]
+            assert sig.drain(5) and state.serving["d3"] == "s4"  # its catch-up found it up: s3, then s4
+            assert [n for i, n in sorted(state.arrived.items())] == [2, 2, 3, 3]  # d3 got s3 and s4, once each
             state.expect = 3
-            timed("s5", None)
+            timed("s5", "s4")
         assert state.serving == {"d1": "s5", "d2": "s5", "d3": "s5"} and sig.behind == {}
         assert sig.may_serve() == {"s5"} and sig.not_serving("s5") == []
         told = [r.getMessage() for r in caplog.records if "d3" in r.getMessage()]

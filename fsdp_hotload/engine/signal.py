@@ -9,9 +9,12 @@ up on a thread of its own (a *catch-up*), which signals it the snapshots it miss
 before is served: the deltas since the one it serves, or the newest full snapshot and the deltas after it. A publish
 signals it again once its catch-up ends, where that loads the new snapshot's parent (or, for a full snapshot,
 anything: the catch-up stops after its load in flight). A snapshot whose signal it accepted and then did not serve
-(a load error, a readiness timeout) is never signalled to it again (a reused identity is refused), so after a failed
-load it waits for the next full snapshot; a signal that failed (refused, a 5xx, no connection), but for a 409, may
-be sent again: at worst it is refused again.
+(a load error, a readiness timeout) is never signalled to it again (a reused identity is refused): its catch-up asks
+whether every replica serves it by now (a load that outlasted the readiness wait), else it waits for the next full
+snapshot; a signal that failed (refused, a 5xx, no connection), but for a 409, may be sent again: at worst it is
+refused again. While another deployment takes the snapshots, one whose last load timed out is waited for only by its
+catch-up (hanging replicas would otherwise cost each full snapshot ``ready_timeout_s``), and one whose hot-load
+manager was down is asked again by its catch-up at each publish.
 
 Example::
 
@@ -28,7 +31,7 @@ import urllib.parse
 from typing import Any, Callable, Sequence
 
 from ..config import HotloadConfig
-from ..fireworks_models import HotLoadCancelled, never_taken
+from ..fireworks_models import HotLoadCancelled, HotLoadTimeout, never_taken
 from .pool import DaemonPool
 
 log = logging.getLogger("fsdp_hotload")
@@ -122,6 +125,9 @@ class Signaller:
         self._lane_stop: set[str] = set()  # catch-ups to end after the load in flight (the publish takes over)
         self._taken: dict[str, set[str]] = {}
         self._lane_warned: set[str] = set()  # deployments whose catch-up failure was logged as a warning
+        # deployments whose last wait for a load timed out, serving nothing newer since: their replicas may hang,
+        # so while another deployment takes the snapshots, only their catch-up (on its own thread) waits for them
+        self._timed_out: set[str] = set()
         # deployments behind at the last snapshot served whose catch-up was under way then: the next snapshot
         # reaches them through it, so close() need not publish a full snapshot for them
         self.catching_up: frozenset[str] = frozenset()
@@ -224,7 +230,7 @@ class Signaller:
         clients = self._up_managers(previous, left)
         busy, joining = self._busy(clients, previous)
         for c in [c for c in clients if c.deployment_name in busy]:
-            left[c.deployment_name] = f"catching up ({busy[c.deployment_name]} earlier snapshot(s) to load first)"
+            left[c.deployment_name] = busy[c.deployment_name]
             clients.remove(c)
         if busy and not clients:
             raise NotSignalled("; ".join(f"{name}: {why}" for name, why in left.items()))
@@ -267,9 +273,11 @@ class Signaller:
             for c in clients:
                 name = c.deployment_name
                 if name not in failed:
-                    self.served[name] = identity
-                    self._signalled.pop(name, None)
-                elif name in last:  # what its replicas serve now, and this snapshot, which a load may still end in
+                    self._serve(name, identity)
+                    continue
+                if not self.require_all and isinstance(failed[name], HotLoadTimeout):
+                    self._timed_out.add(name)
+                if name in last:  # what its replicas serve now, and this snapshot, which a load may still end in
                     self._signalled[name] = {r.current_snapshot_identity for r in last[name].replicas
                                              if r.current_snapshot_identity} | {identity}
         self._go_on(clients, failed, left, "it did not serve it", RuntimeError)
@@ -278,19 +286,29 @@ class Signaller:
             self._extend_chain(identity, previous)
             self._catch_up()
             with self._state:
-                self.catching_up = frozenset(self.behind.keys() & self._lanes.keys())
+                self.catching_up = frozenset(  # not one that only asks after a snapshot it accepted: it may not
+                    n for n in self.behind.keys() & self._lanes.keys()  # serve it, and stay behind
+                    if (nxt := self._next_for(n)) is None or not nxt[2])
         return time.perf_counter() - t0
 
-    def _busy(self, clients: list[Any], previous: str | None) -> tuple[dict[str, int], set[str]]:
-        """Of the deployments catching up: those this snapshot leaves out (-> how many snapshots their catch-up
-        has left), and those it signals once their catch-up ends: every one for a full snapshot (their catch-up
-        stops after the load in flight), and for a delta those whose catch-up loads its parent. Why: a catch-up
-        ends at the chain's end, the parent, while the snapshot after it is being signalled; left out again, a
-        deployment whose loads take longer than an upload never rejoined the publishes."""
-        busy: dict[str, int] = {}
+    def _busy(self, clients: list[Any], previous: str | None) -> tuple[dict[str, str], set[str]]:
+        """The deployments this snapshot leaves out (-> why), and those it signals once their catch-up ends.
+
+        Left out: one whose last load timed out (:attr:`_timed_out`), while another deployment is signalled, so
+        that replicas hanging in a load cost the publisher no ``ready_timeout_s`` at each full snapshot (its
+        catch-up signals it after the publish); and one whose catch-up has more than the delta's parent to load.
+        Joining: every other one catching up for a full snapshot (its catch-up stops after the load in flight),
+        and for a delta those whose catch-up loads its parent. Why: a catch-up ends at the chain's end, the
+        parent, while the snapshot after it is being signalled; left out again, a deployment whose loads take
+        longer than an upload never rejoined the publishes."""
+        busy: dict[str, str] = {}
         joining: set[str] = set()
         with self._state:
-            for name in (c.deployment_name for c in clients if c.deployment_name in self._lanes):
+            hung = {c.deployment_name for c in clients} & self._timed_out
+            if len(hung) < len(clients):  # someone else is signalled: they are left to their catch-up
+                busy.update((name, "its last load timed out: its catch-up signals it, on a thread of its own")
+                            for name in hung)
+            for name in (c.deployment_name for c in clients if c.deployment_name in self._lanes.keys() - busy):
                 if previous is None or previous in (self._lane_at.get(name), self.served[name]):
                     self._lane_stop.add(name)
                     joining.add(name)
@@ -298,7 +316,7 @@ class Signaller:
                     at = self._lane_at.get(name)
                     i = self._chain.index(at) if at in self._chain else (
                         self._chain.index(self.served[name]) + 1 if self.served[name] in self._chain else 0)
-                    busy[name] = len(self._chain) - i
+                    busy[name] = f"catching up ({len(self._chain) - i} earlier snapshot(s) to load first)"
         return busy, joining
 
     def _joined(self, c: Any, previous: str | None, joining: set[str]) -> bool:
@@ -379,25 +397,31 @@ class Signaller:
             chain = set(self._chain)
             self._taken = {name: ids & chain for name, ids in self._taken.items()}
 
-    def _next_for(self, name: str) -> tuple[str, str | None] | None:
-        """The snapshot a catch-up signals ``name`` next, and its parent there (None: a full one); None when it
-        serves the newest or cannot take the next one (it accepted its signal before). Called under ``_state``."""
+    def _next_for(self, name: str) -> tuple[str, str | None, bool] | None:
+        """The snapshot a catch-up brings ``name`` to next, its parent there (None: a full one), and whether it
+        accepted its signal before (a second one is refused: the catch-up only asks whether every replica serves
+        it by now, a load that ended after its readiness wait); None when it serves the newest. Called under
+        ``_state``."""
         served, chain = self.served[name], self._chain
         if not chain or served == chain[-1]:
             return None
         i = chain.index(served) + 1 if served in chain else 0
-        if chain[i] in self._taken.get(name, ()):  # accepted and not served: a second signal is refused
-            return None
-        return chain[i], chain[i - 1] if i else None
+        return chain[i], chain[i - 1] if i else None, chain[i] in self._taken.get(name, ())
+
+    def _serve(self, name: str, identity: str) -> None:
+        """Every replica of ``name`` serves ``identity``. Called under ``_state``."""
+        self.served[name] = identity
+        self._signalled.pop(name, None)
+        self._timed_out.discard(name)
 
     def _catch_up(self) -> None:
-        """Start a catch-up for each deployment behind the chain that can take its next snapshot (and whose
-        hot-load manager reported a replica). Each runs on a thread of its own: a region that stays down costs
-        each snapshot one signal's retries (``HINT_DEADLINE_S``) there, never time on the publisher's thread."""
+        """Start a catch-up for each deployment behind the chain. Each runs on a thread of its own: a region that
+        stays down costs each snapshot one status request or one signal's retries (``HINT_DEADLINE_S``) there,
+        never time on the publisher's thread."""
         for c in self.clients:
             name = c.deployment_name
             with self._state:
-                if name in self._lanes or name not in self._managers_up or self._next_for(name) is None:
+                if name in self._lanes or self._next_for(name) is None:
                     continue
                 lane = threading.Thread(target=self._lane, args=(c,), name="hotload-catch-up", daemon=True)
                 self._lanes[name] = lane
@@ -410,10 +434,17 @@ class Signaller:
 
     def _lane(self, c: Any) -> None:
         """One catch-up: signal ``c`` the next snapshot of the chain, wait until every replica serves it, repeat
-        until it serves the newest. A failure ends it; the next snapshot starts another where it can."""
+        until it serves the newest. A failure ends it; the next snapshot starts another where it can. First, a
+        deployment whose hot-load manager had not reported a replica is asked again (one status request: it may
+        have come up since); and a snapshot whose signal it accepted before is not sent again, it is asked
+        whether every replica serves it by now (one status request), which a load that outlasted its readiness
+        wait ends in."""
         name, t0, loaded, target, handed = c.deployment_name, time.perf_counter(), 0, None, False
         validation = {"extra_fields_ignore": self.extra_fields_ignore} if self.extra_fields_ignore else None
         try:
+            if name not in self._managers_up:
+                self._ask_manager(c)
+                self._managers_up.add(name)
             while True:
                 with self._state:
                     handed = name in self._lane_stop  # a publish signals it next
@@ -421,31 +452,30 @@ class Signaller:
                     if nxt is None:  # ended where the decision is taken: a publish must not see it running
                         self._end_lane(name)
                         break
-                    (target, previous), served = nxt, self.served[name]
+                    (target, previous, settle), served = nxt, self.served[name]
                     self._lane_at[name] = target
                     self._signalled.setdefault(name, set()).add(target)  # retention spares it from now on
-                    if not loaded:  # once per fall behind: a region that stays down tries at every publish
+                    if not loaded and not settle:  # once per fall behind: one that stays down tries each publish
                         log.log(logging.DEBUG if name in self._lane_warned else logging.INFO,
                                 "hotload: deployment %s serves %s: catching up, from %s (%d snapshot(s) to load "
                                 "in order)", name, served or "no snapshot of this run", target,
                                 len(self._chain) - self._chain.index(target))
-                try:
-                    c.signal(target, previous_identity=previous, reset_prompt_cache=self.reset_prompt_cache,
-                             compression_format=self.compression_format, validation=validation,
-                             deadline=time.monotonic() + HINT_DEADLINE_S)
-                except Exception as exc:
-                    with self._state:
-                        if never_taken(exc):  # no replica loads it
-                            self._signalled.get(name, set()).discard(target)
-                        if _has_it(exc):
-                            self._taken.setdefault(name, set()).add(target)
-                    raise
+                if settle:
+                    if not c.status(deadline=time.monotonic() + HINT_DEADLINE_S).is_ready(target):
+                        raise RuntimeError(f"it accepted {target}'s signal before and not every replica serves it "
+                                           "(a load that failed or goes on): it is not signalled again")
+                    log.info("hotload: deployment %s serves %s after all: its load ended after the readiness wait",
+                             name, target)
+                else:
+                    self._signal_lane(c, target, previous, validation)
+                    try:
+                        c.wait_ready(target, timeout_s=self.ready_timeout_s)
+                    except HotLoadTimeout:
+                        with self._state:
+                            self._timed_out.add(name)
+                        raise
                 with self._state:
-                    self._taken.setdefault(name, set()).add(target)
-                c.wait_ready(target, timeout_s=self.ready_timeout_s)
-                with self._state:
-                    self.served[name] = target
-                    self._signalled.pop(name, None)
+                    self._serve(name, target)
                 loaded += 1
         except HotLoadCancelled:
             log.info("hotload: %s's catch-up ended at %s: cancelled (closing)", name, target)
@@ -453,7 +483,7 @@ class Signaller:
             level = logging.DEBUG if name in self._lane_warned else logging.WARNING
             self._lane_warned.add(name)
             log.log(level, "hotload: %s's catch-up stopped at %s (%d snapshot(s) loaded; tried again after each "
-                    "publish, logged at DEBUG until it catches up): %s", name, target, loaded, exc)
+                    "publish, logged at DEBUG until it catches up): %s", name, target or "its start", loaded, exc)
         else:
             if loaded:
                 self._lane_warned.discard(name)
@@ -464,6 +494,26 @@ class Signaller:
             with self._state:
                 if self._lanes.get(name) is threading.current_thread():
                     self._end_lane(name)
+
+    def _signal_lane(self, c: Any, target: str, previous: str | None, validation: dict[str, Any] | None) -> None:
+        """A catch-up's signal, with the short retry budget; records whether the deployment may load ``target``
+        and whether it accepted it (never to be sent again)."""
+        first = self._first_seen.pop(c.deployment_name, None)
+        if first is not None:  # its manager came up since the first snapshot
+            _say_what_is_served(c.deployment_name, first, target)
+        try:
+            c.signal(target, previous_identity=previous, reset_prompt_cache=self.reset_prompt_cache,
+                     compression_format=self.compression_format, validation=validation,
+                     deadline=time.monotonic() + HINT_DEADLINE_S)
+        except Exception as exc:
+            with self._state:
+                if never_taken(exc):  # no replica loads it
+                    self._signalled.get(c.deployment_name, set()).discard(target)
+                if _has_it(exc):
+                    self._taken.setdefault(c.deployment_name, set()).add(target)
+            raise
+        with self._state:
+            self._taken.setdefault(c.deployment_name, set()).add(target)
 
     def _end_lane(self, name: str) -> None:
         """Called under ``_state``."""
