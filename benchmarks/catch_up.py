@@ -1,18 +1,26 @@
 """How stale a deployment left behind stays, with and without its catch-up (``deployments_required="any"``).
 
-Two deployments read one bucket; one (``pool-eu``) refuses every signal (HTTP 400, as a region whose API is down or
-refuses requests) during publishes ``--out-from`` to ``--out-to`` (inclusive), then takes them again. Without a
-catch-up it serves its last snapshot until the next full one (``full_every`` publishes apart); with it, it loads
-the snapshots it missed, in order, on a thread of its own. A TensorPublisher (one process) publishes ``--steps``
+Two deployments read one bucket; one (``pool-eu``) fails during publishes ``--out-from`` to ``--out-to``
+(inclusive), then recovers. ``--fault`` says how:
+
+- ``refuse``: it refuses every signal (HTTP 400, as a region whose API is down or refuses requests);
+- ``hang``: its loads take ``--hang-s``, longer than ``--ready-timeout-s`` (replicas hanging in a load);
+- ``manager``: its hot-load manager is down (no replica reported; with ``--out-from 0``, down at the start).
+
+Without a catch-up it serves its last snapshot until the next full one (``full_every`` publishes apart), and a
+full snapshot's publish waits ``ready_timeout_s`` for replicas that hang; with it, it loads the snapshots it missed,
+in order, on a thread of its own, which alone waits for one whose last load timed out. A TensorPublisher (one process) publishes ``--steps``
 steps of a 4-tensor model to a local-folder bucket; the in-process emulator serves both deployments (2 replicas
 each, every load delayed ``--load-s``), and the trainer steps ``--step-s`` apart. After each step's publish, and
 its step time, the script reads which step each ``pool-eu`` replica serves and compares the bytes it serves with
 the trainer's. It prints per run: the staleness of ``pool-eu`` (published step minus the step it serves) per
 step, its sum and the steps behind, the publishes whose bytes it served, its loads, the bytes written, and the
-median hook-to-served time of the publishes (what the healthy deployment waits). The baseline, in the same run, is
-the same job without the catch-up.
+median and the slowest hook-to-served time of the publishes, and the sum of their readiness waits (what the
+healthy deployment waits, on the publisher's thread). The baseline, in the same run, is the same job without the
+catch-up (and with the publishes waiting for a deployment whose last load timed out, as they used to).
 
-    python benchmarks/catch_up.py [--steps 20] [--full-every 10] [--out-from 2] [--out-to 4] [--load-s 0.5]
+    python benchmarks/catch_up.py [--fault refuse|hang|manager] [--steps 20] [--full-every 10] [--out-from 2]
+        [--out-to 4] [--load-s 0.5] [--hang-s 30] [--ready-timeout-s 3]
 """
 from __future__ import annotations
 
@@ -31,6 +39,25 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 EU = "accounts/acct/deployments/pool-eu"
+
+
+class _Never(set):  # type: ignore[type-arg]
+    """The baseline's record of timed-out deployments: never holds one, so every publish waits for them."""
+
+    def add(self, item: object) -> None:
+        pass
+
+
+def fault(emu: Any, args: argparse.Namespace, on: bool) -> None:
+    """Start (``on``) or end ``args.fault`` on pool-eu."""
+    if args.fault == "refuse" and on:
+        emu.reject_next_signals(1_000_000, status=400, message="region down", deployment=EU)
+    elif args.fault == "refuse":
+        emu._reject.clear()  # noqa: SLF001 - the outage ends
+    elif args.fault == "hang":
+        emu.set_load_delay(args.hang_s if on else args.load_s, deployment=EU)
+    else:
+        emu.set_manager_up(not on, EU)
 
 
 def run(catch_up: bool, args: argparse.Namespace) -> dict[str, Any]:
@@ -56,19 +83,19 @@ def run(catch_up: bool, args: argparse.Namespace) -> dict[str, Any]:
             cfg = HotloadConfig(bucket_url=f"{d}/bucket", hf_config_dir=f"{d}/hf", hotload_api_url=emu.url,
                                 account_id="acct", model_id="m", api_key="k3y", deployment_id=["pool-us", "pool-eu"],
                                 deployments_required="any", full_every=args.full_every, keep_last=2,
-                                poll_interval_s=0.02, ready_timeout_s=60, publish_on_close=False,
+                                poll_interval_s=0.02, ready_timeout_s=args.ready_timeout_s, publish_on_close=False,
                                 progress_log_s=None)
             steps: dict[str, int] = {}
             with TensorPublisher(model, cfg) as pub:
+                if not catch_up:
+                    pub.engine.signaller._timed_out = _Never()  # noqa: SLF001
                 for step in range(args.steps):
                     gen = torch.Generator().manual_seed(1000 + step)
                     for t in model.values():  # an RL-like update: ~3% of the values move
                         t.add_((torch.rand(t.shape, generator=gen) < 0.03) * torch.randn(t.shape, generator=gen))
                     want = {k: RawTensor.from_any(v.bfloat16()).digest() for k, v in model.items()}
-                    if step == args.out_from:
-                        emu.reject_next_signals(1_000_000, status=400, message="region down", deployment=EU)
-                    if step == args.out_to + 1:
-                        emu._reject.clear()  # noqa: SLF001 - the outage ends
+                    if step in (args.out_from, args.out_to + 1):
+                        fault(emu, args, step == args.out_from)
                     pub.publish(step, model)
                     pub.wait()
                     m = pub.metrics[-1]
@@ -84,33 +111,40 @@ def run(catch_up: bool, args: argparse.Namespace) -> dict[str, Any]:
             loads = len(emu.state()["deployments"][EU]["ledger"])
         ok = [m for m in pub.metrics if m.ok]
         return dict(stale=stale, exact=exact, loads=loads, mb=sum(m.bytes_written for m in ok) / 1e6,
-                    fulls=sum(m.kind == "full" for m in ok), total=statistics.median(m.total_s for m in ok))
+                    fulls=sum(m.kind == "full" for m in ok), total=statistics.median(m.total_s for m in ok),
+                    slowest=max(m.total_s for m in ok), ready=sum(m.ready_s for m in ok))
     finally:
         Signaller._catch_up = real  # type: ignore[method-assign]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--fault", choices=("refuse", "hang", "manager"), default="refuse", help="how pool-eu fails")
     p.add_argument("--steps", type=int, default=20, help="trainer steps, each published")
     p.add_argument("--full-every", type=int, default=10, help="full_every")
-    p.add_argument("--out-from", type=int, default=2, help="first step whose signals pool-eu refuses")
-    p.add_argument("--out-to", type=int, default=4, help="last step whose signals pool-eu refuses")
+    p.add_argument("--out-from", type=int, default=2, help="first step at which pool-eu fails")
+    p.add_argument("--out-to", type=int, default=4, help="last step at which pool-eu fails")
     p.add_argument("--load-s", type=float, default=0.5, help="seconds every load takes in the emulator")
     p.add_argument("--step-s", type=float, default=1.0, help="seconds per trainer step after its publish")
+    p.add_argument("--hang-s", type=float, default=30.0, help="seconds pool-eu's loads take with --fault hang")
+    p.add_argument("--ready-timeout-s", type=float, default=3.0, help="ready_timeout_s")
     args = p.parse_args()
+    if not 0 <= args.out_from <= args.out_to < args.steps - 1:
+        p.error("--out-from <= --out-to < --steps - 1 (the fault ends before the last step)")
     from benchmarks.machine_info import machine
 
     print(f"machine: {machine()}")
+    print(f"pool-eu fault: {args.fault}, steps {args.out_from}-{args.out_to} of {args.steps}")
     print("| catch-up | pool-eu staleness per step | sum | steps behind | served bit-exact | pool-eu loads | "
-          "full snapshots | MB written | hook to served, median s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "full snapshots | MB written | hook to served, median s | slowest s | readiness waits, sum s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     sums = {}
     for catch_up in (False, True):
         r = run(catch_up, args)
         sums[catch_up] = sum(r["stale"])
         print(f"| {'on' if catch_up else 'off'} | {' '.join(map(str, r['stale']))} | {sums[catch_up]} | "
               f"{sum(1 for s in r['stale'] if s)} | {r['exact']}/{args.steps} | {r['loads']} | {r['fulls']} | "
-              f"{r['mb']:.1f} | {r['total']:.3f} |")
+              f"{r['mb']:.1f} | {r['total']:.3f} | {r['slowest']:.2f} | {r['ready']:.1f} |")
     print(f"ratio pool-eu staleness (sum) with catch-up / without: {sums[True] / max(sums[False], 1):.2f}")
 
 

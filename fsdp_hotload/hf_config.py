@@ -27,7 +27,7 @@ from .layout import LayoutError
 
 __all__ = ["AUX_FILENAMES", "AUX_PATTERNS", "AUX_SUBFOLDERS", "base_tensor_shapes", "carried_files",
            "dropped_config_keys", "dtype_note", "hf_aux_files", "ignored_config_keys", "is_aux_file", "names_note",
-           "snapshot_files", "without_unbacked_quantization"]
+           "snapshot_files", "weight_dtypes", "without_unbacked_quantization"]
 
 log = logging.getLogger("fsdp_hotload")
 
@@ -247,6 +247,24 @@ def is_quantized(code: str) -> bool:
     """Whether a safetensors dtype code is a quantized one (8 bits or fewer), which keeps the base config's
     ``quantization_config`` in the snapshots' (:func:`without_unbacked_quantization`)."""
     return str(code).upper().startswith(_QUANTIZED_PREFIXES)
+
+
+def weight_dtypes(tensors: Iterable[tuple[str, str]]) -> list[str]:
+    """The safetensors codes of ``tensors`` (name, code) that say whether the weights are quantized: all but those
+    of 8-bit integer tensors named as masks (the name's last part holds ``mask``, or is ``bias``, as in GPT-2's
+    causal-mask buffers). Why: every I8/U8 tensor counted as quantized, so a bf16 model with one byte mask kept an
+    FP8 base's ``quantization_config``, and a server would read its bf16 weights as FP8. Other byte tensors still
+    count: packed 4-bit weights (``weight``), MXFP4 blocks and scales (``*_blocks``, ``*_scales``), int8 weights.
+
+    Example::
+
+        weight_dtypes([("model.norm.weight", "BF16"), ("model.layers.0.attn.mask", "U8")])  # ["BF16"]
+    """
+    def mask(name: str) -> bool:
+        last = str(name).rsplit(".", 1)[-1].lower()
+        return "mask" in last or last == "bias"
+
+    return [code for name, code in tensors if str(code).upper() not in ("I8", "U8") or not mask(name)]
 
 
 def without_unbacked_quantization(files: dict[str, bytes], dtypes: Iterable[str]) -> dict[str, bytes]:

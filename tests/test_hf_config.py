@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fsdp_hotload import HotloadConfig
-from fsdp_hotload.hf_config import carried_files, hf_aux_files, without_unbacked_quantization
+from fsdp_hotload.hf_config import carried_files, hf_aux_files, weight_dtypes, without_unbacked_quantization
 from fsdp_hotload.publish import TensorPublisher
 from tests.snapshots import rebuild_accepted
 
@@ -59,6 +59,27 @@ def test_published_snapshot_config_drops_an_unbacked_fp8_quantization_config(tmp
     (written,) = (tmp_path / "bucket").glob("*/config.json")
     config = json.loads(written.read_text())
     assert "quantization_config" not in config and config["model_type"] == "deepseek_v3"
+
+
+@pytest.mark.parametrize("name, kept", [("model.layers.0.self_attn.mask", False),
+                                         ("model.layers.0.mlp.down_proj.weight", True)])
+def test_a_byte_buffer_does_not_keep_an_fp8_quantization_config(tmp_path: Path, name: str, kept: bool) -> None:
+    """A bf16 model with a uint8 buffer (a mask): every I8/U8 tensor counted as quantized, so the snapshots kept the
+    FP8 base's quantization_config and a server would read the bf16 weights as FP8. A uint8 tensor named as a
+    weight (packed 4-bit values) still keeps it, as do MXFP4 blocks and an FP8 weight."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(FP8_BASE))
+    model = {"model.layers.0.mlp.up_proj.weight": torch.randn(8, 4), "model.norm.weight": torch.ones(4),
+             name: torch.arange(16, dtype=torch.uint8).reshape(4, 4)}
+    pub = TensorPublisher(model, HotloadConfig(bucket_url=str(tmp_path / "bucket"), hf_config_dir=str(hf)))
+    pub.publish(0, model)
+    pub.close()
+    (written,) = (tmp_path / "bucket").glob("*/config.json")
+    assert ("quantization_config" in json.loads(written.read_text())) is kept
+    assert weight_dtypes([("a.causal_mask", "U8"), ("h.0.attn.bias", "U8"), ("a.weight", "I8"),
+                          ("experts.gate_up_proj_blocks", "U8"), ("experts.down_proj_scales", "U8"),
+                          ("b.weight", "BF16"), ("c.bias", "F8_E4M3")]) == ["I8", "U8", "U8", "BF16", "F8_E4M3"]
 
 
 def test_fp8_weights_are_published_as_fp8_with_their_quantization_config(tmp_path: Path,

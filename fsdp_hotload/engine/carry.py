@@ -39,7 +39,7 @@ from ..arc.container import FORMAT_NAME, K_FORMAT, K_PARENT
 from ..arc.dtypes import UINT_BY_SIZE, itemsize, numel
 from ..arc.errors import FormatError
 from ..arc.stio import MAX_HEADER_BYTES, parse_header
-from ..hf_config import QUANTIZATION_KEYS, is_quantized
+from ..hf_config import QUANTIZATION_KEYS, is_quantized, weight_dtypes
 from .assemble import RawPiece
 
 log = logging.getLogger("fsdp_hotload")
@@ -132,7 +132,7 @@ def find_carried(hf_config_dir: str, patterns: Sequence[str], published: Mapping
         out.append(CarriedTensor(name, tuple(entry.shape), entry.dtype, path, header.data_start + entry.begin,
                                  entry.nbytes, stamp))
     if out:
-        _check_quantization(hf_config_dir, out, published.values())
+        _check_quantization(hf_config_dir, out, weight_dtypes(published.items()))
         size = sum(t.nbytes for t in out)
         log.info("hotload: carrying %d base tensor(s) the trainer does not hold (%.3g GB, e.g. %r) from %s into "
                  "every snapshot (carry_base_tensors)", len(out), size / 1e9, out[0].name, hf_config_dir)
@@ -145,7 +145,7 @@ def _check_quantization(folder: str, carried: Sequence[CarriedTensor], published
     """Quantized carried tensors beside a trainer's unquantized ones. Why an error where the base config has a
     ``quantization_config``: snapshots keep it while any tensor is quantized, so the carried tensors alone would
     keep it, and the server would read the trainer's bf16 tensors as quantized ones (without their scales)."""
-    narrow = [t for t in carried if is_quantized(t.dtype)]
+    narrow = [t for t in carried if any(map(is_quantized, weight_dtypes([(t.name, t.dtype)])))]
     if not narrow or any(map(is_quantized, published)):
         return
     try:
