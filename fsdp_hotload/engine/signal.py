@@ -303,20 +303,28 @@ class Signaller:
         longer than an upload never rejoined the publishes."""
         busy: dict[str, str] = {}
         joining: set[str] = set()
+
+        def lane(name: str) -> None:
+            if previous is None or previous in (self._lane_at.get(name), self.served[name]):
+                self._lane_stop.add(name)
+                joining.add(name)
+            else:  # what is left: the snapshot it loads now (if any) and those after it
+                at = self._lane_at.get(name)
+                i = self._chain.index(at) if at in self._chain else (
+                    self._chain.index(self.served[name]) + 1 if self.served[name] in self._chain else 0)
+                busy[name] = f"catching up ({len(self._chain) - i} earlier snapshot(s) to load first)"
+
         with self._state:
-            hung = {c.deployment_name for c in clients} & self._timed_out
-            if len(hung) < len(clients):  # someone else is signalled: they are left to their catch-up
-                busy.update((name, "its last load timed out: its catch-up signals it, on a thread of its own")
-                            for name in hung)
-            for name in (c.deployment_name for c in clients if c.deployment_name in self._lanes.keys() - busy):
-                if previous is None or previous in (self._lane_at.get(name), self.served[name]):
-                    self._lane_stop.add(name)
-                    joining.add(name)
-                else:  # what is left: the snapshot it loads now (if any) and those after it
-                    at = self._lane_at.get(name)
-                    i = self._chain.index(at) if at in self._chain else (
-                        self._chain.index(self.served[name]) + 1 if self.served[name] in self._chain else 0)
-                    busy[name] = f"catching up ({len(self._chain) - i} earlier snapshot(s) to load first)"
+            names = [c.deployment_name for c in clients]
+            hung = set(names) & self._timed_out
+            for name in [n for n in names if n in self._lanes and n not in hung]:
+                lane(name)
+            if any(n not in busy and n not in hung for n in names):  # another is signalled: theirs waits for them
+                busy.update((n, "its last load timed out: its catch-up signals it, on a thread of its own")
+                            for n in hung)
+            else:
+                for name in [n for n in hung if n in self._lanes]:
+                    lane(name)
         return busy, joining
 
     def _joined(self, c: Any, previous: str | None, joining: set[str]) -> bool:
