@@ -417,3 +417,60 @@ def test_a_deployment_whose_manager_comes_up_late_catches_up_from_the_full_snaps
             assert serves(emu, EU) == (ids[3], expected_sha(model))
         assert ledger(emu, EU) == ids  # the full snapshot, then each delta, once
         assert emu.state()["deployments"][EU]["premature_signals"] == 0
+
+
+def test_a_deployment_left_to_its_catch_up_is_signalled_once_the_others_fail(tmp_path: Path) -> None:
+    """pool-eu's load of step 1 outlasts its wait (then ends), so the full snapshot of step 2 leaves it to its
+    catch-up; but pool-us's manager is down from step 2, so step 2 fails everywhere. Step 3 signals pool-eu
+    again, which then serves every later step, where it used to be left out of every publish while pool-us failed."""
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], deployments_required="any",
+                     full_every=2, ready_timeout_s=1.5, keep_training_on_error=True, send_hints=False)
+        with TensorPublisher(model, cfg) as pub:
+            assert pub.engine.signaller is not None
+            for step in range(6):
+                train_step(model, step)
+                emu.set_load_delay(3.0 if step == 1 else 0.0, deployment=EU)
+                if step == 2:
+                    until("pool-eu's late load", lambda: serves(emu, EU)[0] == pub.metrics[1].identity)
+                    emu.set_manager_up(False, US)
+                pub.publish(step, model)
+                pub.wait()
+                assert pub.engine.signaller.drain(30)
+                if step >= 3:
+                    assert serves(emu, EU) == (pub.metrics[-1].identity, expected_sha(model))
+            assert [m.ok for m in pub.metrics] == [True, True, False, True, True, True]
+            assert [m.deployments_behind for m in pub.metrics[3:]] == [[US]] * 3
+        assert ledger(emu, EU) == [m.identity for i, m in enumerate(pub.metrics) if i != 2]
+
+
+def test_a_catch_up_loading_across_publishes_counts_as_catching_up(tmp_path: Path) -> None:
+    """pool-eu's catch-up loads steps 2-6 at 2 s a load while steps 6 and 8 are published: it is reported as
+    catching up (the snapshot it loads was signalled, which had made it look like one that only asks after an
+    earlier signal), so close() publishes the last step as a delta that its catch-up takes, not a full snapshot."""
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], deployments_required="any",
+                     full_every=20, publish_every=2, send_hints=False)
+        pub = TensorPublisher(model, cfg)
+        assert pub.engine.signaller is not None
+        for step in range(0, 10, 2):
+            train_step(model, step)
+            if step == 2:
+                emu.reject_next_signals(3, status=400, message="injected", deployment=EU)
+            if step == 6:
+                emu.set_load_delay(1.0, deployment=EU)
+            pub.publish(step, model)
+            pub.wait()
+            if step < 6:
+                assert pub.engine.signaller.drain(30)
+        assert [m.deployments_catching_up for m in pub.metrics[1:]] == [[EU]] * 4
+        train_step(model, 9)
+        pub.publish(9, model)  # skipped (publish_every=2): close() publishes it
+        pub.close()
+        assert [m.kind for m in pub.metrics] == ["full"] + ["delta"] * 5
+        assert serves(emu, EU) == (pub.metrics[-1].identity, expected_sha(model))
+        assert ledger(emu, EU) == [m.identity for m in pub.metrics]

@@ -13,8 +13,8 @@ anything: the catch-up stops after its load in flight). A snapshot whose signal 
 whether every replica serves it by now (a load that outlasted the readiness wait), else it waits for the next full
 snapshot; a signal that failed (refused, a 5xx, no connection), but for a 409, may be sent again: at worst it is
 refused again. While another deployment takes the snapshots, one whose last load timed out is waited for only by its
-catch-up (hanging replicas would otherwise cost each full snapshot ``ready_timeout_s``), and one whose hot-load
-manager was down is asked again by its catch-up at each publish.
+catch-up (hanging replicas would otherwise cost each full snapshot ``ready_timeout_s``; if the others fail, the next
+publish signals it too), and one whose hot-load manager was down is asked again by its catch-up at each publish.
 
 Example::
 
@@ -24,72 +24,25 @@ Example::
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-import urllib.parse
 from typing import Any, Callable, Sequence
 
 from ..config import HotloadConfig
 from ..fireworks_models import HotLoadCancelled, HotLoadTimeout, never_taken
 from .pool import DaemonPool
+from .signal_limits import HINT_DEADLINE_S, MANAGER_WAIT_S, SIGNAL_RETRY_BUDGET_S, longest_signal_s, warn_at_start
+
+__all__ = ["HINT_DEADLINE_S", "MANAGER_WAIT_S", "SIGNAL_RETRY_BUDGET_S", "NotSignalled", "Signaller",
+           "longest_signal_s", "warn_at_start"]
 
 log = logging.getLogger("fsdp_hotload")
-
-#: The most one hint may take, retries included (and never more than ``ready_timeout_s``).
-HINT_DEADLINE_S = 10.0
-#: The longest a signal retries transient failures; shorter when ``ready_timeout_s`` is.
-SIGNAL_RETRY_BUDGET_S = 300.0
-#: The longest the first signal to a deployment waits for its hot-load manager (replicas reported).
-MANAGER_WAIT_S = 300.0
-
 
 class NotSignalled(RuntimeError):
     """No deployment can have taken the snapshot's signal: it failed before any was sent (a hot-load manager not
     up, a chain that does not match), or every deployment refused it (:func:`.fireworks_models.never_taken`).
     Why a class of its own: no replica loads such a snapshot, so with ``keep_last`` it is deleted at once; each
     publish of a job whose fleet is down or refuses it otherwise kept a full snapshot until one was served."""
-
-
-def longest_signal_s(cfg: HotloadConfig) -> float:
-    """The longest rank 0 may spend signalling one snapshot: the first signal's wait for the deployment's
-    manager, the signal's retries, then the readiness wait."""
-    return min(MANAGER_WAIT_S, cfg.ready_timeout_s) + min(SIGNAL_RETRY_BUDGET_S, cfg.ready_timeout_s) + \
-        cfg.ready_timeout_s
-
-
-def warn_at_start(cfg: HotloadConfig, codec: Any = None) -> None:
-    """Settings that are allowed but cost publishes, said once at start (rank 0) instead of at the first failure;
-    and which encoder ``codec`` runs (a warning if ``HOTLOAD_LIBZSTD``'s library could not be loaded).
-
-    keep_last=1 without a hot-load API deletes each snapshot when the next commits, under readers that may still
-    be downloading it (with the API, a snapshot is deleted only once the fleet serves a newer one).
-
-    The other ranks wait for rank 0's outcome under the side groups' timeout; when that is shorter than a signal
-    may take, a slow load breaks the group and publishing stops for the rest of the job. And a delta codec other
-    than arc_v2, the one ``compression_format`` Fireworks documents, is refused by a service that does not run our
-    decoder: every delta fails and the next publish is full, so half the steps never reach the fleet. A loopback
-    API is the emulator, which is told the formats it takes (``--compression-formats``)."""
-    info = getattr(codec, "encoder_info", None)
-    if info is not None:
-        log.log(logging.WARNING if os.environ.get("HOTLOAD_LIBZSTD") and "unavailable" in info else logging.INFO,
-                "%s encoder: %s", codec.name, info)
-    if cfg.keep_last == 1 and not cfg.hotload_api_url:
-        log.warning("hotload: keep_last=1 without hotload_api_url deletes each snapshot as soon as the next one "
-                    "commits, under readers that may still be downloading it: keep 2 or more")
-    if not cfg.hotload_api_url:
-        return
-    from ..fireworks_http import is_loopback
-
-    if cfg.codec != "arc_v2" and not is_loopback(urllib.parse.urlsplit(cfg.hotload_api_url).hostname or ""):
-        log.warning("hotload: codec %r is not arc_v2, the only compression_format Fireworks documents for deltas: a "
-                    "service that refuses it answers every delta with HTTP 400, and each next publish is full. Use "
-                    "codec='arc_v2' unless this service runs hotload's decoder", cfg.codec)
-    if cfg.side_group_timeout_s <= longest_signal_s(cfg):
-        log.warning("hotload: collective_timeout_s (%g s) is not longer than signalling may take (%g s: up to %g s "
-                    "for the deployment's hot-load manager and for the signal's retries, then ready_timeout_s): "
-                    "a load that slow makes the other ranks give up, and publishing stops for the rest of the job",
-                    cfg.side_group_timeout_s, longest_signal_s(cfg), min(MANAGER_WAIT_S, cfg.ready_timeout_s))
 
 
 class Signaller:
@@ -128,6 +81,9 @@ class Signaller:
         # deployments whose last wait for a load timed out, serving nothing newer since: their replicas may hang,
         # so while another deployment takes the snapshots, only their catch-up (on its own thread) waits for them
         self._timed_out: set[str] = set()
+        self._spared = False  # this publish left such a deployment to its catch-up
+        self._spare = True  # False after a publish that did failed: the next one signals them too
+        self._settling: set[str] = set()  # catch-ups asking after a snapshot whose signal was taken before
         # deployments behind at the last snapshot served whose catch-up was under way then: the next snapshot
         # reaches them through it, so close() need not publish a full snapshot for them
         self.catching_up: frozenset[str] = frozenset()
@@ -215,6 +171,19 @@ class Signaller:
 
     def signal_and_wait(self, identity: str, previous: str | None,
                         on_poll: Callable[[str, Any, Callable[[str], str]], None] | None = None) -> float:
+        """:meth:`_signal_and_wait`. A publish that failed after leaving a deployment whose last load timed out to
+        its catch-up makes the next one signal it too: the others failing, it may be the one that serves."""
+        self._spared = False
+        try:
+            ready_s = self._signal_and_wait(identity, previous, on_poll)
+        except Exception:
+            self._spare = not self._spared
+            raise
+        self._spare = True
+        return ready_s
+
+    def _signal_and_wait(self, identity: str, previous: str | None,
+                         on_poll: Callable[[str, Any, Callable[[str], str]], None] | None = None) -> float:
         """Signal every deployment, then wait for all; returns seconds spent waiting for readiness. Before the
         first signal to a deployment, wait until it reports a replica (a signal before that can crash it).
         ``on_poll(deployment, status, redact)`` sees every readiness poll's answer (progress reports); ``redact``
@@ -234,8 +203,9 @@ class Signaller:
             clients.remove(c)
         if busy and not clients:
             raise NotSignalled("; ".join(f"{name}: {why}" for name, why in left.items()))
-        for name in [c.deployment_name for c in clients if c.deployment_name in self._first_seen]:
-            _say_what_is_served(name, self._first_seen.pop(name), identity)  # once, by the rank that signals
+        for name in [c.deployment_name for c in clients]:  # once, by the rank that signals (or a catch-up)
+            if (first := self._first_seen.pop(name, None)) is not None:
+                _say_what_is_served(name, first, identity)
         if previous is not None:  # every chain is checked before any deployment is signalled
             for c in list(clients):  # those joining from a catch-up are checked once it ends (_joined)
                 if c.deployment_name not in joining and self.served[c.deployment_name] != previous:
@@ -247,7 +217,7 @@ class Signaller:
                     clients.remove(c)
         validation = {"extra_fields_ignore": self.extra_fields_ignore} if self.extra_fields_ignore else None
         lagging = set(self.behind)  # already behind before this snapshot: its signal gets a short retry budget
-        failed = self._on_each(clients, lambda c: self._joined(c, previous, joining) and c.signal(
+        failed = self._on_each(clients, lambda c: self._joined(c, previous, joining, len(clients) > 1) and c.signal(
             identity, previous_identity=previous, reset_prompt_cache=self.reset_prompt_cache,
             compression_format=self.compression_format, validation=validation,
             deadline=time.monotonic() + HINT_DEADLINE_S if c.deployment_name in lagging else None))
@@ -286,17 +256,17 @@ class Signaller:
             self._extend_chain(identity, previous)
             self._catch_up()
             with self._state:
-                self.catching_up = frozenset(  # not one that only asks after a snapshot it accepted: it may not
-                    n for n in self.behind.keys() & self._lanes.keys()  # serve it, and stay behind
-                    if (nxt := self._next_for(n)) is None or not nxt[2])
+                self.catching_up = frozenset(n for n in self.behind.keys() & self._lanes.keys()
+                                             if self._loads(n))
         return time.perf_counter() - t0
 
     def _busy(self, clients: list[Any], previous: str | None) -> tuple[dict[str, str], set[str]]:
         """The deployments this snapshot leaves out (-> why), and those it signals once their catch-up ends.
 
-        Left out: one whose last load timed out (:attr:`_timed_out`), while another deployment is signalled, so
-        that replicas hanging in a load cost the publisher no ``ready_timeout_s`` at each full snapshot (its
-        catch-up signals it after the publish); and one whose catch-up has more than the delta's parent to load.
+        Left out: one whose last load timed out (:attr:`_timed_out`), while another deployment is signalled (and
+        the last publish that left one out did not fail), so that replicas hanging in a load cost the publisher
+        no ``ready_timeout_s`` at each full snapshot (its catch-up signals it after the publish); and one whose
+        catch-up has more than the delta's parent to load.
         Joining: every other one catching up for a full snapshot (its catch-up stops after the load in flight),
         and for a delta those whose catch-up loads its parent. Why: a catch-up ends at the chain's end, the
         parent, while the snapshot after it is being signalled; left out again, a deployment whose loads take
@@ -319,17 +289,18 @@ class Signaller:
             hung = set(names) & self._timed_out
             for name in [n for n in names if n in self._lanes and n not in hung]:
                 lane(name)
-            if any(n not in busy and n not in hung for n in names):  # another is signalled: theirs waits for them
-                busy.update((n, "its last load timed out: its catch-up signals it, on a thread of its own")
-                            for n in hung)
+            if self._spare and any(n not in busy and n not in hung for n in names):  # another is signalled
+                busy.update((n, HUNG) for n in hung)
+                self._spared = self._spared or bool(hung)
             else:
                 for name in [n for n in hung if n in self._lanes]:
                     lane(name)
         return busy, joining
 
-    def _joined(self, c: Any, previous: str | None, joining: set[str]) -> bool:
+    def _joined(self, c: Any, previous: str | None, joining: set[str], others: bool) -> bool:
         """For a deployment catching up (``joining``): wait for its catch-up to end (its load in flight, at most
-        about ``ready_timeout_s``), and fail its signal of a delta if it does not serve the delta's parent then."""
+        about ``ready_timeout_s``), and fail its signal of a delta if it does not serve the delta's parent then,
+        or, where ``others`` are signalled, if that load timed out (a second wait would double the cost)."""
         name = c.deployment_name
         if name not in joining:
             return True
@@ -340,6 +311,9 @@ class Signaller:
             if previous is not None and self.served[name] != previous:
                 raise RuntimeError(f"its catch-up ended before {previous!r}, the delta's parent "
                                    f"(it serves {self.served[name]!r})")
+            if name in self._timed_out and self._spare and others:  # its catch-up takes it from here
+                self._spared = True
+                raise RuntimeError(HUNG)
         return True
 
     def _up_managers(self, previous: str | None, left: dict[str, str]) -> list[Any]:
@@ -416,6 +390,17 @@ class Signaller:
         i = chain.index(served) + 1 if served in chain else 0
         return chain[i], chain[i - 1] if i else None, chain[i] in self._taken.get(name, ())
 
+    def _loads(self, name: str) -> bool:
+        """Whether ``name``'s catch-up loads snapshots: not one that asks after a snapshot whose signal it took
+        before (it may not serve it, and stay behind), nor one that asks whether a manager that was down is up.
+        Called under ``_state``."""
+        if name not in self._managers_up:
+            return False
+        if name in self._lane_at:  # under way
+            return name not in self._settling
+        nxt = self._next_for(name)
+        return nxt is None or not nxt[2]
+
     def _serve(self, name: str, identity: str) -> None:
         """Every replica of ``name`` serves ``identity``. Called under ``_state``."""
         self.served[name] = identity
@@ -462,6 +447,7 @@ class Signaller:
                         break
                     (target, previous, settle), served = nxt, self.served[name]
                     self._lane_at[name] = target
+                    (self._settling.add if settle else self._settling.discard)(name)
                     self._signalled.setdefault(name, set()).add(target)  # retention spares it from now on
                     if not loaded and not settle:  # once per fall behind: one that stays down tries each publish
                         log.log(logging.DEBUG if name in self._lane_warned else logging.INFO,
@@ -527,6 +513,7 @@ class Signaller:
         """Called under ``_state``."""
         self._lanes.pop(name, None)
         self._lane_at.pop(name, None)
+        self._settling.discard(name)
         self._lane_stop.discard(name)
         self._lanes_done.notify_all()
 
@@ -587,6 +574,9 @@ def _say_what_is_served(deployment: str, st: Any, identity: str) -> None:
     now = f"serving {', '.join(served)}{' (another run)' if others else ''}" if served else "serving no snapshot yet"
     log.info("hotload: deployment %s is up (%d replica(s)), %s; signalling %s", deployment, len(st.replicas), now,
              identity)
+
+
+HUNG = "its last load timed out: its catch-up signals it, on a thread of its own"
 
 
 def _has_it(exc: BaseException) -> bool:

@@ -1,0 +1,67 @@
+"""How long signalling may take, and the settings that cost publishes, said once at start.
+
+Apart from :mod:`.signal` so that the Signaller's module holds the signalling itself.
+
+Example::
+
+    warn_at_start(cfg, codec)          # rank 0, once
+    budget_s = longest_signal_s(cfg)   # what the other ranks must wait for rank 0's outcome
+"""
+from __future__ import annotations
+
+import logging
+import os
+import urllib.parse
+from typing import Any
+
+from ..config import HotloadConfig
+
+log = logging.getLogger("fsdp_hotload")
+
+#: The most one hint may take, retries included (and never more than ``ready_timeout_s``).
+HINT_DEADLINE_S = 10.0
+#: The longest a signal retries transient failures; shorter when ``ready_timeout_s`` is.
+SIGNAL_RETRY_BUDGET_S = 300.0
+#: The longest the first signal to a deployment waits for its hot-load manager (replicas reported).
+MANAGER_WAIT_S = 300.0
+
+
+def longest_signal_s(cfg: HotloadConfig) -> float:
+    """The longest rank 0 may spend signalling one snapshot: the first signal's wait for the deployment's
+    manager, the signal's retries, then the readiness wait."""
+    return min(MANAGER_WAIT_S, cfg.ready_timeout_s) + min(SIGNAL_RETRY_BUDGET_S, cfg.ready_timeout_s) + \
+        cfg.ready_timeout_s
+
+
+def warn_at_start(cfg: HotloadConfig, codec: Any = None) -> None:
+    """Settings that are allowed but cost publishes, said once at start (rank 0) instead of at the first failure;
+    and which encoder ``codec`` runs (a warning if ``HOTLOAD_LIBZSTD``'s library could not be loaded).
+
+    keep_last=1 without a hot-load API deletes each snapshot when the next commits, under readers that may still
+    be downloading it (with the API, a snapshot is deleted only once the fleet serves a newer one).
+
+    The other ranks wait for rank 0's outcome under the side groups' timeout; when that is shorter than a signal
+    may take, a slow load breaks the group and publishing stops for the rest of the job. And a delta codec other
+    than arc_v2, the one ``compression_format`` Fireworks documents, is refused by a service that does not run our
+    decoder: every delta fails and the next publish is full, so half the steps never reach the fleet. A loopback
+    API is the emulator, which is told the formats it takes (``--compression-formats``)."""
+    info = getattr(codec, "encoder_info", None)
+    if info is not None:
+        log.log(logging.WARNING if os.environ.get("HOTLOAD_LIBZSTD") and "unavailable" in info else logging.INFO,
+                "%s encoder: %s", codec.name, info)
+    if cfg.keep_last == 1 and not cfg.hotload_api_url:
+        log.warning("hotload: keep_last=1 without hotload_api_url deletes each snapshot as soon as the next one "
+                    "commits, under readers that may still be downloading it: keep 2 or more")
+    if not cfg.hotload_api_url:
+        return
+    from ..fireworks_http import is_loopback
+
+    if cfg.codec != "arc_v2" and not is_loopback(urllib.parse.urlsplit(cfg.hotload_api_url).hostname or ""):
+        log.warning("hotload: codec %r is not arc_v2, the only compression_format Fireworks documents for deltas: a "
+                    "service that refuses it answers every delta with HTTP 400, and each next publish is full. Use "
+                    "codec='arc_v2' unless this service runs hotload's decoder", cfg.codec)
+    if cfg.side_group_timeout_s <= longest_signal_s(cfg):
+        log.warning("hotload: collective_timeout_s (%g s) is not longer than signalling may take (%g s: up to %g s "
+                    "for the deployment's hot-load manager and for the signal's retries, then ready_timeout_s): "
+                    "a load that slow makes the other ranks give up, and publishing stops for the rest of the job",
+                    cfg.side_group_timeout_s, longest_signal_s(cfg), min(MANAGER_WAIT_S, cfg.ready_timeout_s))
