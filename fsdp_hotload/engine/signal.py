@@ -291,7 +291,7 @@ class Signaller:
                 lane(name)
             if self._spare and any(n not in busy and n not in hung for n in names):  # another is signalled
                 busy.update((n, HUNG) for n in hung)
-                self._spared = self._spared or bool(hung)
+                self._spared = bool(hung)  # the first to set it in this publish (_joined runs later)
             else:
                 for name in [n for n in hung if n in self._lanes]:
                     lane(name)
