@@ -119,7 +119,8 @@ class Publisher:
             self._carrier = Carrier(self.carried, self.codec) if self.rank == 0 and self.carried else None
             self.metrics = MetricsSink(config.metrics_path if self.rank == 0 else None)
             base_files = hf_aux_files(config.hf_config_dir) if self.rank == 0 else {}  # read once: tokenizers are big
-            self._aux = carried_files(base_files, weight_dtypes((s.name, s.dtype) for s in specs))
+            dtypes = weight_dtypes((s.name, s.dtype) for s in specs)  # masks left out: see weight_dtypes
+            self._aux = carried_files(base_files, dtypes)
             self.signaller = signaller if signaller is not None else (  # last of what may fail: it starts a thread
                 Signaller.from_config(config) if (self.rank == 0 or config.send_hints) else None)
             if signaller is None and self.signaller is not None:
@@ -150,8 +151,8 @@ class Publisher:
             warm, name=f"hotload-warmup-{self.rank}", nice=config.background_nice, what=f"the {self.codec.name} codec")
         self.cadence = Cadence(config.full_every, config.max_chain_length)
         if self.rank == 0 and self.signaller is not None:
-            self.signaller.extra_fields_ignore = ignored_config_keys(
-                base_files, self._aux, weight_dtypes((s.name, s.dtype) for s in specs), config.extra_fields_ignore)
+            self.signaller.extra_fields_ignore = ignored_config_keys(base_files, self._aux, dtypes,
+                                                                     config.extra_fields_ignore)
         self.committer = Committer(self.plan, self.storage, config, self._aux, self.signaller, session=self.session,
                                    started=time.time())  # snapshots others commit after this are a live run's
         if self.rank == 0:
