@@ -29,7 +29,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from ..config import HotloadConfig
-from ..fireworks_models import HotLoadCancelled, HotLoadTimeout, never_taken
+from ..fireworks_models import HotLoadCancelled, HotLoadError, HotLoadTimeout, never_taken
 from .pool import DaemonPool
 from .signal_limits import HINT_DEADLINE_S, MANAGER_WAIT_S, SIGNAL_RETRY_BUDGET_S, longest_signal_s, warn_at_start
 
@@ -223,6 +223,8 @@ class Signaller:
             deadline=time.monotonic() + HINT_DEADLINE_S if c.deployment_name in lagging else None))
         with self._state:
             for c in clients:  # it may load these; those that accepted it are never signalled it again
+                if c.deployment_name in failed and _manager_may_be_down(failed[c.deployment_name]):
+                    self._managers_up.discard(c.deployment_name)
                 if c.deployment_name not in failed or not never_taken(failed[c.deployment_name]):
                     self._signalled.setdefault(c.deployment_name, set()).add(identity)
                 if not self.require_all and (c.deployment_name not in failed or _has_it(failed[c.deployment_name])):
@@ -247,6 +249,8 @@ class Signaller:
                     continue
                 if not self.require_all and isinstance(failed[name], HotLoadTimeout):
                     self._timed_out.add(name)
+                if name in last and not last[name].replicas:  # its manager went down (a container restarts)
+                    self._managers_up.discard(name)
                 if name in last:  # what its replicas serve now, and this snapshot, which a load may still end in
                     self._signalled[name] = {r.current_snapshot_identity for r in last[name].replicas
                                              if r.current_snapshot_identity} | {identity}
@@ -462,11 +466,14 @@ class Signaller:
                              name, target)
                 else:
                     self._signal_lane(c, target, previous, validation)
+                    seen: list[Any] = []
                     try:
-                        c.wait_ready(target, timeout_s=self.ready_timeout_s)
+                        c.wait_ready(target, timeout_s=self.ready_timeout_s, on_poll=seen.append)
                     except HotLoadTimeout:
                         with self._state:
                             self._timed_out.add(name)
+                            if seen and not seen[-1].replicas:
+                                self._managers_up.discard(name)
                         raise
                 with self._state:
                     self._serve(name, target)
@@ -501,6 +508,8 @@ class Signaller:
                      deadline=time.monotonic() + HINT_DEADLINE_S)
         except Exception as exc:
             with self._state:
+                if _manager_may_be_down(exc):
+                    self._managers_up.discard(c.deployment_name)
                 if never_taken(exc):  # no replica loads it
                     self._signalled.get(c.deployment_name, set()).discard(target)
                 if _has_it(exc):
@@ -577,6 +586,13 @@ def _say_what_is_served(deployment: str, st: Any, identity: str) -> None:
 
 
 HUNG = "its last load timed out: its catch-up signals it, on a thread of its own"
+
+
+def _manager_may_be_down(exc: BaseException) -> bool:
+    """A failed signal no hot-load manager answered (no answer, a 5xx: a container restarts). The next signal there
+    first asks whether it reports a replica (one before its manager is up can crash the container)."""
+    return isinstance(exc, HotLoadError) and not isinstance(exc, HotLoadCancelled) and (
+        exc.status_code is None or exc.status_code >= 500)
 
 
 def _has_it(exc: BaseException) -> bool:
