@@ -466,13 +466,13 @@ class Signaller:
                              name, target)
                 else:
                     self._signal_lane(c, target, previous, validation)
-                    seen: list[Any] = []
+                    seen: list[Any] = [None]  # the last status polled
                     try:
-                        c.wait_ready(target, timeout_s=self.ready_timeout_s, on_poll=seen.append)
+                        c.wait_ready(target, timeout_s=self.ready_timeout_s, on_poll=lambda st: seen.__setitem__(0, st))
                     except HotLoadTimeout:
                         with self._state:
                             self._timed_out.add(name)
-                            if seen and not seen[-1].replicas:
+                            if seen[0] is not None and not seen[0].replicas:
                                 self._managers_up.discard(name)
                         raise
                 with self._state:
