@@ -452,6 +452,40 @@ def test_a_manager_that_goes_down_mid_run_is_asked_before_the_next_signal(tmp_pa
             assert ledger(emu, EU) == ids
 
 
+def test_a_manager_that_goes_down_during_a_catch_up_is_asked_before_the_next_signal(tmp_path: Path) -> None:
+    """pool-eu refuses step 1's signal, so its catch-up signals it; pool-eu's manager goes down while that load
+    runs past the readiness wait, which ends on a status with no replica. The full snapshot of step 2 then asks
+    pool-eu's status first and leaves it out, where it used to be signalled (a signal that can crash a container
+    that is starting). Up again for step 3, pool-eu catches up and serves the newest weights, bit for bit."""
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], deployments_required="any",
+                     full_every=2, ready_timeout_s=1.0, send_hints=False)
+        with TensorPublisher(model, cfg) as pub:
+            assert pub.engine.signaller is not None
+            for step in range(5):
+                train_step(model, step)
+                if step == 1:
+                    emu.reject_next_signals(1, status=400, message="injected: refused", deployment=EU)
+                    emu.set_load_delay(3.0, deployment=EU)
+                if step == 3:
+                    emu.set_load_delay(0.0, deployment=EU)
+                    emu.set_manager_up(True, deployment=EU)
+                pub.publish(step, model)
+                pub.wait()
+                if step == 1:
+                    until("pool-eu's catch-up signal", lambda: pub.metrics[1].identity in ledger(emu, EU))
+                    emu.set_manager_up(False, deployment=EU)
+                assert pub.engine.signaller.drain(30)
+                assert pub.metrics[-1].ok, pub.metrics[-1].error
+            ids = [m.identity for m in pub.metrics]
+            assert [m.deployments_behind for m in pub.metrics] == [[], [EU], [EU], [EU], []]
+            assert serves(emu, EU) == serves(emu, US) == (ids[4], expected_sha(model))
+        assert emu.state()["deployments"][EU]["premature_signals"] == 0
+        assert ledger(emu, EU) == [ids[0], ids[1], ids[2], ids[3], ids[4]]
+
+
 def test_a_deployment_left_to_its_catch_up_is_signalled_once_the_others_fail(tmp_path: Path) -> None:
     """pool-eu's load of step 1 outlasts its wait (then ends), so the full snapshot of step 2 leaves it to its
     catch-up; but pool-us's manager is down from step 2, so step 2 fails everywhere. Step 3 signals pool-eu
