@@ -5,6 +5,9 @@ VPY := $(VENV)/bin/python
 # Extra pip arguments for torch, e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu" where the
 # default index would serve the CUDA build.
 TORCH_PIP_ARGS ?=
+# pytest-xdist workers for `make test`: the suite is mostly torchrun jobs, servers and waits, so two workers on the
+# 2-core CI machine cut its time by about a third; 0 runs it in one process.
+TEST_WORKERS ?= 2
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,7 +24,7 @@ demo: setup
 	$(VENV)/bin/hotload demo
 
 test: setup
-	$(VPY) -m pytest -q -p no:cacheprovider --durations=20 tests
+	$(VPY) -m pytest -q -p no:cacheprovider --durations=20 -n $(TEST_WORKERS) --dist worksteal tests
 
 bench: setup
 	$(VPY) benchmarks/codec.py
