@@ -419,17 +419,20 @@ def test_a_deployment_whose_manager_comes_up_late_catches_up_from_the_full_snaps
         assert emu.state()["deployments"][EU]["premature_signals"] == 0
 
 
+@pytest.mark.parametrize("hints", [True, False], ids=["hints", "no-hints"])
 @pytest.mark.parametrize("required", ["any", "all"])
-def test_a_manager_that_goes_down_mid_run_is_asked_before_the_next_signal(tmp_path: Path, required: str) -> None:
+def test_a_manager_that_goes_down_mid_run_is_asked_before_the_next_signal(tmp_path: Path, required: str,
+                                                                          hints: bool) -> None:
     """pool-eu's hot-load manager goes down after step 1 (its serving container restarts) and is up again for step 4.
-    The signal of step 2 cannot know (it was up before) and is refused; after that, nothing is signalled or hinted
-    to it until its status reports a replica again: it used to get a signal (and hints) at every publish, each of
-    which can crash a container that is starting. It then serves the newest weights, bit for bit."""
+    Step 2's first request cannot know (it was up before) and is refused: its hints, so that its signal asks first
+    and is not sent, or without hints its signal. After that, nothing is signalled or hinted to it until its status
+    reports a replica again: it used to get a signal (and hints) at every publish, each of which can crash a
+    container that is starting. It then serves the newest weights, bit for bit."""
     bucket = str(tmp_path / "bucket")
     model = make_model()
     with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
         cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], deployments_required=required,
-                     full_every=10, ready_timeout_s=1.0, keep_training_on_error=True)
+                     full_every=10, ready_timeout_s=1.0, keep_training_on_error=True, send_hints=hints)
         with TensorPublisher(model, cfg) as pub:
             assert pub.engine.signaller is not None
             for step in range(6):
@@ -439,11 +442,12 @@ def test_a_manager_that_goes_down_mid_run_is_asked_before_the_next_signal(tmp_pa
                 pub.wait()
                 assert pub.engine.signaller.drain(30)
                 if step == 2:
-                    hints = emu.state()["deployments"][EU]["premature_hints"]
+                    refused = emu.state()["deployments"][EU]["premature_hints"]
             ids = [m.identity for m in pub.metrics]
             assert serves(emu, EU) == serves(emu, US) == (ids[5], expected_sha(model))
         state = emu.state()["deployments"][EU]
-        assert state["premature_signals"] == 1 and state["premature_hints"] == hints, state
+        assert state["premature_signals"] == (0 if hints else 1) and state["premature_hints"] == refused, state
+        assert (refused > 0) == hints
         if required == "all":  # steps 2 and 3 failed; step 4 is a full snapshot
             assert [m.ok for m in pub.metrics] == [True, True, False, False, True, True]
             assert ledger(emu, EU) == [ids[0], ids[1], ids[4], ids[5]]

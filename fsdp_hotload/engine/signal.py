@@ -144,6 +144,8 @@ class Signaller:
                        deadline=time.monotonic() + min(HINT_DEADLINE_S, self.ready_timeout_s))
             except Exception as exc:  # noqa: BLE001
                 self._hints_failed[c.deployment_name] = identity
+                if _manager_may_be_down(exc):  # the snapshot's signal asks for a replica first
+                    self._managers_up.discard(c.deployment_name)
                 log.warning("hotload: hint for %s/%s to %s failed (no more hints for this snapshot): %s",
                             identity, filename, c.deployment_name, exc)
 
@@ -589,8 +591,8 @@ HUNG = "its last load timed out: its catch-up signals it, on a thread of its own
 
 
 def _manager_may_be_down(exc: BaseException) -> bool:
-    """A failed signal no hot-load manager answered (no answer, a 5xx: a container restarts). The next signal there
-    first asks whether it reports a replica (one before its manager is up can crash the container)."""
+    """A failed signal or hint no hot-load manager answered (no answer, a 5xx: a container restarts). The next signal
+    there first asks whether it reports a replica (one before its manager is up can crash the container)."""
     return isinstance(exc, HotLoadError) and not isinstance(exc, HotLoadCancelled) and (
         exc.status_code is None or exc.status_code >= 500)
 
