@@ -42,6 +42,8 @@ __all__ = [
     "ReplicaStatus",
     "ResetPromptCache",
     "ValidationOptions",
+    "holds_it",
+    "manager_may_be_down",
     "never_taken",
     "validate_filename",
     "validate_identity",
@@ -116,6 +118,20 @@ def never_taken(exc: BaseException) -> bool:
     if exc.status_code is None:
         return exc.attempts == 0
     return 400 <= exc.status_code < 500 and exc.status_code not in (408, 409) and exc.attempts == 1
+
+
+def manager_may_be_down(exc: BaseException) -> bool:
+    """Whether a failed signal or hint may mean the hot-load manager is down (no answer, or a 5xx: its container
+    restarts). Why: the next signal there must first ask for a replica, as one sent before the manager is up can
+    crash the container (signal.py)."""
+    return isinstance(exc, HotLoadError) and not isinstance(exc, HotLoadCancelled) and (
+        exc.status_code is None or exc.status_code >= 500)
+
+
+def holds_it(exc: BaseException) -> bool:
+    """Whether a failed signal was answered 409 (a conflict: the deployment holds that identity already), so that
+    sending it again is refused too; any other failure (refused, a 5xx, no connection, a timeout) may be sent again."""
+    return getattr(exc, "status_code", None) == 409
 
 
 # ---------------------------------------------------------------------------------------------------- identity

@@ -490,6 +490,37 @@ def test_a_manager_that_goes_down_during_a_catch_up_is_asked_before_the_next_sig
         assert ledger(emu, EU) == [ids[0], ids[1], ids[2], ids[3], ids[4]]
 
 
+def test_a_manager_found_down_by_a_catch_up_s_status_request_is_asked_before_the_next_signal(tmp_path: Path) -> None:
+    """pool-eu's load of step 1 outlasts its readiness wait, so its catch-up asks its status after each publish
+    (that snapshot is never signalled again); pool-eu's manager goes down after step 1, and the status request after
+    step 2 lists no replica. The full snapshot of step 3 then asks first and sends nothing there, where it used to
+    be signalled. Up again for step 4, pool-eu catches up and serves the newest weights, bit for bit."""
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], deployments_required="any",
+                     full_every=3, ready_timeout_s=1.0)
+        with TensorPublisher(model, cfg) as pub:
+            assert pub.engine.signaller is not None
+            for step in range(5):
+                train_step(model, step)
+                emu.set_load_delay(3.0 if step == 1 else 0.0, deployment=EU)
+                if step == 4:
+                    emu.set_manager_up(True, deployment=EU)
+                pub.publish(step, model)
+                pub.wait()
+                assert pub.engine.signaller.drain(30)
+                if step == 1:
+                    emu.set_manager_up(False, deployment=EU)
+                assert pub.metrics[-1].ok, pub.metrics[-1].error
+            ids = [m.identity for m in pub.metrics]
+            assert [m.deployments_behind for m in pub.metrics] == [[], [EU], [EU], [EU], [EU]]  # step 4: caught up
+            assert serves(emu, EU) == serves(emu, US) == (ids[4], expected_sha(model))  # after the publish
+        state = emu.state()["deployments"][EU]
+        assert state["premature_signals"] == state["premature_hints"] == 0, state
+        assert ledger(emu, EU) == [ids[0], ids[1], ids[3], ids[4]]
+
+
 def test_a_deployment_left_to_its_catch_up_is_signalled_once_the_others_fail(tmp_path: Path) -> None:
     """pool-eu's load of step 1 outlasts its wait (then ends), so the full snapshot of step 2 leaves it to its
     catch-up; but pool-us's manager is down from step 2, so step 2 fails everywhere. Step 3 signals pool-eu

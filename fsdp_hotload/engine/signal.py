@@ -29,7 +29,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from ..config import HotloadConfig
-from ..fireworks_models import HotLoadCancelled, HotLoadError, HotLoadTimeout, never_taken
+from ..fireworks_models import HotLoadCancelled, HotLoadTimeout, holds_it, manager_may_be_down, never_taken
 from .pool import DaemonPool
 from .signal_limits import HINT_DEADLINE_S, MANAGER_WAIT_S, SIGNAL_RETRY_BUDGET_S, longest_signal_s, warn_at_start
 
@@ -144,7 +144,7 @@ class Signaller:
                        deadline=time.monotonic() + min(HINT_DEADLINE_S, self.ready_timeout_s))
             except Exception as exc:  # noqa: BLE001
                 self._hints_failed[c.deployment_name] = identity
-                if _manager_may_be_down(exc):  # the snapshot's signal asks for a replica first
+                if manager_may_be_down(exc):  # the snapshot's signal asks for a replica first
                     self._managers_up.discard(c.deployment_name)
                 log.warning("hotload: hint for %s/%s to %s failed (no more hints for this snapshot): %s",
                             identity, filename, c.deployment_name, exc)
@@ -225,11 +225,11 @@ class Signaller:
             deadline=time.monotonic() + HINT_DEADLINE_S if c.deployment_name in lagging else None))
         with self._state:
             for c in clients:  # it may load these; those that accepted it are never signalled it again
-                if c.deployment_name in failed and _manager_may_be_down(failed[c.deployment_name]):
+                if c.deployment_name in failed and manager_may_be_down(failed[c.deployment_name]):
                     self._managers_up.discard(c.deployment_name)
                 if c.deployment_name not in failed or not never_taken(failed[c.deployment_name]):
                     self._signalled.setdefault(c.deployment_name, set()).add(identity)
-                if not self.require_all and (c.deployment_name not in failed or _has_it(failed[c.deployment_name])):
+                if not self.require_all and (c.deployment_name not in failed or holds_it(failed[c.deployment_name])):
                     self._taken.setdefault(c.deployment_name, set()).add(identity)
         taken = len(failed) < len(clients) or not all(map(never_taken, failed.values()))
         clients = self._go_on(clients, failed, left, "its signal failed", RuntimeError if taken else NotSignalled)
@@ -461,7 +461,11 @@ class Signaller:
                                 "in order)", name, served or "no snapshot of this run", target,
                                 len(self._chain) - self._chain.index(target))
                 if settle:
-                    if not c.status(deadline=time.monotonic() + HINT_DEADLINE_S).is_ready(target):
+                    st = c.status(deadline=time.monotonic() + HINT_DEADLINE_S)
+                    if not st.replicas:  # its manager went down: asked again before anything is sent there
+                        with self._state:
+                            self._managers_up.discard(name)
+                    if not st.is_ready(target):
                         raise RuntimeError(f"it accepted {target}'s signal before and not every replica serves it "
                                            "(a load that failed or goes on): it is not signalled again")
                     log.info("hotload: deployment %s serves %s after all: its load ended after the readiness wait",
@@ -510,11 +514,11 @@ class Signaller:
                      deadline=time.monotonic() + HINT_DEADLINE_S)
         except Exception as exc:
             with self._state:
-                if _manager_may_be_down(exc):
+                if manager_may_be_down(exc):
                     self._managers_up.discard(c.deployment_name)
                 if never_taken(exc):  # no replica loads it
                     self._signalled.get(c.deployment_name, set()).discard(target)
-                if _has_it(exc):
+                if holds_it(exc):
                     self._taken.setdefault(c.deployment_name, set()).add(target)
             raise
         with self._state:
@@ -588,19 +592,6 @@ def _say_what_is_served(deployment: str, st: Any, identity: str) -> None:
 
 
 HUNG = "its last load timed out: its catch-up signals it, on a thread of its own"
-
-
-def _manager_may_be_down(exc: BaseException) -> bool:
-    """A failed signal or hint no hot-load manager answered (no answer, a 5xx: a container restarts). The next signal
-    there first asks whether it reports a replica (one before its manager is up can crash the container)."""
-    return isinstance(exc, HotLoadError) and not isinstance(exc, HotLoadCancelled) and (
-        exc.status_code is None or exc.status_code >= 500)
-
-
-def _has_it(exc: BaseException) -> bool:
-    """A failed signal the deployment answered 409 (a conflict: it holds that identity already), so that sending
-    it again is refused too; any other failure (refused, a 5xx, no connection, a timeout) may be sent again."""
-    return getattr(exc, "status_code", None) == 409
 
 
 def _raise(failed: dict[str, Exception], kind: type[RuntimeError] = RuntimeError) -> None:
