@@ -12,6 +12,7 @@ import pytest
 
 from fsdp_hotload.emulator import HotLoadEmulator
 from fsdp_hotload.engine import PublishError
+from fsdp_hotload.engine.signal import Signaller
 from fsdp_hotload.publish import TensorPublisher
 from tests.test_emulator_restart import restarted
 from tests.test_publisher import API_KEY, config, expected_sha, make_model, train_step
@@ -273,9 +274,23 @@ def test_a_deployment_whose_loads_are_slow_rejoins_the_publishes_after_catching_
             assert {m.identity for m in pub.metrics[3:]} <= hinted  # hinted again once it had rejoined
 
 
-def test_close_publishes_a_delta_for_a_deployment_catching_up_and_waits_for_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lane_ends_first", [False, True], ids=["as-it-comes", "catch-up-ends-first"])
+def test_close_publishes_a_delta_for_a_deployment_catching_up_and_waits_for_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lane_ends_first: bool) -> None:
     """pool-eu was catching up at the last publish: the step close() publishes is a delta (its catch-up takes it;
-    a full snapshot is for a deployment that cannot catch up), and close() waits until it serves it."""
+    a full snapshot is for a deployment that cannot catch up), and close() waits until it serves it.
+
+    ``catch-up-ends-first``: the publisher's thread reads who is catching up only once the catch-up it started has
+    ended (refused at once, while the publisher's thread was descheduled: a loaded machine); it counts still."""
+    if lane_ends_first:
+        catch_up = Signaller._catch_up
+
+        def catch_up_then_wait(self: Signaller) -> set[str]:
+            started = catch_up(self)
+            assert self.drain(30)
+            return started
+
+        monkeypatch.setattr(Signaller, "_catch_up", catch_up_then_wait)
     bucket = str(tmp_path / "bucket")
     model = make_model()
     with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:

@@ -260,10 +260,9 @@ class Signaller:
         self._left_behind(identity, left)
         if not self.require_all:
             self._extend_chain(identity, previous)
-            self._catch_up()
+            lanes = self._catch_up()  # not those alive now: one refused at once may have ended already
             with self._state:
-                self.catching_up = frozenset(n for n in self.behind.keys() & self._lanes.keys()
-                                             if self._loads(n))
+                self.catching_up = frozenset(n for n in self.behind.keys() & lanes if self._loads(n))
         return time.perf_counter() - t0
 
     def _busy(self, clients: list[Any], previous: str | None) -> tuple[dict[str, str], set[str]]:
@@ -356,7 +355,7 @@ class Signaller:
         must not count as served by the deployments that were quicker)."""
         if failed and (self.require_all or len(failed) == len(clients)
                        or any(isinstance(exc, HotLoadCancelled) for exc in failed.values())):
-            _raise(failed, kind)
+            raise kind("; ".join(f"{name}: {error}" for name, error in failed.items()))
         left.update((name, f"{what}: {exc}") for name, exc in failed.items())
         return [c for c in clients if c.deployment_name not in failed]
 
@@ -413,10 +412,12 @@ class Signaller:
         self._signalled.pop(name, None)
         self._timed_out.discard(name)
 
-    def _catch_up(self) -> None:
-        """Start a catch-up for each deployment behind the chain. Each runs on a thread of its own: a region that
-        stays down costs each snapshot one status request or one signal's retries (``HINT_DEADLINE_S``) there,
-        never time on the publisher's thread."""
+    def _catch_up(self) -> set[str]:
+        """Start a catch-up for each deployment behind the chain; returns those that have one (started or under
+        way). Each runs on a thread of its own: a region that stays down costs each snapshot one status request or
+        one signal's retries (``HINT_DEADLINE_S``) there, never time on the publisher's thread."""
+        with self._state:
+            lanes = set(self._lanes)
         for c in self.clients:
             name = c.deployment_name
             with self._state:
@@ -430,6 +431,9 @@ class Signaller:
                 log.warning("hotload: cannot start %s's catch-up: %s", name, exc)
                 with self._state:
                     self._end_lane(name)
+            else:
+                lanes.add(name)
+        return lanes
 
     def _lane(self, c: Any) -> None:
         """One catch-up: signal ``c`` the next snapshot of the chain, wait until every replica serves it, repeat
@@ -542,8 +546,7 @@ class Signaller:
             return self._lanes_done.wait_for(lambda: not self._lanes, timeout)
 
     def _on_each(self, clients: list[Any], fn: Callable[[Any], Any]) -> dict[str, Exception]:
-        """Run ``fn`` on every client at once in the pool and wait for all; returns {deployment: error} of those
-        that failed."""
+        """Run ``fn`` on every client at once in the pool; returns {deployment: error} of those that failed."""
         futures = [(c, self._pool.submit(fn, c)) for c in clients]
         failed: dict[str, Exception] = {}
         for c, f in futures:
@@ -593,7 +596,3 @@ def _say_what_is_served(deployment: str, st: Any, identity: str) -> None:
 
 HUNG = "its last load timed out: its catch-up signals it, on a thread of its own"
 
-
-def _raise(failed: dict[str, Exception], kind: type[RuntimeError] = RuntimeError) -> None:
-    if failed:
-        raise kind("; ".join(f"{name}: {error}" for name, error in failed.items()))
