@@ -227,7 +227,7 @@ def test_gpu_diff_times_the_host_share_after_a_warm_up(monkeypatch: pytest.Monke
     def first_call_slow(*a: object) -> tuple[int, int]:
         calls.append(a)
         if len(calls) == 1:
-            time.sleep(0.3)  # what loading or compiling the kernel costs on a fresh machine
+            time.sleep(1.0)  # what loading or compiling the kernel costs on a fresh machine
         return update_parts(*a)  # type: ignore[arg-type]
 
     monkeypatch.setattr(gpu_diff, "update_parts", first_call_slow)
@@ -237,7 +237,7 @@ def test_gpu_diff_times_the_host_share_after_a_warm_up(monkeypatch: pytest.Monke
     diffs = [element_diff(parent, new, 2) for _ in range(2)]
     payload, encode_s, adler_s = gpu_diff.host_share(ArcV2(), diffs)
     assert payload > 0 and len(calls) == 3  # one warm-up call, then one per diff
-    assert adler_s < 0.2, adler_s
+    assert adler_s < 0.9, adler_s  # two ~microsecond calls: a margin for a loaded machine
 
 
 def test_split_staging_benchmark_copies_runs_of_parts() -> None:
