@@ -573,24 +573,30 @@ def test_hints_are_bounded_and_stop_for_a_snapshot_after_one_fails(server: tuple
 def test_no_hint_before_the_deployment_reports_a_replica(server: tuple[str, Scripted]) -> None:
     """A POST before the deployment's hot-load manager is up can crash the serving container (the reference
     client waits for replicas before its first signal), and a hint is a POST. So a Signaller reads the status
-    once before its first hint: no replica, or no readable status, means no hints for that snapshot; once one
-    is reported, hints go without asking again."""
+    before each snapshot's first hint: no replica, or no readable status, means no hints for that snapshot. It
+    reads it again for the next snapshot, even once a replica was reported: the container may restart meanwhile
+    (step 5), where the hints used to go without asking."""
     from fsdp_hotload.engine.signal import Signaller
 
     url, script = server
+    up = {"replicas": [{"current_snapshot_identity": None, "readiness": True}]}
     script.push(200, {"replicas": []})  # snapshot 1: the manager is not up
     script.push(503, {"error": "starting"})  # snapshot 2: the status cannot be read
-    script.push(200, {"replicas": [{"current_snapshot_identity": None, "readiness": True}]})  # snapshot 3: up
+    script.push(200, up)  # snapshot 3: up
     sig = Signaller([make_client(url, retry_budget_s=0)], ready_timeout_s=5)
     files = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
     for n, identity in enumerate(("step-000001-aaaaaaaa", "step-000002-aaaaaaaa", "step-000003-aaaaaaaa")):
         for name in files:
             sig.hint(identity, name, None)
         assert [r["method"] for r in script.requests] == ["GET"] * (n + 1) + ["POST"] * (2 if n == 2 else 0)
-    sig.hint("step-000004-aaaaaaaa", files[0], "step-000003-aaaaaaaa")
-    assert [r["method"] for r in script.requests[3:]] == ["POST"] * 3
-    assert [r["body"]["snapshot"]["identity"] for r in script.requests[3:]] == [
-        "step-000003-aaaaaaaa", "step-000003-aaaaaaaa", "step-000004-aaaaaaaa"]
+    script.push(200, up)  # snapshot 4: still up
+    script.push(200, {"replicas": []})  # snapshot 5: its container restarts
+    for identity in ("step-000004-aaaaaaaa", "step-000005-aaaaaaaa"):
+        for name in files:
+            sig.hint(identity, name, "step-000003-aaaaaaaa")
+    assert [r["method"] for r in script.requests[3:]] == ["POST", "POST", "GET", "POST", "POST", "GET"]
+    assert [r["body"]["snapshot"]["identity"] for r in script.requests[3:] if r["method"] == "POST"] == [
+        "step-000003-aaaaaaaa", "step-000003-aaaaaaaa", "step-000004-aaaaaaaa", "step-000004-aaaaaaaa"]
     sig.close()
 
 

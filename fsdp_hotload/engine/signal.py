@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 from ..config import HotloadConfig
 from ..fireworks_models import HotLoadCancelled, HotLoadTimeout, holds_it, manager_may_be_down, never_taken
+from .hints import Hints
 from .pool import DaemonPool
 from .signal_limits import HINT_DEADLINE_S, MANAGER_WAIT_S, SIGNAL_RETRY_BUDGET_S, longest_signal_s, warn_at_start
 
@@ -45,7 +46,7 @@ class NotSignalled(RuntimeError):
     publish of a job whose fleet is down or refuses it otherwise kept a full snapshot until one was served."""
 
 
-class Signaller:
+class Signaller(Hints):
     def __init__(self, clients: Sequence[Any], *, ready_timeout_s: float = 600.0,
                  reset_prompt_cache: str | None = None, compression_format: str = "arc_v2",
                  require_all: bool = True) -> None:
@@ -66,6 +67,7 @@ class Signaller:
         self._managers_waited = False  # a signal waited for every manager ("any": later ones only ask once)
         self._pool = DaemonPool(max(1, len(self.clients)), "hotload-signal")
         self._hints_failed: dict[str, str] = {}  # deployment -> the identity whose hints stopped after a failure
+        self._hints_asked: dict[str, str] = {}  # deployment -> the identity whose hints its status let go out
         self._managers_up: set[str] = set()  # deployments that reported a replica (safe to signal)
         self._first_seen: dict[str, Any] = {}  # deployment -> the status that first reported a replica, until logged
         self._hint_lock = threading.Lock()
@@ -120,57 +122,6 @@ class Signaller:
         with self._state:
             return sorted(name for name, served in self.served.items() if served != identity)
 
-    def hint(self, identity: str, filename: str, previous: str | None) -> None:
-        """Best effort: a lost hint only delays the replicas' prefetch, never correctness. So each hint gets at
-        most ``HINT_DEADLINE_S`` (retries included), and after one fails, that deployment gets no more hints for
-        this snapshot: an unreachable API used to hold every file's upload worker for the full retry budget.
-
-        A deployment gets hints only once it reports a replica. Why: a signal before its hot-load manager is up
-        can crash the serving container (the reference client waits for replicas before its first signal), and
-        a hint is a POST to the same service (that it carries the same risk is inferred, not documented); rank
-        0's manager wait runs only after the files are uploaded, and the other ranks never run it. So each
-        Signaller asks once (one status GET) and, while none is reported, skips that snapshot's hints. A deployment
-        left behind (``hint_skip``) gets no hints: it is not signalled deltas, and its full snapshot's signal is
-        enough (a region that is down would otherwise hold each snapshot's outcome up to ``HINT_DEADLINE_S``)."""
-        for c in self.clients:
-            if self._hints_failed.get(c.deployment_name) == identity:
-                continue
-            if c.deployment_name in self.hint_skip:  # left behind: not signalled a delta, and one that is down
-                continue  # would hold every snapshot's outcome for the hints' retries
-            if not self._manager_up_for_hints(c, identity):
-                continue
-            try:
-                c.hint(identity, filename, previous_identity=previous, compression_format=self.compression_format,
-                       deadline=time.monotonic() + min(HINT_DEADLINE_S, self.ready_timeout_s))
-            except Exception as exc:  # noqa: BLE001
-                self._hints_failed[c.deployment_name] = identity
-                if manager_may_be_down(exc):  # the snapshot's signal asks for a replica first
-                    self._managers_up.discard(c.deployment_name)
-                log.warning("hotload: hint for %s/%s to %s failed (no more hints for this snapshot): %s",
-                            identity, filename, c.deployment_name, exc)
-
-    def _manager_up_for_hints(self, c: Any, identity: str) -> bool:
-        name = c.deployment_name
-        if name in self._managers_up:
-            return True
-        with self._hint_lock:  # upload workers hint at once; one status GET answers all of them
-            if name in self._managers_up:
-                return True
-            if self._hints_failed.get(name) == identity:
-                return False
-            try:
-                st = c.status(deadline=time.monotonic() + min(HINT_DEADLINE_S, self.ready_timeout_s))
-                why = "" if st.replicas else "it reports no replica yet (its hot-load manager is not up)"
-            except Exception as exc:  # noqa: BLE001 - best effort, like the hint itself
-                why = f"its status could not be read: {exc}"
-            if not why:
-                self._managers_up.add(name)
-                self._first_seen[name] = st
-                return True
-            self._hints_failed[name] = identity
-            log.info("hotload: no hints for %s to %s: %s", identity, name, why)
-            return False
-
     def signal_and_wait(self, identity: str, previous: str | None,
                         on_poll: Callable[[str, Any, Callable[[str], str]], None] | None = None) -> float:
         """:meth:`_signal_and_wait`. A publish that failed after leaving a deployment whose last load timed out to
@@ -198,6 +149,7 @@ class Signaller:
         :attr:`behind`); only when every deployment fails does this raise as it does otherwise. A delta goes only
         to the deployments that serve its parent."""
         left: dict[str, str] = {}  # deployment -> why it is not signalled this snapshot (require_all False)
+        self._recheck_managers()
         clients = self._up_managers(previous, left)
         busy, joining = self._busy(clients, previous)
         for c in [c for c in clients if c.deployment_name in busy]:
@@ -342,11 +294,31 @@ class Signaller:
         self._managers_up.update(c.deployment_name for c in new if c.deployment_name not in failed)
         return self._go_on(self.clients, failed, left, "not signalled", NotSignalled)
 
+    def _recheck_managers(self) -> None:
+        """Ask each deployment whose hot-load manager reported a replica whether it still does (one status request
+        each, at once), before a snapshot's signal. Why: its container may have restarted since, and a signal sent
+        before the manager is up again can crash it. One found down (no replica listed, no answer, a 5xx) is then
+        waited for or left out as before its first signal; any other failure is the signal's to report."""
+        down: set[str] = set()
+
+        def ask(c: Any) -> None:
+            try:
+                if not c.status(deadline=time.monotonic() + min(HINT_DEADLINE_S, self.ready_timeout_s)).replicas:
+                    down.add(c.deployment_name)
+            except Exception as exc:  # noqa: BLE001 - see above
+                if manager_may_be_down(exc):
+                    down.add(c.deployment_name)
+
+        self._on_each([c for c in self.clients if c.deployment_name in self._managers_up], ask)
+        with self._state:
+            self._managers_up -= down
+
     def _ask_manager(self, c: Any) -> None:
         st = c.status(deadline=time.monotonic() + min(HINT_DEADLINE_S, self.ready_timeout_s))
         if not st.replicas:
             raise RuntimeError("it reports no replica yet (its hot-load manager is not up)")
-        self._first_seen[c.deployment_name] = st
+        if c.deployment_name not in self._managers_up:  # logged before its next signal
+            self._first_seen[c.deployment_name] = st
 
     def _go_on(self, clients: list[Any], failed: dict[str, Exception], left: dict[str, str], what: str,
                kind: type[RuntimeError]) -> list[Any]:
@@ -437,16 +409,16 @@ class Signaller:
 
     def _lane(self, c: Any) -> None:
         """One catch-up: signal ``c`` the next snapshot of the chain, wait until every replica serves it, repeat
-        until it serves the newest. A failure ends it; the next snapshot starts another where it can. First, a
-        deployment whose hot-load manager had not reported a replica is asked again (one status request: it may
-        have come up since); and a snapshot whose signal it accepted before is not sent again, it is asked
+        until it serves the newest. A failure ends it; the next snapshot starts another where it can. First, it
+        is asked whether its hot-load manager reports a replica (one status request: it may have come up, or gone
+        down, since the publish asked); and a snapshot whose signal it accepted before is not sent again, it is asked
         whether every replica serves it by now (one status request), which a load that outlasted its readiness
         wait ends in."""
         name, t0, loaded, target, handed = c.deployment_name, time.perf_counter(), 0, None, False
         validation = {"extra_fields_ignore": self.extra_fields_ignore} if self.extra_fields_ignore else None
         try:
-            if name not in self._managers_up:
-                self._ask_manager(c)
+            self._ask_manager(c)  # its manager may have gone down since the publish asked
+            with self._state:
                 self._managers_up.add(name)
             while True:
                 with self._state:
