@@ -469,6 +469,29 @@ def test_a_manager_that_goes_down_mid_run_is_asked_before_the_next_signal(tmp_pa
             assert ledger(emu, EU) == ids
 
 
+def test_a_manager_that_goes_down_mid_run_costs_the_others_no_wait(tmp_path: Path) -> None:
+    """deployments_required="any", hints on: pool-eu's manager goes down at step 2. The publish leaves it out at
+    once and pool-us serves step 2. It used to wait for pool-eu's manager for up to ready_timeout_s (300 s at most):
+    the hints had marked both managers up before the first signal, which then never waited for them, and only a
+    publish that has waited once does not wait again."""
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], deployments_required="any",
+                     full_every=10, ready_timeout_s=20.0)
+        with TensorPublisher(model, cfg) as pub:
+            for step in range(3):
+                train_step(model, step)
+                emu.set_manager_up(step < 2, deployment=EU)
+                pub.publish(step, model)
+                pub.wait()
+            m = pub.metrics[-1]
+            assert (m.ok, m.kind, m.deployments_behind) == (True, "delta", [EU]), m
+            assert m.total_s < cfg.ready_timeout_s / 2, m  # not the 20 s wait for pool-eu's manager
+            assert serves(emu, US) == (m.identity, expected_sha(model))
+        assert emu.state()["deployments"][EU]["premature_signals"] == 0
+
+
 def test_a_manager_that_goes_down_during_a_catch_up_is_asked_before_the_next_signal(tmp_path: Path) -> None:
     """pool-eu refuses step 1's signal, so its catch-up signals it; pool-eu's manager goes down while that load
     runs past the readiness wait, which ends on a status with no replica. The full snapshot of step 2 then asks

@@ -1,7 +1,10 @@
 """Hints: tell each deployment that one file of a snapshot is durable, so that its replicas can fetch it early.
 
 Apart from :mod:`.signal` so that the Signaller's module holds the signalling itself; :class:`.signal.Signaller`
-inherits :class:`Hints`, as the two share what is known of each deployment's hot-load manager.
+inherits :class:`Hints`, with its clients. What hints learn of a deployment's hot-load manager is not shared with
+the signal, which reads each deployment's status itself before every snapshot: a first signal that found every
+manager marked up by hints never waited for them, and a manager that went down later then held a publish with
+``deployments_required="any"`` for up to ``MANAGER_WAIT_S``.
 
 Example::
 
@@ -15,7 +18,6 @@ import threading
 import time
 from typing import Any
 
-from ..fireworks_models import manager_may_be_down
 from .signal_limits import HINT_DEADLINE_S
 
 log = logging.getLogger("fsdp_hotload")
@@ -28,8 +30,6 @@ class Hints:
     compression_format: str
     ready_timeout_s: float
     hint_skip: frozenset[str]  # deployments left behind (the last outcome's deployments_behind)
-    _managers_up: set[str]  # deployments that reported a replica (safe to signal)
-    _first_seen: dict[str, Any]  # deployment -> the status that first reported a replica, until logged
     _hints_failed: dict[str, str]  # deployment -> the identity whose hints stopped after a failure
     _hints_asked: dict[str, str]  # deployment -> the identity whose hints its status let go out
     _hint_lock: threading.Lock
@@ -59,8 +59,6 @@ class Hints:
                        deadline=time.monotonic() + min(HINT_DEADLINE_S, self.ready_timeout_s))
             except Exception as exc:  # noqa: BLE001
                 self._hints_failed[c.deployment_name] = identity
-                if manager_may_be_down(exc):  # the snapshot's signal asks for a replica first
-                    self._managers_up.discard(c.deployment_name)
                 log.warning("hotload: hint for %s/%s to %s failed (no more hints for this snapshot): %s",
                             identity, filename, c.deployment_name, exc)
 
@@ -79,13 +77,8 @@ class Hints:
             except Exception as exc:  # noqa: BLE001 - best effort, like the hint itself
                 why = f"its status could not be read: {exc}"
             if not why:
-                if name not in self._managers_up:
-                    self._first_seen[name] = st
-                self._managers_up.add(name)
                 self._hints_asked[name] = identity
                 return True
-            if "no replica" in why:  # the snapshot's signal asks again first
-                self._managers_up.discard(name)
             self._hints_failed[name] = identity
             log.info("hotload: no hints for %s to %s: %s", identity, name, why)
             return False
