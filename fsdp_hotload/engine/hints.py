@@ -34,6 +34,10 @@ class Hints:
     _hints_asked: dict[str, str]  # deployment -> the identity whose hints its status let go out
     _hint_lock: threading.Lock
 
+    def _short_deadline(self) -> float:
+        """The deadline of a hint or a status read (``time.monotonic()``): ``HINT_DEADLINE_S``, retries included."""
+        return time.monotonic() + min(HINT_DEADLINE_S, self.ready_timeout_s)
+
     def hint(self, identity: str, filename: str, previous: str | None) -> None:
         """Best effort: a lost hint only delays the replicas' prefetch, never correctness. So each hint gets at
         most ``HINT_DEADLINE_S`` (retries included), and after one fails, that deployment gets no more hints for
@@ -56,7 +60,7 @@ class Hints:
                 continue
             try:
                 c.hint(identity, filename, previous_identity=previous, compression_format=self.compression_format,
-                       deadline=time.monotonic() + min(HINT_DEADLINE_S, self.ready_timeout_s))
+                       deadline=self._short_deadline())
             except Exception as exc:  # noqa: BLE001
                 self._hints_failed[c.deployment_name] = identity
                 log.warning("hotload: hint for %s/%s to %s failed (no more hints for this snapshot): %s",
@@ -72,7 +76,7 @@ class Hints:
             if self._hints_failed.get(name) == identity:
                 return False
             try:
-                st = c.status(deadline=time.monotonic() + min(HINT_DEADLINE_S, self.ready_timeout_s))
+                st = c.status(deadline=self._short_deadline())
                 why = "" if st.replicas else "it reports no replica yet (its hot-load manager is not up)"
             except Exception as exc:  # noqa: BLE001 - best effort, like the hint itself
                 why = f"its status could not be read: {exc}"

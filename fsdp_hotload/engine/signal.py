@@ -303,7 +303,7 @@ class Signaller(Hints):
 
         def ask(c: Any) -> None:
             try:
-                if not c.status(deadline=time.monotonic() + min(HINT_DEADLINE_S, self.ready_timeout_s)).replicas:
+                if not c.status(deadline=self._short_deadline()).replicas:
                     down.add(c.deployment_name)
             except Exception as exc:  # noqa: BLE001 - see above
                 if manager_may_be_down(exc):
@@ -314,7 +314,7 @@ class Signaller(Hints):
             self._managers_up -= down
 
     def _ask_manager(self, c: Any) -> None:
-        st = c.status(deadline=time.monotonic() + min(HINT_DEADLINE_S, self.ready_timeout_s))
+        st = c.status(deadline=self._short_deadline())
         if not st.replicas:
             raise RuntimeError("it reports no replica yet (its hot-load manager is not up)")
         if c.deployment_name not in self._managers_up:  # logged before its next signal
