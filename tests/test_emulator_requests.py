@@ -169,8 +169,8 @@ def test_a_bucket_that_cannot_be_listed_is_a_503_not_an_emulator_bug(s3_server: 
                               storage_options={**s3_server.storage_options, "endpoint_url": proxy.url}).start()
         try:
             client = HotLoadClient(emu.url, account_id="acct", model_id="m", deployment_id="dep",
-                                   api_key=EMULATOR_API_KEY, poll_interval_s=0.02, retry_budget_s=0.5,
-                                   backoff_initial_s=0.05, backoff_max_s=0.1)
+                                   api_key=EMULATOR_API_KEY, poll_interval_s=0.02, retry_budget_s=3.0,
+                                   backoff_initial_s=0.05, backoff_max_s=0.1)  # 0.5 s: one listing outlasted it
             client.wait_manager(timeout_s=10)
             with pytest.raises(HotLoadError, match="HTTP 503.*cannot list 'step-1'.*Access Denied") as info:
                 client.signal("step-1")
