@@ -34,12 +34,15 @@ class Fleet:
         self.stuck: set[str] = set()  # their replicas never report what they were signalled
         self.expect = len(DEPLOYMENTS)
         self.gets: dict[str, int] = {}  # status requests per deployment
+        self.while_down: list[tuple[str, str]] = []  # (deployment, identity) signalled while it listed no replica
 
     def post(self, deployment: str, identity: str) -> int:
         with self.cond:
             self.in_flight += 1
             self.most_at_once = max(self.most_at_once, self.in_flight)
             self.arrived[identity] = self.arrived.get(identity, 0) + 1
+            if deployment in self.down:
+                self.while_down.append((deployment, identity))
             self.cond.notify_all()
             self.cond.wait_for(lambda: self.arrived[identity] >= self.expect, timeout=3)
             self.in_flight -= 1
@@ -102,6 +105,41 @@ def test_deployments_are_signalled_at_once_and_each_failure_is_named(fleet: tupl
         with pytest.raises(RuntimeError, match="serves 's1', not the delta's parent 's2'"):
             sig.signal_and_wait("s3", "s2")  # d1 and d3 accepted s2 but were not waited for: a full is needed
         assert state.arrived.get("s3") is None, "no deployment is signalled when any chain is broken"
+    finally:
+        sig.close()
+
+
+def test_with_all_a_manager_that_goes_down_while_another_is_waited_for_is_waited_for_too(
+        fleet: tuple[str, Fleet]) -> None:
+    """deployments_required="all" waits for a manager that is down before signalling anyone, which can take
+    minutes; another may go down meanwhile (a rolling restart: d3 comes back as d2 goes). The others are asked
+    again after that wait, and d2 is waited for too: no signal reaches a manager that lists no replica."""
+    url, state = fleet
+    clients = [HotLoadClient(url, account_id="a", model_id="m", deployment_id=d, api_key="k", poll_interval_s=0.02,
+                             retry_budget_s=5) for d in DEPLOYMENTS]
+    sig = Signaller(clients, ready_timeout_s=10)
+
+    def after_gets(deployment: str, more: int) -> None:
+        seen = state.gets.get(deployment, 0)
+        deadline = time.monotonic() + 5
+        while state.gets.get(deployment, 0) < seen + more and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def roll() -> None:
+        after_gets("d3", 3)  # asked before the signal, then waited for
+        state.down = {"d2"}
+        after_gets("d2", 3)  # asked again after d3's wait, then waited for
+        state.down = set()
+
+    try:
+        sig.signal_and_wait("s1", None)
+        state.down = {"d3"}
+        rolling = threading.Thread(target=roll)
+        rolling.start()
+        sig.signal_and_wait("s2", "s1")
+        rolling.join()
+        assert state.while_down == []
+        assert state.serving == {d: "s2" for d in DEPLOYMENTS} and state.arrived == {"s1": 3, "s2": 3}
     finally:
         sig.close()
 

@@ -276,15 +276,25 @@ class Signaller(Hints):
     def _up_managers(self, previous: str | None, left: dict[str, str]) -> list[Any]:
         """The clients whose hot-load manager reported a replica, safe to signal. The first signal waits for
         every manager, at most ``MANAGER_WAIT_S``; with ``require_all`` every later one that finds a manager
-        still down waits again. Without it, a later full snapshot asks such a deployment once and signals it if
+        still down waits again (the same bound in all), then asks the others again: one may have gone down during
+        that wait. Without it, a later full snapshot asks such a deployment once and signals it if
         it is up, and a delta leaves it out (it serves none of this chain): a region that stays down costs the
         others no wait."""
         new = [c for c in self.clients if c.deployment_name not in self._managers_up]
         failed: dict[str, Exception] = {}
         if new and (self.require_all or not self._managers_waited):
-            wait_s = min(MANAGER_WAIT_S, self.ready_timeout_s)
-            failed = self._on_each(new, lambda c: self._first_seen.__setitem__(c.deployment_name,
-                                                                                c.wait_manager(timeout_s=wait_s)))
+            deadline = time.monotonic() + min(MANAGER_WAIT_S, self.ready_timeout_s)
+            while new:
+                failed = self._on_each(new, lambda c: self._first_seen.__setitem__(c.deployment_name, c.wait_manager(
+                    timeout_s=max(0.0, deadline - time.monotonic()))))
+                self._managers_up.update(c.deployment_name for c in new if c.deployment_name not in failed)
+                if failed or not self.require_all:
+                    break
+                # another manager may have gone down while these were waited for (up to minutes): ask the others
+                waited = {c.deployment_name for c in new}
+                self._recheck_managers([c for c in self.clients if c.deployment_name not in waited],
+                                       deadline=min(deadline, self._short_deadline()))
+                new = [c for c in self.clients if c.deployment_name not in self._managers_up]
             self._managers_waited = True
         elif new and previous is None:
             failed = self._on_each(new, self._ask_manager)
@@ -294,7 +304,7 @@ class Signaller(Hints):
         self._managers_up.update(c.deployment_name for c in new if c.deployment_name not in failed)
         return self._go_on(self.clients, failed, left, "not signalled", NotSignalled)
 
-    def _recheck_managers(self) -> None:
+    def _recheck_managers(self, clients: list[Any] | None = None, deadline: float | None = None) -> None:
         """Ask each deployment whose hot-load manager reported a replica whether it still does (one status request
         each, at once), before a snapshot's signal. Why: its container may have restarted since, and a signal sent
         before the manager is up again can crash it. One found down (no replica listed, no answer, a 5xx) is then
@@ -303,13 +313,14 @@ class Signaller(Hints):
 
         def ask(c: Any) -> None:
             try:
-                if not c.status(deadline=self._short_deadline()).replicas:
+                if not c.status(deadline=deadline or self._short_deadline()).replicas:
                     down.add(c.deployment_name)
             except Exception as exc:  # noqa: BLE001 - see above
                 if manager_may_be_down(exc):
                     down.add(c.deployment_name)
 
-        self._on_each([c for c in self.clients if c.deployment_name in self._managers_up], ask)
+        self._on_each([c for c in (self.clients if clients is None else clients)
+                       if c.deployment_name in self._managers_up], ask)
         with self._state:
             self._managers_up -= down
 
