@@ -109,15 +109,17 @@ def test_deployments_are_signalled_at_once_and_each_failure_is_named(fleet: tupl
         sig.close()
 
 
-def test_with_all_a_manager_that_goes_down_while_another_is_waited_for_is_waited_for_too(
-        fleet: tuple[str, Fleet]) -> None:
-    """deployments_required="all" waits for a manager that is down before signalling anyone, which can take
-    minutes; another may go down meanwhile (a rolling restart: d3 comes back as d2 goes). The others are asked
-    again after that wait, and d2 is waited for too: no signal reaches a manager that lists no replica."""
+@pytest.mark.parametrize("required", ["all", "any"])
+def test_a_manager_that_goes_down_while_another_is_waited_for_is_waited_for_too(
+        fleet: tuple[str, Fleet], required: str) -> None:
+    """A manager that is down is waited for before anyone is signalled (with "all" at every snapshot, with "any"
+    at the first), which can take minutes; another may go down meanwhile (a rolling restart: d3 comes back as d2
+    goes). The status is read again after that wait, and d2 is waited for too: no signal reaches a manager that
+    lists no replica."""
     url, state = fleet
     clients = [HotLoadClient(url, account_id="a", model_id="m", deployment_id=d, api_key="k", poll_interval_s=0.02,
                              retry_budget_s=5) for d in DEPLOYMENTS]
-    sig = Signaller(clients, ready_timeout_s=10)
+    sig = Signaller(clients, ready_timeout_s=10, require_all=required == "all")
 
     def after_gets(deployment: str, more: int) -> None:
         seen = state.gets.get(deployment, 0)
@@ -126,20 +128,24 @@ def test_with_all_a_manager_that_goes_down_while_another_is_waited_for_is_waited
             time.sleep(0.005)
 
     def roll() -> None:
-        after_gets("d3", 3)  # asked before the signal, then waited for
+        after_gets("d3", 3)  # asked before the signal (or waited for from the first), then waited for
         state.down = {"d2"}
         after_gets("d2", 3)  # asked again after d3's wait, then waited for
         state.down = set()
 
     try:
-        sig.signal_and_wait("s1", None)
+        previous = None
+        if required == "all":
+            sig.signal_and_wait("s1", None)
+            previous = "s1"
         state.down = {"d3"}
         rolling = threading.Thread(target=roll)
         rolling.start()
-        sig.signal_and_wait("s2", "s1")
+        sig.signal_and_wait("s2", previous)
         rolling.join()
         assert state.while_down == []
-        assert state.serving == {d: "s2" for d in DEPLOYMENTS} and state.arrived == {"s1": 3, "s2": 3}
+        assert state.serving == {d: "s2" for d in DEPLOYMENTS}
+        assert state.arrived == ({"s1": 3} if previous else {}) | {"s2": 3}
     finally:
         sig.close()
 

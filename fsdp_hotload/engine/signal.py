@@ -276,25 +276,34 @@ class Signaller(Hints):
     def _up_managers(self, previous: str | None, left: dict[str, str]) -> list[Any]:
         """The clients whose hot-load manager reported a replica, safe to signal. The first signal waits for
         every manager, at most ``MANAGER_WAIT_S``; with ``require_all`` every later one that finds a manager
-        still down waits again (the same bound in all), then asks the others again: one may have gone down during
-        that wait. Without it, a later full snapshot asks such a deployment once and signals it if
+        still down waits again. A wait is followed by a status read of every deployment not asked during its last
+        poll interval (one may have gone down meanwhile), and one found down is waited for too, within the same
+        bound. Without it, a later full snapshot asks such a deployment once and signals it if
         it is up, and a delta leaves it out (it serves none of this chain): a region that stays down costs the
         others no wait."""
         new = [c for c in self.clients if c.deployment_name not in self._managers_up]
         failed: dict[str, Exception] = {}
         if new and (self.require_all or not self._managers_waited):
-            deadline = time.monotonic() + min(MANAGER_WAIT_S, self.ready_timeout_s)
+            start = time.monotonic()
+            deadline = start + min(MANAGER_WAIT_S, self.ready_timeout_s)
+            asked: dict[str, float] = {}  # deployment -> when its wait found a replica
+
+            def wait(c: Any) -> None:
+                self._first_seen[c.deployment_name] = c.wait_manager(timeout_s=max(0.0, deadline - time.monotonic()))
+                asked[c.deployment_name] = time.monotonic()
+
             while new:
-                failed = self._on_each(new, lambda c: self._first_seen.__setitem__(c.deployment_name, c.wait_manager(
-                    timeout_s=max(0.0, deadline - time.monotonic()))))
+                failed.update(self._on_each(new, wait))
                 self._managers_up.update(c.deployment_name for c in new if c.deployment_name not in failed)
-                if failed or not self.require_all:
+                if failed and self.require_all:
                     break
-                # another manager may have gone down while these were waited for (up to minutes): ask the others
-                waited = {c.deployment_name for c in new}
-                self._recheck_managers([c for c in self.clients if c.deployment_name not in waited],
-                                       deadline=min(deadline, self._short_deadline()))
-                new = [c for c in self.clients if c.deployment_name not in self._managers_up]
+                # one may have gone down while another was waited for (up to minutes): a status older than a poll
+                # interval is read again, and a manager found down is waited for within the same bound
+                ended = time.monotonic()
+                stale = [c for c in self.clients if ended - asked.get(c.deployment_name, start) > c.poll_interval_s]
+                self._recheck_managers(stale, deadline=min(deadline, self._short_deadline()))
+                asked.update((c.deployment_name, ended) for c in stale)
+                new = [c for c in self.clients if c.deployment_name not in self._managers_up | failed.keys()]
             self._managers_waited = True
         elif new and previous is None:
             failed = self._on_each(new, self._ask_manager)
