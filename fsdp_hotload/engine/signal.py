@@ -23,6 +23,7 @@ Example::
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -205,9 +206,9 @@ class Signaller(Hints):
                     self._timed_out.add(name)
                 if name in last and not last[name].replicas:  # its manager went down (a container restarts)
                     self._managers_up.discard(name)
-                if name in last:  # what its replicas serve now, and this snapshot, which a load may still end in
-                    self._signalled[name] = {r.current_snapshot_identity for r in last[name].replicas
-                                             if r.current_snapshot_identity} | {identity}
+                if name in last:  # what its replicas serve or load now, and this snapshot, which a load may end in
+                    self._signalled[name] = {i for r in last[name].replicas for i in (
+                        r.current_snapshot_identity, r.target if r.stage != "error" else None) if i} | {identity}
         self._go_on(clients, failed, left, "it did not serve it", RuntimeError)
         self._left_behind(identity, left)
         if not self.require_all:
@@ -292,18 +293,25 @@ class Signaller(Hints):
                 self._first_seen[c.deployment_name] = c.wait_manager(timeout_s=max(0.0, deadline - time.monotonic()))
                 asked[c.deployment_name] = time.monotonic()
 
-            while new:
+            for rounds in itertools.count(1):
                 failed.update(self._on_each(new, wait))
                 self._managers_up.update(c.deployment_name for c in new if c.deployment_name not in failed)
                 if failed and self.require_all:
                     break
                 # one may have gone down while another was waited for (up to minutes): a status older than a poll
-                # interval is read again, and a manager found down is waited for within the same bound
+                # interval is read again, and a manager found down is waited for within the same bound; a round
+                # per deployment at most (answers that flip between up and down would have it spin)
                 ended = time.monotonic()
                 stale = [c for c in self.clients if ended - asked.get(c.deployment_name, start) > c.poll_interval_s]
-                self._recheck_managers(stale, deadline=min(deadline, self._short_deadline()))
+                self._recheck_managers(stale)
                 asked.update((c.deployment_name, ended) for c in stale)
                 new = [c for c in self.clients if c.deployment_name not in self._managers_up | failed.keys()]
+                if not new:
+                    break
+                if time.monotonic() >= deadline or rounds > len(self.clients):
+                    failed.update((c.deployment_name, RuntimeError(
+                        "its hot-load manager stopped reporting a replica while another was waited for")) for c in new)
+                    break
             self._managers_waited = True
         elif new and previous is None:
             failed = self._on_each(new, self._ask_manager)
@@ -313,7 +321,7 @@ class Signaller(Hints):
         self._managers_up.update(c.deployment_name for c in new if c.deployment_name not in failed)
         return self._go_on(self.clients, failed, left, "not signalled", NotSignalled)
 
-    def _recheck_managers(self, clients: list[Any] | None = None, deadline: float | None = None) -> None:
+    def _recheck_managers(self, clients: list[Any] | None = None) -> None:
         """Ask each deployment whose hot-load manager reported a replica whether it still does (one status request
         each, at once), before a snapshot's signal. Why: its container may have restarted since, and a signal sent
         before the manager is up again can crash it. One found down (no replica listed, no answer, a 5xx) is then
@@ -322,7 +330,7 @@ class Signaller(Hints):
 
         def ask(c: Any) -> None:
             try:
-                if not c.status(deadline=deadline or self._short_deadline()).replicas:
+                if not c.status(deadline=self._short_deadline()).replicas:
                     down.add(c.deployment_name)
             except Exception as exc:  # noqa: BLE001 - see above
                 if manager_may_be_down(exc):

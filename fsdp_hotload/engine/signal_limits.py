@@ -28,9 +28,11 @@ MANAGER_WAIT_S = 300.0
 
 def longest_signal_s(cfg: HotloadConfig) -> float:
     """The longest rank 0 may spend signalling one snapshot: the status request that asks whether the deployment's
-    manager is still up, the wait for it, the signal's retries, then the readiness wait."""
-    return min(HINT_DEADLINE_S, cfg.ready_timeout_s) + min(MANAGER_WAIT_S, cfg.ready_timeout_s) + \
-        min(SIGNAL_RETRY_BUDGET_S, cfg.ready_timeout_s) + cfg.ready_timeout_s
+    manager is still up, the wait for it and the status requests after that wait (another may have gone down
+    meanwhile), the signal's retries, then the readiness wait."""
+    short = min(HINT_DEADLINE_S, cfg.ready_timeout_s)
+    return 2 * short + min(MANAGER_WAIT_S, cfg.ready_timeout_s) + min(SIGNAL_RETRY_BUDGET_S, cfg.ready_timeout_s) + \
+        cfg.ready_timeout_s
 
 
 def warn_at_start(cfg: HotloadConfig, codec: Any = None) -> None:
