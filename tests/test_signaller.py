@@ -36,7 +36,7 @@ class Fleet:
         self.gets: dict[str, int] = {}  # status requests per deployment
         self.while_down: list[tuple[str, str]] = []  # (deployment, identity) signalled while it listed no replica
         self.loading: dict[str, tuple[str, str, str]] = {}  # deployment -> (what its replicas serve, load, stage)
-        self.flip: dict[str, int] = {}  # deployment -> n: its status lists a replica on every n-th request mod 2
+        self.flip: dict[str, int] = {}  # deployment -> parity: its status lists a replica on requests of that parity
 
     def post(self, deployment: str, identity: str) -> int:
         with self.cond:
@@ -52,6 +52,12 @@ class Fleet:
                 return 409
             self.serving[deployment] = identity
             return 200
+
+
+def fleet_clients(url: str, poll_interval_s: float = 0.02) -> list[HotLoadClient]:
+    """One client per deployment of the fleet, polling fast."""
+    return [HotLoadClient(url, account_id="a", model_id="m", deployment_id=d, api_key="k",
+                          poll_interval_s=poll_interval_s, retry_budget_s=5) for d in DEPLOYMENTS]
 
 
 @pytest.fixture
@@ -97,8 +103,7 @@ def test_deployments_are_signalled_at_once_and_each_failure_is_named(fleet: tupl
     """One deployment after another, N stalled signals take N retry budgets, which can outlast the side group's
     timeout the other ranks wait under; at once they take one."""
     url, state = fleet
-    clients = [HotLoadClient(url, account_id="a", model_id="m", deployment_id=d, api_key="k", poll_interval_s=0.02,
-                             retry_budget_s=5) for d in DEPLOYMENTS]
+    clients = fleet_clients(url)
     sig = Signaller(clients, ready_timeout_s=10)
     try:
         t0 = time.monotonic()
@@ -123,8 +128,7 @@ def test_a_snapshot_replicas_still_load_when_a_wait_ends_is_kept_for_them(fleet:
     :meth:`Signaller.may_serve`, which retention spares, must hold s2: it used to hold what they served and s3
     only, and ``keep_last=1`` deleted s2 under the download (the replicas' load of it failed)."""
     url, state = fleet
-    clients = [HotLoadClient(url, account_id="a", model_id="m", deployment_id=d, api_key="k", poll_interval_s=0.02,
-                             retry_budget_s=5) for d in DEPLOYMENTS]
+    clients = fleet_clients(url)
     sig = Signaller(clients, ready_timeout_s=0.3)
     try:
         sig.signal_and_wait("s1", None)
@@ -149,8 +153,7 @@ def test_a_manager_whose_status_flips_between_up_and_down_fails_the_wait_in_a_fe
     on when each is asked, so the wait may also end early: what is bounded is the number of requests, each wait
     reading at most 2 statuses and each re-read 1."""
     url, state = fleet
-    clients = [HotLoadClient(url, account_id="a", model_id="m", deployment_id=d, api_key="k", poll_interval_s=1e-4,
-                             retry_budget_s=5) for d in DEPLOYMENTS]
+    clients = fleet_clients(url, poll_interval_s=1e-4)
     sig = Signaller(clients, ready_timeout_s=10)
     state.flip = {"d1": 1, "d2": 0}  # out of step: each is found down while the other is waited for
     try:
@@ -174,8 +177,7 @@ def test_a_manager_that_goes_down_while_another_is_waited_for_is_waited_for_too(
     goes). The status is read again after that wait, and d2 is waited for too: no signal reaches a manager that
     lists no replica."""
     url, state = fleet
-    clients = [HotLoadClient(url, account_id="a", model_id="m", deployment_id=d, api_key="k", poll_interval_s=0.02,
-                             retry_budget_s=5) for d in DEPLOYMENTS]
+    clients = fleet_clients(url)
     sig = Signaller(clients, ready_timeout_s=10, require_all=required == "all")
 
     def after_gets(deployment: str, more: int) -> None:
@@ -216,8 +218,7 @@ def test_with_any_a_deployment_whose_manager_is_down_costs_the_others_one_wait(
     newest snapshot: the next delta is signalled to it too."""
     url, state = fleet
     state.down, state.expect = {"d3"}, 2
-    clients = [HotLoadClient(url, account_id="a", model_id="m", deployment_id=d, api_key="k", poll_interval_s=0.02,
-                             retry_budget_s=5) for d in DEPLOYMENTS]
+    clients = fleet_clients(url)
     d3 = "accounts/a/deployments/d3"
     strict = Signaller(clients, ready_timeout_s=0.5)
     with pytest.raises(NotSignalled, match="d3.*no replica"):
@@ -225,8 +226,7 @@ def test_with_any_a_deployment_whose_manager_is_down_costs_the_others_one_wait(
     assert state.arrived == {}  # nobody was signalled
     strict.close()
 
-    clients = [HotLoadClient(url, account_id="a", model_id="m", deployment_id=d, api_key="k", poll_interval_s=0.02,
-                             retry_budget_s=5) for d in DEPLOYMENTS]
+    clients = fleet_clients(url)
     sig = Signaller(clients, ready_timeout_s=1.0, require_all=False)
 
     def timed(identity: str, previous: str | None) -> float:
@@ -260,8 +260,7 @@ def test_with_any_a_deployment_whose_manager_is_down_costs_the_others_one_wait(
 def test_with_any_a_refused_deployment_is_left_out_of_the_deltas_until_the_next_full(
         fleet: tuple[str, Fleet]) -> None:
     url, state = fleet
-    clients = [HotLoadClient(url, account_id="a", model_id="m", deployment_id=d, api_key="k", poll_interval_s=0.02,
-                             retry_budget_s=5) for d in DEPLOYMENTS]
+    clients = fleet_clients(url)
     sig = Signaller(clients, ready_timeout_s=10, require_all=False)
     d2 = "accounts/a/deployments/d2"
     try:
@@ -289,8 +288,7 @@ def test_with_any_a_wait_cancelled_by_close_fails_the_snapshot(fleet: tuple[str,
     deployments, with d2 merely left behind."""
     url, state = fleet
     state.stuck = {"d2"}
-    clients = [HotLoadClient(url, account_id="a", model_id="m", deployment_id=d, api_key="k", poll_interval_s=0.02,
-                             retry_budget_s=5) for d in DEPLOYMENTS]
+    clients = fleet_clients(url)
     sig = Signaller(clients, ready_timeout_s=10, require_all=False)
     timer = threading.Timer(0.5, sig.cancel)
     timer.start()
