@@ -37,6 +37,7 @@ class Fleet:
         self.while_down: list[tuple[str, str]] = []  # (deployment, identity) signalled while it listed no replica
         self.loading: dict[str, tuple[str, str, str]] = {}  # deployment -> (what its replicas serve, load, stage)
         self.flip: dict[str, int] = {}  # deployment -> parity: its status lists a replica on requests of that parity
+        self.reject: set[str] = set()  # each answered HTTP 400 once (refused: never taken)
 
     def post(self, deployment: str, identity: str) -> int:
         with self.cond:
@@ -48,6 +49,9 @@ class Fleet:
             self.cond.notify_all()
             self.cond.wait_for(lambda: self.arrived[identity] >= self.expect, timeout=3)
             self.in_flight -= 1
+            if deployment in self.reject:
+                self.reject.discard(deployment)
+                return 400
             if deployment in self.refuse:
                 return 409
             self.serving[deployment] = identity
@@ -257,6 +261,44 @@ def test_with_any_a_deployment_whose_manager_is_down_costs_the_others_one_wait(
         sig.close()
 
 
+def test_with_any_a_catch_up_that_found_its_manager_down_is_asked_again_before_a_snapshot_joins_it(
+        fleet: tuple[str, Fleet]) -> None:
+    """With "any", a full snapshot signals a deployment that is catching up once its catch-up's load ends. Its
+    manager may have gone down during that load (its last status listed no replica: the container restarts), and
+    the signal went to it all the same. It is asked again first and left out; here nobody else is up, so nothing
+    is sent and the snapshot fails as not signalled (retention may delete it at once)."""
+    url, state = fleet
+    sig = Signaller(fleet_clients(url), ready_timeout_s=2.0, require_all=False)
+    d3_gets = 0
+
+    def d2_goes_down() -> None:  # after s3 read d3's status twice (before its signal, then asked whether it is up)
+        deadline = time.monotonic() + 5
+        while state.gets["d3"] < d3_gets + 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        state.down.add("d2")
+
+    try:
+        sig.signal_and_wait("s1", None)
+        state.reject, state.stuck = {"d2"}, {"d2"}  # d2 refuses s2; then its catch-up's load of s2 hangs
+        sig.signal_and_wait("s2", "s1")
+        deadline = time.monotonic() + 5
+        while state.arrived["s2"] < 4 and time.monotonic() < deadline:  # the catch-up's signal
+            time.sleep(0.005)
+        assert state.arrived["s2"] == 4 and list(sig.behind) == ["accounts/a/deployments/d2"]
+        state.down, d3_gets = {"d1", "d3"}, state.gets["d3"]  # s3 leaves them out, and joins d2's catch-up
+        going = threading.Thread(target=d2_goes_down)
+        going.start()
+        with pytest.raises(NotSignalled, match=r"^accounts/a/deployments/d2: its hot-load manager went down"):
+            sig.signal_and_wait("s3", None)
+        going.join()
+        assert state.while_down == [] and "s3" not in state.arrived
+        state.down, state.stuck, state.expect = set(), set(), 2
+        sig.signal_and_wait("s4", None)  # d2's last load timed out: its catch-up signals it, after the publish
+        assert sig.drain(10) and state.serving == {d: "s4" for d in DEPLOYMENTS} and state.while_down == []
+    finally:
+        sig.close()
+
+
 def test_with_any_a_refused_deployment_is_left_out_of_the_deltas_until_the_next_full(
         fleet: tuple[str, Fleet]) -> None:
     url, state = fleet
@@ -313,6 +355,7 @@ def test_a_side_group_timeout_shorter_than_signalling_is_warned_about(caplog: py
         assert caplog.records == []
         short = HotloadConfig(**base, collective_timeout_s=1220)
         assert longest_signal_s(short) == 1220
+        assert longest_signal_s(HotloadConfig(**base, deployments_required="any")) == 1545  # a catch-up's load
         warn_at_start(short)
     assert "collective_timeout_s (1220 s) is not longer than signalling may take (1220 s" in caplog.text
 

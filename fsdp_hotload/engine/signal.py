@@ -33,7 +33,8 @@ from ..config import HotloadConfig
 from ..fireworks_models import HotLoadCancelled, HotLoadTimeout, holds_it, manager_may_be_down, never_taken
 from .hints import Hints
 from .pool import DaemonPool
-from .signal_limits import HINT_DEADLINE_S, MANAGER_WAIT_S, SIGNAL_RETRY_BUDGET_S, longest_signal_s, warn_at_start
+from .signal_limits import (HINT_DEADLINE_S, JOIN_SLACK_S, MANAGER_WAIT_S, SIGNAL_RETRY_BUDGET_S,
+                            longest_signal_s, say_what_is_served, warn_at_start)
 
 __all__ = ["HINT_DEADLINE_S", "MANAGER_WAIT_S", "SIGNAL_RETRY_BUDGET_S", "NotSignalled", "Signaller",
            "longest_signal_s", "warn_at_start"]
@@ -160,7 +161,7 @@ class Signaller(Hints):
             raise NotSignalled("; ".join(f"{name}: {why}" for name, why in left.items()))
         for name in [c.deployment_name for c in clients]:  # once, by the rank that signals (or a catch-up)
             if (first := self._first_seen.pop(name, None)) is not None:
-                _say_what_is_served(name, first, identity)
+                say_what_is_served(name, first, identity)
         if previous is not None:  # every chain is checked before any deployment is signalled
             for c in list(clients):  # those joining from a catch-up are checked once it ends (_joined)
                 if c.deployment_name not in joining and self.served[c.deployment_name] != previous:
@@ -180,11 +181,11 @@ class Signaller(Hints):
             for c in clients:  # it may load these; those that accepted it are never signalled it again
                 if c.deployment_name in failed and manager_may_be_down(failed[c.deployment_name]):
                     self._managers_up.discard(c.deployment_name)
-                if c.deployment_name not in failed or not never_taken(failed[c.deployment_name]):
+                if c.deployment_name not in failed or not _unsent(failed[c.deployment_name]):
                     self._signalled.setdefault(c.deployment_name, set()).add(identity)
                 if not self.require_all and (c.deployment_name not in failed or holds_it(failed[c.deployment_name])):
                     self._taken.setdefault(c.deployment_name, set()).add(identity)
-        taken = len(failed) < len(clients) or not all(map(never_taken, failed.values()))
+        taken = len(failed) < len(clients) or not all(map(_unsent, failed.values()))
         clients = self._go_on(clients, failed, left, "its signal failed", RuntimeError if taken else NotSignalled)
         t0 = time.perf_counter()
         last: dict[str, Any] = {}  # deployment -> its last status polled
@@ -258,20 +259,27 @@ class Signaller(Hints):
     def _joined(self, c: Any, previous: str | None, joining: set[str], others: bool) -> bool:
         """For a deployment catching up (``joining``): wait for its catch-up to end (its load in flight, at most
         about ``ready_timeout_s``), and fail its signal of a delta if it does not serve the delta's parent then,
-        or, where ``others`` are signalled, if that load timed out (a second wait would double the cost)."""
+        or, where ``others`` are signalled, if that load timed out (a second wait would double the cost). One whose
+        catch-up found its manager down (no replica listed, a 5xx) is asked again first. Each failure here sends
+        nothing (:class:`NotSignalled`)."""
         name = c.deployment_name
         if name not in joining:
             return True
         with self._state:
             if not self._lanes_done.wait_for(lambda: name not in self._lanes,
-                                             self.ready_timeout_s + HINT_DEADLINE_S + 5.0):
-                raise RuntimeError("its catch-up did not end in time")
+                                             self.ready_timeout_s + HINT_DEADLINE_S + JOIN_SLACK_S):
+                raise NotSignalled("its catch-up did not end in time")
             if previous is not None and self.served[name] != previous:
-                raise RuntimeError(f"its catch-up ended before {previous!r}, the delta's parent "
+                raise NotSignalled(f"its catch-up ended before {previous!r}, the delta's parent "
                                    f"(it serves {self.served[name]!r})")
             if name in self._timed_out and self._spare and others:  # its catch-up takes it from here
                 self._spared = True
-                raise RuntimeError(HUNG)
+                raise NotSignalled(HUNG)
+            up = name in self._managers_up
+        if not up and not c.status(deadline=self._short_deadline()).replicas:
+            raise NotSignalled("its hot-load manager went down during its catch-up (it reports no replica)")
+        with self._state:
+            self._managers_up.add(name)
         return True
 
     def _up_managers(self, previous: str | None, left: dict[str, str]) -> list[Any]:
@@ -511,7 +519,7 @@ class Signaller(Hints):
         and whether it accepted it (never to be sent again)."""
         first = self._first_seen.pop(c.deployment_name, None)
         if first is not None:  # its manager came up since the first snapshot
-            _say_what_is_served(c.deployment_name, first, target)
+            say_what_is_served(c.deployment_name, first, target)
         try:
             c.signal(target, previous_identity=previous, reset_prompt_cache=self.reset_prompt_cache,
                      compression_format=self.compression_format, validation=validation,
@@ -581,18 +589,10 @@ class Signaller(Hints):
                                                     for name, ident in behind.items()))
 
 
-def _say_what_is_served(deployment: str, st: Any, identity: str) -> None:
-    """Before the first signal to a deployment, what it serves (once per publisher). Why: a restarted trainer's
-    first snapshot replaces what an earlier run left there, and a deployment that serves another run's snapshot
-    is also how two trainers on one deployment show."""
-    from ..markers import session_of
-
-    served = sorted({r.current_snapshot_identity for r in st.replicas if r.current_snapshot_identity})
-    others = [s for s in served if session_of(s) != session_of(identity)]
-    now = f"serving {', '.join(served)}{' (another run)' if others else ''}" if served else "serving no snapshot yet"
-    log.info("hotload: deployment %s is up (%d replica(s)), %s; signalling %s", deployment, len(st.replicas), now,
-             identity)
-
-
 HUNG = "its last load timed out: its catch-up signals it, on a thread of its own"
 
+
+def _unsent(exc: BaseException) -> bool:
+    """Whether a deployment's failed signal reached no replica: never sent (:class:`NotSignalled`, from
+    ``_joined``), or refused as :func:`never_taken` says; the snapshot is then no deployment's to load."""
+    return isinstance(exc, NotSignalled) or never_taken(exc)

@@ -1,4 +1,5 @@
-"""How long signalling may take, and the settings that cost publishes, said once at start.
+"""How long signalling may take, and the settings that cost publishes, said once at start; what a deployment
+serves, said before its first signal.
 
 Apart from :mod:`.signal` so that the Signaller's module holds the signalling itself.
 
@@ -26,13 +27,20 @@ SIGNAL_RETRY_BUDGET_S = 300.0
 MANAGER_WAIT_S = 300.0
 
 
+#: Beyond its load's readiness wait and a signal's retries, how long a snapshot waits for a catch-up to end.
+JOIN_SLACK_S = 5.0
+
+
 def longest_signal_s(cfg: HotloadConfig) -> float:
     """The longest rank 0 may spend signalling one snapshot: the status request that asks whether the deployment's
     manager is still up, the wait for it and the status requests after that wait (another may have gone down
-    meanwhile), the signal's retries, then the readiness wait."""
-    short = min(HINT_DEADLINE_S, cfg.ready_timeout_s)
-    return 2 * short + min(MANAGER_WAIT_S, cfg.ready_timeout_s) + min(SIGNAL_RETRY_BUDGET_S, cfg.ready_timeout_s) + \
-        cfg.ready_timeout_s
+    meanwhile), the signal's retries, then the readiness wait. With ``deployments_required="any"`` the wait may
+    instead be for a catch-up's load to end, and a status request after it, where that is longer."""
+    short, rt = min(HINT_DEADLINE_S, cfg.ready_timeout_s), cfg.ready_timeout_s
+    wait = min(MANAGER_WAIT_S, rt)
+    if cfg.deployments_required == "any":
+        wait = max(wait, rt + HINT_DEADLINE_S + JOIN_SLACK_S + short)
+    return 2 * short + wait + min(SIGNAL_RETRY_BUDGET_S, rt) + rt
 
 
 def warn_at_start(cfg: HotloadConfig, codec: Any = None) -> None:
@@ -63,7 +71,21 @@ def warn_at_start(cfg: HotloadConfig, codec: Any = None) -> None:
                     "service that refuses it answers every delta with HTTP 400, and each next publish is full. Use "
                     "codec='arc_v2' unless this service runs hotload's decoder", cfg.codec)
     if cfg.side_group_timeout_s <= longest_signal_s(cfg):
-        log.warning("hotload: collective_timeout_s (%g s) is not longer than signalling may take (%g s: up to %g s "
-                    "for the deployment's hot-load manager and for the signal's retries, then ready_timeout_s): "
-                    "a load that slow makes the other ranks give up, and publishing stops for the rest of the job",
-                    cfg.side_group_timeout_s, longest_signal_s(cfg), min(MANAGER_WAIT_S, cfg.ready_timeout_s))
+        log.warning("hotload: collective_timeout_s (%g s) is not longer than signalling may take (%g s: a wait for "
+                    "the deployment's hot-load manager%s, the signal's retries, then ready_timeout_s): a load that "
+                    "slow makes the other ranks give up, and publishing stops for the rest of the job",
+                    cfg.side_group_timeout_s, longest_signal_s(cfg),
+                    " or for its catch-up's load" if cfg.deployments_required == "any" else "")
+
+
+def say_what_is_served(deployment: str, st: Any, identity: str) -> None:
+    """Before the first signal to a deployment, what it serves (once per publisher). Why: a restarted trainer's
+    first snapshot replaces what an earlier run left there, and a deployment that serves another run's snapshot
+    is also how two trainers on one deployment show."""
+    from ..markers import session_of
+
+    served = sorted({r.current_snapshot_identity for r in st.replicas if r.current_snapshot_identity})
+    others = [s for s in served if session_of(s) != session_of(identity)]
+    now = f"serving {', '.join(served)}{' (another run)' if others else ''}" if served else "serving no snapshot yet"
+    log.info("hotload: deployment %s is up (%d replica(s)), %s; signalling %s", deployment, len(st.replicas), now,
+             identity)
