@@ -34,21 +34,24 @@ class Fleet:
         self.stuck: set[str] = set()  # their replicas never report what they were signalled
         self.expect = len(DEPLOYMENTS)
         self.gets: dict[str, int] = {}  # status requests per deployment
-        self.while_down: list[tuple[str, str]] = []  # (deployment, identity) signalled while it listed no replica
+        self.while_down: list[tuple[str, str]] = []  # (deployment, identity) signalled while down or failing
         self.loading: dict[str, tuple[str, str, str]] = {}  # deployment -> (what its replicas serve, load, stage)
         self.flip: dict[str, int] = {}  # deployment -> parity: its status lists a replica on requests of that parity
         self.reject: set[str] = set()  # each answered HTTP 400 once (refused: never taken)
+        self.failing: set[str] = set()  # every request answered HTTP 503 (a gateway before a restarting container)
 
     def post(self, deployment: str, identity: str) -> int:
         with self.cond:
             self.in_flight += 1
             self.most_at_once = max(self.most_at_once, self.in_flight)
             self.arrived[identity] = self.arrived.get(identity, 0) + 1
-            if deployment in self.down:
+            if deployment in self.down or deployment in self.failing:
                 self.while_down.append((deployment, identity))
             self.cond.notify_all()
             self.cond.wait_for(lambda: self.arrived[identity] >= self.expect, timeout=3)
             self.in_flight -= 1
+            if deployment in self.failing:
+                return 503
             if deployment in self.reject:
                 self.reject.discard(deployment)
                 return 400
@@ -85,6 +88,8 @@ def fleet() -> Iterator[tuple[str, Fleet]]:
         def do_GET(self) -> None:  # noqa: N802
             deployment = self.headers["fireworks-deployment"].rsplit("/", 1)[-1]
             state.gets[deployment] = state.gets.get(deployment, 0) + 1
+            if deployment in state.failing:
+                return self._reply(503, {"error": {"message": "restarting"}})
             if deployment in state.flip:
                 up = state.gets[deployment] % 2 == state.flip[deployment]
                 (state.down.discard if up else state.down.add)(deployment)
@@ -261,12 +266,13 @@ def test_with_any_a_deployment_whose_manager_is_down_costs_the_others_one_wait(
         sig.close()
 
 
+@pytest.mark.parametrize("down", ["no replica", "503"])
 def test_with_any_a_catch_up_that_found_its_manager_down_is_asked_again_before_a_snapshot_joins_it(
-        fleet: tuple[str, Fleet]) -> None:
+        fleet: tuple[str, Fleet], down: str) -> None:
     """With "any", a full snapshot signals a deployment that is catching up once its catch-up's load ends. Its
-    manager may have gone down during that load (its last status listed no replica: the container restarts), and
-    the signal went to it all the same. It is asked again first and left out; here nobody else is up, so nothing
-    is sent and the snapshot fails as not signalled (retention may delete it at once)."""
+    manager may have gone down during that load (the container restarts: its status lists no replica, or a gateway
+    answers 503), and the signal went to it all the same. It is asked again first and left out; here nobody else is
+    up, so nothing is sent and the snapshot fails as not signalled (retention may delete it at once)."""
     url, state = fleet
     sig = Signaller(fleet_clients(url), ready_timeout_s=2.0, require_all=False)
     d3_gets = 0
@@ -275,7 +281,7 @@ def test_with_any_a_catch_up_that_found_its_manager_down_is_asked_again_before_a
         deadline = time.monotonic() + 5
         while state.gets["d3"] < d3_gets + 2 and time.monotonic() < deadline:
             time.sleep(0.005)
-        state.down.add("d2")
+        (state.down if down == "no replica" else state.failing).add("d2")
 
     try:
         sig.signal_and_wait("s1", None)
@@ -288,11 +294,11 @@ def test_with_any_a_catch_up_that_found_its_manager_down_is_asked_again_before_a
         state.down, d3_gets = {"d1", "d3"}, state.gets["d3"]  # s3 leaves them out, and joins d2's catch-up
         going = threading.Thread(target=d2_goes_down)
         going.start()
-        with pytest.raises(NotSignalled, match=r"^accounts/a/deployments/d2: its hot-load manager went down"):
+        with pytest.raises(NotSignalled, match=r"^accounts/a/deployments/d2: its (hot-load manager went down|status)"):
             sig.signal_and_wait("s3", None)
         going.join()
-        assert state.while_down == [] and "s3" not in state.arrived
-        state.down, state.stuck, state.expect = set(), set(), 2
+        assert state.while_down == [] and "s3" not in state.arrived and "s3" not in sig.may_serve()
+        state.down, state.failing, state.stuck, state.expect = set(), set(), set(), 2
         sig.signal_and_wait("s4", None)  # d2's last load timed out: its catch-up signals it, after the publish
         assert sig.drain(10) and state.serving == {d: "s4" for d in DEPLOYMENTS} and state.while_down == []
     finally:

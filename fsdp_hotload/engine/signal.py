@@ -34,7 +34,7 @@ from ..fireworks_models import HotLoadCancelled, HotLoadTimeout, holds_it, manag
 from .hints import Hints
 from .pool import DaemonPool
 from .signal_limits import (HINT_DEADLINE_S, JOIN_SLACK_S, MANAGER_WAIT_S, SIGNAL_RETRY_BUDGET_S,
-                            longest_signal_s, say_what_is_served, warn_at_start)
+                            longest_signal_s, say_left_behind, say_what_is_served, warn_at_start)
 
 __all__ = ["HINT_DEADLINE_S", "MANAGER_WAIT_S", "SIGNAL_RETRY_BUDGET_S", "NotSignalled", "Signaller",
            "longest_signal_s", "warn_at_start"]
@@ -260,8 +260,8 @@ class Signaller(Hints):
         """For a deployment catching up (``joining``): wait for its catch-up to end (its load in flight, at most
         about ``ready_timeout_s``), and fail its signal of a delta if it does not serve the delta's parent then,
         or, where ``others`` are signalled, if that load timed out (a second wait would double the cost). One whose
-        catch-up found its manager down (no replica listed, a 5xx) is asked again first. Each failure here sends
-        nothing (:class:`NotSignalled`)."""
+        catch-up found its manager down (no replica listed, a 5xx to its signal) or timed out (its polls may have
+        failed) is asked again first. Each failure here sends nothing (:class:`NotSignalled`)."""
         name = c.deployment_name
         if name not in joining:
             return True
@@ -275,11 +275,21 @@ class Signaller(Hints):
             if name in self._timed_out and self._spare and others:  # its catch-up takes it from here
                 self._spared = True
                 raise NotSignalled(HUNG)
-            up = name in self._managers_up
-        if not up and not c.status(deadline=self._short_deadline()).replicas:
-            raise NotSignalled("its hot-load manager went down during its catch-up (it reports no replica)")
-        with self._state:
-            self._managers_up.add(name)
+            up = name in self._managers_up and name not in self._timed_out
+        if not up:
+            try:
+                listed = c.status(deadline=self._short_deadline()).replicas
+            except HotLoadCancelled:
+                raise
+            except Exception as exc:  # noqa: BLE001 - no signal was sent: never_taken must not decide (retention)
+                if manager_may_be_down(exc):
+                    with self._state:
+                        self._managers_up.discard(name)
+                raise NotSignalled(f"its status after its catch-up failed: {exc}") from exc
+            if not listed:
+                raise NotSignalled("its hot-load manager went down during its catch-up (it reports no replica)")
+            with self._state:
+                self._managers_up.add(name)
         return True
 
     def _up_managers(self, previous: str | None, left: dict[str, str]) -> list[Any]:
@@ -583,10 +593,7 @@ class Signaller(Hints):
         with self._state:
             newest = self._chain[-1] if self._chain and not self.require_all else None
             behind = {name: ident for name, ident in self.served.items() if newest is not None and ident != newest}
-        if behind:
-            log.warning("hotload: closing with deployment(s) left behind, which do not serve the newest snapshot "
-                        "%s: %s", newest, ", ".join(f"{name} serves {ident or 'none of this run'}"
-                                                    for name, ident in behind.items()))
+        say_left_behind(newest, behind)
 
 
 HUNG = "its last load timed out: its catch-up signals it, on a thread of its own"

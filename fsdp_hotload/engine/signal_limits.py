@@ -1,5 +1,5 @@
 """How long signalling may take, and the settings that cost publishes, said once at start; what a deployment
-serves, said before its first signal.
+serves, said before its first signal, and at close those left behind.
 
 Apart from :mod:`.signal` so that the Signaller's module holds the signalling itself.
 
@@ -89,3 +89,11 @@ def say_what_is_served(deployment: str, st: Any, identity: str) -> None:
     now = f"serving {', '.join(served)}{' (another run)' if others else ''}" if served else "serving no snapshot yet"
     log.info("hotload: deployment %s is up (%d replica(s)), %s; signalling %s", deployment, len(st.replicas), now,
              identity)
+
+
+def say_left_behind(newest: str | None, behind: dict[str, str | None]) -> None:
+    """At close, each deployment that does not serve the newest snapshot (-> what it serves), where the job's end
+    is seen last."""
+    if behind:
+        log.warning("hotload: closing with deployment(s) left behind, which do not serve the newest snapshot %s: %s",
+                    newest, ", ".join(f"{name} serves {ident or 'none of this run'}" for name, ident in behind.items()))
