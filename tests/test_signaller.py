@@ -361,7 +361,7 @@ def test_a_side_group_timeout_shorter_than_signalling_is_warned_about(caplog: py
         assert caplog.records == []
         short = HotloadConfig(**base, collective_timeout_s=1220)
         assert longest_signal_s(short) == 1220
-        assert longest_signal_s(HotloadConfig(**base, deployments_required="any")) == 1545  # a catch-up's load
+        assert longest_signal_s(HotloadConfig(**base, deployments_required="any")) == 1555  # a catch-up's load
         warn_at_start(short)
     assert "collective_timeout_s (1220 s) is not longer than signalling may take (1220 s" in caplog.text
 

@@ -33,8 +33,8 @@ from ..config import HotloadConfig
 from ..fireworks_models import HotLoadCancelled, HotLoadTimeout, holds_it, manager_may_be_down, never_taken
 from .hints import Hints
 from .pool import DaemonPool
-from .signal_limits import (HINT_DEADLINE_S, JOIN_SLACK_S, MANAGER_WAIT_S, SIGNAL_RETRY_BUDGET_S,
-                            longest_signal_s, say_left_behind, say_what_is_served, warn_at_start)
+from .signal_limits import (HINT_DEADLINE_S, MANAGER_WAIT_S, SIGNAL_RETRY_BUDGET_S, join_wait_s, longest_signal_s,
+                            say_left_behind, say_what_is_served, warn_at_start)
 
 __all__ = ["HINT_DEADLINE_S", "MANAGER_WAIT_S", "SIGNAL_RETRY_BUDGET_S", "NotSignalled", "Signaller",
            "longest_signal_s", "warn_at_start"]
@@ -267,7 +267,7 @@ class Signaller(Hints):
             return True
         with self._state:
             if not self._lanes_done.wait_for(lambda: name not in self._lanes,
-                                             self.ready_timeout_s + HINT_DEADLINE_S + JOIN_SLACK_S):
+                                             join_wait_s(self.ready_timeout_s)):
                 raise NotSignalled("its catch-up did not end in time")
             if previous is not None and self.served[name] != previous:
                 raise NotSignalled(f"its catch-up ended before {previous!r}, the delta's parent "

@@ -27,8 +27,14 @@ SIGNAL_RETRY_BUDGET_S = 300.0
 MANAGER_WAIT_S = 300.0
 
 
-#: Beyond its load's readiness wait and a signal's retries, how long a snapshot waits for a catch-up to end.
+#: Beyond what its load may take, how long a snapshot waits for a catch-up to end (:func:`join_wait_s`).
 JOIN_SLACK_S = 5.0
+
+
+def join_wait_s(ready_timeout_s: float) -> float:
+    """How long a snapshot waits for a catch-up's load in flight to end: the catch-up's status request and its
+    signal (``HINT_DEADLINE_S`` each at most), the readiness wait, and some slack."""
+    return ready_timeout_s + 2 * HINT_DEADLINE_S + JOIN_SLACK_S
 
 
 def longest_signal_s(cfg: HotloadConfig) -> float:
@@ -39,7 +45,7 @@ def longest_signal_s(cfg: HotloadConfig) -> float:
     short, rt = min(HINT_DEADLINE_S, cfg.ready_timeout_s), cfg.ready_timeout_s
     wait = min(MANAGER_WAIT_S, rt)
     if cfg.deployments_required == "any":
-        wait = max(wait, rt + HINT_DEADLINE_S + JOIN_SLACK_S + short)
+        wait = max(wait, join_wait_s(rt) + short)
     return 2 * short + wait + min(SIGNAL_RETRY_BUDGET_S, rt) + rt
 
 
