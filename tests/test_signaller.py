@@ -5,7 +5,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
@@ -39,6 +39,7 @@ class Fleet:
         self.flip: dict[str, int] = {}  # deployment -> parity: its status lists a replica on requests of that parity
         self.reject: set[str] = set()  # each answered HTTP 400 once (refused: never taken)
         self.failing: set[str] = set()  # every request answered HTTP 503 (a gateway before a restarting container)
+        self.on_get: Callable[[str, bool], None] | None = None  # (deployment, up): after the answer is decided
 
     def post(self, deployment: str, identity: str) -> int:
         with self.cond:
@@ -93,12 +94,15 @@ def fleet() -> Iterator[tuple[str, Fleet]]:
             if deployment in state.flip:
                 up = state.gets[deployment] % 2 == state.flip[deployment]
                 (state.down.discard if up else state.down.add)(deployment)
+            up = deployment not in state.down
+            if state.on_get is not None:
+                state.on_get(deployment, up)
             current = None if deployment in state.stuck else state.serving.get(deployment)
             loading = {"stage": "done"}
             if deployment in state.loading:
                 current, target, stage = state.loading[deployment]
                 loading = {"stage": stage, "target_snapshot_identity": target}
-            self._reply(200, {"replicas": [] if deployment in state.down else [
+            self._reply(200, {"replicas": [] if not up else [
                 {"current_snapshot_identity": current, "readiness": True, "loading_state": loading}]})
 
         def log_message(self, *args: Any) -> None:
@@ -302,6 +306,49 @@ def test_with_any_a_catch_up_that_found_its_manager_down_is_asked_again_before_a
         sig.signal_and_wait("s4", None)  # d2's last load timed out: its catch-up signals it, after the publish
         assert sig.drain(10) and state.serving == {d: "s4" for d in DEPLOYMENTS} and state.while_down == []
     finally:
+        sig.close()
+
+
+def test_with_any_a_catch_ups_late_answer_up_does_not_undo_a_newer_down(fleet: tuple[str, Fleet]) -> None:
+    """A catch-up first asks whether its deployment's manager is up. Where that answer ("up") arrives after the next
+    publish read the manager down (its container restarted in between), the older answer must not count: the
+    catch-up signalled the snapshot to a manager that lists no replica (a signal then can crash it)."""
+    url, state = fleet
+    sig = Signaller(fleet_clients(url), ready_timeout_s=2.0, require_all=False)
+    armed, held, release = threading.Event(), threading.Event(), threading.Event()
+
+    def on_get(deployment: str, up: bool) -> None:  # d2's catch-up is told "up"; its container restarts meanwhile
+        if deployment == "d2" and up and armed.is_set():
+            armed.clear()
+            state.down.add("d2")
+            held.set()
+            release.wait(10)
+
+    post = state.post
+
+    def post_arming(deployment: str, identity: str) -> int:  # d2's next status request is its catch-up's
+        status = post(deployment, identity)
+        if (deployment, identity) == ("d2", "s2"):
+            armed.set()
+        return status
+
+    state.on_get, state.post = on_get, post_arming  # type: ignore[method-assign]
+    try:
+        sig.signal_and_wait("s1", None)
+        state.reject = {"d2"}
+        sig.signal_and_wait("s2", "s1")  # d2 refuses s2: its catch-up starts
+        assert held.wait(5)
+        state.expect = 2
+        sig.signal_and_wait("s3", None)  # d2 is read down, and left out
+        assert state.serving == {"d1": "s3", "d2": "s1", "d3": "s3"}
+        release.set()  # the catch-up's answer "up" arrives now
+        assert sig.drain(10)
+        assert state.while_down == [] and state.serving["d2"] == "s1"
+        state.down, state.expect = set(), 3
+        sig.signal_and_wait("s4", None)
+        assert state.serving == {d: "s4" for d in DEPLOYMENTS} and state.while_down == []
+    finally:
+        release.set()
         sig.close()
 
 

@@ -34,7 +34,7 @@ from ..fireworks_models import HotLoadCancelled, HotLoadTimeout, holds_it, manag
 from .hints import Hints
 from .pool import DaemonPool
 from .signal_limits import (HINT_DEADLINE_S, MANAGER_WAIT_S, SIGNAL_RETRY_BUDGET_S, join_wait_s, longest_signal_s,
-                            say_left_behind, say_what_is_served, warn_at_start)
+                            say_behind, say_left_behind, say_what_is_served, warn_at_start)
 
 __all__ = ["HINT_DEADLINE_S", "MANAGER_WAIT_S", "SIGNAL_RETRY_BUDGET_S", "NotSignalled", "Signaller",
            "longest_signal_s", "warn_at_start"]
@@ -71,6 +71,7 @@ class Signaller(Hints):
         self._hints_failed: dict[str, str] = {}  # deployment -> the identity whose hints stopped after a failure
         self._hints_asked: dict[str, str] = {}  # deployment -> the identity whose hints its status let go out
         self._managers_up: set[str] = set()  # deployments that reported a replica (safe to signal)
+        self._downs: dict[str, int] = {}  # deployment -> times it was found down (see _mark_down)
         self._first_seen: dict[str, Any] = {}  # deployment -> the status that first reported a replica, until logged
         self._hint_lock = threading.Lock()
         # "any" only: the snapshots served since the newest full one, in order (what a catch-up signals), each
@@ -180,7 +181,7 @@ class Signaller(Hints):
         with self._state:
             for c in clients:  # it may load these; those that accepted it are never signalled it again
                 if c.deployment_name in failed and manager_may_be_down(failed[c.deployment_name]):
-                    self._managers_up.discard(c.deployment_name)
+                    self._mark_down(c.deployment_name)
                 if c.deployment_name not in failed or not _unsent(failed[c.deployment_name]):
                     self._signalled.setdefault(c.deployment_name, set()).add(identity)
                 if not self.require_all and (c.deployment_name not in failed or holds_it(failed[c.deployment_name])):
@@ -206,7 +207,7 @@ class Signaller(Hints):
                 if not self.require_all and isinstance(failed[name], HotLoadTimeout):
                     self._timed_out.add(name)
                 if name in last and not last[name].replicas:  # its manager went down (a container restarts)
-                    self._managers_up.discard(name)
+                    self._mark_down(name)
                 if name in last:  # what its replicas serve or load now, and this snapshot, which a load may end in
                     self._signalled[name] = {i for r in last[name].replicas for i in (
                         r.current_snapshot_identity, r.target if r.stage != "error" else None) if i} | {identity}
@@ -284,7 +285,7 @@ class Signaller(Hints):
             except Exception as exc:  # noqa: BLE001 - no signal was sent: never_taken must not decide (retention)
                 if manager_may_be_down(exc):
                     with self._state:
-                        self._managers_up.discard(name)
+                        self._mark_down(name)
                 raise NotSignalled(f"its status after its catch-up failed: {exc}") from exc
             if not listed:
                 raise NotSignalled("its hot-load manager went down during its catch-up (it reports no replica)")
@@ -357,7 +358,13 @@ class Signaller(Hints):
         self._on_each([c for c in (self.clients if clients is None else clients)
                        if c.deployment_name in self._managers_up], ask)
         with self._state:
-            self._managers_up -= down
+            for name in down:
+                self._mark_down(name)
+
+    def _mark_down(self, name: str) -> None:
+        """Called under ``_state``. Counted: a catch-up's older answer "up" must not undo it (see :meth:`_lane`)."""
+        self._managers_up.discard(name)
+        self._downs[name] = self._downs.get(name, 0) + 1
 
     def _ask_manager(self, c: Any) -> None:
         st = c.status(deadline=self._short_deadline())
@@ -378,17 +385,10 @@ class Signaller(Hints):
         return [c for c in clients if c.deployment_name not in failed]
 
     def _left_behind(self, identity: str, left: dict[str, str]) -> None:
-        """Record and log (on a change only: a deployment left out of every delta until the next full would
-        otherwise log at every step) the deployments that do not serve ``identity``."""
+        """Record the deployments that do not serve ``identity``, and log what changed (:func:`say_behind`)."""
         before, self.behind = self.behind, dict(left)
-        for name, why in left.items():
-            if name not in before:
-                log.warning("hotload: deployment %s does not serve %s (%s); the others go on "
-                            "(deployments_required='any'), and it catches up when it takes the snapshots it "
-                            "missed, or at the next full snapshot", name, identity, why)
-        for name in sorted(before.keys() - left.keys()):
-            log.info("hotload: deployment %s serves %s: it is no longer behind", name, identity)
-            self._lane_warned.discard(name)
+        say_behind(identity, before, left)
+        self._lane_warned -= before.keys() - left.keys()
 
     def _extend_chain(self, identity: str, previous: str | None) -> None:
         """``identity`` counted as served: the chain catch-ups follow ends with it."""
@@ -457,14 +457,18 @@ class Signaller(Hints):
         """One catch-up: signal ``c`` the next snapshot of the chain, wait until every replica serves it, repeat
         until it serves the newest. A failure ends it; the next snapshot starts another where it can. First, it
         is asked whether its hot-load manager reports a replica (one status request: it may have come up, or gone
-        down, since the publish asked); and a snapshot whose signal it accepted before is not sent again, it is asked
-        whether every replica serves it by now (one status request), which a load that outlasted its readiness
-        wait ends in."""
+        down, since the publish asked; an answer "up" that arrives after a newer read found it down ends it); and
+        a snapshot whose signal it accepted before is not sent again, it is asked whether every replica serves it
+        by now (one status request), which a load that outlasted its readiness wait ends in."""
         name, t0, loaded, target, handed = c.deployment_name, time.perf_counter(), 0, None, False
         validation = {"extra_fields_ignore": self.extra_fields_ignore} if self.extra_fields_ignore else None
         try:
+            with self._state:
+                downs = self._downs.get(name, 0)
             self._ask_manager(c)  # its manager may have gone down since the publish asked
             with self._state:
+                if self._downs.get(name, 0) != downs:  # a newer status read found it down: that one counts
+                    raise RuntimeError("its hot-load manager was found down while it was asked")
                 self._managers_up.add(name)
             while True:
                 with self._state:
@@ -486,7 +490,7 @@ class Signaller(Hints):
                     st = c.status(deadline=time.monotonic() + HINT_DEADLINE_S)
                     if not st.replicas:  # its manager went down: asked again before anything is sent there
                         with self._state:
-                            self._managers_up.discard(name)
+                            self._mark_down(name)
                     if not st.is_ready(target):
                         raise RuntimeError(f"it accepted {target}'s signal before and not every replica serves it "
                                            "(a load that failed or goes on): it is not signalled again")
@@ -501,7 +505,7 @@ class Signaller(Hints):
                         with self._state:
                             self._timed_out.add(name)
                             if seen[0] is not None and not seen[0].replicas:
-                                self._managers_up.discard(name)
+                                self._mark_down(name)
                         raise
                 with self._state:
                     self._serve(name, target)
@@ -537,7 +541,7 @@ class Signaller(Hints):
         except Exception as exc:
             with self._state:
                 if manager_may_be_down(exc):
-                    self._managers_up.discard(c.deployment_name)
+                    self._mark_down(c.deployment_name)
                 if never_taken(exc):  # no replica loads it
                     self._signalled.get(c.deployment_name, set()).discard(target)
                 if holds_it(exc):

@@ -1,5 +1,5 @@
 """How long signalling may take, and the settings that cost publishes, said once at start; what a deployment
-serves, said before its first signal, and at close those left behind.
+serves, said before its first signal; those that fall behind or catch up; at close, those left behind.
 
 Apart from :mod:`.signal` so that the Signaller's module holds the signalling itself.
 
@@ -95,6 +95,18 @@ def say_what_is_served(deployment: str, st: Any, identity: str) -> None:
     now = f"serving {', '.join(served)}{' (another run)' if others else ''}" if served else "serving no snapshot yet"
     log.info("hotload: deployment %s is up (%d replica(s)), %s; signalling %s", deployment, len(st.replicas), now,
              identity)
+
+
+def say_behind(identity: str, before: dict[str, str], now: dict[str, str]) -> None:
+    """The deployments that fell behind at ``identity`` (-> why), and those no longer behind. Only changes are
+    logged: a deployment left out of every delta until the next full would otherwise be logged at every step."""
+    for name, why in now.items():
+        if name not in before:
+            log.warning("hotload: deployment %s does not serve %s (%s); the others go on "
+                        "(deployments_required='any'), and it catches up when it takes the snapshots it "
+                        "missed, or at the next full snapshot", name, identity, why)
+    for name in sorted(before.keys() - now.keys()):
+        log.info("hotload: deployment %s serves %s: it is no longer behind", name, identity)
 
 
 def say_left_behind(newest: str | None, behind: dict[str, str | None]) -> None:
