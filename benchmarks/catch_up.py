@@ -17,10 +17,13 @@ the trainer's. It prints per run: the staleness of ``pool-eu`` (published step m
 step, its sum and the steps behind, the publishes whose bytes it served, its loads, the bytes written, and the
 median and the slowest hook-to-served time of the publishes, and the sum of their readiness waits (what the
 healthy deployment waits, on the publisher's thread). The baseline, in the same run, is the same job without the
-catch-up (and with the publishes waiting for a deployment whose last load timed out, as they used to).
+catch-up (and with the publishes waiting for a deployment whose last load timed out, as they used to). With
+``--straggler-wait-s`` a third run sets ``straggler_wait_s``: each publish waits that long for pool-eu once pool-us
+serves, then leaves pool-eu's load to its catch-up (``--fault hang`` with ``--hang-s`` below ``--ready-timeout-s``
+is a slow region rather than a hung one).
 
     python benchmarks/catch_up.py [--fault refuse|hang|manager] [--steps 20] [--full-every 10] [--out-from 2]
-        [--out-to 4] [--load-s 0.5] [--hang-s 30] [--ready-timeout-s 3]
+        [--out-to 4] [--load-s 0.5] [--hang-s 30] [--ready-timeout-s 3] [--straggler-wait-s 0.5]
 """
 from __future__ import annotations
 
@@ -60,7 +63,7 @@ def fault(emu: Any, args: argparse.Namespace, on: bool) -> None:
         emu.set_manager_up(not on, EU)
 
 
-def run(catch_up: bool, args: argparse.Namespace) -> dict[str, Any]:
+def run(catch_up: bool, args: argparse.Namespace, straggler_wait_s: float | None = None) -> dict[str, Any]:
     from fsdp_hotload.config import HotloadConfig
     from fsdp_hotload.emulator import HotLoadEmulator
     from fsdp_hotload.engine.signal import Signaller
@@ -84,7 +87,7 @@ def run(catch_up: bool, args: argparse.Namespace) -> dict[str, Any]:
                                 account_id="acct", model_id="m", api_key="k3y", deployment_id=["pool-us", "pool-eu"],
                                 deployments_required="any", full_every=args.full_every, keep_last=2,
                                 poll_interval_s=0.02, ready_timeout_s=args.ready_timeout_s, publish_on_close=False,
-                                progress_log_s=None)
+                                progress_log_s=None, straggler_wait_s=straggler_wait_s)
             steps: dict[str, int] = {}
             with TensorPublisher(model, cfg) as pub:
                 if not catch_up:
@@ -128,6 +131,8 @@ def main() -> None:
     p.add_argument("--step-s", type=float, default=1.0, help="seconds per trainer step after its publish")
     p.add_argument("--hang-s", type=float, default=30.0, help="seconds pool-eu's loads take with --fault hang")
     p.add_argument("--ready-timeout-s", type=float, default=3.0, help="ready_timeout_s")
+    p.add_argument("--straggler-wait-s", type=float, default=None,
+                   help="a third run, with the catch-up and this straggler_wait_s")
     args = p.parse_args()
     if not 0 <= args.out_from <= args.out_to < args.steps - 1:
         p.error("--out-from <= --out-to < --steps - 1 (the fault ends before the last step)")
@@ -139,13 +144,16 @@ def main() -> None:
           "full snapshots | MB written | hook to served, median s | slowest s | readiness waits, sum s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     sums = {}
-    for catch_up in (False, True):
-        r = run(catch_up, args)
-        sums[catch_up] = sum(r["stale"])
-        print(f"| {'on' if catch_up else 'off'} | {' '.join(map(str, r['stale']))} | {sums[catch_up]} | "
+    runs: list[tuple[str, bool, float | None]] = [("off", False, None), ("on", True, None)]
+    if args.straggler_wait_s is not None:
+        runs.append((f"on, straggler_wait_s={args.straggler_wait_s:g}", True, args.straggler_wait_s))
+    for name, catch_up, straggler in runs:
+        r = run(catch_up, args, straggler)
+        sums[name] = sum(r["stale"])
+        print(f"| {name} | {' '.join(map(str, r['stale']))} | {sums[name]} | "
               f"{sum(1 for s in r['stale'] if s)} | {r['exact']}/{args.steps} | {r['loads']} | {r['fulls']} | "
               f"{r['mb']:.1f} | {r['total']:.3f} | {r['slowest']:.2f} | {r['ready']:.1f} |")
-    print(f"ratio pool-eu staleness (sum) with catch-up / without: {sums[True] / max(sums[False], 1):.2f}")
+    print(f"ratio pool-eu staleness (sum) with catch-up / without: {sums['on'] / max(sums['off'], 1):.2f}")
 
 
 if __name__ == "__main__":

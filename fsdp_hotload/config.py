@@ -107,6 +107,13 @@ class HotloadConfig(BaseModel):
                            "(the others go on; one that fails is left behind, named in the metrics' "
                            "deployments_behind, and catches up on a thread of its own, loading the snapshots it "
                            "missed in order, or at the next full snapshot)")
+    straggler_wait_s: float | None = Field(
+        None, ge=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
+        description="with deployments_required='any': once one deployment serves a snapshot, how much longer the "
+                    "publish waits for the others; those still loading then are left behind (deployments_behind) "
+                    "to their catch-up, which waits for them up to ready_timeout_s from the signal and then brings "
+                    "them to the newest snapshot, so a region whose replicas hang or load slowly does not hold the "
+                    "others' next snapshot. None: each is waited for up to ready_timeout_s")
     api_key: SecretStr | None = Field(None, description="defaults to $FIREWORKS_API_KEY; never logged")
     hotload_api_headers: dict[str, str] = Field(default_factory=dict, description="extra headers on every "
                                                 "hot-load request, e.g. a private gateway's secret; they override "
@@ -354,9 +361,13 @@ class HotloadConfig(BaseModel):
             # The client's own checks (scheme, host, port, no query), here so that the error names this field
             # (or its variable or flag) at construction, not the client's base_url when the callback is built.
             check_url(self.hotload_api_url, self.hotload_api_allow_http, "hotload_api_url")
+            if self.straggler_wait_s is not None and self.deployments_required != "any":
+                raise ValueError("straggler_wait_s is set, so deployments_required must be 'any': with 'all' every "
+                                 "deployment must serve each snapshot, and the publish waits for each")
         else:  # a forgotten URL would publish to storage only, every record ok, and the fleet would never move
             given = [f for f in ("account_id", "model_id", "deployment_id", "hotload_api_headers", "reset_prompt_cache")
                      if getattr(self, f)] + (["deployments_required"] if self.deployments_required != "all" else [])
+            given += ["straggler_wait_s"] if self.straggler_wait_s is not None else []
             if given:
                 raise ValueError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} set but hotload_api_url is "
                                  "not, so no snapshot would be signalled: set hotload_api_url too, or leave them unset "

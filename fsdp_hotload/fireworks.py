@@ -502,6 +502,7 @@ class HotLoadClient:
         *,
         timeout_s: float = 600.0,
         on_poll: Callable[[HotLoadStatus], None] | None = None,
+        until: Callable[[], float] | None = None,
     ) -> HotLoadStatus:
         """Poll until every replica serves ``identity`` (None: until any replica is reported); fail fast on an
         error stage for ``identity``.
@@ -509,7 +510,8 @@ class HotLoadClient:
         Transient poll failures are logged and polled through (the load goes on server-side meanwhile);
         redirects, 400/401/403/405/410/415/422, unreadable responses and requests that cannot be sent are raised
         at once because waiting cannot fix them, and so is a 404 while waiting for the manager (``identity``
-        None), which is how a wrong deployment or URL shows.
+        None), which is how a wrong deployment or URL shows. ``until()``, read after each poll, may end the wait
+        sooner (a ``time.monotonic()`` value): another deployment's readiness can set it.
         """
         if identity is not None:
             validate_identity(identity)
@@ -551,7 +553,7 @@ class HotLoadClient:
                         hint="the deployment keeps serving its previous snapshot; read the ledger for the error, "
                         "fix the snapshot, and publish a new full snapshot (a failed load ends the delta chain)",
                     )
-            remaining = deadline - time.monotonic()
+            remaining = (deadline if until is None else min(deadline, until())) - time.monotonic()
             if remaining <= 0:
                 if last is None:
                     state = f"no status was received (last error: {last_error})"

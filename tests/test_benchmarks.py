@@ -389,3 +389,17 @@ def test_catch_up_benchmark_with_a_late_manager_and_hanging_loads() -> None:
     assert rows["| off"][1] == "1 2 3" and rows["| on"][1] == "1 0 0", rows
     rows = table(5, "--fault", "hang", "--out-from", "1", "--out-to", "3", "--full-every", "3", "--hang-s", "30")
     assert float(rows["| on"][-1].rstrip(" |")) < float(rows["| off"][-1].rstrip(" |")) - 0.5, rows
+
+
+def test_catch_up_benchmark_with_a_slow_region_and_straggler_wait_s() -> None:
+    """pool-eu's loads take 1.5 s for steps 1-3 (within ready_timeout_s): the publishes wait for it, but with
+    straggler_wait_s they leave its loads to its catch-up 0.2 s after pool-us serves, and it ends on the newest."""
+    proc = _run([str(BENCH / "catch_up.py"), "--steps", "6", "--load-s", "0", "--step-s", "0.1", "--ready-timeout-s",
+                 "5", "--fault", "hang", "--hang-s", "1.5", "--out-from", "1", "--out-to", "3",
+                 "--straggler-wait-s", "0.2"], 180)
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| o")}
+    assert set(rows) == {"| off", "| on", "| on, straggler_wait_s=0.2"}, proc.stdout
+    cut = rows["| on, straggler_wait_s=0.2"]
+    assert rows["| on"][1] == "0 0 0 0 0 0", rows  # waited for at each publish
+    assert float(cut[-1].rstrip(" |")) < float(rows["| on"][-1].rstrip(" |")) - 2, rows  # ~0.4 s against ~4.5 s
+    assert cut[1].split()[-1] == "0" and cut[5] == "6", rows  # on the newest at the end; each step loaded once

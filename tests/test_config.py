@@ -31,6 +31,13 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
         del os.environ["HOTLOAD_BUCKET_URL"], os.environ["HOTLOAD_DEPLOYMENT_ID"]
     with pytest.raises(ValueError, match="account_id, model_id, reset_prompt_cache are set but hotload_api_url"):
         HotloadConfig(bucket_url=str(tmp_path), account_id="x", model_id="m", reset_prompt_cache="all")
+    with pytest.raises(ValueError, match="straggler_wait_s is set, so deployments_required must be 'any'"):
+        HotloadConfig(bucket_url=str(tmp_path), hotload_api_url="https://api.example", account_id="x", model_id="m",
+                      hf_config_dir=str(tmp_path), deployment_id=["a", "b"], straggler_wait_s=30)
+    with pytest.raises(ValueError, match="straggler_wait_s is set but hotload_api_url is not"):
+        HotloadConfig(bucket_url=str(tmp_path), straggler_wait_s=30)
+    with pytest.raises(ValueError, match="straggler_wait_s"):
+        HotloadConfig(bucket_url=str(tmp_path), straggler_wait_s=-1)
 
 
 @pytest.mark.parametrize("prefix", ["aux.run1", "NUL.x", "com1.v2"])

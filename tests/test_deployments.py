@@ -406,6 +406,45 @@ def test_replicas_hanging_in_a_load_cost_a_full_snapshot_no_readiness_wait(tmp_p
             assert pub.metrics[-1].deployments_behind == []  # back on the deltas
 
 
+def test_a_slow_deployment_is_left_to_its_catch_up_after_straggler_wait_s(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """pool-eu's loads take 2 s from step 1 on. With straggler_wait_s=0.3 each publish waits for it 0.3 s after
+    pool-us served the snapshot, then leaves it to its catch-up: the next snapshots reach pool-us at pool-us's pace
+    (they were held 2 s each), and the catch-up waits out pool-eu's load, then signals it the deltas after it, in
+    order, so it ends on the newest bytes from deltas alone once its loads are quick again."""
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], deployments_required="any",
+                     full_every=10, ready_timeout_s=10.0, straggler_wait_s=0.3)
+        digests: list[dict[str, str]] = []
+        with caplog.at_level(logging.INFO, logger="fsdp_hotload"), TensorPublisher(model, cfg) as pub:
+            sig = pub.engine.signaller
+            assert sig is not None
+            for step in range(5):
+                train_step(model, step)
+                digests.append(expected_sha(model))
+                emu.set_load_delay(2.0 if step in (1, 2) else 0.0, deployment=EU)
+                if step == 3:
+                    assert sig.drain(15)  # step 1, waited out; then step 2, signalled by the catch-up
+                    assert serves(emu, EU) == (pub.metrics[2].identity, digests[2])
+                pub.publish(step, model)
+                pub.wait()
+                m = pub.metrics[-1]
+                assert m.ok, m.error
+                assert serves(emu, US) == (m.identity, digests[step])
+                if step in (1, 2):
+                    assert m.ready_s < 1.5, m  # not the 2 s of pool-eu's load
+                    assert m.deployments_behind == m.deployments_catching_up == [EU]
+                else:
+                    assert m.deployments_behind == [], (step, m.deployments_behind)
+            assert sig.drain(15)
+        assert [m.kind for m in pub.metrics] == ["full"] + ["delta"] * 4
+        assert serves(emu, EU) == (pub.metrics[-1].identity, digests[-1])
+        assert ledger(emu, EU) == [m.identity for m in pub.metrics]  # each signalled once, in order
+    assert f"deployment {EU} serves {pub.metrics[1].identity}, after straggler_wait_s" in caplog.text
+
+
 def test_a_deployment_whose_manager_comes_up_late_catches_up_from_the_full_snapshot(tmp_path: Path) -> None:
     """pool-eu's hot-load manager is down when the trainer starts and comes up after step 1: its catch-up, which
     asks it after each publish (one status request, off the publisher's thread), finds it up and loads the full

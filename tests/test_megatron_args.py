@@ -76,7 +76,7 @@ def test_every_field_round_trips_through_its_flag(deployment_id: Any, tmp_path: 
         carry_base_tensors=["model.layers.61.*", "mtp.*"],
         hotload_api_url="https://api.fireworks.ai",
         account_id="007", model_id="false", deployment_id=deployment_id, deployments_required="any",
-        api_key="12", ready_timeout_s=5.5,
+        straggler_wait_s=45.0, api_key="12", ready_timeout_s=5.5,
         poll_interval_s=0.5, collective_timeout_s=90, send_hints=False, reset_prompt_cache="none",
         extra_fields_ignore=["quantization_config"], full_every=3,
         max_chain_length=2, publish_every=2, codec="arc_sparse_v1", snapshot_dtype="float16", identity_prefix="run1",

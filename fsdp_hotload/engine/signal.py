@@ -51,9 +51,10 @@ class NotSignalled(RuntimeError):
 class Signaller(Hints):
     def __init__(self, clients: Sequence[Any], *, ready_timeout_s: float = 600.0,
                  reset_prompt_cache: str | None = None, compression_format: str = "arc_v2",
-                 require_all: bool = True) -> None:
+                 require_all: bool = True, straggler_wait_s: float | None = None) -> None:
         self.clients = list(clients)
         self.require_all = require_all  # False: deployments_required="any"
+        self.straggler_wait_s = None if require_all else straggler_wait_s
         self.compression_format = compression_format  # the codec of the deltas; Fireworks accepts arc_v2
         self.ready_timeout_s = ready_timeout_s
         self.reset_prompt_cache = reset_prompt_cache
@@ -86,6 +87,8 @@ class Signaller(Hints):
         # deployments whose last wait for a load timed out, serving nothing newer since: their replicas may hang,
         # so while another deployment takes the snapshots, only their catch-up (on its own thread) waits for them
         self._timed_out: set[str] = set()
+        # deployment -> the snapshot a publish left to its catch-up after straggler_wait_s, and when its wait ends
+        self._released: dict[str, tuple[str, float]] = {}
         self._spared = False  # this publish left such a deployment to its catch-up
         self._spare = True  # False after a publish that did failed: the next one signals them too
         self._settling: set[str] = set()  # catch-ups asking after a snapshot whose signal was taken before
@@ -111,7 +114,8 @@ class Signaller(Hints):
                                  retry_budget_s=min(SIGNAL_RETRY_BUDGET_S, cfg.ready_timeout_s))
                    for d in cfg.deployments]
         return cls(clients, ready_timeout_s=cfg.ready_timeout_s, reset_prompt_cache=cfg.reset_prompt_cache,
-                   compression_format=cfg.codec, require_all=cfg.deployments_required == "all")
+                   compression_format=cfg.codec, require_all=cfg.deployments_required == "all",
+                   straggler_wait_s=cfg.straggler_wait_s)
 
     def may_serve(self) -> set[str]:
         """Every snapshot a deployment serves, or was signalled and may load yet. Retention spares them and their
@@ -196,14 +200,26 @@ class Signaller(Hints):
             if on_poll is not None:
                 on_poll(c.deployment_name, st, c.redact)
 
-        failed = self._on_each(clients, lambda c: c.wait_ready(identity, timeout_s=self.ready_timeout_s,
-                                                                on_poll=lambda st: polled(c, st)))
+        start, release = time.monotonic(), [float("inf")]  # straggler_wait_s after the first one served it
+        cut = self.straggler_wait_s is not None and len(clients) > 1
+
+        def wait(c: Any) -> None:
+            c.wait_ready(identity, timeout_s=self.ready_timeout_s, on_poll=lambda st: polled(c, st),
+                         until=(lambda: release[0]) if cut else None)
+            if cut:
+                release[0] = min(release[0], time.monotonic() + self.straggler_wait_s)
+
+        failed = self._on_each(clients, wait)
         with self._state:
             for c in clients:
                 name = c.deployment_name
                 if name not in failed:
                     self._serve(name, identity)
                     continue
+                if isinstance(failed[name], HotLoadTimeout) and release[0] < start + self.ready_timeout_s:
+                    self._released[name] = (identity, start + self.ready_timeout_s)  # its catch-up waits on
+                    failed[name] = HotLoadTimeout(f"still loading {self.straggler_wait_s:g} s after another "
+                                                  "deployment served it (straggler_wait_s): its catch-up waits")
                 if not self.require_all and isinstance(failed[name], HotLoadTimeout):
                     self._timed_out.add(name)
                 if name in last and not last[name].replicas:  # its manager went down (a container restarts)
@@ -420,15 +436,19 @@ class Signaller(Hints):
         if name not in self._managers_up:
             return False
         if name in self._lane_at:  # under way
-            return name not in self._settling
-        nxt = self._next_for(name)
-        return nxt is None or not nxt[2]
+            target, settle = self._lane_at[name], name in self._settling
+        elif (nxt := self._next_for(name)) is None:
+            return True
+        else:
+            target, settle = nxt[0], nxt[2]
+        return not settle or self._released.get(name, ("",))[0] == target  # straggler_wait_s: it waits, goes on
 
     def _serve(self, name: str, identity: str) -> None:
         """Every replica of ``name`` serves ``identity``. Called under ``_state``."""
         self.served[name] = identity
         self._signalled.pop(name, None)
         self._timed_out.discard(name)
+        self._released.pop(name, None)
 
     def _catch_up(self) -> set[str]:
         """Start a catch-up for each deployment behind the chain; returns those that have one (started or under
@@ -480,13 +500,17 @@ class Signaller(Hints):
                     (target, previous, settle), served = nxt, self.served[name]
                     self._lane_at[name] = target
                     (self._settling.add if settle else self._settling.discard)(name)
+                    released = self._released[name][1] if self._released.get(name, ("",))[0] == target else None
                     self._signalled.setdefault(name, set()).add(target)  # retention spares it from now on
                     if not loaded and not settle:  # once per fall behind: one that stays down tries each publish
                         log.log(logging.DEBUG if name in self._lane_warned else logging.INFO,
                                 "hotload: deployment %s serves %s: catching up, from %s (%d snapshot(s) to load "
                                 "in order)", name, served or "no snapshot of this run", target,
                                 len(self._chain) - self._chain.index(target))
-                if settle:
+                if settle and released is not None:  # a publish left its load to it (straggler_wait_s)
+                    self._wait_lane(c, target, released - time.monotonic())
+                    log.info("hotload: deployment %s serves %s, after straggler_wait_s", name, target)
+                elif settle:
                     st = c.status(deadline=time.monotonic() + HINT_DEADLINE_S)
                     if not st.replicas:  # its manager went down: asked again before anything is sent there
                         with self._state:
@@ -498,15 +522,7 @@ class Signaller(Hints):
                              name, target)
                 else:
                     self._signal_lane(c, target, previous, validation)
-                    seen: list[Any] = [None]  # the last status polled
-                    try:
-                        c.wait_ready(target, timeout_s=self.ready_timeout_s, on_poll=lambda st: seen.__setitem__(0, st))
-                    except HotLoadTimeout:
-                        with self._state:
-                            self._timed_out.add(name)
-                            if seen[0] is not None and not seen[0].replicas:
-                                self._mark_down(name)
-                        raise
+                    self._wait_lane(c, target, self.ready_timeout_s)
                 with self._state:
                     self._serve(name, target)
                 loaded += 1
@@ -527,6 +543,18 @@ class Signaller(Hints):
             with self._state:
                 if self._lanes.get(name) is threading.current_thread():
                     self._end_lane(name)
+
+    def _wait_lane(self, c: Any, target: str, timeout_s: float) -> None:
+        """A catch-up's wait until every replica serves ``target``."""
+        seen: list[Any] = [None]  # the last status polled
+        try:
+            c.wait_ready(target, timeout_s=max(0.0, timeout_s), on_poll=lambda st: seen.__setitem__(0, st))
+        except HotLoadTimeout:
+            with self._state:
+                self._timed_out.add(c.deployment_name)
+                if seen[0] is not None and not seen[0].replicas:
+                    self._mark_down(c.deployment_name)
+            raise
 
     def _signal_lane(self, c: Any, target: str, previous: str | None, validation: dict[str, Any] | None) -> None:
         """A catch-up's signal, with the short retry budget; records whether the deployment may load ``target``
