@@ -227,9 +227,12 @@ class Signaller(Hints, CatchUps):
                     self._timed_out.add(name)
                 if name in last and not last[name].replicas:  # its manager went down (a container restarts)
                     self._mark_down(name)
-                if name in last:  # what its replicas serve or load now, and this snapshot, which a load may end in
+                # what its replicas serve or load now, and this snapshot, which a load may end in; one left to its
+                # catch-up (straggler_wait_s) loads on, and may still hold earlier signals in its queue
+                if name in last:
                     self._signalled[name] = {i for r in last[name].replicas for i in (
-                        r.current_snapshot_identity, r.target if r.stage != "error" else None) if i} | {identity}
+                        r.current_snapshot_identity, r.target if r.stage != "error" else None) if i} | {identity} | (
+                        self._signalled.get(name, set()) if self._released.get(name, ("",))[0] == identity else set())
         self._go_on(clients, failed, left, "it did not serve it", RuntimeError)
         self._left_behind(identity, left)
         if not self.require_all:
