@@ -75,7 +75,8 @@ class CatchUps:
             return True
         else:
             target, settle = nxt[0], nxt[2]
-        return not settle or self._released.get(name, ("",))[0] == target  # straggler_wait_s: it waits, goes on
+        released = self._released.get(name)  # straggler_wait_s: it waits out that load, then goes on
+        return not settle or (released is not None and released[0] == target and released[1] > time.monotonic())
 
     def _catch_up(self) -> set[str]:
         """Start a catch-up for each deployment behind the chain; returns those that have one (started or under
@@ -135,7 +136,12 @@ class CatchUps:
                                 "in order)", name, served or "no snapshot of this run", target,
                                 len(self._chain) - self._chain.index(target))
                 if settle and released is not None:  # a publish left its load to it (straggler_wait_s)
-                    self._wait_lane(c, target, released - time.monotonic())
+                    try:
+                        self._wait_lane(c, target, released - time.monotonic())
+                    except Exception:  # its load failed or outlasted ready_timeout_s: it no longer loads
+                        with self._state:
+                            self._released.pop(name, None)
+                        raise
                     log.info("hotload: deployment %s serves %s, after straggler_wait_s", name, target)
                 elif settle:
                     st = c.status(deadline=time.monotonic() + HINT_DEADLINE_S)
