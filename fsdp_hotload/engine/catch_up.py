@@ -75,8 +75,14 @@ class CatchUps:
             return True
         else:
             target, settle = nxt[0], nxt[2]
-        released = self._released.get(name)  # straggler_wait_s: it waits out that load, then goes on
-        return not settle or (released is not None and released[0] == target and released[1] > time.monotonic())
+        released = self._release_of(name, target)  # straggler_wait_s: it waits out that load, then goes on
+        return not settle or (released is not None and released > time.monotonic())
+
+    def _release_of(self, name: str, identity: str) -> float | None:
+        """When the wait for ``identity``'s load, which a publish left to ``name``'s catch-up (``straggler_wait_s``),
+        ends (``time.monotonic()``); None where no publish did. Called under ``_state``."""
+        released = self._released.get(name)
+        return released[1] if released is not None and released[0] == identity else None
 
     def _catch_up(self) -> set[str]:
         """Start a catch-up for each deployment behind the chain; returns those that have one (started or under
@@ -128,7 +134,7 @@ class CatchUps:
                     (target, previous, settle), served = nxt, self.served[name]
                     self._lane_at[name] = target
                     (self._settling.add if settle else self._settling.discard)(name)
-                    released = self._released[name][1] if self._released.get(name, ("",))[0] == target else None
+                    released = self._release_of(name, target)
                     self._signalled.setdefault(name, set()).add(target)  # retention spares it from now on
                     if not loaded and not settle:  # once per fall behind: one that stays down tries each publish
                         log.log(logging.DEBUG if name in self._lane_warned else logging.INFO,

@@ -232,7 +232,7 @@ class Signaller(Hints, CatchUps):
                 if name in last:
                     self._signalled[name] = {i for r in last[name].replicas for i in (
                         r.current_snapshot_identity, r.target if r.stage != "error" else None) if i} | {identity} | (
-                        self._signalled.get(name, set()) if self._released.get(name, ("",))[0] == identity else set())
+                        self._signalled.get(name, set()) if self._release_of(name, identity) is not None else set())
         self._go_on(clients, failed, left, "it did not serve it", RuntimeError)
         self._left_behind(identity, left)
         if not self.require_all:
