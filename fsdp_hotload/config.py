@@ -113,7 +113,8 @@ class HotloadConfig(BaseModel):
                     "publish waits for the others; those still loading then are left behind (deployments_behind) "
                     "to their catch-up, which waits for them up to ready_timeout_s from the signal and then brings "
                     "them to the newest snapshot, so a region whose replicas hang or load slowly holds a publish that "
-                    "long, not for its whole load. None: each is waited for up to ready_timeout_s")
+                    "long, not for its whole load; nor does a publish wait for a catch-up's load in flight. None: "
+                    "each is waited for up to ready_timeout_s")
     api_key: SecretStr | None = Field(None, description="defaults to $FIREWORKS_API_KEY; never logged")
     hotload_api_headers: dict[str, str] = Field(default_factory=dict, description="extra headers on every "
                                                 "hot-load request, e.g. a private gateway's secret; they override "

@@ -261,8 +261,11 @@ class HotLoadClient:
         extra_headers: Mapping[str, str] | None = None,
         deadline: float | None = None,
         control_plane: bool = False,
+        until: Callable[[], float] | None = None,
     ) -> Any:
-        """One API call with transport retries; returns the parsed JSON body (None for an empty body)."""
+        """One API call with transport retries; returns the parsed JSON body (None for an empty body). ``until()``
+        (a ``time.monotonic()`` value, re-read before each retry) may end the retries sooner than ``deadline``:
+        another deployment's readiness can bring it forward (``straggler_wait_s``) while the server answers 503."""
         base = self.control_plane_url if control_plane else self.base_url
         what = f"{method} {urllib.parse.urlunsplit(base).rstrip('/')}{path}"
         payload = json.dumps(body).encode() if body is not None else None
@@ -332,7 +335,7 @@ class HotLoadClient:
             delay = backoff_delay(attempt, self.backoff_initial_s, self.backoff_max_s, 1.0)  # no jitter: one caller
             if wait_hint is not None:
                 delay = max(delay, min(wait_hint, self.backoff_max_s))
-            if time.monotonic() + delay > end:
+            if time.monotonic() + delay > (end if until is None else min(end, until())):
                 if status is not None:
                     raise self._http_error(what, status, data, attempt, sent, rheaders, signal)
                 raise HotLoadError(
@@ -474,10 +477,10 @@ class HotLoadClient:
         )
         self._request("POST", HINT_PATH, req.to_body(), deadline=deadline)
 
-    def status(self, *, deadline: float | None = None) -> HotLoadStatus:
-        """One status poll."""
+    def status(self, *, deadline: float | None = None, until: Callable[[], float] | None = None) -> HotLoadStatus:
+        """One status poll; ``deadline`` and ``until`` bound its retries as in :meth:`_request`."""
         what = f"GET {urllib.parse.urlunsplit(self.base_url).rstrip('/')}{HOT_LOAD_PATH}"
-        data = self._request("GET", HOT_LOAD_PATH, deadline=deadline)
+        data = self._request("GET", HOT_LOAD_PATH, deadline=deadline, until=until)
         if data is None:  # an empty body (a proxy's, or the route still coming up): polled through like non-JSON
             raise HotLoadBodyError(f"{what} returned an empty body")
         try:
@@ -510,8 +513,9 @@ class HotLoadClient:
         Transient poll failures are logged and polled through (the load goes on server-side meanwhile);
         redirects, 400/401/403/405/410/415/422, unreadable responses and requests that cannot be sent are raised
         at once because waiting cannot fix them, and so is a 404 while waiting for the manager (``identity``
-        None), which is how a wrong deployment or URL shows. ``until()``, read after each poll, may end the wait
-        sooner (a ``time.monotonic()`` value): another deployment's readiness can set it.
+        None), which is how a wrong deployment or URL shows. ``until()``, read after each poll and before each of
+        its retries, may end the wait sooner (a ``time.monotonic()`` value): another deployment's readiness can
+        set it.
         """
         if identity is not None:
             validate_identity(identity)
@@ -521,7 +525,7 @@ class HotLoadClient:
         what = f"status poll for {identity!r}" if identity is not None else "status poll for a replica"
         while True:
             try:
-                st = self.status(deadline=deadline)
+                st = self.status(deadline=deadline, until=until)
             except HotLoadBodyError as exc:  # not JSON at all (a proxy's page): the reference client polls on
                 last_error = str(exc)
                 log.warning("%s failed: %s", what, last_error)

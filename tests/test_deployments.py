@@ -445,6 +445,47 @@ def test_a_slow_deployment_is_left_to_its_catch_up_after_straggler_wait_s(
     assert f"deployment {EU} serves {pub.metrics[1].identity}, after straggler_wait_s" in caplog.text
 
 
+def test_with_straggler_wait_s_a_publish_does_not_wait_for_a_catch_ups_load_in_flight(tmp_path: Path) -> None:
+    """pool-eu's loads take 2.5 s. After straggler_wait_s left step 1's load to its catch-up, that catch-up signals
+    step 2 and loads it; steps 3 and 4, published meanwhile, go to pool-us alone, not waiting for that load (a
+    publish that joined the catch-up waited for it, a whole slow load, which the option is set to avoid). The
+    catch-up signals them after it, in order, and pool-eu ends on the newest bytes."""
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], deployments_required="any",
+                     full_every=10, ready_timeout_s=10.0, straggler_wait_s=0.3)
+        digests: list[str] = []
+        with TensorPublisher(model, cfg) as pub:
+            sig = pub.engine.signaller
+            assert sig is not None
+            for step in range(5):
+                train_step(model, step)
+                digests.append(expected_sha(model))
+                if step == 1:
+                    emu.set_load_delay(2.5, deployment=EU)
+                if step == 3:  # the catch-up waited out step 1's load and now loads step 2
+                    deadline = time.monotonic() + 10
+                    while pub.metrics[2].identity not in ledger(emu, EU) and time.monotonic() < deadline:
+                        time.sleep(0.02)
+                    assert ledger(emu, EU)[-1] == pub.metrics[2].identity
+                t0 = time.monotonic()
+                pub.publish(step, model)
+                pub.wait()
+                m = pub.metrics[-1]
+                assert m.ok, m.error
+                assert serves(emu, US) == (m.identity, digests[step])
+                if step >= 1:
+                    assert m.deployments_behind == m.deployments_catching_up == [EU], (step, m)
+                if step >= 3:
+                    assert time.monotonic() - t0 < 1.5, (step, m)  # not the rest of pool-eu's 2.5 s load
+                    assert ledger(emu, EU)[-1] == pub.metrics[2].identity  # still loading it: not signalled
+            emu.set_load_delay(0.0, deployment=EU)
+            assert sig.drain(15)
+        assert serves(emu, EU) == (pub.metrics[-1].identity, digests[-1])
+        assert ledger(emu, EU) == [m.identity for m in pub.metrics]  # each signalled once, in order
+
+
 def test_a_deployment_whose_manager_comes_up_late_catches_up_from_the_full_snapshot(tmp_path: Path) -> None:
     """pool-eu's hot-load manager is down when the trainer starts and comes up after step 1: its catch-up, which
     asks it after each publish (one status request, off the publisher's thread), finds it up and loads the full

@@ -397,6 +397,39 @@ def test_with_any_a_wait_cancelled_by_close_fails_the_snapshot(fleet: tuple[str,
         sig.close()
 
 
+def test_with_straggler_wait_s_a_region_answering_503_is_left_to_its_catch_up(fleet: tuple[str, Fleet]) -> None:
+    """d2 takes s2's signal, then its gateway answers 503 (its container restarts). Its status poll's retries
+    (1, 2, 4, 8 s apart within a 30 s budget) must end once straggler_wait_s has passed since d1 served s2, not
+    hold the publish for them; its catch-up waits on and finds it serving s2 once the gateway is back."""
+    url, state = fleet
+    clients = [HotLoadClient(url, account_id="a", model_id="m", deployment_id=d, api_key="k", poll_interval_s=0.02,
+                             retry_budget_s=30) for d in DEPLOYMENTS]  # min(300 s, ready_timeout_s): from_config's
+    sig = Signaller(clients, ready_timeout_s=30, require_all=False, straggler_wait_s=0.2)
+    post = state.post
+
+    def post_then_fail(deployment: str, identity: str) -> int:
+        status = post(deployment, identity)
+        if (deployment, identity) == ("d2", "s2"):
+            state.failing.add("d2")
+        return status
+
+    state.post = post_then_fail  # type: ignore[method-assign]
+    d2 = "accounts/a/deployments/d2"
+    try:
+        sig.signal_and_wait("s1", None)
+        t0 = time.monotonic()
+        sig.signal_and_wait("s2", "s1")
+        took = time.monotonic() - t0
+        assert took < 3, took  # 15 s when the retries ignored straggler_wait_s
+        assert list(sig.behind) == [d2] and "straggler_wait_s" in sig.behind[d2]
+        assert sig.served == {f"accounts/a/deployments/{d}": "s2" if d != "d2" else "s1" for d in DEPLOYMENTS}
+        state.failing.discard("d2")
+        assert sig.drain(10)
+        assert sig.served[d2] == "s2" and state.arrived["s2"] == 3  # its catch-up did not signal it again
+    finally:
+        sig.close()
+
+
 def test_a_side_group_timeout_shorter_than_signalling_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
     from fsdp_hotload.config import HotloadConfig
     from fsdp_hotload.engine.signal import longest_signal_s, warn_at_start

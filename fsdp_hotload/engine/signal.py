@@ -16,7 +16,8 @@ refused again. While another deployment takes the snapshots, one whose last load
 catch-up (hanging replicas would otherwise cost each full snapshot ``ready_timeout_s``; if the others fail, the next
 publish signals it too), and one whose hot-load manager was down is asked again by its catch-up at each publish.
 With ``straggler_wait_s``, a publish waits for a deployment still loading only that long after another one served the
-snapshot (checked at each of its status polls); its catch-up (:mod:`.catch_up`) waits out that load.
+snapshot (checked at each of its status polls, and between a poll's retries); its catch-up (:mod:`.catch_up`) waits
+out that load. Nor does a publish wait for a catch-up's load in flight while another deployment is signalled.
 
 Example::
 
@@ -247,8 +248,10 @@ class Signaller(Hints, CatchUps):
 
         Left out: one whose last load timed out (:attr:`_timed_out`), while another deployment is signalled (and
         the last publish that left one out did not fail), so that replicas hanging in a load cost the publisher
-        no ``ready_timeout_s`` at each full snapshot (its catch-up signals it after the publish); and one whose
-        catch-up has more than the delta's parent to load.
+        no ``ready_timeout_s`` at each full snapshot (its catch-up signals it after the publish); one whose
+        catch-up has more than the delta's parent to load; and, with ``straggler_wait_s`` while another one is
+        signalled, one whose catch-up loads a snapshot (it goes on to this one after that load, which a publish
+        that joined it waited for: up to a whole load, what the option bounds).
         Joining: every other one catching up for a full snapshot (its catch-up stops after the load in flight),
         and for a delta those whose catch-up loads its parent. Why: a catch-up ends at the chain's end, the
         parent, while the snapshot after it is being signalled; left out again, a deployment whose loads take
@@ -269,15 +272,30 @@ class Signaller(Hints, CatchUps):
         with self._state:
             names = [c.deployment_name for c in clients]
             hung = set(names) & self._timed_out
+            # straggler_wait_s, and another deployment is signalled: a catch-up's load in flight is not waited for
+            free = self._spare and self.straggler_wait_s is not None and any(
+                n not in self._lanes and n not in hung for n in names)
+            freed = False
             for name in [n for n in names if n in self._lanes and n not in hung]:
-                lane(name)
+                if free and self._loading(name):
+                    busy[name] = f"catching up (loads {self._lane_at[name]}; not waited for: straggler_wait_s)"
+                    freed = True
+                else:
+                    lane(name)
+            self._spared = freed  # the first to set it in this publish (_joined runs later)
             if self._spare and any(n not in busy and n not in hung for n in names):  # another is signalled
                 busy.update((n, HUNG) for n in hung)
-                self._spared = bool(hung)  # the first to set it in this publish (_joined runs later)
+                self._spared = freed or bool(hung)
             else:
                 for name in [n for n in hung if n in self._lanes]:
                     lane(name)
         return busy, joining
+
+    def _loading(self, name: str) -> bool:
+        """Whether ``name``'s catch-up signals a snapshot or waits for its load (not one asking, with one status
+        request, whether a load ended). Called under ``_state``."""
+        target = self._lane_at.get(name)
+        return target is not None and (name not in self._settling or self._release_of(name, target) is not None)
 
     def _joined(self, c: Any, previous: str | None, joining: set[str], others: bool) -> bool:
         """For a deployment catching up (``joining``): wait for its catch-up to end (its load in flight, at most
