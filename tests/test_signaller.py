@@ -463,6 +463,22 @@ def test_a_codec_fireworks_does_not_take_is_warned_about_for_a_remote_api(caplog
     assert "codec 'arc_sparse_v1' is not arc_v2" in record.getMessage()
 
 
+def test_straggler_wait_s_with_one_deployment_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    """The wait it bounds ends once another deployment serves the snapshot: with one deployment it changed nothing,
+    silently (a fleet's config reused for a one-region job)."""
+    from fsdp_hotload.config import HotloadConfig
+    from fsdp_hotload.engine.signal import warn_at_start
+
+    straggler = dict(bucket_url="/tmp/b", account_id="a", model_id="m", deployment_id="d", hf_config_dir="/tmp",
+                     hotload_api_url="https://api.fireworks.ai", deployments_required="any", straggler_wait_s=5.0)
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        warn_at_start(HotloadConfig(**dict(straggler, deployment_id=["d", "e"])))
+        assert caplog.records == []
+        warn_at_start(HotloadConfig(**straggler))
+    (record,) = caplog.records
+    assert "straggler_wait_s is set with one deployment (d)" in record.getMessage()
+
+
 def test_progress_lines_do_not_quote_the_api_key_from_a_replicas_error() -> None:
     """A replica's load error is the server's own text, and may quote a request, header and all. The client's
     errors were redacted, but the progress line took the text as it came."""

@@ -222,8 +222,8 @@ class Signaller(Hints, CatchUps):
                     continue
                 if isinstance(failed[name], HotLoadTimeout) and release[0] < start + self.ready_timeout_s:
                     self._released[name] = (identity, start + self.ready_timeout_s)  # its catch-up waits on
-                    failed[name] = HotLoadTimeout(f"still loading {self.straggler_wait_s:g} s after another "
-                                                  "deployment served it (straggler_wait_s): its catch-up waits")
+                    failed[name] = HotLoadTimeout(f"not served by every replica {self.straggler_wait_s:g} s after "
+                                                  "another deployment served it (straggler_wait_s): its catch-up waits")
                 if not self.require_all and isinstance(failed[name], HotLoadTimeout):
                     self._timed_out.add(name)
                 if name in last and not last[name].replicas:  # its manager went down (a container restarts)

@@ -60,7 +60,8 @@ def warn_at_start(cfg: HotloadConfig, codec: Any = None) -> None:
     may take, a slow load breaks the group and publishing stops for the rest of the job. And a delta codec other
     than arc_v2, the one ``compression_format`` Fireworks documents, is refused by a service that does not run our
     decoder: every delta fails and the next publish is full, so half the steps never reach the fleet. A loopback
-    API is the emulator, which is told the formats it takes (``--compression-formats``)."""
+    API is the emulator, which is told the formats it takes (``--compression-formats``). ``straggler_wait_s``
+    with one deployment changes nothing, which a fleet's config copied to a one-region job would not show."""
     info = getattr(codec, "encoder_info", None)
     if info is not None:
         log.log(logging.WARNING if os.environ.get("HOTLOAD_LIBZSTD") and "unavailable" in info else logging.INFO,
@@ -76,6 +77,10 @@ def warn_at_start(cfg: HotloadConfig, codec: Any = None) -> None:
         log.warning("hotload: codec %r is not arc_v2, the only compression_format Fireworks documents for deltas: a "
                     "service that refuses it answers every delta with HTTP 400, and each next publish is full. Use "
                     "codec='arc_v2' unless this service runs hotload's decoder", cfg.codec)
+    if cfg.straggler_wait_s is not None and len(cfg.deployments) == 1:
+        log.warning("hotload: straggler_wait_s is set with one deployment (%s), which is waited for up to "
+                    "ready_timeout_s at each snapshot: the wait ends straggler_wait_s after another deployment "
+                    "serves the snapshot, and there is none", cfg.deployments[0])
     if cfg.side_group_timeout_s <= longest_signal_s(cfg):
         log.warning("hotload: collective_timeout_s (%g s) is not longer than signalling may take (%g s: a wait for "
                     "the deployment's hot-load manager%s, the signal's retries, then ready_timeout_s): a load that "
