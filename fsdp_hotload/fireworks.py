@@ -112,6 +112,9 @@ __all__ = [
 
 DEFAULT_BASE_URL = "https://api.fireworks.ai"
 SOURCE_URL_HEADER = "x-fireworks-hot-load-source-url"
+#: The hint of a request whose retries ``until()`` ended (``straggler_wait_s``): nothing for the user to fix.
+RELEASED_HINT = "none: its retries ended when another deployment served the snapshot (straggler_wait_s); this " \
+    "deployment's catch-up polls on"
 
 
 class DeploymentTarget(BaseModel):
@@ -336,14 +339,16 @@ class HotLoadClient:
             if wait_hint is not None:
                 delay = max(delay, min(wait_hint, self.backoff_max_s))
             if time.monotonic() + delay > (end if until is None else min(end, until())):
+                released = time.monotonic() + delay <= end  # until() ended the retries, not the budget
+                hint = RELEASED_HINT if released else None
                 if status is not None:
-                    raise self._http_error(what, status, data, attempt, sent, rheaders, signal)
+                    raise self._http_error(what, status, data, attempt, sent, rheaders, signal, hint)
                 raise HotLoadError(
                     self.redact(
                         f"{what}: no answer after {attempt} attempt(s) over {time.monotonic() - start:.1f}s: {failure}"
                     ),
-                    hint="check that base_url (hotload_api_url) is reachable from this host (proxy, firewall, DNS); "
-                    "raise retry_budget_s for flaky networks (HotloadConfig: ready_timeout_s, capped at 300 s)",
+                    hint=hint or "check that base_url (hotload_api_url) is reachable from this host (proxy, firewall, "
+                    "DNS); raise retry_budget_s for flaky networks (HotloadConfig: ready_timeout_s, capped at 300 s)",
                     attempts=sent,
                 )
             log.warning("%s failed (%s); retry %d in %.1fs", what, self.redact(failure), attempt, delay)
@@ -358,7 +363,7 @@ class HotLoadClient:
         return self.redact(data.decode("utf-8", errors="replace")).encode()
 
     def _http_error(self, what: str, status: int, data: bytes, attempts: int, sent: int,
-                    headers: Mapping[str, str], signal: bool) -> HotLoadError:
+                    headers: Mapping[str, str], signal: bool, hint: str | None = None) -> HotLoadError:
         message = extract_server_message(data, self.redact)
         tries = f" after {attempts} attempts" if attempts > 1 else ""
         location = self.redact(headers["location"]) if 300 <= status < 400 and "location" in headers else None
@@ -367,7 +372,7 @@ class HotLoadClient:
             f"{what} returned HTTP {status}{moved}{tries}: {message}",
             status_code=status,
             server_message=message,
-            hint=hint_for(status, location, signal=signal),
+            hint=hint or hint_for(status, location, signal=signal),
             response_text=self._response_text(data),
             attempts=sent,
         )
@@ -535,7 +540,8 @@ class HotLoadClient:
                 if fatal_while_polling(exc.status_code, signalled=identity is not None):
                     raise
                 last_error = str(exc)
-                log.warning("%s failed: %s", what, last_error)
+                released = exc.hint == RELEASED_HINT  # the wait ends now, and the caller says why
+                log.log(logging.INFO if released else logging.WARNING, "%s failed: %s", what, last_error)
             else:
                 last, last_error = st, None
                 if on_poll is not None:

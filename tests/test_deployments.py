@@ -446,15 +446,16 @@ def test_a_slow_deployment_is_left_to_its_catch_up_after_straggler_wait_s(
 
 
 def test_with_straggler_wait_s_a_publish_does_not_wait_for_a_catch_ups_load_in_flight(tmp_path: Path) -> None:
-    """pool-eu's loads take 2.5 s. After straggler_wait_s left step 1's load to its catch-up, that catch-up signals
+    """pool-eu's loads take 2 s. After straggler_wait_s left step 1's load to its catch-up, that catch-up signals
     step 2 and loads it; steps 3 and 4, published meanwhile, go to pool-us alone, not waiting for that load (a
     publish that joined the catch-up waited for it, a whole slow load, which the option is set to avoid). The
-    catch-up signals them after it, in order, and pool-eu ends on the newest bytes."""
+    catch-up signals them after it, in order, and close() waits for its three loads, each within ready_timeout_s
+    though not all three together, so pool-eu ends on the newest bytes."""
     bucket = str(tmp_path / "bucket")
     model = make_model()
     with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
         cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], deployments_required="any",
-                     full_every=10, ready_timeout_s=10.0, straggler_wait_s=0.3)
+                     full_every=10, ready_timeout_s=3.0, straggler_wait_s=0.3)
         digests: list[str] = []
         with TensorPublisher(model, cfg) as pub:
             sig = pub.engine.signaller
@@ -463,7 +464,7 @@ def test_with_straggler_wait_s_a_publish_does_not_wait_for_a_catch_ups_load_in_f
                 train_step(model, step)
                 digests.append(expected_sha(model))
                 if step == 1:
-                    emu.set_load_delay(2.5, deployment=EU)
+                    emu.set_load_delay(2.0, deployment=EU)
                 if step == 3:  # the catch-up waited out step 1's load and now loads step 2
                     deadline = time.monotonic() + 10
                     while pub.metrics[2].identity not in ledger(emu, EU) and time.monotonic() < deadline:
@@ -478,12 +479,47 @@ def test_with_straggler_wait_s_a_publish_does_not_wait_for_a_catch_ups_load_in_f
                 if step >= 1:
                     assert m.deployments_behind == m.deployments_catching_up == [EU], (step, m)
                 if step >= 3:
-                    assert time.monotonic() - t0 < 1.5, (step, m)  # not the rest of pool-eu's 2.5 s load
+                    assert time.monotonic() - t0 < 1.5, (step, m)  # not the rest of pool-eu's 2 s load
                     assert ledger(emu, EU)[-1] == pub.metrics[2].identity  # still loading it: not signalled
-            emu.set_load_delay(0.0, deployment=EU)
-            assert sig.drain(15)
         assert serves(emu, EU) == (pub.metrics[-1].identity, digests[-1])
         assert ledger(emu, EU) == [m.identity for m in pub.metrics]  # each signalled once, in order
+
+
+def test_with_straggler_wait_s_a_catch_ups_load_is_waited_for_when_no_other_deployment_takes_the_delta(
+        tmp_path: Path) -> None:
+    """Three deployments: c failed step 1's load (it waits for the next full snapshot), b's catch-up loads step 2
+    slowly, and a's hot-load manager is down when step 3 is published. Only b can take step 3: it is waited for
+    and signalled, not left out because c, which serves no parent of the delta, would have been "another one"."""
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    a, b, c = (f"accounts/acct/deployments/{n}" for n in "abc")
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        cfg = config(bucket, emu, tmp_path, deployment_id=["a", "b", "c"], deployments_required="any",
+                     full_every=100, ready_timeout_s=10.0, straggler_wait_s=0.2)
+        with TensorPublisher(model, cfg) as pub:
+            sig = pub.engine.signaller
+            assert sig is not None
+            for step in range(4):
+                train_step(model, step)
+                if step == 1:
+                    emu.fail_next_loads(1, deployment=c)
+                    emu.set_load_delay(1.5, deployment=b)
+                if step == 3:  # b's catch-up loads step 2; c's asked after step 1 and ended
+                    deadline = time.monotonic() + 15
+                    while (ledger(emu, b)[-1] != pub.metrics[2].identity or c in sig._lanes) and \
+                            time.monotonic() < deadline:
+                        time.sleep(0.02)
+                    emu.set_manager_up(False, deployment=a)
+                pub.publish(step, model)
+                pub.wait()
+                m = pub.metrics[-1]
+                assert m.ok, (step, m.error)
+            assert m.deployments_behind == [a, c]
+            assert serves(emu, b) == (m.identity, expected_sha(model))
+            emu.set_manager_up(True, deployment=a)
+            emu.set_load_delay(0.0, deployment=b)
+        ids = [m.identity for m in pub.metrics]
+        assert ledger(emu, b) == ids and ledger(emu, c) == ids[:2]
 
 
 def test_a_deployment_whose_manager_comes_up_late_catches_up_from_the_full_snapshot(tmp_path: Path) -> None:

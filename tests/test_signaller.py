@@ -397,10 +397,12 @@ def test_with_any_a_wait_cancelled_by_close_fails_the_snapshot(fleet: tuple[str,
         sig.close()
 
 
-def test_with_straggler_wait_s_a_region_answering_503_is_left_to_its_catch_up(fleet: tuple[str, Fleet]) -> None:
+def test_with_straggler_wait_s_a_region_answering_503_is_left_to_its_catch_up(
+        fleet: tuple[str, Fleet], caplog: pytest.LogCaptureFixture) -> None:
     """d2 takes s2's signal, then its gateway answers 503 (its container restarts). Its status poll's retries
     (1, 2, 4, 8 s apart within a 30 s budget) must end once straggler_wait_s has passed since d1 served s2, not
-    hold the publish for them; its catch-up waits on and finds it serving s2 once the gateway is back."""
+    hold the publish for them, nor be told as a spent retry budget that calls for a full snapshot; its catch-up
+    waits on and finds it serving s2 once the gateway is back."""
     url, state = fleet
     clients = [HotLoadClient(url, account_id="a", model_id="m", deployment_id=d, api_key="k", poll_interval_s=0.02,
                              retry_budget_s=30) for d in DEPLOYMENTS]  # min(300 s, ready_timeout_s): from_config's
@@ -418,9 +420,12 @@ def test_with_straggler_wait_s_a_region_answering_503_is_left_to_its_catch_up(fl
     try:
         sig.signal_and_wait("s1", None)
         t0 = time.monotonic()
-        sig.signal_and_wait("s2", "s1")
+        with caplog.at_level(logging.INFO, logger="fsdp_hotload"):
+            sig.signal_and_wait("s2", "s1")
         took = time.monotonic() - t0
         assert took < 3, took  # 15 s when the retries ignored straggler_wait_s
+        assert "retries ended when another deployment served the snapshot" in caplog.text
+        assert not [r for r in caplog.records if "budget is spent" in r.getMessage()]
         assert list(sig.behind) == [d2] and "straggler_wait_s" in sig.behind[d2]
         assert sig.served == {f"accounts/a/deployments/{d}": "s2" if d != "d2" else "s1" for d in DEPLOYMENTS}
         state.failing.discard("d2")

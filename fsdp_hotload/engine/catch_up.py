@@ -47,6 +47,7 @@ class CatchUps:
     _timed_out: set[str]
     _managers_up: set[str]
     _downs: dict[str, int]
+    _lane_loads: int
     _first_seen: dict[str, Any]
     _ask_manager: Callable[[Any], None]
     _mark_down: Callable[[str], None]
@@ -164,6 +165,7 @@ class CatchUps:
                     self._wait_lane(c, target, self.ready_timeout_s)
                 with self._state:
                     self._serve(name, target)
+                    self._lane_loads += 1
                 loaded += 1
         except HotLoadCancelled:
             log.info("hotload: %s's catch-up ended at %s: cancelled (closing)", name, target)
@@ -233,3 +235,17 @@ class CatchUps:
             if self._lanes and timeout != 0:
                 log.info("hotload: waiting for %s to catch up", ", ".join(sorted(self._lanes)))
             return self._lanes_done.wait_for(lambda: not self._lanes, timeout)
+
+    def drain_loading(self) -> bool:
+        """:meth:`drain` for as long as the catch-ups load: ``ready_timeout_s`` at a time, again after any round
+        in which a load ended (False after one in which none did). Why: a catch-up may have several loads left
+        (slow loads that ``straggler_wait_s`` left to it, a publish that did not wait for its load in flight), and
+        each has ``ready_timeout_s``; one bound for all of them left a deployment behind at close()."""
+        while True:
+            with self._state:
+                loads = self._lane_loads
+            if self.drain(self.ready_timeout_s):
+                return True
+            with self._state:
+                if self._lane_loads == loads:
+                    return False

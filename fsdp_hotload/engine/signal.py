@@ -77,6 +77,7 @@ class Signaller(Hints, CatchUps):
         self._hints_asked: dict[str, str] = {}  # deployment -> the identity whose hints its status let go out
         self._managers_up: set[str] = set()  # deployments that reported a replica (safe to signal)
         self._downs: dict[str, int] = {}  # deployment -> times it was found down (see _mark_down)
+        self._lane_loads = 0  # snapshots the catch-ups brought a deployment to (close() waits while they go on)
         self._first_seen: dict[str, Any] = {}  # deployment -> the status that first reported a replica, until logged
         self._hint_lock = threading.Lock()
         # "any" only: the snapshots served since the newest full one, in order (what a catch-up signals), each
@@ -269,12 +270,15 @@ class Signaller(Hints, CatchUps):
                     self._chain.index(self.served[name]) + 1 if self.served[name] in self._chain else 0)
                 busy[name] = f"catching up ({len(self._chain) - i} earlier snapshot(s) to load first)"
 
+        def takes(name: str) -> bool:  # signalled, unless a delta's chain check leaves it out (it must take one)
+            return previous is None or self.served[name] == previous
+
         with self._state:
             names = [c.deployment_name for c in clients]
             hung = set(names) & self._timed_out
             # straggler_wait_s, and another deployment is signalled: a catch-up's load in flight is not waited for
             free = self._spare and self.straggler_wait_s is not None and any(
-                n not in self._lanes and n not in hung for n in names)
+                n not in self._lanes and n not in hung and takes(n) for n in names)
             freed = False
             for name in [n for n in names if n in self._lanes and n not in hung]:
                 if free and self._loading(name):
@@ -283,7 +287,7 @@ class Signaller(Hints, CatchUps):
                 else:
                     lane(name)
             self._spared = freed  # the first to set it in this publish (_joined runs later)
-            if self._spare and any(n not in busy and n not in hung for n in names):  # another is signalled
+            if self._spare and any(n not in busy and n not in hung and (n in joining or takes(n)) for n in names):
                 busy.update((n, HUNG) for n in hung)
                 self._spared = freed or bool(hung)
             else:
@@ -468,11 +472,11 @@ class Signaller(Hints, CatchUps):
             c.cancel()
 
     def close(self, timeout: float | None = 0.0) -> None:
-        """Cancel what is in flight, after waiting up to ``timeout`` seconds (None: ``ready_timeout_s``) for the
-        deployments catching up; then name each deployment left behind, and what it serves, where the job's end is
-        seen last. Why a bound without a timeout: the other ranks have returned from close() meanwhile, and a
-        script's next collective waits for this one."""
-        if not self.drain(self.ready_timeout_s if timeout is None else timeout):
+        """Cancel what is in flight, after waiting up to ``timeout`` seconds for the deployments catching up (None:
+        while their loads end, each within ``ready_timeout_s``: :meth:`drain_loading`); then name each deployment
+        left behind, and what it serves, where the job's end is seen last. Why a bound without a timeout: the other
+        ranks have returned from close() meanwhile, and a script's next collective waits for this one."""
+        if not (self.drain_loading() if timeout is None else self.drain(timeout)):
             log.warning("hotload: closing while %s still catch(es) up: cancelled", ", ".join(sorted(self._lanes)))
         self.cancel()
         self._pool.shutdown()
