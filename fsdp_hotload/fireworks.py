@@ -267,8 +267,9 @@ class HotLoadClient:
         until: Callable[[], float] | None = None,
     ) -> Any:
         """One API call with transport retries; returns the parsed JSON body (None for an empty body). ``until()``
-        (a ``time.monotonic()`` value, re-read before each retry) may end the retries sooner than ``deadline``:
-        another deployment's readiness can bring it forward (``straggler_wait_s``) while the server answers 503."""
+        (a ``time.monotonic()`` value, re-read before each attempt and retry) may end them sooner than ``deadline``:
+        another deployment's readiness can bring it forward (``straggler_wait_s``) while the server answers 503 or
+        not at all."""
         base = self.control_plane_url if control_plane else self.base_url
         what = f"{method} {urllib.parse.urlunsplit(base).rstrip('/')}{path}"
         payload = json.dumps(body).encode() if body is not None else None
@@ -286,7 +287,7 @@ class HotLoadClient:
             # Each attempt gets what is left of the budget (at least 0.5 s to have a chance): the budget, not
             # timeout_s, is what callers plan with (longest_signal_s), and a server that takes a request and never
             # answers must not hold the last attempt a full timeout_s past it.
-            timeout = min(self.timeout_s, max(0.5, end - time.monotonic()))
+            timeout = min(self.timeout_s, max(0.5, (end if until is None else min(end, until())) - time.monotonic()))
             status: int | None = None
             data = b""
             rheaders: dict[str, str] = {}

@@ -397,25 +397,35 @@ def test_with_any_a_wait_cancelled_by_close_fails_the_snapshot(fleet: tuple[str,
         sig.close()
 
 
-def test_with_straggler_wait_s_a_region_answering_503_is_left_to_its_catch_up(
-        fleet: tuple[str, Fleet], caplog: pytest.LogCaptureFixture) -> None:
-    """d2 takes s2's signal, then its gateway answers 503 (its container restarts). Its status poll's retries
-    (1, 2, 4, 8 s apart within a 30 s budget) must end once straggler_wait_s has passed since d1 served s2, not
-    hold the publish for them, nor be told as a spent retry budget that calls for a full snapshot; its catch-up
-    waits on and finds it serving s2 once the gateway is back."""
+@pytest.mark.parametrize("fault", ["503", "no answer"])
+def test_with_straggler_wait_s_a_region_whose_polls_fail_is_left_to_its_catch_up(
+        fleet: tuple[str, Fleet], caplog: pytest.LogCaptureFixture, fault: str) -> None:
+    """d2 takes s2's signal, then its gateway answers 503 (its container restarts), or, from 0.1 s later, does not
+    answer. Its status poll's retries (1, 2, 4, 8 s apart within a 30 s budget), or an attempt waiting for an answer
+    (up to that budget), must end once straggler_wait_s has passed since d1 served s2, not hold the publish, nor be
+    told as a spent retry budget that calls for a full snapshot; its catch-up waits on and finds it serving s2 once
+    the gateway is back."""
     url, state = fleet
     clients = [HotLoadClient(url, account_id="a", model_id="m", deployment_id=d, api_key="k", poll_interval_s=0.02,
                              retry_budget_s=30) for d in DEPLOYMENTS]  # min(300 s, ready_timeout_s): from_config's
     sig = Signaller(clients, ready_timeout_s=30, require_all=False, straggler_wait_s=0.2)
-    post = state.post
+    post, back, silent_from = state.post, threading.Event(), [float("inf")]
 
     def post_then_fail(deployment: str, identity: str) -> int:
         status = post(deployment, identity)
         if (deployment, identity) == ("d2", "s2"):
-            state.failing.add("d2")
+            if fault == "503":
+                state.failing.add("d2")
+            else:  # loading (not serving it yet), then no answer: d1 serves s2 meanwhile
+                state.stuck.add("d2")
+                silent_from[0] = time.monotonic() + 0.1
         return status
 
-    state.post = post_then_fail  # type: ignore[method-assign]
+    def silent(deployment: str, up: bool) -> None:
+        if deployment == "d2" and time.monotonic() > silent_from[0]:
+            back.wait(10)
+
+    state.post, state.on_get = post_then_fail, silent  # type: ignore[method-assign]
     d2 = "accounts/a/deployments/d2"
     try:
         sig.signal_and_wait("s1", None)
@@ -423,15 +433,19 @@ def test_with_straggler_wait_s_a_region_answering_503_is_left_to_its_catch_up(
         with caplog.at_level(logging.INFO, logger="fsdp_hotload"):
             sig.signal_and_wait("s2", "s1")
         took = time.monotonic() - t0
-        assert took < 3, took  # 15 s when the retries ignored straggler_wait_s
+        assert took < 3, took  # 15 s (503) or 30 s (no answer) when the retries ignored straggler_wait_s
         assert "retries ended when another deployment served the snapshot" in caplog.text
         assert not [r for r in caplog.records if "budget is spent" in r.getMessage()]
         assert list(sig.behind) == [d2] and "straggler_wait_s" in sig.behind[d2]
         assert sig.served == {f"accounts/a/deployments/{d}": "s2" if d != "d2" else "s1" for d in DEPLOYMENTS}
         state.failing.discard("d2")
+        state.stuck.discard("d2")
+        silent_from[0] = float("inf")
+        back.set()
         assert sig.drain(10)
         assert sig.served[d2] == "s2" and state.arrived["s2"] == 3  # its catch-up did not signal it again
     finally:
+        back.set()
         sig.close()
 
 

@@ -299,7 +299,9 @@ class Signaller(Hints, CatchUps):
         """Whether ``name``'s catch-up signals a snapshot or waits for its load (not one asking, with one status
         request, whether a load ended). Called under ``_state``."""
         target = self._lane_at.get(name)
-        return target is not None and (name not in self._settling or self._release_of(name, target) is not None)
+        if target is None or self.served[name] == target:  # none, or served: it moves on or ends now
+            return False
+        return name not in self._settling or self._release_of(name, target) is not None
 
     def _joined(self, c: Any, previous: str | None, joining: set[str], others: bool) -> bool:
         """For a deployment catching up (``joining``): wait for its catch-up to end (its load in flight, at most
