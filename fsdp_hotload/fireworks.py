@@ -278,6 +278,9 @@ class HotLoadClient:
         end = start + self.retry_budget_s
         if deadline is not None:
             end = min(end, deadline)
+
+        def stop() -> float:  # when the attempts and retries end now
+            return end if until is None else min(end, until())
         attempt = sent = 0  # sent: the attempts that may have reached the server
         signal = method == "POST" and path == HOT_LOAD_PATH
         while True:
@@ -287,7 +290,7 @@ class HotLoadClient:
             # Each attempt gets what is left of the budget (at least 0.5 s to have a chance): the budget, not
             # timeout_s, is what callers plan with (longest_signal_s), and a server that takes a request and never
             # answers must not hold the last attempt a full timeout_s past it.
-            timeout = min(self.timeout_s, max(0.5, (end if until is None else min(end, until())) - time.monotonic()))
+            timeout = min(self.timeout_s, max(0.5, stop() - time.monotonic()))
             status: int | None = None
             data = b""
             rheaders: dict[str, str] = {}
@@ -339,7 +342,7 @@ class HotLoadClient:
             delay = backoff_delay(attempt, self.backoff_initial_s, self.backoff_max_s, 1.0)  # no jitter: one caller
             if wait_hint is not None:
                 delay = max(delay, min(wait_hint, self.backoff_max_s))
-            if time.monotonic() + delay > (end if until is None else min(end, until())):
+            if time.monotonic() + delay > stop():
                 released = time.monotonic() + delay <= end  # until() ended the retries, not the budget
                 hint = RELEASED_HINT if released else None
                 if status is not None:
