@@ -300,7 +300,7 @@ class HotLoadClient:
             hint: str | None = None
             try:
                 status, rheaders, data, oversized = send_once(base, method, path, payload, headers, timeout,
-                                                              self._ssl, self._canceller)
+                                                              self._ssl, self._canceller, until)
             except RequestCancelled:
                 cancelled = True
             except ssl.SSLCertVerificationError as exc:

@@ -253,6 +253,48 @@ class Canceller:
             self._wakers.discard(waker)
 
 
+#: How often a wait re-reads a caller's ``until()``: a straggler's wait may end this much after its release.
+_SLICE_S = 0.1
+
+
+class _Deadline:
+    """When one exchange must end: ``timeout`` after it began, or sooner once the caller's ``until()`` (a
+    ``time.monotonic()`` value, re-read every :data:`_SLICE_S` while waiting) comes first, though not before
+    ``min(timeout, 0.5)`` s, the least an attempt gets to have a chance.
+
+    Why a moving end: a status poll to a region that stopped answering began before another deployment served the
+    snapshot, so only its own ``timeout`` (60 s by default) ended it, long after ``straggler_wait_s`` released the
+    wait it serves."""
+
+    def __init__(self, timeout: float, until: Callable[[], float] | None) -> None:
+        self.start = time.monotonic()
+        self.timeout = timeout
+        self._fixed = self.start + timeout
+        self._floor = self.start + min(timeout, 0.5)
+        self._until = until
+
+    def at(self) -> float:
+        if self._until is None:
+            return self._fixed
+        return min(self._fixed, max(self._floor, self._until()))
+
+    def left(self) -> float:
+        return self.at() - time.monotonic()
+
+    def why(self) -> str:
+        """What ended the exchange once :meth:`left` is spent: its own timeout, or the caller's ``until()``."""
+        return "deadline" if self.at() >= self._fixed else "until"
+
+    def wait(self, event: threading.Event) -> bool:
+        """Wait for ``event`` until the end; True when it was set."""
+        while not event.is_set():
+            left = self.left()
+            if left <= 0:
+                break
+            event.wait(left if self._until is None else min(left, _SLICE_S))
+        return event.is_set()
+
+
 class _Watchdog:
     """Shuts one exchange's socket down at its deadline, or when its canceller fires.
 
@@ -261,25 +303,25 @@ class _Watchdog:
     time held a status poll far past the caller's deadline. A shut-down socket reads as end of file at once; the
     caller then asks :meth:`finish` why, since a cut body can look complete to ``http.client``."""
 
-    def __init__(self, conn: http.client.HTTPConnection, deadline: float, canceller: Canceller | None) -> None:
+    def __init__(self, conn: http.client.HTTPConnection, deadline: _Deadline, canceller: Canceller | None) -> None:
         self._conn = conn
         self._deadline = deadline
         self._canceller = canceller
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._done = False
-        self.fired: str | None = None  # "deadline" or "cancelled"
+        self.fired: str | None = None  # "deadline", "until" or "cancelled"
         if canceller is not None:
             canceller.watch(self._wake)
         threading.Thread(target=self._run, name="hotload-http-watchdog", daemon=True).start()
 
     def _run(self) -> None:
-        self._wake.wait(max(0.0, self._deadline - time.monotonic()))
+        self._deadline.wait(self._wake)
         with self._lock:
             if self._done:
                 return
             cancelled = self._canceller is not None and self._canceller.cancelled
-            self.fired = "cancelled" if cancelled else "deadline"
+            self.fired = "cancelled" if cancelled else self._deadline.why()
             sock = self._conn.sock
             if sock is not None:  # the plain socket's shutdown, also under TLS: it only wakes the reader
                 with contextlib.suppress(OSError):
@@ -298,13 +340,15 @@ class _Watchdog:
 def send_once(
     base: urllib.parse.SplitResult, method: str, path: str, payload: bytes | None, headers: dict[str, str],
     timeout: float, context: ssl.SSLContext, canceller: Canceller | None = None,
+    until: Callable[[], float] | None = None,
 ) -> Reply:
-    """One exchange, no retries, done within ``timeout`` seconds. Raises OSError/HTTPException on failure
-    (TimeoutError past ``timeout``) and :class:`RequestCancelled` once ``canceller`` is cancelled.
+    """One exchange, no retries, done within ``timeout`` seconds, or by ``until()`` where that comes first (see
+    :class:`_Deadline`). Raises OSError/HTTPException on failure (TimeoutError past either) and
+    :class:`RequestCancelled` once ``canceller`` is cancelled.
 
     Why the body is read here in pieces: a plain ``read()`` holds whatever size the server sends. The deadline
     covers the whole exchange, status line and headers included (see :class:`_Watchdog`)."""
-    deadline = time.monotonic() + timeout
+    deadline = _Deadline(timeout, until)
     if canceller is not None and canceller.cancelled:
         raise RequestCancelled("the client was cancelled")
     # An explicit port: given None, http.client re-parses the host, and an IPv6 literal ("::1") becomes host ":"
@@ -328,23 +372,23 @@ def send_once(
     watchdog = _Watchdog(conn, deadline, canceller)
     try:
         try:
-            reply = _exchange(conn, method, url, payload, headers, deadline, timeout, watchdog)
+            reply = _exchange(conn, method, url, payload, headers, deadline, watchdog)
         except Exception as exc:
             why = watchdog.finish()
-            if why is None or (why == "deadline" and isinstance(exc, NotSent)):  # a timed-out connect sent nothing
+            if why is None or (why != "cancelled" and isinstance(exc, NotSent)):  # a timed-out connect sent nothing
                 raise
             # Not chained: the reader's error (an end of file, a reset) only says the socket was shut down.
-            raise _cut(why, timeout) from None
+            raise _cut(why, deadline) from None
         why = watchdog.finish()
         if why is not None:  # the body may have been cut short and still parsed as whole
-            raise _cut(why, timeout)
+            raise _cut(why, deadline)
         return reply
     finally:
         watchdog.finish()
         conn.close()
 
 
-def _open(address: tuple[str, int], deadline: float, canceller: Canceller | None) -> socket.socket:
+def _open(address: tuple[str, int], deadline: _Deadline, canceller: Canceller | None) -> socket.socket:
     """A connected socket to ``address`` (a name, or a literal), by the deadline and until cancelled.
 
     Why not ``socket.create_connection``: its name lookup takes no timeout and cannot be interrupted (glibc waits
@@ -384,7 +428,7 @@ _lookups: dict[tuple[str, int], _Lookup] = {}
 _lookups_lock = threading.Lock()
 
 
-def _resolve(host: str, port: int, deadline: float, canceller: Canceller | None) -> list[tuple[Any, ...]]:
+def _resolve(host: str, port: int, deadline: _Deadline, canceller: Canceller | None) -> list[tuple[Any, ...]]:
     """``getaddrinfo`` on a daemon thread, waited for until the deadline or a cancel. A lookup left behind ends
     when the resolver gives up; its thread holds nothing of the client's."""
     with contextlib.suppress(ValueError):  # a literal address: nothing to look up, nothing to wait for
@@ -412,7 +456,7 @@ def _resolve(host: str, port: int, deadline: float, canceller: Canceller | None)
     if canceller is not None:
         canceller.watch(woken)
     try:
-        woken.wait(max(0.0, deadline - time.monotonic()))
+        deadline.wait(woken)
     finally:
         if canceller is not None:
             canceller.unwatch(woken)
@@ -454,7 +498,7 @@ def _look_up(host: str, port: int, lookup: _Lookup) -> None:
             waiter.set()
 
 
-def _connect(sock: socket.socket, sockaddr: tuple[Any, ...], host: str, deadline: float,
+def _connect(sock: socket.socket, sockaddr: tuple[Any, ...], host: str, deadline: _Deadline,
              canceller: Canceller | None) -> None:
     """A non-blocking connect, waited for in slices of at most 0.1 s so a cancel ends it (a blocking connect
     cannot be woken from another thread). ``poll``, not ``select``: a trainer may hold over 1024 descriptors."""
@@ -465,14 +509,14 @@ def _connect(sock: socket.socket, sockaddr: tuple[Any, ...], host: str, deadline
     while err in (errno.EINPROGRESS, errno.EALREADY, errno.EINTR):  # not EAGAIN: for TCP, a failure (no ports)
         if canceller is not None and canceller.cancelled:
             raise RequestCancelled("the client was cancelled while connecting to the API's host")
-        left = deadline - time.monotonic()
+        left = deadline.left()
         if left <= 0:
             raise TimeoutError(f"connecting to {host} did not finish by the deadline")
         if poller.poll(max(1, int(min(left, 0.1) * 1000))):  # writable, or an error: SO_ERROR says which
             err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
     if err:
         raise OSError(err, f"connecting to {host}: {os.strerror(err)}")
-    sock.settimeout(max(0.01, deadline - time.monotonic()))
+    sock.settimeout(max(0.01, deadline.left()))
 
 
 class ProxyUnsupported(ValueError):
@@ -510,7 +554,7 @@ class NotSent(ConnectionError):
 
 
 def _exchange(conn: http.client.HTTPConnection, method: str, url: str, payload: bytes | None,
-              headers: dict[str, str], deadline: float, timeout: float, watchdog: _Watchdog) -> Reply:
+              headers: dict[str, str], deadline: _Deadline, watchdog: _Watchdog) -> Reply:
     try:
         conn.connect()
     except ssl.SSLCertVerificationError:  # not sent either, but no retry can pass it: the caller says so at once
@@ -518,13 +562,13 @@ def _exchange(conn: http.client.HTTPConnection, method: str, url: str, payload: 
     except OSError as exc:
         raise NotSent(f"{type(exc).__name__}: {exc}") from exc
     conn.request(method, url, body=payload, headers=headers)
-    _time_left(conn, deadline, timeout, watchdog)
+    _time_left(conn, deadline, watchdog)
     resp = conn.getresponse()
     status, rheaders = resp.status, {k.lower(): v for k, v in resp.getheaders()}
     chunks: list[bytes] = []
     got = 0
     while got <= MAX_RESPONSE_BYTES:
-        _time_left(conn, deadline, timeout, watchdog)
+        _time_left(conn, deadline, watchdog)
         chunk = resp.read1(min(_CHUNK, MAX_RESPONSE_BYTES + 1 - got))
         if not chunk:
             break
@@ -534,19 +578,22 @@ def _exchange(conn: http.client.HTTPConnection, method: str, url: str, payload: 
     return Reply(status, rheaders, body[:MAX_RESPONSE_BYTES], got > MAX_RESPONSE_BYTES)
 
 
-def _cut(why: str, timeout: float) -> Exception:
+def _cut(why: str, deadline: _Deadline) -> Exception:
     if why == "cancelled":
         return RequestCancelled("the client was cancelled while the request was on the wire")
-    return TimeoutError(f"the response did not arrive in full within {timeout:.1f}s")
+    if why == "until":
+        return TimeoutError(f"the caller's wait ended {time.monotonic() - deadline.start:.1f}s into the exchange, "
+                            "before the response arrived in full")
+    return TimeoutError(f"the response did not arrive in full within {deadline.timeout:.1f}s")
 
 
-def _time_left(conn: http.client.HTTPConnection, deadline: float, timeout: float, watchdog: _Watchdog) -> None:
+def _time_left(conn: http.client.HTTPConnection, deadline: _Deadline, watchdog: _Watchdog) -> None:
     """Let the next socket read wait only until ``deadline``; raise once it has passed or the watchdog fired
     (it may have fired while the socket was still being connected, with nothing to shut down)."""
     if watchdog.fired is not None:
-        raise _cut(watchdog.fired, timeout)
-    left = deadline - time.monotonic()
+        raise _cut(watchdog.fired, deadline)
+    left = deadline.left()
     if left <= 0:
-        raise TimeoutError(f"the response did not arrive in full within {timeout:.1f}s")
+        raise _cut(deadline.why(), deadline)
     if conn.sock is not None:
         conn.sock.settimeout(left)

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from fsdp_hotload.fireworks import HotLoadCancelled, HotLoadError, HotLoadTimeout
-from fsdp_hotload.fireworks_http import NotSent, _connect, send_once
+from fsdp_hotload.fireworks_http import NotSent, _connect, _Deadline, send_once
 
 from tests.http_fixture import serve
 from tests.test_fireworks_transport import _cancel_after, answering, make_client
@@ -130,6 +130,43 @@ def test_a_connect_cut_by_the_deadline_counts_as_not_sent() -> None:
         assert time.monotonic() - started < 2.0
 
 
+@contextmanager
+def silent_server() -> Iterator[str]:
+    """A loopback listener that is never accepted from: the kernel takes the connection and the request, and no
+    answer comes (a server that hangs)."""
+    lsn = socket.socket()
+    lsn.bind(("127.0.0.1", 0))
+    lsn.listen(8)
+    try:
+        yield f"http://127.0.0.1:{lsn.getsockname()[1]}"
+    finally:
+        lsn.close()
+
+
+@pytest.mark.parametrize("phase", ["lookup", "connect", "answer"])
+def test_an_exchange_ends_when_the_callers_until_comes(phase: str, stalled_resolver: dict[str, int]) -> None:
+    """until() moves from never to 0.2 s after a release 0.3 s into the exchange (straggler_wait_s: another
+    deployment served the snapshot). An exchange begun before the release ended only at its own timeout (30 s
+    here, 60 s by default), whether it waited on the name lookup, the connect or the answer."""
+    release = [float("inf")]
+    timer = threading.Timer(0.3, lambda: release.__setitem__(0, time.monotonic() + 0.2))
+    with contextlib.ExitStack() as stack:
+        if phase == "lookup":
+            url = _stalled_url(stack.enter_context(serve(answering(200, READY))))
+        else:
+            url = stack.enter_context(unanswered_syn() if phase == "connect" else silent_server())
+        started = time.monotonic()
+        timer.start()
+        with pytest.raises((TimeoutError, NotSent)) as caught:
+            send_once(urllib.parse.urlsplit(url), "GET", "/", None, {}, 30.0, ssl.create_default_context(),
+                      None, lambda: release[0])
+        took = time.monotonic() - started
+    timer.cancel()
+    assert 0.45 < took < 2.0, took
+    if phase == "answer":
+        assert "the caller's wait ended" in str(caught.value)
+
+
 def test_a_connect_the_kernel_refuses_with_eagain_is_not_taken_for_one_in_progress(tmp_path: Any) -> None:
     """A non-blocking connect that returns EAGAIN has failed (over TCP: no ephemeral port left); it is not under
     way. Read as in progress, the socket polled writable at once and the request went out on an unconnected socket.
@@ -148,7 +185,7 @@ def test_a_connect_the_kernel_refuses_with_eagain_is_not_taken_for_one_in_progre
         assert err == errno.EAGAIN
         held.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
         with pytest.raises(OSError, match="connecting to api") as caught:
-            _connect(held[-1], path, "api", time.monotonic() + 5, None)  # type: ignore[arg-type]
+            _connect(held[-1], path, "api", _Deadline(5, None), None)  # type: ignore[arg-type]
         assert caught.value.errno == errno.EAGAIN
     finally:
         for sock in held:
