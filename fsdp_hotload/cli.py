@@ -192,7 +192,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--parent-identity", default=None, help="identity recorded as the parent (default: PARENT's name)")
     d.add_argument("--vendor-module", default=None,
                    help="encode files with this module's delta_compress_files_to_file (Fireworks' reference "
-                        "encoder) for byte compatibility with Fireworks' loader")
+                        "encoder) for byte compatibility with Fireworks' loader; a module name or a .py file's path")
     a = sub.add_parser("apply", help="rebuild a full snapshot from PARENT and DELTA into OUT")
     a.add_argument("parent"), a.add_argument("delta"), a.add_argument("out")
     a.add_argument("--parent-identity", default=None, help="reject a delta made against another parent")

@@ -72,7 +72,8 @@ class HotloadConfig(BaseModel):
     upload_concurrency: int = Field(8, ge=1, le=256, description="parallel uploads per rank")
     storage_attempts: int = Field(6, ge=1, le=100, description="tries per transient storage error before the "
                                                               "publish fails (the next one is then full): the jittered "
-                                                              "waits between 6 tries add up to 6 s at most, 10 to 65 s")
+                                                              "waits between 6 tries add up to 6.2 s at most, between 10 "
+                                                              "tries to about 65 s")
     max_file_bytes: int = Field(5 * 10**9, ge=1, description="cap on a full-snapshot weight file (bytes)")
     keep_last: int | None = Field(None, ge=1, description="retention: keep the last K committed snapshots "
                                                           "(and every base they depend on), and those of another "
@@ -129,7 +130,9 @@ class HotloadConfig(BaseModel):
     collective_timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
                                                description="timeout of the publisher's side gloo groups, where "
                                                "ranks wait while the others upload and rank 0 signals and waits "
-                                               "for readiness; None = ready_timeout_s + 3600")
+                                               "for readiness; None = the longest rank 0 may spend signalling "
+                                               "a snapshot (about ready_timeout_s + 6 min, twice that with "
+                                               "deployments_required='any') + 3600")
     send_hints: bool = Field(True, description="send a per-file hint as each file becomes durable")
     reset_prompt_cache: Literal["all", "new_session", "none"] | None = Field(
         None, description="prompt-cache reset the fleet applies with each new snapshot (sent with every signal)")
@@ -377,8 +380,13 @@ class HotloadConfig(BaseModel):
 
     @property
     def side_group_timeout_s(self) -> float:
-        """The side groups' timeout: long enough for the slowest rank's upload plus every replica's readiness."""
-        return self.collective_timeout_s or self.ready_timeout_s + 3600.0
+        """The side groups' timeout: long enough for the slowest rank's upload plus all that signalling may take.
+        Why not ``ready_timeout_s`` + an hour: with ``deployments_required="any"`` a snapshot may wait for a
+        catch-up's load before its own readiness wait, and from ``ready_timeout_s`` of about 54 min on that
+        default broke the side groups (and stopped publishing) under a user who had set no timeout."""
+        from .engine.signal_limits import longest_signal_s
+
+        return self.collective_timeout_s or longest_signal_s(self) + 3600.0
 
     @property
     def deployments(self) -> list[str]:

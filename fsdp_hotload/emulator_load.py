@@ -136,7 +136,7 @@ def load_snapshot(
         if previous is None:
             if is_delta_file(data):
                 raise LoadError(f"{path} is a delta file, but {identity!r} was signalled as a full snapshot")
-            got = load_file(data, filename=fname)
+            got = load_file(data, filename=fname, require_checksums=True)
         else:
             if not is_delta_file(data):
                 raise LoadError(f"{path} is not a delta file, but {identity!r} was signalled as a delta")

@@ -201,7 +201,8 @@ def _entry_bytes(spec: TensorSpec, offset_digits: int) -> int:
     shape = ",".join(str(d) for d in spec.shape)
     # "<name>":{"dtype":"<code>","shape":[<shape>],"data_offsets":[<begin>,<end>]},
     fixed = len(':{"dtype":"","shape":[],"data_offsets":[,]},')
-    return len(json.dumps(spec.name)) + fixed + len(spec.dtype) + len(shape) + 2 * offset_digits
+    checksum = 8  # its Adler-32 in the file's __metadata__ (hex digits; the key is in _METADATA_ALLOWANCE)
+    return len(json.dumps(spec.name)) + fixed + len(spec.dtype) + len(shape) + 2 * offset_digits + checksum
 
 
 # ------------------------------------------------------------------------------------------------ the plan

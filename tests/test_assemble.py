@@ -10,23 +10,26 @@ import pytest
 import safetensors.torch
 import torch
 
+from fsdp_hotload.arc.adler import chunk_parts
 from fsdp_hotload.arc.boxes import Box
 from fsdp_hotload.arc.dtypes import RawTensor
 from fsdp_hotload.arc.errors import FormatError
-from fsdp_hotload.arc.stio import build_header, parse_header, save_file
+from fsdp_hotload.arc.stio import CHECKSUM_KEY, build_header, parse_header, save_file
 from fsdp_hotload.engine.assemble import FULL_FILE_METADATA, Piece, assemble_full_file, assign_owners
 from fsdp_hotload.layout import TensorSpec, plan_shards
 
 
 def _pieces(name: str, full: np.ndarray, boxes: list[Box], space: str) -> list[Piece]:
-    """Each box's bytes in box C order, as a rank stages them; alternately numpy views and bytes."""
+    """Each box's bytes in box C order, as a rank stages them, with their Adler-32 shares; alternately numpy views
+    and bytes."""
     out = []
     flat = full.reshape(-1)
     for i, b in enumerate(boxes):
         part = flat[b.start[0]:b.start[0] + b.length[0]] if space == "flat" else \
             full[tuple(slice(s, s + n) for s, n in zip(b.start, b.length))]
         raw = np.ascontiguousarray(part).view(np.uint8).reshape(-1)
-        out.append(Piece(name, space, tuple(b.start), tuple(b.length), raw if i % 2 else raw.tobytes()))
+        parts = chunk_parts(raw, b, flat.shape if space == "flat" else full.shape, full.itemsize, full.nbytes)
+        out.append(Piece(name, space, tuple(b.start), tuple(b.length), raw if i % 2 else raw.tobytes(), parts))
     return out
 
 
@@ -53,14 +56,15 @@ def test_full_file_equals_the_reference_writer() -> None:
     got = assemble_full_file(plan, filename, pieces)
     want = save_file({n: RawTensor(plan.specs[n].dtype, plan.specs[n].shape, tensors[n].view(np.uint8).reshape(-1))
                       for n in names}, FULL_FILE_METADATA)
-    assert bytes(got) == want
+    assert bytes(got) == want  # checksums included: combined from the pieces' shares, as save_file computes them
+    assert CHECKSUM_KEY in parse_header(want).metadata
     with pytest.raises(FormatError, match="cover"):  # a rank's piece missing: refused, never a file with a hole
         assemble_full_file(plan, filename, [p for p in pieces if p.box.numel][1:])
 
 
 def test_a_piece_of_another_length_than_its_box_is_refused() -> None:
-    """numpy would broadcast a short piece over its box and cut a long one: wrong weights, published in silence
-    (a full snapshot carries no checksum)."""
+    """numpy would broadcast a short piece over its box and cut a long one: wrong weights, refused only once a
+    replica checks the file's checksums, after every upload."""
     plan = plan_shards([TensorSpec("model.norm.weight", (4,), "BF16")])
     (filename, _), = plan.files.items()
     good = np.arange(8, dtype=np.uint8)

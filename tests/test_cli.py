@@ -85,6 +85,28 @@ def test_verify_failures_exit_1(snapshots: tuple[Path, Path], tmp_path: Path) ->
     assert "model-00002-of-00002.safetensors" in res.stderr
 
 
+@pytest.mark.parametrize("damage", ["tensor renamed", "tensor moved to another file"])
+def test_a_damaged_index_is_refused_by_apply_and_verify(snapshots: tuple[Path, Path], tmp_path: Path,
+                                                        damage: str) -> None:
+    """apply and verify read the delta's index only for its file names: one bit off in it (a tensor renamed, or
+    mapped to another shard) was copied into OUT under a commit marker, naming tensors OUT's shards do not hold."""
+    a, b = snapshots
+    d, r = tmp_path / "delta", tmp_path / "rebuilt"
+    assert run("diff", a, b, d).returncode == 0
+    index = d / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    if damage == "tensor renamed":
+        doc["weight_map"]["model.layers.0.mlp.v"] = doc["weight_map"].pop("model.layers.0.mlp.w")
+    else:
+        doc["weight_map"]["model.layers.0.norm"] = "model-00001-of-00002.safetensors"
+    index.write_text(json.dumps(doc))
+    res = run("apply", a, d, r)
+    assert res.returncode == 1 and "a damaged index" in res.stderr, res.stderr
+    assert not (r / "hotload.commit.json").exists()
+    res = run("verify", a, d)
+    assert res.returncode == 1 and "a damaged index" in res.stderr, res.stdout + res.stderr
+
+
 def test_usage_errors_exit_2(snapshots: tuple[Path, Path], tmp_path: Path) -> None:
     a, _ = snapshots
     res = run("verify", a, tmp_path / "missing")
@@ -172,6 +194,29 @@ def test_vendor_route_takes_a_layout_our_decoder_cannot_read(snapshots: tuple[Pa
     diff_paths(str(a), str(b), str(tmp_path / "ours"), parent_identity="vendor",
                vendor_module="tests.vendor_example.fw_reference_shape", unverified=unverified)
     assert unverified == []
+
+
+def test_a_vendor_module_that_fails_leaves_out_as_it_was_and_says_so_in_one_line(
+        snapshots: tuple[Path, Path], tmp_path: Path) -> None:
+    """A module that raised printed a traceback, and its output was removed: in file mode that was the OUT file
+    the user had there before the run. And a module given as a .py file's path was a TypeError traceback."""
+    a, b = snapshots
+    name = "model-00001-of-00002.safetensors"
+    out = tmp_path / "notes.safetensors"
+    out.write_bytes(b"the user's own file")
+    module = str(Path(__file__).parent / "vendor_example" / "fw_reference_shape.py")
+    res = subprocess.run([*HOTLOAD, "diff", str(a / name), str(b / name), str(out), "--vendor-module", module],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "FW_REFERENCE_SHAPE_MODE":
+                                                                             "raise"})
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert "failed: RuntimeError: vendor encoder crashed" in res.stderr and module in res.stderr
+    assert out.read_bytes() == b"the user's own file"
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".hotload-tmp-")]
+    res = run("diff", a / name, b / name, out, "--vendor-module", module, "--parent-identity", "vendor")
+    assert res.returncode == 0, res.stderr  # the module by its file's path
+    assert run("verify", a / name, out, "--parent-identity", "vendor").returncode == 0
+    res = run("diff", a / name, b / name, out, "--vendor-module", str(tmp_path / "missing.py"))
+    assert res.returncode == 2 and "does not exist" in res.stderr and "Traceback" not in res.stderr
 
 
 def _marker(folder: Path) -> Path:

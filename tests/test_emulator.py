@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import fsdp_hotload.emulator_state as emulator_state
+from fsdp_hotload.arc.stio import CHECKSUM_KEY, build_header, parse_header
 from fsdp_hotload.emulator import HotLoadEmulator
 from fsdp_hotload.fireworks import HotLoadClient, HotLoadError, HotLoadStatus, HotLoadTimeout
 from tests.emulator_fixture import (  # the emulator and s3_server fixtures come from tests/conftest.py
@@ -263,6 +264,33 @@ def test_corrupted_delta_keeps_old_weights(emulator: HotLoadEmulator) -> None:
     st = client.status()
     assert all(r.current_snapshot_identity == "step-1" and r.readiness and r.target == "step-2"
                for r in st.replicas)
+
+
+@pytest.mark.parametrize("damage", ["data bit", "checksums dropped"])
+def test_a_corrupted_full_snapshot_keeps_old_weights(emulator: HotLoadEmulator, damage: str) -> None:
+    """A full snapshot's file carried no checksum, so a bit flipped in storage or transit was served without an
+    error, and blamed on the next delta (whose Adler-32 then failed against the damaged parent)."""
+    client = client_for(emulator)
+    m1 = load_full(emulator, client, "step-1")
+    folder = write_full_snapshot(emulator.bucket, "step-2", perturb(m1, seed=1))
+    victim = folder / "model-00001.safetensors"
+    blob = victim.read_bytes()
+    header = parse_header(blob)
+    if damage == "data bit":
+        blob = blob[:-3] + bytes([blob[-3] ^ 0x08]) + blob[-2:]
+        said = "differs from the file's checksum"
+    else:  # a header without them (a damaged key name reads the same): refused, not read as unchecked
+        meta = {k: v for k, v in header.metadata.items() if k != CHECKSUM_KEY}
+        blob = build_header([(e.name, e.dtype, e.shape, e.nbytes) for e in header.entries.values()], meta) + \
+            blob[header.data_start:]
+        said = f"has no '{CHECKSUM_KEY}'"
+    victim.write_bytes(blob)
+    client.signal("step-2")
+    with pytest.raises(HotLoadError, match="failed to load"):
+        client.wait_ready("step-2", timeout_s=30)
+    per_replica = settle(emulator, "step-2")
+    assert all(p["stage"] == "error" and said in p["error"] for p in per_replica), per_replica
+    assert served(emulator) == [("step-1", digest_map(m1))] * 2
 
 
 def test_files_written_after_the_signal_fail_the_load(emulator: HotLoadEmulator) -> None:

@@ -23,7 +23,7 @@ from fsdp_hotload.arc.boxes import check_tiling, gather, scatter
 from fsdp_hotload.arc.codecs import ArcV2, zstd_decompress_exact, zstd_window_limit
 from fsdp_hotload.arc.dense import DenseDelta, box_run_tables, run_tables
 from fsdp_hotload.arc.folder import verify_paths, weight_files
-from fsdp_hotload.arc.stio import build_header, parse_header
+from fsdp_hotload.arc.stio import CHECKSUM_KEY, build_header, parse_header
 from fsdp_hotload.arc.zstd_seq import SequenceEncoder, sequence_encoder
 
 ENCODERS = ["stream"] + (["sequences"] if sequence_encoder() is not None else [])  # arc_v2 writers
@@ -312,6 +312,37 @@ def test_safetensors_interop() -> None:
     assert back["y"].tolist() == [0, 1, 2]
 
 
+def test_a_full_file_carries_checksums_that_refuse_any_flipped_bit() -> None:
+    """A full snapshot's file had no checksum: one bit flipped in storage or transit was loaded and served."""
+    rng = np.random.default_rng(3)
+    tensors = {"a": RawTensor.from_any(rng.standard_normal((3, 5)).astype(np.float32)),
+               "b": RawTensor("BF16", (7,), rng.integers(0, 256, 14, dtype=np.uint8)),
+               "empty": RawTensor("BF16", (0, 4), np.empty(0, np.uint8))}
+    blob = save_file(tensors, {"format": "pt"})
+    header = parse_header(blob)
+    sums = header.metadata[CHECKSUM_KEY]
+    assert header.metadata["format"] == "pt" and len(sums) == 8 * len(tensors)
+    assert [int(sums[i:i + 8], 16) for i in range(0, len(sums), 8)] == [
+        zlib.adler32(tensors[e.name].data) for e in header.entries.values()]
+    assert {n: bytes(t.data) for n, t in load_file(blob, require_checksums=True).items()} == {
+        n: bytes(t.data) for n, t in tensors.items()}
+    for pos in range(header.data_start, len(blob)):
+        bad = bytearray(blob)
+        bad[pos] ^= 1 << (pos % 8)
+        with pytest.raises(FormatError, match="differs from the file's checksum") as info:
+            load_file(bytes(bad), filename="f")
+        owner = next(e.name for e in header.entries.values() if e.begin <= pos - header.data_start < e.end)
+        assert info.value.tensor == owner
+    bare = build_header([(e.name, e.dtype, e.shape, e.nbytes) for e in header.entries.values()], {"format": "pt"})
+    unchecked = bare + blob[header.data_start:]
+    assert set(load_file(unchecked)) == set(tensors)  # another writer's file: nothing to check
+    with pytest.raises(FormatError, match=f"has no '{CHECKSUM_KEY}'"):
+        load_file(unchecked, require_checksums=True)  # ours always has them: a damaged key must not pass
+    for value in (sums[:-1], "z" + sums[1:]):
+        with pytest.raises(FormatError, match="8 hex digits"):
+            load_file(_corrupt_header(blob, lambda d: d["__metadata__"].update({CHECKSUM_KEY: value})))
+
+
 def _corrupt_header(blob: bytes, edit) -> bytes:  # type: ignore[no-untyped-def]
     hlen = int.from_bytes(blob[:8], "little")
     doc = json.loads(blob[8:8 + hlen])
@@ -336,6 +367,9 @@ def _edit_table(fn):  # type: ignore[no-untyped-def]
     ("gap in chunks", _edit_table(lambda t: t["w"]["chunks"][0].update(length=[7])), FormatError, "cover"),
     ("chunk out of range", _edit_table(lambda t: t["w"]["chunks"][0].update(start=[1])), FormatError, "exceeds"),
     ("payload range", _edit_table(lambda t: t["w"]["chunks"][0].update(size=3)), FormatError, "cover"),
+    # one bit of the key name: read as a chunk written before chunks had a CRC-32, its payload went unchecked
+    ("crc32 key renamed", _edit_table(lambda t: t["w"]["chunks"][0].update(crc22=t["w"]["chunks"][0].pop("crc32"))),
+     FormatError, r"unknown keys \['crc22'\]"),
     ("bad checksum value", _edit_table(lambda t: t["w"].update(adler32=-1)), FormatError, "adler32"),
     ("table not json", lambda d: d["__metadata__"].update(arc_tensors="{"), FormatError, "not JSON"),
     ("extra table entry", _edit_table(lambda t: t.update(z=t["w"])), FormatError, "without stored data"),

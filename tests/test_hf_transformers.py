@@ -31,6 +31,8 @@ from safetensors.torch import load_file  # noqa: E402
 
 from transformers.core_model_loading import revert_weight_conversion  # noqa: E402
 
+from fsdp_hotload.arc.stio import CHECKSUM_KEY  # noqa: E402
+
 from tests.dist_util import REPO, SCRIPTS, run_torchrun  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -101,7 +103,7 @@ def check_index(folder: Path) -> dict[str, Any]:
     total, tensors = 0, {}
     for filename in sorted(set(weight_map.values())):
         with safe_open(str(folder / filename), "pt") as f:
-            assert f.metadata() == {"format": "pt"}, filename
+            assert f.metadata() == {"format": "pt", CHECKSUM_KEY: f.metadata()[CHECKSUM_KEY]}, filename
             assert sorted(f.keys()) == sorted(n for n, fn in weight_map.items() if fn == filename), filename
             for key in f.keys():
                 t = tensors[key] = f.get_tensor(key)

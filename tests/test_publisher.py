@@ -616,8 +616,11 @@ def test_closing_on_an_exception_path_logs_the_stored_error(tmp_path: Path,
 
 def test_full_snapshot_files_carry_the_format_metadata_hf_loaders_expect(tmp_path: Path) -> None:
     """transformers before 4.48.2 reads ``metadata.get("format")`` unguarded: files without ``__metadata__``
-    failed to load there. safetensors' own reader must see {"format": "pt"} and the trainer's bytes."""
+    failed to load there. safetensors' own reader must see {"format": "pt"} and the trainer's bytes; each file's
+    checksums, combined from the ranks' shares, must match its bytes."""
     from safetensors import safe_open
+
+    from fsdp_hotload.arc.stio import CHECKSUM_KEY, load_file
 
     model = make_model()
     pub = TensorPublisher(model, config(str(tmp_path / "bucket"), None, tmp_path))
@@ -628,11 +631,12 @@ def test_full_snapshot_files_carry_the_format_metadata_hf_loaders_expect(tmp_pat
     seen = set()
     for path in files:
         with safe_open(str(path), framework="pt") as f:
-            assert f.metadata() == {"format": "pt"}
+            assert f.metadata().keys() == {"format", CHECKSUM_KEY} and f.metadata()["format"] == "pt"
             for name in f.keys():
                 want = model[name].to(torch.bfloat16) if model[name].is_floating_point() else model[name]
                 assert torch.equal(f.get_tensor(name).view(torch.uint8), want.contiguous().view(torch.uint8))
                 seen.add(name)
+        load_file(path.read_bytes(), filename=path.name, require_checksums=True)
     assert seen == set(model)
 
 

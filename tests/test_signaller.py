@@ -463,13 +463,19 @@ def test_a_side_group_timeout_shorter_than_signalling_is_warned_about(caplog: py
     base = dict(bucket_url="/tmp/b", hotload_api_url="https://api.example", account_id="a", model_id="m",
                 deployment_id="d", hf_config_dir="/tmp", ready_timeout_s=600)
     with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
-        warn_at_start(HotloadConfig(**base))  # the default: ready_timeout_s + an hour
+        warn_at_start(HotloadConfig(**base))  # the default: the longest signalling may take + an hour
+        # ready_timeout_s + an hour was shorter than signalling may take with "any" from ready_timeout_s ~54 min on
+        long = HotloadConfig(**{**base, "ready_timeout_s": 3600, "deployment_id": ["d", "e"]},
+                             deployments_required="any")
+        assert long.side_group_timeout_s == longest_signal_s(long) + 3600 > 7555
+        warn_at_start(long)
         assert caplog.records == []
         short = HotloadConfig(**base, collective_timeout_s=1220)
         assert longest_signal_s(short) == 1220
         assert longest_signal_s(HotloadConfig(**base, deployments_required="any")) == 1555  # a catch-up's load
         warn_at_start(short)
     assert "collective_timeout_s (1220 s) is not longer than signalling may take (1220 s" in caplog.text
+    assert "set it above 1220 s, or leave it unset" in caplog.text
 
 
 def test_a_codec_fireworks_does_not_take_is_warned_about_for_a_remote_api(caplog: pytest.LogCaptureFixture) -> None:

@@ -33,6 +33,7 @@ K_FORMAT, K_VERSION, K_KIND = "format", "format_version", "kind"
 K_PARENT, K_COMPRESSION, K_CHECKSUM, K_TENSORS = (
     "previous_snapshot_identity", "compression_format", "checksum_format", "arc_tensors")
 SPACES = ("flat", "shape")
+_CHUNK_KEYS = frozenset({"start", "length", "offset", "size", "crc32"})
 
 
 @dataclass
@@ -203,6 +204,9 @@ def _parse_tensor(name: str, info: Any, entry: Any) -> TensorDelta:
     pos = 0
     for c in chunks:
         box = Box.from_json(c)
+        unknown = sorted(set(c) - _CHUNK_KEYS)
+        if unknown:  # a corrupt key name (\"crc22\") must not read as a chunk written before chunks had a CRC-32
+            raise FormatError(f"chunk entry has unknown keys {unknown}")
         off, size, crc = c.get("offset"), c.get("size"), c.get("crc32")
         if type(off) is not int or type(size) is not int or off != pos or size < 0:
             raise FormatError(f"chunk payload range offset={off!r} size={size!r} (expected offset {pos})")

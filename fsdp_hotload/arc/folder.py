@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import secrets
 import shutil
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
@@ -24,7 +25,7 @@ from .codecs import get_codec
 from .container import K_TENSORS, apply_delta_file, encode_delta_file, is_delta_file, read_delta_info
 from .dtypes import RawTensor, itemsize, numel
 from .errors import ArcError, FormatError, MismatchError, VendorOutputError
-from .stio import MAX_HEADER_BYTES, load_file, parse_header, parse_json, write_file
+from .stio import CHECKSUM_KEY, MAX_HEADER_BYTES, load_file, parse_header, parse_json, write_file
 from .vendor import vendor_encoder
 
 INDEX = "model.safetensors.index.json"
@@ -44,18 +45,40 @@ class UnusableInputError(ValueError):
 
 def weight_files(folder: str) -> list[str]:
     """The weight file names of a snapshot folder, from its index if it has one."""
-    index = os.path.join(folder, INDEX)
-    if os.path.exists(index):
-        with open(index, "rb") as f:
-            doc = parse_json(f.read(), "index", file=index)
-        wm = doc.get("weight_map") if isinstance(doc, dict) else None
-        if not isinstance(wm, dict):
-            raise FormatError("bad index: no weight_map object", file=index)
-        for n in wm.values():
-            if not isinstance(n, str) or "/" in n or n.startswith("."):
-                raise FormatError(f"unsafe file name {n!r} in weight_map", file=index)
-        return sorted(set(wm.values()))
+    mapped = index_files(folder)
+    if mapped is not None:
+        return sorted(mapped)
     return sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+
+
+def index_files(folder: str) -> dict[str, set[str]] | None:
+    """The tensors the folder's index maps to each weight file; None without an index (or for a file)."""
+    index = os.path.join(folder, INDEX)
+    if not os.path.isdir(folder) or not os.path.exists(index):
+        return None
+    with open(index, "rb") as f:
+        doc = parse_json(f.read(), "index", file=index)
+    wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wm, dict):
+        raise FormatError("bad index: no weight_map object", file=index)
+    out: dict[str, set[str]] = {}
+    for tensor, n in wm.items():
+        if not isinstance(n, str) or "/" in n or n.startswith("."):
+            raise FormatError(f"unsafe file name {n!r} in weight_map", file=index)
+        out.setdefault(n, set()).add(tensor)
+    return out
+
+
+def _check_mapped(mapped: dict[str, set[str]] | None, name: str, tensors: Iterable[str], path: str) -> None:
+    """The index must name exactly the tensors the file holds. Why: apply and verify took the index for its list of
+    files only, so an index one bit off (a tensor renamed, or mapped to another file) was copied into OUT, under a
+    commit marker, naming tensors its shards do not hold."""
+    if mapped is None:
+        return
+    want, got = mapped.get(name, set()), set(tensors)
+    if want != got:
+        raise MismatchError(f"{INDEX} maps {sorted(want - got)[:3]} to this file, which holds "
+                            f"{sorted(got - want)[:3]} instead (a damaged index)", file=path)
 
 
 def _read(path: str) -> bytes:
@@ -189,22 +212,24 @@ def diff_paths(parent: str, new: str, out: str, *, codec: str = "arc_v2", parent
         dst = os.path.join(out, name) if os.path.isdir(new) else out
         parent_blob, new_blob = _full_blob(pa, "PARENT"), _full_blob(pb, "NEW")
         if vendor is not None:
-            try:
-                vendor(pa, pb, dst)
-                if not _check_vendor_file(dst, pa, pb, parent_blob, new_blob, ident) and unverified is not None:
+            def encode(tmp: str) -> None:
+                vendor(pa, pb, tmp)
+                with open(tmp, "rb") as f:
+                    written = f.read()
+                if not _check_vendor_file(written, dst, pa, pb, parent_blob, new_blob, ident) and \
+                        unverified is not None:
                     unverified.append(dst)
-            except BaseException:  # a file that is not a checked delta is never left where one is expected
-                with contextlib.suppress(OSError):
-                    os.remove(dst)
-                raise
+            _through_temp(dst, encode)  # a file that is not a checked delta never lands where one is expected
         else:
             try:
                 blob = encode_delta_file(load_file(parent_blob, filename=pa), load_file(new_blob, filename=pb),
                                          parent_identity=ident, codec=codec)
             except ArcError as exc:
                 raise exc.at(file=pb) from None
-            with open(dst, "wb") as f:
-                f.write(blob)
+            def write(tmp: str) -> None:
+                with open(tmp, "wb") as f:
+                    f.write(blob)
+            _through_temp(dst, write)
         total += os.path.getsize(dst)
         if progress:
             progress(i + 1, len(pairs), name)
@@ -213,15 +238,29 @@ def diff_paths(parent: str, new: str, out: str, *, codec: str = "arc_v2", parent
     return total
 
 
-def _check_vendor_file(dst: str, pa: str, pb: str, parent_blob: bytes, new_blob: bytes, ident: str) -> bool:
-    """Whether what the vendor module wrote to ``dst`` was checked bit for bit: a file in our layout must rebuild
+def _through_temp(dst: str, fill: Callable[[str], object]) -> None:
+    """Write ``dst`` through a temp file beside it, renamed over it once ``fill(temp)`` returns. Why: a vendor
+    module that failed, or wrote no delta, had its output removed, and in file mode that was the OUT file the
+    user had there before the run; a failure now leaves OUT as it was. The temp file is in a folder of its own, so
+    it has ``dst``'s name (a vendor module may read it)."""
+    where = os.path.join(os.path.dirname(dst), f"{TMP_PREFIX}{secrets.token_hex(6)}")
+    os.mkdir(where)
+    try:
+        tmp = os.path.join(where, os.path.basename(dst))
+        fill(tmp)
+        os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def _check_vendor_file(written: bytes, dst: str, pa: str, pb: str, parent_blob: bytes, new_blob: bytes,
+                       ident: str) -> bool:
+    """Whether what the vendor module wrote for ``dst`` (``written``) was checked bit for bit: a file in our layout must rebuild
     NEW from PARENT and record ``ident`` as its parent, as the commit marker will (ValueError where it does not: the
     module takes no identity, and an apply checking the marker's would refuse it). Fireworks' layout is not public
     and our decoder does not read it, so a file in any other layout is only checked to be a safetensors file other
     than NEW itself (VendorOutputError), and False is returned. Why not refuse it: producing that layout is what the
     vendor route is for."""
-    with open(dst, "rb") as f:
-        written = f.read()
     if is_delta_file(written):
         recorded = read_delta_info(written, filename=dst).parent_identity
         if recorded != ident:
@@ -256,6 +295,7 @@ def apply_paths(parent: str, delta: str, out: str | None, *, expected_parent: st
     written and an empty dict is returned: a folder is rebuilt in one file's memory, not the whole model's (an
     apply of a 140 GB snapshot held all 140 GB until it returned)."""
     pairs = _pairs(parent, delta, ("PARENT", "DELTA"))
+    mapped = index_files(delta)
     if out is not None and os.path.isdir(delta):
         _reset_output(out)
     result: dict[str, dict[str, RawTensor]] = {}
@@ -263,13 +303,15 @@ def apply_paths(parent: str, delta: str, out: str | None, *, expected_parent: st
         parent_blob = _full_blob(pa, "PARENT")
         rebuilt = apply_delta_file(load_file(parent_blob, filename=pa), _delta_blob(pd), filename=pd,
                                    expected_parent=expected_parent)
+        _check_mapped(mapped, name, rebuilt, pd)
         if out is None:
             result[name] = rebuilt
         if out is not None:
             dst = os.path.join(out, name) if os.path.isdir(delta) else out
             try:  # a full disk or a kill leaves no half-written file under a weight file's name, nor beside it
                 with open(dst + ".tmp", "wb") as f:
-                    write_file(f, rebuilt, parse_header(parent_blob, filename=pa).metadata)
+                    meta = parse_header(parent_blob, filename=pa).metadata  # the file as its writer made it
+                    write_file(f, rebuilt, meta, checksums=CHECKSUM_KEY in meta)
                 os.replace(dst + ".tmp", dst)
             except BaseException:
                 with contextlib.suppress(OSError):
@@ -343,6 +385,7 @@ def verify_paths(parent: str, delta: str, *, expected_parent: str | None = None,
     """Rebuild in memory and check every checksum; failures are collected per file, not raised (a layout that
     cannot be checked at all, such as differing weight-file sets, raises)."""
     pairs = _pairs(parent, delta, ("PARENT", "DELTA"))
+    mapped = index_files(delta)
     report = inspect_path(delta)
     by_file: dict[str, list[TensorRow]] = {}
     for r in report.rows:
@@ -350,8 +393,9 @@ def verify_paths(parent: str, delta: str, *, expected_parent: str | None = None,
     for i, (name, pa, pd) in enumerate(pairs):
         bad: str | None = None
         try:
-            apply_delta_file(load_file(_full_blob(pa, "PARENT"), filename=pa), _delta_blob(pd), filename=pd,
-                             expected_parent=expected_parent)
+            rebuilt = apply_delta_file(load_file(_full_blob(pa, "PARENT"), filename=pa), _delta_blob(pd),
+                                       filename=pd, expected_parent=expected_parent)
+            _check_mapped(mapped, name, rebuilt, pd)
         except ArcError as exc:
             report.errors.append(str(exc))
             bad = exc.tensor or ""

@@ -16,11 +16,11 @@ from typing import Callable, Collection, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from ..arc.adler import combine
+from ..arc.adler import combine, segment_parts
 from ..arc.boxes import Box, check_tiling, scatter
 from ..arc.container import TensorDelta, build_delta_file
 from ..arc.dtypes import numel
-from ..arc.stio import build_header, data_order
+from ..arc.stio import CHECKSUM_KEY, build_header, checksum_text, data_order
 
 #: The ``__metadata__`` of a full snapshot's files, as Hugging Face's own writer sets it. Why: transformers
 #: before 4.48.2 reads ``metadata.get("format")`` unguarded and fails to load a file without it.
@@ -90,29 +90,41 @@ def _pieces_by_tensor(filename: str, pieces: list[Piece]) -> dict[str, list[Piec
 
 def assemble_full_file(plan: ShardPlan, filename: str, pieces: list[Piece]) -> bytearray:
     """A plain HF safetensors file from raw chunk bytes (tiling checked, so no element is missing), built in one
-    buffer of the file's size: the pieces land where the file holds them, with no per-tensor copy in between."""
+    buffer of the file's size: the pieces land where the file holds them, with no per-tensor copy in between.
+
+    Each tensor's checksum (``CHECKSUM_KEY``) is combined from the Adler-32 shares the ranks computed from their
+    staged bytes, so a replica that checks it checks the trainer's bytes end to end, routing and assembly
+    included, at no extra pass here (a carried tensor's is computed as it is read)."""
     by_tensor = _pieces_by_tensor(filename, pieces)
     specs = [plan.specs[n] for n in data_order({n: plan.specs[n].dtype for n in plan.files[filename]})]
-    header = build_header([(s.name, s.dtype, s.shape, s.nbytes) for s in specs], FULL_FILE_METADATA)
+    items = [(s.name, s.dtype, s.shape, s.nbytes) for s in specs]
+    header = build_header(items, {**FULL_FILE_METADATA, CHECKSUM_KEY: checksum_text([0] * len(specs))})
     out = bytearray(len(header) + sum(s.nbytes for s in specs))
-    out[:len(header)] = header
     view = np.frombuffer(out, dtype=np.uint8)
     pos = len(header)
+    sums: list[int] = []
     for spec in specs:
         ps = by_tensor.get(spec.name, [])
         space = ps[0].space if ps else "flat"
         sshape = _space_shape(space, spec.shape)
         check_tiling([p.box for p in ps], sshape)
         size = spec.nbytes // max(numel(spec.shape), 1)
+        parts = []
         for p in ps:
             if callable(p.data):  # a whole tensor, read straight into its place in the file
                 if space != "flat" or p.box.start != (0,) or p.box.length != (numel(spec.shape),):
                     raise ValueError(f"{filename}: tensor {p.tensor!r}: a piece read at assembly must be the "
                                      "whole tensor")
                 p.data(view[pos:pos + spec.nbytes])
+                parts.append(segment_parts(view[pos:pos + spec.nbytes], 0, spec.nbytes))
                 continue
             scatter(view[pos:pos + spec.nbytes], np.frombuffer(p.data, dtype=np.uint8), p.box, sshape, size)
+            parts.append(p.parts)
+        sums.append(combine(parts, spec.nbytes))
         pos += spec.nbytes
+    final = build_header(items, {**FULL_FILE_METADATA, CHECKSUM_KEY: checksum_text(sums)})
+    assert len(final) == len(header)  # fixed-width checksums: the data section stays where it was laid out
+    out[:len(final)] = final
     return out
 
 

@@ -81,12 +81,13 @@ def warn_at_start(cfg: HotloadConfig, codec: Any = None) -> None:
         log.warning("hotload: straggler_wait_s is set with one deployment (%s), which is waited for up to "
                     "ready_timeout_s at each snapshot: the wait ends straggler_wait_s after another deployment "
                     "serves the snapshot, and there is none", cfg.deployments[0])
-    if cfg.side_group_timeout_s <= longest_signal_s(cfg):
+    if cfg.side_group_timeout_s <= longest_signal_s(cfg):  # only a value set can be: the default is an hour more
         log.warning("hotload: collective_timeout_s (%g s) is not longer than signalling may take (%g s: a wait for "
                     "the deployment's hot-load manager%s, the signal's retries, then ready_timeout_s): a load that "
-                    "slow makes the other ranks give up, and publishing stops for the rest of the job",
+                    "slow makes the other ranks give up, and publishing stops for the rest of the job; set it above "
+                    "%g s, or leave it unset (that plus an hour)",
                     cfg.side_group_timeout_s, longest_signal_s(cfg),
-                    " or for its catch-up's load" if cfg.deployments_required == "any" else "")
+                    " or for its catch-up's load" if cfg.deployments_required == "any" else "", longest_signal_s(cfg))
 
 
 def say_what_is_served(deployment: str, st: Any, identity: str) -> None:

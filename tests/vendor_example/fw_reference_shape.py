@@ -12,7 +12,8 @@ CALLS: list[tuple[str, str, str, str]] = []
 # "copy": write the new file itself instead of a delta (a broken encoder); "foreign": each tensor's XOR against the
 # parent, zstd-compressed, as a U8 tensor of a plain safetensors file with metadata of its own (a layout that is not
 # ours); "garbage": bytes that are no safetensors file; "unchanged": a delta of no change, which rebuilds the parent
-# instead of the new file. A CLI run in a child process takes it from the environment.
+# instead of the new file; "raise": a module that fails part way. A CLI run in a child process takes it from the
+# environment.
 MODE = [os.environ.get("FW_REFERENCE_SHAPE_MODE", "delta")]
 
 
@@ -20,6 +21,10 @@ def delta_compress_files_to_file(src: str, dst: str, diff_file: str, compression
     from fsdp_hotload.arc import encode_delta_file, load_file
 
     CALLS.append((src, dst, diff_file, compression_format))
+    if MODE[0] == "raise":  # the module's own failure, after writing part of its output
+        with open(diff_file, "wb") as f:
+            f.write(b"partial")
+        raise RuntimeError("vendor encoder crashed")
     if MODE[0] == "copy":
         with open(dst, "rb") as b, open(diff_file, "wb") as f:
             f.write(b.read())
