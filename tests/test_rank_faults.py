@@ -388,6 +388,22 @@ def test_a_rank_closing_on_an_exception_does_not_leave_the_others_waiting_in_the
     assert len(said) == 1 and "rank 1 closes on an exception" in said[0], got[0]["warnings"]
 
 
+def test_a_collective_broken_by_a_rank_closing_on_an_exception_is_said_to_be_so(tmp_path: Path) -> None:
+    """torchrun, 2 ranks (dist_scripts/peer_raised_mid_publish.py): rank 1 leaves ``with cb:`` on an exception
+    before step 3's publish; rank 0 publishes step 3 (wait policy) and closes. Its close() raised gloo's "Connection
+    reset by peer ... typically caused by a remote worker hanging"; now it names the cause, rank 1's note."""
+    from tests.dist_util import SCRIPTS, run_torchrun
+
+    run_torchrun(str(SCRIPTS / "peer_raised_mid_publish.py"), 2, ["--bucket", str(tmp_path / "bucket"), "--out",
+                                                                  str(tmp_path)])
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert got[1]["error"] == "RuntimeError: injected: this rank's data loader broke", got[1]
+    assert got[0]["error"] is not None and "rank 1 closes on an exception" in got[0]["error"], got[0]
+    assert got[0]["s"] < 20, got[0]
+    committed = sorted(p.parent.name for p in (tmp_path / "bucket").glob("*/hotload.commit.json"))
+    assert [c.split("-")[1] for c in committed] == ["000000", "000001", "000002"], committed
+
+
 def test_a_vote_given_up_at_close_timeout_leaves_nothing_that_holds_the_process(tmp_path: Path) -> None:
     """torchrun, 2 ranks (dist_scripts/vote_gave_up_exit.py): rank 0's close() gives up on the vote at its 1 s
     deadline, rank 1 closes 3 s later without voting and keeps its process alive. The vote was a gloo reduction,

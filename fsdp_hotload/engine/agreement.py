@@ -200,6 +200,16 @@ class Agreements:
                 raise self.failed from exc
             return got
 
+    def absent(self) -> str | None:
+        """The note of a rank that will not vote (it closes on an exception, or exited), if one was left; None also
+        where the store cannot be read (it may be gone with that rank)."""
+        if self.ctrl.world == 1:
+            return None
+        try:
+            return self.ctrl.noted(self._absent)
+        except Exception:  # noqa: BLE001 - only adds to an error being reported
+            return None
+
     def withdraw(self, why: str, *, at_exit: bool = False) -> None:
         """Tell the others, without waiting for them, that this rank will not vote (it closes on an exception,
         gives up on close(), or exits without it): the vote they wait in (or will take) ends, no rank publishing."""

@@ -498,6 +498,10 @@ class Publisher:
                 self._carried = self._carried or exc  # the next snapshot fails on every rank, and raises it
                 self.cadence.on_failure()
             else:  # a collective itself failed: the group is unusable from here on
+                why = self.agreements.absent()
+                if why is not None and not isinstance(exc, PublishError):  # the cause, not gloo's "a peer hangs"
+                    exc = PublishError(f"publishing stopped: {why}, so a collective on the side group failed "
+                                       f"({exc!r})")
                 if self._broken is None:
                     self._broken = exc
                     log.error("hotload: a collective on the publisher's side group failed (%r); publishing "
