@@ -72,8 +72,8 @@ class HotloadConfig(BaseModel):
     upload_concurrency: int = Field(8, ge=1, le=256, description="parallel uploads per rank")
     storage_attempts: int = Field(6, ge=1, le=100, description="tries per transient storage error before the "
                                                               "publish fails (the next one is then full): the jittered "
-                                                              "waits between 6 tries add up to 6.2 s at most, between 10 "
-                                                              "tries to about 65 s")
+                                                              "waits between 6 tries add up to 6.2 s at most, "
+                                                              "between 10 tries to about 65 s")
     max_file_bytes: int = Field(5 * 10**9, ge=1, description="cap on a full-snapshot weight file (bytes)")
     keep_last: int | None = Field(None, ge=1, description="retention: keep the last K committed snapshots "
                                                           "(and every base they depend on), and those of another "

@@ -213,7 +213,10 @@ def diff_paths(parent: str, new: str, out: str, *, codec: str = "arc_v2", parent
         parent_blob, new_blob = _full_blob(pa, "PARENT"), _full_blob(pb, "NEW")
         if vendor is not None:
             def encode(tmp: str) -> None:
-                vendor(pa, pb, tmp)
+                try:
+                    vendor(pa, pb, tmp)
+                except ArcError as exc:
+                    raise exc.at(file=dst) from None  # OUT's name, not the temp file's
                 with open(tmp, "rb") as f:
                     written = f.read()
                 if not _check_vendor_file(written, dst, pa, pb, parent_blob, new_blob, ident) and \
@@ -255,12 +258,12 @@ def _through_temp(dst: str, fill: Callable[[str], object]) -> None:
 
 def _check_vendor_file(written: bytes, dst: str, pa: str, pb: str, parent_blob: bytes, new_blob: bytes,
                        ident: str) -> bool:
-    """Whether what the vendor module wrote for ``dst`` (``written``) was checked bit for bit: a file in our layout must rebuild
-    NEW from PARENT and record ``ident`` as its parent, as the commit marker will (ValueError where it does not: the
-    module takes no identity, and an apply checking the marker's would refuse it). Fireworks' layout is not public
-    and our decoder does not read it, so a file in any other layout is only checked to be a safetensors file other
-    than NEW itself (VendorOutputError), and False is returned. Why not refuse it: producing that layout is what the
-    vendor route is for."""
+    """Whether what the vendor module wrote for ``dst`` (``written``) was checked bit for bit: a file in our layout
+    must rebuild NEW from PARENT and record ``ident`` as its parent, as the commit marker will (ValueError where it
+    does not: the module takes no identity, and an apply checking the marker's would refuse it). Fireworks' layout
+    is not public and our decoder does not read it, so a file in any other layout is only checked to be a
+    safetensors file other than NEW itself (VendorOutputError), and False is returned. Why not refuse it: producing
+    that layout is what the vendor route is for."""
     if is_delta_file(written):
         recorded = read_delta_info(written, filename=dst).parent_identity
         if recorded != ident:

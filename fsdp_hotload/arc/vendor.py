@@ -46,8 +46,7 @@ def vendor_encoder(module: str, compression_format: str = "arc_v2") -> VendorEnc
         try:
             fn(src, dst, diff_file, compression_format=compression_format)
         except Exception as exc:  # the module's own failure: one line naming it, not a traceback
-            raise VendorOutputError(f"vendor module {module!r} failed: {type(exc).__name__}: {exc}",
-                                    file=diff_file) from None
+            raise VendorOutputError(f"vendor module {module!r} failed: {type(exc).__name__}: {exc}") from None
 
     return encode
 

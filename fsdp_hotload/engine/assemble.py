@@ -16,7 +16,7 @@ from typing import Callable, Collection, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from ..arc.adler import combine, segment_parts
+from ..arc.adler import combine
 from ..arc.boxes import Box, check_tiling, scatter
 from ..arc.container import TensorDelta, build_delta_file
 from ..arc.dtypes import numel
@@ -42,8 +42,9 @@ class Piece(NamedTuple):
     start: tuple[int, ...]
     length: tuple[int, ...]
     # full: the raw chunk bytes (uint8, possibly a view of the staged bytes), or, for a whole tensor, a function that
-    # fills the tensor's place in the file when it is assembled (a carried base tensor, on rank 0); delta: payload
-    data: bytes | np.ndarray | Callable[[np.ndarray], None]
+    # fills the tensor's place in the file when it is assembled and returns its Adler-32 shares (a carried base
+    # tensor, on rank 0); delta: payload
+    data: bytes | np.ndarray | Callable[[np.ndarray], tuple[int, int]]
     parts: tuple[int, int] = (0, 0)  # Adler-32 shares of the new chunk bytes (delta)
 
     @property
@@ -51,7 +52,8 @@ class Piece(NamedTuple):
         return Box(self.start, self.length)
 
 
-RawPiece = tuple[str, str, tuple[int, ...], tuple[int, ...], "bytes | np.ndarray | Callable[[np.ndarray], None]",
+RawPiece = tuple[str, str, tuple[int, ...], tuple[int, ...],
+                 "bytes | np.ndarray | Callable[[np.ndarray], tuple[int, int]]",
                  tuple[int, int]]  # see Piece
 
 
@@ -94,7 +96,7 @@ def assemble_full_file(plan: ShardPlan, filename: str, pieces: list[Piece]) -> b
 
     Each tensor's checksum (``CHECKSUM_KEY``) is combined from the Adler-32 shares the ranks computed from their
     staged bytes, so a replica that checks it checks the trainer's bytes end to end, routing and assembly
-    included, at no extra pass here (a carried tensor's is computed as it is read)."""
+    included, at no extra pass here (a carried tensor's is computed as it is read, see ``Carrier``)."""
     by_tensor = _pieces_by_tensor(filename, pieces)
     specs = [plan.specs[n] for n in data_order({n: plan.specs[n].dtype for n in plan.files[filename]})]
     items = [(s.name, s.dtype, s.shape, s.nbytes) for s in specs]
@@ -115,8 +117,7 @@ def assemble_full_file(plan: ShardPlan, filename: str, pieces: list[Piece]) -> b
                 if space != "flat" or p.box.start != (0,) or p.box.length != (numel(spec.shape),):
                     raise ValueError(f"{filename}: tensor {p.tensor!r}: a piece read at assembly must be the "
                                      "whole tensor")
-                p.data(view[pos:pos + spec.nbytes])
-                parts.append(segment_parts(view[pos:pos + spec.nbytes], 0, spec.nbytes))
+                parts.append(p.data(view[pos:pos + spec.nbytes]))
                 continue
             scatter(view[pos:pos + spec.nbytes], np.frombuffer(p.data, dtype=np.uint8), p.box, sshape, size)
             parts.append(p.parts)

@@ -250,9 +250,12 @@ class Carrier:
                 self._frames[t.name] = frame
             yield (t.name, "flat", *box, frame, parts)
 
-    def _read(self, t: CarriedTensor, out: np.ndarray) -> None:
+    def _read(self, t: CarriedTensor, out: np.ndarray) -> tuple[int, int]:
+        """Read ``t`` into its place in the file; returns its Adler-32 shares (the file's checksum, and the next
+        deltas' base)."""
         t.read_into(out)
-        self._pending[t.name] = segment_parts(out, 0, t.nbytes) if t.nbytes else (0, 0)
+        parts = self._pending[t.name] = segment_parts(out, 0, t.nbytes) if t.nbytes else (0, 0)
+        return parts
 
     def accepted(self, kind: str) -> None:
         """The snapshot just published was accepted: a full one's carried bytes are what later deltas refer to."""
