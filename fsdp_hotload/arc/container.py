@@ -205,7 +205,7 @@ def _parse_tensor(name: str, info: Any, entry: Any) -> TensorDelta:
     for c in chunks:
         box = Box.from_json(c)
         unknown = sorted(set(c) - _CHUNK_KEYS)
-        if unknown:  # a corrupt key name (\"crc22\") must not read as a chunk written before chunks had a CRC-32
+        if unknown:  # a corrupt key name ("crc22") must not read as a chunk written before chunks had a CRC-32
             raise FormatError(f"chunk entry has unknown keys {unknown}")
         off, size, crc = c.get("offset"), c.get("size"), c.get("crc32")
         if type(off) is not int or type(size) is not int or off != pos or size < 0:

@@ -203,8 +203,6 @@ class Agreements:
     def absent(self) -> str | None:
         """The note of a rank that will not vote (it closes on an exception, or exited), if one was left; None also
         where the store cannot be read (it may be gone with that rank)."""
-        if self.ctrl.world == 1:
-            return None
         try:
             return self.ctrl.noted(self._absent)
         except Exception:  # noqa: BLE001 - only adds to an error being reported
