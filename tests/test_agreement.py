@@ -134,6 +134,25 @@ def store_host() -> Any:
         host.wait()
 
 
+def _freeze(pid: int) -> None:
+    """SIGSTOP, then wait until every thread of the process is stopped: the signal is delivered asynchronously, and
+    a server thread still running when the next request arrives answers it (seen once on a loaded 2-core CI)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+        if states and all(s in "tT" for s in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: thread states {states}"
+        time.sleep(0.01)
+
+
 def test_a_store_whose_host_stops_answering_is_given_up_on_within_its_bound(store_host: Any) -> None:
     """A frozen host (a node lost without a TCP reset looks the same) held a read past the store's own timeout
     (60 s here, 30 minutes by default); each call is now waited for STORE_READ_S, the calls made while it has not
@@ -149,7 +168,7 @@ def test_a_store_whose_host_stops_answering_is_given_up_on_within_its_bound(stor
     assert kv.settle("decision", "publish") == "publish" and kv.settle("decision", "abort:x") == "publish"
     kv.note("absent", "rank 1 closes on an exception")
     assert kv.noted("absent") == "rank 1 closes on an exception" and kv.noted("other") is None
-    os.kill(host.pid, signal.SIGSTOP)
+    _freeze(host.pid)
     t0 = time.monotonic()
     with pytest.raises(StoreTimeout, match="did not answer within"):
         kv.count("arrived", 1)
