@@ -232,6 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             path = getattr(args, role, None)
             if path is None:
                 continue
+            if not path:  # an unset shell variable
+                print(f"error: {role.upper()} is empty: give a file or folder", file=sys.stderr)
+                return EXIT_USAGE
             if not os.path.exists(path):
                 print(f"error: {role.upper()} {path}: no such file or folder", file=sys.stderr)
                 return EXIT_USAGE

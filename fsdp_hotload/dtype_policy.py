@@ -127,11 +127,15 @@ class DtypePolicy:
         for name, (source, target) in codes.items():
             if source != target and source not in _MASTER_CODES and itemsize(target) <= itemsize(source):
                 narrowed.setdefault((source, target), []).append(name)
+        narrow_sources = {s for s, _ in codes.values() if s not in _MASTER_CODES and itemsize(s) >= 2}
         for (source, target), names in narrowed.items():
             more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+            # snapshot_dtype would cast the model's other narrow format instead (an fp16 head on a bf16 model)
+            fix = (f"set snapshot_dtype={torch_name(source)!r}" if narrow_sources == {source} else
+                   f"add dtype_overrides {{'<their glob>': 'keep'}} (the model also holds "
+                   f"{', '.join(torch_name(s) for s in sorted(narrow_sources - {source}))} tensors)")
             out.append(f"{len(names)} {torch_name(source)} tensor(s) ({names[0]!r}{more}) are published as "
-                       f"{torch_name(target)}, a lossy change of format; set snapshot_dtype={torch_name(source)!r} "
-                       "(or a dtype_overrides entry) to publish them as trained")
+                       f"{torch_name(target)}, a lossy change of format; {fix} to publish them as trained")
         quantised = [n for n, (_, target) in codes.items() if itemsize(target) < 2]
         scales = [n for n, (source, target) in codes.items()
                   if "scale" in n.rsplit(".", 1)[-1] and source != target and itemsize(target) >= 2]
@@ -150,6 +154,6 @@ class DtypePolicy:
                        "glob to publish them as quantised weights")
         if quantised and scales:
             out.append(f"{len(quantised)} 8-bit tensor(s) are published as quantised weights, but {len(scales)} "
-                       f"scale tensor(s) ({scales[0]!r}{' and more' if len(scales) > 1 else ''}) are cast to "
+                       f"scale tensor(s) ({scales[0]!r}{f' and {len(scales) - 1} more' if len(scales) > 1 else ''}) are cast to "
                        f"another dtype; add dtype_overrides {{'*scale*': 'keep'}} to publish them as trained")
         return out

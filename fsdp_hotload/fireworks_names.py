@@ -101,12 +101,13 @@ def clean_headers(headers: object, source: str) -> dict[str, str]:
     return out
 
 
-def _segment(value: str, what: str) -> str:
+def _segment(value: str, what: str, full: str = "") -> str:
     """One id of a resource name, checked. Why so strict: the ids go into a URL path and into headers as they
     are, so a '?', '#' or space would address another resource or make a request that cannot be sent (which
     used to be found only at the first request, blamed on the headers, or polled until the timeout)."""
     if not isinstance(value, str) or not value or "/" in value:
-        raise ValueError(f"{what} must be a non-empty name without '/', got {value!r}")
+        alt = f" or {full!r}" if full else ""
+        raise ValueError(f"{what} must be a non-empty name without '/'{alt}, got {value!r}")
     if not _ID_RE.fullmatch(value):
         raise ValueError(f"{what} {value!r} is not a Fireworks resource id: use letters, digits, '-', '.' and '_', "
                          "starting with a letter or digit")
@@ -116,7 +117,7 @@ def _segment(value: str, what: str) -> str:
 def _text(value: object, what: str) -> str:
     """``value`` if it is a string; a call made without the config (which types the ids) may pass an int."""
     if not isinstance(value, str):
-        raise ValueError(f"{what} must be a non-empty name without '/', got {value!r}")
+        raise ValueError(f"{what} must be a string, got {type(value).__name__} {value!r}")
     return value
 
 
@@ -131,7 +132,7 @@ def deployment_name(account_id: str, deployment_id: str) -> tuple[str, str, str]
         if m.group(1) != account:
             raise ValueError(f"deployment_id {deployment_id!r} belongs to account {m.group(1)!r}, not {account!r}")
         return deployment_id, account, _segment(m.group(2), "the deployment in deployment_id")
-    dep = _segment(deployment_id, "deployment_id")
+    dep = _segment(deployment_id, "deployment_id", "accounts/<acct>/deployments/<id>")
     return f"accounts/{account}/deployments/{dep}", account, dep
 
 
@@ -144,4 +145,4 @@ def model_name(account: str, model_id: str) -> str:
         _segment(m.group(1), "the account in model_id")
         _segment(m.group(2), "the model in model_id")
         return model_id
-    return f"accounts/{account}/models/{_segment(model_id, 'model_id')}"
+    return f"accounts/{account}/models/{_segment(model_id, 'model_id', 'accounts/<acct>/models/<model>')}"

@@ -1,8 +1,8 @@
 """``--hotload-*`` flags generated from HotloadConfig, so the two entry points can never drift apart.
 
 Each config field becomes ``--hotload-<field-with-dashes>``; booleans become ``--hotload-x`` / ``--no-hotload-x``.
-The fields named ``hotload_*`` also answer to the flag without the doubled word (``--hotload-api-url`` for
-``--hotload-hotload-api-url``).
+The fields named ``hotload_*`` drop the doubled word (``hotload_api_url`` is ``--hotload-api-url``); the
+doubled form (``--hotload-hotload-api-url``) is still accepted.
 Values are read exactly like ``HOTLOAD_*`` environment variables (:func:`fsdp_hotload.config.parse_setting`):
 JSON for lists and dicts, or text starting with ``[``, ``{`` or ``"``; anything else stays a string, so
 ``--hotload-deployment-id 12345`` is the id ``"12345"``. Defaults are left to the config (flags default to None),
@@ -35,15 +35,24 @@ SECRET_FIELDS: tuple[str, ...] = ("api_key", "hotload_api_headers")
 
 
 def flag_name(field: str) -> str:
+    """The flag of ``field``, as messages name it: ``--hotload-api-url`` for ``hotload_api_url``."""
+    if field.startswith(PREFIX + "_"):
+        field = field[len(PREFIX) + 1:]
     return f"--{PREFIX}-{field.replace('_', '-')}"
 
 
 def flag_names(field: str) -> list[str]:
-    """The flag of ``field``, and for a ``hotload_*`` field the same without the doubled word."""
+    """The flags of ``field``: its :func:`flag_name`, and for a ``hotload_*`` field the doubled form too."""
     names = [flag_name(field)]
     if field.startswith(PREFIX + "_"):
-        names.append(flag_name(field[len(PREFIX) + 1:]))
+        names.append(f"--{PREFIX}-{field.replace('_', '-')}")
     return names
+
+
+def _given_as(field: str, value: Any) -> str:
+    """The flag as the user wrote it: ``--no-hotload-x`` for a boolean set to False."""
+    negated = value is False and HotloadConfig.model_fields[field].annotation is bool
+    return f"--no-{flag_name(field)[2:]}" if negated else flag_name(field)
 
 
 #: The namespace attribute that lists, by field name, the flags given as ``null``.
@@ -143,7 +152,7 @@ def _check_publishing_off(values: dict[str, Any]) -> None:
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     if values:
-        raise SystemExit(f"{', '.join(map(flag_name, values))} given, but neither {flag_name('bucket_url')} nor "
+        raise SystemExit(f"{', '.join(_given_as(f, v) for f, v in values.items())} given, but neither {flag_name('bucket_url')} nor "
                          f"{ENV_PREFIX}BUCKET_URL is set: publishing would be off; set one, or leave out the "
                          f"--{PREFIX}-* flags")
 

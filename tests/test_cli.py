@@ -567,3 +567,8 @@ def test_main_returns_usage_codes_for_every_command(capsys: pytest.CaptureFixtur
     assert "argument --replicas" in err and "--no-such-flag" in err
     assert cli.main(["apply", str(tmp_path / "p"), str(tmp_path / "d"), str(tmp_path / "o")]) == 2
     assert f"PARENT {tmp_path / 'p'}: no such file or folder" in capsys.readouterr().err
+    assert cli.main(["diff", "", str(tmp_path / "n"), str(tmp_path / "o")]) == 2  # an unset shell variable
+    assert "error: PARENT is empty: give a file or folder" in capsys.readouterr().err
+    (tmp_path / "notes.txt").write_text("hello world, this is a text file")
+    assert cli.main(["inspect", str(tmp_path / "notes.txt")]) != 0
+    assert "not a safetensors file, or one cut short" in capsys.readouterr().err

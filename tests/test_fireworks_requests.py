@@ -80,5 +80,5 @@ def test_a_request_that_cannot_be_sent_ends_the_waits_at_once() -> None:
 def test_ids_that_are_not_strings_are_refused_naming_the_field(field: str, value: object) -> None:
     """Outside the config (which types the ids) an int id raised AttributeError ('int' object has no attribute
     'removeprefix'), naming no field."""
-    with pytest.raises(ValueError, match=f"^{field} must be a non-empty name"):
+    with pytest.raises(ValueError, match=f"^{field} must be a string, got {type(value).__name__} {value!r}$"):
         HotLoadClient("http://127.0.0.1:9", api_key=KEY, **{**IDS, field: value})

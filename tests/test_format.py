@@ -375,12 +375,32 @@ def _edit_table(fn):  # type: ignore[no-untyped-def]
     ("extra table entry", _edit_table(lambda t: t.update(z=t["w"])), FormatError, "without stored data"),
     ("not a delta", lambda d: d["__metadata__"].update(format="other"), FormatError, "not a delta"),
     ("future version", lambda d: d["__metadata__"].update(format_version="9"), FormatError, "format_version"),
+    # what the fleet is told (the signal's compression_format) must be what the tensors hold
+    ("unknown compression_format", lambda d: d["__metadata__"].update(compression_format="zzz"), FormatError,
+     r"compression_format 'zzz' does not match the tensors' codecs \(arc_v2\)"),
+    ("other compression_format", lambda d: d["__metadata__"].update(compression_format="arc_sparse_v1"),
+     FormatError, "does not match"),
+    ("mixed over one codec", lambda d: d["__metadata__"].update(compression_format="mixed"), FormatError,
+     "does not match"),
 ])
 def test_corrupt_headers_are_rejected(case: str, edit, exc: type, match: str) -> None:  # type: ignore[no-untyped-def]
     parent, blob = _golden_delta()
     with pytest.raises(exc, match=match) as info:
         apply_delta_file(parent, _corrupt_header(blob, edit), filename="model-1.safetensors")
     assert "model-1.safetensors" in str(info.value)
+
+
+def test_a_file_of_two_codecs_says_mixed_and_is_read() -> None:
+    from fsdp_hotload.arc.container import build_delta_file, encode_tensor, read_delta_info
+
+    parent, _ = _golden_delta()
+    new_w = np.arange(8, dtype=np.float32)
+    new_w[3] = -1.5
+    deltas = [encode_tensor("w", parent["w"], RawTensor.from_any(new_w), "arc_v2"),
+              encode_tensor("b", parent["b"], parent["b"], "arc_sparse_v1")]
+    blob = build_delta_file(deltas, parent_identity="step-000001-0a0b0c0d")
+    assert read_delta_info(blob).compression_format == "mixed"
+    assert apply_delta_file(parent, blob)["w"].data.tobytes() == new_w.tobytes()
 
 
 def test_checksum_mismatch_names_tensor() -> None:

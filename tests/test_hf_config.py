@@ -142,6 +142,18 @@ def test_widened_fp8_weights_are_warned_about_per_glob_and_scales_are_not_taken_
     assert DtypePolicy.of("bfloat16", {"a.*": "bfloat16"}).notes({"a.weight": fp8}) == []  # no scales: lossless
 
 
+def test_a_lossy_cast_is_told_the_fix_that_does_not_cast_the_models_other_tensors() -> None:
+    """An fp16 head on a bf16 model was told to set snapshot_dtype='float16', which casts the bf16 rest instead."""
+    from fsdp_hotload.dtype_policy import DtypePolicy
+
+    f16, b16, f32 = torch.float16, torch.bfloat16, torch.float32
+    (mixed,) = DtypePolicy.of("bfloat16").notes({"head": f16, "body": b16, "master": f32})
+    assert "1 float16 tensor(s) ('head') are published as bfloat16" in mixed and "snapshot_dtype" not in mixed
+    assert "add dtype_overrides {'<their glob>': 'keep'} (the model also holds bfloat16 tensors)" in mixed, mixed
+    (alone,) = DtypePolicy.of("bfloat16").notes({"head": f16, "body": f16, "master": f32})
+    assert "2 float16 tensor(s) ('head' and 1 more)" in alone and "set snapshot_dtype='float16'" in alone, alone
+
+
 @pytest.mark.parametrize("folder, named", [("base", None), ("bf16 copy", None), ("bf16 copy", ["quantization_config"]),
                                            ("bf16 copy", []), ("base", [])])
 def test_an_fp8_base_trained_in_bf16_is_served_with_the_dropped_key_ignored(tmp_path: Path, folder: str,

@@ -30,7 +30,7 @@ def test_every_field_but_the_secrets_has_a_flag() -> None:
 
 
 # What a deployment needs beside its id: without a URL the config refuses deployment_id (nothing would be signalled).
-SIGNAL = ["--hotload-hotload-api-url", "https://api.example", "--hotload-account-id", "a", "--hotload-model-id", "m",
+SIGNAL = ["--hotload-api-url", "https://api.example", "--hotload-account-id", "a", "--hotload-model-id", "m",
           "--hotload-hf-config-dir", "/tmp"]
 
 
@@ -102,8 +102,9 @@ def test_flags_and_env_read_a_value_alike(text: str, value: Any, monkeypatch: py
     assert cfg is not None and cfg.deployment_id == value
     monkeypatch.setenv("HOTLOAD_BUCKET_URL", "/tmp/b")
     monkeypatch.setenv("HOTLOAD_DEPLOYMENT_ID", text)
+    field_of = {flag_name(name): name for name in HotloadConfig.model_fields}
     for flag, v in zip(signal[0::2], signal[1::2]):
-        monkeypatch.setenv("HOTLOAD_" + flag[len("--hotload-"):].replace("-", "_").upper(), v)
+        monkeypatch.setenv("HOTLOAD_" + field_of[flag].upper(), v)
     assert HotloadConfig.from_env().deployment_id == value
 
 
@@ -212,7 +213,7 @@ def test_secrets_never_reach_an_error_or_a_repr(capsys: pytest.CaptureFixture[st
         with pytest.raises(SystemExit) as exit_info:
             config_from_args(args)
     # a check of several fields names each field the way it is set here
-    assert ("(--hotload-hotload-api-url, --hotload-account-id, --hotload-model-id, --hotload-deployment-id)"
+    assert ("(--hotload-api-url, --hotload-account-id, --hotload-model-id, --hotload-deployment-id)"
             in str(exit_info.value))
     cfg = HotloadConfig(**{**secret, "hotload_api_url": None})
     for text in (str(info.value), str(exit_info.value), repr(cfg), str(cfg)):
@@ -373,6 +374,8 @@ def test_publishing_is_not_turned_off_in_silence(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(SystemExit, match=r"--hotload-full-every, --hotload-keep-last given, but neither "
                                          r"--hotload-bucket-url nor HOTLOAD_BUCKET_URL is set"):
         config_from_args(parser().parse_args(["--hotload-full-every", "5", "--hotload-keep-last", "null"]))
+    with pytest.raises(SystemExit, match=r"^--hotload-api-url, --no-hotload-send-hints given, but"):  # as written
+        config_from_args(parser().parse_args(["--no-hotload-send-hints", "--hotload-hotload-api-url", "https://x"]))
     monkeypatch.setenv("HOTLOAD_FULL_EVERY", "5")  # a launcher's standing settings: the bucket alone switches
     assert config_from_args(parser().parse_args([])) is None
 

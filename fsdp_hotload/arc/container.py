@@ -21,7 +21,7 @@ import numpy as np
 
 from .adler import combine
 from .boxes import Box, check_tiling, gather, scatter
-from .codecs import element_diff, get_codec
+from .codecs import codec_names, element_diff, get_codec
 from .dtypes import RawTensor, check_shape, numel
 from .errors import ArcError, ChecksumError, FormatError, MismatchError
 from .stio import Header, build_header, json_entry, parse_header, parse_json
@@ -183,7 +183,17 @@ def read_delta_info(data: bytes | memoryview, *, filename: str = "<bytes>", tota
             raise exc.at(**tw) from None
         except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"bad tensor entry: {exc!r}", **tw) from None
-    return DeltaInfo(meta[K_PARENT], meta.get(K_COMPRESSION, ""), tensors, header)
+    compression = meta.get(K_COMPRESSION, "")
+    codecs = {t.codec for t in tensors.values()}
+    if compression == "mixed":
+        wrong = len(codecs) == 1
+    else:  # "" (not said) passes; a codec must be every tensor's (or known, with no tensors)
+        wrong = bool(compression) and (codecs != {compression} if codecs else compression not in codec_names())
+    if wrong:
+        # a damaged or foreign header: what the fleet is told (the signal's compression_format) must be true
+        raise FormatError(f"compression_format {compression!r} does not match the tensors' codecs "
+                          f"({', '.join(sorted(codecs)) or 'no tensors'})", **where)
+    return DeltaInfo(meta[K_PARENT], compression, tensors, header)
 
 
 def _parse_tensor(name: str, info: Any, entry: Any) -> TensorDelta:

@@ -74,7 +74,8 @@ def parse_header(data: bytes | memoryview, *, filename: str = "<bytes>", total_s
         raise FormatError("file is shorter than the 8-byte header length", file=filename)
     hlen = int.from_bytes(bytes(data[:8]), "little")
     if hlen > MAX_HEADER_BYTES or 8 + hlen > size or 8 + hlen > len(data):
-        raise FormatError(f"header length {hlen} exceeds the file ({size} bytes)", file=filename)
+        raise FormatError(f"header length {hlen} exceeds the file ({size} bytes): not a safetensors file, or one "
+                          "cut short", file=filename)
     raw = parse_json(bytes(data[8:8 + hlen]), "header", file=filename)
     if not isinstance(raw, dict):
         raise FormatError("header is not a JSON object", file=filename)
