@@ -184,6 +184,10 @@ class HotloadCallback:
                  **engine_kwargs: Any) -> None:
         import torch.distributed as dist
 
+        if not isinstance(model, torch.nn.Module):  # checked before the collective side groups are made
+            chunks = " (Megatron's get_model returns its model chunks as a list: publish a Hugging Face state dict " \
+                     "gathered from them with TensorPublisher)" if isinstance(model, (list, tuple)) else ""
+            raise TypeError(f"HotloadCallback takes a torch.nn.Module, got {type(model).__name__}{chunks}")
         self.model = model
         self.config = config = config.checked()
         comm: Comm
@@ -204,8 +208,9 @@ class HotloadCallback:
             samples: list[int | None] | None = None  # replica_samples: told apart from partitions
             plain: dict[str, int] | None = None  # plain_samples: the same, for tensors rank 0 alone publishes
             try:
-                note = model_parallel_note(model) if isinstance(comm, GlooComm) else None
-                if note:  # several ranks: partitions, not replicas
+                several = isinstance(comm, GlooComm)  # several ranks: maybe partitions, whatever the names
+                note = model_parallel_note(model, several_ranks=several)
+                if note and (several or (rename is None and split is None)):
                     raise ValueError(note)
                 self._plan_names(split, rename, tie_word_embeddings, include_buffers, hf_names)
                 self._fingerprint = storage_fingerprint(model)

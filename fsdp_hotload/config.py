@@ -465,8 +465,8 @@ class HotloadConfig(BaseModel):
             return cls(**values)
         except ValidationError as exc:
             names = error_names(exc, label)
-            raise ValueError(f"invalid hotload settings from {source or prefix + '* environment variables'} "
-                             f"({names or 'see below'}):\n{exc}") from None
+            raise ValueError(f"invalid hotload settings from {source or prefix + '* environment variables'}"
+                             f"{f' ({names})' if names else ''}: {error_text(exc, label)}") from None
 
 
 def _union_members(annotation: Any) -> tuple[Any, ...]:
@@ -540,6 +540,38 @@ def error_names(exc: ValidationError, name: Callable[[str], str]) -> str:
         else:
             fields += [f for f in HotloadConfig.model_fields if re.search(rf"\b{f}\b", str(e.get("msg", "")))]
     return ", ".join(dict.fromkeys(name(f) for f in fields))
+
+
+#: Fields whose values an error never shows (credentials, or containers of them).
+_UNSHOWN = frozenset({"api_key", "hotload_api_headers", "storage_options"})
+
+
+def error_text(exc: ValidationError, name: Callable[[str], str]) -> str:
+    """A validation error on one line, each field spelt ``name(field)`` once with the value given (a union's
+    members merged): pydantic's own text takes a few lines per field, names the Python field and adds a URL."""
+    parts: dict[str, tuple[str, list[str]]] = {}  # label: (the value shown, the messages)
+    for e in exc.errors(include_url=False):
+        msg = str(e.get("msg", "")).removeprefix("Value error, ")
+        key = ""
+        if not e.get("loc"):  # a check of several fields: their names as this path spells them
+            for f in HotloadConfig.model_fields:
+                msg = re.sub(rf"(?<![\w.-]){f}(?![\w-])", name(f), msg)
+        else:
+            field = str(e["loc"][0])
+            key = name(field)
+            value = e.get("input")
+            if key not in parts:
+                parts[key] = ("" if field in _UNSHOWN or isinstance(value, dict) else f" (got {_short(value)})", [])
+        msgs = parts.setdefault(key, ("", []))[1]
+        if msg not in msgs:
+            msgs.append(msg)
+    return "; ".join("; ".join(msgs) if not key else f"{key}: {' or '.join(msgs)}{shown}"
+                     for key, (shown, msgs) in parts.items())
+
+
+def _short(value: Any) -> str:
+    text = repr(mask_url(value) if isinstance(value, str) else value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _unknown_env_message(unknown: list[str], known: list[str], prefix: str) -> str:

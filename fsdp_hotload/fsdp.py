@@ -367,11 +367,12 @@ def source_dtypes(
             for name, src, _paths in _plan(model, rename, tie_word_embeddings, include_buffers, split)}
 
 
-def model_parallel_note(model: nn.Module) -> str | None:
-    """Why ``model`` cannot be published as replicated plain tensors, or None: the plain parameters Megatron marks
-    as tensor-parallel (``tensor_model_parallel``, set by its parallel layers) or expert-parallel
-    (``allreduce=False``). Why: each rank holds a partition of those, not a replica, and rank 0's partitions would
-    be published as the whole tensors (the others' dropped), under Megatron's names."""
+def model_parallel_note(model: nn.Module, *, several_ranks: bool = True) -> str | None:
+    """Why ``model`` cannot be published as it is, or None: the plain parameters Megatron marks as tensor-parallel
+    (``tensor_model_parallel``, set by its parallel layers even at a tensor-parallel size of 1) or expert-parallel
+    (``allreduce=False``). Why: their names and fused layouts are Megatron's, not a Hugging Face checkpoint's,
+    and over several ranks each rank may hold a partition of them, of which only rank 0's would be published as
+    the whole tensors."""
     dtensor = _dtensor_type()
     tp, ep = [], []
     for path, src in _slots(model, include_buffers=False):
@@ -385,9 +386,12 @@ def model_parallel_note(model: nn.Module) -> str | None:
         return None
     kinds = [f"{len(names)} {kind}-parallel (e.g. {names[0]!r})" for kind, names in (("tensor", tp), ("expert", ep))
              if names]
-    return (f"the model holds Megatron {' and '.join(kinds)} parameters: each rank holds a partition of them, "
-            "which HotloadCallback would publish as rank 0's whole tensors; gather a Hugging Face state dict "
-            "(TP/PP/EP merged, HF names) and publish it from rank 0 with TensorPublisher")
+    ranks = (", and with tensor or expert parallelism each rank holds a partition of them, which HotloadCallback "
+             "would publish as rank 0's whole tensors") if several_ranks else ""
+    return (f"the model holds Megatron {' and '.join(kinds)} parameters: their names and fused layouts (linear_qkv "
+            f"interleaved per query group, linear_fc1's gate and up joined) are not a Hugging Face checkpoint's"
+            f"{ranks}; gather a Hugging Face state dict (TP/PP/EP merged, HF names) and publish it from rank 0 with "
+            "TensorPublisher" + ("" if several_ranks else ", or pass rename= and split= that map them"))
 
 
 def tensor_paths(model: nn.Module, *, include_buffers: bool = True) -> list[str]:

@@ -110,6 +110,10 @@ def _converter(name: str, annotation: Any) -> Callable[[str], Any]:
 def _help(name: str) -> str:
     field = HotloadConfig.model_fields[name]
     text = field.description or name
+    for other in HotloadConfig.model_fields:  # other settings as this path sets them (not an API key's
+        if other != name:                     # ``validation.extra_fields_ignore``, not a placeholder)
+            text = re.sub(rf"(?<![\w.<-]){other}(?![\w-])", _setting_name(other), text)
+    text = re.sub(r"(--[\w-]+)='([^']*)'", r"\1 \2", text)  # deployments_required='any': --hotload-... any
     union = get_origin(field.annotation) in (Union, types.UnionType)
     members = get_args(field.annotation) if union else (field.annotation,)
     choices = [a for m in members if get_origin(m) is Literal for a in get_args(m)]

@@ -147,6 +147,29 @@ def test_a_reshaped_parameter_fails_the_step_and_a_meta_model_fails_construction
         HotloadCallback(lazy, cfg)
 
 
+def test_a_megatron_model_in_one_process_or_its_chunk_list_is_refused_saying_what_to_do(tmp_path: Path) -> None:
+    """At a tensor-parallel size of 1 (one GPU) Megatron's layers still mark their parameters; the callback only
+    looked for the marks over several ranks, so a one-process run published linear_qkv (interleaved per query
+    group) under Megatron's names, which no fleet loads. get_model's list of model chunks raised AttributeError."""
+    gpt = nn.Module()
+    gpt.linear_qkv = nn.Linear(8, 16, bias=False)
+    gpt.linear_qkv.weight.tensor_model_parallel = True  # type: ignore[attr-defined]  # as Megatron marks it
+    gpt.norm = nn.LayerNorm(8)
+    cfg = HotloadConfig(bucket_url=str(tmp_path / "bucket"))
+    with pytest.raises(ValueError, match=r"Megatron 1 tensor-parallel \(e.g. 'linear_qkv.weight'\) parameters: their "
+                                         r"names and fused layouts .* are not a Hugging Face checkpoint's; .*"
+                                         r"TensorPublisher, or pass rename= and split= that map them$") as info:
+        HotloadCallback(gpt, cfg)
+    assert "partition" not in str(info.value)  # not said of one process
+    with pytest.raises(TypeError, match=r"takes a torch.nn.Module, got list \(Megatron's get_model returns its model "
+                                        r"chunks as a list"):
+        HotloadCallback([gpt], cfg)  # type: ignore[arg-type]
+    hot = HotloadCallback(gpt, cfg, rename=lambda name: name.replace("linear_qkv", "qkv_proj"))  # mapped by the user
+    hot.step(0)
+    hot.close()
+    assert [m.ok for m in hot.metrics] == [True]
+
+
 def test_async_copy_waits_at_the_next_optimizer_step(tmp_path: Path) -> None:
     """With attach() the CPU copy runs on a helper thread; the optimizer's pre-step hook waits for it, so a
     slow copy never sees the next step's weights, and its wait is counted as blocking."""

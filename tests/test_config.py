@@ -22,7 +22,7 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
     os.environ["HOTLOAD_BUCKET_URL"] = str(tmp_path)
     os.environ["HOTLOAD_DEPLOYMENT_ID"] = '["a", "b"]'
     try:
-        with pytest.raises(ValueError, match="deployment_id is set but hotload_api_url is not"):
+        with pytest.raises(ValueError, match="HOTLOAD_DEPLOYMENT_ID is set but HOTLOAD_HOTLOAD_API_URL is not"):
             HotloadConfig.from_env(full_every=5)  # would publish to storage only: the fleet would never move
         cfg = HotloadConfig.from_env(full_every=5, hotload_api_url="https://api.example", account_id="x",
                                      model_id="m", hf_config_dir=str(tmp_path))
