@@ -262,6 +262,8 @@ class HotloadConfig(BaseModel):
         root = (os.path.expanduser(v) if v.startswith("~") else v).rstrip("/")
         if not root.strip() or root.endswith(":"):
             raise ValueError(f"bucket_url {mask_url(v)!r} names no folder or bucket")
+        if v != v.strip():  # a line read from an env file: s3 would take the newline into every key
+            raise ValueError(f"bucket_url {mask_url(v)!r} starts or ends with white space")
         if "://" not in root:
             from .storage_paths import check_local_root
 

@@ -234,6 +234,7 @@ def test_secrets_never_reach_an_error_or_a_repr(capsys: pytest.CaptureFixture[st
 
 @pytest.mark.parametrize("field, value, match", [
     ("bucket_url", "/", "names no folder or bucket"), ("bucket_url", "s3://", "names no folder or bucket"),
+    ("bucket_url", "s3://b/p\n", "ends with white space"), ("bucket_url", " /tmp/b", "starts or ends with white"),
     ("ready_timeout_s", float("inf"), "finite"), ("collective_timeout_s", 1e15, "less than or equal"),
     ("poll_interval_s", float("nan"), "finite"),
 ])
