@@ -78,11 +78,12 @@ class HotloadConfig(BaseModel):
     keep_last: int | None = Field(None, ge=1, description="retention: keep the last K committed snapshots "
                                                           "(and every base they depend on), and those of another "
                                                           "publisher live under the same root; None keeps all")
-    retention_grace_s: float = Field(3600.0, gt=0, description="retention: how long after its last commit a run "
-                                                               "before this one (a restart, or a paused run, under "
-                                                               "the same root) keeps its snapshots, since a "
-                                                               "deployment may still serve them; raise it for runs "
-                                                               "paused longer")
+    retention_grace_s: float = Field(3600.0, gt=0, description="retention: how long after its last commit "
+                                                               "another run under the same root (a restart, a "
+                                                               "paused run, a second trainer) keeps its snapshots, "
+                                                               "since a deployment may still serve them; raise it "
+                                                               "above the longest interval between any such run's "
+                                                               "commits, and for runs paused longer")
     hf_config_dir: str | None = Field(None, description="folder with config.json and tokenizer files to copy "
                                                         "into every snapshot")
     carry_base_tensors: list[str] = Field(default_factory=list, description="globs of base-checkpoint tensors the "

@@ -101,7 +101,9 @@ def _ancestors_closure(roots: Iterable[str], by_id: dict[str, CommitInfo]) -> se
 
 
 #: How much older than a publisher's start every file of a finished run's unmarked folder must be before that
-#: publisher's retention deletes it: an upload of a run still alive writes a file at least this often.
+#: publisher's retention deletes it: an upload of a run still alive writes a file at least this often. Not so on
+#: S3, where a file being sent in parts shows in no listing until it completes (a 5 GB shard over a slow link
+#: takes longer): a folder with an open multipart upload is left alone (:func:`_uploading`).
 INCOMPLETE_GRACE_S = 600.0
 _warned_sessions: set[tuple[str, bool]] = set()  # (session, committed before this start) logged (once per process)
 SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -229,6 +231,21 @@ ABANDONED_UPLOAD_AGE_S = 3 * 3600.0
 _uploads_unlisted: set[str] = set()  # roots whose open uploads could not be listed (warned once per process)
 
 
+def _uploading(storage: Storage, committed: list[CommitInfo], session: str) -> set[str] | None:
+    """The folders with an open multipart upload begun less than ``ABANDONED_UPLOAD_AGE_S`` ago (or at a time the
+    store does not give): a live writer may be sending a shard there, which no listing shows until it completes,
+    so the folder's finished files, however old, do not tell an abandoned folder. None where the uploads cannot be
+    listed: then no folder can be told apart from a live upload. Listed before any folder it judges, so an upload
+    that completes in between shows as a fresh file there instead."""
+    try:
+        uploads = storage.open_uploads()
+    except StorageError:  # warned of by _abort_abandoned_uploads, which lists them again
+        return None
+    now = min(time.time(), _store_time_of_newest(storage, committed, session)) if uploads else 0.0
+    return {u.relpath.partition("/")[0] for u in uploads
+            if u.initiated is None or u.initiated >= now - ABANDONED_UPLOAD_AGE_S}
+
+
 def _abort_abandoned_uploads(storage: Storage, committed: list[CommitInfo], session: str, live: set[str],
                              newest_own: int) -> None:
     """Abort the open multipart uploads (S3) that no writer will finish.
@@ -246,7 +263,8 @@ def _abort_abandoned_uploads(storage: Storage, committed: list[CommitInfo], sess
         if storage.uri("") not in _uploads_unlisted:
             _uploads_unlisted.add(storage.uri(""))
             logger.warning("hotload: retention cannot list the open multipart uploads under %s, so those a killed "
-                           "writer left are not aborted (a bucket lifecycle rule can): %s", storage.uri(""), exc)
+                           "writer left are not aborted (a bucket lifecycle rule can), nor are the folders other "
+                           "runs left without a marker deleted (any may hold a live upload): %s", storage.uri(""), exc)
         return
     for upload in uploads:
         identity, _, name = upload.relpath.partition("/")
@@ -376,10 +394,22 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
         _delete_committed(storage, identity)
         deleted.append(identity)
         logger.info("retention: deleted snapshot %s", storage.uri(identity))
+    foreign: dict[str, list[str]] = {}
+    for identity in deleted if session is not None else ():
+        if session_of(identity) != session:
+            foreign.setdefault(session_of(identity), []).append(identity)
+    for other, gone in foreign.items():  # a trainer still running that commits less often than grace_s looks so
+        newest = max(c.created_at for c in committed if session_of(c.identity) == other)
+        logger.warning("hotload: retention deleted %d snapshot(s) of session %s (e.g. %s), a run taken for finished: "
+                       "its newest commit is %.0f s old, more than retention_grace_s=%g; if that run still publishes "
+                       "(less often than that), raise retention_grace_s above its interval", len(gone), other,
+                       gone[0], now - newest, grace_s)
     # A committed snapshot's parent is never swept, also where its marker was not read (see plan_retention).
     parents = {c.parent_identity for c in committed if c.parent_identity is not None}
     if session is not None:
         store_time: float | None = None  # read from the store only when an unmarked folder is there to judge
+        uploading: set[str] | None = set()  # the folders a live writer may be sending to (see _uploading)
+        listed_uploads = False
         sessions = {session_of(c.identity) for c in committed}
         # This session's snapshots commit in step order, and those in flight are newer than its newest commit:
         # an unmarked folder of its own below that step lost its marker to a delete that then failed, or is a
@@ -408,6 +438,10 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
             finished = session_of(identity) in sessions
             if store_time is None:
                 store_time = _store_time_of_newest(storage, committed, session)
+            if not listed_uploads:  # before the first folder's listing
+                uploading, listed_uploads = _uploading(storage, committed, session), True
+            if uploading is None or identity in uploading:
+                continue
             limit = min(now if finished else since, store_time) - INCOMPLETE_GRACE_S
             infos = storage.list_info(identity, include_temp=True)
             times = [f.mtime for f in infos.values()]
@@ -419,8 +453,11 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
         _abort_abandoned_uploads(storage, committed, session, set(live), newest_own)
     if delete_incomplete and committed:
         newest = committed[-1].created_at
+        uploading = _uploading(storage, committed, session or "")
         for identity in dirs:
             if identity in by_id or identity in protected or identity in deleted or identity in parents:
+                continue
+            if uploading is None or identity in uploading:
                 continue
             infos = storage.list_info(identity, include_temp=True)
             if not _looks_like_ours(identity, infos):

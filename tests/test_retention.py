@@ -502,6 +502,52 @@ def test_a_crashed_writer_s_open_multipart_uploads_are_aborted(s3_server: S3Serv
     assert late in open_uploads()
 
 
+def _age_objects(bucket: str, prefix: str, seconds: float) -> int:
+    """Move the store's time of every object under ``prefix`` back (moto's server runs in this process)."""
+    import datetime
+
+    from moto.s3.models import s3_backends
+
+    aged = 0
+    for regions in s3_backends.values():
+        for backend in regions.values():
+            found = backend.buckets.get(bucket)
+            for name, key in list(found.keys.items()) if found is not None else ():
+                if name.startswith(prefix):
+                    key.last_modified -= datetime.timedelta(seconds=seconds)
+                    aged += 1
+    return aged
+
+
+def test_a_folder_with_a_live_multipart_upload_is_not_taken_for_abandoned(s3_server: S3Server,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two trainers under one root: A's first full snapshot is uploading, its last shard an open multipart upload
+    (no listing shows it) and the others finished 20 minutes ago. B's retention took A's folder for one a crash
+    left (every file it saw was old) and deleted it: A's commit then failed, or, interleaved with it, committed
+    a folder whose files were gone. A folder with an open upload now stays, and so does every unmarked folder of
+    another run where the uploads cannot be listed; once A's upload is gone (A was killed), the folder goes."""
+    monkeypatch.setattr("fsdp_hotload.retention.ABANDONED_UPLOAD_AGE_S", 1e11)  # moto dates every upload 2010
+    uri = s3_server.unique_uri("live-upload")
+    st = Storage(uri, s3_server.storage_options)
+    client, bucket = s3_server.client(), s3_server.bucket
+    prefix = uri.split(f"s3://{bucket}/", 1)[1]
+    a_id, b_id = "step-000000-aaaaaaaa", "step-000100-bbbbbbbb"
+    shard = "model-{:05d}-of-00004.safetensors".format
+    st.put_many({f"{a_id}/{shard(i)}": b"x" * 100 for i in (1, 2, 3)})
+    assert _age_objects(bucket, f"{prefix}/{a_id}/", 20 * 60) == 3
+    key = f"{prefix}/{a_id}/{shard(4)}"
+    upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    _publish(st, CommitInfo(b_id, "full", None, {shard(1): {"size": 10}}))
+    assert apply_retention(st, 3, session="bbbbbbbb", since=time.time() - 300) == []
+    assert sorted(st.list_info(a_id)) == [f"{a_id}/{shard(i)}" for i in (1, 2, 3)]
+    with DeleteErrorsProxy(s3_server.endpoint_url, "AccessDenied", lambda body: False, deny_uploads=True) as proxy:
+        client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload)
+        unlisted = Storage(uri, {**s3_server.storage_options, "endpoint_url": proxy.url})
+        assert apply_retention(unlisted, 3, session="bbbbbbbb", since=time.time() - 300) == []
+    assert apply_retention(st, 3, session="bbbbbbbb", since=time.time() - 300) == [a_id]  # the sweep still works
+    assert st.list_info(a_id) == {}
+
+
 def test_retention_goes_on_where_open_uploads_cannot_be_listed(s3_server: S3Server,
                                                               caplog: pytest.LogCaptureFixture) -> None:
     """Listing multipart uploads is a permission of its own (s3:ListBucketMultipartUploads), often not granted:
@@ -537,8 +583,13 @@ def test_a_run_restarted_into_the_same_bucket_lets_the_crashed_runs_snapshots_go
         assert apply_retention(st, keep_last=1, session="aaaaaaaa", since=start, now=start + 10) == []
     assert "keeping the snapshots of session bbbbbbbb" in caplog.text and "another publisher" not in caplog.text
     _publish(st, CommitInfo("step-000001-aaaaaaaa", "delta", "step-000000-aaaaaaaa", files, start + 700))
-    deleted = apply_retention(st, keep_last=1, session="aaaaaaaa", since=start, now=start + 700)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fsdp_hotload"):
+        deleted = apply_retention(st, keep_last=1, session="aaaaaaaa", since=start, now=start + 700)
     assert deleted == ["step-000011-bbbbbbbb", "step-000010-bbbbbbbb"]
+    # a trainer still running that commits less often than the grace looks the same: said, naming the run
+    assert ("retention deleted 2 snapshot(s) of session bbbbbbbb (e.g. step-000011-bbbbbbbb), a run taken for "
+            "finished: its newest commit is 3700 s old, more than retention_grace_s=3600") in caplog.text
     assert sorted(st.list_dirs()) == ["step-000000-aaaaaaaa", "step-000001-aaaaaaaa"]
 
 
