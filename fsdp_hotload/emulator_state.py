@@ -285,8 +285,13 @@ class Replica:
             settings.get_bytes, row.identity, previous=row.previous, compression_format=row.compression_format,
             parent=parent, parent_weight_map=parent_map, base_shapes=settings.base.shapes,
             on_stage=lambda s: self._set_stage(job, s))
-        check_config(config, settings.base.config, row.ignore, row.identity)
+        dep = self.dep
+        check_config(config, settings.base.config if settings.base.config is not None else dep.config_seen,
+                     row.ignore, row.identity)
         check_unchanged_since_signal(settings.list_files, row)
+        if settings.base.config is None:
+            with dep.lock:
+                dep.config_seen = config if dep.config_seen is None else dep.config_seen
         return tensors, weight_map
 
     def _restore(self, job: _Restart) -> None:
@@ -372,6 +377,9 @@ class Deployment:
         self.ledger: deque[LedgerRow] = deque(maxlen=settings.history_limit)
         self.hints: deque[dict[str, Any]] = deque(maxlen=settings.history_limit)
         self.signalled: set[str] = set()  # every identity since the last reset (a few bytes each)
+        # Without a base model's config, the first snapshot served stands in for it: on Fireworks that one passing
+        # means the base's config equals it, so a later snapshot whose config differs would be refused
+        self.config_seen: dict[str, Any] | None = None
         self.replicas = [Replica(i, self) for i in range(replicas)]
         self.created = time.monotonic()
         self.premature_signals = 0  # signals sent before the manager was up (each would risk a crash)
@@ -433,15 +441,17 @@ class Deployment:
                 if previous not in self.signalled:
                     raise SignalRejected(400, f"previous_snapshot_identity {previous!r} is not in the ledger of "
                                               f"{self.key!r}")
+                # "must match the snapshot currently served" (Fireworks' delta docs): a parent still loading is
+                # not served yet, and a delta queued behind another load would apply to that load's snapshot
                 served = [r.current if r.restoring is None else r.restoring for r in self.replicas]
-                if any(r.busy for r in self.replicas):  # "serves immediately before this load": after the queue
-                    if previous != self.ledger[-1].identity:
-                        raise SignalRejected(400, f"previous_snapshot_identity {previous!r} is not the snapshot "
-                                                  f"loaded just before this one ({self.ledger[-1].identity!r}, "
-                                                  "still loading); signal a full snapshot")
-                elif any(s != previous for s in served):
+                if any(s != previous for s in served):
                     raise SignalRejected(400, f"previous_snapshot_identity {previous!r} is not the snapshot the "
-                                              f"replicas serve ({served}); signal a full snapshot")
+                                              f"replicas serve ({served}); wait until it is served everywhere, or "
+                                              "signal a full snapshot")
+                if any(r.busy for r in self.replicas) and previous != self.ledger[-1].identity:
+                    raise SignalRejected(400, f"previous_snapshot_identity {previous!r} is not the snapshot "
+                                              f"loaded just before this one ({self.ledger[-1].identity!r}, "
+                                              "still loading); signal a full snapshot")
             row = LedgerRow(
                 identity=identity, kind="delta" if meta is not None else "full", previous=previous,
                 compression_format=meta.compression_format if meta is not None else None,

@@ -157,8 +157,8 @@ class HotLoadClient:
     Transient failures (connection errors, timeouts, 408/429/5xx) are retried with capped exponential backoff
     (``backoff_initial_s`` doubling up to ``backoff_max_s``; ``Retry-After`` is a floor, itself capped at
     ``backoff_max_s``) for at most ``retry_budget_s`` seconds, attempts included (each is cut to what is left of the
-    budget, ``timeout_s`` at most); a repeated signal is safe because the server treats a re-signal of the same
-    identity idempotently.
+    budget, ``timeout_s`` at most). A re-signal of the same identity is assumed idempotent (Fireworks does not
+    document it); a 409 to a retry is taken as the earlier attempt accepted.
 
     Example::
 

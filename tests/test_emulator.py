@@ -541,6 +541,24 @@ def test_base_config_comparison(tmp_path: Path) -> None:
         client.wait_ready("step-2", timeout_s=30)
 
 
+def test_without_a_base_config_the_first_served_snapshot_stands_in_for_it(tmp_path: Path) -> None:
+    """On Fireworks the first snapshot passing the comparison means the base's config equals it, so a later one
+    whose config differs is refused; without base_config the emulator compared nothing and served it."""
+    with HotLoadEmulator(str(tmp_path), replicas=2, api_key=EMULATOR_API_KEY) as emu:
+        client = client_for(emu)
+        write_full_snapshot(tmp_path, "step-1", tiny_model(0))
+        client.signal("step-1")
+        client.wait_ready("step-1", timeout_s=30)
+        folder = write_full_snapshot(tmp_path, "step-2", perturb(tiny_model(0), seed=2))
+        (folder / "config.json").write_text(json.dumps(dict(CONFIG, hidden_size=4096)))
+        client.signal("step-2")
+        with pytest.raises(HotLoadError, match="Config value mismatch for hidden_size"):
+            client.wait_ready("step-2", timeout_s=30)
+        write_full_snapshot(tmp_path, "step-3", perturb(tiny_model(0), seed=3))  # the first one's config
+        client.signal("step-3")
+        client.wait_ready("step-3", timeout_s=30)
+
+
 def test_reads_snapshots_from_s3(tmp_path: Path, s3_server: Any) -> None:
     from fsdp_hotload.storage import Storage
 
@@ -767,21 +785,23 @@ def test_a_delta_whose_file_names_another_parent_than_the_signal_is_refused(emul
     assert served(emulator) == [("step-1", digest_map(m1))] * 2
 
 
-def test_a_replica_whose_parent_load_failed_refuses_the_queued_delta(emulator: HotLoadEmulator) -> None:
-    """A delta queued behind its parent's load must not apply on a replica where that load failed, even when the
-    bytes would rebuild exactly (the failed parent has the bytes of the snapshot the replica still serves): the
-    replica's own parent check, not the checksum, is what refuses it."""
+def test_a_delta_on_a_parent_still_loading_is_refused(emulator: HotLoadEmulator) -> None:
+    """"previous_snapshot_identity must match the snapshot currently served" (Fireworks' delta docs): a delta
+    signalled while its parent was still loading was queued behind it, so a client that sent deltas early passed
+    here and would fail on Fireworks. Once the parent is served everywhere the same delta is taken."""
     client = client_for(emulator)
     m1 = load_full(emulator, client, "step-1")
     write_full_snapshot(emulator.bucket, "step-2", m1)  # same bytes as step-1, another identity
     m3 = perturb(m1, seed=3)
     write_delta_snapshot(emulator.bucket, "step-3", "step-2", m1, m3)
-    emulator.set_load_delay(600)  # replica 0 stays busy, so the delta is accepted behind step-2
-    emulator.fail_next_loads(1, replica=1)
+    emulator.set_load_delay(600)
     client.signal("step-2")
-    client.signal("step-3", previous_identity="step-2")
+    with pytest.raises(HotLoadError, match=r"previous_snapshot_identity 'step-2' is not the snapshot the replicas "
+                                           r"serve \(\['step-1', 'step-1'\]\); wait until it is served") as info:
+        client.signal("step-3", previous_identity="step-2")
+    assert info.value.status_code == 400
     emulator.set_load_delay(0)
-    rows = settle(emulator, "step-3")
-    assert [p["stage"] for p in rows] == ["done", "error"]
-    assert "applies to 'step-2', but replica 1 serves 'step-1'" in (rows[1]["error"] or "")
-    assert served(emulator) == [("step-3", digest_map(m3)), ("step-1", digest_map(m1))]
+    settle(emulator, "step-2")
+    client.signal("step-3", previous_identity="step-2")
+    settle(emulator, "step-3")
+    assert served(emulator) == [("step-3", digest_map(m3))] * 2
