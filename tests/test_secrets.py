@@ -84,10 +84,15 @@ def test_api_url_credentials_are_refused_and_never_echoed() -> None:
                                  # an fsspec chain: the password is in its second link
                                  "simplecache::sftp://user:TOPSECRET@files.internal/runs",
                                  # a password holding '/', '?' or '#' (half of AWS secret keys hold a '/'), and a
-                                 # leading space: neither was masked
+                                 # leading space (refused now): neither was masked
                                  "sftp://user:TOP/SECRET@files.internal/runs", "sftp://u:TOP?SE#CRET@files/runs",
                                  " sftp://user:TOPSECRET@files.internal/runs"])
 def test_bucket_url_credentials_are_masked_in_the_repr(url: str) -> None:
+    if url != url.strip():
+        with pytest.raises(ValueError, match="starts or ends with white space") as info:
+            HotloadConfig(bucket_url=url)
+        assert "TOP" not in str(info.value)
+        return
     cfg = HotloadConfig(bucket_url=url)
     assert "TOP" not in repr(cfg) and "TOP" not in cfg.model_dump_json()  # TOPSECRET, TOP/SECRET, TOP?SE#CRET
     assert cfg.bucket_url == url
