@@ -153,7 +153,8 @@ class DtypePolicy:
                        "dequantise in the trainer before publishing, or add {'<their glob>': 'keep'} before that "
                        "glob to publish them as quantised weights")
         if quantised and scales:
+            more = f" and {len(scales) - 1} more" if len(scales) > 1 else ""
             out.append(f"{len(quantised)} 8-bit tensor(s) are published as quantised weights, but {len(scales)} "
-                       f"scale tensor(s) ({scales[0]!r}{f' and {len(scales) - 1} more' if len(scales) > 1 else ''}) are cast to "
-                       f"another dtype; add dtype_overrides {{'*scale*': 'keep'}} to publish them as trained")
+                       f"scale tensor(s) ({scales[0]!r}{more}) are cast to another dtype; add dtype_overrides "
+                       "{'*scale*': 'keep'} to publish them as trained")
         return out

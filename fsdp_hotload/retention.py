@@ -31,6 +31,7 @@ from .storage_local import TMP_PREFIX
 
 if TYPE_CHECKING:
     from .storage import Storage
+    from .storage_s3 import OpenUpload
 
 __all__ = [
     "COMMIT_MARKER",
@@ -231,23 +232,35 @@ ABANDONED_UPLOAD_AGE_S = 3 * 3600.0
 _uploads_unlisted: set[str] = set()  # roots whose open uploads could not be listed (warned once per process)
 
 
-def _uploading(storage: Storage, committed: list[CommitInfo], session: str) -> set[str] | None:
+def _open_uploads(storage: Storage) -> list[OpenUpload] | None:
+    """:meth:`Storage.open_uploads`, or None (said once per root) where they cannot be listed."""
+    try:
+        return storage.open_uploads()
+    except StorageError as exc:  # e.g. a policy without s3:ListBucketMultipartUploads: retention goes on
+        if storage.uri("") not in _uploads_unlisted:
+            _uploads_unlisted.add(storage.uri(""))
+            logger.warning("hotload: retention cannot list the open multipart uploads under %s, so those a killed "
+                           "writer left are not aborted (a bucket lifecycle rule can), nor are the folders other "
+                           "runs left without a marker deleted (any may hold a live upload): %s", storage.uri(""), exc)
+        return None
+
+
+def _uploading(storage: Storage, uploads: list[OpenUpload] | None, committed: list[CommitInfo],
+               session: str) -> set[str] | None:
     """The folders with an open multipart upload begun less than ``ABANDONED_UPLOAD_AGE_S`` ago (or at a time the
     store does not give): a live writer may be sending a shard there, which no listing shows until it completes,
-    so the folder's finished files, however old, do not tell an abandoned folder. None where the uploads cannot be
-    listed: then no folder can be told apart from a live upload. Listed before any folder it judges, so an upload
-    that completes in between shows as a fresh file there instead."""
-    try:
-        uploads = storage.open_uploads()
-    except StorageError:  # warned of by _abort_abandoned_uploads, which lists them again
+    so the folder's finished files, however old, do not tell an abandoned folder. None where the uploads could not
+    be listed: then no folder can be told apart from a live upload. The uploads must be listed before any folder
+    judged, so that an upload completing in between shows as a fresh file there instead."""
+    if uploads is None:
         return None
     now = min(time.time(), _store_time_of_newest(storage, committed, session)) if uploads else 0.0
     return {u.relpath.partition("/")[0] for u in uploads
             if u.initiated is None or u.initiated >= now - ABANDONED_UPLOAD_AGE_S}
 
 
-def _abort_abandoned_uploads(storage: Storage, committed: list[CommitInfo], session: str, live: set[str],
-                             newest_own: int) -> None:
+def _abort_abandoned_uploads(storage: Storage, uploads: list[OpenUpload] | None, committed: list[CommitInfo],
+                             session: str, live: set[str], newest_own: int) -> None:
     """Abort the open multipart uploads (S3) that no writer will finish.
 
     Why: a writer killed mid-upload leaves its uploads open; the store keeps (and bills) their parts for good,
@@ -257,16 +270,7 @@ def _abort_abandoned_uploads(storage: Storage, committed: list[CommitInfo], sess
     uploads stay.
     """
     now: float | None = None  # the store's time, read only when an upload of another session is there to judge
-    try:
-        uploads = storage.open_uploads()
-    except StorageError as exc:  # e.g. a policy without s3:ListBucketMultipartUploads: retention goes on
-        if storage.uri("") not in _uploads_unlisted:
-            _uploads_unlisted.add(storage.uri(""))
-            logger.warning("hotload: retention cannot list the open multipart uploads under %s, so those a killed "
-                           "writer left are not aborted (a bucket lifecycle rule can), nor are the folders other "
-                           "runs left without a marker deleted (any may hold a live upload): %s", storage.uri(""), exc)
-        return
-    for upload in uploads:
+    for upload in uploads or ():
         identity, _, name = upload.relpath.partition("/")
         if not (PUBLISHED_NAME.fullmatch(identity) and _is_identity(identity) and SHARD_FILE.fullmatch(name)):
             continue
@@ -408,8 +412,8 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
     parents = {c.parent_identity for c in committed if c.parent_identity is not None}
     if session is not None:
         store_time: float | None = None  # read from the store only when an unmarked folder is there to judge
-        uploading: set[str] | None = set()  # the folders a live writer may be sending to (see _uploading)
-        listed_uploads = False
+        uploads = _open_uploads(storage)  # before any folder is listed (see _uploading)
+        uploading: set[str] | None = None  # the folders a live writer may be sending to, once one is judged
         sessions = {session_of(c.identity) for c in committed}
         # This session's snapshots commit in step order, and those in flight are newer than its newest commit:
         # an unmarked folder of its own below that step lost its marker to a delete that then failed, or is a
@@ -438,8 +442,8 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
             finished = session_of(identity) in sessions
             if store_time is None:
                 store_time = _store_time_of_newest(storage, committed, session)
-            if not listed_uploads:  # before the first folder's listing
-                uploading, listed_uploads = _uploading(storage, committed, session), True
+            if uploading is None:  # None again where the uploads could not be listed (then nothing is swept)
+                uploading = _uploading(storage, uploads, committed, session)
             if uploading is None or identity in uploading:
                 continue
             limit = min(now if finished else since, store_time) - INCOMPLETE_GRACE_S
@@ -450,10 +454,10 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
                 _delete_files(storage, identity)
                 deleted.append(identity)
                 logger.info("retention: deleted %s, left incomplete by a finished run", storage.uri(identity))
-        _abort_abandoned_uploads(storage, committed, session, set(live), newest_own)
+        _abort_abandoned_uploads(storage, uploads, committed, session, set(live), newest_own)
     if delete_incomplete and committed:
         newest = committed[-1].created_at
-        uploading = _uploading(storage, committed, session or "")
+        uploading = _uploading(storage, _open_uploads(storage), committed, session or "")
         for identity in dirs:
             if identity in by_id or identity in protected or identity in deleted or identity in parents:
                 continue

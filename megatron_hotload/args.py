@@ -156,9 +156,9 @@ def _check_publishing_off(values: dict[str, Any]) -> None:
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     if values:
-        raise SystemExit(f"{', '.join(_given_as(f, v) for f, v in values.items())} given, but neither {flag_name('bucket_url')} nor "
-                         f"{ENV_PREFIX}BUCKET_URL is set: publishing would be off; set one, or leave out the "
-                         f"--{PREFIX}-* flags")
+        given = ", ".join(_given_as(f, v) for f, v in values.items())
+        raise SystemExit(f"{given} given, but neither {flag_name('bucket_url')} nor {ENV_PREFIX}BUCKET_URL is set: "
+                         f"publishing would be off; set one, or leave out the --{PREFIX}-* flags")
 
 
 def config_from_args(args: argparse.Namespace) -> HotloadConfig | None:

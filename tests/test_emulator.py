@@ -450,9 +450,11 @@ def test_one_deployments_manager_and_load_delay(emulator: HotLoadEmulator) -> No
     emulator.set_load_delay(1.5, deployment=name)
     write_full_snapshot(emulator.bucket, "step-1", tiny_model(1))
     assert us.status().replicas and not eu.status().replicas
-    with pytest.raises(HotLoadError) as info:
-        eu.signal("step-1", deadline=time.monotonic() + 0.5)
-    assert info.value.status_code == 503 and emulator.state()["deployments"][name]["premature_signals"] >= 1
+    # One request, not the client's retries until a 0.5 s deadline: on a loaded CI the first attempt's answer
+    # outlasted that deadline, and the call ended in a timeout with no status.
+    code, _ = raw(emulator, "POST", "/hot_load/v1/models/hot_load", {"identity": "step-1"},
+                  headers={"fireworks-deployment": name})
+    assert code == 503 and emulator.state()["deployments"][name]["premature_signals"] == 1
     emulator.set_manager_up(True, name)
     took = []
     for client in (us, eu):

@@ -49,10 +49,10 @@ def test_a_slow_load_reports_each_deployments_replicas_and_the_trainers_step(
     # This publish's own lines: those of the one close() starts name this identity too (as what replicas serve).
     waiting = [s for s in lines if s.startswith(f"hotload: {identity} ") and "waiting until every replica" in s]
     assert waiting, lines
-    assert re.search(r"full snapshot of step 0\) still publishing after \d+\.\d s", waiting[0])
+    assert re.search(r"full snapshot of step 0\) still publishing after \d+(\.\d)? s", waiting[0])  # 12 s past 10 s
     assert re.search(r"/dep: 0/2 replicas serve it \(replica 0: current=None .*target='"
                      + identity, waiting[0]), waiting[0]
-    assert re.search(r"this rank wrote (\d+)/\1 files, [\d.]+ KB in \d\.\d s", waiting[0]), waiting[0]
+    assert re.search(r"this rank wrote (\d+)/\1 files, [\d.]+ KB in \d+(\.\d)? s", waiting[0]), waiting[0]
     assert any("the trainer is at step 1" in s for s in waiting), waiting
     # once a second, never more often than the interval: the 1.5 s load gives a handful, not dozens
     assert 2 <= len(waiting) <= 6, lines
