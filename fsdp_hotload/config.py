@@ -557,8 +557,7 @@ def error_text(exc: ValidationError, name: Callable[[str], str]) -> str:
         msg = str(e.get("msg", "")).removeprefix("Value error, ")
         key = ""
         if not e.get("loc"):  # a check of several fields: their names as this path spells them
-            for f in HotloadConfig.model_fields:
-                msg = re.sub(rf"(?<![\w.-]){f}(?![\w-])", name(f), msg)
+            msg = spell_fields(msg, name)
         else:
             field = str(e["loc"][0])
             key = name(field)
@@ -570,6 +569,15 @@ def error_text(exc: ValidationError, name: Callable[[str], str]) -> str:
             msgs.append(msg)
     return "; ".join("; ".join(msgs) if not key else f"{key}: {' or '.join(msgs)}{shown}"
                      for key, (shown, msgs) in parts.items())
+
+
+def spell_fields(text: str, name: Callable[[str], str], *, but: str = "") -> str:
+    """``text`` with each field name (but ``but``) spelt ``name(field)``: as a flag or variable sets it. Not inside
+    another word, a dotted API key (``validation.extra_fields_ignore``) or a placeholder (``<bucket_url>``)."""
+    for f in HotloadConfig.model_fields:
+        if f != but:
+            text = re.sub(rf"(?<![\w.<-]){f}(?![\w-])", name(f), text)
+    return text
 
 
 def _short(value: Any) -> str:

@@ -245,17 +245,13 @@ def _open_uploads(storage: Storage) -> list[OpenUpload] | None:
         return None
 
 
-def _uploading(storage: Storage, uploads: list[OpenUpload] | None, committed: list[CommitInfo],
-               session: str) -> set[str] | None:
-    """The folders with an open multipart upload begun less than ``ABANDONED_UPLOAD_AGE_S`` ago (or at a time the
-    store does not give): a live writer may be sending a shard there, which no listing shows until it completes,
-    so the folder's finished files, however old, do not tell an abandoned folder. None where the uploads could not
-    be listed: then no folder can be told apart from a live upload. The uploads must be listed before any folder
-    judged, so that an upload completing in between shows as a fresh file there instead."""
-    if uploads is None:
-        return None
-    now = min(time.time(), _store_time_of_newest(storage, committed, session)) if uploads else 0.0
-    return {u.relpath.partition("/")[0] for u in uploads
+def _uploading(uploads: list[OpenUpload] | None, now: float) -> set[str]:
+    """The folders with an open multipart upload begun less than ``ABANDONED_UPLOAD_AGE_S`` before ``now`` (or at
+    a time the store does not give): a live writer may be sending a shard there, which no listing shows until it
+    completes, so the folder's finished files, however old, do not tell an abandoned folder. The uploads must be
+    listed before any folder judged, so that an upload completing in between shows as a fresh file there instead;
+    where they could not be listed (None), no folder can be told apart from a live upload."""
+    return {u.relpath.partition("/")[0] for u in uploads or ()
             if u.initiated is None or u.initiated >= now - ABANDONED_UPLOAD_AGE_S}
 
 
@@ -410,10 +406,11 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
                        gone[0], now - newest, grace_s)
     # A committed snapshot's parent is never swept, also where its marker was not read (see plan_retention).
     parents = {c.parent_identity for c in committed if c.parent_identity is not None}
+    # before any folder is listed (see _uploading); None where they cannot be listed
+    uploads = _open_uploads(storage) if session is not None or delete_incomplete else None
     if session is not None:
         store_time: float | None = None  # read from the store only when an unmarked folder is there to judge
-        uploads = _open_uploads(storage)  # before any folder is listed (see _uploading)
-        uploading: set[str] | None = None  # the folders a live writer may be sending to, once one is judged
+        uploading: set[str] = set()  # the folders a live writer may be sending to (with store_time)
         sessions = {session_of(c.identity) for c in committed}
         # This session's snapshots commit in step order, and those in flight are newer than its newest commit:
         # an unmarked folder of its own below that step lost its marker to a delete that then failed, or is a
@@ -442,9 +439,8 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
             finished = session_of(identity) in sessions
             if store_time is None:
                 store_time = _store_time_of_newest(storage, committed, session)
-            if uploading is None:  # None again where the uploads could not be listed (then nothing is swept)
-                uploading = _uploading(storage, uploads, committed, session)
-            if uploading is None or identity in uploading:
+                uploading = _uploading(uploads, min(time.time(), store_time))
+            if uploads is None or identity in uploading:
                 continue
             limit = min(now if finished else since, store_time) - INCOMPLETE_GRACE_S
             infos = storage.list_info(identity, include_temp=True)
@@ -457,11 +453,11 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
         _abort_abandoned_uploads(storage, uploads, committed, session, set(live), newest_own)
     if delete_incomplete and committed:
         newest = committed[-1].created_at
-        uploading = _uploading(storage, _open_uploads(storage), committed, session or "")
+        uploading = _uploading(uploads, time.time())
         for identity in dirs:
             if identity in by_id or identity in protected or identity in deleted or identity in parents:
                 continue
-            if uploading is None or identity in uploading:
+            if uploads is None or identity in uploading:
                 continue
             infos = storage.list_info(identity, include_temp=True)
             if not _looks_like_ours(identity, infos):

@@ -26,7 +26,7 @@ from typing import Any, Callable, Literal, Union, get_args, get_origin
 
 from pydantic_core import PydanticUndefined
 
-from fsdp_hotload.config import ENV_PREFIX, HotloadConfig, json_hint, parse_setting
+from fsdp_hotload.config import ENV_PREFIX, HotloadConfig, json_hint, parse_setting, spell_fields
 from fsdp_hotload.masking import mask_secrets, mask_url
 
 PREFIX = "hotload"
@@ -110,9 +110,7 @@ def _converter(name: str, annotation: Any) -> Callable[[str], Any]:
 def _help(name: str) -> str:
     field = HotloadConfig.model_fields[name]
     text = field.description or name
-    for other in HotloadConfig.model_fields:  # other settings as this path sets them (not an API key's
-        if other != name:                     # ``validation.extra_fields_ignore``, not a placeholder)
-            text = re.sub(rf"(?<![\w.<-]){other}(?![\w-])", _setting_name(other), text)
+    text = spell_fields(text, _setting_name, but=name)  # other settings as this path sets them
     text = re.sub(r"(--[\w-]+)='([^']*)'", r"\1 \2", text)  # deployments_required='any': --hotload-... any
     union = get_origin(field.annotation) in (Union, types.UnionType)
     members = get_args(field.annotation) if union else (field.annotation,)
