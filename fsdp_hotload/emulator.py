@@ -31,16 +31,14 @@ Example::
 """
 from __future__ import annotations
 
-import argparse
 import hmac
 import json
 import logging
 import os
 import re
-import sys
 import threading
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from http.server import ThreadingHTTPServer
 from typing import Any
 
@@ -49,8 +47,8 @@ from pydantic import ValidationError
 from .emulator_http import Handler, Server, Server6
 from .emulator_rules import BaseModelSpec
 from .emulator_state import Deployment, EmulatorSettings, SignalRejected
+from .fireworks_names import deployment_name, model_name
 from .fireworks_models import HINT_PATH, HOT_LOAD_PATH, HintRequest, HotLoadRequest
-from .masking import mask_text, mask_url
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +67,25 @@ def _checked(deployment: str) -> str:
     if not _DEPLOYMENT_RE.fullmatch(deployment):
         raise ValueError(f"deployment must be a name such as 'accounts/a/deployments/d', got {deployment!r}")
     return deployment
+
+
+def served_deployments(deployments: Mapping[str, str], account_id: str) -> dict[str, str]:
+    """``{deployment: model}`` in full names, read as the client reads ``deployment_id`` and ``model_id``: a bare
+    deployment id is in ``account_id``, a bare model id in its deployment's account."""
+    out: dict[str, str] = {}
+    for dep, model in deployments.items():
+        account = dep.split("/")[1] if isinstance(dep, str) and dep.startswith("accounts/") else account_id
+        try:
+            key, account, _ = deployment_name(account, dep)
+            name = model_name(account, model)
+        except ValueError as exc:
+            raise ValueError(f"deployments {dep!r}: {exc}") from None
+        if key in out:
+            raise ValueError(f"deployments names {key!r} twice")
+        out[key] = name
+    if not out:
+        raise ValueError("deployments is empty: no request could be served (None serves any deployment)")
+    return out
 
 
 class _HttpError(Exception):
@@ -123,6 +140,10 @@ class HotLoadEmulator:
     reports no replicas, and signals and hints are refused with 503, counted in ``state()`` as
     ``premature_signals`` and ``premature_hints``. A hint for a file not in the bucket yet is taken (the
     service's answer is not documented) and counted as ``hints_before_file``.
+    ``deployments`` (``{deployment id or name: model id or name}``) makes the emulator serve only those, as a
+    Fireworks account has only the deployments created in it: a request naming another deployment is answered
+    404, and one naming another model 400, so a misspelt id fails here as it would on the service. Without it,
+    any deployment is created on first use and serves the first model a request names.
     ``history_limit`` caps the ledger rows and hints each deployment keeps for reading (oldest dropped), so an
     emulator that runs for days stays bounded; identity reuse and delta parents are still checked against every
     identity signalled since the last ledger reset.
@@ -154,6 +175,7 @@ class HotLoadEmulator:
         base_model: str | os.PathLike[str] | BaseModelSpec | None = None,
         request_timeout_s: float = 30.0,
         history_limit: int = 10_000,
+        deployments: Mapping[str, str] | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
@@ -174,6 +196,7 @@ class HotLoadEmulator:
         self.port = port
         self.replicas = replicas
         self.account_id = account_id
+        self._served = None if deployments is None else served_deployments(deployments, account_id)
         if api_key is not None and not api_key.strip():
             raise ValueError("api_key is empty: no client could match it (None accepts any bearer key)")
         self._api_key = api_key
@@ -251,6 +274,13 @@ class HotLoadEmulator:
 
     # ------------------------------------------------------------------------------------------ faults
 
+    def _named(self, deployment: str) -> str:
+        """``deployment``, checked to be a name this emulator would serve."""
+        _checked(deployment)
+        if self._served is not None and deployment not in self._served:
+            raise ValueError(f"no deployment {deployment!r}: this emulator serves {', '.join(sorted(self._served))}")
+        return deployment
+
     def fail_next_loads(self, k: int, replica: int | None = None, deployment: str | None = None) -> None:
         """The next ``k`` loads on ``replica`` (on every replica if None) of ``deployment`` (a name such as
         ``"accounts/a/deployments/d"``; if None, of every deployment, also those no request has named yet, which
@@ -259,7 +289,7 @@ class HotLoadEmulator:
         if replica is not None and not 0 <= replica < self.replicas:
             raise ValueError(f"replica must be in [0, {self.replicas}), got {replica}")
         if deployment is not None:
-            _checked(deployment)
+            self._named(deployment)
         with self._lock:
             keys = [deployment] if deployment is not None else [*self._deployments, ""]
         with self.settings.lock:
@@ -289,21 +319,21 @@ class HotLoadEmulator:
         if deployment is None:
             self.settings.load_delay_s = float(seconds)
         else:
-            self.settings.load_delays[_checked(deployment)] = float(seconds)
+            self.settings.load_delays[self._named(deployment)] = float(seconds)
 
     def set_manager_up(self, up: bool, deployment: str) -> None:
         """Take ``deployment``'s hot-load manager down (``up`` False: GET reports no replica, signals and hints are
         refused with 503, as while ``manager_delay_s`` runs) or bring it back; also for a deployment that no
         request has named yet. Why: a region whose manager is down while the trainer starts, and comes up later."""
         with self.settings.lock:
-            (self.settings.managers_down.discard if up else self.settings.managers_down.add)(_checked(deployment))
+            (self.settings.managers_down.discard if up else self.settings.managers_down.add)(self._named(deployment))
 
     def reject_next_signals(self, k: int, status: int = 503, message: str = "injected fault: service unavailable",
                             deployment: str | None = None) -> None:
         """The next ``k`` signal POSTs (to ``deployment`` only, a name such as ``"accounts/a/deployments/d"``, if
         given) are answered with ``status`` and ``message`` before any validation of their body."""
         if deployment is not None:
-            _checked(deployment)
+            self._named(deployment)
         with self._lock:
             self._reject.extend([(status, message, deployment)] * k)
 
@@ -346,8 +376,12 @@ class HotLoadEmulator:
             if dep is None:
                 if not self._serving:  # a request that was in flight as stop() ran: its replicas would outlive it
                     raise _HttpError(503, "the emulator is stopping")
+                if self._served is not None and key not in self._served:
+                    raise _HttpError(404, f"deployment {key!r} not found: this emulator serves "
+                                          f"{', '.join(sorted(self._served))}")
                 self.settings.new_deployment(key)
-                dep = Deployment(key, None, replicas=self.replicas, settings=self.settings)
+                served = None if self._served is None else self._served[key]
+                dep = Deployment(key, served, replicas=self.replicas, settings=self.settings)
                 self._deployments[key] = dep
         if model is not None:
             dep.check_model(model)
@@ -464,99 +498,11 @@ class HotLoadEmulator:
         return 200, {"status": "ok"}
 
 
-def _compression_formats(text: str) -> tuple[str, ...]:
-    """``--compression-formats``: a comma list of codecs our decoder reads (the replicas rebuild with it)."""
-    from .arc import codec_names
-
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
-    unknown = [n for n in names if n not in codec_names()]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a comma list of {', '.join(codec_names())}")
-    return names
-
-
-def _bucket_problem(bucket: str, options: dict[str, Any] | None) -> str | None:
-    """Why ``bucket`` cannot be served, found at startup rather than as a load error on the first signal: an
-    unknown scheme, a missing backend, or a local folder that does not exist. Remote buckets are not contacted."""
-    import fsspec.core
-
-    from .storage import Storage, StorageError
-
-    try:
-        storage = Storage(bucket, options)
-    except (StorageError, ValueError, OSError) as exc:  # OSError: a backend that connects at once (ftp, sftp)
-        return mask_text(f"{type(exc).__name__}: {exc}" if isinstance(exc, OSError) else str(exc))
-    protocol, _ = fsspec.core.split_protocol(storage.root)
-    if protocol in (None, "file") and not storage.fs.isdir(storage.root):
-        return f"{storage.root} is not a folder"
-    return None
-
-
-def _api_key_arg(text: str) -> str:
-    """``--api-key "$KEY"`` with KEY unset is an empty key, which every client would fail with 401."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("is empty (an unset variable?): give a key, or leave --api-key out to "
-                                         "accept any bearer key")
-    return text
-
-
 def run_emulator_cli(args: list[str] | None = None) -> int:
-    """``hotload emulate``: serve until Ctrl-C; prints the URL to point HotLoadClient at."""
-    from .cli import arg_float, arg_int
+    """``hotload emulate``: serve until Ctrl-C (the command line lives in :mod:`.emulator_cli`)."""
+    from .emulator_cli import main
 
-    p = argparse.ArgumentParser(prog="hotload emulate", description="Run a local Fireworks hot-load emulator.")
-    p.add_argument("--bucket", required=True, help="bucket prefix URI holding <identity>/ snapshot folders")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    p.add_argument("--port", type=arg_int(0, 65535), default=0, help="TCP port; 0 (the default) picks a free one")
-    p.add_argument("--replicas", type=arg_int(1), default=2, help="replicas per deployment (default: %(default)s)")
-    p.add_argument("--api-key", type=_api_key_arg, default=None,
-                   help="require 'Authorization: Bearer KEY' (default: any bearer key)")
-    p.add_argument("--load-delay", type=arg_float(0), default=0.0, metavar="SECONDS",
-                   help="extra seconds per load (default: %(default)s)")
-    p.add_argument("--manager-delay", type=arg_float(0), default=0.0, metavar="SECONDS",
-                   help="seconds a new deployment reports no replicas and refuses signals and hints "
-                   "(default: %(default)s)")
-    p.add_argument("--compression-formats", type=_compression_formats, default="arc_v2", metavar="LIST",
-                   help="comma list of the compression_format values delta signals may name (default: "
-                        "%(default)s; add arc_sparse_v1 to load our sparse deltas)")
-    p.add_argument("--base-model", default=None, metavar="DIR",
-                   help="the deployments' base model (HF folder): full snapshots must match its config.json and "
-                        "cover its tensors with the same shapes (only the safetensors headers are read)")
-    p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for s3:// buckets")
-    p.add_argument("--history-limit", type=arg_int(1), default=10_000, metavar="N",
-                   help="ledger rows and hints kept per deployment for reading (default: %(default)s)")
-    ns = p.parse_args(args)
-    opts = {"endpoint_url": ns.endpoint_url} if ns.endpoint_url else None
-    problem = _bucket_problem(ns.bucket, opts)
-    if problem is not None:
-        print(f"hotload emulate: error: --bucket {mask_url(ns.bucket)}: {problem}", file=sys.stderr)
-        return 2
-    base = None
-    if ns.base_model is not None:
-        try:
-            base = BaseModelSpec.from_folder(ns.base_model)
-        except (OSError, ValueError) as exc:
-            print(f"hotload emulate: error: --base-model {ns.base_model}: {exc}", file=sys.stderr)
-            return 2
-    emu = HotLoadEmulator(ns.bucket, storage_options=opts, host=ns.host, port=ns.port, replicas=ns.replicas,
-                          api_key=ns.api_key, load_delay_s=ns.load_delay, manager_delay_s=ns.manager_delay,
-                          compression_formats=ns.compression_formats, history_limit=ns.history_limit,
-                          base_model=base)
-    try:
-        emu.start()
-    except OSError as exc:
-        print(f"hotload emulate: cannot listen on {ns.host}:{ns.port}: {exc}", file=sys.stderr)
-        return 2
-    stop = threading.Event()
-    try:  # entered before the URL is printed, so a Ctrl-C right after it still stops cleanly
-        print(f"hot-load emulator for {mask_url(ns.bucket)} listening on {emu.url} (Ctrl-C to stop)", flush=True)
-        while not stop.wait(3600):
-            pass
-    except KeyboardInterrupt:
-        print("stopping", flush=True)
-    finally:
-        emu.stop()
-    return 0
+    return main(args)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_hotload.fireworks import HotLoadClient
+from fsdp_hotload.fireworks import HotLoadClient, HotLoadError
 from tests.emulator_fixture import (
     EMULATOR_API_KEY,
     perturb,
@@ -57,6 +57,9 @@ def serving(*args: str) -> Iterator[tuple[str, int, list[str]]]:
     (["--load-delay", "-1"], "--load-delay"),
     (["--compression-formats", "zstd"], "--compression-formats"),
     (["--api-key", ""], "--api-key"),  # "$KEY" with KEY unset: every client would get 401
+    (["--deployment", "dep"], "--deployment"),  # the model it serves is missing
+    (["--deployment", "=m"], "--deployment"),
+    (["--account", "a/b"], "--account"),
 ])
 def test_bad_options_are_one_line_usage_errors(tmp_path: Path, args: list[str], flag: str) -> None:
     res = subprocess.run([*HOTLOAD, "emulate", "--bucket", str(tmp_path), *args], capture_output=True, text=True,
@@ -107,3 +110,36 @@ def test_clients_that_hang_up_print_no_traceback(tmp_path: Path) -> None:
             sock.sendall(b"GET /v1/accounts HTTP/1.0\r\nAuthorization: Bearer any-key\r\n\r\n")
             assert sock.recv(100).startswith(b"HTTP/1.0 200")
     assert not [line for line in err if "Traceback" in line or "Error" in line], "\n".join(err)
+
+
+@pytest.mark.parametrize("args, reason", [
+    (["--deployment", "a b=m"], "'a b' is not a Fireworks resource id"),
+    (["--deployment", "d=m", "--deployment", "d=n"], "the same deployment is given twice"),
+    (["--account", "acct", "--deployment", "d=m", "--deployment", "accounts/acct/deployments/d=m"], "twice"),
+])
+def test_bad_deployments_are_one_line_errors(tmp_path: Path, args: list[str], reason: str) -> None:
+    res = subprocess.run([*HOTLOAD, "emulate", "--bucket", str(tmp_path), *args], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    (line,) = res.stderr.strip().splitlines()
+    assert line.startswith("hotload emulate: error: --deployment:") and reason in line, line
+
+
+def test_deployments_given_on_the_command_line_are_the_only_ones_served(tmp_path: Path) -> None:
+    write_full_snapshot(tmp_path, "step-1", tiny_model(0))
+    with serving("--bucket", str(tmp_path), "--replicas", "1", "--account", "acct", "--deployment", "dep=m") as (
+            host, port, _):
+        def client(**kw: str) -> HotLoadClient:
+            opts = {"account_id": "acct", "model_id": "m", "deployment_id": "dep", **kw}
+            return HotLoadClient(f"http://{host}:{port}", api_key="any", poll_interval_s=0.02, retry_budget_s=5,
+                                 **opts)
+
+        with pytest.raises(HotLoadError, match="404.*'accounts/acct/deployments/dpe' not found"):
+            client(deployment_id="dpe").signal("step-1")
+        with pytest.raises(HotLoadError, match="400.*does not match 'accounts/acct/models/m'"):
+            client(model_id="n").signal("step-1")
+        client().signal("step-1")
+        client().wait_ready("step-1", timeout_s=30)
+        with urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/v1/accounts", headers={
+                "Authorization": "Bearer any"}), timeout=10) as resp:
+            assert json.load(resp) == {"accounts": [{"name": "accounts/acct"}]}

@@ -228,3 +228,40 @@ def test_trickled_headers_get_408_at_the_request_deadline(tmp_path: Path) -> Non
             code, reply = answer(sock)
         assert code == 408 and "headers not received within 1s" in str(reply), reply
         assert time.monotonic() - started < 2.5
+
+
+def test_an_emulator_given_its_deployments_serves_only_those(tmp_path: Path) -> None:
+    """Fireworks answers only for deployments created in the account, each for its own model, so a misspelt
+    deployment_id or model_id must fail against the emulator too, at the first request and naming what it serves
+    (it used to create a deployment for any name and serve whatever model the first request named)."""
+    from fsdp_hotload.fireworks import HotLoadError
+
+    served = {"dep": "m", "accounts/other/deployments/d2": "m2"}
+    with HotLoadEmulator(str(tmp_path), replicas=1, api_key=EMULATOR_API_KEY, account_id="acct",
+                         deployments=served) as emu:
+        def client(**kw: Any) -> HotLoadClient:
+            opts: dict[str, Any] = dict(account_id="acct", model_id="m", deployment_id="dep",
+                                        api_key=EMULATOR_API_KEY, poll_interval_s=0.02, retry_budget_s=5)
+            return HotLoadClient(emu.url, **{**opts, **kw})
+
+        write_full_snapshot(tmp_path, "step-1", tiny_model(0))
+        with pytest.raises(HotLoadError, match="404") as info:
+            client(deployment_id="dpe").signal("step-1")
+        assert "accounts/acct/deployments/dpe" in str(info.value) and DEP in str(info.value)
+        with pytest.raises(HotLoadError, match="400") as info:
+            client(model_id="n").signal("step-1")
+        assert "accounts/acct/models/n" in str(info.value) and "accounts/acct/models/m" in str(info.value)
+        with pytest.raises(HotLoadError, match="404"):  # the same id in another account is another deployment
+            client(account_id="other").signal("step-1")
+        assert list(emu.state()["deployments"]) == [DEP]  # no request made a deployment it does not serve
+        client().signal("step-1")
+        client().wait_ready("step-1", timeout_s=30)
+        other = client(account_id="other", deployment_id="d2", model_id="m2")  # a bare model is in its account
+        other.signal("step-1")
+        other.wait_ready("step-1", timeout_s=30)
+        with pytest.raises(ValueError, match="no deployment 'accounts/acct/deployments/d2'"):
+            emu.fail_next_loads(1, deployment="accounts/acct/deployments/d2")
+    for bad, what in [({}, "empty"), ({"a b": "m"}, "'a b'"), ({"d": ""}, "model_id"),
+                      ({"d": "m", "accounts/acct/deployments/d": "n"}, "twice")]:
+        with pytest.raises(ValueError, match=what):
+            HotLoadEmulator(str(tmp_path), account_id="acct", deployments=bad)
