@@ -39,10 +39,14 @@ _ALIASES = {"bf16": "BF16", "fp16": "F16", "half": "F16", "fp32": "F32", "float"
 def float_code(name: str, what: str, *, eight_bit: bool = True) -> str:
     """The safetensors code of a floating dtype name (``bfloat16``, ``BF16``, ``bf16``, ``half``, ...);
     ValueError names ``what`` and lists only what ``what`` accepts (no 8-bit dtypes unless ``eight_bit``)."""
+    text = str(name).strip()
     try:
-        code: str | None = code_from_name(_ALIASES.get(str(name).strip().lower(), name))
+        code: str | None = code_from_name(_ALIASES.get(text.lower(), text))
     except ArcError:
-        code = None
+        try:  # BFLOAT16, Float32: torch's names in another case
+            code = code_from_name(text.lower())
+        except ArcError:
+            code = None
     if code is not None and not eight_bit and code in FLOAT_CODES and itemsize(code) == 1:
         raise ValueError(f"{what} {name!r} would cast every floating tensor to 8 bits without scales; use a 16-bit "
                          "or wider dtype (8-bit weights the trainer holds keep their dtype, and dtype_overrides "
@@ -93,8 +97,9 @@ class DtypePolicy:
                              "RoPE's freqs_cis, or a dict without it)")
         try:
             source = code_from_name(str(dtype))
-        except ArcError:
-            raise ValueError(f"tensor {name!r} has dtype {dtype}, which snapshots cannot hold") from None
+        except ArcError as exc:
+            why = str(exc).partition(": ")[2] or "leave it out with a rename returning None for it"
+            raise ValueError(f"tensor {name!r} has dtype {dtype}, which snapshots cannot hold: {why}") from None
         if not dtype.is_floating_point:
             return source
         target = next((c for p, c in self.overrides if fnmatch.fnmatchcase(name, p)), None)
@@ -106,7 +111,8 @@ class DtypePolicy:
         """Warnings about a model's tensors under this policy: globs that match no floating tensor (a typo
         would otherwise publish the wrong dtype in silence) or decide none (an earlier glob takes them all), casts
         between two narrow formats (an fp16 trainer published as bf16 loses 3 mantissa bits; bf16 published as fp16
-        turns values above 65504 into inf), an FP8 model's scale tensors cast to another dtype, and its 8-bit
+        turns values above 65504 into inf; fp32 tensors in a mostly 16-bit model; any tensor cast to 8 bits by a
+        glob, which has no scales to go with it), an FP8 model's scale tensors cast to another dtype, and its 8-bit
         weights widened by a glob while it holds scales (the raw values without their scales: another model)."""
         out = []
         floating = [n for n, d in sources.items() if d.is_floating_point]
@@ -123,17 +129,30 @@ class DtypePolicy:
                            f"matches (e.g. {matched[0]!r}): the earlier glob {earlier[0]!r} takes them, since the "
                            "first match wins; list the narrower glob first")
         codes = {n: (code_from_name(str(sources[n])), self.code(n, sources[n])) for n in floating}  # source, target
-        narrowed: dict[tuple[str, str], list[str]] = {}
+        # fp32 tensors are masters when most tensors are (mixed precision); among mostly 16-bit ones they were kept
+        # wide on purpose (transformers' _keep_in_fp32_modules: DeepSeek-V3's router gate and bias)
+        masters = 2 * sum(s in _MASTER_CODES for s, _ in codes.values()) > len(codes)
+        narrowed: dict[tuple[str, str, str | None], list[str]] = {}  # (source, target, the glob that cast them)
         for name, (source, target) in codes.items():
-            if source != target and source not in _MASTER_CODES and itemsize(target) <= itemsize(source):
-                narrowed.setdefault((source, target), []).append(name)
+            if source != target and itemsize(target) <= itemsize(source) and not (
+                    masters and source in _MASTER_CODES and itemsize(target) >= 2):
+                glob = next((p for p, _ in self.overrides if fnmatch.fnmatchcase(name, p)), None)
+                narrowed.setdefault((source, target, glob), []).append(name)
         narrow_sources = {s for s, _ in codes.values() if s not in _MASTER_CODES and itemsize(s) >= 2}
-        for (source, target), names in narrowed.items():
+        for (source, target, glob), names in narrowed.items():
             more = f" and {len(names) - 1} more" if len(names) > 1 else ""
-            # snapshot_dtype would cast the model's other narrow format instead (an fp16 head on a bf16 model)
-            fix = (f"set snapshot_dtype={torch_name(source)!r}" if narrow_sources == {source} else
-                   f"add dtype_overrides {{'<their glob>': 'keep'}} (the model also holds "
-                   f"{', '.join(torch_name(s) for s in sorted(narrow_sources - {source}))} tensors)")
+            if glob is not None:
+                fix = f"they match dtype_overrides glob {glob!r}: narrow or drop it, or list {{'<their glob>': " \
+                      "'keep'} before it"
+            elif source in _MASTER_CODES:
+                fix = (f"most of the model is {', '.join(torch_name(s) for s in sorted(narrow_sources))}, so these "
+                       "were likely kept wide on purpose (a router's gate or bias): add dtype_overrides "
+                       "{'<their glob>': 'keep'}")
+            elif narrow_sources == {source}:
+                fix = f"set snapshot_dtype={torch_name(source)!r}"
+            else:  # snapshot_dtype would cast the model's other narrow format instead (an fp16 head on a bf16 model)
+                fix = (f"add dtype_overrides {{'<their glob>': 'keep'}} (the model also holds "
+                       f"{', '.join(torch_name(s) for s in sorted(narrow_sources - {source}))} tensors)")
             out.append(f"{len(names)} {torch_name(source)} tensor(s) ({names[0]!r}{more}) are published as "
                        f"{torch_name(target)}, a lossy change of format; {fix} to publish them as trained")
         quantised = [n for n, (_, target) in codes.items() if itemsize(target) < 2]

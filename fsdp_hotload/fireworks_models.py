@@ -277,7 +277,8 @@ class LoadedAdapter(_Response):
 
 class ReplicaStatus(_Response):
     """One replica's status. Only ``readiness`` and ``current_snapshot_identity`` must have their documented
-    types (the readiness test reads them); every other field reads as its default when it has another."""
+    types (the readiness test reads them; ``readiness`` as pydantic reads a bool, so null is false and "true",
+    1 or "yes" true); every other field reads as its default when it has another."""
 
     current_snapshot_identity: Optional[str] = None
     readiness: Annotated[bool, _null_is(lambda: False)] = False

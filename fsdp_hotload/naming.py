@@ -167,8 +167,9 @@ def plan_names(
                 if dropped:  # shared after all: the rename left out the name it is shared under
                     raise ValueError(
                         f"tie_word_embeddings=True and {outputs[0][0]!r} is the input embedding's tensor, but "
-                        f"rename dropped that tensor's other name {dropped[0]!r}: nothing would publish it. Keep "
-                        "the embedding's name in the rename, or pass tie_word_embeddings=False.")
+                        f"the rename gives that tensor no name but this one (its name {dropped[0]!r} is renamed or "
+                        "dropped), which tying leaves out: nothing would publish it. Keep the embedding's name in "
+                        "the rename, or pass tie_word_embeddings=False.")
                 raise ValueError(
                     f"tie_word_embeddings=True but {outputs[0][0]!r} is a tensor of its own, not shared with the "
                     "input embedding; publishing without it would lose weights. Pass tie_word_embeddings=False "
@@ -192,8 +193,10 @@ def plan_names(
             else:
                 first[position] = i
                 continue
-            raise ValueError(f"two different tensors would be published as {out!r}{how}: {slots[j][0]!r} and "
-                             f"{slots[i][0]!r} (check the rename function)")
+            what = "one tensor would be published twice" if slots[i][1] == slots[j][1] else \
+                "two different tensors would be published"
+            raise ValueError(f"{what} as {out!r}{how}: {slots[j][0]!r} and {slots[i][0]!r} (check the rename "
+                             "function)")
     return result
 
 

@@ -113,8 +113,14 @@ def test_plan_names_tie_rename_and_collisions() -> None:
     with pytest.raises(ValueError, match="non-empty str"):
         _pairs(slots, rename=lambda n: "")
     # tied, but the rename drops the embedding's name: the message says so, not that lm_head has a tensor of its own
-    with pytest.raises(ValueError, match="rename dropped that tensor's other name 'model.embed_tokens.weight'"):
+    with pytest.raises(ValueError, match="its name 'model.embed_tokens.weight' is renamed or dropped"):
         _pairs(slots, rename=lambda n: None if "embed" in n else n, tie_word_embeddings=True)
+    # the embedding renamed to the tied output's name, or given once whole and once as a block: one tensor
+    with pytest.raises(ValueError, match="gives that tensor no name but this one"):
+        _pairs(slots, rename=lambda n: "lm_head.weight" if "embed" in n else n, tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="one tensor would be published twice as 'e'"):
+        _pairs(slots, rename=lambda n: ("e", 0) if "embed" in n else "e" if "lm_head" in n else n,
+               tie_word_embeddings=False)
     # a mapping's lookup that misses names the tensor it was asked for (a bare KeyError said nothing of where)
     with pytest.raises(ValueError, match=r"rename\('model.norm.weight'\) raised KeyError"):
         _pairs(slots, rename={"model.embed_tokens.weight": "e", "lm_head.weight": "h"}.__getitem__)

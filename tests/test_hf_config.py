@@ -147,11 +147,53 @@ def test_a_lossy_cast_is_told_the_fix_that_does_not_cast_the_models_other_tensor
     from fsdp_hotload.dtype_policy import DtypePolicy
 
     f16, b16, f32 = torch.float16, torch.bfloat16, torch.float32
-    (mixed,) = DtypePolicy.of("bfloat16").notes({"head": f16, "body": b16, "master": f32})
+    masters = {f"m{i}": f32 for i in range(4)}  # mostly fp32: mixed precision, whose masters may narrow
+    (mixed,) = DtypePolicy.of("bfloat16").notes({"head": f16, "body": b16, **masters})
     assert "1 float16 tensor(s) ('head') are published as bfloat16" in mixed and "snapshot_dtype" not in mixed
     assert "add dtype_overrides {'<their glob>': 'keep'} (the model also holds bfloat16 tensors)" in mixed, mixed
-    (alone,) = DtypePolicy.of("bfloat16").notes({"head": f16, "body": f16, "master": f32})
+    (alone,) = DtypePolicy.of("bfloat16").notes({"head": f16, "body": f16, **masters})
     assert "2 float16 tensor(s) ('head' and 1 more)" in alone and "set snapshot_dtype='float16'" in alone, alone
+
+
+def test_fp32_tensors_kept_wide_in_a_16_bit_model_are_not_taken_for_masters() -> None:
+    """A bf16 model's fp32 tensors were kept wide on purpose (transformers keeps DeepSeek-V3's router gate and
+    bias in fp32): they were rounded to bf16 without a word, as if they were mixed-precision masters."""
+    from fsdp_hotload.dtype_policy import DtypePolicy
+
+    layers = {f"model.layers.{i}.mlp.experts.{j}.up_proj.weight": torch.bfloat16 for i in range(2) for j in range(4)}
+    router = {"model.layers.1.mlp.gate.weight": torch.float32,
+              "model.layers.1.mlp.gate.e_score_correction_bias": torch.float32}
+    (note,) = DtypePolicy.of("bfloat16").notes({**layers, **router})
+    assert note.startswith("2 float32 tensor(s) ('model.layers.1.mlp.gate.weight' and 1 more) are published as "
+                           "bfloat16"), note
+    assert "most of the model is bfloat16" in note and "{'<their glob>': 'keep'}" in note, note
+    assert DtypePolicy.of("bfloat16", {"*.mlp.gate.*": "keep"}).notes({**layers, **router}) == []
+    mostly_masters = {n: torch.float32 for n in layers} | {"model.norm.weight": torch.bfloat16}
+    assert DtypePolicy.of("bfloat16").notes({**mostly_masters, **router}) == []  # fp32 masters: the expected path
+
+
+def test_a_cast_made_by_a_glob_names_the_glob() -> None:
+    """A glob's lossy cast was told to set snapshot_dtype to the value it already had, and a glob casting fp32
+    masters to 8 bits (which snapshot_dtype refuses: no scales) was not told at all."""
+    from fsdp_hotload.dtype_policy import DtypePolicy
+
+    (note,) = DtypePolicy.of("float16", {"*.norm.weight": "bfloat16"}).notes({"a.weight": torch.float16,
+                                                                              "m.norm.weight": torch.float16})
+    assert "1 float16 tensor(s) ('m.norm.weight') are published as bfloat16" in note, note
+    assert "they match dtype_overrides glob '*.norm.weight'" in note and "snapshot_dtype" not in note, note
+    masters = {"a.weight": torch.float32, "model.norm.weight": torch.float32}
+    (note,) = DtypePolicy.of("bfloat16", {"*": "float8_e4m3fn"}).notes(masters)
+    assert "2 float32 tensor(s) ('a.weight' and 1 more) are published as float8_e4m3fn" in note, note
+    assert "glob '*'" in note and "{'<their glob>': 'keep'} before it" in note, note
+
+
+def test_dtype_names_in_any_case_and_a_sub_byte_tensor_is_told_what_to_do() -> None:
+    from fsdp_hotload.dtype_policy import DtypePolicy, float_code
+
+    assert {float_code(n, "snapshot_dtype") for n in ("BFLOAT16", "bfloat16", "BF16", "bf16", "Float16")} == {
+        "BF16", "F16"}
+    with pytest.raises(ValueError, match="'w' has dtype torch.float4_e2m1fn_x2.*publish the packed bytes as U8"):
+        DtypePolicy.of("bfloat16").code("w", torch.float4_e2m1fn_x2)
 
 
 @pytest.mark.parametrize("folder, named", [("base", None), ("bf16 copy", None), ("bf16 copy", ["quantization_config"]),

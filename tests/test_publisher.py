@@ -446,10 +446,11 @@ def test_lossy_casts_and_unused_dtype_globs_are_warned(tmp_path: Path, caplog: p
     """An fp16 model under the default bf16 snapshot dtype would lose mantissa bits in silence, and a misspelt
     glob, or one listed after a broader glob that takes all its tensors (the first match wins), would leave its
     tensors in another dtype: all are said at construction. fp32 masters cast to bf16 (the expected path) and
-    tensors an override keeps as trained are not."""
+    tensors an override keeps as trained are not (fp32 counts as masters where most tensors are fp32)."""
     tensors = {"a.weight": torch.randn(4, dtype=torch.float16), "b.weight": torch.randn(4, dtype=torch.float16),
                "kept.weight": torch.randn(4, dtype=torch.float16), "master.weight": torch.randn(4),
-               "model.layers.0.e_score_correction_bias": torch.randn(4)}
+               "model.layers.0.e_score_correction_bias": torch.randn(4),
+               **{f"master{i}.weight": torch.randn(4) for i in range(2)}}
     cfg = config(str(tmp_path / "bucket"), None, tmp_path,
                  dtype_overrides={"kept.*": "keep", "*.e_score_bias": "keep", "model.layers.*": "bfloat16",
                                   "*.e_score_correction_bias": "keep"})
@@ -466,7 +467,8 @@ def test_lossy_casts_and_unused_dtype_globs_are_warned(tmp_path: Path, caplog: p
     spec = json.loads(next((tmp_path / "bucket").glob("*/model.weight.spec.json")).read_text())["tensor_map"]
     assert {n: v["dtype"] for n, v in spec.items()} == {
         "a.weight": "bfloat16", "b.weight": "bfloat16", "kept.weight": "float16", "master.weight": "bfloat16",
-        "model.layers.0.e_score_correction_bias": "bfloat16"}  # as the warning says
+        "model.layers.0.e_score_correction_bias": "bfloat16", "master0.weight": "bfloat16",
+        "master1.weight": "bfloat16"}  # as the warning says
 
 
 def test_publisher_threads_run_at_lower_priority() -> None:
