@@ -163,3 +163,23 @@ def test_files_pinned_to_rank_0_count_in_its_load() -> None:
     for s in specs:
         load[pinned[files[s.name]]] += s.nbytes
     assert load == [(1 + 5 + 2) * 1600, 6 * 1600, (4 + 3) * 1600]  # greedy around rank 0's pinned load
+
+
+def test_routed_objects_round_trip_with_their_arrays_aligned_views_of_the_received_blob() -> None:
+    """Pieces routed to another rank travel out of band (numpy copies them in, with the GIL released) and come back
+    as views of the received buffer, each at a 64-byte boundary; bytes, odd lengths, dtypes and layouts survive."""
+    from fsdp_hotload.engine.comm import dumps_buffer, loads_buffer
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 255, n, dtype=np.uint8) for n in (0, 1, 3, 1000)]
+    arrays += [rng.standard_normal(7).astype(np.float32), np.arange(12, dtype=np.uint16).reshape(3, 4)[:, ::2]]
+    obj = [("model.w", 0, arrays, b"an encoded chunk", {"parts": [(1, 2)], "none": None})]
+    received = np.frombuffer(dumps_buffer(obj), dtype=np.uint8).copy()  # what gloo hands the receiving rank
+    ((name, pos, back, raw, extra),) = loads_buffer(received)
+    assert (name, pos, raw, extra) == obj[0][:2] + obj[0][3:]
+    for a, b in zip(arrays, back, strict=True):
+        assert (a.dtype, a.shape, a.tobytes()) == (b.dtype, b.shape, b.tobytes())
+    for b in back[1:5]:  # the contiguous ones: no copy, and aligned as a fresh allocation would be
+        assert np.shares_memory(b, received) and (b.ctypes.data - received.ctypes.data) % 64 == 0
+    with pytest.raises(ValueError, match="cut short"):
+        loads_buffer(received[:-1])

@@ -26,6 +26,7 @@ from ..arc.stio import CHECKSUM_KEY, build_header, checksum_text, data_order
 #: before 4.48.2 reads ``metadata.get("format")`` unguarded and fails to load a file without it.
 FULL_FILE_METADATA = {"format": "pt"}
 from ..layout import ShardPlan
+from .copies import empty_bytes
 
 
 class Piece(NamedTuple):
@@ -90,7 +91,7 @@ def _pieces_by_tensor(filename: str, pieces: list[Piece]) -> dict[str, list[Piec
     return out
 
 
-def assemble_full_file(plan: ShardPlan, filename: str, pieces: list[Piece]) -> bytearray:
+def assemble_full_file(plan: ShardPlan, filename: str, pieces: list[Piece]) -> memoryview:
     """A plain HF safetensors file from raw chunk bytes (tiling checked, so no element is missing), built in one
     buffer of the file's size: the pieces land where the file holds them, with no per-tensor copy in between.
 
@@ -101,8 +102,8 @@ def assemble_full_file(plan: ShardPlan, filename: str, pieces: list[Piece]) -> b
     specs = [plan.specs[n] for n in data_order({n: plan.specs[n].dtype for n in plan.files[filename]})]
     items = [(s.name, s.dtype, s.shape, s.nbytes) for s in specs]
     header = build_header(items, {**FULL_FILE_METADATA, CHECKSUM_KEY: checksum_text([0] * len(specs))})
-    out = bytearray(len(header) + sum(s.nbytes for s in specs))
-    view = np.frombuffer(out, dtype=np.uint8)
+    view = empty_bytes(len(header) + sum(s.nbytes for s in specs))  # every byte is written below
+    out = memoryview(view)
     pos = len(header)
     sums: list[int] = []
     for spec in specs:

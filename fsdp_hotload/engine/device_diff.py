@@ -20,6 +20,7 @@ from ..arc.dtypes import UINT_BY_SIZE
 from .copies import SIGNED, Slice
 
 DIFF_BLOCK = 1 << 22  # elements per device-diff step (the device temporaries are ~13 bytes per element)
+SHRINK_BELOW = 1 << 20  # a HostArena this large or smaller is never shrunk (bytes)
 _NO_STATIC_NONZERO: set[str] = set()  # device types whose torch has no nonzero_static kernel (see _positions)
 
 
@@ -32,7 +33,9 @@ class HostArena:
     in a simulation of those rules), and each new class cost a page-locking allocation on the publisher's thread.
     One buffer, grown to the next power of two when a diff needs more, holds less than twice the largest need; the
     smaller one it replaces goes back to the driver (the free blocks of torch's pinned cache are released then).
-    What is cut from it is valid until the next diff given this arena: the encoder is done with it by then.
+    It shrinks too, once a diff needs under an eighth of it: one delta with half the values changed needs 6x the
+    bf16 shard, which stayed page-locked for the rest of the job (``SHRINK_BELOW`` avoids reallocating for small
+    needs). What is cut from it is valid until the next diff given this arena: the encoder is done with it by then.
 
     Example::
 
@@ -45,8 +48,9 @@ class HostArena:
         self.buf: torch.Tensor | None = None
 
     def take(self, nbytes: int) -> torch.Tensor:
-        """At least ``nbytes`` bytes (uint8), the same buffer as last time where it is large enough."""
-        if self.buf is None or self.buf.numel() < nbytes:
+        """At least ``nbytes`` bytes (uint8), the same buffer as last time where it is large enough and less than 8x
+        the need (or ``8 * SHRINK_BELOW``)."""
+        if self.buf is None or self.buf.numel() < nbytes or self.buf.numel() > 8 * max(nbytes, SHRINK_BELOW):
             self.buf = None
             if self.pin and hasattr(torch._C, "_host_emptyCache"):
                 torch._C._host_emptyCache()

@@ -55,7 +55,7 @@ class FileWriter:
         def write(filename: str) -> tuple[str, int]:
             pieces = by_file.pop(filename)
             if kind == "full":
-                blob: bytes | bytearray = assemble_full_file(self.plan, filename, [Piece._make(p) for p in pieces])
+                blob: bytes | memoryview = assemble_full_file(self.plan, filename, [Piece._make(p) for p in pieces])
             else:
                 assert parent is not None
                 blob = assemble_delta_file(self.plan, filename, pieces, parent_identity=parent, codec=self.codec)
