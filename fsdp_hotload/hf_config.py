@@ -444,8 +444,9 @@ def names_note(published: Iterable[str], base: Iterable[str] | None, *, saved: I
             return None
         fused = sorted(n for n in extra if n.endswith(_FUSED_EXPERT_SUFFIXES))
         fix = (": pass split=split_fused_experts to HotloadCallback (the layout of the qwen2_moe family and "
-               "Mixtral)") if fused else (" (rename= maps names, as in the README's Mixtral recipe, and joins "
-                                         "tensors given one name with positions; split= divides a tensor)")
+               "Mixtral)") if fused else (" (rename= maps names, as in the README's Mixtral recipe, leaves a "
+                                         "name out where it returns None, and joins tensors given one name with "
+                                         "positions; split= divides a tensor)")
         instead = sorted(saved - names)
         example = f"; it writes e.g. {instead[0]!r}" if instead else ""
         return (f"{len(extra)} published tensor name(s) are not among those transformers' save_pretrained writes "

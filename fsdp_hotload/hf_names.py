@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from .naming import Rename, Split, split_fused_experts
+from .naming import Rename, Split, clean_name, split_fused_experts
 
 log = logging.getLogger("fsdp_hotload")
 
@@ -114,11 +114,37 @@ def transformers_saved_shapes(model: Any, specs: Specs) -> dict[str, tuple[int, 
     import torch
 
     try:
-        saved = revert(model, {n: torch.empty(s, device="meta") for n, s, _d in specs()})
+        aliases = tied_aliases(model)
+        saved = revert(model, {n: torch.empty(s, device="meta") for n, s, _d in specs() if n not in aliases})
         return {k: tuple(int(d) for d in _first(v).shape) for k, v in saved.items()}
     except Exception as exc:  # noqa: BLE001 - a warning's input: its absence must not stop training
         log.debug("hotload: transformers could not name the checkpoint's tensors: %s", exc)
         return None
+
+
+def tied_aliases(model: Any) -> set[str]:
+    """The names ``save_pretrained`` leaves out of a transformers model's checkpoint as aliases of a tensor it
+    writes under another name: among names sharing one tensor, those matching the model's ``_tied_weights_keys``
+    but the last (T5's ``encoder.embed_tokens.weight`` beside ``shared.weight``), as transformers 5 decides it.
+    Why: the tie handling here knows ``lm_head.weight`` only, so the check of the published names against what
+    ``save_pretrained`` writes must know what else it drops. Empty where transformers does not say."""
+    import re
+
+    try:
+        from transformers.modeling_utils import _get_tied_weight_keys
+
+        patterns = [re.compile(p) for p in _get_tied_weight_keys(model)]
+    except Exception:  # noqa: BLE001 - another transformers: the check falls back to the tied lm_head alone
+        return set()
+    groups: dict[int, list[str]] = {}
+    for name, t in itertools.chain(model.named_parameters(remove_duplicate=False),
+                                   model.named_buffers(remove_duplicate=False)):
+        groups.setdefault(id(t), []).append(clean_name(name))
+    out: set[str] = set()
+    for names in groups.values():
+        tied = [n for n in sorted(set(names)) if any(p.search(n) for p in patterns)]
+        out.update(tied[:len(set(names)) - 1])  # at least one name of the tensor stays
+    return out
 
 
 def checkpoint_names(model: Any, specs: Specs, base: Base | None = None) -> NamesPlan | None:

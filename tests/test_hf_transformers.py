@@ -186,6 +186,33 @@ def test_names_transformers_would_not_save_are_warned_about(tmp_path: Path, capl
             assert said in caplog.text and warned in caplog.text, caplog.text
 
 
+
+def test_aliases_tied_under_other_names_than_lm_head_are_warned_about(tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """save_pretrained writes T5's shared embedding once (``shared.weight``), leaving out the aliases its
+    _tied_weights_keys name; the tie handling here knows lm_head only, so the snapshot carried them too, and the
+    check against save_pretrained's names said nothing. It says so now, and a rename leaving them out publishes
+    exactly save_pretrained's names."""
+    import logging
+
+    from fsdp_hotload import HotloadCallback, HotloadConfig
+
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=50, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0))
+    model.save_pretrained(tmp_path / "saved")
+    with safe_open(str(tmp_path / "saved" / "model.safetensors"), "pt") as f:
+        written = set(f.keys())
+    aliases = {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight"}
+    for rename, warned in [(None, True), (lambda n: None if n in aliases else n, False)]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+            hot = HotloadCallback(model, HotloadConfig(bucket_url=str(tmp_path / "b")), rename=rename)
+            published = {n for n, _s, _d in hot._specs}
+            hot.close()
+        said = "2 published tensor name(s) are not among those transformers' save_pretrained writes"
+        assert (said in caplog.text and "'decoder.embed_tokens.weight'" in caplog.text) is warned, caplog.text
+        assert published == (written | aliases if warned else written)
+
 # model type -> (tensors split, names changed): the qwen2_moe family only splits experts, Mixtral also renames,
 # Nemotron-H's experts have no gate (a fused up_proj), GraniteMoE's checkpoints keep the experts fused under other
 # names (renamed whole), OLMo-Hybrid's keep q/k/v convolutions apart that its model concatenates (ranges of rows),
