@@ -111,6 +111,32 @@ def _warn_if_unmarked(path: str) -> None:
               "progress, or one that failed)", file=sys.stderr)
 
 
+def _marker_problem(path: str) -> str | None:
+    """What a snapshot folder lacks of what its commit marker lists (a file gone, or of another size), or None.
+    Why: the checksums cover the tensors only, so a folder that lost its tokenizer or had its config cut short
+    would be rebuilt, and its rebuild marked complete, as if it were whole."""
+    import json
+
+    from .retention import COMMIT_MARKER, CommitInfo
+
+    marker = os.path.join(path, COMMIT_MARKER)
+    if not os.path.isdir(path) or not os.path.isfile(marker):
+        return None
+    try:
+        with open(marker, "rb") as f:
+            info = CommitInfo.from_json(json.loads(f.read().decode("utf-8")), source=marker)
+    except (ValueError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return f"its {COMMIT_MARKER} cannot be read: {exc}"
+    for name, meta in sorted(info.files.items()):
+        where = os.path.join(path, name)
+        size = os.path.getsize(where) if os.path.isfile(where) else None
+        if size != meta.get("size"):
+            got = "is missing" if size is None else f"holds {size} bytes"
+            return f"{name} {got}, but its {COMMIT_MARKER} lists it at {meta.get('size')} bytes: the snapshot is " \
+                   "damaged (copy it again from the bucket)"
+    return None
+
+
 def _marker_plan(folder: str, kind: str, parent: str | None) -> CommitInfo:
     """The commit marker a snapshot folder the CLI writes will get, checked before any work is done.
 
@@ -235,14 +261,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not path:  # an unset shell variable
                 print(f"error: {role.upper()} is empty: give a file or folder", file=sys.stderr)
                 return EXIT_USAGE
+            if "://" in path and not os.path.exists(path):  # s3://, gs://: not a typo, a limit
+                print(f"error: {role.upper()} {path}: the command line reads local files and folders only; copy the "
+                      "snapshot folder here first (aws s3 cp --recursive, gcloud storage cp -r)", file=sys.stderr)
+                return EXIT_USAGE
             if not os.path.exists(path):
                 print(f"error: {role.upper()} {path}: no such file or folder", file=sys.stderr)
                 return EXIT_USAGE
             _warn_if_unmarked(path)
+            problem = _marker_problem(path)
+            if problem is not None:
+                print(f"error: {role.upper()} {path}: {problem}", file=sys.stderr)
+                return EXIT_VERIFY
         if args.cmd in ("diff", "apply"):
             inputs = (args.parent, args.new if args.cmd == "diff" else args.delta)
+            if "://" in args.out:
+                raise ValueError(f"OUT {args.out}: the command line writes local files and folders only; write here "
+                                 "and copy the result up")
             if not os.path.isdir(inputs[1]) and os.path.isdir(args.out):
                 raise ValueError(f"OUT {args.out} is a folder, but the inputs are files: name an output file")
+            if os.path.isdir(inputs[1]) and os.path.exists(args.out) and not os.path.isdir(args.out):
+                raise ValueError(f"OUT {args.out} is a file, but the inputs are folders: name a new or empty folder")
             if os.path.exists(args.out) and any(os.path.samefile(args.out, p) for p in inputs):
                 raise ValueError(f"OUT {args.out} is one of the inputs: name a new file or folder")
             for p in inputs:  # copying that input's other files would copy OUT into itself, and change the input

@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -144,7 +146,7 @@ def job(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(1234 + rank)
     rows = []
     if rank == 0:
-        print(f"{'step':>4} {'kind':<5} {'identity':<22} {'bytes':>10} {'ratio':>7} {'changed':>8} "
+        print(f"{'step':>4} {'kind':<5} {'identity':<22} {'weights B':>10} {'ratio':>7} {'changed':>8} "
               f"{'block ms':>8} {'upload s':>8} {'ready s':>7}  verified", flush=True)
     with HotloadCallback(model, cfg) as hot:
         hot.attach(opt)  # publishes from optimizer.step()'s post-step hook
@@ -161,25 +163,32 @@ def job(args: argparse.Namespace) -> None:
                 m = hot.metrics[-1]
                 want = {k: RawTensor.from_any(v).digest() for k, v in full.items()}
                 ok = m.ok and all(i == m.identity and shas == want for i, shas in _served(args.url))
-                rows.append({"kind": m.kind, "bytes": m.bytes_written, "raw": m.raw_bytes, "verified": ok})
+                rows.append({"kind": m.kind, "bytes": m.bytes_written, "raw": m.raw_bytes, "verified": ok,
+                             "identity": m.identity, "folder": _folder_bytes(os.path.join(args.bucket, m.identity))})
                 changed = f"{100 * m.changed_fraction:.2f}%" if m.changed_fraction is not None else "-"
                 print(f"{step:>4} {m.kind:<5} {m.identity:<22} {m.bytes_written:>10,} {m.ratio or 0:>6.1f}x "
                       f"{changed:>8} {m.blocking_ms:>8.2f} {m.upload_s:>8.3f} {m.ready_s:>7.3f}  "
                       f"{'yes' if ok else 'NO'}", flush=True)
     if rank == 0:
-        sent = sum(r["bytes"] for r in rows)
-        fulls = [r["bytes"] for r in rows if r["kind"] == "full"]  # file bytes, like ``sent``: headers included
+        # every file of each snapshot's folder: weights, and the config, tokenizer, index, spec and marker files
+        sent, weights = sum(r["folder"] for r in rows), sum(r["bytes"] for r in rows)
+        fulls = [r["folder"] for r in rows if r["kind"] == "full"]
         full_every_step = len(rows) * (sum(fulls) / len(fulls) if fulls else max(r["raw"] for r in rows))
         verified = bool(rows) and all(r["verified"] for r in rows)
         print(f"\n{len(rows)} publishes: {sum(r['kind'] == 'full' for r in rows)} full, "
-              f"{sum(r['kind'] == 'delta' for r in rows)} delta; sent {sent / 1e6:.2f} MB vs "
-              f"{full_every_step / 1e6:.2f} MB for a full snapshot every step "
-              f"({full_every_step / max(sent, 1):.1f}x less traffic); every replica verified bit-exact: "
-              f"{'yes' if verified else 'NO'}", flush=True)
+              f"{sum(r['kind'] == 'delta' for r in rows)} delta; sent {sent / 1e6:.2f} MB ({weights / 1e6:.2f} MB "
+              f"of weight files, the rest config, tokenizer, index and marker files) vs {full_every_step / 1e6:.2f} "
+              f"MB for a full snapshot every step ({full_every_step / max(sent, 1):.1f}x less traffic); every "
+              f"replica verified bit-exact: {'yes' if verified else 'NO'}", flush=True)
         with open(os.path.join(args.workdir, "demo_result.json"), "w") as f:
             json.dump({"verified": verified, "rows": rows}, f)
     dist.barrier()
     _exit_cleanly()
+
+
+def _folder_bytes(folder: str) -> int:
+    """Bytes of every file a snapshot's folder holds (the bucket is a local folder here)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
 
 
 #: The file that marks a --workdir as the demo's own, so a re-run may empty its bucket/.
@@ -217,7 +226,11 @@ def run_demo_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.job:
-        job(args)
+        try:
+            job(args)
+        except KeyboardInterrupt:  # torchrun passes the launcher's Ctrl-C on: one line per rank, no traceback
+            print(f"rank {os.environ.get('RANK', '?')}: interrupted", file=sys.stderr, flush=True)
+            os._exit(130)
         return 0
     from .emulator import HotLoadEmulator
 
@@ -262,13 +275,28 @@ def run_demo_cli(argv: list[str] | None = None) -> int:
                "-m", "fsdp_hotload.demo", "--job", "--bucket", bucket, "--url", emu.url, "--hf-dir", hf,
                "--workdir", workdir, "--steps", str(args.steps), "--full-every", str(args.full_every),
                "--codec", args.codec, "--lr", str(args.lr)]
-        rc = subprocess.call(cmd, env=env)
+        proc = subprocess.Popen(cmd, env=env)
+        try:
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            # torchrun starts each rank in a session of its own, so only torchrun can stop them: it gets the
+            # interrupt (subprocess.call would SIGKILL it, leaving the ranks training with no emulator)
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            print(f"\ninterrupted; snapshots so far are in {bucket}", file=sys.stderr)
+            return 130
     if rc != 0:
         print(f"demo job failed (exit {rc})", file=sys.stderr)
         return 1
     with open(os.path.join(workdir, "demo_result.json")) as f:
-        ok = json.load(f)["verified"]
-    print(f"\nsnapshots and metrics are in {workdir}; try: hotload inspect {bucket}/<identity>")
+        result = json.load(f)
+    ok, last = result["verified"], result["rows"][-1]["identity"] if result["rows"] else None
+    inspect = f"; try: hotload inspect {shlex.quote(os.path.join(bucket, last))}" if last else ""
+    print(f"\nsnapshots and metrics are in {workdir}{inspect}")
     return 0 if ok else 1
 
 

@@ -131,11 +131,15 @@ class DtypePolicy:
         codes = {n: (code_from_name(str(sources[n])), self.code(n, sources[n])) for n in floating}  # source, target
         # fp32 tensors are masters when most tensors are (mixed precision); among mostly 16-bit ones they were kept
         # wide on purpose (transformers' _keep_in_fp32_modules: DeepSeek-V3's router gate and bias)
-        masters = 2 * sum(s in _MASTER_CODES for s, _ in codes.values()) > len(codes)
+        # (an FP8 model's 8-bit weights and fp32 scales do not count: the scales note below covers the scales)
+        weights = [s for n, (s, _) in codes.items() if itemsize(s) >= 2 and "scale" not in n.rsplit(".", 1)[-1]]
+        masters = 2 * sum(s in _MASTER_CODES for s in weights) > len(weights)
+        fp8 = any(itemsize(s) < 2 for s, _ in codes.values())
         narrowed: dict[tuple[str, str, str | None], list[str]] = {}  # (source, target, the glob that cast them)
         for name, (source, target) in codes.items():
             if source != target and itemsize(target) <= itemsize(source) and not (
-                    masters and source in _MASTER_CODES and itemsize(target) >= 2):
+                    masters and source in _MASTER_CODES and itemsize(target) >= 2) and not (
+                    fp8 and "scale" in name.rsplit(".", 1)[-1]):
                 glob = next((p for p, _ in self.overrides if fnmatch.fnmatchcase(name, p)), None)
                 narrowed.setdefault((source, target, glob), []).append(name)
         narrow_sources = {s for s, _ in codes.values() if s not in _MASTER_CODES and itemsize(s) >= 2}

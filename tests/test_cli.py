@@ -236,6 +236,10 @@ def test_empty_or_partial_folders_never_verify(snapshots: tuple[Path, Path], tmp
     assert run("diff", a, b, d).returncode == 0
     (d / "model-00002-of-00002.safetensors").unlink()
     (d / "model.safetensors.index.json").unlink()
+    res = run("verify", a, d)  # the marker lists what is gone
+    assert res.returncode == 1 and "all checksums match" not in res.stdout
+    assert "model-00002-of-00002.safetensors is missing, but its hotload.commit.json lists it" in res.stderr
+    _marker(d).unlink()  # an upload that never finished: the files say it
     res = run("verify", a, d)
     assert res.returncode == 1 and "all checksums match" not in res.stdout
     assert "weight files differ" in res.stderr and "model-00002-of-00002.safetensors" in res.stderr
@@ -572,3 +576,36 @@ def test_main_returns_usage_codes_for_every_command(capsys: pytest.CaptureFixtur
     (tmp_path / "notes.txt").write_text("hello world, this is a text file")
     assert cli.main(["inspect", str(tmp_path / "notes.txt")]) != 0
     assert "not a safetensors file, or one cut short" in capsys.readouterr().err
+
+
+def test_a_folder_that_lost_a_file_its_commit_marker_lists_is_refused(snapshots: tuple[Path, Path],
+                                                                      tmp_path: Path) -> None:
+    """The checksums cover the tensors only: a delta folder whose tokenizer was lost and whose config was cut short
+    was rebuilt, and the rebuild marked complete. Every command now checks the files an input's marker lists."""
+    a, b = snapshots
+    d = tmp_path / "step-d"
+    assert run("diff", a, b, d).returncode == 0
+    (d / "extra.json").write_text('{"carried": true}')  # not listed by the marker: not checked
+    listed = json.loads(_marker(d).read_text())["files"]
+    config = next(n for n in listed if n.endswith("config.json"))
+    (d / config).write_text("{}")
+    for args in (("apply", a, d, tmp_path / "step-r"), ("verify", a, d), ("inspect", d)):
+        res = run(*args)
+        assert res.returncode == 1, res.stderr
+        assert f"{config} holds 2 bytes, but its hotload.commit.json lists it at {listed[config]['size']} bytes: " \
+               "the snapshot is damaged" in res.stderr, res.stderr
+    assert not (tmp_path / "step-r").exists()
+
+
+def test_remote_urls_and_a_file_for_a_folder_are_named_as_such(snapshots: tuple[Path, Path], tmp_path: Path) -> None:
+    a, b = snapshots
+    res = run("verify", "s3://bucket/run/step-1", b)
+    assert res.returncode == 2 and "reads local files and folders only" in res.stderr, res.stderr
+    res = run("diff", a, b, "s3://bucket/run/step-2")
+    assert res.returncode == 2 and "writes local files and folders only" in res.stderr, res.stderr
+    (tmp_path / "out").write_text("")
+    res = run("diff", a, b, tmp_path / "out")
+    assert res.returncode == 2 and "is a file, but the inputs are folders" in res.stderr, res.stderr
+    res = subprocess.run([sys.executable, "-m", "fsdp_hotload", "inspect", a], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0 and "full" in res.stdout, res.stderr

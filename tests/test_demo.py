@@ -25,11 +25,19 @@ def test_demo_publishes_and_verifies(tmp_path: Path) -> None:
     assert [r["kind"] for r in result["rows"]] == ["full", "delta", "delta"] * 2 + ["full"]
     assert all(r["verified"] for r in result["rows"])
     assert "every replica verified bit-exact: yes" in proc.stdout
-    # the baseline is 7 full snapshots' file bytes, counted like the bytes sent
-    full = [r["bytes"] for r in result["rows"] if r["kind"] == "full"]
-    sent = sum(r["bytes"] for r in result["rows"])
-    assert f"sent {sent / 1e6:.2f} MB vs {7 * sum(full) / len(full) / 1e6:.2f} MB for a full snapshot every step" \
+    # what was sent is every file of every snapshot folder, as is the baseline of 7 full snapshots
+    bucket = tmp_path / "bucket"
+    folders = {r["identity"]: sum(f.stat().st_size for f in (bucket / r["identity"]).rglob("*") if f.is_file())
+               for r in result["rows"]}
+    assert [r["folder"] for r in result["rows"]] == list(folders.values())
+    assert all(r["folder"] > r["bytes"] for r in result["rows"])  # config, tokenizer, index and marker files too
+    full = [r["folder"] for r in result["rows"] if r["kind"] == "full"]
+    sent, weights = sum(folders.values()), sum(r["bytes"] for r in result["rows"])
+    assert f"sent {sent / 1e6:.2f} MB ({weights / 1e6:.2f} MB of weight files, the rest config, tokenizer, index " \
+           f"and marker files) vs {7 * sum(full) / len(full) / 1e6:.2f} MB for a full snapshot every step" \
         in proc.stdout
+    last = result["rows"][-1]["identity"]
+    assert proc.stdout.rstrip().endswith(f"try: hotload inspect {bucket / last}"), proc.stdout[-500:]
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 7 and all(m["ok"] for m in metrics)
 
@@ -90,3 +98,37 @@ def _refused(workdir: Path, capsys: pytest.CaptureFixture[str]) -> str:
         run_demo_cli(["--steps", "1", "--workdir", str(workdir)])
     assert info.value.code == 2
     return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_an_interrupt_sent_to_the_launcher_stops_every_rank(tmp_path: Path) -> None:
+    """subprocess.call answered Ctrl-C by SIGKILLing torchrun, which starts its ranks in sessions of their own:
+    an interrupt that reached the launcher only (kill -INT, a supervisor) left both ranks training for minutes,
+    retrying an emulator that was gone. torchrun now gets the interrupt and stops them."""
+    import os
+    import signal
+    import time
+
+    workdir = tmp_path / "work"
+    proc = subprocess.Popen([*DEMO, "--steps", "400", "--workdir", str(workdir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # nothing else gets it
+
+    def ranks() -> list[str]:
+        ps = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout.splitlines()
+        return [line for line in ps if "fsdp_hotload.demo --job" in line and str(workdir) in line]
+
+    try:
+        assert proc.stdout is not None
+        while " delta " not in (line := proc.stdout.readline()):  # training, and publishing
+            assert line, proc.stderr.read() if proc.stderr else ""
+        assert ranks()
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and f"interrupted; snapshots so far are in {workdir / 'bucket'}" in err, err[-2000:]
+    deadline = time.monotonic() + 10
+    while ranks() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not ranks(), ranks()

@@ -170,6 +170,14 @@ def test_fp32_tensors_kept_wide_in_a_16_bit_model_are_not_taken_for_masters() ->
     assert DtypePolicy.of("bfloat16", {"*.mlp.gate.*": "keep"}).notes({**layers, **router}) == []
     mostly_masters = {n: torch.float32 for n in layers} | {"model.norm.weight": torch.bfloat16}
     assert DtypePolicy.of("bfloat16").notes({**mostly_masters, **router}) == []  # fp32 masters: the expected path
+    # an FP8 model's fp32 scales are neither masters nor kept-wide tensors: the scales note alone speaks of them
+    fp8 = {f"l.{i}.{p}.weight": torch.float8_e4m3fn for i in range(2) for p in "qkvo"}
+    scales = {n.replace(".weight", f".{k}"): torch.float32 for n in fp8 for k in ("weight_scale", "input_scale")}
+    kept, scaled = DtypePolicy.of("bfloat16").notes({**fp8, **scales, **router, **layers})
+    assert kept.startswith("2 float32 tensor(s) ('model.layers.1.mlp.gate.weight' and 1 more)"), kept
+    assert "16 scale tensor(s)" in scaled and "scale" not in kept, scaled
+    (note,) = DtypePolicy.of("bfloat16", {"*scale*": "keep"}).notes({**fp8, **scales, **router, **layers})
+    assert note == kept  # the scales, kept, do not make fp32 the model's majority
 
 
 def test_a_cast_made_by_a_glob_names_the_glob() -> None:

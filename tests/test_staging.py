@@ -472,10 +472,11 @@ def test_the_copy_plan_is_made_once_per_buffer_and_given_sources_never_stay_in_i
     assert staged(None) == expected(own), "the plan reads the sources' current values"
 
 
-def test_a_host_arena_shrinks_once_a_diff_needs_under_an_eighth_of_it() -> None:
+def test_a_host_arena_shrinks_once_diffs_need_under_an_eighth_of_it() -> None:
     """One delta with half the values changed grew the (pinned) arena to 6x the bf16 shard, kept for the rest of
-    the job; it now goes back once a diff needs under an eighth of it, with no reallocation for needs close by."""
-    from fsdp_hotload.engine.device_diff import SHRINK_BELOW, HostArena
+    the job; it now goes back once three diffs in a row need under an eighth of it, with no reallocation for needs
+    close by, nor for needs that alternate (a large delta after a skipped publish, then small ones)."""
+    from fsdp_hotload.engine.device_diff import SHRINK_AFTER, SHRINK_BELOW, HostArena
 
     arena = HostArena(pin=False)
     small = arena.take(1000)
@@ -483,5 +484,9 @@ def test_a_host_arena_shrinks_once_a_diff_needs_under_an_eighth_of_it() -> None:
     assert arena.take(10) is arena.buf and arena.buf.numel() == SHRINK_BELOW  # small needs keep a small arena
     big = arena.take(64 * SHRINK_BELOW)
     assert big.numel() == 64 * SHRINK_BELOW and arena.take(8 * SHRINK_BELOW + 1) is big  # within 8x: kept
-    assert arena.take(8 * SHRINK_BELOW - 1).numel() == 8 * SHRINK_BELOW  # under an eighth: a new, smaller one
+    for _ in range(4):  # alternating: kept
+        assert arena.take(SHRINK_BELOW) is big and arena.take(40 * SHRINK_BELOW) is big
+    for _ in range(SHRINK_AFTER - 1):
+        assert arena.take(8 * SHRINK_BELOW - 1) is big
+    assert arena.take(8 * SHRINK_BELOW - 1).numel() == 8 * SHRINK_BELOW  # the third in a row: a smaller one
     assert arena.take(3 * SHRINK_BELOW).numel() == 8 * SHRINK_BELOW

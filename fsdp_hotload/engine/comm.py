@@ -445,7 +445,8 @@ def exchange_objects(comm: Comm, outgoing: list[Any], *, failed: bool = False) -
     of memory, say) sends nothing, and a rank that gets nothing from a peer reports it too (None in its place);
     when a rank cannot receive (:class:`ExchangeSkipped`), nothing moves and every rank reports that.
     Large objects are copied no more than the move needs: this rank's own is passed through, never pickled; the
-    others are pickled once into buffers gloo sends as they are; each received blob goes once it is unpickled.
+    others are pickled once into buffers gloo sends as they are, their arrays out of band; a received blob stays
+    while any array of it does (they are views of it, not copies), so it goes once its last piece is written.
     """
     own = outgoing[comm.rank]
     error: str | None = None

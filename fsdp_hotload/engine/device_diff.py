@@ -21,6 +21,7 @@ from .copies import SIGNED, Slice
 
 DIFF_BLOCK = 1 << 22  # elements per device-diff step (the device temporaries are ~13 bytes per element)
 SHRINK_BELOW = 1 << 20  # a HostArena this large or smaller is never shrunk (bytes)
+SHRINK_AFTER = 3  # diffs in a row needing under an eighth of a HostArena before it shrinks (no churn between sizes)
 _NO_STATIC_NONZERO: set[str] = set()  # device types whose torch has no nonzero_static kernel (see _positions)
 
 
@@ -33,9 +34,9 @@ class HostArena:
     in a simulation of those rules), and each new class cost a page-locking allocation on the publisher's thread.
     One buffer, grown to the next power of two when a diff needs more, holds less than twice the largest need; the
     smaller one it replaces goes back to the driver (the free blocks of torch's pinned cache are released then).
-    It shrinks too, once a diff needs under an eighth of it: one delta with half the values changed needs 6x the
-    bf16 shard, which stayed page-locked for the rest of the job (``SHRINK_BELOW`` avoids reallocating for small
-    needs). What is cut from it is valid until the next diff given this arena: the encoder is done with it by then.
+    It shrinks too, once three diffs in a row need under an eighth of it: one delta with half the values changed
+    needs 6x the bf16 shard, which stayed page-locked for the rest of the job (``SHRINK_BELOW`` avoids reallocating
+    for small needs). What is cut from it is valid until the next diff given this arena: the encoder is done with it by then.
 
     Example::
 
@@ -46,11 +47,15 @@ class HostArena:
     def __init__(self, pin: bool) -> None:
         self.pin = pin
         self.buf: torch.Tensor | None = None
+        self._small = 0  # consecutive takes that needed under an eighth of ``buf``
 
     def take(self, nbytes: int) -> torch.Tensor:
-        """At least ``nbytes`` bytes (uint8), the same buffer as last time where it is large enough and less than 8x
-        the need (or ``8 * SHRINK_BELOW``)."""
-        if self.buf is None or self.buf.numel() < nbytes or self.buf.numel() > 8 * max(nbytes, SHRINK_BELOW):
+        """At least ``nbytes`` bytes (uint8), the same buffer as last time where it is large enough, unless this is
+        the ``SHRINK_AFTER``-th take in a row that needs under an eighth of it (and under ``SHRINK_BELOW``)."""
+        small = self.buf is not None and self.buf.numel() > 8 * max(nbytes, SHRINK_BELOW)
+        self._small = self._small + 1 if small else 0
+        if self.buf is None or self.buf.numel() < nbytes or self._small >= SHRINK_AFTER:
+            self._small = 0
             self.buf = None
             if self.pin and hasattr(torch._C, "_host_emptyCache"):
                 torch._C._host_emptyCache()
