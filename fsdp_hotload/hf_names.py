@@ -136,14 +136,14 @@ def tied_aliases(model: Any) -> set[str]:
         patterns = [re.compile(p) for p in _get_tied_weight_keys(model)]
     except Exception:  # noqa: BLE001 - another transformers: the check falls back to the tied lm_head alone
         return set()
-    groups: dict[int, list[str]] = {}
+    groups: dict[int, set[str]] = {}
     for name, t in itertools.chain(model.named_parameters(remove_duplicate=False),
                                    model.named_buffers(remove_duplicate=False)):
-        groups.setdefault(id(t), []).append(clean_name(name))
+        groups.setdefault(id(t), set()).add(clean_name(name))
     out: set[str] = set()
     for names in groups.values():
-        tied = [n for n in sorted(set(names)) if any(p.search(n) for p in patterns)]
-        out.update(tied[:len(set(names)) - 1])  # at least one name of the tensor stays
+        tied = [n for n in sorted(names) if any(p.search(n) for p in patterns)]
+        out.update(tied[:len(names) - 1])  # at least one name of the tensor stays
     return out
 
 

@@ -36,7 +36,8 @@ class HostArena:
     smaller one it replaces goes back to the driver (the free blocks of torch's pinned cache are released then).
     It shrinks too, once three diffs in a row need under an eighth of it: one delta with half the values changed
     needs 6x the bf16 shard, which stayed page-locked for the rest of the job (``SHRINK_BELOW`` avoids reallocating
-    for small needs). What is cut from it is valid until the next diff given this arena: the encoder is done with it by then.
+    for small needs). What is cut from it is valid until the next diff given this arena: the encoder is done with it
+    by then.
 
     Example::
 
