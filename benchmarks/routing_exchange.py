@@ -1,13 +1,14 @@
 """Routing one payload over 2 GiB (or 4 GiB) between two ranks on the side gloo group, bit for bit.
 
-A full snapshot routes each rank's pieces of a file to the rank that writes it, one pickled blob per peer
-(``exchange_objects``). On a large model one blob can pass 2 GiB (a signed 32-bit length) or 4 GiB (an unsigned
-one), sizes at which other transports have failed. This sends a random payload of ``--gib`` GiB from rank 0 to
-rank 1 both ways it can go: a bare ``dist.send``/``recv`` of a uint8 tensor (the baseline, in the same run),
-then ``exchange_objects`` as the publisher calls it. It prints the time and rate of each, their ratio, and
-whether the bytes received hash to the bytes sent. Host memory: about 4x the payload at the peak.
+A full snapshot routes each rank's pieces of a file to the rank that writes it, one blob per peer, pickled with
+its arrays out of band (``exchange_objects``). On a large model one blob can pass 2 GiB (a signed 32-bit length)
+or 4 GiB (an unsigned one), sizes at which other transports have failed. This sends a random payload of
+``--gib`` GiB from rank 0 to rank 1 both ways it can go: a bare ``dist.send``/``recv`` of a uint8 tensor (the
+baseline, in the same run), then ``exchange_objects`` as the publisher calls it. It prints the time and rate of each, their ratio, and
+whether the bytes received hash to the bytes sent. Host memory: about 3x the payload at the peak (the payload
+and the send buffer on rank 0, the receive buffer on rank 1).
 
-    python benchmarks/routing_exchange.py [--gib 4.01]
+    python benchmarks/routing_exchange.py [--gib 2.01]     # --gib 4.01 passes 4 GiB
 """
 from __future__ import annotations
 
@@ -117,7 +118,7 @@ def main() -> int:
     print(f"exchange_objects: {recv['routed_s']:.2f} s ({gbs / recv['routed_s']:.2f} GB/s), "
           f"bit-exact: {recv['routed_ok']}, errors: {recv['error'] or send['sender_error'] or 'none'}")
     print(f"ratio exchange_objects / bare: {recv['routed_s'] / recv['bare_s']:.2f}x "
-          "(pickling into the send buffer and unpickling out of the receive buffer, each a copy)")
+          "(one copy into the send buffer, arrays out of band; received as views of the receive buffer)")
     return 0 if bare_ok and recv["routed_ok"] and all(proc.exitcode == 0 for proc in procs) else 1
 
 

@@ -36,14 +36,17 @@ from fsdp_hotload.publish import WholeChunk  # noqa: E402
 from machine_info import machine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
-def median_s(fn: Callable[[], None], reps: int, sync: Callable[[], None]) -> float:
-    times = []
+def medians_s(fns: dict[str, Callable[[], None]], reps: int, sync: Callable[[], None]) -> dict[str, float]:
+    """Each variant's median time, the variants run round-robin within each repetition: timed one block after
+    another, a slow stretch of a busy machine lands on one whole variant and can invert the comparison."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps + 2):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[2:])  # the first two warm the allocator and the caches
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t[2:]) for name, t in times.items()}  # two rounds warm allocator and caches
 
 
 def main() -> int:
@@ -79,20 +82,21 @@ def main() -> int:
     buf = st.acquire(wait=False)
     assert buf is not None
     runs = len(st._groups)
-
-    def stage() -> None:
-        st.wait_event(st.stage(buf))
-
-    staged_s = median_s(stage, args.reps, sync)
+    one = Stager(chunks)  # the same chunks, one copy each
+    one._groups = [CopyGroup(k, k + 1, (c.source,), None) for k, c in enumerate(chunks)]
+    one._plans.clear()
+    one._where = []
+    one_buf = one.acquire(wait=False)
+    assert one_buf is not None
     views = [c.source for c in chunks]  # what the callback passes each publish: the chunks' own views, listed anew
-    given_s = median_s(lambda: st.wait_event(st.stage(buf, views)), args.reps, sync)
-    st._groups = [CopyGroup(k, k + 1, (c.source,), None) for k, c in enumerate(chunks)]  # one copy per chunk
-    st._plans.clear()
-    st._where = []
-    per_chunk_s = median_s(stage, args.reps, sync)
     whole = torch.cat([t.view(-1) for t in fused])
     out = torch.empty(whole.numel(), dtype=torch.bfloat16, device=device)
-    copy_s = median_s(lambda: out.copy_(whole), args.reps, sync)
+    got = medians_s({"staged": lambda: st.wait_event(st.stage(buf)),
+                     "given": lambda: st.wait_event(st.stage(buf, views)),
+                     "per_chunk": lambda: one.wait_event(one.stage(one_buf)),
+                     "copy": lambda: out.copy_(whole)}, args.reps, sync)
+    staged_s, given_s, per_chunk_s, copy_s = got["staged"], got["given"], got["per_chunk"], got["copy"]
+    assert torch.equal(buf, one_buf), "the two ways of staging disagree"
     print(f"{len(chunks)} parts of {2 * args.layers} fused tensors ({st.nbytes / 1e6:.0f} MB bf16) on {device}, "
           f"staged in {runs} copies")
     print(f"{'one cast-copy (floor)':>28}: {copy_s * 1e3:8.2f} ms")

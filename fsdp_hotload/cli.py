@@ -209,24 +209,33 @@ def _parent_hint(parent: str, delta: str, given: str | None) -> str | None:
             f"holds {recorded!r} under another name, pass --parent-identity {recorded} to check that instead)")
 
 
+_PARENT = "the full snapshot the delta is made against: a .safetensors file or a snapshot folder"
+_DELTA = "the delta: a .safetensors file or a snapshot folder written by 'hotload diff' or a trainer"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hotload", description="Lossless delta snapshots for RL weight hot-loading.")
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("diff", help="encode NEW as a delta against PARENT")
-    d.add_argument("parent"), d.add_argument("new"), d.add_argument("out")
+    d.add_argument("parent", help=_PARENT)
+    d.add_argument("new", help="the newer full snapshot: a .safetensors file, or a folder with the same weight files")
+    d.add_argument("out", help="where the delta goes: a file (for file inputs) or a new folder named like an identity")
     d.add_argument("--codec", default="arc_v2", help="arc_v2 (Fireworks wire format) or arc_sparse_v1")
     d.add_argument("--parent-identity", default=None, help="identity recorded as the parent (default: PARENT's name)")
     d.add_argument("--vendor-module", default=None,
                    help="encode files with this module's delta_compress_files_to_file (Fireworks' reference "
                         "encoder) for byte compatibility with Fireworks' loader; a module name or a .py file's path")
     a = sub.add_parser("apply", help="rebuild a full snapshot from PARENT and DELTA into OUT")
-    a.add_argument("parent"), a.add_argument("delta"), a.add_argument("out")
+    a.add_argument("parent", help=_PARENT)
+    a.add_argument("delta", help=_DELTA)
+    a.add_argument("out", help="where the rebuilt full snapshot goes: a file, or a new folder named like an identity")
     a.add_argument("--parent-identity", default=None, help="reject a delta made against another parent")
     v = sub.add_parser("verify", help="rebuild in memory and check every checksum")
-    v.add_argument("parent"), v.add_argument("delta")
+    v.add_argument("parent", help=_PARENT)
+    v.add_argument("delta", help=_DELTA)
     v.add_argument("--parent-identity", default=None, help="reject a delta made against another parent")
     i = sub.add_parser("inspect", help="kind, parent, codec and per-tensor sizes of a snapshot file or folder")
-    i.add_argument("path")
+    i.add_argument("path", help="a .safetensors file or a snapshot folder (local; copy one out of the bucket first)")
     sub.add_parser("emulate", help="run the local hot-load emulator (see 'hotload emulate --help')", add_help=False)
     sub.add_parser("demo", help="run the end-to-end local demo", add_help=False)
     return p
@@ -288,9 +297,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if os.path.isdir(p) and os.path.realpath(args.out).startswith(os.path.join(os.path.realpath(p), "")):
                     raise ValueError(f"OUT {args.out} is inside the input folder {p}: name a folder outside it")
             if os.path.isdir(inputs[1]) and os.path.isdir(args.out) and os.listdir(args.out):
-                raise ValueError(f"OUT {args.out} already holds files: a snapshot there would be overwritten, and "
-                                 "the new one's commit marker would list the others as its own; name a new or empty "
-                                 "folder")
+                from .retention import COMMIT_MARKER
+
+                left = "" if os.path.exists(os.path.join(args.out, COMMIT_MARKER)) else \
+                    f" (it has no {COMMIT_MARKER}: what a failed or interrupted run left? remove it and run again)"
+                raise ValueError(f"OUT {args.out} already holds files{left}: a snapshot there would be overwritten, "
+                                 "and the new one's commit marker would list the others as its own; name a new or "
+                                 "empty folder")
         if getattr(args, "parent_identity", None) is not None:  # diff records it in every delta file
             validate_identity(args.parent_identity, what="--parent-identity")
         if args.cmd == "diff":

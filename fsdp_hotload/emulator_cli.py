@@ -28,20 +28,38 @@ def _compression_formats(text: str) -> tuple[str, ...]:
     return names
 
 
+_S3_KEYS = "reads AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) from the environment"
+_GCS_KEYS = "reads GOOGLE_APPLICATION_CREDENTIALS (or gcloud's default login)"
+_CREDENTIALS = {"s3": _S3_KEYS, "s3a": _S3_KEYS, "gs": _GCS_KEYS, "gcs": _GCS_KEYS}
+
+
 def _bucket_problem(bucket: str, options: dict[str, Any] | None) -> str | None:
     """Why ``bucket`` cannot be served, found at startup rather than as a load error on the first signal: an
-    unknown scheme, a missing backend, or a local folder that does not exist. Remote buckets are not contacted."""
+    unknown scheme, a missing backend, a local folder that does not exist, or a remote bucket that refuses a
+    listing for good (no credentials, access denied). A remote bucket that cannot be reached yet only warns: the
+    emulator may be started before the object store."""
     import fsspec.core
 
     from .storage import Storage, StorageError
+    from .storage_errors import classify_error, credential_hint
 
     try:
-        storage = Storage(bucket, options)
+        storage = Storage(bucket, options, max_attempts=2, call_timeout_s=15.0)
     except (StorageError, ValueError, OSError) as exc:  # OSError: a backend that connects at once (ftp, sftp)
         return mask_text(f"{type(exc).__name__}: {exc}" if isinstance(exc, OSError) else str(exc))
     protocol, _ = fsspec.core.split_protocol(storage.root)
-    if protocol in (None, "file") and not storage.fs.isdir(storage.root):
-        return f"{storage.root} is not a folder"
+    if protocol in (None, "file"):
+        return f"{storage.root} is not a folder" if not storage.fs.isdir(storage.root) else None
+    try:
+        storage.list_dirs()
+    except StorageError as exc:
+        if classify_error(exc).retryable:
+            print(f"hotload emulate: warning: cannot list {mask_url(bucket)} yet ({mask_text(str(exc))}); serving "
+                  "anyway, signals get 503 until it answers", file=sys.stderr)
+            return None
+        keys = _CREDENTIALS.get(protocol.lower())
+        advice = credential_hint(exc, options) or (f"{protocol}:// {keys}" if keys else "")
+        return mask_text(str(exc)) + (f"; {advice}" if advice else "")
     return None
 
 

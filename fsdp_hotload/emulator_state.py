@@ -32,6 +32,7 @@ from .arc import ArcError, RawTensor
 from .emulator_load import load_snapshot, summarize
 from .emulator_rules import LORA_MARKER, BaseModelSpec, LoadError, carries_lora_marker, check_config
 from .fireworks_models import HotLoadRequest
+from .storage_errors import classify_error
 
 log = logging.getLogger(__name__)
 
@@ -405,8 +406,12 @@ class Deployment:
         previous = meta.previous_snapshot_identity if meta is not None else None
         try:  # unlocked: a listing may take a while
             files = self.settings.list_files(identity) if self.settings.list_files is not None else None
-        except Exception as exc:  # the bucket, not the emulator, failed: a 503 the client retries
-            raise SignalRejected(503, f"cannot list {identity!r} in the bucket: {type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # the bucket, not the emulator, failed
+            # A 503 the client retries for an outage; 424 (not retried) for what retrying cannot fix, such as
+            # missing credentials, which a 503 would turn into minutes of retries per publish.
+            retry = classify_error(exc).retryable
+            raise SignalRejected(503 if retry else 424, f"cannot list {identity!r} in the bucket: "
+                                 f"{type(exc).__name__}: {exc}" + ("" if retry else " (not retried)")) from exc
         if meta is not None and carries_lora_marker(self.settings.get_bytes, identity):  # read outside the lock
             raise SignalRejected(400, f"{identity!r} holds {LORA_MARKER}, so it is a LoRA snapshot, which never "
                                       "carries incremental_snapshot_metadata (LoRA snapshots are always complete)")

@@ -258,6 +258,15 @@ class ShardPlan:
         object.__setattr__(self, "weight_map", weight_map)
         object.__setattr__(self, "specs", specs)
 
+    def check_chunks(self, chunks: Iterable[Any]) -> None:
+        """ValueError unless each chunk (``name``, ``shape``, ``dtype``) is a piece of a planned tensor of that
+        shape and dtype: the adapter's walk and the specs must describe the same model."""
+        for c in chunks:
+            spec = self.specs.get(c.name)
+            if spec is None or tuple(spec.shape) != tuple(c.shape) or spec.dtype != c.dtype:
+                raise ValueError(f"chunk {c.name!r} ({c.dtype}{list(c.shape)}) does not match the tensor specs "
+                                 f"({spec})")
+
     def file_of(self, name: str) -> str:
         """File holding tensor ``name``; KeyError naming it if the plan has no such tensor."""
         try:

@@ -271,6 +271,10 @@ def test_failed_apply_or_diff_leaves_no_commit_marker(snapshots: tuple[Path, Pat
     assert not _marker(tmp_path / "fresh").exists()
     # a failed run writes no index naming weight files it never wrote (the index and config come last)
     assert not (tmp_path / "fresh" / "model.safetensors.index.json").exists()
+    assert any((tmp_path / "fresh").iterdir())  # the first weight file, rebuilt before the damaged second
+    res = run("apply", a, d, tmp_path / "fresh")  # the retry names what left them
+    assert res.returncode == 2 and "what a failed or interrupted run left" in res.stderr, res.stderr
+    assert "failed or interrupted" not in run("apply", a, d, r).stderr  # a marked snapshot is no leftover
     res = run("diff", a, b, tmp_path / "d3", "--codec", "no_such_codec")
     assert res.returncode == 2 and "no_such_codec" in res.stderr and not (tmp_path / "d3").exists()
     # names the marker needs are checked before any work: nothing is written for bad usage

@@ -77,6 +77,45 @@ def test_unusable_bucket_fails_at_startup(tmp_path: Path, bucket: str, reason: s
     assert line.startswith("hotload emulate: error: --bucket") and reason in line
 
 
+def _without_aws_credentials() -> dict[str, str]:
+    """The environment with no AWS credential anywhere botocore looks (variables, files, instance metadata)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_EC2_METADATA_DISABLED="true", AWS_SHARED_CREDENTIALS_FILE=os.devnull, AWS_CONFIG_FILE=os.devnull)
+    return env
+
+
+def test_an_s3_bucket_without_credentials_fails_at_startup(s3_server) -> None:  # noqa: ANN001
+    """Missing credentials were found only by the first signal, answered with a 503 that clients retry for
+    minutes: the listing at startup refuses them, naming the variables to set."""
+    res = subprocess.run([*HOTLOAD, "emulate", "--bucket", s3_server.unique_uri("nocreds"), "--endpoint-url",
+                          s3_server.endpoint_url], capture_output=True, text=True, timeout=60,
+                         env=_without_aws_credentials())
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    (line,) = res.stderr.strip().splitlines()
+    assert line.startswith("hotload emulate: error: --bucket s3://") and "NoCredentialsError" in line, line
+    assert "AWS_ACCESS_KEY_ID" in line and "not retried" in line, line
+
+
+def test_a_signal_the_bucket_refuses_for_good_is_not_retried(s3_server, monkeypatch) -> None:  # noqa: ANN001
+    """Credentials gone after startup: the listing error is answered with 424, which the client does not retry
+    (a 503 cost each publish the whole retry budget)."""
+    from fsdp_hotload.emulator import HotLoadEmulator
+
+    for name, value in _without_aws_credentials().items():
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    with HotLoadEmulator(s3_server.unique_uri("gone"), storage_options={"endpoint_url": s3_server.endpoint_url},
+                         replicas=1, api_key=EMULATOR_API_KEY) as emu:
+        client = HotLoadClient(emu.url, account_id="a", model_id="m", deployment_id="d", api_key=EMULATOR_API_KEY,
+                               retry_budget_s=30)
+        with pytest.raises(HotLoadError, match="NoCredentialsError") as info:
+            client.signal("step-1")
+    assert info.value.status_code == 424 and info.value.attempts == 1, info.value
+
+
 def test_compression_formats_admits_sparse_deltas(tmp_path: Path) -> None:
     m1 = tiny_model(0)
     m2 = perturb(m1, seed=1)

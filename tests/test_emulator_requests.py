@@ -158,9 +158,10 @@ def test_a_request_in_flight_as_stop_runs_leaves_no_replica_running(tmp_path: Pa
         emu.stop()
 
 
-def test_a_bucket_that_cannot_be_listed_is_a_503_not_an_emulator_bug(s3_server: Any) -> None:
+def test_a_bucket_that_cannot_be_listed_is_a_storage_error_not_an_emulator_bug(s3_server: Any) -> None:
     """A storage error while listing the signalled snapshot answered 500 'internal emulator error' and made
-    stop() raise, as for a bug; the same error during a load was a plain load failure."""
+    stop() raise, as for a bug; the same error during a load was a plain load failure. Access denied is no
+    outage: 424, which the client does not retry (a 503 cost each publish its whole retry budget)."""
     from fsdp_hotload.fireworks import HotLoadError
     from tests.s3_fixture import DeleteErrorsProxy
 
@@ -172,9 +173,9 @@ def test_a_bucket_that_cannot_be_listed_is_a_503_not_an_emulator_bug(s3_server: 
                                    api_key=EMULATOR_API_KEY, poll_interval_s=0.02, retry_budget_s=3.0,
                                    backoff_initial_s=0.05, backoff_max_s=0.1)  # 0.5 s: one listing outlasted it
             client.wait_manager(timeout_s=10)
-            with pytest.raises(HotLoadError, match="HTTP 503.*cannot list 'step-1'.*Access Denied") as info:
+            with pytest.raises(HotLoadError, match="HTTP 424.*cannot list 'step-1'.*Access Denied") as info:
                 client.signal("step-1")
-            assert info.value.status_code == 503
+            assert info.value.status_code == 424 and info.value.attempts == 1
         finally:
             emu.stop()  # raised RuntimeError: 'hot-load emulator hit N internal error(s)'
 

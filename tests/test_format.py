@@ -382,6 +382,19 @@ def _edit_table(fn):  # type: ignore[no-untyped-def]
      FormatError, "does not match"),
     ("mixed over one codec", lambda d: d["__metadata__"].update(compression_format="mixed"), FormatError,
      "does not match"),
+    # one bit of a key name: the message names the key, not a value None
+    ("compression_format key renamed", lambda d: d["__metadata__"].pop("compression_format"), FormatError,
+     "metadata lacks compression_format"),
+    ("format_version key renamed", lambda d: d["__metadata__"].pop("format_version"), FormatError,
+     "metadata lacks format_version"),
+    ("checksum_format spelt right", lambda d: d["__metadata__"].update(checksum_format="adler32"), FormatError,
+     "checksum_format='adler32', want 'alder32'"),
+    ("arc_tensors missing", lambda d: d["__metadata__"].pop("arc_tensors"), FormatError, "lacks arc_tensors"),
+    ("dtype key renamed", _edit_table(lambda t: t["w"].pop("dtype")), FormatError, "tensor entry lacks dtype"),
+    ("codec key renamed", _edit_table(lambda t: t["w"].pop("codec")), FormatError, "tensor entry lacks codec"),
+    ("header dtype key renamed", lambda d: d["w"].pop("dtype"), FormatError, "header entry lacks dtype"),
+    # null is no CRC-32: read as a chunk from before chunks had one, its payload went unchecked
+    ("crc32 null", _edit_table(lambda t: t["w"]["chunks"][0].update(crc32=None)), FormatError, "bad chunk crc32"),
 ])
 def test_corrupt_headers_are_rejected(case: str, edit, exc: type, match: str) -> None:  # type: ignore[no-untyped-def]
     parent, blob = _golden_delta()

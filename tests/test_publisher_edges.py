@@ -531,3 +531,78 @@ def test_hint_threads_that_cannot_start_cost_the_snapshot_its_hints_only(tmp_pat
     assert refused and [m.ok for m in pub.metrics] == [True, True]
     assert {h["identity"] for h in dep["hints"]} == {pub.metrics[1].identity}
     assert not [t.name for t in threading.enumerate() if t.name.startswith("hotload-hint")]
+
+
+def test_a_failed_publish_reports_how_far_the_fleet_trails(tmp_path: Path) -> None:
+    """A failed snapshot was never served, so its record's staleness is the trainer's step minus the step the
+    fleet still serves (it read 0, "fresh", exactly when the fleet fell behind)."""
+    from fsdp_hotload.emulator import HotLoadEmulator
+    from tests.test_publisher import API_KEY, config, make_model, train_step
+
+    model = make_model()
+    with HotLoadEmulator(str(tmp_path / "bucket"), replicas=2, api_key=API_KEY) as emu:
+        cfg = config(str(tmp_path / "bucket"), emu, tmp_path, full_every=100, keep_training_on_error=True,
+                     publish_on_close=False)
+        with TensorPublisher(model, cfg) as pub:
+            for step in range(4):
+                train_step(model, step)
+                if step == 2:
+                    emu.fail_next_loads(1)  # on each replica
+                assert pub.publish(step, model)
+                pub.wait()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["ok"], r["staleness_steps"]) for r in lines] == [
+        (0, True, 0), (1, True, 0), (2, False, 1), (3, True, 0)], lines
+
+
+def test_the_metrics_file_survives_a_torn_line_and_a_failing_disk(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A line cut short by a killed trainer made the next record unreadable too; a write that fails must not
+    hide the publish's summary, and is warned about once, not at every publish."""
+    from fsdp_hotload.engine.metrics import MetricsSink, PublishMetrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "identity": "cut sh')
+    sink = MetricsSink(str(path))
+    sink.record(PublishMetrics(1, "step-1", "full", ok=True, bytes_written=10))
+    lines = path.read_text().splitlines()
+    assert lines[0] == '{"step": 0, "identity": "cut sh' and json.loads(lines[1])["step"] == 1
+    path.unlink()
+    path.mkdir()  # appending now fails
+    with caplog.at_level("INFO", logger="fsdp_hotload"):
+        for step in (2, 3):
+            sink.record(PublishMetrics(step, f"step-{step}", "delta", ok=False, error="boom", staleness_steps=2))
+    text = [r.getMessage() for r in caplog.records]
+    assert sum("FAILED (fleet 2 steps behind): boom" in t for t in text) == 2, text
+    assert sum("could not append the metrics" in t for t in text) == 1, text
+    assert [m.step for m in sink.records] == [1, 2, 3]
+
+
+def test_a_publish_ended_by_a_failed_collective_still_gets_a_record(tmp_path: Path) -> None:
+    """A side-group collective that fails (a dead peer, a gloo timeout) ended the publish without a metrics line,
+    though its files were uploaded: the file simply stopped at the previous publish."""
+    from fsdp_hotload.engine.comm import LocalComm
+    from tests.test_publisher import make_model, train_step
+
+    class DyingComm(LocalComm):
+        statuses = 0
+
+        def gather(self, obj: object) -> list[object] | None:
+            if type(obj).__name__ == "RankStatus":
+                DyingComm.statuses += 1
+                if DyingComm.statuses == 2:
+                    raise RuntimeError("[gloo] Connection closed by peer")
+            return super().gather(obj)
+
+    model = make_model()
+    pub = TensorPublisher(model, _config(tmp_path, keep_training_on_error=True,
+                                         metrics_path=str(tmp_path / "metrics.jsonl")), comm=DyingComm())
+    for step in range(3):
+        train_step(model, step)
+        pub.publish(step, model)
+        pub.wait()
+    pub.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["ok"]) for r in lines] == [(0, True), (1, False)], lines
+    assert "Connection closed by peer" in lines[1]["error"] and lines[1]["identity"].startswith("step-000001")
+    assert lines[1]["kind"] == "delta" and lines[1]["staleness_steps"] == 1 and lines[1]["total_s"] > 0

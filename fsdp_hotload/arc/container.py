@@ -163,12 +163,20 @@ def read_delta_info(data: bytes | memoryview, *, filename: str = "<bytes>", tota
     meta = header.metadata
     where = {"file": filename}
     if meta.get(K_FORMAT) != FORMAT_NAME:
-        raise FormatError(f"not a delta file (metadata format={meta.get(K_FORMAT)!r})", **where)
+        raise FormatError(f"not a delta file (metadata format={meta[K_FORMAT]!r})" if K_FORMAT in meta
+                          else f"not a delta file (its metadata has no {K_FORMAT!r} key)", **where)
     if meta.get(K_VERSION) != FORMAT_VERSION:
-        raise FormatError(f"format_version {meta.get(K_VERSION)!r} is not supported (want {FORMAT_VERSION})", **where)
-    if meta.get(K_KIND) != "delta" or meta.get(K_CHECKSUM) != CHECKSUM_FORMAT or not meta.get(K_PARENT):
-        raise FormatError("metadata needs kind=delta, checksum_format=alder32 and previous_snapshot_identity", **where)
-    table = parse_json(meta.get(K_TENSORS, ""), "arc_tensors", file=filename)
+        raise FormatError(f"format_version {meta[K_VERSION]!r} is not supported (want {FORMAT_VERSION})"
+                          if K_VERSION in meta else f"metadata lacks {K_VERSION} (want {FORMAT_VERSION})", **where)
+    for key, want in ((K_KIND, "delta"), (K_CHECKSUM, CHECKSUM_FORMAT)):  # alder32: the protocol's spelling
+        if meta.get(key) != want:
+            raise FormatError(f"metadata {key}={meta.get(key)!r}, want {want!r}"
+                              if key in meta else f"metadata lacks {key} (want {want!r})", **where)
+    if not meta.get(K_PARENT):
+        raise FormatError(f"metadata lacks {K_PARENT}, the snapshot the delta is made against", **where)
+    if K_TENSORS not in meta:
+        raise FormatError(f"metadata lacks {K_TENSORS}, the delta's tensor table", **where)
+    table = parse_json(meta[K_TENSORS], "arc_tensors", file=filename)
     if not isinstance(table, dict):
         raise FormatError("arc_tensors is not an object", **where)
     if set(table) != set(header.entries):
@@ -183,12 +191,14 @@ def read_delta_info(data: bytes | memoryview, *, filename: str = "<bytes>", tota
             raise exc.at(**tw) from None
         except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"bad tensor entry: {exc!r}", **tw) from None
-    compression = meta.get(K_COMPRESSION, "")
+    if K_COMPRESSION not in meta:  # every writer of ours sets it: a damaged key name, or a foreign writer
+        raise FormatError(f"metadata lacks {K_COMPRESSION} (the codec a signal names)", **where)
+    compression = meta[K_COMPRESSION]
     codecs = {t.codec for t in tensors.values()}
     if compression == "mixed":
         wrong = len(codecs) == 1
-    else:  # "" (not said) passes; a codec must be every tensor's (or known, with no tensors)
-        wrong = bool(compression) and (codecs != {compression} if codecs else compression not in codec_names())
+    else:  # a codec must be every tensor's (or known, with no tensors)
+        wrong = codecs != {compression} if codecs else compression not in codec_names()
     if wrong:
         # a damaged or foreign header: what the fleet is told (the signal's compression_format) must be true
         raise FormatError(f"compression_format {compression!r} does not match the tensors' codecs "
@@ -196,10 +206,16 @@ def read_delta_info(data: bytes | memoryview, *, filename: str = "<bytes>", tota
     return DeltaInfo(meta[K_PARENT], compression, tensors, header)
 
 
+_TENSOR_KEYS = ("dtype", "shape", "adler32", "codec", "space")
+
+
 def _parse_tensor(name: str, info: Any, entry: Any) -> TensorDelta:
     if not isinstance(info, dict):
         raise FormatError("tensor entry is not an object")
-    dtype, shape, adler, codec, space = (info.get(k) for k in ("dtype", "shape", "adler32", "codec", "space"))
+    missing = [k for k in _TENSOR_KEYS if k not in info]
+    if missing:
+        raise FormatError(f"tensor entry lacks {', '.join(missing)}")
+    dtype, shape, adler, codec, space = (info[k] for k in _TENSOR_KEYS)
     shape = check_shape(shape, str(dtype))
     if type(adler) is not int or not 0 <= adler < 2**32:
         raise FormatError(f"bad adler32 {adler!r}")
@@ -220,7 +236,7 @@ def _parse_tensor(name: str, info: Any, entry: Any) -> TensorDelta:
         off, size, crc = c.get("offset"), c.get("size"), c.get("crc32")
         if type(off) is not int or type(size) is not int or off != pos or size < 0:
             raise FormatError(f"chunk payload range offset={off!r} size={size!r} (expected offset {pos})")
-        if crc is not None and (type(crc) is not int or not 0 <= crc < 2**32):  # absent: written before it was
+        if "crc32" in c and (type(crc) is not int or not 0 <= crc < 2**32):  # absent: written before it was
             raise FormatError(f"bad chunk crc32 {crc!r}")
         pos += size
         t.chunks.append((box, (off, size, crc)))  # the payload range, not its bytes (see TensorDelta.chunks)

@@ -87,7 +87,11 @@ def parse_header(data: bytes | memoryview, *, filename: str = "<bytes>", total_s
     for name, info in raw.items():
         if not isinstance(info, dict):
             raise FormatError("header entry is not an object", file=filename, tensor=name)
-        dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        missing = [k for k in ("dtype", "shape", "data_offsets") if k not in info]
+        if missing:  # a flipped bit in a key name reads as a missing key, not as a bad value None
+            raise FormatError(f"header entry lacks {', '.join(missing)} (a damaged header?)", file=filename,
+                              tensor=name)
+        dtype, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise FormatError(f"unsupported dtype {dtype!r}", file=filename, tensor=name)
         try:

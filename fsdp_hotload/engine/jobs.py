@@ -30,6 +30,8 @@ class Job:
     t_hook: float
     seq: int = 0  # this rank's count of jobs staged before it; equal on every rank for the same snapshot
     settled: bool = False  # the outcome was applied to the stager and cadence (the slot is no longer ours)
+    identity: str = ""  # set once the publisher thread takes the job
+    kind: str = ""
 
 
 @dataclass

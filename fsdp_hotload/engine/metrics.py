@@ -31,7 +31,9 @@ class PublishMetrics:
     signal_s: float = 0.0  # a failed signal or readiness wait: all the time it took until it failed
     ready_s: float = 0.0
     total_s: float = 0.0  # hook to all replicas ready
-    staleness_steps: int = 0  # trainer step when the fleet served it, minus this step
+    # steps the fleet's policy trails the trainer's: the trainer's step when the fleet served this snapshot, minus
+    # this step; on a failure, minus the step the fleet still serves (None if it serves none of this job's)
+    staleness_steps: int | None = 0
     upload_mb_s: float | None = None
     throttled: int = 0  # throttle answers (SlowDown, 503, 429) from the store; on S3 botocore's retry's included
     retries: int = 0  # storage calls retried by hotload (botocore's one retry per S3 request is not counted)
@@ -47,8 +49,10 @@ class PublishMetrics:
         return json.dumps(asdict(self), sort_keys=True)
 
     def summary(self) -> str:
+        lag = ((f" (fleet {_steps(self.staleness_steps)} behind)" if self.staleness_steps else "")
+               + (f" ({_steps(self.skipped_before)} skipped before it)" if self.skipped_before else ""))
         if not self.ok:
-            return f"step {self.step} {self.kind} {self.identity}: FAILED: {self.error}"
+            return f"step {self.step} {self.kind} {self.identity}: FAILED{lag}: {self.error}"
         ratio = f"{self.ratio:.1f}x" if self.ratio else "-"
         changed = f" changed {100 * self.changed_fraction:.2f}%" if self.changed_fraction is not None else ""
         return (f"step {self.step} {self.kind} {self.identity}: {self.bytes_written / 1e6:.2f} MB ({ratio}){changed}"
@@ -57,7 +61,16 @@ class PublishMetrics:
                 + f", ready {self.ready_s:.2f}s"
                 + (f" (not served by {', '.join(self.deployments_behind)})" if self.deployments_behind else "")
                 + (f" ({', '.join(self.deployments_catching_up)} catching up)" if self.deployments_catching_up
-                   else ""))
+                   else "") + lag)
+
+
+def _steps(n: int) -> str:
+    return f"{n} step" + ("" if n == 1 else "s")
+
+
+def staleness(latest_step: int, served_step: int) -> int | None:
+    """Steps from the policy the fleet serves (``served_step``; -1: none of this job's) to the trainer's newest."""
+    return max(latest_step - served_step, 0) if served_step >= 0 else None
 
 
 class MetricsSink:
@@ -69,19 +82,38 @@ class MetricsSink:
         self.keep = keep
         self.records: list[PublishMetrics] = []
         self._lock = threading.Lock()
+        self._failing = False  # the file's last write failed (warned once until one succeeds)
         if path:
             check_appendable(path)
 
     def emit(self, m: PublishMetrics) -> None:
+        """Log the summary, then append the line; raises the file's OSError (after logging, so that a full disk
+        does not hide what the publish did)."""
+        (log.info if m.ok else log.warning)("hotload: %s", m.summary())
         with self._lock:
             self.records.append(m)
             if len(self.records) > self.keep:
                 del self.records[0]
             if self.path:
-                with open(self.path, "a") as f:
-                    f.write(m.line() + "\n")
-        (log.info if m.ok else log.warning)("hotload: %s", m.summary())
+                with open(self.path, "ab+") as f:
+                    # A line cut short (a trainer killed mid-write, a full disk) is ended first: appended to, it
+                    # would make this record unreadable too, and JSON-lines readers refuse the whole file.
+                    torn = f.seek(0, os.SEEK_END) > 0 and f.seek(-1, os.SEEK_END) >= 0 and f.read(1) != b"\n"
+                    f.write((("\n" if torn else "") + m.line() + "\n").encode())
 
+
+    def record(self, m: PublishMetrics) -> None:
+        """:meth:`emit` for the publisher: a file problem is warned about once (until a write succeeds again)
+        and never raised, since it must not fail a snapshot the fleet serves."""
+        try:
+            self.emit(m)
+        except Exception as exc:  # noqa: BLE001
+            if not self._failing:
+                log.warning("hotload: could not append the metrics of %s to %s (%s); the summaries are still "
+                            "logged, and this is not repeated until a write succeeds", m.identity, self.path, exc)
+            self._failing = True
+        else:
+            self._failing = False
 
 def check_appendable(path: str) -> None:
     """OSError naming ``metrics_path`` unless ``path`` can be appended to (its folder is made, the file created

@@ -61,7 +61,7 @@ from .encode import ChunkEncoder, auto_workers
 from .exits import abandon, deadline_after, left, track
 from .final import publish_newest
 from .jobs import Job, Outcome, PublishError, RankStatus
-from .metrics import MetricsSink
+from .metrics import MetricsSink, PublishMetrics, staleness
 from .pool import StoredError, serve_weakly, start_warm_up, stop_dropped, weak_getter
 from .progress import OTHER_RANKS_SLOWER, ProgressLog, PublishProgress
 from .signal import Signaller, warn_at_start
@@ -104,11 +104,7 @@ class Publisher:
                                                  warn=self.rank == 0)
             # rank 0 reads the carried tensors, so it writes their files: they never cross to another rank
             self.owners = assign_owners(self.plan, self.world, {self.plan.file_of(t.name) for t in self.carried})
-            for c in self.chunks:
-                spec = self.plan.specs.get(c.name)
-                if spec is None or tuple(spec.shape) != tuple(c.shape) or spec.dtype != c.dtype:
-                    raise ValueError(f"chunk {c.name!r} ({c.dtype}{list(c.shape)}) does not match the tensor specs "
-                                     f"({spec})")
+            self.plan.check_chunks(self.chunks)
             self.storage = storage or Storage(config.bucket_url, config.storage_options,
                                               max_concurrency=config.upload_concurrency,
                                               max_attempts=config.storage_attempts)
@@ -510,6 +506,11 @@ class Publisher:
                 self._errors.store(exc, job.seq)  # before the slot is free: see publish()
                 self.cadence.on_failure()
                 self.stager.release(job.buf)
+                if self.rank == 0 and job.identity:  # one line per publish: this one's files were spent too
+                    self.metrics.record(PublishMetrics(
+                        job.step, job.identity, job.kind, error=repr(exc), skipped_before=job.skipped_before,
+                        total_s=time.perf_counter() - job.t_hook,
+                        staleness_steps=staleness(self.latest_step, self._last_accepted)))
         finally:
             self._progress.end()
             with self._idle:
@@ -519,7 +520,8 @@ class Publisher:
     def _run(self, job: Job) -> Outcome:
         kind = self.cadence.next_kind()
         parent = self.cadence.accepted
-        identity = new_identity(job.step, prefix=self.config.identity_prefix, session=self.session)
+        identity = job.identity = new_identity(job.step, prefix=self.config.identity_prefix, session=self.session)
+        job.kind = kind
         st = RankStatus(self.rank, kind, identity, parent)
         outgoing: list[list[RawPiece]] = [[] for _ in range(self.world)]
         new_parts: list[tuple[int, int]] = []
@@ -573,11 +575,9 @@ class Publisher:
             if st.files and outcome.metrics is not None and outcome.metrics.identity != identity:
                 discard_snapshot(self.storage, identity)  # staged another step than rank 0: its discard missed these
         if self.rank == 0 and outcome.metrics is not None:
-            outcome.metrics.staleness_steps = max(self.latest_step - job.step, 0)
-            try:
-                self.metrics.emit(outcome.metrics)
-            except Exception as exc:  # noqa: BLE001 - a metrics file problem must not fail a served snapshot
-                log.warning("hotload: could not record the metrics of %s: %s", identity, exc)
+            outcome.metrics.staleness_steps = staleness(self.latest_step,
+                                                        job.step if outcome.ok else self._last_accepted)
+            self.metrics.record(outcome.metrics)
             if outcome.ok:
                 self.committer.retain(identity)
         return outcome
