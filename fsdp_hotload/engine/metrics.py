@@ -101,7 +101,6 @@ class MetricsSink:
                     torn = f.seek(0, os.SEEK_END) > 0 and f.seek(-1, os.SEEK_END) >= 0 and f.read(1) != b"\n"
                     f.write((("\n" if torn else "") + m.line() + "\n").encode())
 
-
     def record(self, m: PublishMetrics) -> None:
         """:meth:`emit` for the publisher: a file problem is warned about once (until a write succeeds again)
         and never raised, since it must not fail a snapshot the fleet serves."""
@@ -114,6 +113,7 @@ class MetricsSink:
             self._failing = True
         else:
             self._failing = False
+
 
 def check_appendable(path: str) -> None:
     """OSError naming ``metrics_path`` unless ``path`` can be appended to (its folder is made, the file created
