@@ -79,7 +79,7 @@ def job(counts: list[int], repeats: int, out: Path) -> None:
 
         rows.append({"n": n, "gather_s": best_of(repeats, gathered, dist.barrier),
                      "reduce_s": best_of(repeats, reduced, dist.barrier),
-                     "run_s": best_of(repeats, whole, dist.barrier), 
+                     "run_s": best_of(repeats, whole, dist.barrier),
                      # rank 0 keeps its own dict: it receives the other ranks'; the reduction's is its vector's size
                      "gather_bytes": (world - 1) * len(pickle.dumps(digests)), "reduce_bytes": (3 * n + 1) * 8})
     if rank == 0:

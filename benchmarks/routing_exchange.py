@@ -4,9 +4,9 @@ A full snapshot routes each rank's pieces of a file to the rank that writes it, 
 its arrays out of band (``exchange_objects``). On a large model one blob can pass 2 GiB (a signed 32-bit length)
 or 4 GiB (an unsigned one), sizes at which other transports have failed. This sends a random payload of
 ``--gib`` GiB from rank 0 to rank 1 both ways it can go: a bare ``dist.send``/``recv`` of a uint8 tensor (the
-baseline, in the same run), then ``exchange_objects`` as the publisher calls it. It prints the time and rate of each, their ratio, and
-whether the bytes received hash to the bytes sent. Host memory: about 3x the payload at the peak (the payload
-and the send buffer on rank 0, the receive buffer on rank 1).
+baseline, in the same run), then ``exchange_objects`` as the publisher calls it. It prints the time and rate of
+each, their ratio, and whether the bytes received hash to the bytes sent. Host memory: about 3x the payload at
+the peak (the payload and the send buffer on rank 0, the receive buffer on rank 1).
 
     python benchmarks/routing_exchange.py [--gib 2.01]     # --gib 4.01 passes 4 GiB
 """

@@ -103,10 +103,13 @@ def test_a_signal_the_bucket_refuses_for_good_is_not_retried(s3_server, monkeypa
     (a 503 cost each publish the whole retry budget)."""
     from fsdp_hotload.emulator import HotLoadEmulator
 
+    import os
+
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
     for name, value in _without_aws_credentials().items():
-        monkeypatch.setenv(name, value)
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
-        monkeypatch.delenv(name, raising=False)
+        if name.startswith("AWS_"):
+            monkeypatch.setenv(name, value)
     with HotLoadEmulator(s3_server.unique_uri("gone"), storage_options={"endpoint_url": s3_server.endpoint_url},
                          replicas=1, api_key=EMULATOR_API_KEY) as emu:
         client = HotLoadClient(emu.url, account_id="a", model_id="m", deployment_id="d", api_key=EMULATOR_API_KEY,
