@@ -463,10 +463,11 @@ class HotLoadClient:
                 and "extra inputs are not permitted" in text
             ):
                 raise
-            log.warning("server does not accept reset_prompt_cache; signalling %r without it from now on", identity)
+            log.warning("hotload: server does not accept reset_prompt_cache; signalling %r without it from now on", identity)
             self.send_reset_prompt_cache = False
             result = self._request("POST", HOT_LOAD_PATH, body(False), extra_headers=extra, deadline=deadline)
-        log.info("signalled %s snapshot %r to %s", "delta" if meta else "full", identity, self.deployment_name)
+        log.debug("hotload: signalled %s snapshot %r to %s", "delta" if meta else "full", identity,
+                  self.deployment_name)
         if result is None:
             return {}
         return result if isinstance(result, dict) else {"response": result}
@@ -588,4 +589,4 @@ class HotLoadClient:
         """Forget every hot-loaded snapshot on the deployment; the next signal must be a full snapshot."""
         path = f"/v1/accounts/{self.account_id}/deployments/{self.deployment_id}/ledger"
         self._request("DELETE", path, control_plane=True)
-        log.info("reset the hot-load ledger of %s", self.deployment_name)
+        log.info("hotload: reset the hot-load ledger of %s", self.deployment_name)

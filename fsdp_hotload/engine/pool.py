@@ -141,11 +141,14 @@ class StoredError:
         self._lock = threading.Lock()
         self._exc: BaseException | None = None
         self._seq = 0
+        self._logged = False
 
-    def store(self, exc: BaseException, seq: int) -> None:
+    def store(self, exc: BaseException, seq: int, *, logged: bool = False) -> None:
+        """``logged``: this rank has already logged ``exc`` at WARNING or above (e.g. its publish's summary), so
+        a caller that only logs it need not repeat it."""
         with self._lock:
             if self._exc is None:
-                self._exc, self._seq = exc, seq
+                self._exc, self._seq, self._logged = exc, seq, logged
                 return
         log.error("hotload: another publish failed before the previous error was raised: %s", exc)
 
@@ -155,6 +158,10 @@ class StoredError:
             return self._exc is not None and self._seq <= seq
 
     def take(self) -> BaseException | None:
+        return self.take_logged()[0]
+
+    def take_logged(self) -> tuple[BaseException | None, bool]:
+        """The error, and whether it was stored as already logged on this rank."""
         with self._lock:
-            exc, self._exc = self._exc, None
-        return exc
+            exc, logged, self._exc, self._logged = self._exc, self._logged, None, False
+        return exc, logged

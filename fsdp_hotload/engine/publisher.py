@@ -382,10 +382,11 @@ class Publisher:
             raise TimeoutError(f"retention (keep_last) still running after {timeout}s")
 
     def raise_if_failed(self) -> None:
-        err = self._errors.take()
+        err, logged = self._errors.take_logged()
         if err is not None:
-            if self.config.keep_training_on_error:
-                log.warning("hotload: publish failed (training goes on, next publish is full): %s", err)
+            if self.config.keep_training_on_error:  # once at WARNING: rank 0's summary may have told it already
+                (log.info if logged else log.warning)(
+                    "hotload: publish failed (training goes on, next publish is full): %s", err)
             else:
                 raise PublishError(str(err)) from err
 
@@ -503,7 +504,8 @@ class Publisher:
                     log.error("hotload: a collective on the publisher's side group failed (%r); publishing "
                               "stops for the rest of this job, training goes on. If it timed out, raise "
                               "collective_timeout_s (now %.0f s).", exc, self.config.side_group_timeout_s)
-                self._errors.store(exc, job.seq)  # before the slot is free: see publish()
+                # before the slot is free (see publish()); logged by the line above, or by rank 0's summary below
+                self._errors.store(exc, job.seq, logged=self._broken is exc or self.rank == 0 and bool(job.identity))
                 self.cadence.on_failure()
                 self.stager.release(job.buf)
                 if self.rank == 0 and job.identity:  # one line per publish: this one's files were spent too
@@ -569,7 +571,8 @@ class Publisher:
             if self.signaller is not None:  # every rank hints; rank 0 alone knows who is behind until now
                 self.signaller.hint_skip = frozenset(self.cadence.behind)
         else:
-            self._errors.store(PublishError(outcome.error or "publish failed"), job.seq)  # before the slot is free
+            self._errors.store(PublishError(outcome.error or "publish failed"), job.seq,  # before the slot is free
+                               logged=self.rank == 0 and outcome.metrics is not None)  # by the summary below
             self.stager.release(job.buf)
             self.cadence.on_failure()
             if st.files and outcome.metrics is not None and outcome.metrics.identity != identity:
