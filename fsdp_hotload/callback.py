@@ -21,13 +21,13 @@ import functools
 import json
 import logging
 import os
-import threading
+import sys
 import weakref
 from typing import Any, Callable
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from .callback_hooks import _ORPHANED, Attachment, attached, hook, release, watch
 from .config import HotloadConfig
 from .dtype_policy import DtypePolicy
 from .engine.comm import Comm, GlooComm, LocalComm
@@ -46,13 +46,6 @@ from .naming import Split, adapter_note
 from .storage_paths import root_key
 
 log = logging.getLogger("fsdp_hotload")
-# The callbacks attached to each optimizer: a second one publishing to the same bucket or deployment (a notebook
-# cell run again) takes the first one's place, instead of both publishing every step there and failing each other's
-# deltas. Callbacks with their own buckets and fleets (a policy and its draft model) all stay attached (_clash).
-_ATTACHED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[weakref.ref[HotloadCallback]]]" = \
-    weakref.WeakKeyDictionary()
-
-
 def _clash(a: HotloadConfig, b: HotloadConfig) -> str | None:
     """Why two callbacks must not both publish every step (the same bucket, whose retention would delete the
     other's snapshots, or a deployment both signal), or None: two buckets and two fleets (a policy and its draft
@@ -64,36 +57,6 @@ def _clash(a: HotloadConfig, b: HotloadConfig) -> str | None:
         if shared:
             return f"signalling deployment {shared[0]}"
     return None
-
-
-#: Callbacks one of whose attached optimizers was freed, and attach() has not run since (see _optimizer_gone).
-_ORPHANED: "weakref.WeakSet[HotloadCallback]" = weakref.WeakSet()
-_orphan_hook: list[Any] = []  # the one global step hook that reads _ORPHANED, registered at the first need
-
-
-def _optimizer_gone(ref: "weakref.ref[HotloadCallback]", kind: str) -> None:
-    """An attached optimizer was freed while its callback's hooks were on. Why say it: a training loop that
-    re-creates its optimizer (a schedule restart, a resumed run) without attaching the new one stops publishing
-    with no error at all, and the fleet serves a policy that grows older every step. Said at the next step any
-    optimizer takes before ``attach()`` runs again, not at once: ``opt = AdamW(...); hot.attach(opt)`` frees the
-    old one before it attaches the new one, and is right."""
-    cb = ref()
-    if cb is None or not cb._hooks_on or cb.engine.closed:
-        return
-    cb._freed_optimizer = kind
-    _ORPHANED.add(cb)
-    if not _orphan_hook:  # one for the process, never removed: a hook may not leave the dict its step iterates
-        _orphan_hook.append(register_optimizer_step_post_hook(_stepped_unattached))
-
-
-def _stepped_unattached(*_: Any) -> None:
-    """An optimizer stepped: warn for each callback whose attached optimizer was freed and attach() not run since."""
-    for cb in list(_ORPHANED):
-        _ORPHANED.discard(cb)
-        if cb._hooks_on and not cb.engine.closed:
-            log.warning("hotload: the %s optimizer this HotloadCallback was attached to was freed, and an optimizer "
-                        "has stepped since without attach(): nothing is published from its steps; call attach() "
-                        "with the new optimizer(s)", cb._freed_optimizer)
 
 
 def _what_changed(old_specs: list[Any], specs: list[Any], old_layout: list[Any], layout: list[Any]) -> str:
@@ -258,11 +221,10 @@ class HotloadCallback:
         self._layout = [(c.name, c.box) for c in walked]
         self._views = [c.source for c in chunks]
         self._step = 0
-        self._hooks: list[Any] = []
+        self._attachment: Attachment | None = None  # the newest attach()'s, until detach() (callback_hooks)
         self._hooks_on = False  # whether attach()'s post-hooks publish (see detach)
-        self._hook_thread: int | None = None  # the thread that attached them
-        self._watches: list[weakref.finalize] = []  # one per attached optimizer: see _optimizer_gone
-        self._freed_optimizer = ""  # the kind of an attached optimizer that was freed (see _optimizer_gone)
+        self._watches: list[weakref.finalize] = []  # one per attached optimizer: see callback_hooks.watch
+        self._freed_optimizer = ""  # the kind of an attached optimizer that was freed (see callback_hooks)
 
     def _plan_names(self, split: Split | None, rename: Callable[[str], str | None] | None,
                     tie_word_embeddings: bool | None, include_buffers: bool, hf_names: bool) -> None:
@@ -297,7 +259,9 @@ class HotloadCallback:
         # it was, so the optimizer hooks of attach() go on from the last step taken.
         if self.engine.closed:  # before the count moves, in attach()'s words
             raise RuntimeError("HotloadCallback is closed: create a new one to publish again")
-        step = self.engine.checked_step(self._step if step is None else step)
+        # a step given while attach()'s hooks publish is refused with advice about using both, not about epochs
+        step = self.engine.checked_step(self._step if step is None else step,
+                                        attached=step is not None and self._hooks_on)
         self._step = step + 1
         if self._recheck.due():  # every rank, at the same call
             self._recheck_replicas(step)
@@ -440,46 +404,22 @@ class HotloadCallback:
         if start is not None:
             self._step = start
         for opt in optimizers:
-            kept = []
-            for ref in _ATTACHED.get(opt, []):
-                other = ref()
-                if other is None or other is self or not other._hooks:
-                    continue
-                if (why := _clash(other.config, self.config)) is not None:
+            for other in attached(opt):
+                if other is not self and (why := _clash(other.config, self.config)) is not None:
                     log.warning("hotload: another HotloadCallback %s was attached to this optimizer; its hooks are "
                                 "removed (close() it to stop its threads): two would publish every step there, "
                                 "each failing the other's deltas", why)
                     other.detach()
-                else:
-                    kept.append(ref)
-            _ATTACHED[opt] = [*kept, weakref.ref(self)]
         self._warn_unstepped(optimizers)
         background = self.config.async_copy
-        stepped: set[int] = set()
-        count = len(optimizers)  # not the tuple: a hook that held it would keep its optimizer alive in a cycle
+        # its own switch, which detach() turns off for good: a part an earlier attach() left on an optimizer
+        # (detached from another thread than the one stepping it) stays dead when this one turns _hooks_on on
+        self._attachment = att = Attachment(self, len(optimizers), fence=self.fence,
+                                            agree=lambda: self.engine.agree(self._step),
+                                            publish=lambda: self._publish(None, background_copy=background))
         self._hooks_on = True
-
-        def pre(*_: Any) -> None:
-            self.fence()  # also once detached from another thread: the step must not change weights being read
-            if self._hooks_on:
-                self.engine.agree(self._step)  # a no-op while one is pending (several optimizers)
-
-        def post_of(i: int) -> Callable[..., None]:
-            def post(*_: Any) -> None:
-                if not self._hooks_on:
-                    return
-                stepped.add(i)
-                if len(stepped) == count:
-                    stepped.clear()
-                    self._publish(None, background_copy=background)
-            return post
-
-        for i, opt in enumerate(optimizers):
-            self._hooks += [opt.register_step_pre_hook(pre), opt.register_step_post_hook(post_of(i))]
-            watch = weakref.finalize(opt, _optimizer_gone, weakref.ref(self), type(opt).__name__)
-            watch.atexit = False  # at the interpreter's exit nothing stopped publishing that would have gone on
-            self._watches.append(watch)
-        self._hook_thread = threading.get_ident()
+        hook(att, optimizers)
+        self._watches = [watch(self, opt) for opt in optimizers]
         self.engine.early_agreement = True
 
     def _warn_unstepped(self, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
@@ -495,29 +435,23 @@ class HotloadCallback:
     def detach(self) -> None:
         """Remove the optimizer hooks of :meth:`attach` (waiting for a copy still reading the weights).
 
-        The pre-step hooks go last, once that copy is done: when this runs on another thread than training
+        The pre-step part goes last, once that copy is done: when this runs on another thread than training
         (close() from a watchdog), the trainer's next optimizer step must still wait for the copy instead of
-        changing the weights under it (the snapshot would hold the next step's weights under this step's name)."""
-        self._hooks_on = False  # from here the post-hooks publish nothing, whichever thread trains
-        for watch in self._watches:
-            watch.detach()
+        changing the weights under it (the snapshot would hold the next step's weights under this step's name).
+        The hooks leave the optimizer when this runs on the thread that steps it; from another they stay on it,
+        running nothing, and keep nothing of this callback alive (:mod:`fsdp_hotload.callback_hooks`)."""
+        att, self._attachment = self._attachment, None
+        self._hooks_on = False
+        if att is not None:
+            att.live = False  # from here its post-hooks publish nothing, whichever thread trains
+        for gone in self._watches:
+            gone.detach()
         self._watches = []
         _ORPHANED.discard(self)
-        if self._hooks and threading.get_ident() != self._hook_thread:
-            # Another thread (a watchdog's close()): removing hooks while the trainer's optimizer.step() iterates
-            # over them raises there ("OrderedDict mutated during iteration"). They stay, as no-ops.
-            self._hooks = []
-            self.engine.early_agreement = False
-            self.fence()
-            return
-        pre, post = self._hooks[0::2], self._hooks[1::2]  # attach() adds them in pairs: (pre, post)
-        self._hooks = []
-        for h in post:
-            h.remove()
         self.engine.early_agreement = False
         self.fence()
-        for h in pre:
-            h.remove()
+        if att is not None:  # its pre-hooks fenced until here; removed where this thread may (callback_hooks)
+            release(att)
 
     def fence(self) -> float:
         """Wait until the last staged copy has read the weights; returns seconds waited (0 when it was done)."""
@@ -542,7 +476,8 @@ class HotloadCallback:
     def _close(self, raise_errors: bool, timeout: float | None, propagating: bool | None) -> None:
         self.detach()
         if self.engine.world > 1 and not self.engine.closed and not torch.distributed.is_initialized():
-            return self._close_destroyed(timeout)
+            propagating = sys.exc_info()[1] is not None if propagating is None else propagating
+            return self._close_destroyed(timeout, raise_errors and not propagating)
         try:
             self.engine.close(raise_errors=raise_errors, sources=self._sources, timeout=timeout,
                               propagating=propagating)
@@ -555,9 +490,11 @@ class HotloadCallback:
                 if not self.engine.abandoned:
                     self._close_comms()
 
-    def _close_destroyed(self, timeout: float | None) -> None:
+    def _close_destroyed(self, timeout: float | None, raise_errors: bool) -> None:
         """close() after ``destroy_process_group()``, which destroyed the side groups too: nothing more can be
-        published, the threads still stop, and the error says why instead of "Group ... is not registered"."""
+        published, the threads still stop, and the error says why instead of "Group ... is not registered".
+        Only logged when closing on an exception, or with ``raise_errors=False``: the caller's error must not be
+        replaced by this one."""
         from .engine.jobs import PublishError
 
         newest, staged, in_flight = self.engine.latest_step, self.engine._last_staged, self.engine._pending
@@ -573,6 +510,10 @@ class HotloadCallback:
             lost = f"{in_flight} snapshot(s) in flight may not reach the fleet"
         else:
             return  # nothing was left to publish
+        if not raise_errors:
+            log.warning("hotload: close() ran after torch.distributed.destroy_process_group(), which destroyed "
+                        "hotload's side groups too, so %s: call close() first", lost)
+            return
         raise PublishError("close() ran after torch.distributed.destroy_process_group(), which destroyed "
                            f"hotload's side groups too, so {lost}: call close() first")
 

@@ -355,8 +355,10 @@ def test_a_step_seen_twice_is_refused_and_nothing_is_overwritten(tmp_path: Path)
         hot.wait()
         before = {p: p.read_bytes() for p in bucket.rglob("*") if p.is_file()}
         opt.step()
-        with pytest.raises(ValueError, match="step 0 does not follow step 2"):
+        with pytest.raises(ValueError, match="step 0 does not follow step 2") as refused:
             hot.step(0)  # epoch 2 of `for step, batch in enumerate(loader)`
+        assert "not the step within an epoch; to go back to an older step, create a new HotloadCallback" \
+            in str(refused.value)
         with pytest.raises(ValueError, match="step 2 does not follow step 2"):
             hot.attach(opt, first_step=2)  # refused here, not from inside the next optimizer step
         for bad in (3.7, "3", True):
@@ -847,3 +849,25 @@ def test_a_buffer_cast_after_construction_names_the_tensor_and_both_dtypes(tmp_p
                                            r"casts buffers at the first forward: create the callback after it\)\)"):
         hot.step(1)
     hot.close(raise_errors=False)
+
+
+def test_a_step_given_while_attached_is_refused_with_advice_about_attach(tmp_path: Path) -> None:
+    """attach() and step() both used: the hook published step 0, and step(0) was refused with advice about the
+    step within an epoch, which the caller's global counter already is. It now says attach()'s hooks publish."""
+    bucket, hf = _setup(tmp_path)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with HotloadCallback(model, HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf),
+                                              busy_policy="wait")) as hot:
+        hot.attach(opt)
+        model(torch.randint(0, 40, (2, 8))).sum().backward()
+        opt.step()
+        with pytest.raises(ValueError, match="step 0 does not follow step 0") as refused:
+            hot.step(0)
+        said = str(refused.value)
+        assert "attach()'s hooks already publish at every optimizer.step(): use one of attach() or step()" in said
+        assert "within an epoch" not in said and "older step" not in said
+        hot.detach()
+        with pytest.raises(ValueError, match="not the step within an epoch$"):
+            hot.step(0)  # detached: the step counter is the caller's alone again
+    assert [m.step for m in hot.metrics] == [0]

@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -352,3 +353,92 @@ def test_a_step_too_long_for_an_identity_is_refused_at_the_call(tmp_path: Path) 
     assert [m.step for m in hot.metrics] == [10**76, 10**76 + 1] and all(m.ok for m in hot.metrics)
     rebuilt = rebuild_accepted(bucket, hot.metrics)
     assert {k: t.digest() for k, t in rebuilt[hot.metrics[-1].identity].items()} == _expected(model)
+
+
+def test_hooks_detached_from_another_thread_stay_dead_after_a_new_attach(tmp_path: Path) -> None:
+    """attach() again from another thread than the one that stepped the optimizer left the first attach's hooks on
+    it, as no-ops keyed on one flag of the callback, which the new attach() turned back on: each optimizer step then
+    published twice, under two step numbers. Each attach() has its own switch now."""
+    bucket, hf = _setup(tmp_path)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hot = HotloadCallback(model, HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf), busy_policy="wait"))
+    hot.attach(opt)
+    _train(model, opt, 1)  # step 0, on this thread
+    errors: list[BaseException] = []
+
+    def worker() -> None:  # training moves to a worker thread, which attaches again
+        try:
+            hot.attach(opt)
+            _train(model, opt, 3)
+            hot.close()
+        except BaseException as exc:  # noqa: BLE001 - told to the test's thread
+            errors.append(exc)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(60)
+    assert not t.is_alive() and not errors, errors
+    assert [m.step for m in hot.metrics] == [0, 1, 2, 3] and all(m.ok for m in hot.metrics)
+    # closed on the thread that stepped the optimizer last: the hooks left it
+    assert not opt._optimizer_step_post_hooks and not opt._optimizer_step_pre_hooks
+
+
+def test_close_on_the_training_thread_removes_hooks_attached_on_another(tmp_path: Path) -> None:
+    """attach() on a set-up thread, training and close() on the main thread: the hooks stayed on the optimizer for
+    good, and kept the closed callback (its engine, buffers and views) alive with it. Whether they can be removed
+    is decided by the thread that steps the optimizer, not by the one that attached."""
+    bucket, hf = _setup(tmp_path)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hot = HotloadCallback(model, HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf), busy_policy="wait"))
+    setup = threading.Thread(target=hot.attach, args=(opt,))
+    setup.start()
+    setup.join(30)
+    _train(model, opt, 2)
+    hot.close()
+    assert [m.step for m in hot.metrics] == [0, 1]
+    assert not opt._optimizer_step_post_hooks and not opt._optimizer_step_pre_hooks
+    gone = weakref.ref(hot)
+    del hot
+    gc.collect()
+    assert gone() is None
+
+
+def test_callbacks_sharing_an_optimizer_each_count_a_step_another_ones_error_was_raised_at(tmp_path: Path) -> None:
+    """Two callbacks on one optimizer (two buckets): the first one's post-step hook raised its stored publish
+    error, torch skipped the later post-step hooks, and the second callback never counted that step: every later
+    snapshot of its carried the step before the trainer's. Every attached callback now runs at every step, and the
+    error is still raised from optimizer.step()."""
+    import fsspec
+
+    from fsdp_hotload.engine import PublishError
+    from fsdp_hotload.storage import Storage
+    from tests.test_close import _FailFirstWeightWrite
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    (bucket_a, hf), (bucket_b, _) = _setup(tmp_path / "a"), _setup(tmp_path / "b")
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    storage = Storage(str(bucket_a), fs=_FailFirstWeightWrite(fsspec.filesystem("file")), max_attempts=1)
+    one = HotloadCallback(model, HotloadConfig(bucket_url=str(bucket_a), hf_config_dir=str(hf), busy_policy="wait",
+                                               storage_attempts=1), storage=storage)
+    two = HotloadCallback(model, HotloadConfig(bucket_url=str(bucket_b), hf_config_dir=str(hf), busy_policy="wait"))
+    one.attach(opt)
+    two.attach(opt)
+    raised = []
+    for step in range(4):
+        try:
+            _train(model, opt, 1)
+        except PublishError as exc:
+            raised.append((step, str(exc)))
+        one.wait()
+        two.wait()
+    want = _expected(model)
+    one.close()
+    two.close()
+    assert [s for s, _ in raised] == [1] and "injected" in raised[0][1], raised  # step 0's error, at step 1
+    assert [(m.step, m.ok) for m in one.metrics] == [(0, False), (2, True), (3, True)]
+    assert [m.step for m in two.metrics] == [0, 1, 2, 3] and all(m.ok for m in two.metrics)
+    rebuilt = rebuild_accepted(bucket_b, two.metrics)
+    assert {k: t.digest() for k, t in rebuilt[two.metrics[-1].identity].items()} == want

@@ -857,3 +857,24 @@ def test_a_process_ending_while_the_commit_write_hangs_exits(close: bool) -> Non
         assert "close raised PublishError" in done.stdout and "close() gave up after 1 s" in done.stderr
     else:
         assert "exiting with 1 snapshot(s) still publishing on rank 0 and close() never called" in done.stderr
+
+
+def test_close_without_raising_says_why_a_stored_error_was_not_raised(tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """close(raise_errors=False) with no exception on its way out logged the stored error as "not raised: closing
+    on another error", which sent the reader looking for an error that was never there."""
+    import fsspec
+
+    from fsdp_hotload.storage import Storage
+
+    bucket = str(tmp_path / "bucket")
+    w = torch.zeros(4096)
+    model = {"model.layers.0.w": w}
+    storage = Storage(bucket, fs=_FailFirstWeightWrite(fsspec.filesystem("file")), max_attempts=1)
+    pub = TensorPublisher(model, HotloadConfig(bucket_url=bucket), storage=storage)
+    pub.publish(0, model)
+    pub.wait()
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        pub.close(raise_errors=False)
+    assert "a publish failed before close (not raised: close(raise_errors=False)): " in caplog.text
+    assert "injected" in caplog.text and "closing on another error" not in caplog.text

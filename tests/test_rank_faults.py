@@ -492,3 +492,18 @@ def test_faults_on_one_rank_keep_the_ranks_in_step(tmp_path: Path) -> None:
     for agreement in (r["agreement"] for r in res):
         assert not [s for s in agreement["steps"] if s.startswith("raised")], agreement
         assert agreement["close"] == "ok" and agreement["stopped"], agreement
+
+
+def test_closing_on_an_error_after_destroy_process_group_keeps_the_callers_error(tmp_path: Path) -> None:
+    """torchrun, 2 ranks (dist_scripts/destroyed_on_error.py): after destroy_process_group(), leaving a ``with``
+    block on an exception raised PublishError in place of the body's exception, and close(raise_errors=False)
+    raised it too. Both now return (the body's error propagates) and say at WARNING what was not published."""
+    from tests.dist_util import SCRIPTS, run_torchrun
+
+    run_torchrun(str(SCRIPTS / "destroyed_on_error.py"), 2, ["--bucket", str(tmp_path / "bucket"), "--out",
+                                                             str(tmp_path)])
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["close"] == "returned" and got["with"] == "KeyError: \"the body's own error\"", got
+        said = [w for w in got["warnings"] if "close() ran after torch.distributed.destroy_process_group()" in w]
+        assert len(said) == 2 and all("step 1 is not published" in w for w in said), got

@@ -264,11 +264,12 @@ class Publisher:
             self.raise_if_failed()
         return buf is not None
 
-    def checked_step(self, given: object) -> int:
-        """``given`` as the next step (see :func:`next_step`), also refused (ValueError, on the caller's thread)
-        where it would make an identity no storage path can hold: on the publisher's thread that failure stopped
-        publishing for the rest of the job, reported as a failed collective."""
-        step = next_step(given, self.latest_step)
+    def checked_step(self, given: object, *, attached: bool = False) -> int:
+        """``given`` as the next step (see :func:`next_step`; ``attached``: optimizer hooks publish the steps too),
+        also refused (ValueError, on the caller's thread) where it would make an identity no storage path can hold:
+        on the publisher's thread that failure stopped publishing for the rest of the job, reported as a failed
+        collective."""
+        step = next_step(given, self.latest_step, attached=attached)
         new_identity(step, prefix=self.config.identity_prefix, session=self.session)
         return step
 
@@ -454,7 +455,8 @@ class Publisher:
             return
         err = self._errors.take()  # closing on an exception path: the caller's error wins, this one is still told
         if err is not None:
-            log.warning("hotload: a publish failed before close (not raised: closing on another error): %s", err)
+            why = "closing on another error" if propagating else "close(raise_errors=False)"
+            log.warning("hotload: a publish failed before close (not raised: %s): %s", why, err)
 
     def _free(self, deadline: float | None = None, drain: bool = False) -> None:
         """Stop the helper threads and free the buffers; after the publisher thread ended (an abandoned one's
