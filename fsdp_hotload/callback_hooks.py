@@ -11,7 +11,7 @@ iterates over them raises there), and a part left behind must stay dead when the
 
 Example::
 
-    att = Attachment(2, fence=cb.fence, agree=..., publish=...)
+    att = Attachment(cb, 2, fence=cb.fence, agree=..., publish=...)
     hook(att, (muon, adamw))        # both optimizers' shared hooks now run att's parts
     att.live = False; cb.fence(); release(att)
 """
