@@ -23,11 +23,9 @@ Example::
 """
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import os
-import ssl
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -35,22 +33,25 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from .fireworks_connect import Canceller, RequestCancelled
 from .fireworks_http import (
     MAX_RESPONSE_BYTES,
     RETRYABLE_STATUS,
-    Canceller,
     Headers,
     NotSent,
-    ProxyUnsupported,
-    RequestCancelled,
     check_url,
     extract_server_message,
     fatal_while_polling,
     hint_for,
     is_loopback,
+    redirect_base,
     retry_after,
     send_once,
+    status_seen,
+    tls_context,
 )
+from .fireworks_http import unsendable as unsendable_failure
+from .fireworks_proxy import proxy_answer, unreachable_hint
 from .fireworks_models import (
     HINT_PATH,
     HOT_LOAD_PATH,
@@ -210,7 +211,7 @@ class HotLoadClient:
         self.additional_headers = Headers(clean_headers(dict(additional_headers or {}), "additional_headers"))
         # Older servers reject reset_prompt_cache as an unknown field; after the first such 400 we stop sending it.
         self.send_reset_prompt_cache = True
-        self._ssl = ssl.create_default_context()
+        self._ssl = tls_context()
         self._canceller = Canceller()
 
     def cancel(self) -> None:
@@ -282,6 +283,7 @@ class HotLoadClient:
         def stop() -> float:  # when the attempts and retries end now
             return end if until is None else min(end, until())
         attempt = sent = 0  # sent: the attempts that may have reached the server
+        heard = False  # a status line came, though no whole answer
         signal = method == "POST" and path == HOT_LOAD_PATH
         while True:
             attempt += 1
@@ -303,24 +305,14 @@ class HotLoadClient:
                                                               self._ssl, self._canceller, until)
             except RequestCancelled:
                 cancelled = True
-            except ssl.SSLCertVerificationError as exc:
-                unsendable = f"{what}: TLS certificate verification failed: {exc}"
-                hint = "check the host name of base_url (hotload_api_url) and the system CA certificates"
-            except http.client.InvalidURL as exc:  # an HTTPException, yet no retry can send it
-                unsendable = f"{what}: the URL cannot be sent: {exc}"
-                hint = "check base_url (hotload_api_url), control_plane_url and the account and deployment ids (no " \
-                    "spaces or control characters)"
-            except ProxyUnsupported as exc:
-                unsendable = f"{what}: {exc}"
-                hint = "set HTTPS_PROXY (HTTP_PROXY for an http:// API) to an http:// proxy, or name the API's host " \
-                    "in NO_PROXY"
-            except (OSError, http.client.HTTPException) as exc:
-                failure = f"{type(exc).__name__}: {exc}"
-                sent += not isinstance(exc, NotSent)
-            except Exception as exc:  # noqa: BLE001 - e.g. ValueError/UnicodeError for a bad header value
-                # Not transient, so not retried. The text may quote a header, the Authorization one included.
-                unsendable = f"{what}: the request could not be sent: {type(exc).__name__}: {exc}"
-                hint = "check additional_headers, the API key and source_url (printable ASCII only)"
+            except Exception as exc:  # noqa: BLE001 - sorted by unsendable(): retried, or raised at once
+                refused = unsendable_failure(exc, base)
+                if refused is not None:
+                    unsendable, hint = f"{what}: {refused[0]}", refused[1]
+                else:
+                    failure = f"{type(exc).__name__}: {exc}"
+                    sent += not isinstance(exc, NotSent)
+                    heard = heard or status_seen(exc)
             else:
                 sent += 1
                 if 200 <= status < 300:
@@ -330,7 +322,7 @@ class HotLoadClient:
                                                "Fireworks hot-load API")
                     return self._parse_json(what, data)
                 if status not in RETRYABLE_STATUS:
-                    raise self._http_error(what, status, data, attempt, sent, rheaders, signal)
+                    raise self._http_error(what, status, data, attempt, sent, rheaders, signal, path=path, base=base)
                 failure = f"HTTP {status}: {extract_server_message(data, self.redact)}"
                 wait_hint = retry_after(rheaders)
             if cancelled:
@@ -346,13 +338,15 @@ class HotLoadClient:
                 released = time.monotonic() + delay <= end  # until() ended the retries, not the budget
                 hint = RELEASED_HINT if released else None
                 if status is not None:
-                    raise self._http_error(what, status, data, attempt, sent, rheaders, signal, hint)
+                    raise self._http_error(what, status, data, attempt, sent, rheaders, signal, hint, path, base)
                 raise HotLoadError(
                     self.redact(
-                        f"{what}: no answer after {attempt} attempt(s) over {time.monotonic() - start:.1f}s: {failure}"
+                        f"{what}: no {'complete ' if heard else ''}answer after {attempt} attempt(s) over "
+                        f"{time.monotonic() - start:.1f}s: {failure}"
                     ),
-                    hint=hint or "check that base_url (hotload_api_url) is reachable from this host (proxy, firewall, "
-                    "DNS); raise retry_budget_s for flaky networks (HotloadConfig: ready_timeout_s, capped at 300 s)",
+                    hint=hint or (unreachable_hint(base) or "check that base_url (hotload_api_url) is reachable "
+                    "from this host (proxy, firewall, DNS)") + "; raise retry_budget_s for flaky networks "
+                    "(HotloadConfig: ready_timeout_s, capped at 300 s)",
                     attempts=sent,
                 )
             log.warning("%s failed (%s); retry %d in %.1fs", what, self.redact(failure), attempt, delay)
@@ -367,16 +361,21 @@ class HotLoadClient:
         return self.redact(data.decode("utf-8", errors="replace")).encode()
 
     def _http_error(self, what: str, status: int, data: bytes, attempts: int, sent: int,
-                    headers: Mapping[str, str], signal: bool, hint: str | None = None) -> HotLoadError:
+                    headers: Mapping[str, str], signal: bool, hint: str | None = None, path: str = "",
+                    base: urllib.parse.SplitResult | None = None) -> HotLoadError:
+        """The error for an answer that ends a request; ``path`` (the request's, under ``base``) is taken off a
+        redirect's Location in the hint, and a 403 or 407 through a proxy is said to be possibly the proxy's."""
         message = extract_server_message(data, self.redact)
         tries = f" after {attempts} attempts" if attempts > 1 else ""
         location = self.redact(headers["location"]) if 300 <= status < 400 and "location" in headers else None
         moved = f" (Location: {location})" if location else ""
+        via = proxy_answer(status, base) if base is not None else None
         return HotLoadError(
-            f"{what} returned HTTP {status}{moved}{tries}: {message}",
+            f"{what} returned HTTP {status}{moved}{via[0] if via else ''}{tries}: {message}",
             status_code=status,
             server_message=message,
-            hint=hint or hint_for(status, location, signal=signal),
+            hint=hint or (via[1] if via else None) or hint_for(
+                status, location and redirect_base(location, path), signal=signal),
             response_text=self._response_text(data),
             attempts=sent,
         )
@@ -463,7 +462,8 @@ class HotLoadClient:
                 and "extra inputs are not permitted" in text
             ):
                 raise
-            log.warning("hotload: server does not accept reset_prompt_cache; signalling %r without it from now on", identity)
+            log.warning("hotload: server does not accept reset_prompt_cache; signalling %r without it from now on",
+                        identity)
             self.send_reset_prompt_cache = False
             result = self._request("POST", HOT_LOAD_PATH, body(False), extra_headers=extra, deadline=deadline)
         log.debug("hotload: signalled %s snapshot %r to %s", "delta" if meta else "full", identity,

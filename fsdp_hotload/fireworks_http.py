@@ -4,6 +4,9 @@ Kept apart from :mod:`fsdp_hotload.fireworks` so the client there reads as proto
 the rules about the wire (how long one exchange may take, which statuses are worth retrying or polling through,
 what to tell the user about each) live, and are tested, in one place.
 
+Name lookup and connection under a deadline live in :mod:`fsdp_hotload.fireworks_connect`, the choice of a
+proxy and its tunnel in :mod:`fsdp_hotload.fireworks_proxy`.
+
 Only the standard library speaks HTTP here (``http.client``): the client must work in trainer images where
 ``requests`` is not installed.
 
@@ -15,25 +18,23 @@ Example::
 """
 from __future__ import annotations
 
-import base64
 import contextlib
 import email.utils
-import errno
 import http.client
 import ipaddress
 import json
 import os
-import select
 import socket
 import ssl
 import threading
 import time
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, cast
+from typing import NamedTuple
 
+from .fireworks_connect import Canceller, Deadline, RequestCancelled, open_socket
 from .fireworks_names import API_KEY_ENV
+from .fireworks_proxy import ProxyRefused, ProxyUnsupported, open_tunnel, proxy_auth, proxy_for, refusal_hint
 from .masking import mask_url, url_has_credentials
 
 #: The most of a response body the client reads. A status is a few hundred bytes per replica and an error a
@@ -46,7 +47,7 @@ _CHUNK = 64 * 1024
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # Statuses that will not change by polling again: waiting would only hide a configuration error. (So does every
 # redirect: the client never follows one, see hint_for.)
-_FATAL_POLL_STATUS = frozenset({400, 401, 403, 404, 405, 410, 415, 422})
+_FATAL_POLL_STATUS = frozenset({400, 401, 403, 404, 405, 407, 410, 415, 422})
 
 _NOT_A_SIGNAL_400 = ("the server rejected the request: check model_id (or account_id) and deployment_id, which "
                      "the fireworks-model and fireworks-deployment headers carry, and hotload_api_headers")
@@ -62,6 +63,8 @@ _HINTS: dict[int, str] = {
     "created with hot-load enabled",
     405: "the server does not allow this method on this path: check that base_url (hotload_api_url) points at "
     "the hot-load API, with no extra path",
+    407: "a proxy asks for credentials: give them in the proxy URL, HTTPS_PROXY (HTTP_PROXY for an http:// API) "
+    "=http://user:password@host:port, or name the API's host in NO_PROXY if it is reachable directly",
     408: "the server timed out reading the request: check the network path and retry",
     409: "conflict: every snapshot needs a new identity; publish under a fresh identity",
     410: "gone: the deployment or the route was removed; check deployment_id and base_url (hotload_api_url)",
@@ -94,6 +97,61 @@ def hint_for(status: int | None, location: str | None = None, *, signal: bool = 
     if 500 <= status < 600:
         return _HINTS[500]
     return None
+
+
+def redirect_base(location: str, path: str) -> str:
+    """A redirect's ``Location`` without the request's ``path`` (and any query) at its end: the base URL to set.
+    Why: the Location names the request's own URL, and a hotload_api_url set to it had every request's path added
+    a second time (a 404)."""
+    target = location.partition("#")[0].partition("?")[0]
+    return target[:-len(path)] if path and target.endswith(path) and target != path else target
+
+
+CA_BUNDLE_VARS = ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+_CERT_HINT = "check the host name of base_url (hotload_api_url) and the system CA certificates; for a private CA " \
+    "(a gateway's own, a TLS-inspecting proxy) point SSL_CERT_FILE, or REQUESTS_CA_BUNDLE, at its PEM bundle"
+
+
+def tls_context() -> ssl.SSLContext:
+    """The TLS settings of the client: the system's CA certificates (``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` where
+    set), or, as ``requests`` does, only the bundle that ``REQUESTS_CA_BUNDLE`` (else ``CURL_CA_BUNDLE``) names
+    when ``SSL_CERT_FILE`` is not set. Why: users behind a private CA set those for requests, pip and
+    huggingface_hub, and the hot-load client refused the same gateway that every other tool on the host trusted."""
+    if not os.environ.get("SSL_CERT_FILE"):
+        for name in CA_BUNDLE_VARS:
+            path = os.environ.get(name, "").strip()
+            if not path:
+                continue
+            folder = os.path.isdir(path)
+            try:
+                return ssl.create_default_context(cafile=None if folder else path, capath=path if folder else None)
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(f"{name}={path!r} cannot be read as CA certificates ({exc}): point it at a PEM "
+                                 "bundle (or a folder of hashed certificates), or unset it") from None
+    return ssl.create_default_context()
+
+
+def unsendable(exc: BaseException, base: urllib.parse.SplitResult) -> tuple[str, str] | None:
+    """What to say, and what to do, about a failure of :func:`send_once` that no retry can pass; None for one
+    that is worth a retry (an ``OSError`` or ``HTTPException`` that is none of these)."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS certificate verification failed: {exc}", _CERT_HINT
+    if isinstance(exc, NotTLS):
+        return str(exc), "the server at this port does not speak TLS: use http:// (for a host other than " \
+            "loopback, with HotloadConfig.hotload_api_allow_http) or the port that serves TLS"
+    if isinstance(exc, ProxyRefused):
+        return str(exc), refusal_hint(exc.status, base)
+    if isinstance(exc, http.client.InvalidURL):  # an HTTPException, yet no retry can send it
+        return f"the URL cannot be sent: {exc}", "check base_url (hotload_api_url), control_plane_url and the " \
+            "account and deployment ids (no spaces or control characters)"
+    if isinstance(exc, ProxyUnsupported):
+        return str(exc), "set HTTPS_PROXY (HTTP_PROXY for an http:// API) to an http:// proxy, or name the API's " \
+            "host in NO_PROXY"
+    if isinstance(exc, (OSError, http.client.HTTPException)):
+        return None
+    # e.g. ValueError/UnicodeError for a bad header value. The text may quote a header, the Authorization one.
+    return f"the request could not be sent: {type(exc).__name__}: {exc}", "check additional_headers, the API key " \
+        "and source_url (printable ASCII only)"
 
 
 def fatal_while_polling(status: int | None, *, signalled: bool) -> bool:
@@ -212,89 +270,6 @@ class Reply(NamedTuple):
     oversized: bool
 
 
-class RequestCancelled(Exception):
-    """The exchange was ended by :meth:`Canceller.cancel` (the client's owner is closing)."""
-
-
-class Canceller:
-    """Ends a client's waits and the exchanges it has on the wire, from any thread.
-
-    Why: a publisher that gives up on a snapshot (``close(timeout=)``) leaves its thread waiting for the
-    deployment's replicas for up to ``ready_timeout_s``; cancelling lets that thread end, and free what it holds,
-    at once rather than minutes later. Sleeps between polls and retries use :meth:`wait`."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-        self._lock = threading.Lock()
-        self._wakers: set[threading.Event] = set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._event.is_set()
-
-    def cancel(self) -> None:
-        self._event.set()
-        with self._lock:
-            for waker in self._wakers:
-                waker.set()
-
-    def wait(self, seconds: float) -> bool:
-        """Sleep up to ``seconds``; True (at once) when cancelled."""
-        return self._event.wait(max(0.0, seconds))
-
-    def watch(self, waker: threading.Event) -> None:
-        with self._lock:
-            self._wakers.add(waker)
-            if self._event.is_set():
-                waker.set()
-
-    def unwatch(self, waker: threading.Event) -> None:
-        with self._lock:
-            self._wakers.discard(waker)
-
-
-#: How often a wait re-reads a caller's ``until()``: a straggler's wait may end this much after its release.
-_SLICE_S = 0.1
-
-
-class _Deadline:
-    """When one exchange must end: ``timeout`` after it began, or sooner once the caller's ``until()`` (a
-    ``time.monotonic()`` value, re-read every :data:`_SLICE_S` while waiting) comes first, though not before
-    ``min(timeout, 0.5)`` s, the least an attempt gets to have a chance.
-
-    Why a moving end: a status poll to a region that stopped answering began before another deployment served the
-    snapshot, so only its own ``timeout`` (60 s by default) ended it, long after ``straggler_wait_s`` released the
-    wait it serves."""
-
-    def __init__(self, timeout: float, until: Callable[[], float] | None) -> None:
-        self.start = time.monotonic()
-        self.timeout = timeout
-        self._fixed = self.start + timeout
-        self._floor = self.start + min(timeout, 0.5)
-        self._until = until
-
-    def at(self) -> float:
-        if self._until is None:
-            return self._fixed
-        return min(self._fixed, max(self._floor, self._until()))
-
-    def left(self) -> float:
-        return self.at() - time.monotonic()
-
-    def why(self) -> str:
-        """What ended the exchange once :meth:`left` is spent: its own timeout, or the caller's ``until()``."""
-        return "deadline" if self.at() >= self._fixed else "until"
-
-    def wait(self, event: threading.Event) -> bool:
-        """Wait for ``event`` until the end; True when it was set."""
-        while not event.is_set():
-            left = self.left()
-            if left <= 0:
-                break
-            event.wait(left if self._until is None else min(left, _SLICE_S))
-        return event.is_set()
-
-
 class _Watchdog:
     """Shuts one exchange's socket down at its deadline, or when its canceller fires.
 
@@ -303,7 +278,7 @@ class _Watchdog:
     time held a status poll far past the caller's deadline. A shut-down socket reads as end of file at once; the
     caller then asks :meth:`finish` why, since a cut body can look complete to ``http.client``."""
 
-    def __init__(self, conn: http.client.HTTPConnection, deadline: _Deadline, canceller: Canceller | None) -> None:
+    def __init__(self, conn: http.client.HTTPConnection, deadline: Deadline, canceller: Canceller | None) -> None:
         self._conn = conn
         self._deadline = deadline
         self._canceller = canceller
@@ -343,12 +318,13 @@ def send_once(
     until: Callable[[], float] | None = None,
 ) -> Reply:
     """One exchange, no retries, done within ``timeout`` seconds, or by ``until()`` where that comes first (see
-    :class:`_Deadline`). Raises OSError/HTTPException on failure (TimeoutError past either) and
+    :class:`Deadline`). Raises OSError/HTTPException on failure (TimeoutError past either, saying how far the
+    exchange got; ``status_seen`` set on an error raised after the status line came) and
     :class:`RequestCancelled` once ``canceller`` is cancelled.
 
     Why the body is read here in pieces: a plain ``read()`` holds whatever size the server sends. The deadline
     covers the whole exchange, status line and headers included (see :class:`_Watchdog`)."""
-    deadline = _Deadline(timeout, until)
+    deadline = Deadline(timeout, until)
     if canceller is not None and canceller.cancelled:
         raise RequestCancelled("the client was cancelled")
     # An explicit port: given None, http.client re-parses the host, and an IPv6 literal ("::1") becomes host ":"
@@ -356,195 +332,83 @@ def send_once(
     host, port = base.hostname or "", base.port or (443 if base.scheme == "https" else 80)
     url = base.path.rstrip("/") + path
     proxy = proxy_for(base)
+    progress = _Progress(None if proxy is None else mask_url(urllib.parse.urlunsplit(proxy)))
+
+    def direct(address: tuple[str, int], *_: object) -> socket.socket:
+        # Resolution and connection under the deadline and the canceller, which http.client's own connect ignores.
+        return open_socket(address, deadline, canceller)
+
+    def to_proxy(address: tuple[str, int]) -> socket.socket:
+        conn.sock = open_socket(address, deadline, canceller)  # watched while the tunnel is asked for
+        return conn.sock
+
     if proxy is None:
         conn: http.client.HTTPConnection = http.client.HTTPSConnection(
             host, port, timeout=timeout, context=context) if base.scheme == "https" else \
             http.client.HTTPConnection(host, port, timeout=timeout)
+        conn._create_connection = direct  # type: ignore[attr-defined]
     elif base.scheme == "https":  # a CONNECT tunnel through the proxy; TLS with the API's host end to end
-        conn = http.client.HTTPSConnection(proxy.hostname or "", proxy.port or 80, timeout=timeout, context=context)
-        conn.set_tunnel(host, port, headers=_proxy_auth(proxy))
+        conn = http.client.HTTPSConnection(host, port, timeout=timeout, context=context)
+        conn._create_connection = lambda *_: open_tunnel(proxy, host, port, to_proxy)  # type: ignore[attr-defined]
     else:  # plain HTTP: the proxy takes the absolute URL
         conn = http.client.HTTPConnection(proxy.hostname or "", proxy.port or 80, timeout=timeout)
+        conn._create_connection = direct  # type: ignore[attr-defined]
         url = urllib.parse.urlunsplit((base.scheme, base.netloc, url, "", ""))
-        headers = {**headers, **_proxy_auth(proxy)}
-    # Resolution and connection under the deadline and the canceller, which http.client's own connect ignores.
-    conn._create_connection = lambda address, *_: _open(address, deadline, canceller)  # type: ignore[attr-defined]
+        headers = {**headers, **proxy_auth(proxy)}
     watchdog = _Watchdog(conn, deadline, canceller)
     try:
         try:
-            reply = _exchange(conn, method, url, payload, headers, deadline, watchdog)
+            reply = _exchange(conn, method, url, payload, headers, deadline, watchdog, progress)
         except Exception as exc:
             why = watchdog.finish()
             if why is None or (why != "cancelled" and isinstance(exc, NotSent)):  # a timed-out connect sent nothing
-                raise
+                if isinstance(exc, TimeoutError) and not isinstance(exc, (NotSent, ExchangeTimeout)):
+                    raise progress.mark(ExchangeTimeout(f"timed out {progress}")) from None  # a socket read's own
+                raise progress.mark(exc)
             # Not chained: the reader's error (an end of file, a reset) only says the socket was shut down.
-            raise _cut(why, deadline) from None
+            raise progress.mark(_cut(why, deadline, progress)) from None
         why = watchdog.finish()
         if why is not None:  # the body may have been cut short and still parsed as whole
-            raise _cut(why, deadline)
+            raise progress.mark(_cut(why, deadline, progress))
         return reply
     finally:
         watchdog.finish()
         conn.close()
 
 
-def _open(address: tuple[str, int], deadline: _Deadline, canceller: Canceller | None) -> socket.socket:
-    """A connected socket to ``address`` (a name, or a literal), by the deadline and until cancelled.
+class _Progress:
+    """How far one exchange got, for the error that ends it: no answer at all (a hung server, a proxy that drops
+    the request) and a body that stopped (a slow or cut stream) need different fixes."""
 
-    Why not ``socket.create_connection``: its name lookup takes no timeout and cannot be interrupted (glibc waits
-    5 s per attempt per nameserver when one does not answer), and each address gets the full timeout, so a stalled
-    resolver or a dropped SYN held a signal, a status poll or ``close()`` past its deadline and past ``cancel()``.
-    Addresses are tried in the resolver's order, each with what is left of the time."""
-    host, port = address
-    last: OSError | None = None
-    for family, kind, proto, _, sockaddr in _resolve(host, port, deadline, canceller):
-        try:
-            sock = socket.socket(family, kind, proto)
-        except OSError as exc:  # e.g. IPv6 turned off in the kernel: the next address may be IPv4
-            last = exc
-            continue
-        try:
-            _connect(sock, sockaddr, host, deadline, canceller)
-        except BaseException as exc:
-            sock.close()
-            if not isinstance(exc, OSError) or isinstance(exc, TimeoutError):  # cancelled, or out of time
-                raise
-            last = exc  # refused or unreachable: the next address may answer
-        else:
-            return sock
-    raise last if last is not None else OSError(f"no address to connect to for {host}")
+    def __init__(self, proxy: str | None) -> None:
+        self.proxy = proxy  # the proxy's masked URL, None for a direct connection
+        self.phase = "connecting"
+        self.got = 0
+        self.length: int | None = None
 
+    def __str__(self) -> str:
+        if self.phase == "connecting":
+            return "while connecting" + (f" via proxy {self.proxy}" if self.proxy else "")
+        if self.phase == "status":
+            return "while waiting for the status line (the request was sent)"
+        of = f" of {self.length}" if self.length is not None else ""
+        return f"while reading the body, after {self.got}{of} bytes"
 
-class _Lookup:
-    """One name lookup in flight, shared by every request for the same host and port meanwhile: retries and
-    status polls against a stalled resolver wait on it rather than each leaving a thread behind."""
-
-    def __init__(self) -> None:
-        self.answer: list[object] = []  # the address list, or the lookup's exception, once it has ended
-        self.waiters: set[threading.Event] = set()
+    def mark(self, exc: BaseException) -> BaseException:
+        """``exc``, with ``status_seen`` set once a status line came: the caller then does not say "no answer"."""
+        if self.phase == "body":
+            with contextlib.suppress(AttributeError, TypeError):
+                exc.status_seen = True  # type: ignore[attr-defined]
+        return exc
 
 
-_lookups: dict[tuple[str, int], _Lookup] = {}
-_lookups_lock = threading.Lock()
+class ExchangeTimeout(TimeoutError):
+    """A timeout whose message says how far the exchange got."""
 
 
-def _resolve(host: str, port: int, deadline: _Deadline, canceller: Canceller | None) -> list[tuple[Any, ...]]:
-    """``getaddrinfo`` on a daemon thread, waited for until the deadline or a cancel. A lookup left behind ends
-    when the resolver gives up; its thread holds nothing of the client's."""
-    with contextlib.suppress(ValueError):  # a literal address: nothing to look up, nothing to wait for
-        ipaddress.ip_address(host.partition("%")[0])
-        return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST)
-    woken = threading.Event()
-    with _lookups_lock:
-        lookup = _lookups.get((host, port))
-        fresh = lookup is None
-        if lookup is None:
-            lookup = _lookups[(host, port)] = _Lookup()
-        lookup.waiters.add(woken)
-    if fresh:
-        try:
-            threading.Thread(target=_look_up, args=(host, port, lookup), name="hotload-resolve",
-                             daemon=True).start()
-        except BaseException as exc:  # no thread (a process at its limit): no lookup to wait for, now or later
-            with _lookups_lock:
-                if _lookups.get((host, port)) is lookup:
-                    del _lookups[(host, port)]
-                lookup.waiters.discard(woken)
-            if isinstance(exc, Exception):
-                raise OSError(f"resolving the host name {host!r}: {type(exc).__name__}: {exc}") from None
-            raise
-    if canceller is not None:
-        canceller.watch(woken)
-    try:
-        deadline.wait(woken)
-    finally:
-        if canceller is not None:
-            canceller.unwatch(woken)
-        with _lookups_lock:
-            lookup.waiters.discard(woken)
-    if canceller is not None and canceller.cancelled:
-        raise RequestCancelled("the client was cancelled while the API's host name was being resolved")
-    if not lookup.answer:
-        raise TimeoutError(f"resolving the host name {host!r} did not finish by the deadline")
-    failed = lookup.answer[0]
-    if isinstance(failed, BaseException):  # a fresh exception per waiter: one raised in several threads is shared
-        try:  # of the same type: a UnicodeError (a label over 63 characters) is no transient error to retry
-            fresh_error = type(failed)(*failed.args)
-        except Exception:  # noqa: BLE001 - a type that cannot be rebuilt from its args
-            fresh_error = OSError(f"resolving the host name {host!r}: {type(failed).__name__}: {failed}")
-        raise fresh_error from None
-    return cast("list[tuple[Any, ...]]", lookup.answer[0])
-
-
-def _forget_lookups() -> None:
-    """In a forked child: the lookups in flight belong to the parent's threads, which the child does not have."""
-    global _lookups_lock
-    _lookups.clear()
-    _lookups_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_lookups)
-
-
-def _look_up(host: str, port: int, lookup: _Lookup) -> None:
-    try:
-        answer: object = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
-    except BaseException as exc:  # noqa: BLE001 - handed to every waiter
-        answer = exc
-    with _lookups_lock:
-        lookup.answer.append(answer)
-        del _lookups[(host, port)]
-        for waiter in lookup.waiters:
-            waiter.set()
-
-
-def _connect(sock: socket.socket, sockaddr: tuple[Any, ...], host: str, deadline: _Deadline,
-             canceller: Canceller | None) -> None:
-    """A non-blocking connect, waited for in slices of at most 0.1 s so a cancel ends it (a blocking connect
-    cannot be woken from another thread). ``poll``, not ``select``: a trainer may hold over 1024 descriptors."""
-    sock.setblocking(False)
-    err = sock.connect_ex(sockaddr)
-    poller = select.poll()
-    poller.register(sock, select.POLLOUT)
-    while err in (errno.EINPROGRESS, errno.EALREADY, errno.EINTR):  # not EAGAIN: for TCP, a failure (no ports)
-        if canceller is not None and canceller.cancelled:
-            raise RequestCancelled("the client was cancelled while connecting to the API's host")
-        left = deadline.left()
-        if left <= 0:
-            raise TimeoutError(f"connecting to {host} did not finish by the deadline")
-        if poller.poll(max(1, int(min(left, 0.1) * 1000))):  # writable, or an error: SO_ERROR says which
-            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-    if err:
-        raise OSError(err, f"connecting to {host}: {os.strerror(err)}")
-    sock.settimeout(max(0.01, deadline.left()))
-
-
-class ProxyUnsupported(ValueError):
-    """The environment names a proxy the client cannot use (not ``http://``)."""
-
-
-def proxy_for(base: urllib.parse.SplitResult) -> urllib.parse.SplitResult | None:
-    """The proxy a request to ``base`` goes through, as ``curl``, ``requests`` and boto (the snapshot uploads)
-    choose it: ``HTTPS_PROXY`` / ``HTTP_PROXY`` by the URL's scheme, unless ``NO_PROXY`` names the host; None for a
-    direct connection (always for a loopback host). Why: on clusters whose outbound traffic must pass a proxy, the
-    uploads went through it and every signal failed to resolve the API's host. Only an ``http://`` proxy is
-    supported (a TLS connection to the proxy itself is not), which is what such variables name almost always."""
-    url = urllib.request.getproxies().get(base.scheme)
-    if not url or is_loopback(base.hostname or "") or urllib.request.proxy_bypass(base.netloc):
-        return None  # a proxy cannot reach this host's loopback (a local emulator or gateway)
-    proxy = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
-    if proxy.scheme != "http" or not proxy.hostname:
-        raise ProxyUnsupported(f"the {base.scheme} proxy set in the environment ({mask_url(url)}) is not "
-                               "supported: the hot-load client reaches the API through an http:// proxy only")
-    return proxy
-
-
-def _proxy_auth(proxy: urllib.parse.SplitResult) -> dict[str, str]:
-    """A ``Proxy-Authorization`` header from the proxy URL's ``user:password@`` part (percent-decoded)."""
-    if proxy.username is None:
-        return {}
-    pair = f"{urllib.parse.unquote(proxy.username)}:{urllib.parse.unquote(proxy.password or '')}"
-    return {"Proxy-Authorization": "Basic " + base64.b64encode(pair.encode()).decode("ascii")}
+def status_seen(exc: BaseException) -> bool:
+    """Whether ``exc`` ended an exchange after its status line came (the server did answer, in part)."""
+    return bool(getattr(exc, "status_seen", False))
 
 
 class NotSent(ConnectionError):
@@ -553,47 +417,69 @@ class NotSent(ConnectionError):
     only if one was sent."""
 
 
+class NotTLS(ConnectionError):
+    """The server at an ``https://`` URL's port answered the TLS handshake with something else (a plain-HTTP port):
+    nothing was sent, and no retry can change it."""
+
+
+#: OpenSSL's reasons for a handshake answered by something that is not TLS (a plain-HTTP server's error page).
+_NOT_TLS_REASONS = frozenset({"WRONG_VERSION_NUMBER", "PACKET_LENGTH_TOO_LONG", "RECORD_LAYER_FAILURE"})
+
+
 def _exchange(conn: http.client.HTTPConnection, method: str, url: str, payload: bytes | None,
-              headers: dict[str, str], deadline: _Deadline, watchdog: _Watchdog) -> Reply:
+              headers: dict[str, str], deadline: Deadline, watchdog: _Watchdog, progress: _Progress) -> Reply:
+    via = f"via proxy {progress.proxy}: " if progress.proxy else ""
     try:
         conn.connect()
-    except ssl.SSLCertVerificationError:  # not sent either, but no retry can pass it: the caller says so at once
+    except (ssl.SSLCertVerificationError, ProxyRefused):  # not sent either, but no retry can pass it
         raise
+    except ssl.SSLError as exc:
+        if exc.reason not in _NOT_TLS_REASONS:
+            raise NotSent(f"{via}{type(exc).__name__}: {exc}") from exc
+        raise NotTLS(f"{conn.host}:{conn.port} does not speak TLS (the handshake got {exc.reason})") from None
     except OSError as exc:
-        raise NotSent(f"{type(exc).__name__}: {exc}") from exc
+        raise NotSent(f"{via}{type(exc).__name__}: {exc}") from exc
     conn.request(method, url, body=payload, headers=headers)
-    _time_left(conn, deadline, watchdog)
+    progress.phase = "status"
+    _time_left(conn, deadline, watchdog, progress)
     resp = conn.getresponse()
+    progress.phase, progress.length = "body", resp.length
     status, rheaders = resp.status, {k.lower(): v for k, v in resp.getheaders()}
     chunks: list[bytes] = []
     got = 0
     while got <= MAX_RESPONSE_BYTES:
-        _time_left(conn, deadline, watchdog)
+        _time_left(conn, deadline, watchdog, progress)
         chunk = resp.read1(min(_CHUNK, MAX_RESPONSE_BYTES + 1 - got))
         if not chunk:
             break
         chunks.append(chunk)
         got += len(chunk)
+        progress.got = got
     body = b"".join(chunks)
+    if got <= MAX_RESPONSE_BYTES and resp.length:  # read1 ends at an early end of file without a word
+        raise http.client.IncompleteRead(body, resp.length)
     return Reply(status, rheaders, body[:MAX_RESPONSE_BYTES], got > MAX_RESPONSE_BYTES)
 
 
-def _cut(why: str, deadline: _Deadline) -> Exception:
+def _cut(why: str, deadline: Deadline, progress: _Progress) -> Exception:
     if why == "cancelled":
         return RequestCancelled("the client was cancelled while the request was on the wire")
     if why == "until":
-        return TimeoutError(f"the caller's wait ended {time.monotonic() - deadline.start:.1f}s into the exchange, "
-                            "before the response arrived in full")
-    return TimeoutError(f"the response did not arrive in full within {deadline.timeout:.1f}s")
+        return ExchangeTimeout(f"the caller's wait ended {time.monotonic() - deadline.start:.1f}s into the exchange, "
+                              f"{progress}")
+    return ExchangeTimeout(f"the response did not arrive in full within {deadline.timeout:.1f}s: no answer came "
+                          f"{progress}" if progress.phase != "body" else
+                          f"the response did not arrive in full within {deadline.timeout:.1f}s: stopped {progress}")
 
 
-def _time_left(conn: http.client.HTTPConnection, deadline: _Deadline, watchdog: _Watchdog) -> None:
+def _time_left(conn: http.client.HTTPConnection, deadline: Deadline, watchdog: _Watchdog,
+               progress: _Progress) -> None:
     """Let the next socket read wait only until ``deadline``; raise once it has passed or the watchdog fired
     (it may have fired while the socket was still being connected, with nothing to shut down)."""
     if watchdog.fired is not None:
-        raise _cut(watchdog.fired, deadline)
+        raise _cut(watchdog.fired, deadline, progress)
     left = deadline.left()
     if left <= 0:
-        raise _cut(deadline.why(), deadline)
+        raise _cut(deadline.why(), deadline, progress)
     if conn.sock is not None:
         conn.sock.settimeout(left)

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from fsdp_hotload.fireworks import HotLoadCancelled, HotLoadError, HotLoadTimeout
-from fsdp_hotload.fireworks_http import NotSent, _connect, _Deadline, send_once
+from fsdp_hotload.fireworks_connect import Deadline, connect_socket
+from fsdp_hotload.fireworks_http import NotSent, send_once
 
 from tests.http_fixture import serve
 from tests.test_fireworks_transport import _cancel_after, answering, make_client
@@ -185,7 +186,7 @@ def test_a_connect_the_kernel_refuses_with_eagain_is_not_taken_for_one_in_progre
         assert err == errno.EAGAIN
         held.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
         with pytest.raises(OSError, match="connecting to api") as caught:
-            _connect(held[-1], path, "api", _Deadline(5, None), None)  # type: ignore[arg-type]
+            connect_socket(held[-1], path, "api", Deadline(5, None), None)  # type: ignore[arg-type]
         assert caught.value.errno == errno.EAGAIN
     finally:
         for sock in held:

@@ -13,6 +13,7 @@ import socket
 import ssl
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,7 +24,9 @@ import pytest
 
 from fsdp_hotload.emulator import HotLoadEmulator
 from fsdp_hotload.fireworks import HotLoadClient, HotLoadError, HotLoadRequestError
+from fsdp_hotload.fireworks_http import hint_for
 from fsdp_hotload.fireworks_models import never_taken
+from fsdp_hotload.fireworks_proxy import ProxyUnsupported, proxy_for
 from tests.emulator_fixture import EMULATOR_API_KEY, tiny_model, write_full_snapshot
 from tests.http_fixture import serve, tls_files
 
@@ -300,3 +303,152 @@ def test_a_signal_is_never_taken_only_where_no_attempt_can_have_reached_the_serv
         with serve(Scripted) as url, pytest.raises(HotLoadError, match="HTTP") as err:
             _client(url, retry_budget_s=0.3).signal("step-1")
     assert never_taken(err.value) is not taken, (err.value, err.value.attempts)
+
+
+@contextmanager
+def refusing_proxy(status: int) -> Iterator[tuple[str, list[str]]]:
+    """A proxy that answers every request, CONNECT included, with ``status``; yields its URL and request lines."""
+    lines: list[str] = []
+
+    class Refuse(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def refuse(self) -> None:
+            lines.append(self.requestline)
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            out = b"<html>ERR_ACCESS_DENIED</html>"
+            self.send_response(status)
+            self.send_header("Proxy-Authenticate", 'Basic realm="corp"')
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        do_GET = do_POST = do_CONNECT = refuse  # noqa: N815
+
+    with serve(Refuse) as url:
+        yield url, lines
+
+
+@pytest.mark.parametrize("status, words", [(407, "credentials"), (403, "does not allow this host")])
+def test_a_proxy_refusing_the_tunnel_is_raised_at_once_naming_the_proxy(
+        monkeypatch: pytest.MonkeyPatch, status: int, words: str) -> None:
+    """A 407 or 403 to CONNECT was retried for the whole budget as a connection that failed, with a hint about
+    DNS and firewalls. It is now raised after one try, naming the proxy (without its password) and what to fix."""
+    with refusing_proxy(status) as (proxy, lines):
+        _use_proxy(monkeypatch, https_proxy=proxy.replace("http://", "http://user:hunter22@"))
+        started = time.monotonic()
+        with pytest.raises(HotLoadRequestError, match=f"refused the tunnel: HTTP {status}") as err:
+            _client(f"https://{API_HOST}", retry_budget_s=30).signal("step-1")
+        assert time.monotonic() - started < 5.0
+    assert lines == [f"CONNECT {API_HOST}:443 HTTP/1.1"]
+    text = str(err.value)
+    assert proxy.removeprefix("http://") in text and "hunter22" not in text and words in (err.value.hint or "")
+    assert "NO_PROXY" in (err.value.hint or "") and never_taken(err.value)
+
+
+def test_a_proxy_failing_to_reach_the_api_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 502 to CONNECT (the proxy's upstream is down) may pass: it is retried, and said to be the proxy's."""
+    with refusing_proxy(502) as (proxy, lines):
+        _use_proxy(monkeypatch, https_proxy=proxy)
+        with pytest.raises(HotLoadError, match="no answer") as err:
+            _client(f"https://{API_HOST}", retry_budget_s=0.5).signal("step-1")
+    assert len(lines) > 1 and "could not open a tunnel" in str(err.value)
+    assert f"the proxy {proxy}" in (err.value.hint or "")
+
+
+@pytest.mark.parametrize("status", [403, 407])
+def test_a_403_or_407_through_a_proxy_to_an_http_api_may_be_the_proxys(
+        monkeypatch: pytest.MonkeyPatch, status: int) -> None:
+    """A plain-HTTP request goes to the proxy whole, so its refusal came back as the API's answer: a 403 was
+    explained as the API key lacking permission, and a 407 got no hint at all."""
+    with refusing_proxy(status) as (proxy, lines):
+        _use_proxy(monkeypatch, http_proxy=proxy)
+        with pytest.raises(HotLoadError, match=f"HTTP {status} \\(through the proxy {proxy}") as err:
+            _client(f"http://{API_HOST}", allow_insecure=True).signal("step-1")
+    hint = err.value.hint or ""
+    assert len(lines) == 1 and "proxy" in hint and "NO_PROXY" in hint and "lacks permission" not in hint
+    _use_proxy(monkeypatch)
+    assert "credentials" in (hint_for(407) or "")  # a 407 with no proxy configured: one further on the path
+
+
+def test_a_proxy_whose_name_does_not_resolve_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The failure read word for word as an API host that does not resolve, blamed on base_url."""
+    _use_proxy(monkeypatch, https_proxy="http://corp-proxy.nonexistent.invalid:3128")
+    with pytest.raises(HotLoadError, match="via proxy http://corp-proxy.nonexistent.invalid:3128") as err:
+        _client(f"https://{API_HOST}", retry_budget_s=0).signal("step-1")
+    assert "resolving the host name 'corp-proxy.nonexistent.invalid'" in str(err.value)
+    assert "check that the proxy http://corp-proxy.nonexistent.invalid:3128" in (err.value.hint or "")
+
+
+def test_no_proxy_matches_addresses_blocks_and_ports_as_curl_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """urllib's proxy_bypass matched text suffixes only: a CIDR block or a bare IPv6 address in NO_PROXY sent a
+    private gateway's traffic to the proxy. ALL_PROXY is the fallback for either scheme."""
+    def route(url: str) -> str | None:
+        proxy = proxy_for(urllib.parse.urlsplit(url))
+        return None if proxy is None else proxy.netloc
+
+    no_proxy = "localhost, .corp.example,10.0.0.0/8 ,fd00::/8,2001:db8::7,[2001:db8::8]:8083,gw.example:8083"
+    _use_proxy(monkeypatch, HTTP_PROXY="http://p:1", HTTPS_PROXY="http://s:2", NO_PROXY=no_proxy)
+    for direct in ("http://10.1.2.3:8083", "https://[fd00::5]", "http://[2001:db8::7]:80", "http://[2001:db8::8]:8083",
+                   "https://api.corp.example", "http://corp.example", "http://gw.example:8083"):
+        assert route(direct) is None, direct
+    for proxied, via in (("http://11.1.2.3", "p:1"), ("https://[2001:db8::9]", "s:2"), ("http://[2001:db8::8]", "p:1"),
+                         ("https://notcorp.example", "s:2"), ("http://gw.example:80", "p:1")):
+        assert route(proxied) == via, proxied
+    _use_proxy(monkeypatch, ALL_PROXY="http://a:3", https_proxy="http://s:2")
+    assert (route("http://api.example"), route("https://api.example")) == ("a:3", "s:2")
+    _use_proxy(monkeypatch, ALL_PROXY="socks5://a:3")
+    with pytest.raises(ProxyUnsupported, match="ALL_PROXY"):
+        route("https://api.example")
+
+
+def _local_address() -> str | None:
+    """This host's address on its default route (none on a host without one): a non-loopback API to reach."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))  # no packet is sent: only the route is chosen
+        address = probe.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return None if address.startswith("127.") else address
+
+
+def test_an_api_in_a_no_proxy_block_is_reached_directly_and_all_proxy_is_used(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """End to end with real servers: the emulator on this host's own (non-loopback) address, named by a CIDR block
+    in NO_PROXY, is reached directly; with only ALL_PROXY set, a host only the proxy knows is reached through it."""
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    with HotLoadEmulator(str(bucket), replicas=1, api_key=EMULATOR_API_KEY) as emu:
+        port = int(emu.url.rsplit(":", 1)[1])
+        with forward_proxy({f"{API_HOST}:80": ("127.0.0.1", port)}) as (proxy, seen):
+            _use_proxy(monkeypatch, ALL_PROXY=proxy)
+            _client(f"http://{API_HOST}", allow_insecure=True).status()
+            assert [s["target"] for s in seen] == [f"http://{API_HOST}/hot_load/v1/models/hot_load"]
+            address = _local_address()
+            if address is None:
+                pytest.skip("no non-loopback IPv4 address on this host")
+            with ThreadingHTTPServer((address, 0), _Emulated) as api:
+                threading.Thread(target=api.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+                block = ".".join(address.split(".")[:3]) + ".0/24"
+                _use_proxy(monkeypatch, HTTP_PROXY=proxy, NO_PROXY=f"localhost,{block}")
+                status = _client(f"http://{address}:{api.server_address[1]}", allow_insecure=True).status()
+                api.shutdown()
+            assert len(seen) == 1 and [r.current_snapshot_identity for r in status.replicas] == ["s1"]
+
+
+class _Emulated(BaseHTTPRequestHandler):
+    """A status endpoint with one replica serving ``s1``."""
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802
+        out = json.dumps({"replicas": [{"current_snapshot_identity": "s1", "readiness": True}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
