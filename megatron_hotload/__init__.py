@@ -10,6 +10,9 @@ Example::
     parser = argparse.ArgumentParser()
     add_hotload_args(parser)                 # --hotload-bucket-url, --hotload-full-every, ...
     cfg = config_from_args(parser.parse_args())   # None unless --hotload-bucket-url or HOTLOAD_BUCKET_URL is set
+
+In a Megatron script: ``pretrain(..., extra_args_provider=add_hotload_args)``, then, once the arguments are
+parsed (after ``initialize_megatron``, or in a provider that ``pretrain`` calls), ``config_from_args(get_args())``.
 """
 from __future__ import annotations
 

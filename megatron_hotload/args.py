@@ -1,20 +1,23 @@
 """``--hotload-*`` flags generated from HotloadConfig, so the two entry points can never drift apart.
 
-Each config field becomes ``--hotload-<field-with-dashes>``; booleans become ``--hotload-x`` / ``--no-hotload-x``.
-The fields named ``hotload_*`` drop the doubled word (``hotload_api_url`` is ``--hotload-api-url``); the
-doubled form (``--hotload-hotload-api-url``) is still accepted.
+Each config field becomes ``--hotload-<field-with-dashes>``; booleans become ``--hotload-x`` (optionally with a
+value, ``--hotload-x false``, read as the variable is) / ``--no-hotload-x``. The fields named ``hotload_*`` drop
+the doubled word (``hotload_api_url`` is ``--hotload-api-url``); the doubled form (``--hotload-hotload-api-url``)
+is still accepted.
 Values are read exactly like ``HOTLOAD_*`` environment variables (:func:`fsdp_hotload.config.parse_setting`):
 JSON for lists and dicts, or text starting with ``[``, ``{`` or ``"``; anything else stays a string, so
-``--hotload-deployment-id 12345`` is the id ``"12345"``. Defaults are left to the config (flags default to None),
-so the validation and the error messages are the config's own. ``HOTLOAD_*`` variables fill in what the flags
-leave unset; ``--hotload-storage-options`` is merged over ``HOTLOAD_STORAGE_OPTIONS`` entry by entry (nested
-dicts too), so the endpoint can be a flag while the credentials stay in the variable.
+``--hotload-deployment-id 12345`` is the id ``"12345"``. List flags also take plain values separated by spaces,
+as Megatron's own list flags do (``--hotload-deployment-id dep-a dep-b``). Defaults are left to the config (flags
+default to None), so the validation and the error messages are the config's own. ``HOTLOAD_*`` variables fill in
+what the flags leave unset; ``--hotload-storage-options`` is merged over ``HOTLOAD_STORAGE_OPTIONS`` entry by
+entry (nested dicts too), so the endpoint can be a flag while the credentials stay in the variable; the merged
+options are checked against the storage root at once (the storage layer's own check).
 
 Secrets are not flags: Megatron prints every argument on rank 0 and saves them in its checkpoints, so the API
-key and the API headers come from the environment (``FIREWORKS_API_KEY`` or ``HOTLOAD_API_KEY``,
-``HOTLOAD_HOTLOAD_API_HEADERS``), ``--hotload-storage-options`` refuses credential entries (use
-``HOTLOAD_STORAGE_OPTIONS`` or the provider's own credential chain), and no flag takes a URL with credentials in it
-(``user:password@``, a signed query).
+key and the API headers come from the environment (``HOTLOAD_API_KEY`` or ``FIREWORKS_API_KEY``, the first
+winning, and ``HOTLOAD_HOTLOAD_API_HEADERS``); their flags are hidden and refuse any use without showing the value.
+``--hotload-storage-options`` refuses credential entries (use ``HOTLOAD_STORAGE_OPTIONS`` or the provider's own
+credential chain), and no flag takes a URL with credentials in it (``user:password@``, a signed query).
 """
 from __future__ import annotations
 
@@ -29,9 +32,19 @@ from pydantic_core import PydanticUndefined
 from fsdp_hotload.config import ENV_PREFIX, HotloadConfig, json_hint, parse_setting, spell_fields
 from fsdp_hotload.masking import mask_secrets, mask_url
 
-PREFIX = "hotload"
-#: Fields with no flag: their values would be printed in Megatron's argument dump and stored in checkpoints.
+from .flag_actions import NULL_FIELDS, PREFIX, ListSetting, NegatedSwitch, RefuseSecret, StoreSetting, Switch
+
+#: Fields with no usable flag: their values would be printed in Megatron's argument dump and stored in checkpoints.
+#: Their flags exist, hidden, only to refuse a value without echoing it.
 SECRET_FIELDS: tuple[str, ...] = ("api_key", "hotload_api_headers")
+#: Where each secret comes from on this path instead.
+SECRET_VARIABLES: dict[str, str] = {
+    "api_key": f"{ENV_PREFIX}API_KEY or FIREWORKS_API_KEY ({ENV_PREFIX}API_KEY wins when both are set)",
+    "hotload_api_headers": f"{ENV_PREFIX}HOTLOAD_API_HEADERS"}
+_GROUP_HELP = (f"publish weights to a remote rollout fleet (fsdp_hotload); {ENV_PREFIX}* variables fill in the flags "
+               "not given. The secrets are not flags (Megatron prints its arguments and saves them in checkpoints): "
+               f"the API key comes from {SECRET_VARIABLES['api_key']}, the API headers from "
+               f"{SECRET_VARIABLES['hotload_api_headers']}")
 
 
 def flag_name(field: str) -> str:
@@ -53,27 +66,6 @@ def _given_as(field: str, value: Any) -> str:
     """The flag as the user wrote it: ``--no-hotload-x`` for a boolean set to False."""
     negated = value is False and HotloadConfig.model_fields[field].annotation is bool
     return f"--no-{flag_name(field)[2:]}" if negated else flag_name(field)
-
-
-#: The namespace attribute that lists, by field name, the flags given as ``null``.
-NULL_FIELDS = f"{PREFIX}_null_fields"
-
-
-class _StoreSetting(argparse.Action):
-    """Stores a flag's value; a ``null`` (None) is also listed in :data:`NULL_FIELDS`.
-
-    None in the flag's own attribute reads as 'not given', so the list is what lets a ``null`` flag win over its
-    variable. Megatron saves the namespace in every checkpoint and reads it back with ``torch.load``, which by
-    default refuses any class it was not told of: the namespace holds builtin values only (a marker object of
-    ours made every such checkpoint unloadable).
-    """
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        setattr(namespace, self.dest, values)
-        field = self.dest[len(PREFIX) + 1:]
-        nulls = [f for f in getattr(namespace, NULL_FIELDS, None) or [] if f != field]  # the last flag wins
-        setattr(namespace, NULL_FIELDS, [*nulls, field] if values is None else nulls)
 
 
 def _setting_name(field: str) -> str:
@@ -117,31 +109,50 @@ def _help(name: str) -> str:
     choices = [a for m in members if get_origin(m) is Literal for a in get_args(m)]
     if choices:
         text += f"; one of {', '.join(map(str, choices))}"
-    if hint := json_hint(field.annotation):  # Megatron's own list flags are space-separated (nargs='+'); JSON here
+    if _is_list(name):  # Megatron's own list flags are space-separated (nargs='+'): both spellings are taken
+        text += '; a JSON list, e.g. ["a", "b"], or values separated by spaces (a b)'
+    elif hint := json_hint(field.annotation):
         text += "; " + hint
     if type(None) in members:  # written `null` on the command line, as in a variable
         text = re.sub(r"\bNone\b", "null", text)
     default = field.get_default(call_default_factory=True)
     if default is not PydanticUndefined and default not in (None, {}, []):
         text += f" (default: {default})"
+    if field.annotation is bool:
+        text += f"; {_negated(name)} or {flag_name(name)} false sets it false"
     return text.replace("%", "%%")
 
 
+def _is_list(name: str) -> bool:
+    """Whether ``name`` takes a list (and so several space-separated values)."""
+    return "list" in json_hint(HotloadConfig.model_fields[name].annotation)
+
+
+def _negated(name: str) -> str:
+    return f"--no-{flag_name(name)[2:]}"
+
+
 def add_hotload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add one flag per HotloadConfig field but the secrets (in an argument group), help from the field
-    description, with its choices and default."""
-    group = parser.add_argument_group(
-        "hotload", "publish weights to a remote rollout fleet (fsdp_hotload); HOTLOAD_* variables fill in the "
-        f"flags not given, and the secrets come only from them: {', '.join(map(_setting_name, SECRET_FIELDS))}")
+    """Add one flag per HotloadConfig field (in an argument group), help from the field description, with its
+    choices and default; the secrets' flags are hidden and refuse any use, naming the variables to set."""
+    group = parser.add_argument_group("hotload", _GROUP_HELP)
     for name, field in HotloadConfig.model_fields.items():
+        dest = f"{PREFIX}_{name}"
         if name in SECRET_FIELDS:
-            continue
-        if field.annotation is bool:
-            group.add_argument(*flag_names(name), dest=f"{PREFIX}_{name}", default=None,
-                               action=argparse.BooleanOptionalAction, help=_help(name))
-            continue
-        group.add_argument(*flag_names(name), dest=f"{PREFIX}_{name}", default=None, action=_StoreSetting,
-                           type=_converter(name, field.annotation), help=_help(name))
+            group.add_argument(*flag_names(name), dest=dest, action=RefuseSecret, variables=SECRET_VARIABLES[name])
+        elif field.annotation is bool:
+            group.add_argument(*flag_names(name), dest=dest, default=None, action=Switch, help=_help(name))
+            group.add_argument(*(f"--no-{f[2:]}" for f in flag_names(name)), dest=dest, action=NegatedSwitch,
+                               help=argparse.SUPPRESS)  # named in the positive flag's help
+        elif _is_list(name):
+            union = get_origin(field.annotation) in (Union, types.UnionType)
+            members = get_args(field.annotation) if union else (field.annotation,)
+            group.add_argument(*flag_names(name), dest=dest, default=None, action=ListSetting,
+                               convert=_converter(name, field.annotation), plain_is_item=str not in members,
+                               help=_help(name))
+        else:
+            group.add_argument(*flag_names(name), dest=dest, default=None, action=StoreSetting,
+                               type=_converter(name, field.annotation), help=_help(name))
     return parser
 
 
@@ -165,7 +176,9 @@ def config_from_args(args: argparse.Namespace) -> HotloadConfig | None:
     flag, or a misspelt ``HOTLOAD_*`` variable, is an error).
 
     A flag given as ``null`` sets its (optional) field to None, whatever the variable says. The entries of
-    ``--hotload-storage-options`` are merged over those of ``HOTLOAD_STORAGE_OPTIONS``. Raises
+    ``--hotload-storage-options`` are merged over those of ``HOTLOAD_STORAGE_OPTIONS``, and checked against the
+    storage root as the storage layer will check them. Call it where Megatron's arguments are parsed:
+    ``config_from_args(get_args())`` after ``initialize_megatron`` or in a provider ``pretrain`` calls. Raises
     SystemExit naming the flags and variables at fault, and ValueError when ``args`` has no hotload flags at
     all (the parser never had :func:`add_hotload_args`, or Megatron's ``--yaml-cfg`` replaced the arguments).
     """
@@ -180,7 +193,44 @@ def config_from_args(args: argparse.Namespace) -> HotloadConfig | None:
         _check_publishing_off(values)
         return None
     try:
-        return HotloadConfig.from_env_under(values, name_of=_setting_name,
-                                               source=f"--{PREFIX}-* flags and {ENV_PREFIX}* variables")
+        cfg = HotloadConfig.from_env_under(values, name_of=_setting_name,
+                                           source=f"--{PREFIX}-* flags and {ENV_PREFIX}* variables")
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    _check_storage_options(cfg, flag_given="storage_options" in values)
+    _check_fireworks_key(cfg)
+    return cfg
+
+
+def _check_storage_options(cfg: HotloadConfig, *, flag_given: bool) -> None:
+    """SystemExit naming the flag or variable when the storage layer would refuse ``storage_options`` (a misspelt
+    s3fs option, object-store options on a local root). Why here: the refusal came only when the storage opened,
+    often at the first publishing step, naming the Python field. The backend's package is imported only for an
+    object-store root with options (its keywords are what is checked)."""
+    from fsdp_hotload.storage_errors import StorageError
+    from fsdp_hotload.storage_paths import check_options
+
+    try:
+        check_options(cfg.bucket_url, cfg.storage_options)
+    except (ValueError, StorageError) as exc:
+        variable = f"{ENV_PREFIX}STORAGE_OPTIONS"
+        names = [flag_name("storage_options")] if flag_given else []
+        names += [variable] if variable in os.environ else []
+        label = " merged over ".join(names) or "storage_options"
+        raise SystemExit(f"invalid hotload setting {label}: {str(exc).replace('storage_options', 'options', 1)}") \
+            from None
+
+
+def _check_fireworks_key(cfg: HotloadConfig) -> None:
+    """SystemExit naming FIREWORKS_API_KEY when the key this config would signal with cannot be sent (white
+    space inside, a character outside printable ASCII): it failed only when the hot-load clients were built.
+    ``HOTLOAD_API_KEY`` is the config's own ``api_key``, checked when the config is built. A missing key is not an
+    error here: the ranks that do not signal may have none."""
+    key = os.environ.get("FIREWORKS_API_KEY")
+    if cfg.hotload_api_url and cfg.api_key is None and key:
+        from fsdp_hotload.fireworks_names import clean_api_key
+
+        try:
+            clean_api_key(key, "$FIREWORKS_API_KEY")
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None

@@ -112,6 +112,9 @@ class Signaller(Hints, CatchUps):
 
         if not (cfg.account_id and cfg.model_id):  # a config that skipped validation (model_construct)
             raise ValueError("hotload_api_url is set, so account_id and model_id must be set too")
+        if not cfg.resolved_api_key():  # the client's own message names only its argument and FIREWORKS_API_KEY
+            raise ValueError("no Fireworks API key to signal hotload_api_url with: set FIREWORKS_API_KEY, or the "
+                             "config's api_key (HOTLOAD_API_KEY, which wins over FIREWORKS_API_KEY)")
         clients = [HotLoadClient(cfg.hotload_api_url, account_id=cfg.account_id, model_id=cfg.model_id,
                                  deployment_id=d, api_key=cfg.resolved_api_key(),
                                  additional_headers=cfg.hotload_api_headers, allow_insecure=cfg.hotload_api_allow_http,
