@@ -223,9 +223,11 @@ class HotloadConfig(BaseModel):
     def _key_not_blank(cls, v: SecretStr | None) -> SecretStr | None:
         if v is not None and not v.get_secret_value().strip():  # e.g. HOTLOAD_API_KEY="" from an unset variable
             raise ValueError("api_key is empty (set it, or leave it unset to use $FIREWORKS_API_KEY)")
-        from .fireworks_names import clean_api_key  # a key that cannot be sent fails here, naming its source
+        from .fireworks_names import clean_api_key
 
-        return v if v is None or not clean_api_key(v.get_secret_value(), "api_key") else v
+        if v is not None:  # a key that cannot be sent (a space, non-ASCII) fails here, naming its source
+            clean_api_key(v.get_secret_value(), "api_key")
+        return v
 
     @field_validator("hotload_api_headers")
     @classmethod
