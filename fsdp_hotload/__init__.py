@@ -23,6 +23,7 @@ _LAZY = {
     "TensorPublisher": ("fsdp_hotload.publish", "TensorPublisher"),
     "HotLoadEmulator": ("fsdp_hotload.emulator", "HotLoadEmulator"),
     "PublishError": ("fsdp_hotload.engine.publisher", "PublishError"),
+    "OwnershipError": ("fsdp_hotload.fsdp", "OwnershipError"),
     "split_fused_experts": ("fsdp_hotload.naming", "split_fused_experts"),
     "transpose_fused_experts": ("fsdp_hotload.naming", "transpose_fused_experts"),
 }

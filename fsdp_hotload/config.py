@@ -132,8 +132,8 @@ class HotloadConfig(BaseModel):
                                                description="timeout of the publisher's side gloo groups, where "
                                                "ranks wait while the others upload and rank 0 signals and waits "
                                                "for readiness; None = the longest rank 0 may spend signalling "
-                                               "a snapshot (about ready_timeout_s + 6 min, twice that with "
-                                               "deployments_required='any') + 3600")
+                                               "a snapshot (about ready_timeout_s + 10 min; 2 x ready_timeout_s "
+                                               "+ 6 min with deployments_required='any') + 3600")
     send_hints: bool = Field(True, description="send a per-file hint as each file becomes durable")
     reset_prompt_cache: Literal["all", "new_session", "none"] | None = Field(
         None, description="prompt-cache reset the fleet applies with each new snapshot (sent with every signal)")
