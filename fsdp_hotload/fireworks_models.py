@@ -330,6 +330,13 @@ class HotLoadStatus(_Response):
     def failed_replicas(self, identity: str) -> list[int]:
         return [i for i, r in enumerate(self.replicas) if r.failed(identity)]
 
+    def failed_everywhere(self, identity: str) -> bool:
+        """Whether every replica (one at least) reports an error of its load of ``identity`` and none holds it.
+        Why: such a snapshot is loaded by no replica of this deployment, nor can one still be loading it (a
+        reused identity is refused), so retention may delete it (signal.py)."""
+        return bool(self.replicas) and all(r.failed(identity) and r.current_snapshot_identity != identity
+                                           for r in self.replicas)
+
     def describe(self) -> str:
         if not self.replicas:
             return "no replicas reported (the hot-load manager may not be initialised yet)"

@@ -81,13 +81,14 @@ def discard_snapshot(storage: Storage, identity: str) -> None:
         logger.warning("hotload: could not delete the files of failed snapshot %s: %s", identity, exc)
 
 
-def retract_snapshot(storage: Storage, identity: str) -> None:
-    """Delete a committed snapshot no reader was told of (its signal was taken by no deployment), best effort."""
+def retract_snapshot(storage: Storage, identity: str, why: str = "no deployment took its signal") -> None:
+    """Delete a committed snapshot no reader holds or can load, best effort: ``why`` says why (its signal was
+    taken by no deployment, or every replica failed to load it)."""
     try:
         _delete_committed(storage, identity)
-        logger.info("hotload: deleted snapshot %s: no deployment took its signal (keep_last)", storage.uri(identity))
+        logger.info("hotload: deleted snapshot %s: %s (keep_last)", storage.uri(identity), why)
     except Exception as exc:  # noqa: BLE001 - a later pass deletes it (it is not spared)
-        logger.warning("hotload: could not delete snapshot %s, which no deployment took: %s", identity, exc)
+        logger.warning("hotload: could not delete snapshot %s (%s): %s", identity, why, exc)
 
 
 def _ancestors_closure(roots: Iterable[str], by_id: dict[str, CommitInfo]) -> set[str]:

@@ -21,7 +21,7 @@ from ..config import HotloadConfig
 from ..layout import ShardPlan
 from ..storage import Storage
 from .jobs import Job, Outcome, PublishError, RankStatus, summarize
-from .signal import NotSignalled, Signaller
+from .signal import LoadedNowhere, NotSignalled, Signaller
 
 if TYPE_CHECKING:
     from ..markers import MarkerCache
@@ -104,8 +104,9 @@ class Committer:
                 from ..retention import discard_snapshot
 
                 discard_snapshot(self.storage, identity)
-            elif isinstance(exc, NotSignalled) and self.config.keep_last:
-                self._retract(identity)
+            elif isinstance(exc, (NotSignalled, LoadedNowhere)) and self.config.keep_last:
+                self._retract(identity, "no deployment took its signal" if isinstance(exc, NotSignalled) else
+                              "every replica failed to load it")
         m.total_s = time.perf_counter() - job.t_hook  # hook to every replica ready: retention comes after
         after = self.storage.stats.snapshot()  # a throttled commit marker is this publish's, not nobody's
         m.throttled += int(after.get("throttled", 0) - before.get("throttled", 0))
@@ -159,16 +160,18 @@ class Committer:
                          grace_s=self.config.retention_grace_s, keep=self.inputs, markers=self._markers,
                          spare=lambda: self._spared(identity))  # logs, never raises
 
-    def _retract(self, identity: str) -> None:
-        """Delete a committed snapshot whose signal no deployment took (:class:`.signal.NotSignalled`): no replica
-        can load it, and while the fleet is down or refuses every signal no retention pass runs, so each publish
-        left a full snapshot in the bucket. Its marker goes first, as in a retention pass."""
+    def _retract(self, identity: str, why: str) -> None:
+        """Delete a committed snapshot whose signal no deployment took (:class:`.signal.NotSignalled`), or that
+        every replica failed to load (:class:`.signal.LoadedNowhere`): no replica holds it or can load it, and
+        while the fleet is down, refuses every signal or fails every load no retention pass runs, so each publish
+        left a full snapshot in the bucket. Nothing depends on it: after a failure the next publish is full.
+        Its marker goes first, as in a retention pass."""
         from ..retention import retract_snapshot
 
         with self._retention:
             if identity in self._commits:
                 self._commits.remove(identity)
-        retract_snapshot(self.storage, identity)
+        retract_snapshot(self.storage, identity, why)
 
     def _spared(self, identity: str) -> list[str]:
         """What a pass for ``identity`` spares besides it, when it asks: the identities committed here since (the

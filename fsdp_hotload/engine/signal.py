@@ -15,6 +15,8 @@ snapshot; a signal that failed (refused, a 5xx, no connection), but for a 409, m
 refused again. While another deployment takes the snapshots, one whose last load timed out is waited for only by its
 catch-up (hanging replicas would otherwise cost each full snapshot ``ready_timeout_s``; if the others fail, the next
 publish signals it too), and one whose hot-load manager was down is asked again by its catch-up at each publish.
+A load error for a snapshot that another replica still loads is waited out a little (``settle_s``, with
+``keep_last``), so that a snapshot every replica failed to load is told (:class:`LoadedNowhere`) and deleted.
 With ``straggler_wait_s``, a publish waits for a deployment still loading only that long after another one served the
 snapshot (checked at each of its status polls, and between a poll's retries); its catch-up (:mod:`.catch_up`) waits
 out that load. Nor does a publish wait for a catch-up's load in flight while another deployment is signalled.
@@ -33,15 +35,16 @@ import time
 from typing import Any, Callable, Sequence
 
 from ..config import HotloadConfig
-from ..fireworks_models import HotLoadCancelled, HotLoadTimeout, holds_it, manager_may_be_down, never_taken
+from ..fireworks_models import (HotLoadCancelled, HotLoadError, HotLoadTimeout, holds_it, manager_may_be_down,
+                               never_taken)
 from .catch_up import CatchUps
 from .hints import Hints
 from .pool import DaemonPool
-from .signal_limits import (HINT_DEADLINE_S, MANAGER_WAIT_S, SIGNAL_RETRY_BUDGET_S, join_wait_s, longest_signal_s,
-                            say_behind, say_left_behind, say_what_is_served, warn_at_start)
+from .signal_limits import (HINT_DEADLINE_S, LOAD_ERROR_SETTLE_S, MANAGER_WAIT_S, SIGNAL_RETRY_BUDGET_S, join_wait_s,
+                            longest_signal_s, say_behind, say_left_behind, say_what_is_served, warn_at_start)
 
-__all__ = ["HINT_DEADLINE_S", "MANAGER_WAIT_S", "SIGNAL_RETRY_BUDGET_S", "NotSignalled", "Signaller",
-           "longest_signal_s", "warn_at_start"]
+__all__ = ["HINT_DEADLINE_S", "MANAGER_WAIT_S", "SIGNAL_RETRY_BUDGET_S", "LoadedNowhere", "NotSignalled",
+           "Signaller", "longest_signal_s", "warn_at_start"]
 
 log = logging.getLogger("fsdp_hotload")
 
@@ -52,11 +55,22 @@ class NotSignalled(RuntimeError):
     publish of a job whose fleet is down or refuses it otherwise kept a full snapshot until one was served."""
 
 
+class LoadedNowhere(RuntimeError):
+    """Every replica of every deployment that may have taken the snapshot's signal reported an error of its load
+    of it, and none serves it: no replica holds it, and none can load it later (the API refuses a reused
+    identity). Why a class of its own: with ``keep_last`` it is deleted at once, as a :class:`NotSignalled` one;
+    a fleet that kept failing its loads otherwise kept one full snapshot per publish until one was served."""
+
+
 class Signaller(Hints, CatchUps):
     def __init__(self, clients: Sequence[Any], *, ready_timeout_s: float = 600.0,
                  reset_prompt_cache: str | None = None, compression_format: str = "arc_v2",
-                 require_all: bool = True, straggler_wait_s: float | None = None) -> None:
+                 require_all: bool = True, straggler_wait_s: float | None = None, settle_s: float = 0.0) -> None:
         self.clients = list(clients)
+        # after a replica's load error, how long the publish asks on while another replica still loads that
+        # snapshot (within ready_timeout_s): only then can it tell one no replica loaded (LoadedNowhere)
+        self.settle_s = settle_s
+        self._cancelled = threading.Event()  # cancel(): ends those waits at once
         self.require_all = require_all  # False: deployments_required="any"
         self.straggler_wait_s = None if require_all else straggler_wait_s
         self.compression_format = compression_format  # the codec of the deltas; Fireworks accepts arc_v2
@@ -123,7 +137,7 @@ class Signaller(Hints, CatchUps):
                    for d in cfg.deployments]
         return cls(clients, ready_timeout_s=cfg.ready_timeout_s, reset_prompt_cache=cfg.reset_prompt_cache,
                    compression_format=cfg.codec, require_all=cfg.deployments_required == "all",
-                   straggler_wait_s=cfg.straggler_wait_s)
+                   straggler_wait_s=cfg.straggler_wait_s, settle_s=LOAD_ERROR_SETTLE_S if cfg.keep_last else 0.0)
 
     def may_serve(self) -> set[str]:
         """Every snapshot a deployment serves, or was signalled and may load yet. Retention spares them and their
@@ -212,12 +226,21 @@ class Signaller(Hints, CatchUps):
         cut = self.straggler_wait_s is not None and len(clients) > 1
 
         def wait(c: Any) -> None:
-            c.wait_ready(identity, timeout_s=self.ready_timeout_s, on_poll=lambda st: polled(c, st),
-                         until=(lambda: release[0]) if cut else None)
+            try:
+                c.wait_ready(identity, timeout_s=self.ready_timeout_s, on_poll=lambda st: polled(c, st),
+                             until=(lambda: release[0]) if cut else None)
+            except HotLoadError as exc:
+                if _load_error(exc) and c.deployment_name in last:
+                    self._settle(c, identity, lambda st: polled(c, st), last[c.deployment_name],
+                                 min(start + self.ready_timeout_s, time.monotonic() + self.settle_s))
+                raise
             if cut:
                 release[0] = min(release[0], time.monotonic() + self.straggler_wait_s)
 
         failed = self._on_each(clients, wait)
+        nowhere = bool(failed) and all(
+            c.deployment_name in failed and _load_error(failed[c.deployment_name]) and c.deployment_name in last
+            and last[c.deployment_name].failed_everywhere(identity) for c in clients)
         with self._state:
             for c in clients:
                 name = c.deployment_name
@@ -238,7 +261,12 @@ class Signaller(Hints, CatchUps):
                     self._signalled[name] = {i for r in last[name].replicas for i in (
                         r.current_snapshot_identity, r.target if r.stage != "error" else None) if i} | {identity} | (
                         self._signalled.get(name, set()) if self._release_of(name, identity) is not None else set())
-        self._go_on(clients, failed, left, "it did not serve it", RuntimeError)
+            # no other deployment may hold it either (a signal that failed after it may have been taken)
+            nowhere = nowhere and not any(identity in ids for n, ids in self._signalled.items() if n not in failed)
+            if nowhere:  # no replica loads it: retention need not spare it
+                for name in failed:
+                    self._signalled.get(name, set()).discard(identity)
+        self._go_on(clients, failed, left, "it did not serve it", LoadedNowhere if nowhere else RuntimeError)
         self._left_behind(identity, left)
         if not self.require_all:
             self._extend_chain(identity, previous)
@@ -246,6 +274,21 @@ class Signaller(Hints, CatchUps):
             with self._state:
                 self.catching_up = frozenset(n for n in self.behind.keys() & lanes if self._loads(n))
         return time.perf_counter() - t0
+
+    def _settle(self, c: Any, identity: str, polled: Callable[[Any], None], st: Any, end: float) -> None:
+        """After a load error of ``identity`` on some replica of ``c``: poll (``poll_interval_s`` apart, until
+        ``end``) while another replica neither failed that load nor serves it; ``polled`` records each answer.
+        Why: the wait ends at the first replica's error, when the others may still be loading; a snapshot is
+        told loaded by no replica (:class:`LoadedNowhere`) only from a status in which every replica failed it.
+        A poll that fails ends it: the snapshot is then kept."""
+        while not (st.failed_everywhere(identity) or any(r.serves(identity) for r in st.replicas)):
+            if time.monotonic() >= end or self._cancelled.wait(min(c.poll_interval_s, end - time.monotonic())):
+                return
+            try:
+                st = c.status(deadline=end)
+            except Exception:  # noqa: BLE001 - its state is unknown: the snapshot stays
+                return
+            polled(st)
 
     def _busy(self, clients: list[Any], previous: str | None) -> tuple[dict[str, str], set[str]]:
         """The deployments this snapshot leaves out (-> why), and those it signals once their catch-up ends.
@@ -473,6 +516,7 @@ class Signaller(Hints, CatchUps):
         """End the signals, hints and readiness waits in flight now (from any thread), and every later one: for
         a publisher that gave up on its snapshots, whose thread would otherwise poll for up to
         ``ready_timeout_s``. A deployment already signalled may still load that snapshot."""
+        self._cancelled.set()
         for c in self.clients:
             c.cancel()
 
@@ -498,3 +542,9 @@ def _unsent(exc: BaseException) -> bool:
     """Whether a deployment's failed signal reached no replica: never sent (:class:`NotSignalled`, from
     ``_joined``), or refused as :func:`never_taken` says; the snapshot is then no deployment's to load."""
     return isinstance(exc, NotSignalled) or never_taken(exc)
+
+
+def _load_error(exc: BaseException) -> bool:
+    """Whether a readiness wait ended at a replica's load error (not at its timeout, a cancel or a poll that
+    failed): only then may every replica have ended its load."""
+    return type(exc) is HotLoadError and exc.status_code is None

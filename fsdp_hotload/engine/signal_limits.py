@@ -25,6 +25,11 @@ HINT_DEADLINE_S = 10.0
 SIGNAL_RETRY_BUDGET_S = 300.0
 #: The longest the first signal to a deployment waits for its hot-load manager (replicas reported).
 MANAGER_WAIT_S = 300.0
+#: With ``keep_last``: after a replica's load error, the longest a publish asks on (within ``ready_timeout_s``)
+#: while another replica still loads the snapshot, to tell whether every replica failed it (it is then deleted).
+#: Replicas read the same files, so a bad one fails each soon after the first; a bound, since the failed
+#: publish's report waits meanwhile.
+LOAD_ERROR_SETTLE_S = 60.0
 
 
 #: Beyond what its load may take, how long a snapshot waits for a catch-up to end (:func:`join_wait_s`).
