@@ -439,7 +439,8 @@ class HotloadCallback:
         (close() from a watchdog), the trainer's next optimizer step must still wait for the copy instead of
         changing the weights under it (the snapshot would hold the next step's weights under this step's name).
         The hooks leave the optimizer when this runs on the thread that steps it; from another they stay on it,
-        running nothing, and keep nothing of this callback alive (:mod:`fsdp_hotload.callback_hooks`)."""
+        fencing the trainer's next step, then running nothing and keeping nothing of this callback alive
+        (:mod:`fsdp_hotload.callback_hooks`)."""
         att, self._attachment = self._attachment, None
         self._hooks_on = False
         if att is not None:

@@ -72,7 +72,12 @@ class _SharedHooks:
 
     def _pre(self, *_: Any) -> None:
         self.stepper = threading.get_ident()
-        self._each(Attachment.pre)
+        try:
+            self._each(Attachment.pre)
+        finally:  # a dead part left by a detach on another thread has fenced here: from now on it can go
+            if any(not att.live for att, _ in self.parts):
+                with _LOCK:
+                    self.parts = tuple(part for part in self.parts if part[0].live)
 
     def _post(self, *_: Any) -> None:
         self._each(Attachment.post)
@@ -122,15 +127,18 @@ def hook(att: Attachment, optimizers: Sequence[torch.optim.Optimizer]) -> None:
 
 def release(att: Attachment) -> None:
     """Take ``att`` (turned off already) off its optimizers; an optimizer's hooks go with their last attachment
-    where this thread may remove them (see :meth:`_SharedHooks.removable`). Either way nothing keeps the callback."""
+    where this thread may remove them (see :meth:`_SharedHooks.removable`). From another thread ``att`` stays until
+    the trainer's next step has fenced in its pre-step hook (a copy may start after this returns), then goes."""
     with _LOCK:
         for ref in att._optimizers:
             opt = ref()
             shared = None if opt is None else _SHARED.get(opt)
             if shared is None:
                 continue
+            if not shared.removable():  # its pre part must still fence the trainer's next step (see _pre)
+                continue
             shared.parts = tuple(part for part in shared.parts if part[0] is not att)
-            if not shared.parts and shared.removable():
+            if not shared.parts:
                 pre, post = shared.handles
                 post.remove()
                 pre.remove()

@@ -211,7 +211,9 @@ class HotLoadClient:
         self.additional_headers = Headers(clean_headers(dict(additional_headers or {}), "additional_headers"))
         # Older servers reject reset_prompt_cache as an unknown field; after the first such 400 we stop sending it.
         self.send_reset_prompt_cache = True
-        self._ssl = tls_context()
+        # read only where TLS is used: a stale REQUESTS_CA_BUNDLE must not fail a client of an http:// API
+        uses_tls = "https" in (self.base_url.scheme, self.control_plane_url.scheme)
+        self._ssl = tls_context() if uses_tls else None
         self._canceller = Canceller()
 
     def cancel(self) -> None:

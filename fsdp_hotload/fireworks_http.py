@@ -314,7 +314,7 @@ class _Watchdog:
 
 def send_once(
     base: urllib.parse.SplitResult, method: str, path: str, payload: bytes | None, headers: dict[str, str],
-    timeout: float, context: ssl.SSLContext, canceller: Canceller | None = None,
+    timeout: float, context: ssl.SSLContext | None, canceller: Canceller | None = None,
     until: Callable[[], float] | None = None,
 ) -> Reply:
     """One exchange, no retries, done within ``timeout`` seconds, or by ``until()`` where that comes first (see
@@ -364,6 +364,8 @@ def send_once(
             if why is None or (why != "cancelled" and isinstance(exc, NotSent)):  # a timed-out connect sent nothing
                 if isinstance(exc, TimeoutError) and not isinstance(exc, (NotSent, ExchangeTimeout)):
                     raise progress.mark(ExchangeTimeout(f"timed out {progress}")) from None  # a socket read's own
+                if why is not None and not isinstance(exc.__cause__, TimeoutError):  # cut by the watchdog: the
+                    raise NotSent(str(_cut(why, deadline, progress))) from None  # reader saw only an end of file
                 raise progress.mark(exc)
             # Not chained: the reader's error (an end of file, a reset) only says the socket was shut down.
             raise progress.mark(_cut(why, deadline, progress)) from None

@@ -1,8 +1,9 @@
 """Which proxy a hot-load request goes through, and the CONNECT tunnel an ``https://`` API is reached by.
 
 Kept apart from :mod:`fsdp_hotload.fireworks_http` (one exchange on the wire): these are the rules the environment
-sets, read as ``curl`` and ``requests`` read them (``HTTPS_PROXY`` / ``HTTP_PROXY`` by scheme, then ``ALL_PROXY``;
-``NO_PROXY`` by host suffix, IP address or CIDR block), and what a proxy's refusal means for the user.
+sets, read as ``curl`` and ``requests`` read them (``HTTPS_PROXY`` / ``HTTP_PROXY`` by scheme, then an
+``http://`` ``ALL_PROXY``; ``NO_PROXY`` by host suffix, IP address or CIDR block), and what a proxy's refusal
+means for the user.
 
 Example::
 
@@ -16,10 +17,13 @@ import http.client
 import ipaddress
 import os
 import socket
+import logging
 import urllib.parse
 from collections.abc import Callable
 
 from .masking import mask_url
+
+log = logging.getLogger("fsdp_hotload")
 
 #: The environment variables read for each scheme, first found wins (lower case first, as urllib and curl do).
 _PROXY_VARS = {"https": ("https_proxy", "HTTPS_PROXY"), "http": ("http_proxy", "HTTP_PROXY")}
@@ -94,13 +98,14 @@ def bypasses_proxy(host: str, port: int | None, no_proxy: str) -> bool:
 
 
 def proxy_for(base: urllib.parse.SplitResult) -> urllib.parse.SplitResult | None:
-    """The proxy a request to ``base`` goes through, as ``curl``, ``requests`` and boto (the snapshot uploads)
-    choose it: ``HTTPS_PROXY`` / ``HTTP_PROXY`` by the URL's scheme, else ``ALL_PROXY``, unless ``NO_PROXY`` names
+    """The proxy a request to ``base`` goes through, as ``curl`` and ``requests`` choose it (boto, the snapshot
+    uploads, alike but for ``ALL_PROXY``): ``HTTPS_PROXY`` / ``HTTP_PROXY`` by the URL's scheme, else an
+    ``http://`` ``ALL_PROXY`` (see :func:`_all_proxy`), unless ``NO_PROXY`` names
     the host (see :func:`bypasses_proxy`); None for a direct connection (always for a loopback host, which a proxy
     cannot reach). Why: on clusters whose outbound traffic must pass a proxy, the uploads went through it and every
     signal failed to resolve the API's host. Only an ``http://`` proxy is supported (a TLS connection to the proxy
     itself is not), which is what such variables name almost always."""
-    found = _env(_PROXY_VARS.get(base.scheme, ())) or _env(_ALL_VARS)
+    found = _env(_PROXY_VARS.get(base.scheme, ())) or _all_proxy()
     host = base.hostname or ""
     if found is None or _is_loopback(host):
         return None
@@ -113,7 +118,34 @@ def proxy_for(base: urllib.parse.SplitResult) -> urllib.parse.SplitResult | None
     if proxy.scheme != "http" or not proxy.hostname:
         raise ProxyUnsupported(f"the proxy set in {name} ({mask_url(url)}) is not supported: the hot-load client "
                                "reaches the API through an http:// proxy only")
+    try:
+        proxy.port  # noqa: B018 - read for its check: a port that is no number, or past 65535
+    except ValueError:
+        raise ProxyUnsupported(f"the proxy set in {name} ({mask_url(url)}) has no valid port: give it as "
+                               "http://host:port, the port a number up to 65535") from None
     return proxy
+
+
+_told_all_proxy: set[str] = set()
+
+
+def _all_proxy() -> tuple[str, str] | None:
+    """``ALL_PROXY`` where it names an ``http://`` proxy (or one without a scheme); None otherwise. Why not refuse
+    a SOCKS one, as a scheme's own variable is: dev images and VPN tools often set ``ALL_PROXY=socks5h://...``
+    alone, which the uploads (boto reads the scheme's variable only) ignore, so the signals go direct as well,
+    said once at INFO."""
+    found = _env(_ALL_VARS)
+    if found is None:
+        return None
+    name, url = found
+    scheme = url.partition("://")[0].lower() if "://" in url else "http"
+    if scheme == "http":
+        return found
+    if url not in _told_all_proxy:
+        _told_all_proxy.add(url)
+        log.info("hotload: %s names a %s proxy (%s), which the hot-load client cannot use: it connects directly",
+                 name, scheme, mask_url(url))
+    return None
 
 
 def proxy_shown(base: urllib.parse.SplitResult) -> str | None:

@@ -442,3 +442,43 @@ def test_callbacks_sharing_an_optimizer_each_count_a_step_another_ones_error_was
     assert [m.step for m in two.metrics] == [0, 1, 2, 3] and all(m.ok for m in two.metrics)
     rebuilt = rebuild_accepted(bucket_b, two.metrics)
     assert {k: t.digest() for k, t in rebuilt[two.metrics[-1].identity].items()} == want
+
+
+def test_a_watchdog_detach_during_the_post_hook_still_fences_the_next_step(tmp_path: Path) -> None:
+    """A detach() on a watchdog thread that lands after the trainer's post-step hook decided to publish, and before
+    it started its background copy: the detach's own fence found nothing staged, and taking the callback's part off
+    the optimizer at once let the trainer's next optimizer.step() change the weights under that copy, so the snapshot
+    held the next step's weights under this step's name. The part now stays until that next step has fenced."""
+    bucket, hf = _setup(tmp_path)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hot = HotloadCallback(model, HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf), busy_policy="wait"))
+    _slow_copies(hot, 0.5)
+    hot.attach(opt)
+    in_publish, detached = threading.Event(), threading.Event()
+    real_publish = hot.engine.publish
+    expected: dict[int, dict] = {}
+
+    def publish(step: int, *args: object, **kwargs: object) -> bool:
+        if step == 1:  # the post-hook passed its live check; the watchdog's detach lands now
+            in_publish.set()
+            assert detached.wait(30)
+        return real_publish(step, *args, **kwargs)
+
+    hot.engine.publish = publish  # type: ignore[method-assign]
+    opt.register_step_post_hook(lambda *_: expected.setdefault(len(expected), _expected(model)))  # after ours
+
+    def watchdog() -> None:
+        in_publish.wait(30)
+        hot.detach()
+        detached.set()
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    _train(model, opt, 3)
+    hot.wait()
+    hot.close()
+    ok = [m for m in hot.metrics if m.ok]
+    assert [m.step for m in ok] == [0, 1]
+    rebuilt = rebuild_accepted(bucket, hot.metrics)
+    for m in ok:
+        assert {k: t.digest() for k, t in rebuilt[m.identity].items()} == expected[m.step], m.step

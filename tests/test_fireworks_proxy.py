@@ -7,6 +7,7 @@ through ``SSL_CERT_FILE``), the emulator behind the proxy under a host name that
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import select
 import socket
@@ -24,7 +25,7 @@ import pytest
 
 from fsdp_hotload.emulator import HotLoadEmulator
 from fsdp_hotload.fireworks import HotLoadClient, HotLoadError, HotLoadRequestError
-from fsdp_hotload.fireworks_http import hint_for
+from fsdp_hotload.fireworks_http import NotSent, hint_for, send_once, tls_context
 from fsdp_hotload.fireworks_models import never_taken
 from fsdp_hotload.fireworks_proxy import ProxyUnsupported, proxy_for
 from tests.emulator_fixture import EMULATOR_API_KEY, tiny_model, write_full_snapshot
@@ -398,9 +399,65 @@ def test_no_proxy_matches_addresses_blocks_and_ports_as_curl_does(monkeypatch: p
         assert route(proxied) == via, proxied
     _use_proxy(monkeypatch, ALL_PROXY="http://a:3", https_proxy="http://s:2")
     assert (route("http://api.example"), route("https://api.example")) == ("a:3", "s:2")
-    _use_proxy(monkeypatch, ALL_PROXY="socks5://a:3")
-    with pytest.raises(ProxyUnsupported, match="ALL_PROXY"):
-        route("https://api.example")
+    _use_proxy(monkeypatch, ALL_PROXY="a:3")  # no scheme: http
+    assert route("https://api.example") == "a:3"
+
+
+def test_a_socks_all_proxy_is_passed_by_and_a_schemes_own_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """ALL_PROXY=socks5h://... alone (dev images, VPN tools) made every signal fail at once as an unsupported proxy,
+    while the uploads (boto reads the scheme's variable only) went direct. It is passed by, said once."""
+    caplog.set_level("INFO", logger="fsdp_hotload")
+    _use_proxy(monkeypatch, ALL_PROXY="socks5h://127.0.0.1:1080")
+    assert proxy_for(urllib.parse.urlsplit("https://api.example")) is None
+    assert proxy_for(urllib.parse.urlsplit("http://api.example")) is None
+    told = [r.getMessage() for r in caplog.records if "ALL_PROXY" in r.getMessage()]
+    assert len(told) == 1 and "connects directly" in told[0], told
+    _use_proxy(monkeypatch, HTTPS_PROXY="socks5://127.0.0.1:1080")
+    with pytest.raises(ProxyUnsupported, match="HTTPS_PROXY"):
+        proxy_for(urllib.parse.urlsplit("https://api.example"))
+
+
+@pytest.mark.parametrize("value", ["http://proxy.corp:abc", "http://proxy.corp:70000"])
+def test_a_proxy_port_that_is_no_port_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch,
+                                                                     value: str) -> None:
+    """It passed the proxy check, then failed in the request as 'the request could not be sent', with a hint about
+    headers and the API key, naming no variable."""
+    _use_proxy(monkeypatch, HTTPS_PROXY=value)
+    with pytest.raises(ProxyUnsupported, match="HTTPS_PROXY.*no valid port"):
+        proxy_for(urllib.parse.urlsplit("https://api.example"))
+
+
+def test_a_tunnel_the_callers_wait_cuts_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proxy that accepts the connection and never answers CONNECT, cut by the caller's until() (a released
+    straggler wait): the reader saw an end of file, and the error read 'Remote end closed connection without
+    response', sending the user after a proxy that closes connections."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(srv.accept()[0])  # reads nothing, answers nothing
+
+    threading.Thread(target=accept, daemon=True).start()
+    _use_proxy(monkeypatch, HTTPS_PROXY=f"http://127.0.0.1:{srv.getsockname()[1]}")
+    release = [float("inf")]
+    timer = threading.Timer(0.3, lambda: release.__setitem__(0, time.monotonic() + 0.2))
+    timer.start()
+    try:
+        with pytest.raises(NotSent) as err:
+            send_once(urllib.parse.urlsplit("https://api.example.invalid"), "GET", "/x", None, {}, 30.0,
+                      tls_context(), until=lambda: release[0])
+    finally:
+        timer.cancel()
+        srv.close()
+        for conn in held:
+            conn.close()
+    assert "RemoteDisconnected" not in str(err.value) and "wait ended" in str(err.value), err.value
+    assert "while connecting via proxy" in str(err.value), err.value
 
 
 def _local_address() -> str | None:

@@ -160,6 +160,8 @@ def test_a_private_ca_named_as_requests_reads_it_is_trusted(
         monkeypatch.setenv(variable, str(tmp_path / "missing.pem"))
         with pytest.raises(ValueError, match=variable):
             _client(url)
+        # a client of an http:// API never uses TLS: a stale bundle variable must not fail it
+        assert _client("http://127.0.0.1:9")._ssl is None
 
 
 def test_a_redirect_hint_offers_the_base_url_without_the_request_path() -> None:
