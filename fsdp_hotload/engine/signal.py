@@ -216,14 +216,18 @@ class Signaller(Hints, CatchUps):
         clients = self._go_on(clients, failed, left, "its signal failed", RuntimeError if taken else NotSignalled)
         t0 = time.perf_counter()
         last: dict[str, Any] = {}  # deployment -> its last status polled
+        most: dict[str, int] = {}  # deployment -> the most replicas one of its statuses listed
 
         def polled(c: Any, st: Any) -> None:
             last[c.deployment_name] = st
+            most[c.deployment_name] = max(most.get(c.deployment_name, 0), len(st.replicas))
             if on_poll is not None:
                 on_poll(c.deployment_name, st, c.redact)
 
         start, release = time.monotonic(), [float("inf")]  # straggler_wait_s after the first one served it
         cut = self.straggler_wait_s is not None and len(clients) > 1
+
+        moot = threading.Event()  # another deployment serves it or failed otherwise: it cannot be LoadedNowhere
 
         def wait(c: Any) -> None:
             try:
@@ -232,15 +236,25 @@ class Signaller(Hints, CatchUps):
             except HotLoadError as exc:
                 if _load_error(exc) and c.deployment_name in last:
                     self._settle(c, identity, lambda st: polled(c, st), last[c.deployment_name],
-                                 min(start + self.ready_timeout_s, time.monotonic() + self.settle_s))
+                                 min(start + self.ready_timeout_s, time.monotonic() + self.settle_s),
+                                 lambda: moot.is_set() or time.monotonic() >= release[0])
+                else:
+                    moot.set()
                 raise
+            except BaseException:
+                moot.set()
+                raise
+            moot.set()
             if cut:
                 release[0] = min(release[0], time.monotonic() + self.straggler_wait_s)
 
         failed = self._on_each(clients, wait)
+        # every replica failed it, and as many as were ever listed: one that left the list mid-load (evicted,
+        # rescheduled) may come back to the newest snapshot signalled, which must then still be there
         nowhere = bool(failed) and all(
             c.deployment_name in failed and _load_error(failed[c.deployment_name]) and c.deployment_name in last
-            and last[c.deployment_name].failed_everywhere(identity) for c in clients)
+            and last[c.deployment_name].failed_everywhere(identity)
+            and len(last[c.deployment_name].replicas) >= most[c.deployment_name] for c in clients)
         with self._state:
             for c in clients:
                 name = c.deployment_name
@@ -275,14 +289,17 @@ class Signaller(Hints, CatchUps):
                 self.catching_up = frozenset(n for n in self.behind.keys() & lanes if self._loads(n))
         return time.perf_counter() - t0
 
-    def _settle(self, c: Any, identity: str, polled: Callable[[Any], None], st: Any, end: float) -> None:
+    def _settle(self, c: Any, identity: str, polled: Callable[[Any], None], st: Any, end: float,
+                moot: Callable[[], bool] = lambda: False) -> None:
         """After a load error of ``identity`` on some replica of ``c``: poll (``poll_interval_s`` apart, until
         ``end``) while another replica neither failed that load nor serves it; ``polled`` records each answer.
         Why: the wait ends at the first replica's error, when the others may still be loading; a snapshot is
         told loaded by no replica (:class:`LoadedNowhere`) only from a status in which every replica failed it.
-        A poll that fails ends it: the snapshot is then kept."""
+        A poll that fails ends it, and so does ``moot()`` (another deployment serves it or failed otherwise, or
+        ``straggler_wait_s`` released the waits): the snapshot is then kept."""
         while not (st.failed_everywhere(identity) or any(r.serves(identity) for r in st.replicas)):
-            if time.monotonic() >= end or self._cancelled.wait(min(c.poll_interval_s, end - time.monotonic())):
+            if moot() or time.monotonic() >= end or self._cancelled.wait(
+                    min(c.poll_interval_s, end - time.monotonic())) or moot():
                 return
             try:
                 st = c.status(deadline=end)
