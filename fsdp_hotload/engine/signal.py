@@ -230,21 +230,20 @@ class Signaller(Hints, CatchUps):
         moot = threading.Event()  # another deployment serves it or failed otherwise: it cannot be LoadedNowhere
 
         def wait(c: Any) -> None:
+            settling = False  # only a load error, with a status to go on, may end in LoadedNowhere
             try:
                 c.wait_ready(identity, timeout_s=self.ready_timeout_s, on_poll=lambda st: polled(c, st),
                              until=(lambda: release[0]) if cut else None)
             except HotLoadError as exc:
-                if _load_error(exc) and c.deployment_name in last:
+                settling = _load_error(exc) and c.deployment_name in last
+                if settling:
                     self._settle(c, identity, lambda st: polled(c, st), last[c.deployment_name],
                                  min(start + self.ready_timeout_s, time.monotonic() + self.settle_s),
                                  lambda: moot.is_set() or time.monotonic() >= release[0])
-                else:
+                raise
+            finally:
+                if not settling:
                     moot.set()
-                raise
-            except BaseException:
-                moot.set()
-                raise
-            moot.set()
             if cut:
                 release[0] = min(release[0], time.monotonic() + self.straggler_wait_s)
 
@@ -290,7 +289,7 @@ class Signaller(Hints, CatchUps):
         return time.perf_counter() - t0
 
     def _settle(self, c: Any, identity: str, polled: Callable[[Any], None], st: Any, end: float,
-                moot: Callable[[], bool] = lambda: False) -> None:
+                moot: Callable[[], bool]) -> None:
         """After a load error of ``identity`` on some replica of ``c``: poll (``poll_interval_s`` apart, until
         ``end``) while another replica neither failed that load nor serves it; ``polled`` records each answer.
         Why: the wait ends at the first replica's error, when the others may still be loading; a snapshot is
