@@ -3,7 +3,8 @@
 Why a module of its own: the publisher's threads are daemons, because an exiting trainer must not hang on a remote
 fleet or a stuck storage call. So a process that ends without ``close()``, or a ``close()`` whose deadline
 (``close_timeout_s``) passes, drops what is still publishing; this module makes sure that is said, with where the
-snapshot was stuck, instead of lost silently.
+snapshot was stuck, instead of lost silently. ``close()`` itself lives here too (:func:`close_publisher`): the
+last vote, the wait within the deadline, and which error the caller sees.
 
 Example::
 
@@ -17,6 +18,7 @@ import atexit
 import contextlib
 import logging
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -93,3 +95,64 @@ def abandon(pub: Any, timeout: float | None, raise_errors: bool, locked_out: boo
     log.error("hotload: %s%s", msg, "" if err is None else f" (an earlier publish failed: {err})")
     if raise_errors:
         raise PublishError(msg) from err
+
+
+def close_publisher(pub: Any, raise_errors: bool, sources: Any, timeout: float | None,
+                    propagating: bool | None) -> None:
+    """The body of ``Publisher.close`` (see there); ``pub`` is the Publisher."""
+    final_error: Exception | None = None
+    pub._close_called = True
+    timeout = pub.config.close_timeout_s if timeout is None else timeout
+    deadline = deadline_after(timeout)
+    # Bounded too: with the wait policy, a publish() on the trainer's thread waits for a slot behind a stuck one.
+    if not pub._api_lock.acquire(timeout=-1 if deadline is None else left(deadline)):
+        if not pub.closed:
+            if pub.config.publish_on_close and not pub._closing:  # the others' vote must not wait for it
+                pub.agreements.withdraw("gave up on close() while another call held the publisher")
+            abandon(pub, timeout, raise_errors, locked_out=True)
+        return
+    try:
+        if pub.closed:
+            return
+        if pub._pending and pub.rank == 0:  # readiness can take minutes: say what close() waits for
+            log.info("hotload: close() waits for %d snapshot(s) in flight", pub._pending)
+        final = raise_errors and pub.config.publish_on_close and not pub._closing
+        propagating = sys.exc_info()[1] is not None if propagating is None else propagating
+        if final and propagating and pub.latest_step > pub._last_staged:
+            log.warning("hotload: closing while an exception propagates: the newest step %d is not published",
+                        pub.latest_step)
+        if pub.config.publish_on_close and not pub._closing and not (final and not propagating):
+            # the others vote at their close: a vote this rank started could hold its exit while they are
+            # stuck elsewhere (a training collective), so it leaves a note instead (agreement.py)
+            pub.agreements.withdraw("closes on an exception")
+        if final and not propagating:
+            try:
+                pub.publish_final(sources, timeout=left(deadline))
+            except Exception as exc:  # noqa: BLE001 - raised once the threads are stopped
+                final_error = exc
+        pub._closing = True
+    finally:
+        pub._api_lock.release()
+    try:
+        pub.wait(left(deadline))
+    except TimeoutError:
+        abandon(pub, timeout, raise_errors)
+        return
+    pub.closed = True
+    if pub._thread is not None:
+        pub._queue.put(None)
+        pub._thread.join()
+    if pub._carried is not None:  # no later snapshot carried it
+        pub._errors.store(pub._carried, pub._staged)
+    pub._free(deadline, drain=raise_errors and not propagating)  # not on an exception: it may be a hang
+    if raise_errors:
+        if final_error is not None and pub._errors.due(pub._staged) and not pub.config.keep_training_on_error:
+            log.error("hotload: publishing the newest step at close failed: %r", final_error)  # raised: the other
+        pub.raise_if_failed()
+        if final_error is not None:
+            raise final_error
+        return
+    err = pub._errors.take()  # closing on an exception path: the caller's error wins, this one is still told
+    if err is not None:
+        why = "closing on another error" if propagating else "close(raise_errors=False)"
+        log.warning("hotload: a publish failed before close (not raised: %s): %s", why, err)

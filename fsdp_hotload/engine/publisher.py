@@ -35,7 +35,6 @@ import hashlib
 import logging
 import queue
 import secrets
-import sys
 import threading
 import time
 import weakref
@@ -58,7 +57,7 @@ from .carry import Carrier, agree_on_carried
 from .commit import Committer
 from .comm import Comm, LocalComm, agree_on_start, exchange_objects
 from .encode import ChunkEncoder, auto_workers
-from .exits import abandon, deadline_after, left, track
+from .exits import close_publisher, deadline_after, left, track
 from .final import publish_newest
 from .jobs import Job, Outcome, PublishError, RankStatus
 from .metrics import MetricsSink, PublishMetrics, staleness
@@ -401,62 +400,7 @@ class Publisher:
         ``timeout`` (default ``config.close_timeout_s``; None waits as long as the snapshots take) bounds the waits
         for snapshots in flight: past it, they are abandoned (:func:`.exits.abandon`) and PublishError is raised.
         ``propagating``: whether an exception is on its way out (None: ask ``sys.exc_info()``; ``with`` tells)."""
-        final_error: Exception | None = None
-        self._close_called = True
-        timeout = self.config.close_timeout_s if timeout is None else timeout
-        deadline = deadline_after(timeout)
-        # Bounded too: with the wait policy, a publish() on the trainer's thread waits for a slot behind a stuck one.
-        if not self._api_lock.acquire(timeout=-1 if deadline is None else left(deadline)):
-            if not self.closed:
-                if self.config.publish_on_close and not self._closing:  # the others' vote must not wait for it
-                    self.agreements.withdraw("gave up on close() while another call held the publisher")
-                abandon(self, timeout, raise_errors, locked_out=True)
-            return
-        try:
-            if self.closed:
-                return
-            if self._pending and self.rank == 0:  # readiness can take minutes: say what close() waits for
-                log.info("hotload: close() waits for %d snapshot(s) in flight", self._pending)
-            final = raise_errors and self.config.publish_on_close and not self._closing
-            propagating = sys.exc_info()[1] is not None if propagating is None else propagating
-            if final and propagating and self.latest_step > self._last_staged:
-                log.warning("hotload: closing while an exception propagates: the newest step %d is not published",
-                            self.latest_step)
-            if self.config.publish_on_close and not self._closing and not (final and not propagating):
-                # the others vote at their close: a vote this rank started could hold its exit while they are
-                # stuck elsewhere (a training collective), so it leaves a note instead (agreement.py)
-                self.agreements.withdraw("closes on an exception")
-            if final and not propagating:
-                try:
-                    self.publish_final(sources, timeout=left(deadline))
-                except Exception as exc:  # noqa: BLE001 - raised once the threads are stopped
-                    final_error = exc
-            self._closing = True
-        finally:
-            self._api_lock.release()
-        try:
-            self.wait(left(deadline))
-        except TimeoutError:
-            abandon(self, timeout, raise_errors)
-            return
-        self.closed = True
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-        if self._carried is not None:  # no later snapshot carried it
-            self._errors.store(self._carried, self._staged)
-        self._free(deadline, drain=raise_errors and not propagating)  # not on an exception: it may be a hang
-        if raise_errors:
-            if final_error is not None and self._errors.due(self._staged) and not self.config.keep_training_on_error:
-                log.error("hotload: publishing the newest step at close failed: %r", final_error)  # raised: the other
-            self.raise_if_failed()
-            if final_error is not None:
-                raise final_error
-            return
-        err = self._errors.take()  # closing on an exception path: the caller's error wins, this one is still told
-        if err is not None:
-            why = "closing on another error" if propagating else "close(raise_errors=False)"
-            log.warning("hotload: a publish failed before close (not raised: %s): %s", why, err)
+        close_publisher(self, raise_errors, sources, timeout, propagating)
 
     def _free(self, deadline: float | None = None, drain: bool = False) -> None:
         """Stop the helper threads and free the buffers; after the publisher thread ended (an abandoned one's
