@@ -178,6 +178,81 @@ def test_a_load_error_beside_a_deployment_that_serves_it_holds_no_publish(tmp_pa
             assert {r["identity"] for r in emu.state()["deployments"][us]["replicas"]} == {m.identity}
 
 
+@pytest.mark.parametrize("required", ["all", "any"])
+def test_a_snapshot_every_deployment_failed_to_load_is_deleted(tmp_path: Path, required: str) -> None:
+    """Two deployments, every replica of each fails the delta's load, pool-eu's later (its loads are slower, and
+    find a file changed): the publish waits for pool-eu's loads to end, finds the snapshot loaded nowhere and
+    deletes it, with either readiness rule; the served chain stays whole (a restarted replica of each deployment
+    rebuilds it)."""
+    us, eu = "accounts/acct/deployments/pool-us", "accounts/acct/deployments/pool-eu"
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=2, api_key="test-key") as emu:
+        cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], deployments_required=required,
+                     straggler_wait_s=5.0 if required == "any" else None, keep_last=1, full_every=100, keep_training_on_error=True)
+        with TensorPublisher(model, cfg) as pub:
+            for step in range(2):  # full, delta: served by both
+                train_step(model, step)
+                assert pub.publish(step, model)
+                pub.wait()
+            kept, kept_bytes = pub.metrics[-1].identity, expected_sha(model)
+            emu.fail_next_loads(1, deployment=us)
+            emu.set_load_delay(1.0, deployment=eu)
+            train_step(model, 2)
+            assert pub.publish(2, model)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # pool-us failed it; pool-eu's replicas wait in their loads
+                deps = emu.state()["deployments"]
+                if [r["stage"] for r in deps[us]["replicas"]] == ["error", "error"]:
+                    break
+                time.sleep(0.01)
+            assert [r["stage"] for r in emu.state()["deployments"][eu]["replicas"]] == ["downloading"] * 2
+            doomed_id = emu.state()["deployments"][eu]["replicas"][0]["target"]
+            config_file = Path(bucket) / doomed_id / "config.json"
+            os.utime(config_file, (time.time() + 5, time.time() + 5))  # pool-eu finds it changed: its loads fail
+            pub.wait()
+            emu.set_load_delay(0, deployment=eu)
+            doomed = pub.metrics[-1]
+            assert (doomed.identity, doomed.kind, doomed.ok) == (doomed_id, "delta", False), doomed.error
+            for name in (us, eu):
+                reps = emu.state()["deployments"][name]["replicas"]
+                assert [r["stage"] for r in reps] == ["error", "error"], (name, reps)
+            assert folders(bucket) == sorted([pub.metrics[0].identity, kept])
+            for name in (us, eu):
+                emu.restart_replica(0, deployment=name)
+                rep = restarted(emu, 0, deployment=name)
+                assert rep["error"] is None, (name, rep["error"])
+                assert (rep["identity"], {k: t["digest"] for k, t in rep["tensors"].items()}) == (kept, kept_bytes)
+            train_step(model, 3)
+            assert pub.publish(3, model)
+            pub.wait()
+            assert (pub.metrics[-1].kind, pub.metrics[-1].ok) == ("full", True)
+
+
+def test_a_snapshot_one_deployment_serves_is_kept_though_the_other_failed_it(tmp_path: Path) -> None:
+    """With "any": every replica of pool-us fails the delta's load and pool-eu serves it. The publish succeeds
+    and the snapshot stays (pool-eu's replicas rebuild from it)."""
+    us, eu = "accounts/acct/deployments/pool-us", "accounts/acct/deployments/pool-eu"
+    bucket = str(tmp_path / "bucket")
+    model = make_model()
+    with HotLoadEmulator(bucket, replicas=2, api_key="test-key") as emu:
+        cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], deployments_required="any",
+                     straggler_wait_s=1.0, keep_last=1, full_every=100, keep_training_on_error=True)
+        with TensorPublisher(model, cfg) as pub:
+            train_step(model, 0)
+            assert pub.publish(0, model)
+            pub.wait()
+            emu.fail_next_loads(1, deployment=us)
+            train_step(model, 1)
+            assert pub.publish(1, model)
+            pub.wait()
+            m = pub.metrics[-1]
+            assert m.ok and m.deployments_behind == [us], (m.ok, m.deployments_behind, m.error)
+            assert [r["stage"] for r in emu.state()["deployments"][us]["replicas"]] == ["error", "error"]
+            assert {r["identity"] for r in emu.state()["deployments"][eu]["replicas"]} == {m.identity}
+            assert m.identity in folders(bucket)
+
+
 def _replica(current: str, stage: str, target: str) -> dict[str, object]:
     return {"current_snapshot_identity": current, "readiness": True,
             "loading_state": {"stage": stage, "target_snapshot_identity": target}}
