@@ -2,7 +2,7 @@
 
 Every field is validated when the config is built, so a typo fails at startup with the field's name rather than
 hours later in a background thread. Fields can also come from ``HOTLOAD_<FIELD>`` environment variables
-(JSON for lists and dicts, see :func:`parse_setting`), which is how launchers usually pass settings to every rank;
+(JSON for lists and dicts, see :func:`.config_text.parse_setting`), which is how launchers usually pass settings to every rank;
 an unknown ``HOTLOAD_*`` variable (a misspelt field) is an error too.
 
 Example::
@@ -15,16 +15,15 @@ Example::
 from __future__ import annotations
 
 import difflib
-import json
 import os
 import re
-import types
 import urllib.parse
-from typing import Any, Callable, Literal, Union, get_args, get_origin
+from typing import Any, Callable, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_serializer,
                       field_validator, model_validator)
 
+from .config_text import merged_options, parse_setting
 from .masking import MASK, mask_secrets, mask_url, url_has_credentials
 
 ENV_PREFIX = "HOTLOAD_"
@@ -474,67 +473,6 @@ class HotloadConfig(BaseModel):
             names = error_names(exc, label)
             raise ValueError(f"invalid hotload settings from {source or prefix + '* environment variables'}"
                              f"{f' ({names})' if names else ''}: {error_text(exc, label)}") from None
-
-
-def _union_members(annotation: Any) -> tuple[Any, ...]:
-    if get_origin(annotation) in (Union, types.UnionType):
-        return get_args(annotation)
-    return (annotation,)
-
-
-def _no_json_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value")
-
-
-def parse_setting(text: str, annotation: Any) -> Any:
-    """A field's value from the text of an environment variable or a ``--hotload-*`` flag (one rule for both).
-
-    JSON is decoded only where the field's type needs it: for list and dict fields, and for text starting with
-    ``[``, ``{`` or ``"`` (a list of deployments, a quoted string). Other text stays the string it is, so an id
-    such as ``12345`` or ``true`` reaches a string field unchanged; pydantic converts numbers and booleans when
-    it validates. ``null`` is None where the field accepts None (``'"null"'`` is the text). Raises ValueError
-    for bad JSON in a list or dict field, and for ``null`` where the field does not accept None: it would
-    otherwise reach a text field as the word (a prefix ``null``) and other fields as a type error.
-    """
-    members = _union_members(annotation)
-    stripped = text.strip()
-    json_only = all(m in (list, dict) or get_origin(m) in (list, dict) for m in members if m is not type(None))
-    if stripped == "null":
-        if type(None) in members:
-            return None
-        raise ValueError("null is not a value of this field (it has no 'unset' value); leave it unset for its "
-                         "default" + (", or quote the word (\"null\") to mean the text" if str in members else ""))
-    if not json_only and stripped[:1] not in ("[", "{", '"'):
-        return text
-    try:
-        return json.loads(stripped, parse_constant=_no_json_constant)
-    except ValueError as exc:
-        if json_only:
-            raise ValueError(f"not valid JSON ({exc}); it takes {json_hint(annotation)}") from None
-        return text
-
-
-def json_hint(annotation: Any) -> str:
-    """How a list or dict field is written as text (a variable, a flag), or '' for other fields."""
-    members = [m for m in _union_members(annotation) if m is not type(None)]
-    kinds = {get_origin(m) or m for m in members}
-    if dict in kinds:
-        return 'a JSON object, e.g. {"name": "value"}'
-    if list in kinds:
-        return 'a JSON list, e.g. ["a", "b"]' + (" (or one plain value)" if str in kinds else "")
-    return ""
-
-
-def merged_options(under: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """``over``'s entries over ``under``'s, dicts in both merged the same way. Why all the way down: an endpoint
-    given in code or as a flag (``client_kwargs``) replaced the variable's whole, and with it the credentials or
-    SSE-C key the variable held there, leaving the provider's credential chain (another identity) in their place.
-    """
-    out = dict(under)
-    for key, value in over.items():
-        out[key] = merged_options(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
-            else value
-    return out
 
 
 def error_names(exc: ValidationError, name: Callable[[str], str]) -> str:

@@ -29,7 +29,8 @@ from typing import Any, Callable, Literal, Union, get_args, get_origin
 
 from pydantic_core import PydanticUndefined
 
-from fsdp_hotload.config import ENV_PREFIX, HotloadConfig, json_hint, parse_setting, spell_fields
+from fsdp_hotload.config import ENV_PREFIX, HotloadConfig, spell_fields
+from fsdp_hotload.config_text import json_hint, parse_setting
 from fsdp_hotload.masking import mask_secrets, mask_url
 
 from .flag_actions import NULL_FIELDS, PREFIX, ListSetting, NegatedSwitch, RefuseSecret, StoreSetting, Switch
@@ -145,11 +146,8 @@ def add_hotload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
             group.add_argument(*(f"--no-{f[2:]}" for f in flag_names(name)), dest=dest, action=NegatedSwitch,
                                help=argparse.SUPPRESS)  # named in the positive flag's help
         elif _is_list(name):
-            union = get_origin(field.annotation) in (Union, types.UnionType)
-            members = get_args(field.annotation) if union else (field.annotation,)
             group.add_argument(*flag_names(name), dest=dest, default=None, action=ListSetting,
-                               convert=_converter(name, field.annotation), plain_is_item=str not in members,
-                               help=_help(name))
+                               convert=_converter(name, field.annotation), help=_help(name))
         else:
             group.add_argument(*flag_names(name), dest=dest, default=None, action=StoreSetting,
                                type=_converter(name, field.annotation), help=_help(name))

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 from pydantic import TypeAdapter, ValidationError
 
-from fsdp_hotload.config import parse_setting
+from fsdp_hotload.config_text import parse_setting
 
 PREFIX = "hotload"
 #: The namespace attribute that lists, by field name, the flags given as ``null``.
@@ -57,15 +57,14 @@ class ListSetting(StoreSetting):
     """A list flag: one value read as its variable is (a JSON list, ``null``, or for a field that also takes a
     single string, that string), or several plain values, space-separated as Megatron's own list flags are.
 
-    ``convert`` reads one value by the variables' rule; ``plain_is_item`` says that one plain word (not JSON) is a
-    list of that one item, for a field that takes lists only (``--hotload-carry-base-tensors mtp.*``).
+    ``convert`` reads one value by the variables' rule (one plain word of a field that takes lists only is the
+    list of it: ``--hotload-carry-base-tensors mtp.*``, as ``HOTLOAD_CARRY_BASE_TENSORS=mtp.*``).
     """
 
     def __init__(self, option_strings: Sequence[str], dest: str, *, convert: Callable[[str], Any],
-                 plain_is_item: bool, **kwargs: Any) -> None:
+                 **kwargs: Any) -> None:
         super().__init__(option_strings, dest, nargs="+", **kwargs)
         self.convert = convert
-        self.plain_is_item = plain_is_item
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
@@ -73,7 +72,7 @@ class ListSetting(StoreSetting):
         plain = [bool(w.strip()) and w.strip()[:1] not in "[{\"" and w.strip() != "null" for w in words]
         try:
             if len(words) == 1:
-                value = [words[0]] if self.plain_is_item and plain[0] else self.convert(words[0])
+                value = self.convert(words[0])
             elif all(plain):
                 value = words
             else:

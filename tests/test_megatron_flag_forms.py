@@ -133,6 +133,27 @@ def test_a_list_flag_takes_space_separated_values() -> None:
     assert one.hotload_deployment_id == "12345"
 
 
+@pytest.mark.parametrize("field", ["carry_base_tensors", "extra_fields_ignore"])
+def test_a_plain_value_of_a_list_field_reads_alike_as_variable_and_flag(
+        field: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """One plain word of a field that takes only lists was a list of one as a flag, and 'not valid JSON' as its
+    variable; both now read it alike, and both refuse "a,b" (a glob or key of its own, matching nothing)."""
+    var, flag = f"HOTLOAD_{field.upper()}", f"--hotload-{field.replace('_', '-')}"
+    monkeypatch.setenv(var, "mtp_weight")
+    assert getattr(HotloadConfig.from_env(bucket_url="/tmp/b", hf_config_dir=str(tmp_path)), field) == ["mtp_weight"]
+    monkeypatch.delenv(var)
+    cfg = config_from_args(parser().parse_args(["--hotload-bucket-url", "/tmp/b", "--hotload-hf-config-dir",
+                                                str(tmp_path), flag, " mtp_weight "]))
+    assert cfg is not None and getattr(cfg, field) == ["mtp_weight"]
+    monkeypatch.setenv(var, "a,b")
+    with pytest.raises(ValueError, match=f"{var}: 'a,b' is not one plain value: write several as a JSON list"):
+        HotloadConfig.from_env(bucket_url="/tmp/b", hf_config_dir=str(tmp_path))
+    monkeypatch.delenv(var)
+    with pytest.raises(SystemExit):
+        parser().parse_args([flag, "a,b"])
+    assert f"argument {flag}: 'a,b' is not one plain value" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("words", [["a", '["b"]'], ["a", "null"], ["a", ""]])
 def test_json_among_several_list_values_is_refused_by_flag(words: list[str],
                                                            capsys: pytest.CaptureFixture[str]) -> None:
