@@ -69,7 +69,8 @@ class ListSetting(StoreSetting):
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
         words = list(values)
-        plain = [bool(w.strip()) and w.strip()[:1] not in "[{\"" and w.strip() != "null" for w in words]
+        plain = [bool(w.strip()) and w.strip()[:1] not in "[{\"" and w.strip() != "null" and "," not in w
+                 for w in words]
         try:
             if len(words) == 1:
                 value = self.convert(words[0])
@@ -77,7 +78,7 @@ class ListSetting(StoreSetting):
                 value = words
             else:
                 raise argparse.ArgumentTypeError(
-                    "give one JSON list, or several plain values (no JSON, null or empty value among them): "
+                    "give one JSON list, or several plain values (no JSON, null, comma or empty value among them): "
                     f"{words[plain.index(False)]!r} is not one")
         except argparse.ArgumentTypeError as exc:
             raise argparse.ArgumentError(self, str(exc)) from None

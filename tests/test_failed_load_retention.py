@@ -189,7 +189,8 @@ def test_a_snapshot_every_deployment_failed_to_load_is_deleted(tmp_path: Path, r
     model = make_model()
     with HotLoadEmulator(bucket, replicas=2, api_key="test-key") as emu:
         cfg = config(bucket, emu, tmp_path, deployment_id=["pool-us", "pool-eu"], deployments_required=required,
-                     straggler_wait_s=5.0 if required == "any" else None, keep_last=1, full_every=100, keep_training_on_error=True)
+                     straggler_wait_s=5.0 if required == "any" else None, keep_last=1, full_every=100,
+                     keep_training_on_error=True)
         with TensorPublisher(model, cfg) as pub:
             for step in range(2):  # full, delta: served by both
                 train_step(model, step)

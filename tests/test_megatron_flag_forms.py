@@ -154,7 +154,7 @@ def test_a_plain_value_of_a_list_field_reads_alike_as_variable_and_flag(
     assert f"argument {flag}: 'a,b' is not one plain value" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("words", [["a", '["b"]'], ["a", "null"], ["a", ""]])
+@pytest.mark.parametrize("words", [["a", '["b"]'], ["a", "null"], ["a", ""], ["a,b", "c"]])
 def test_json_among_several_list_values_is_refused_by_flag(words: list[str],
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
