@@ -201,7 +201,8 @@ class HotloadCallback:
             chunks = [walked[i] for i in self._kept]
             self._buffer_idx = [j for j, i in enumerate(self._kept) if i in buffers]
             specs = [TensorSpec(n, tuple(s), d) for n, s, d in self._specs]
-            self.engine = Publisher(chunks, specs, config, comm=comm, ctrl=ctrl, **engine_kwargs)
+            self.engine = Publisher(chunks, specs, config, comm=comm, ctrl=ctrl, owner="HotloadCallback",
+                                    **engine_kwargs)
         except BaseException:
             self._close_comms()
             raise

@@ -45,24 +45,63 @@ class WholeChunk:
 
 
 def _place(value: Any) -> tuple[Any, ...]:
-    """Where a tensor or array's elements are: its first element's address, its strides and its device. While that
-    memory is held, an equal place is the same tensor (another view of it has another offset, strides or shape)."""
+    """Where a tensor or array's elements are and how they are read: its first element's address, strides, device,
+    shape and dtype. While that memory is held, an equal place is the same tensor. Why the shape and dtype too: a
+    view trimmed in place (``p.data = p.data[:6]``, ``t.resize_(6, 4)``) or reinterpreted (``p.data =
+    p.data.view(torch.int32)``) keeps its address and strides, and was published in its old shape or dtype."""
     if isinstance(value, torch.Tensor):
-        return int(value.data_ptr()), tuple(value.stride()), value.device
-    return int(value.__array_interface__["data"][0]), tuple(value.strides), "numpy"
+        return int(value.data_ptr()), tuple(value.stride()), value.device, tuple(value.shape), value.dtype
+    return int(value.__array_interface__["data"][0]), tuple(value.strides), "numpy", value.shape, value.dtype
+
+
+def _copy_reason(value: np.ndarray) -> str | None:
+    """Why ``torch.from_numpy`` cannot view ``value`` in place (it is then copied), or None where it can: a
+    transposed (Fortran-order) or sliced array is viewed as it is, and the stager reads it in place."""
+    if not value.dtype.isnative:
+        return "not in the machine's byte order"
+    if any(st < 0 for st in value.strides):
+        return "negative strides"
+    if value.itemsize and any(st % value.itemsize for st in value.strides):
+        return "strides that are not a multiple of the element size (a field of a structured array)"
+    return None
 
 
 def _as_torch(name: str, value: Any) -> torch.Tensor:
-    """``value`` as a torch tensor of its shape (a view of its memory where it is contiguous)."""
+    """``value`` as a torch tensor of its shape: a view of its memory, except for an array numpy must copy (see
+    :func:`_copy_reason`). Sparse and nested tensors are refused here, naming the tensor: their values are not one
+    strided block, and torch's own error ("Cannot access data pointer ...") named none."""
     if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided or value.is_nested:
+            kind = "a nested tensor" if value.is_nested else f"of layout {value.layout}"
+            raise TypeError(f"tensor {name!r} is {kind}: give a dense tensor (.to_dense(), or one tensor per "
+                            "component)")
+        _check_held(name, value)
         return value.detach()
-    if isinstance(value, np.ndarray):  # reshaped: np.ascontiguousarray makes a 0-d array 1-d
-        native = value.dtype.newbyteorder("=")  # a big-endian array (read from a file, say): its values, in order
+    if isinstance(value, np.ndarray):
         try:
+            if _copy_reason(value) is None:
+                return torch.from_numpy(value)
+            # reshaped: np.ascontiguousarray makes a 0-d array 1-d; a big-endian array (read from a file, say)
+            # is copied as its values, in the machine's byte order
+            native = value.dtype.newbyteorder("=")
             return torch.from_numpy(np.ascontiguousarray(value, dtype=native)).reshape(value.shape)
         except TypeError as exc:  # a dtype torch has no counterpart for (object, str, complex256, ...)
             raise TypeError(f"tensor {name!r}: {exc}") from None
     raise TypeError(f"tensor {name!r}: expected a torch tensor or numpy array, got {type(value).__name__}")
+
+
+def _check_held(name: str, t: torch.Tensor) -> None:
+    """Refuse a tensor whose storage does not hold the elements it spans, naming it. Why: a parameter whose memory
+    was freed (FSDP's unsharded views after the forward pass, ``untyped_storage().resize_(0)``) kept its shape, and
+    the staging copy failed naming no tensor, or read address 0 and crashed the process (a copy without a cast)."""
+    if not t.numel() or t.device.type == "meta":  # a meta tensor is refused by its device, with its own advice
+        return
+    span = t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    need, have = span * t.element_size(), t.untyped_storage().nbytes()
+    if have < need:
+        raise ValueError(f"tensor {name!r} has no memory behind it: its storage holds {have} bytes of the {need} its "
+                         "elements span (a parameter whose memory was freed, as FSDP frees its unsharded views): "
+                         "give the tensor where its values are held (a gathered state dict)")
 
 
 def _warn_if_on_every_rank(engine_kwargs: Mapping[str, Any]) -> None:
@@ -122,10 +161,12 @@ class TensorPublisher:
             # one copy, where flattening it first made a copy, kept as the chunk's source for the publisher's life.
             t = _as_torch(name, tensors[name])
             if t.numel() and t.data_ptr() != _place(tensors[name])[0]:
-                copied.append(name)  # an array numpy had to copy (another byte order, negative strides)
+                copied.append(name)  # an array numpy had to copy (see _copy_reason)
             box = Box.flat(0, t.numel())
             chunks.append(WholeChunk(name, tuple(t.shape), policy.code(name, t.dtype), "flat", box, t))
-        self._kinds = [(c.shape, c.source.dtype) for c in chunks]
+        # what every publish must give: a tensor on another device was refused by the stager after the engine took
+        # its step, so the same step given again (the tensor moved) was refused as a repeat
+        self._kinds = [(c.shape, c.source.dtype, c.source.device) for c in chunks]
         # The caller's tensors, read again by publish() without tensors: all of them at each publish where one was
         # copied (its chunk holds a copy frozen at construction), else only to follow a swapped storage.
         self._live: dict[str, Any] | None = {n: tensors[n] for n in self.names}
@@ -135,8 +176,9 @@ class TensorPublisher:
         self._origin: list[tuple[Any, ...]] | None = [_place(tensors[n]) for n in self.names]
         self._given_from: int | None = None  # the step of the first publish given other tensors
         if copied:
-            log.info("hotload: %d array(s) had to be copied (another byte order, negative strides; first: %r); "
-                     "publish() without tensors copies them again at each publishing step", len(copied), copied[0])
+            log.info("hotload: %d array(s) had to be copied (first: %r, which has %s); publish() without tensors "
+                     "copies them again at each publishing step", len(copied), copied[0],
+                     _copy_reason(tensors[copied[0]]))
         for note in policy.notes({c.name: c.source.dtype for c in chunks}):
             log.warning("hotload: %s", note)
         specs = [TensorSpec(c.name, c.shape, c.dtype) for c in chunks]
@@ -146,6 +188,8 @@ class TensorPublisher:
                              "ranks: build it on rank 0 alone from the gathered state dict, without comm= (or use "
                              "HotloadCallback, which publishes a sharded model from every rank)")
         _warn_if_on_every_rank(engine_kwargs)
+        engine_kwargs.setdefault("owner", type(self).__name__)  # named in the engine's advice (a lower step)
+        engine_kwargs.setdefault("retake_failed_steps", True)  # the caller names the steps: it may give one again
         self.engine = Publisher(chunks, specs, config, **engine_kwargs)
         del chunks  # the engine's stager holds the sources now, and lets go of them as they are replaced
         if self.engine.rank == 0:
@@ -160,6 +204,8 @@ class TensorPublisher:
 
         On CUDA the copy is ordered after the work queued so far on the current stream only: tensors written on
         another stream must be waited for first (``torch.cuda.current_stream().wait_stream(s)``)."""
+        if self.engine.closed or self.engine._closing:  # first: after close() the construction tensors are let go
+            raise RuntimeError(f"{type(self).__name__} is closed: create a new one to publish again")
         sources = self._sources(tensors)
         if sources is not None:
             started = self.engine.publish(step, sources)  # refused (a repeated step, another device): nothing let go
@@ -210,19 +256,23 @@ class TensorPublisher:
         return None if origin is not None else given
 
     def _checked(self, tensors: Mapping[str, Any]) -> list[torch.Tensor]:
-        """``tensors`` as torch tensors in construction order, with the construction's names, shapes and dtypes."""
+        """``tensors`` as torch tensors in construction order, with the construction's names, shapes, dtypes and
+        devices: refused here, before the engine takes the step, so that the same step can be given again."""
         missing = [n for n in self.names if n not in tensors]
         if missing or len(tensors) != len(self.names):
             raise KeyError(f"publish needs exactly the tensors given at construction; missing {missing[:5]}, "
                            f"unexpected {sorted(set(tensors) - set(self.names))[:5]}")
         given = []
-        for name, (shape, dtype) in zip(self.names, self._kinds):
+        for name, (shape, dtype, device) in zip(self.names, self._kinds):
             t = _as_torch(name, tensors[name])
             # Same element count is not enough: a transposed matrix, or an int tensor given floats, would be published
             # under the construction's shape and dtype without an error.
             if t.dtype != dtype or tuple(t.shape) != shape:
                 raise ValueError(f"tensor {name!r} is {t.dtype} {list(t.shape)}, and was {dtype} {list(shape)} at "
                                  "construction: give every publish the same shapes and dtypes")
+            if t.device != device:
+                raise ValueError(f"tensor {name!r} is on {t.device}, and was on {device} at construction: give "
+                                 f"every publish its tensors on {device}")
             given.append(t)
         return given
 

@@ -121,6 +121,30 @@ def test_staging_copy_is_ordered_before_next_update() -> None:
     assert torch.equal(got.cpu(), want)
 
 
+def test_a_given_source_dropped_after_stage_is_not_reused_before_the_copy_reads_it() -> None:
+    """A tensor the caller made on another stream and dropped right after stage() went back to the caching allocator
+    for that stream alone: the next tensor of its size made there was handed the same memory, and written before the
+    side stream's copy (held back here behind a long kernel on the training stream) read it."""
+    cs = chunks("cuda")
+    st = Stager(cs, slots=1)
+    want = _staged_bytes(cs)
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        given = [c.source.clone() for c in cs]
+    torch.cuda.current_stream().wait_stream(other)  # the caller orders its writes before the copy, as documented
+    buf = st.acquire(wait=False)
+    assert buf is not None
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the training stream, which the copy waits for
+    event = st.stage(buf, given)
+    del given
+    with torch.cuda.stream(other):
+        reused = [torch.full_like(c.source, 7) for c in cs]  # would take the memory just dropped
+    st.wait_event(event)
+    got = torch.cat([buf[s.offset:s.offset + s.nbytes] for s in st.slices])
+    assert torch.equal(got.cpu(), want)
+    del reused
+
+
 def test_staging_keeps_nan_payloads_on_the_device() -> None:
     """A bf16 -> bf16 staging copy moves bits, so NaN payloads are not rewritten by a float round trip."""
     bits = torch.tensor([0x7FC1, 0xFFA5 - 0x10000, 0x7F81, -0x8000, 0x3F80], dtype=torch.int16)

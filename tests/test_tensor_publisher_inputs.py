@@ -175,8 +175,10 @@ def test_a_transposed_tensor_is_not_copied_and_kept(tmp_path: Path) -> None:
 
 
 def test_a_refused_publish_keeps_the_construction_tensors(tmp_path: Path) -> None:
-    """A publish given other tensors that is refused (a repeated step, a tensor on another device) publishes nothing:
-    it must not let go of the construction tensors, after which every ``publish(step)`` was refused for good."""
+    """A publish given other tensors that is refused (a repeated step, a tensor on another device, one whose memory
+    was freed) publishes nothing: it must not let go of the construction tensors, after which every
+    ``publish(step)`` was refused for good. A tensor on another device is refused before the step is taken (it was
+    refused while staging, and the same step given again was then refused as a repeat), so the step is given again."""
     bucket = str(tmp_path / "bucket")
     tensors = gathered(0)
     with TensorPublisher(tensors, config(bucket, None, tmp_path, busy_policy="wait")) as pub:
@@ -184,13 +186,114 @@ def test_a_refused_publish_keeps_the_construction_tensors(tmp_path: Path) -> Non
         pub.wait()
         with pytest.raises(ValueError, match="step 1 does not follow step 1"):
             pub.publish(1, gathered(1))
-        with pytest.raises(ValueError, match="source is on meta"):
+        with pytest.raises(ValueError, match="tensor 'model.norm.weight' is on meta, and was on cpu at construction"):
             pub.publish(2, {**gathered(2), "model.norm.weight": torch.empty(32, device="meta")})
+        freed = torch.ones(32)
+        freed.untyped_storage().resize_(0)  # as FSDP frees a parameter's unsharded memory: a copy of it crashed
+        with pytest.raises(ValueError, match="tensor 'model.norm.weight' has no memory behind it"):
+            pub.publish(2, {**gathered(2), "model.norm.weight": freed})
         tensors["model.norm.weight"].add_(1.0)
-        assert pub.publish(3)  # (a step refused while staging counts as seen)
+        assert pub.publish(2)
         pub.wait()
-    assert [m.step for m in pub.metrics] == [1, 3] and all(m.ok for m in pub.metrics)
+    assert [m.step for m in pub.metrics] == [1, 2] and all(m.ok for m in pub.metrics)
     assert rebuilt_digests(bucket, pub)[-1] == bf16_digests(tensors)
+
+
+def test_a_step_whose_tensors_fail_while_staging_can_be_given_again(tmp_path: Path) -> None:
+    """Beside an array that must be copied (big-endian), the construction tensors are read again only when a step
+    is staged, so a Parameter swapped to another dtype is found there, after the engine took the step: the same
+    step given again, once the tensor is fixed, was refused as a repeat ("step 1 does not follow step 1"). Nothing
+    was staged, so the step is not taken."""
+    bucket = str(tmp_path / "bucket")
+    weight = torch.nn.Parameter(torch.randn(16, 8))
+    tensors: dict[str, Any] = {"model.embed_tokens.weight": weight,
+                               "model.norm.weight": np.arange(8, dtype=">f4")}
+    with TensorPublisher(tensors, config(bucket, None, tmp_path, busy_policy="wait")) as pub:
+        assert pub._reread
+        assert pub.publish(0)
+        pub.wait()
+        weight.data = weight.data.half()
+        with pytest.raises(ValueError, match="tensor 'model.embed_tokens.weight' is torch.float16 \\[16, 8\\]"):
+            pub.publish(1)
+        weight.data = torch.randn(16, 8)
+        assert pub.publish(1)
+        pub.wait()
+        expected = bf16_digests({**tensors, "model.norm.weight": tensors["model.norm.weight"].astype("=f4")})
+    assert [m.step for m in pub.metrics] == [0, 1] and all(m.ok for m in pub.metrics)
+    assert rebuilt_digests(bucket, pub)[-1] == expected
+
+
+@pytest.mark.parametrize("change", ["trimmed", "resized", "reinterpreted"])
+def test_a_tensor_changed_where_it_lies_is_refused_named(change: str, tmp_path: Path) -> None:
+    """A Parameter trimmed (``p.data = p.data[:6]``, padded vocab rows cut), a tensor resized in place, or a
+    Parameter reinterpreted as another dtype of the same size keeps its first element's address and its strides:
+    ``publish(step)`` took it for the tensor it had read, and published the old rows in the old shape and dtype with
+    no error. It is refused, naming the tensor, and nothing is published for that step."""
+    bucket = str(tmp_path / "bucket")
+    emb = torch.nn.Parameter(torch.arange(32, dtype=torch.float32).reshape(8, 4), requires_grad=False)
+    head = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+    tensors = {"model.embed_tokens.weight": emb, "lm_head.weight": head}
+    with TensorPublisher(tensors, config(bucket, None, tmp_path, busy_policy="wait")) as pub:
+        assert pub.publish(0)
+        pub.wait()
+        if change == "trimmed":
+            emb.data, bad = emb.data[:6], "'model.embed_tokens.weight' is torch.float32 \\[6, 4\\]"
+        elif change == "resized":
+            head.resize_(6, 4)
+            bad = "'lm_head.weight' is torch.float32 \\[6, 4\\]"
+        else:
+            emb.data, bad = emb.data.view(torch.int32), "'model.embed_tokens.weight' is torch.int32 \\[8, 4\\]"
+        with pytest.raises(ValueError, match=f"tensor {bad}, and was torch.float32 \\[8, 4\\] at construction"):
+            pub.publish(1)
+    assert [m.step for m in pub.metrics] == [0]
+
+
+def test_sparse_and_nested_tensors_are_refused_named(tmp_path: Path) -> None:
+    """They failed with torch's "Cannot access data pointer of Tensor that doesn't have storage", naming none."""
+    cfg = config(str(tmp_path / "bucket"), None, tmp_path)
+    with pytest.raises(TypeError, match="tensor 'model.sparse' is of layout torch.sparse_coo: give a dense tensor"):
+        TensorPublisher({"model.sparse": torch.eye(3).to_sparse()}, cfg)
+    nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)], layout=torch.jagged)
+    with pytest.raises(TypeError, match="tensor 'model.nested' is a nested tensor"):
+        TensorPublisher({"model.w": torch.ones(3), "model.nested": nested}, cfg)
+
+
+def test_a_lower_step_and_a_publish_after_close_name_the_tensor_publisher(tmp_path: Path) -> None:
+    """A lower step told a TensorPublisher user to create a new HotloadCallback; ``publish(step)`` after ``close()``
+    said that the construction tensors were let go, not that the publisher is closed."""
+    w = torch.randn(4, 4)
+    pub = TensorPublisher({"model.w": w}, config(str(tmp_path / "bucket"), None, tmp_path, busy_policy="wait"))
+    assert pub.publish(3, {"model.w": w.clone()})
+    with pytest.raises(ValueError, match="to go back to an older step, create a new TensorPublisher$"):
+        pub.publish(2, {"model.w": w.clone()})
+    pub.close()
+    with pytest.raises(RuntimeError, match="TensorPublisher is closed: create a new one"):
+        pub.publish(10)
+    with pytest.raises(RuntimeError, match="TensorPublisher is closed: create a new one"):
+        pub.publish(10, {"model.w": w})
+
+
+def test_a_transposed_array_is_read_where_it_lies(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A transposed (Fortran-order) or sliced numpy array was copied at construction and again at every publish,
+    logged as another byte order or negative strides, though torch views it in place. Only an array torch cannot
+    view is copied, and the log line says why."""
+    base = np.arange(32, dtype=np.float32).reshape(4, 8)
+    arrays = {"model.lm_head.weight": base.T, "model.norm.weight": base[0, ::2]}
+    bucket = str(tmp_path / "viewed")
+    with caplog.at_level("INFO", logger="fsdp_hotload"):
+        with TensorPublisher(arrays, config(bucket, None, tmp_path, busy_policy="wait", full_every=2)) as pub:
+            assert not pub._reread  # read where they lie, not copied at each publish
+            expected = []
+            for step in range(3):
+                base += 1.0
+                assert pub.publish(step)
+                expected.append(bf16_digests(arrays))
+                pub.wait()
+        assert "had to be copied" not in caplog.text
+        flipped = {"model.norm.weight": np.arange(8, dtype=np.float32)[::-1]}
+        TensorPublisher(flipped, config(str(tmp_path / "flipped"), None, tmp_path)).close()
+        assert "first: 'model.norm.weight', which has negative strides" in caplog.text
+    assert rebuilt_digests(bucket, pub) == expected
 
 
 def test_a_parameter_whose_storage_is_swapped_is_published_from_its_new_memory(tmp_path: Path) -> None:

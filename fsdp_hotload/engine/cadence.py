@@ -52,11 +52,12 @@ class Cadence:
         self.force_full = True
 
 
-def next_step(given: object, latest: int, *, attached: bool = False) -> int:
+def next_step(given: object, latest: int, *, attached: bool = False, owner: str = "HotloadCallback") -> int:
     """``given`` as the trainer's next step, after ``latest``: any integer type (numpy's too), not a bool or a
     float, and larger than ``latest``, since steps name the snapshots (a step seen twice would overwrite one).
     ``attached``: the optimizer hooks of ``HotloadCallback.attach()`` publish steps too, so a step that does not
-    follow most likely repeats one they published, and the error says to use one of the two."""
+    follow most likely repeats one they published, and the error says to use one of the two. ``owner``: the class
+    the caller made, which a lower step needs a new one of (a TensorPublisher user was told of HotloadCallback)."""
     try:
         # a bool is not a step, nor a bool tensor (which operator.index takes as 0 or 1)
         boolean = isinstance(given, bool) or str(getattr(given, "dtype", "")) in ("torch.bool", "bool")
@@ -68,7 +69,7 @@ def next_step(given: object, latest: int, *, attached: bool = False) -> int:
     if step <= latest:
         advice = ("attach()'s hooks already publish at every optimizer.step(): use one of attach() or step(), "
                   "not both" if attached else "pass a global step counter, not the step within an epoch")
-        back = "; to go back to an older step, create a new HotloadCallback" if step < latest else ""
+        back = f"; to go back to an older step, create a new {owner}" if step < latest else ""
         raise ValueError(f"step {step} does not follow step {latest}: steps must increase, since they name the "
                          f"snapshots (a step seen twice would overwrite a published one); {advice}{back}")
     return step

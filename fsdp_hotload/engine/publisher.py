@@ -81,8 +81,14 @@ class Publisher:
 
     def __init__(self, chunks: Sequence[ChunkLike], specs: Sequence[TensorSpec], config: HotloadConfig, *,
                  comm: Comm | None = None, ctrl: Comm | None = None, storage: Storage | None = None,
-                 signaller: Signaller | None = None, session: str | None = None) -> None:
+                 signaller: Signaller | None = None, session: str | None = None, owner: str = "Publisher",
+                 retake_failed_steps: bool = False) -> None:
         self.config = config
+        self.owner = owner  # the class the caller made (HotloadCallback, TensorPublisher), named in its advice
+        # A step whose copy failed on one rank is not taken: for callers that name the steps (TensorPublisher), who
+        # give the same step again once its tensors are fixed. Else it stays the newest, and close() publishes it
+        # again, as with several ranks (where a failed copy fails that step on every rank).
+        self.retake_failed_steps = retake_failed_steps
         self.comm: Comm = comm or LocalComm()
         if self.comm.world > 1 and ctrl is None:  # the trainer's agreement and the publisher's thread would
             raise ValueError("Publisher: with several ranks, pass ctrl=, a second group for the trainer thread's "
@@ -222,6 +228,8 @@ class Publisher:
             raise RuntimeError("publisher is closed")
         self.fence()  # its wait is the previous snapshot's blocking time, counted there
         t0 = time.perf_counter()
+        # put back where staging fails on one rank (see below)
+        taken = self.latest_step, self._given_sources, self._sources_fn, self._skipped_newest
         self.latest_step = step = self.checked_step(step)
         self._stepping_thread, self._stepper = threading.get_ident(), threading.current_thread()
         self._given_sources = sources is not None and not callable(sources)
@@ -254,7 +262,14 @@ class Publisher:
                 buf = None
             raise_now = True
         if buf is not None:
-            self._start(step, buf, sources, background_copy, t0)
+            try:
+                self._start(step, buf, sources, background_copy, t0)
+            except BaseException:
+                # nothing was staged (the slot went back): the same step given again was refused as a repeat ("does
+                # not follow"); several ranks queue a failed copy instead, so no rank raises here (see _start)
+                if self.retake_failed_steps and self.world == 1 and self._last_staged != step:
+                    self.latest_step, self._given_sources, self._sources_fn, self._skipped_newest = taken
+                raise
         elif not raise_now and self.stopped is None:  # busy; a step that raises an error is not a busy skip
             self._skipped, self._skipped_newest = self._skipped + 1, True
         if not self.early_agreement:
@@ -268,7 +283,7 @@ class Publisher:
         also refused (ValueError, on the caller's thread) where it would make an identity no storage path can hold:
         on the publisher's thread that failure stopped publishing for the rest of the job, reported as a failed
         collective."""
-        step = next_step(given, self.latest_step, attached=attached)
+        step = next_step(given, self.latest_step, attached=attached, owner=self.owner)
         new_identity(step, prefix=self.config.identity_prefix, session=self.session)
         return step
 

@@ -167,6 +167,11 @@ class Stager:
             main = torch.cuda.current_stream(self.device)
             self._stream.wait_stream(main)
             with self._on_device(), torch.no_grad(), torch.cuda.stream(self._stream):
+                # The caching allocator knows only the stream a caller's tensor was made on: one dropped after
+                # publish() could be handed out again, and written, before this stream's copy read it. The own
+                # sources need none: they are held until rebind(), which waits for this stream first.
+                for k in changed:
+                    srcs[k].record_stream(self._stream)
                 try:
                     self._copy(buf, srcs, changed)
                 finally:  # also after a copy that failed part way: the slot goes back, its copies may still run
