@@ -32,11 +32,13 @@ Example::
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import logging
 import os
 import re
 import threading
+import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from http.server import ThreadingHTTPServer
@@ -59,6 +61,8 @@ _LEDGER_RE = re.compile(r"/v1/accounts/([^/]+)/deployments/([^/]+)/ledger")
 _MODEL_RE = re.compile(r"accounts/[^/]+/models/[^/]+")
 _DEPLOYMENT_RE = re.compile(r"accounts/[^/]+/deployments/[^/]+")
 _META_KEYS = ("previous_snapshot_identity", "compression_format", "checksum_format")
+#: How long stop() waits, all replica threads together, for the loads it cancelled to reach their next file.
+STOP_JOIN_S = 10.0
 
 
 def _checked(deployment: str) -> str:
@@ -86,6 +90,15 @@ def served_deployments(deployments: Mapping[str, str], account_id: str) -> dict[
     if not out:
         raise ValueError("deployments is empty: no request could be served (None serves any deployment)")
     return out
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether the bound address ``host`` is reachable from this machine only (``0.0.0.0`` and ``::`` are not:
+    they listen on every interface)."""
+    try:
+        return ipaddress.ip_address(host.partition("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 class _HttpError(Exception):
@@ -232,22 +245,36 @@ class HotLoadEmulator:
                                         name="hotload-emulator-http", daemon=True)
         self._thread.start()
         log.info("hot-load emulator serving %s on %s", self.bucket, self.url)
+        if self._api_key is None and not _is_loopback(str(server.server_address[0])):
+            log.warning("hot-load emulator listens on %s, which is not a loopback address, without an API key: "
+                        "anyone who can reach it may signal loads and reset ledgers with any bearer key (give "
+                        "api_key, --api-key in 'hotload emulate')", self.url)
         return self
 
     def stop(self) -> None:
-        """Stop the server and the replica threads; raises the first internal error a background thread hit."""
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            if self._thread is not None:
-                self._thread.join(10)
-            self._server, self._thread = None, None
+        """Stop the server and the replica threads; raises the first internal error a background thread hit.
+
+        Every deployment's loads are cancelled first (each stops at its next file), then all replica threads are
+        waited for against one deadline, ``STOP_JOIN_S`` from now: waiting on each deployment in turn made a stop
+        with many loads in flight take that long per replica. From the start of the stop, every request still
+        being read is answered 503."""
         with self._lock:
             self._serving = False
             deps = list(self._deployments.values())
             self._deployments.clear()
         for dep in deps:
-            dep.shutdown()
+            dep.cancel()
+        deadline = time.monotonic() + STOP_JOIN_S
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            if self._thread is not None:
+                self._thread.join(max(0.0, deadline - time.monotonic()))
+            self._server, self._thread = None, None
+        running = [name for dep in deps for name in dep.join(deadline)]
+        if running:
+            log.warning("hot-load emulator stopped with %d replica thread(s) still running after %gs (a bucket read "
+                        "that does not return; they end with it): %s", len(running), STOP_JOIN_S, ", ".join(running))
         self.check()
 
     def check(self) -> None:
@@ -290,9 +317,10 @@ class HotLoadEmulator:
             raise ValueError(f"replica must be in [0, {self.replicas}), got {replica}")
         if deployment is not None:
             self._named(deployment)
-        with self._lock:
+        # Both locks for the whole update, in the order _deployment takes them: a deployment a request names
+        # meanwhile is then either listed here or made after, taking its count from the "" entry.
+        with self._lock, self.settings.lock:
             keys = [deployment] if deployment is not None else [*self._deployments, ""]
-        with self.settings.lock:
             for key in keys:
                 for i in targets:
                     self.settings.fail_counts[(key, i)] = self.settings.fail_counts.get((key, i), 0) + k
@@ -431,6 +459,9 @@ class HotLoadEmulator:
         """Route one request; returns (status, JSON-able body)."""
         path = urllib.parse.urlsplit(target).path.rstrip("/") or "/"
         try:
+            with self._lock:
+                if not self._serving:  # in flight as stop() ran: no route answers as if the emulator were up
+                    raise _HttpError(503, "the emulator is stopping")
             self._check_auth(headers, path)
             if method in ("HEAD", "OPTIONS"):
                 raise _HttpError(405, f"{method} is not allowed on {path}; the emulator answers GET, POST and DELETE")

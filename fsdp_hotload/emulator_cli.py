@@ -7,6 +7,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import threading
 from typing import Any
@@ -71,6 +72,24 @@ def _api_key_arg(text: str) -> str:
     return text
 
 
+def _host_arg(text: str) -> str:
+    """``--host "$HOST"`` with HOST unset would listen on every interface (the socket layer reads an empty
+    address as all of them), the opposite of what leaving the flag out gives."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty (an unset variable?): give an address such as 127.0.0.1, or "
+                                         "0.0.0.0 to listen on every interface, or leave --host out for loopback")
+    return text.strip()
+
+
+def _endpoint_arg(text: str) -> str:
+    """``--endpoint-url "$URL"`` with URL unset would be dropped, and an s3:// bucket then read from AWS itself
+    rather than the S3-compatible store meant."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty (an unset variable?): give the store's URL, such as "
+                                         "http://127.0.0.1:9000, or leave --endpoint-url out to use AWS S3")
+    return text.strip()
+
+
 def _account_arg(text: str) -> str:
     """``--account``: an account id, as a client's ``account_id`` would name it."""
     try:
@@ -93,7 +112,9 @@ def main(args: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="hotload emulate", description="Run a local Fireworks hot-load emulator.")
     p.add_argument("--bucket", required=True, help="bucket prefix URI holding <identity>/ snapshot folders")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--host", type=_host_arg, default="127.0.0.1",
+                   help="address to listen on (default: %(default)s; another address without --api-key is "
+                        "warned about: anyone reaching it may signal loads)")
     p.add_argument("--port", type=arg_int(0, 65535), default=0, help="TCP port; 0 (the default) picks a free one")
     p.add_argument("--replicas", type=arg_int(1), default=2, help="replicas per deployment (default: %(default)s)")
     p.add_argument("--api-key", type=_api_key_arg, default=None,
@@ -109,7 +130,8 @@ def main(args: list[str] | None = None) -> int:
     p.add_argument("--base-model", default=None, metavar="DIR",
                    help="the deployments' base model (HF folder): full snapshots must match its config.json and "
                         "cover its tensors with the same shapes (only the safetensors headers are read)")
-    p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for s3:// buckets")
+    p.add_argument("--endpoint-url", type=_endpoint_arg, default=None,
+                   help="S3-compatible endpoint for s3:// buckets")
     p.add_argument("--account", type=_account_arg, default="emulator", metavar="ID",
                    help="the account GET /v1/accounts reports, and bare --deployment ids are in (default: %(default)s)")
     p.add_argument("--deployment", type=_deployment_arg, action="append", default=None, metavar="ID=MODEL",
@@ -118,7 +140,9 @@ def main(args: list[str] | None = None) -> int:
     p.add_argument("--history-limit", type=arg_int(1), default=10_000, metavar="N",
                    help="ledger rows and hints kept per deployment for reading (default: %(default)s)")
     ns = p.parse_args(args)
-    opts = {"endpoint_url": ns.endpoint_url} if ns.endpoint_url else None
+    # The emulator's warnings (a load that failed, a listening address open to others) reach stderr marked as such
+    logging.basicConfig(level=logging.WARNING, format="hotload emulate: %(levelname)s: %(message)s")
+    opts = {"endpoint_url": ns.endpoint_url} if ns.endpoint_url is not None else None
     problem = _bucket_problem(ns.bucket, opts)
     if problem is not None:
         print(f"hotload emulate: error: --bucket {mask_url(ns.bucket)}: {problem}", file=sys.stderr)
@@ -158,3 +182,7 @@ def main(args: list[str] | None = None) -> int:
     finally:
         emu.stop()
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,7 +15,8 @@ Example::
     dep.signal(HotLoadRequest(identity="step-1"))  # {'status': 'ok'}; raises SignalRejected(status, message)
     while dep.status()["replicas"][0]["loading_state"]["stage"] not in ("done", "error"):
         time.sleep(0.01)
-    dep.shutdown()
+    dep.cancel()
+    dep.join(time.monotonic() + 10)  # the names of the replica threads still running by then
 """
 from __future__ import annotations
 
@@ -148,6 +149,11 @@ def cache_policy(value: Any) -> str:
     return str(value)
 
 
+class _Cancelled(Exception):
+    """The load's generation ended (a ledger reset or a shutdown) while it read the bucket: it stops at its next
+    file rather than reading and decoding the rest of a snapshot whose result would be dropped."""
+
+
 @dataclass
 class _Job:
     row: LedgerRow
@@ -229,9 +235,12 @@ class Replica:
                     self.restoring = None
 
     def _set_stage(self, job: _Job | _Restart, stage: str) -> None:
+        """Called before and after each file a load reads; raises _Cancelled once the load's generation ended, so
+        a shutdown or ledger reset waits for one file at most, not for the whole snapshot."""
         with self.dep.lock:
-            if job.generation == self.dep.generation:
-                self.stage = stage
+            if job.generation != self.dep.generation:
+                raise _Cancelled
+            self.stage = stage
 
     def _load(self, job: _Job) -> None:
         row, dep = job.row, self.dep
@@ -256,6 +265,10 @@ class Replica:
                 raise LoadError(f"delta {row.identity!r} applies to {row.previous!r}, but replica {self.index} "
                                 f"serves {current!r}")
             tensors, weight_map = self._read(job, row, parent, parent_map)
+        except _Cancelled:
+            with dep.lock:
+                self.busy = self._loads_queued()
+            return
         except (LoadError, ArcError) as exc:
             self._fail(job, f"{type(exc).__name__}: {exc}")
             return
@@ -328,6 +341,8 @@ class Replica:
                     break
                 tensors, weight_map = self._read(job, row, tensors, weight_map)
             failure = None
+        except _Cancelled:  # the generation ended: what follows drops the result
+            failure = "cancelled"
         except (LoadError, ArcError) as exc:
             failure = f"{type(exc).__name__}: {exc}"
         except Exception as exc:  # anything else a corrupt input can trigger is still a load error
@@ -535,10 +550,17 @@ class Deployment:
                     "replicas": [r.inspect() for r in self.replicas],
                     "ledger": [r.to_dict() for r in self.ledger], "hints": [dict(h) for h in self.hints]}
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
+    def cancel(self) -> None:
+        """Drop the queued loads, stop a running one at its next file, and end the replica threads (without
+        waiting: :meth:`join` does, so that an emulator stopping many deployments cancels them all first)."""
         with self.lock:
-            self.generation += 1  # queued loads are dropped
+            self.generation += 1
         for rep in self.replicas:
             rep.jobs.put(None)
+
+    def join(self, deadline: float) -> list[str]:
+        """Wait until :func:`time.monotonic` reaches ``deadline`` at most for the replica threads to end (after
+        :meth:`cancel`); returns the names of those still running (a file read that hangs in the storage layer)."""
         for rep in self.replicas:
-            rep.thread.join(timeout_s)
+            rep.thread.join(max(0.0, deadline - time.monotonic()))
+        return [rep.thread.name for rep in self.replicas if rep.thread.is_alive()]

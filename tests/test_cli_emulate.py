@@ -28,11 +28,10 @@ HOTLOAD = [sys.executable, "-m", "fsdp_hotload.cli"]
 
 
 @contextlib.contextmanager
-def serving(*args: str) -> Iterator[tuple[str, int, list[str]]]:
-    """Run ``hotload emulate`` until the block ends, then Ctrl-C it; yields (host, port, stderr lines), the
-    stderr list filled once the process has exited."""
-    proc = subprocess.Popen([*HOTLOAD, "emulate", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+def serving(*args: str, command: tuple[str, ...] = (*HOTLOAD, "emulate")) -> Iterator[tuple[str, int, list[str]]]:
+    """Run ``hotload emulate`` (or ``command``) until the block ends, then Ctrl-C it; yields (host, port, stderr
+    lines), the stderr list filled once the process has exited."""
+    proc = subprocess.Popen([*command, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     err: list[str] = []
     try:
         assert proc.stdout is not None
@@ -57,6 +56,8 @@ def serving(*args: str) -> Iterator[tuple[str, int, list[str]]]:
     (["--load-delay", "-1"], "--load-delay"),
     (["--compression-formats", "zstd"], "--compression-formats"),
     (["--api-key", ""], "--api-key"),  # "$KEY" with KEY unset: every client would get 401
+    (["--host", ""], "--host"),  # "$HOST" with HOST unset listened on every interface
+    (["--endpoint-url", ""], "--endpoint-url"),  # "$URL" with URL unset was dropped: an s3:// bucket went to AWS
     (["--deployment", "dep"], "--deployment"),  # the model it serves is missing
     (["--deployment", "=m"], "--deployment"),
     (["--account", "a/b"], "--account"),
@@ -185,3 +186,33 @@ def test_deployments_given_on_the_command_line_are_the_only_ones_served(tmp_path
         with urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/v1/accounts", headers={
                 "Authorization": "Bearer any"}), timeout=10) as resp:
             assert json.load(resp) == {"accounts": [{"name": "accounts/acct"}]}
+
+
+def test_the_emulator_cli_module_runs_as_a_script(tmp_path: Path) -> None:
+    """``python -m fsdp_hotload.emulator_cli`` defined main() and exited 0 without serving, a bad flag included."""
+    module = (sys.executable, "-m", "fsdp_hotload.emulator_cli")
+    res = subprocess.run([*module, "--bucket", str(tmp_path), "--no-such-flag"], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 2 and "unrecognized arguments: --no-such-flag" in res.stderr, res.stderr
+    with serving("--bucket", str(tmp_path), "--replicas", "1", command=module) as (host, port, _):
+        with socket.create_connection((host, port), timeout=10) as sock:
+            sock.sendall(b"GET /v1/accounts HTTP/1.0\r\nAuthorization: Bearer any-key\r\n\r\n")
+            assert sock.recv(100).startswith(b"HTTP/1.0 200")
+
+
+@pytest.mark.parametrize("args, warned", [(["--host", "0.0.0.0"], True),
+                                          (["--host", "0.0.0.0", "--api-key", EMULATOR_API_KEY], False),
+                                          (["--host", "127.0.0.1"], False)])
+def test_listening_beyond_loopback_without_an_api_key_is_warned_about(tmp_path: Path, args: list[str],
+                                                                        warned: bool) -> None:
+    """Without --api-key any bearer key is accepted: harmless on loopback, but on another address anyone who can
+    reach the port may signal loads and reset ledgers, which nothing said."""
+    with serving("--bucket", str(tmp_path), "--replicas", "1", *args) as (_, port, err):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:  # it serves either way
+            sock.sendall(f"GET /v1/accounts HTTP/1.0\r\nAuthorization: Bearer {EMULATOR_API_KEY}\r\n\r\n".encode())
+            assert sock.recv(100).startswith(b"HTTP/1.0 200")
+    warnings = [line for line in err if "not a loopback address" in line]
+    assert len(warnings) == int(warned), err
+    if warned:
+        assert warnings[0].startswith("hotload emulate: WARNING:") and "--api-key" in warnings[0], warnings
+
