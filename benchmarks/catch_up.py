@@ -41,6 +41,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.bench_args import arg_float, arg_int, arg_positive  # noqa: E402  (the repository root is on sys.path)
+
 EU = "accounts/acct/deployments/pool-eu"
 
 
@@ -123,15 +125,15 @@ def run(catch_up: bool, args: argparse.Namespace, straggler_wait_s: float | None
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fault", choices=("refuse", "hang", "manager"), default="refuse", help="how pool-eu fails")
-    p.add_argument("--steps", type=int, default=20, help="trainer steps, each published")
-    p.add_argument("--full-every", type=int, default=10, help="full_every")
-    p.add_argument("--out-from", type=int, default=2, help="first step at which pool-eu fails")
-    p.add_argument("--out-to", type=int, default=4, help="last step at which pool-eu fails")
-    p.add_argument("--load-s", type=float, default=0.5, help="seconds every load takes in the emulator")
-    p.add_argument("--step-s", type=float, default=1.0, help="seconds per trainer step after its publish")
-    p.add_argument("--hang-s", type=float, default=30.0, help="seconds pool-eu's loads take with --fault hang")
-    p.add_argument("--ready-timeout-s", type=float, default=3.0, help="ready_timeout_s")
-    p.add_argument("--straggler-wait-s", type=float, default=None,
+    p.add_argument("--steps", type=arg_int(1), default=20, help="trainer steps, each published")
+    p.add_argument("--full-every", type=arg_int(1), default=10, help="full_every")
+    p.add_argument("--out-from", type=arg_int(0), default=2, help="first step at which pool-eu fails")
+    p.add_argument("--out-to", type=arg_int(0), default=4, help="last step at which pool-eu fails")
+    p.add_argument("--load-s", type=arg_float(0), default=0.5, help="seconds every load takes in the emulator")
+    p.add_argument("--step-s", type=arg_float(0), default=1.0, help="seconds per trainer step after its publish")
+    p.add_argument("--hang-s", type=arg_float(0), default=30.0, help="seconds pool-eu's loads take with --fault hang")
+    p.add_argument("--ready-timeout-s", type=arg_positive(), default=3.0, help="ready_timeout_s")
+    p.add_argument("--straggler-wait-s", type=arg_float(0), default=None,
                    help="a third run, with the catch-up and this straggler_wait_s")
     args = p.parse_args()
     if not 0 <= args.out_from <= args.out_to < args.steps - 1:

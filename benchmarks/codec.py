@@ -232,6 +232,7 @@ def datasets(args: argparse.Namespace) -> Iterator[tuple[str, float, Iterator[di
         yield "tiny GPT", lr, tiny_gpt_snapshots(steps=args.steps, lr=lr, seed=args.seed, **kw)
 
 
+from benchmarks.bench_args import arg_int  # noqa: E402  (the repository root is on sys.path)
 from machine_info import machine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
@@ -266,15 +267,19 @@ def write_results(path: Path, section: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes (< 60 s)")
-    ap.add_argument("--params", type=int, default=None, help="synthetic parameters (default 64M, quick 4M)")
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 3, quick 2)")
-    ap.add_argument("--repeat", type=int, default=None, help="timing repeats, best kept (default 3, quick 2)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--params", type=arg_int(1), default=None, help="synthetic parameters (default 64M, quick 4M)")
+    ap.add_argument("--steps", type=arg_int(1), default=None, help="optimizer steps per run (default 3, quick 2)")
+    ap.add_argument("--repeat", type=arg_int(1), default=None,
+                    help="timing repeats, best kept (default 3, quick 2)")
+    ap.add_argument("--seed", type=arg_int(0), default=0)
     ap.add_argument("--write-results", action="store_true", help="update benchmarks/RESULTS.md")
     args = ap.parse_args(argv)
-    args.params = args.params or ((4 << 20) if args.quick else (64 << 20))
-    args.steps = args.steps or (2 if args.quick else 3)
-    args.repeat = args.repeat or (2 if args.quick else 3)
+    if args.params is None:
+        args.params = (4 << 20) if args.quick else (64 << 20)
+    if args.steps is None:
+        args.steps = 2 if args.quick else 3
+    if args.repeat is None:
+        args.repeat = 2 if args.quick else 3
     torch.set_num_threads(1)
     numba.set_num_threads(1)
     started = time.time()
@@ -296,15 +301,29 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print("Cells: ratio (encode GB/s / decode GB/s), one core, bf16 bytes of the chunk.")
     print(BOUND_DEFINITION)
+    print(targets_heading(rows))
     print("\n".join(targets(rows)))
     print(f"\n{machine()}\nelapsed {time.time() - started:.0f} s")
     if args.write_results:
         write_results(ROOT / "benchmarks" / "RESULTS.md", results_section(rows, md, cmd, time.time() - started))
 
 
+def _near(rows: list[tuple[str, float, int, dict[str, object]]]) -> tuple[list[dict[str, object]], bool]:
+    """The rows the targets are checked on: those with 1-5% changed elements (the "~2%" regime), or every row
+    where none is in that range (then True: the heading must say so)."""
+    near = [r for _, _, _, r in rows if 0.01 <= r["changed"] <= 0.05]  # type: ignore[operator]
+    return (near, False) if near else ([r for _, _, _, r in rows], True)
+
+
+def targets_heading(rows: list[tuple[str, float, int, dict[str, object]]]) -> str:
+    """Says which rows the target lines read: their min and median are not those of the whole table above them."""
+    every = _near(rows)[1]
+    return "Targets (every row: none has 1-5% changed):" if every else "Targets (rows with 1-5% changed):"
+
+
 def targets(rows: list[tuple[str, float, int, dict[str, object]]]) -> list[str]:
-    """The issue's targets, checked on the rows with 1-5% changed elements (the "~2%" regime)."""
-    near = [r for _, _, _, r in rows if 0.01 <= r["changed"] <= 0.05] or [r for _, _, _, r in rows]  # type: ignore
+    """The targets, checked on the rows :func:`targets_heading` names."""
+    near = _near(rows)[0]
     out = []
     for mode in ("sparse·dense", "sparse·diff"):
         vs_pulse = min(r[mode][0] / r["PULSE"][0] for r in near)  # type: ignore[index]
@@ -324,9 +343,10 @@ def targets(rows: list[tuple[str, float, int, dict[str, object]]]) -> list[str]:
     dec = sorted(r["arc_v2"][2] for r in near)  # type: ignore[index]
     out += [
         f"arc_v2: encode ≥ 0.5 GB/s per core (whole path from the dense arrays) — min {enc[0]:.2f}, median "
-        f"{statistics.median(enc):.2f} GB/s — {'met' if enc[0] >= 0.5 else 'NOT met'} (every row)",
+        f"{statistics.median(enc):.2f} GB/s — {'met' if enc[0] >= 0.5 else 'NOT met'} (the minimum must reach "
+        "0.5 GB/s)",
         f"arc_v2: apply ≥ 1 GB/s per core — min {dec[0]:.2f}, median {statistics.median(dec):.2f} GB/s — "
-        f"{'met' if dec[0] >= 1.0 else 'NOT met'} (every row)",
+        f"{'met' if dec[0] >= 1.0 else 'NOT met'} (the minimum must reach 1 GB/s)",
     ]
     return out
 
@@ -353,7 +373,7 @@ def results_section(rows: list[tuple[str, float, int, dict[str, object]]], md: s
         "",
         f"{BOUND_DEFINITION}",
         "",
-        "Targets (rows with 1-5% changed):",
+        targets_heading(rows),
         "",
         *[f"- {t}" for t in targets(rows)],
         "",

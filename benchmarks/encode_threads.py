@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fsdp_hotload.arc.codecs import ArcV2, ElementDiff  # noqa: E402
 from fsdp_hotload.engine.encode import ChunkEncoder  # noqa: E402
 
+from benchmarks.bench_args import arg_fraction, arg_int, arg_int_list, arg_positive  # noqa: E402
 from machine_info import machine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from staged_delta import staged_delta  # noqa: E402
 
@@ -56,18 +57,18 @@ def best_encode(enc: ChunkEncoder, buf: torch.Tensor, parts: list[tuple[int, int
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gb", type=float, default=0.5, help="bf16 shard size in GB")
-    p.add_argument("--changed", type=float, default=0.02, help="fraction of elements changed")
-    p.add_argument("--tensors", type=int, default=64)
-    p.add_argument("--workers", default="1,2,4", help="comma list of thread counts (1 is always measured)")
+    p.add_argument("--gb", type=arg_positive(), default=0.5, help="bf16 shard size in GB")
+    p.add_argument("--changed", type=arg_fraction(), default=0.02, help="fraction of elements changed")
+    p.add_argument("--tensors", type=arg_int(1), default=64)
+    p.add_argument("--workers", type=arg_int_list(1), default=[1, 2, 4],
+                   help="comma list of thread counts (1 is always measured)")
     p.add_argument("--path", choices=["dense", "sparse"], default="dense",
                    help="CPU only: one pass per chunk (dense) or diff then frames (sparse, the GPU rank's host share)")
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=arg_int(1), default=3, help="timed runs per thread count, best kept (one more, "
+                                                                "untimed, always comes first)")
     args = p.parse_args()
-    if args.repeat < 1:
-        p.error("--repeat must be at least 1 (one more, untimed, run always comes first)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    counts = sorted({1, *(int(w) for w in args.workers.split(","))})
+    counts = sorted({1, *args.workers})
     chunks, st, buf = staged_delta(device, args.gb, args.changed, args.tensors)
     codec: Any = FramesFromChanges() if device == "cpu" and args.path == "sparse" else ArcV2()
     (codec.codec if isinstance(codec, FramesFromChanges) else codec).warm_up()

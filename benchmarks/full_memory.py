@@ -23,6 +23,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks.bench_args import arg_int, arg_positive  # noqa: E402  (the repository root is on sys.path)
 TARGET_HELD_X = 2.0  # the design's buffers: the cache and one staging slot, each the size of the bf16 shard
 
 
@@ -96,8 +98,8 @@ def _high_water() -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gb", type=float, default=1.0, help="bf16 size of the whole model (GB)")
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--gb", type=arg_positive(), default=1.0, help="bf16 size of the whole model (GB)")
+    p.add_argument("--nproc", type=arg_int(1), default=2)
     p.add_argument("--job", metavar="WORKDIR", help=argparse.SUPPRESS)  # the torchrun side
     args = p.parse_args()
     if args.job:

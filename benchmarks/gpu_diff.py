@@ -24,6 +24,7 @@ from fsdp_hotload.arc.adler import update_parts  # noqa: E402
 from fsdp_hotload.arc.codecs import ArcV2, ElementDiff  # noqa: E402
 from fsdp_hotload.engine.staging import DIFF_BLOCK  # noqa: E402
 
+from benchmarks.bench_args import arg_fraction, arg_int, arg_positive  # noqa: E402
 from machine_info import machine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from staged_delta import staged_delta  # noqa: E402
 
@@ -60,9 +61,9 @@ def host_share(codec: ArcV2, diffs: Sequence[ElementDiff]) -> tuple[int, float, 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gb", type=float, default=2.0, help="bf16 shard size in GB")
-    p.add_argument("--changed", type=float, default=0.02, help="fraction of elements changed")
-    p.add_argument("--tensors", type=int, default=64)
+    p.add_argument("--gb", type=arg_positive(), default=2.0, help="bf16 shard size in GB")
+    p.add_argument("--changed", type=arg_fraction(), default=0.02, help="fraction of elements changed")
+    p.add_argument("--tensors", type=arg_int(1), default=64)
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("gpu_diff: no CUDA device here; nothing measured (run it on a GPU machine)")

@@ -25,6 +25,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.bench_args import arg_float, arg_int  # noqa: E402  (the repository root is on sys.path)
+
 API_KEY = "bench-key"
 
 
@@ -73,11 +75,11 @@ def run(hints: bool, hint_s: float, put_s: float, layers: int, workers: int, del
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hint-ms", type=float, default=200.0, help="milliseconds the API takes to answer a hint")
-    p.add_argument("--put-ms", type=float, default=200.0, help="extra milliseconds per file written")
-    p.add_argument("--layers", type=int, default=16, help="files per snapshot (one layer each)")
-    p.add_argument("--workers", type=int, default=4, help="upload_concurrency")
-    p.add_argument("--deltas", type=int, default=4, help="delta snapshots measured per run")
+    p.add_argument("--hint-ms", type=arg_float(0), default=200.0, help="milliseconds the API takes to answer a hint")
+    p.add_argument("--put-ms", type=arg_float(0), default=200.0, help="extra milliseconds per file written")
+    p.add_argument("--layers", type=arg_int(1), default=16, help="files per snapshot (one layer each)")
+    p.add_argument("--workers", type=arg_int(1), default=4, help="upload_concurrency")
+    p.add_argument("--deltas", type=arg_int(1), default=4, help="delta snapshots measured per run")
     args = p.parse_args()
     from benchmarks.machine_info import machine
 

@@ -177,13 +177,22 @@ def _publishing_stats(res: dict[str, Any], v: str, discard: int) -> dict[str, An
     ranks = res["ranks"]
     variants = [x.strip() for x in res["args"]["variants"].split(",") if x.strip()]
     row: dict[str, Any] = {}
+    timed = [x for x in ranks[0]["records"] if x["variant"] == v and x["round"] >= 0]
+    # A phase ends with detach(), which waits for the last copy with no training step to hide it behind.
+    last = max((x["i"] for x in timed), default=-1)
+    phase_end = {x["step"] for x in timed if x["i"] == last}
+
+    def staged_step(x: dict[str, Any]) -> bool:
+        """A counted step that staged a snapshot, not a phase's last: the steps both the hook figures and
+        PublishMetrics.blocking_ms are taken over (a phase's last copy is waited for by detach(), no step)."""
+        return x["variant"] == v and _timed(x, discard) and x["started"] and x["step"] not in phase_end
+
     # hook time: per rank, on the steps where a snapshot was staged and on all steps
     # A background copy (attach) is waited for at the next optimizer step: that fence belongs to this publish,
     # and the fence in this step's own record (the previous copy's) does not.
     staged = [[x["hook_s"] - x["parts"].get("fence", 0.0)
                + (nxt["parts"].get("fence", 0.0) if nxt and nxt["variant"] == v else 0.0)
-               for x, nxt in zip(r["records"], r["records"][1:] + [None])
-               if x["variant"] == v and _timed(x, discard) and x["started"]]
+               for x, nxt in zip(r["records"], r["records"][1:] + [None]) if staged_step(x)]
               for r in ranks]
     all_steps = [[x["hook_s"] for x in r["records"] if x["variant"] == v and _timed(x, discard)] for r in ranks]
     row["hook_staged_med"] = max(med(s) for s in staged)
@@ -194,11 +203,10 @@ def _publishing_stats(res: dict[str, Any], v: str, discard: int) -> dict[str, An
         k: max(statistics.fmean([(nxt["parts"].get(k, 0.0) if nxt and nxt["variant"] == v else 0.0)
                                  if k == "fence" else x["parts"].get(k, 0.0)
                                  for x, nxt in zip(r["records"], r["records"][1:] + [None])
-                                 if x["variant"] == v and _timed(x, discard) and x["started"]] or [float("nan")])
+                                 if staged_step(x)] or [float("nan")])
                for r in ranks)
         for k in ("sources", "busy", "acquire", "stage", "fence")}
     row["hook_staged_mean"] = max(statistics.fmean(s or [float("nan")]) for s in staged)
-    timed = [x for x in ranks[0]["records"] if x["variant"] == v and x["round"] >= 0]
     row["started"] = sum(x["started"] for x in timed)
     every = int(v[len("skip_every"):]) if v.startswith("skip_every") else 1
     # due, but busy; over every timed step, each phase's uncounted first ones included (with --hook step the first
@@ -208,9 +216,6 @@ def _publishing_stats(res: dict[str, Any], v: str, discard: int) -> dict[str, An
     # Only publishes a timed step started: close() publishes a skipped last step after training has stopped.
     started_steps = {x["step"] for x in timed if x["started"]}
     ms = [m for m in res["metrics"][v] if m["step"] in started_steps]
-    # A phase ends with detach(), which waits for the last copy with no training step to hide it behind.
-    last = max((x["i"] for x in timed), default=-1)
-    phase_end = {x["step"] for x in timed if x["i"] == last}
     ok = [m for m in ms if m["ok"]]
     row["ok"], row["failed"] = len(ok), len(ms) - len(ok)
     row["errors"] = sorted({m["error"] for m in ms if not m["ok"]})[:3]
@@ -368,14 +373,15 @@ def report(res: dict[str, Any], a: dict[str, Any]) -> str:
     if pubs:
         hook = ("the optimizer's post-step hook (attach), plus the pre-step wait for its background copy at "
                 "the next step" if args.get("hook", "step") == "attach" else "cb.step()")
-        lines += ["", f"Hook = trainer-thread time of a publish: {hook}, on the steps that staged a snapshot (max "
-                  "over ranks). Its parts (means, so they add up to the mean hook): chunk views (storage "
-                  "fingerprint; a model walk only when storage changed) / busy check (the skip policy's async "
-                  "agreement, read on the main thread; absorbs rank skew) / waiting for a free slot / Stager.stage "
-                  "(the copy, or handing it to the helper thread) / fence (waiting for a background copy at the next "
-                  "optimizer step). PublishMetrics.blocking_ms is the engine's own figure: the hook without attach's "
-                  "pre-step agreement, plus the fence (the last publish of each phase is left out: its fence is "
-                  "detach's wait). Ratios use the median hook and the idle copies above.",
+        lines += ["", f"Hook = trainer-thread time of a publish: {hook}, on the counted steps that staged a "
+                  "snapshot, each phase's last left out (max over ranks). Its parts (means, so they add up to the "
+                  "mean hook): chunk views (storage fingerprint; a model walk only when storage changed) / busy "
+                  "check (the skip policy's async agreement, read on the main thread; absorbs rank skew) / waiting "
+                  "for a free slot / Stager.stage (the copy, or handing it to the helper thread) / fence (waiting for "
+                  "a background copy at the next optimizer step). PublishMetrics.blocking_ms is the engine's own "
+                  "figure: the hook without attach's pre-step agreement, plus the fence, over the same steps (a "
+                  "phase's last publish is left out of both: its fence is detach's wait, no training step's). "
+                  "Ratios use the median hook and the idle copies above.",
                   "", "| variant | hook ms med / p90 / mean | parts ms (mean): views / busy / slot / stage / fence | "
                   "hook ms, "
                   "all steps (med) | PublishMetrics.blocking_ms (med) | hook / bare bf16 copy | hook / cast-copy | "
@@ -481,13 +487,14 @@ def report(res: dict[str, Any], a: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ launch
+from benchmarks.bench_args import arg_int, arg_positive  # noqa: E402  (the repository root is on sys.path)
 from machine_info import machine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
 def main(argv: list[str] | None = None) -> int:
     from overhead_job import job_flags  # noqa: E402  (the flags it passes through, for --help)
 
-    jp = argparse.ArgumentParser(prog="overhead_job.py", add_help=False)
+    jp = argparse.ArgumentParser(prog="overhead.py", add_help=False)  # also checks them before the job starts
     job_flags(jp)
     job_help = jp.format_help().split("\n\n", 1)[1].replace("options:", "flags passed to the job "
                                                              "(here --warmup defaults to 5, quick 3):", 1)
@@ -496,23 +503,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer, shorter phases (< 90 s)")
     p.add_argument("--variants", help="comma list of baseline, skip, wait, skip_nosignal, skip_everyK "
                                       "(default: the first four; quick: baseline,skip,wait)")
-    p.add_argument("--rounds", type=int, help="interleaved rounds (default 6, quick 2)")
-    p.add_argument("--phase-steps", type=int, help="steps per variant per round (default 12, quick 6)")
-    p.add_argument("--replicas", type=int, default=2, help="emulator replicas per deployment")
-    p.add_argument("--nproc", type=int, default=2, help="trainer ranks (torchrun --nproc-per-node)")
+    p.add_argument("--rounds", type=arg_int(1), help="interleaved rounds (default 6, quick 2)")
+    p.add_argument("--phase-steps", type=arg_int(1), help="steps per variant per round (default 12, quick 6)")
+    p.add_argument("--replicas", type=arg_int(1), default=2, help="emulator replicas per deployment")
+    p.add_argument("--nproc", type=arg_int(1), default=2, help="trainer ranks (torchrun --nproc-per-node)")
     p.add_argument("--json", help="also write the raw results and the analysis here")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds before the job is killed")
+    p.add_argument("--timeout", type=arg_positive(), default=900.0, help="seconds before the job is killed")
     p.add_argument("--from-json", metavar="PATH", help="print the report of a run saved with --json, without "
                                                        "running anything (the analysis is recomputed)")
     args, job_extra = p.parse_known_args(argv)  # anything else (--dim, --layers, --poll ...) goes to the job
+    jp.parse_known_args(job_extra)  # a job flag out of range is a usage error now, not a failed torchrun later
     if args.from_json:
         res = json.loads(Path(args.from_json).read_text())["raw"]
         print(f"(re-analysis of {args.from_json}; machine: {res.get('machine', 'not recorded')}; command: "
               f"{res.get('command', 'not recorded')})\n")
         print(report(res, analyse(res)))
         return 0
-    rounds = args.rounds or (2 if args.quick else 6)
-    phase = args.phase_steps or (6 if args.quick else 12)
+    rounds = args.rounds if args.rounds is not None else (2 if args.quick else 6)
+    phase = args.phase_steps if args.phase_steps is not None else (6 if args.quick else 12)
     warmup = 3 if args.quick else 5
     variants = args.variants or ("baseline,skip,wait" if args.quick else "baseline,skip,wait,skip_nosignal")
     tmp = Path(tempfile.mkdtemp(prefix="hotload-overhead-"))

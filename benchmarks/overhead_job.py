@@ -36,6 +36,8 @@ from fsdp_hotload import HotloadCallback, HotloadConfig  # noqa: E402
 from fsdp_hotload.demo import CausalLM  # noqa: E402
 from fsdp_hotload.fsdp import local_chunks  # noqa: E402
 
+from benchmarks.bench_args import arg_int, arg_positive  # noqa: E402  (the repository root is on sys.path)
+
 PUBLISHING = ("skip", "wait", "skip_nosignal", "skip_everyK")
 _VARIANT = re.compile(r"^(baseline|skip|wait|skip_nosignal|skip_every([1-9][0-9]*))$")
 
@@ -255,20 +257,22 @@ def bare_copies(model: nn.Module, cb: HotloadCallback, reps: int) -> dict[str, f
 # ------------------------------------------------------------------------------------------------ main
 def job_flags(p: argparse.ArgumentParser) -> None:
     """The flags ``benchmarks/overhead.py`` passes through unchanged: its ``--help`` lists them from here."""
-    p.add_argument("--discard", type=int, default=1, help="first steps of every phase not counted")
-    p.add_argument("--warmup", type=int, default=6, help="untimed steps per variant before round 0")
-    p.add_argument("--copy-reps", type=int, default=25, help="timed bare bf16 copies of the shard (the baseline)")
-    p.add_argument("--vocab", type=int, default=8192, help="model: vocabulary size")
-    p.add_argument("--dim", type=int, default=512, help="model: hidden size")
-    p.add_argument("--hidden", type=int, default=1536, help="model: MLP intermediate size")
-    p.add_argument("--heads", type=int, default=8, help="model: attention heads")
-    p.add_argument("--layers", type=int, default=4, help="model: decoder layers")
-    p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
-    p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
-    p.add_argument("--poll", type=float, default=0.05, help="HotloadConfig.poll_interval_s")
-    p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (RL runs use ~1e-6)")
-    p.add_argument("--nice", type=int, default=None, help="HotloadConfig.background_nice (default: the config's)")
-    p.add_argument("--switch-interval", type=float, default=None,
+    p.add_argument("--discard", type=arg_int(0), default=1, help="first steps of every phase not counted")
+    p.add_argument("--warmup", type=arg_int(0), default=6, help="untimed steps per variant before round 0")
+    p.add_argument("--copy-reps", type=arg_int(1), default=25,
+                   help="timed bare bf16 copies of the shard (the baseline)")
+    p.add_argument("--vocab", type=arg_int(1), default=8192, help="model: vocabulary size")
+    p.add_argument("--dim", type=arg_int(1), default=512, help="model: hidden size")
+    p.add_argument("--hidden", type=arg_int(1), default=1536, help="model: MLP intermediate size")
+    p.add_argument("--heads", type=arg_int(1), default=8, help="model: attention heads")
+    p.add_argument("--layers", type=arg_int(1), default=4, help="model: decoder layers")
+    p.add_argument("--batch", type=arg_int(1), default=2, help="sequences per rank per step")
+    p.add_argument("--seq", type=arg_int(1), default=64, help="tokens per sequence")
+    p.add_argument("--poll", type=arg_positive(), default=0.05, help="HotloadConfig.poll_interval_s")
+    p.add_argument("--lr", type=arg_positive(), default=1e-5, help="AdamW learning rate (RL runs use ~1e-6)")
+    p.add_argument("--nice", type=arg_int(0, 19), default=None,
+                   help="HotloadConfig.background_nice (default: the config's)")
+    p.add_argument("--switch-interval", type=arg_positive(), default=None,
                    help="sys.setswitchinterval for the job (seconds; default: Python's 0.005)")
     p.add_argument("--hook", choices=["attach", "step"], default="attach",
                    help="publish from the optimizer hooks (async CPU copy) or call cb.step() after optimizer.step()")
@@ -286,8 +290,8 @@ def main() -> None:
     p.add_argument("--hf-dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--variants", default="baseline,skip,wait,skip_nosignal")
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--phase-steps", type=int, default=12)
+    p.add_argument("--rounds", type=arg_int(1), default=6)
+    p.add_argument("--phase-steps", type=arg_int(1), default=12)
     job_flags(p)
     args = p.parse_args()
 

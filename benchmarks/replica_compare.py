@@ -28,6 +28,8 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.bench_args import arg_int, arg_int_list  # noqa: E402  (the repository root is on sys.path)
+
 
 def best_of(repeats: int, fn: Callable[[], Any], barrier: Callable[[], None]) -> float:
     best = float("inf")
@@ -89,12 +91,13 @@ def job(counts: list[int], repeats: int, out: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", default="2,4", help="comma-separated rank counts, one torchrun each")
-    p.add_argument("--counts", default="4000,40000", help="comma-separated plain tensor counts")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--nproc", type=arg_int_list(1), default=[2, 4],
+                   help="comma-separated rank counts, one torchrun each")
+    p.add_argument("--counts", type=arg_int_list(1), default=[4000, 40000], help="comma-separated plain tensor counts")
+    p.add_argument("--repeats", type=arg_int(1), default=5, help="timed runs of each collective")
     p.add_argument("--job", metavar="OUTDIR", help=argparse.SUPPRESS)  # the torchrun side
     args = p.parse_args()
-    counts = [int(c) for c in args.counts.split(",")]
+    counts = args.counts
     if args.job:
         job(counts, args.repeats, Path(args.job))
         sys.stdout.flush()  # then leave without C++ teardown: gloo's static destructors can abort a finished run
@@ -108,9 +111,9 @@ def main() -> int:
         env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
                    PYTHONPATH=os.pathsep.join(x for x in (str(REPO), str(REPO / "benchmarks"),
                                                           os.environ.get("PYTHONPATH", "")) if x))
-        for nproc in [int(x) for x in args.nproc.split(",")]:
+        for nproc in args.nproc:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                   __file__, "--counts", args.counts, "--repeats", str(args.repeats), "--job", tmp]
+                   __file__, "--counts", ",".join(map(str, counts)), "--repeats", str(args.repeats), "--job", tmp]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
             if proc.returncode != 0:
                 print(proc.stdout[-3000:] + proc.stderr[-3000:], file=sys.stderr)

@@ -22,6 +22,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.bench_args import arg_float, arg_int  # noqa: E402  (the repository root is on sys.path)
+
 SESSION = "a1b2c3d4"
 
 
@@ -72,9 +74,10 @@ def run(cached: bool, chain: int, get_s: float, passes: int) -> tuple[float, flo
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--chain", type=int, default=300, help="committed snapshots in the chain (one full, then deltas)")
-    p.add_argument("--get-ms", type=float, default=20.0, help="extra milliseconds per GET")
-    p.add_argument("--passes", type=int, default=5, help="passes measured, each after one more delta")
+    p.add_argument("--chain", type=arg_int(1), default=300,
+                   help="committed snapshots in the chain (one full, then deltas)")
+    p.add_argument("--get-ms", type=arg_float(0), default=20.0, help="extra milliseconds per GET")
+    p.add_argument("--passes", type=arg_int(1), default=5, help="passes measured, each after one more delta")
     args = p.parse_args()
     from benchmarks.machine_info import machine
 

@@ -24,6 +24,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.bench_args import arg_float, arg_int  # noqa: E402  (the repository root is on sys.path)
+
 
 def run(ret_s: float, step_s: float, steps: int) -> tuple[int, list[int], float]:
     import fsdp_hotload.retention as retention
@@ -60,9 +62,9 @@ def run(ret_s: float, step_s: float, steps: int) -> tuple[int, list[int], float]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ret-s", type=float, default=0.5, help="extra seconds each retention pass takes")
-    p.add_argument("--step-s", type=float, default=0.1, help="seconds per trainer step")
-    p.add_argument("--steps", type=int, default=60, help="trainer steps per run (after a first full)")
+    p.add_argument("--ret-s", type=arg_float(0), default=0.5, help="extra seconds each retention pass takes")
+    p.add_argument("--step-s", type=arg_float(0), default=0.1, help="seconds per trainer step")
+    p.add_argument("--steps", type=arg_int(1), default=60, help="trainer steps per run (after a first full)")
     args = p.parse_args()
     from benchmarks.machine_info import machine
 

@@ -29,6 +29,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_args import arg_positive  # noqa: E402  (the repository root is on sys.path)
+
 from fsdp_hotload.engine.comm import GlooComm, exchange_objects  # noqa: E402
 
 from machine_info import machine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
@@ -78,7 +80,7 @@ def _rank(rank: int, port: int, nbytes: int, results: Any) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gib", type=float, default=2.01, help="payload size in GiB (4.01 passes 4 GiB)")
+    p.add_argument("--gib", type=arg_positive(), default=2.01, help="payload size in GiB (4.01 passes 4 GiB)")
     args = p.parse_args()
     nbytes = int(args.gib * 2**30)
     print(f"machine: {machine()}")

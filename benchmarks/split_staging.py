@@ -27,6 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_args import arg_int  # noqa: E402  (the repository root is on sys.path)
+
 from fsdp_hotload.arc.boxes import Box  # noqa: E402
 from fsdp_hotload.engine.copies import CopyGroup  # noqa: E402
 from fsdp_hotload.engine.staging import Stager  # noqa: E402
@@ -51,11 +53,11 @@ def medians_s(fns: dict[str, Callable[[], None]], reps: int, sync: Callable[[], 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--inter", type=int, default=64, help="each expert's intermediate size")
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--layers", type=arg_int(1), default=16)
+    p.add_argument("--experts", type=arg_int(1), default=128)
+    p.add_argument("--inter", type=arg_int(1), default=64, help="each expert's intermediate size")
+    p.add_argument("--hidden", type=arg_int(1), default=128)
+    p.add_argument("--reps", type=arg_int(1), default=10)
     p.add_argument("--device", default="cpu")
     p.add_argument("--transposed", action="store_true", help="publish the fused tensors whole, last two dims swapped")
     args = p.parse_args()

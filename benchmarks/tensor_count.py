@@ -24,6 +24,8 @@ from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks.bench_args import arg_int, arg_int_list  # noqa: E402  (the repository root is on sys.path)
 PER_LAYER = 500
 
 
@@ -84,12 +86,10 @@ def measure(n: int, steps: int, root: Path) -> dict[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--counts", default="10000,40000", help="tensor counts, comma-separated")
-    p.add_argument("--steps", type=int, default=6, help="publishes per count: a full, then deltas (>= 3)")
+    p.add_argument("--counts", type=arg_int_list(1), default=[10000, 40000], help="tensor counts, comma-separated")
+    p.add_argument("--steps", type=arg_int(3), default=6, help="publishes per count: a full, then deltas (>= 3)")
     args = p.parse_args()
-    counts = sorted(int(c) for c in args.counts.split(","))
-    if args.steps < 3 or not counts or counts[0] < 1:
-        p.error("--steps must be >= 3 and every count >= 1")
+    counts = sorted(args.counts)
     from benchmarks.machine_info import machine
 
     rows: dict[int, dict[str, float]] = {}

@@ -66,6 +66,18 @@ def test_codec_benchmark_round_trips_every_payload() -> None:
     # codec.py decodes every payload and raises if one differs from the trainer's bytes.
     proc = _run([str(BENCH / "codec.py"), "--quick", "--params", "200000", "--steps", "2", "--repeat", "1"], 300)
     assert "arc_v2: encode" in proc.stdout and "sparse·dense: ratio" in proc.stdout
+    # the target lines say which rows they read (their min is not the table's) and what "met" asks of them
+    heading = next(line for line in proc.stdout.splitlines() if line.startswith("Targets ("))
+    assert heading in ("Targets (rows with 1-5% changed):", "Targets (every row: none has 1-5% changed):")
+    assert proc.stdout.count("(the minimum must reach") == 2 and "(every row)" not in proc.stdout, proc.stdout
+
+
+def test_codec_targets_heading_names_the_rows_the_targets_read() -> None:
+    codec = _bench_module("codec")
+    row = ("synthetic", 1e-6, 1)
+    assert codec.targets_heading([(*row, {"changed": 0.02}), (*row, {"changed": 0.3})]) == \
+        "Targets (rows with 1-5% changed):"
+    assert codec.targets_heading([(*row, {"changed": 0.3})]) == "Targets (every row: none has 1-5% changed):"
 
 
 @pytest.mark.parametrize("path", ["dense", "sparse"])
@@ -117,6 +129,31 @@ def test_overhead_analysis_charges_each_copy_wait_once_and_only_started_publishe
     assert row["engine_blocking_ms"] == 1.0  # the phase's last publish carries detach's wait
     res["ranks"][0]["records"][3]["started"] = False  # step 13 published by close(), not by the step
     assert overhead._publishing_stats(res, "wait", discard=0)["ok"] == 3
+
+
+def test_overhead_hook_and_engine_blocking_medians_cover_the_same_steps() -> None:
+    """The hook median and PublishMetrics.blocking_ms's median sit side by side in the Hook table: both leave out
+    each phase's uncounted first step and its last (whose copy detach() waits for), so where the engine's figure
+    is the hook's they agree (the hook's median also read the last step: 20 ms against 15 ms)."""
+    overhead = _bench_module("overhead")
+    hooks = {10: 0.9, 11: 0.010, 12: 0.020, 13: 0.5}  # step 10 is the phase's first, 13 its last
+
+    def rec(i: int) -> dict[str, object]:
+        return {"variant": "wait", "round": 0, "i": i, "step": 10 + i, "hook_s": hooks[10 + i], "started": True,
+                "parts": {}, "rss": 0}
+
+    def metric(step: int) -> dict[str, object]:
+        return {"step": step, "ok": True, "kind": "delta", "error": None, "total_s": 1.0, "upload_s": 0.1,
+                "ready_s": 0.1, "encode_s": 0.1, "diff_s": 0.0, "route_s": 0.0, "signal_s": 0.0,
+                "bytes_written": 10, "raw_bytes": 100, "changed_fraction": 0.01, "blocking_ms": 1e3 * hooks[step],
+                "staleness_steps": 0}
+
+    res = {"args": {"variants": "wait"}, "metrics": {"wait": [metric(s) for s in hooks]},
+           "ranks": [{"records": [rec(i) for i in range(4)], "stagers": {"wait": {}}}]}
+    row = overhead._publishing_stats(res, "wait", discard=1)
+    assert row["engine_blocking_ms"] == pytest.approx(15.0)
+    assert 1e3 * row["hook_staged_med"] == pytest.approx(row["engine_blocking_ms"])
+    assert 1e3 * row["hook_staged_mean"] == pytest.approx(15.0)
 
 
 def test_overhead_statistics_on_known_inputs() -> None:
@@ -285,9 +322,9 @@ def test_phase_orders_put_each_variant_after_every_other_equally_often() -> None
 
 
 def test_routing_exchange_benchmark_fails_fast_when_a_rank_dies() -> None:
-    """A rank that dies (here: a payload size it cannot allocate; on a real run, the OOM killer at 4 GiB) puts
-    nothing in the results queue: the launcher must report it and exit non-zero, not wait an hour for it."""
-    proc = subprocess.run([sys.executable, str(BENCH / "routing_exchange.py"), "--gib", "-0.001"],
+    """A rank that dies (here: a payload size it cannot allocate, about an exabyte; on a real run, the OOM killer at
+    4 GiB) puts nothing in the results queue: the launcher must report it and exit non-zero, not wait an hour."""
+    proc = subprocess.run([sys.executable, str(BENCH / "routing_exchange.py"), "--gib", "1e9"],
                           capture_output=True, text=True, timeout=90, cwd=BENCH.parent)
     assert proc.returncode != 0
     assert "rank" in proc.stderr and "exit" in proc.stderr, proc.stderr[-2000:]

@@ -710,3 +710,21 @@ def test_cadence_bounds_every_delta_chain() -> None:
     kinds(c, 2)
     c.on_failure()
     assert c.next_kind() == "full" and c.accepted == "s1"
+
+
+@pytest.mark.parametrize("codec", ["arc_v2", "arc_sparse_v1"])
+def test_diff_s_is_zero_where_no_separate_diff_runs(codec: str, tmp_path: Path) -> None:
+    """On the host, arc_v2 diffs inside its one pass per chunk and a full snapshot has no diff: their ``diff_s`` in
+    the metrics lines is 0, not the time of a branch that did nothing. arc_sparse_v1 diffs first, and that is timed."""
+    model = make_model()
+    cfg = config(str(tmp_path / "bucket"), None, tmp_path, codec=codec, full_every=3)
+    with TensorPublisher(model, cfg) as pub:
+        for step in range(4):
+            train_step(model, step)
+            assert pub.publish(step, model)
+            pub.wait()
+    lines = [json.loads(line) for line in Path(cfg.metrics_path).read_text().splitlines()]
+    assert [r["kind"] for r in lines] == ["full", "delta", "delta", "full"]
+    assert all(r["diff_s"] == 0.0 for r in lines if r["kind"] == "full"), lines
+    deltas = [r["diff_s"] for r in lines if r["kind"] == "delta"]
+    assert all(d == 0.0 for d in deltas) if codec == "arc_v2" else all(d > 0 for d in deltas), deltas

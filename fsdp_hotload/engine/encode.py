@@ -103,9 +103,11 @@ class ChunkEncoder:
         # A host slot's chunks as the numpy views kept per buffer: a full snapshot's chunk cut as a tensor, then
         # made an array, holds that tensor object until the file is written (one per chunk for the collector).
         new = self.stager.host_views(buf) if dense or (kind == "full" and buf.device.type == "cpu") else None
-        t0 = time.perf_counter()
-        diffs = self.stager.diff(buf) if kind == "delta" and not dense else None
-        diff_s = time.perf_counter() - t0
+        diffs, diff_s = None, 0.0  # 0 where no separate diff runs: a full, or a diff fused into encoding (dense)
+        if kind == "delta" and not dense:
+            t0 = time.perf_counter()
+            diffs = self.stager.diff(buf)
+            diff_s = time.perf_counter() - t0
 
         def one(i: int) -> EncodedChunk:
             return self._chunk(i, buf, old, new, diffs, cache_parts[i])
