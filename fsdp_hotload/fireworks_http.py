@@ -286,9 +286,12 @@ class _Watchdog:
         self._lock = threading.Lock()
         self._done = False
         self.fired: str | None = None  # "deadline", "until" or "cancelled"
+        try:  # started before it is registered: a thread that cannot start leaves no waker in the canceller
+            threading.Thread(target=self._run, name="hotload-http-watchdog", daemon=True).start()
+        except Exception as exc:  # noqa: BLE001 - a process at its thread limit: transient, retried
+            raise NotSent(f"cannot start the request's watchdog thread: {type(exc).__name__}: {exc}") from None
         if canceller is not None:
             canceller.watch(self._wake)
-        threading.Thread(target=self._run, name="hotload-http-watchdog", daemon=True).start()
 
     def _run(self) -> None:
         self._deadline.wait(self._wake)
@@ -310,6 +313,32 @@ class _Watchdog:
         if self._canceller is not None:
             self._canceller.unwatch(self._wake)
         return self.fired
+
+
+class _TLSConnection(http.client.HTTPSConnection):
+    """An HTTPS connection whose TLS handshake its watchdog can cut.
+
+    Why: ``HTTPSConnection.connect`` hands the plain socket to ``wrap_socket``, which moves its descriptor to a new
+    TLS socket and runs the handshake before ``sock`` names that one; a watchdog that fired meanwhile shut down a
+    detached socket (EBADF), and a server or tunnel that never answered the ClientHello held ``cancel()`` and the
+    caller's ``until()`` (``straggler_wait_s``) until the attempt's socket timeout (60 s by default)."""
+
+    def __init__(self, host: str, port: int, timeout: float, context: ssl.SSLContext | None,
+                 progress: _Progress) -> None:
+        super().__init__(host, port, timeout=timeout, context=context)
+        self.progress = progress
+        self.watchdog: _Watchdog | None = None  # set once the watchdog is made (it needs the connection)
+
+    def connect(self) -> None:
+        http.client.HTTPConnection.connect(self)  # TCP (through the proxy's tunnel where there is one)
+        self.progress.phase = "tls"
+        self.sock = self._context.wrap_socket(self.sock, server_hostname=self.host,  # type: ignore[attr-defined]
+                                              do_handshake_on_connect=False)
+        # From here the watchdog shuts down the socket the handshake reads; one that fired while the descriptor
+        # moved found nothing to shut down.
+        if self.watchdog is not None and self.watchdog.fired is not None:
+            raise ConnectionAbortedError("the exchange was cut before its TLS handshake")
+        self.sock.do_handshake()
 
 
 def send_once(
@@ -340,15 +369,15 @@ def send_once(
 
     def to_proxy(address: tuple[str, int]) -> socket.socket:
         conn.sock = open_socket(address, deadline, canceller)  # watched while the tunnel is asked for
+        progress.phase = "tunnel"
         return conn.sock
 
     if proxy is None:
-        conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-            host, port, timeout=timeout, context=context) if base.scheme == "https" else \
-            http.client.HTTPConnection(host, port, timeout=timeout)
+        conn: http.client.HTTPConnection = _TLSConnection(host, port, timeout, context, progress) \
+            if base.scheme == "https" else http.client.HTTPConnection(host, port, timeout=timeout)
         conn._create_connection = direct  # type: ignore[attr-defined]
     elif base.scheme == "https":  # a CONNECT tunnel through the proxy; TLS with the API's host end to end
-        conn = http.client.HTTPSConnection(host, port, timeout=timeout, context=context)
+        conn = _TLSConnection(host, port, timeout, context, progress)
         conn._create_connection = lambda *_: open_tunnel(proxy, host, port, to_proxy)  # type: ignore[attr-defined]
     else:  # plain HTTP: the proxy takes the absolute URL
         conn = http.client.HTTPConnection(proxy.hostname or "", proxy.port or 80, timeout=timeout)
@@ -356,6 +385,8 @@ def send_once(
         url = urllib.parse.urlunsplit((base.scheme, base.netloc, url, "", ""))
         headers = {**headers, **proxy_auth(proxy)}
     watchdog = _Watchdog(conn, deadline, canceller)
+    if isinstance(conn, _TLSConnection):
+        conn.watchdog = watchdog
     try:
         try:
             reply = _exchange(conn, method, url, payload, headers, deadline, watchdog, progress)
@@ -384,6 +415,7 @@ class _Progress:
 
     def __init__(self, proxy: str | None) -> None:
         self.proxy = proxy  # the proxy's masked URL, None for a direct connection
+        # connecting, tunnel (asking the proxy), tls, connected, status (the request sent), body
         self.phase = "connecting"
         self.got = 0
         self.length: int | None = None
@@ -391,6 +423,12 @@ class _Progress:
     def __str__(self) -> str:
         if self.phase == "connecting":
             return "while connecting" + (f" via proxy {self.proxy}" if self.proxy else "")
+        if self.phase == "tunnel":
+            return f"while waiting for the proxy {self.proxy} to answer CONNECT"
+        if self.phase == "tls":
+            return "during the TLS handshake" + (f" (through the tunnel of proxy {self.proxy})" if self.proxy else "")
+        if self.phase == "connected":
+            return "as the connection was made, before the request was sent"
         if self.phase == "status":
             return "while waiting for the status line (the request was sent)"
         of = f" of {self.length}" if self.length is not None else ""
@@ -441,6 +479,11 @@ def _exchange(conn: http.client.HTTPConnection, method: str, url: str, payload: 
         raise NotTLS(f"{conn.host}:{conn.port} does not speak TLS (the handshake got {exc.reason})") from None
     except OSError as exc:
         raise NotSent(f"{via}{type(exc).__name__}: {exc}") from exc
+    progress.phase = "connected"
+    try:  # the deadline may have passed, or a cancel come, as the connection was made: send nothing then
+        _time_left(conn, deadline, watchdog, progress)
+    except ExchangeTimeout as exc:
+        raise NotSent(str(exc)) from None
     conn.request(method, url, body=payload, headers=headers)
     progress.phase = "status"
     _time_left(conn, deadline, watchdog, progress)
@@ -469,9 +512,19 @@ def _cut(why: str, deadline: Deadline, progress: _Progress) -> Exception:
     if why == "until":
         return ExchangeTimeout(f"the caller's wait ended {time.monotonic() - deadline.start:.1f}s into the exchange, "
                               f"{progress}")
-    return ExchangeTimeout(f"the response did not arrive in full within {deadline.timeout:.1f}s: no answer came "
-                          f"{progress}" if progress.phase != "body" else
-                          f"the response did not arrive in full within {deadline.timeout:.1f}s: stopped {progress}")
+    within = f"within {deadline.timeout:.1f}s"
+    if progress.phase == "tunnel":
+        return ExchangeTimeout(f"the proxy {progress.proxy} did not answer CONNECT {within}; nothing was sent")
+    if progress.phase == "tls":
+        via = f" (through the tunnel of proxy {progress.proxy})" if progress.proxy else ""
+        return ExchangeTimeout(f"the server did not answer the TLS handshake {within}{via}; nothing was sent")
+    if progress.phase == "connecting":
+        return ExchangeTimeout(f"no connection was made {within} {progress}; nothing was sent")
+    if progress.phase == "connected":
+        return ExchangeTimeout(f"the connection took all of the {deadline.timeout:.1f}s; nothing was sent")
+    return ExchangeTimeout(f"the response did not arrive in full {within}: no answer came {progress}"
+                           if progress.phase == "status" else
+                           f"the response did not arrive in full {within}: stopped {progress}")
 
 
 def _time_left(conn: http.client.HTTPConnection, deadline: Deadline, watchdog: _Watchdog,

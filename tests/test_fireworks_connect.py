@@ -227,6 +227,31 @@ def test_a_lookup_thread_that_cannot_start_leaves_nothing_behind(monkeypatch: py
         assert time.monotonic() - started < 0.5
 
 
+def test_a_watchdog_thread_that_cannot_start_is_retried_and_leaves_no_waker(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process at its thread limit: the request was refused as one that cannot be sent (blaming the headers and
+    the API key), not retried, and each left its watchdog's waker in the client's canceller."""
+    start = threading.Thread.start
+    refused = [0]
+
+    def refuse_twice(self: threading.Thread) -> None:
+        if self.name == "hotload-http-watchdog" and refused[0] < 2:
+            refused[0] += 1
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    with serve(answering(200, READY)) as url:
+        client = make_client(url, retry_budget_s=5)
+        monkeypatch.setattr(threading.Thread, "start", refuse_twice)
+        assert client.status().replicas[0].readiness  # the third attempt got its thread
+        assert refused[0] == 2 and not client._canceller._wakers
+        refused[0] = 1
+        with pytest.raises(NotSent, match="cannot start the request's watchdog thread: RuntimeError"):
+            send_once(urllib.parse.urlsplit(url), "GET", "/", None, {}, 1.0, None, client._canceller)
+        assert not client._canceller._wakers
+        monkeypatch.setattr(threading.Thread, "start", start)
+
+
 def test_a_name_no_lookup_can_take_is_not_retried() -> None:
     """A label over 63 characters fails IDNA encoding: no retry can send it (it was retried for the budget)."""
     client = make_client(f"https://{'a' * 64}.example.com", retry_budget_s=30)

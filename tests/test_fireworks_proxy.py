@@ -428,10 +428,12 @@ def test_a_proxy_port_that_is_no_port_is_refused_naming_the_variable(monkeypatch
         proxy_for(urllib.parse.urlsplit("https://api.example"))
 
 
-def test_a_tunnel_the_callers_wait_cuts_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("cut_by", ["until", "timeout"])
+def test_a_tunnel_the_callers_wait_cuts_says_so(monkeypatch: pytest.MonkeyPatch, cut_by: str) -> None:
     """A proxy that accepts the connection and never answers CONNECT, cut by the caller's until() (a released
     straggler wait): the reader saw an end of file, and the error read 'Remote end closed connection without
-    response', sending the user after a proxy that closes connections."""
+    response', sending the user after a proxy that closes connections. Cut by the attempt's timeout, it read
+    'the response did not arrive in full', as if a request had been sent."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(8)
@@ -443,21 +445,26 @@ def test_a_tunnel_the_callers_wait_cuts_says_so(monkeypatch: pytest.MonkeyPatch)
                 held.append(srv.accept()[0])  # reads nothing, answers nothing
 
     threading.Thread(target=accept, daemon=True).start()
-    _use_proxy(monkeypatch, HTTPS_PROXY=f"http://127.0.0.1:{srv.getsockname()[1]}")
+    port = srv.getsockname()[1]
+    _use_proxy(monkeypatch, HTTPS_PROXY=f"http://127.0.0.1:{port}")
     release = [float("inf")]
     timer = threading.Timer(0.3, lambda: release.__setitem__(0, time.monotonic() + 0.2))
     timer.start()
     try:
         with pytest.raises(NotSent) as err:
-            send_once(urllib.parse.urlsplit("https://api.example.invalid"), "GET", "/x", None, {}, 30.0,
-                      tls_context(), until=lambda: release[0])
+            send_once(urllib.parse.urlsplit("https://api.example.invalid"), "GET", "/x", None, {},
+                      30.0 if cut_by == "until" else 0.5, tls_context(), until=lambda: release[0])
     finally:
         timer.cancel()
         srv.close()
         for conn in held:
             conn.close()
-    assert "RemoteDisconnected" not in str(err.value) and "wait ended" in str(err.value), err.value
-    assert "while connecting via proxy" in str(err.value), err.value
+    assert "RemoteDisconnected" not in str(err.value) and "did not arrive" not in str(err.value), err.value
+    if cut_by == "until":
+        assert "wait ended" in str(err.value), err.value
+        assert f"while waiting for the proxy http://127.0.0.1:{port} to answer CONNECT" in str(err.value), err.value
+    else:
+        assert f"the proxy http://127.0.0.1:{port} did not answer CONNECT within 0.5s" in str(err.value), err.value
 
 
 def _local_address() -> str | None:

@@ -397,6 +397,49 @@ def test_with_any_a_wait_cancelled_by_close_fails_the_snapshot(fleet: tuple[str,
         sig.close()
 
 
+@pytest.mark.parametrize("fault", ["no answer", "no replica"])
+def test_with_any_a_delta_says_why_a_deployment_was_found_down(
+        fleet: tuple[str, Fleet], caplog: pytest.LogCaptureFixture, fault: str) -> None:
+    """d2 served s1, then its API takes requests and never answers (or its status lists no replica). The status
+    request before s2's signal finds it down, and s2 leaves it out: the warning, Signaller.behind and the metrics
+    said "its hot-load manager has not reported a replica yet", which sent the user after a manager that never
+    came up rather than a region that stopped answering."""
+    url, state = fleet
+    state.expect = 2
+    sig = Signaller(fleet_clients(url)[:2], ready_timeout_s=0.6, require_all=False)
+    silent, release = threading.Event(), threading.Event()  # silent: d2's status requests get no answer
+    state.on_get = lambda deployment, up: release.wait(5) if deployment == "d2" and silent.is_set() else None
+    d2 = "accounts/a/deployments/d2"
+    try:
+        sig.signal_and_wait("s1", None)
+        state.expect = 1
+        if fault == "no answer":
+            silent.set()
+        else:
+            state.down.add("d2")
+        with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+            sig.signal_and_wait("s2", "s1")
+        assert list(sig.behind) == [d2], sig.behind
+        why = sig.behind[d2]
+        assert "not reported a replica yet" not in why, why
+        if fault == "no answer":
+            assert "its status request failed" in why and "no answer" in why, why
+        else:
+            assert "it reports no replica now" in why, why
+        assert why in caplog.text
+        assert state.serving == {"d1": "s2", "d2": "s1"}
+        if fault == "no answer":  # its catch-up's status request hangs too: closing cancels it before any load
+            with caplog.at_level(logging.INFO, logger="fsdp_hotload"):
+                sig.close(0.0)
+                deadline = time.monotonic() + 5
+                while "catch-up ended" not in caplog.text and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            assert f"{d2}'s catch-up ended at its start: cancelled" in caplog.text, caplog.text
+    finally:
+        release.set()
+        sig.close()
+
+
 @pytest.mark.parametrize("fault", ["503", "no answer", "no answer before the others serve"])
 def test_with_straggler_wait_s_a_region_whose_polls_fail_is_left_to_its_catch_up(
         fleet: tuple[str, Fleet], caplog: pytest.LogCaptureFixture, fault: str) -> None:

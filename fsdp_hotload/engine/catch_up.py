@@ -50,7 +50,7 @@ class CatchUps:
     _lane_loads: int
     _first_seen: dict[str, Any]
     _ask_manager: Callable[[Any], None]
-    _mark_down: Callable[[str], None]
+    _mark_down: Callable[[str, str], None]
     _serve: Callable[[str, str], None]
 
     def _next_for(self, name: str) -> tuple[str, str | None, bool] | None:
@@ -154,7 +154,8 @@ class CatchUps:
                     st = c.status(deadline=time.monotonic() + HINT_DEADLINE_S)
                     if not st.replicas:  # its manager went down: asked again before anything is sent there
                         with self._state:
-                            self._mark_down(name)
+                            self._mark_down(name, "it reports no replica now (its hot-load manager may be "
+                                            "restarting)")
                     if not st.is_ready(target):
                         raise RuntimeError(f"it accepted {target}'s signal before and not every replica serves it "
                                            "(a load that failed or goes on): it is not signalled again")
@@ -168,7 +169,7 @@ class CatchUps:
                     self._lane_loads += 1
                 loaded += 1
         except HotLoadCancelled:
-            log.info("hotload: %s's catch-up ended at %s: cancelled (closing)", name, target)
+            log.info("hotload: %s's catch-up ended at %s: cancelled (closing)", name, target or "its start")
         except Exception as exc:  # noqa: BLE001 - logged; it stays behind until a later catch-up or full snapshot
             level = logging.DEBUG if name in self._lane_warned else logging.WARNING
             self._lane_warned.add(name)
@@ -194,7 +195,7 @@ class CatchUps:
             with self._state:
                 self._timed_out.add(c.deployment_name)
                 if seen[0] is not None and not seen[0].replicas:
-                    self._mark_down(c.deployment_name)
+                    self._mark_down(c.deployment_name, "it reported no replica while its catch-up waited for a load")
             raise
 
     def _signal_lane(self, c: Any, target: str, previous: str | None, validation: dict[str, Any] | None) -> None:
@@ -210,7 +211,7 @@ class CatchUps:
         except Exception as exc:
             with self._state:
                 if manager_may_be_down(exc):
-                    self._mark_down(c.deployment_name)
+                    self._mark_down(c.deployment_name, f"its catch-up's signal failed: {exc}")
                 if never_taken(exc):  # no replica loads it
                     self._signalled.get(c.deployment_name, set()).discard(target)
                 if holds_it(exc):

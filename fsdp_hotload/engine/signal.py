@@ -91,6 +91,7 @@ class Signaller(Hints, CatchUps):
         self._hints_asked: dict[str, str] = {}  # deployment -> the identity whose hints its status let go out
         self._managers_up: set[str] = set()  # deployments that reported a replica (safe to signal)
         self._downs: dict[str, int] = {}  # deployment -> times it was found down (see _mark_down)
+        self._down_why: dict[str, str] = {}  # deployment -> how it was last found down (read while it is not up)
         self._lane_loads = 0  # snapshots the catch-ups brought a deployment to (close() waits while they go on)
         self._first_seen: dict[str, Any] = {}  # deployment -> the status that first reported a replica, until logged
         self._hint_lock = threading.Lock()
@@ -207,7 +208,7 @@ class Signaller(Hints, CatchUps):
         with self._state:
             for c in clients:  # it may load these; those that accepted it are never signalled it again
                 if c.deployment_name in failed and manager_may_be_down(failed[c.deployment_name]):
-                    self._mark_down(c.deployment_name)
+                    self._mark_down(c.deployment_name, f"its signal failed: {failed[c.deployment_name]}")
                 if c.deployment_name not in failed or not _unsent(failed[c.deployment_name]):
                     self._signalled.setdefault(c.deployment_name, set()).add(identity)
                 if not self.require_all and (c.deployment_name not in failed or holds_it(failed[c.deployment_name])):
@@ -267,7 +268,7 @@ class Signaller(Hints, CatchUps):
                 if not self.require_all and isinstance(failed[name], HotLoadTimeout):
                     self._timed_out.add(name)
                 if name in last and not last[name].replicas:  # its manager went down (a container restarts)
-                    self._mark_down(name)
+                    self._mark_down(name, "it reported no replica while its load was waited for")
                 # what its replicas serve or load now, and this snapshot, which a load may end in; one left to its
                 # catch-up (straggler_wait_s) loads on, and may still hold earlier signals in its queue
                 if name in last:
@@ -393,7 +394,7 @@ class Signaller(Hints, CatchUps):
             except Exception as exc:  # noqa: BLE001 - no signal was sent: never_taken must not decide (retention)
                 if manager_may_be_down(exc):
                     with self._state:
-                        self._mark_down(name)
+                        self._mark_down(name, f"its status request failed: {exc}")
                 raise NotSignalled(f"its status after its catch-up failed: {exc}") from exc
             if not listed:
                 raise NotSignalled("its hot-load manager went down during its catch-up (it reports no replica)")
@@ -442,9 +443,9 @@ class Signaller(Hints, CatchUps):
             self._managers_waited = True
         elif new and previous is None:
             failed = self._on_each(new, self._ask_manager)
-        elif new:
-            failed = {c.deployment_name: RuntimeError("its hot-load manager has not reported a replica yet")
-                      for c in new}
+        elif new:  # why each was found down, where one was: a region that stopped answering is no manager not up
+            failed = {c.deployment_name: RuntimeError(self._down_why.get(
+                c.deployment_name, "its hot-load manager has not reported a replica yet")) for c in new}
         self._managers_up.update(c.deployment_name for c in new if c.deployment_name not in failed)
         return self._go_on(self.clients, failed, left, "not signalled", NotSignalled)
 
@@ -452,27 +453,30 @@ class Signaller(Hints, CatchUps):
         """Ask each deployment whose hot-load manager reported a replica whether it still does (one status request
         each, at once), before a snapshot's signal. Why: its container may have restarted since, and a signal sent
         before the manager is up again can crash it. One found down (no replica listed, no answer, a 5xx) is then
-        waited for or left out as before its first signal; any other failure is the signal's to report."""
-        down: set[str] = set()
+        waited for or left out as before its first signal, with what was found (no replica, or the request's error)
+        as the reason; any other failure is the signal's to report."""
+        down: dict[str, str] = {}  # deployment -> how it was found down
 
         def ask(c: Any) -> None:
             try:
                 if not c.status(deadline=self._short_deadline()).replicas:
-                    down.add(c.deployment_name)
+                    down[c.deployment_name] = "it reports no replica now (its hot-load manager may be restarting)"
             except Exception as exc:  # noqa: BLE001 - see above
                 if manager_may_be_down(exc):
-                    down.add(c.deployment_name)
+                    down[c.deployment_name] = f"its status request failed: {exc}"
 
         self._on_each([c for c in (self.clients if clients is None else clients)
                        if c.deployment_name in self._managers_up], ask)
         with self._state:
-            for name in down:
-                self._mark_down(name)
+            for name, why in down.items():
+                self._mark_down(name, why)
 
-    def _mark_down(self, name: str) -> None:
-        """Called under ``_state``. Counted: a catch-up's older answer "up" must not undo it (see :meth:`_lane`)."""
+    def _mark_down(self, name: str, why: str) -> None:
+        """Called under ``_state``. Counted: a catch-up's older answer "up" must not undo it (see :meth:`_lane`).
+        ``why`` is what a delta that leaves it out says (a hung API is told apart from a manager never up)."""
         self._managers_up.discard(name)
         self._downs[name] = self._downs.get(name, 0) + 1
+        self._down_why[name] = why
 
     def _ask_manager(self, c: Any) -> None:
         st = c.status(deadline=self._short_deadline())
