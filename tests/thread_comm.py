@@ -17,13 +17,33 @@ from typing import Any, Callable, Sequence
 
 
 def run_ranks(target: Callable[[int], Any], world: int, timeout_s: float = 60.0) -> None:
-    """Run ``target(rank)`` on one thread per rank and wait for all of them; a rank still running is a hang."""
-    ranks = [threading.Thread(target=target, args=(r,)) for r in range(world)]
+    """Run ``target(rank)`` on one thread per rank and wait for all of them; a rank still running is a hang, and
+    a rank that raised fails the caller with the lowest such rank's exception.
+
+    Why: an exception on a plain thread only reaches ``threading.excepthook`` (pytest turns it into a warning),
+    so an assert inside a rank's body could never fail the test. A test that expects a rank to raise catches
+    the exception inside ``target`` and checks it afterwards."""
+    raised: dict[int, BaseException] = {}
+
+    def run(rank: int) -> None:
+        try:
+            target(rank)
+        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread below
+            raised[rank] = exc
+
+    ranks = [threading.Thread(target=run, args=(r,), name=f"rank-{r}") for r in range(world)]
     for t in ranks:
         t.start()
     for t in ranks:
         t.join(timeout_s)
-    assert not any(t.is_alive() for t in ranks), "a rank hung"
+    hung = [r for r, t in enumerate(ranks) if t.is_alive()]
+    first = min(raised) if raised else None
+    if hung:
+        why = f"; rank {first} raised {raised[first]!r}" if first is not None else ""
+        raise AssertionError(f"a rank hung: rank(s) {hung} still running after {timeout_s:g} s{why}") from (
+            raised[first] if first is not None else None)
+    if first is not None:
+        raise AssertionError(f"rank {first} raised {raised[first]!r}") from raised[first]
 
 
 class Meeting:
