@@ -1,9 +1,9 @@
 """One pydantic config drives the whole plugin (the Megatron ``--hotload-*`` flags are generated from it).
 
 Every field is validated when the config is built, so a typo fails at startup with the field's name rather than
-hours later in a background thread. Fields can also come from ``HOTLOAD_<FIELD>`` environment variables
-(JSON for lists and dicts, see :func:`.config_text.parse_setting`), which is how launchers usually pass settings to every rank;
-an unknown ``HOTLOAD_*`` variable (a misspelt field) is an error too.
+hours later in a background thread. Fields can also come from ``HOTLOAD_<FIELD>`` environment variables (JSON for
+lists and dicts, see :func:`.config_text.parse_setting`), which is how launchers usually pass settings to every
+rank; an unknown ``HOTLOAD_*`` variable (a misspelt field) is an error too.
 
 Example::
 

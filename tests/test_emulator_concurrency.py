@@ -3,7 +3,6 @@ fault injected while a request names a new deployment. Real HTTP on loopback and
 or hanging bucket is the emulator's own reader wrapped with a delay (``settings.get_bytes`` is read at use time)."""
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import socket
