@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -80,7 +81,11 @@ def _as_torch(name: str, value: Any) -> torch.Tensor:
     if isinstance(value, np.ndarray):
         try:
             if _copy_reason(value) is None:
-                return torch.from_numpy(value)
+                if value.flags.writeable:
+                    return torch.from_numpy(value)
+                with warnings.catch_warnings():  # the array is only read (staged), never written through the view
+                    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                    return torch.from_numpy(value)
             # reshaped: np.ascontiguousarray makes a 0-d array 1-d; a big-endian array (read from a file, say)
             # is copied as its values, in the machine's byte order
             native = value.dtype.newbyteorder("=")

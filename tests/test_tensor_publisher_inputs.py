@@ -296,6 +296,30 @@ def test_a_transposed_array_is_read_where_it_lies(tmp_path: Path, caplog: pytest
     assert rebuilt_digests(bucket, pub) == expected
 
 
+def test_read_only_arrays_publish_without_torchs_not_writable_warning(tmp_path: Path) -> None:
+    """A read-only array (``np.broadcast_to``, a ``writeable=False`` view) is viewed in place and only ever read,
+    yet torch's "The given NumPy array is not writable" UserWarning came with it, an error under ``-W error``. Run
+    in a child process: torch gives that warning once per process, so an earlier test may have spent it here."""
+    import subprocess
+    import sys
+
+    code = f"""
+import numpy as np
+from fsdp_hotload.config import HotloadConfig
+from fsdp_hotload.publish import TensorPublisher
+row = np.arange(8, dtype=np.float32)
+frozen = np.arange(32, dtype=np.float32).reshape(4, 8)
+frozen.flags.writeable = False
+arrays = {{"model.bias": np.broadcast_to(row, (4, 8)), "model.w": frozen.T, "model.v": frozen}}
+with TensorPublisher(arrays, HotloadConfig(bucket_url={str(tmp_path / "bucket")!r})) as pub:
+    assert pub.publish(0)
+"""
+    env_path = str(Path(__file__).resolve().parents[1])
+    done = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=env_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_a_parameter_whose_storage_is_swapped_is_published_from_its_new_memory(tmp_path: Path) -> None:
     """``TensorPublisher(dict(model.named_parameters()))`` then ``p.data = new`` (a checkpoint loaded with
     ``assign=True``): the dict holds the same Parameter, while the stager read the memory it let go of, so every
