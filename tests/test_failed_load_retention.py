@@ -128,20 +128,24 @@ def test_a_replica_that_fails_after_the_publish_saw_another_fail_is_waited_for(t
             assert pub.publish(0, model)
             pub.wait()
             emu.fail_next_loads(1, replica=0)
-            emu.set_load_delay(1.0)
+            emu.set_load_delay(30.0)  # released below, once its files are changed
             train_step(model, 1)
             assert pub.publish(1, model)
             deadline = time.monotonic() + 30
+            stages: list[str] = []
             while time.monotonic() < deadline:  # replica 0 failed, replica 1 waits in its load
-                (dep,) = emu.state()["deployments"].values()
-                if dep["replicas"][0]["stage"] == "error":
+                (dep,) = emu.state()["deployments"].values()  # (each replica starts its load in its own time)
+                stages = [r["stage"] for r in dep["replicas"]]
+                if stages == ["error", "downloading"]:
                     break
                 time.sleep(0.01)
+            assert stages == ["error", "downloading"], stages
             (dep,) = emu.state()["deployments"].values()
             doomed = dep["replicas"][0]["target"]
-            assert dep["replicas"][1]["stage"] == "downloading" and dep["replicas"][1]["target"] == doomed
+            assert dep["replicas"][1]["target"] == doomed
             config_file = Path(bucket) / doomed / "config.json"
             os.utime(config_file, (time.time() + 5, time.time() + 5))  # replica 1 finds it changed: its load fails
+            emu.set_load_delay(0)
             pub.wait()
             assert (pub.metrics[-1].identity, pub.metrics[-1].ok) == (doomed, False)
             (dep,) = emu.state()["deployments"].values()
@@ -198,21 +202,23 @@ def test_a_snapshot_every_deployment_failed_to_load_is_deleted(tmp_path: Path, r
                 pub.wait()
             kept, kept_bytes = pub.metrics[-1].identity, expected_sha(model)
             emu.fail_next_loads(1, deployment=us)
-            emu.set_load_delay(1.0, deployment=eu)
+            emu.set_load_delay(30.0, deployment=eu)  # released below, once its files are changed
             train_step(model, 2)
             assert pub.publish(2, model)
             deadline = time.monotonic() + 30
+            stages: dict[str, list[str]] = {}
             while time.monotonic() < deadline:  # pool-us failed it; pool-eu's replicas wait in their loads
-                deps = emu.state()["deployments"]
-                if [r["stage"] for r in deps[us]["replicas"]] == ["error", "error"]:
+                deps = emu.state()["deployments"]  # (each replica starts its load in its own time)
+                stages = {name: [r["stage"] for r in deps[name]["replicas"]] for name in (us, eu)}
+                if stages == {us: ["error", "error"], eu: ["downloading", "downloading"]}:
                     break
                 time.sleep(0.01)
-            assert [r["stage"] for r in emu.state()["deployments"][eu]["replicas"]] == ["downloading"] * 2
+            assert stages == {us: ["error", "error"], eu: ["downloading", "downloading"]}, stages
             doomed_id = emu.state()["deployments"][eu]["replicas"][0]["target"]
             config_file = Path(bucket) / doomed_id / "config.json"
             os.utime(config_file, (time.time() + 5, time.time() + 5))  # pool-eu finds it changed: its loads fail
-            pub.wait()
             emu.set_load_delay(0, deployment=eu)
+            pub.wait()
             doomed = pub.metrics[-1]
             assert (doomed.identity, doomed.kind, doomed.ok) == (doomed_id, "delta", False), doomed.error
             for name in (us, eu):
