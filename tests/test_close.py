@@ -19,7 +19,7 @@ from fsdp_hotload.engine.publisher import Publisher
 from fsdp_hotload.layout import TensorSpec
 from fsdp_hotload.publish import TensorPublisher, WholeChunk
 from tests.snapshots import rebuild_accepted
-from tests.test_publisher import API_KEY, config, expected_sha, make_model, served, train_step
+from tests.publisher_helpers import API_KEY, config, expected_sha, make_model, served, train_step
 from tests.thread_comm import Meeting, ThreadComm, run_ranks
 
 

@@ -15,7 +15,7 @@ from fsdp_hotload.engine import PublishError
 from fsdp_hotload.engine.signal import Signaller
 from fsdp_hotload.publish import TensorPublisher
 from tests.test_emulator_restart import restarted
-from tests.test_publisher import API_KEY, config, expected_sha, make_model, train_step
+from tests.publisher_helpers import API_KEY, config, expected_sha, make_model, train_step
 
 US, EU = "accounts/acct/deployments/pool-us", "accounts/acct/deployments/pool-eu"
 

@@ -742,7 +742,7 @@ def test_signals_wait_for_the_hot_load_manager(tmp_path: Path) -> None:
     hints until then. The publisher polls first: its signal arrives once replicas are reported, never before, and
     the first snapshot's hints (sent as files land, before rank 0 waits for the manager) are left out."""
     from fsdp_hotload.publish import TensorPublisher
-    from tests.test_publisher import API_KEY, config, expected_sha, make_model, served, train_step
+    from tests.publisher_helpers import API_KEY, config, expected_sha, make_model, served, train_step
 
     bucket = str(tmp_path / "bucket")
     with HotLoadEmulator(bucket, replicas=2, api_key=API_KEY, manager_delay_s=0.6) as emu:

@@ -14,8 +14,8 @@ from fsdp_hotload.publish import TensorPublisher
 from tests.emulator_fixture import EMULATOR_API_KEY, digest_map, perturb, write_delta_snapshot
 from tests.test_emulator import DEP, client_for, load_full, served, settle
 from tests.test_format import _corrupt_header
-from tests.test_publisher import config, expected_sha, make_model, train_step
-from tests.test_publisher import served as served_by
+from tests.publisher_helpers import config, expected_sha, make_model, train_step
+from tests.publisher_helpers import served as served_by
 
 
 def restarted(emu: HotLoadEmulator, replica: int, count: int = 1, timeout_s: float = 30,

@@ -22,7 +22,7 @@ from fsdp_hotload.engine.encode import ChunkEncoder, Encoded, auto_workers
 from fsdp_hotload.engine.staging import Stager
 from fsdp_hotload.publish import TensorPublisher, WholeChunk
 from tests.snapshots import rebuild_accepted
-from tests.test_publisher import expected_sha, hf_dir, make_model, train_step
+from tests.publisher_helpers import expected_sha, hf_dir, make_model, train_step
 
 
 def _chunks() -> list[WholeChunk]:

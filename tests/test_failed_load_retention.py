@@ -16,8 +16,8 @@ import pytest
 from fsdp_hotload.emulator import HotLoadEmulator
 from fsdp_hotload.publish import TensorPublisher
 from tests.test_emulator_restart import restarted
-from tests.test_publisher import config, expected_sha, make_model, train_step
-from tests.test_publisher import served as served_by
+from tests.publisher_helpers import config, expected_sha, make_model, train_step
+from tests.publisher_helpers import served as served_by
 
 
 def folders(bucket: str) -> list[str]:

@@ -16,7 +16,7 @@ from fsdp_hotload.engine.progress import ProgressLog
 from fsdp_hotload.publish import TensorPublisher
 from fsdp_hotload.storage import Storage
 from tests.s3_fixture import FaultyFileSystem
-from tests.test_publisher import API_KEY, config, expected_sha, make_model, served, train_step
+from tests.publisher_helpers import API_KEY, config, expected_sha, make_model, served, train_step
 
 REPORT = "still publishing after"
 

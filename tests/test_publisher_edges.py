@@ -17,7 +17,7 @@ from fsdp_hotload.config import HotloadConfig
 from fsdp_hotload.engine.exits import deadline_after
 from fsdp_hotload.publish import TensorPublisher
 from tests.snapshots import rebuild_accepted
-from tests.test_publisher import hf_dir
+from tests.publisher_helpers import hf_dir
 
 
 def _model() -> dict[str, torch.Tensor]:
@@ -429,7 +429,7 @@ def test_retention_runs_beside_the_next_snapshot_and_counts_in_no_figure(tmp_pat
     served 70 ms after its hook). Now it runs on a thread of its own once the fleet serves the snapshot: the next
     step stages and is served while it runs, and wait() and close() wait for it."""
     import fsdp_hotload.retention as retention
-    from tests.test_publisher import config, make_model
+    from tests.publisher_helpers import config, make_model
 
     bucket = str(tmp_path / "bucket")
     model = make_model()
@@ -471,7 +471,7 @@ def test_uploads_never_wait_for_a_slow_hint_endpoint(tmp_path: Path) -> None:
     still delivered, after its file, and the fleet serves the trainer's bytes."""
     from fsdp_hotload.emulator import HotLoadEmulator
     from tests.http_fixture import forwarding
-    from tests.test_publisher import API_KEY, config, expected_sha, served
+    from tests.publisher_helpers import API_KEY, config, expected_sha, served
 
     bucket = tmp_path / "bucket"
     g = torch.Generator().manual_seed(9)
@@ -506,7 +506,7 @@ def test_hint_threads_that_cannot_start_cost_the_snapshot_its_hints_only(tmp_pat
     """Hints are best effort: "can't start new thread" for their pool leaves that snapshot without hints, and
     the pool is tried again at the next one; the snapshot itself is published and served."""
     from fsdp_hotload.emulator import HotLoadEmulator
-    from tests.test_publisher import API_KEY, config, expected_sha, served
+    from tests.publisher_helpers import API_KEY, config, expected_sha, served
 
     bucket = str(tmp_path / "bucket")
     model = _model()
@@ -537,7 +537,7 @@ def test_a_failed_publish_reports_how_far_the_fleet_trails(tmp_path: Path) -> No
     """A failed snapshot was never served, so its record's staleness is the trainer's step minus the step the
     fleet still serves (it read 0, "fresh", exactly when the fleet fell behind)."""
     from fsdp_hotload.emulator import HotLoadEmulator
-    from tests.test_publisher import API_KEY, config, make_model, train_step
+    from tests.publisher_helpers import API_KEY, config, make_model, train_step
 
     model = make_model()
     with HotLoadEmulator(str(tmp_path / "bucket"), replicas=2, api_key=API_KEY) as emu:
@@ -582,7 +582,7 @@ def test_a_publish_ended_by_a_failed_collective_still_gets_a_record(tmp_path: Pa
     """A side-group collective that fails (a dead peer, a gloo timeout) ended the publish without a metrics line,
     though its files were uploaded: the file simply stopped at the previous publish."""
     from fsdp_hotload.engine.comm import LocalComm
-    from tests.test_publisher import make_model, train_step
+    from tests.publisher_helpers import make_model, train_step
 
     class DyingComm(LocalComm):
         statuses = 0

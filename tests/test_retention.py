@@ -282,7 +282,7 @@ def test_retention_keeps_a_live_publishers_snapshots_and_deletes_a_finished_runs
     from fsdp_hotload.publish import TensorPublisher
     from fsdp_hotload.retention import list_committed, session_of
     from tests.snapshots import rebuild_accepted
-    from tests.test_publisher import API_KEY, config, expected_sha, make_model, train_step
+    from tests.publisher_helpers import API_KEY, config, expected_sha, make_model, train_step
 
     bucket = str(tmp_path / "bucket")
     with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
@@ -869,7 +869,7 @@ def test_a_run_continuing_from_an_earlier_runs_snapshot_under_the_root_keeps_it(
     full of an SFT run), read again at every full with carry_base_tensors. Once that run had been silent for
     retention_grace_s, retention deleted it from under the new run."""
     from fsdp_hotload.publish import TensorPublisher
-    from tests.test_publisher import hf_dir, make_model, train_step
+    from tests.publisher_helpers import hf_dir, make_model, train_step
 
     bucket = tmp_path / "bucket"
     model = make_model()

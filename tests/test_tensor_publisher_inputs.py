@@ -14,7 +14,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from fsdp_hotload.arc.dtypes import RawTensor
 from fsdp_hotload.publish import TensorPublisher
 from tests.snapshots import rebuild_accepted
-from tests.test_publisher import config
+from tests.publisher_helpers import config
 
 
 def bf16_digests(tensors: dict[str, Any]) -> dict[str, str]:

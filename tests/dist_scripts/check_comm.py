@@ -1,5 +1,5 @@
-"""torchrun script for tests/test_publisher.py: the side group's collectives with objects that fit the fixed-size
-buffers and objects that do not (a status or an error message can be long), checked on every rank."""
+"""torchrun script for tests/test_publisher_threads.py: the side group's collectives with objects that fit the
+fixed-size buffers and objects that do not (a status or an error message can be long), checked on every rank."""
 from __future__ import annotations
 
 import os
