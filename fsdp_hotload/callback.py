@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
-import os
 import sys
 import weakref
 from typing import Any, Callable
@@ -38,7 +36,7 @@ from .fsdp import (OwnershipError, full_tensor_specs, local_chunks, model_parall
                    storage_fingerprint, tensor_paths)
 from .fsdp_recheck import RecheckReplicas
 from .fsdp_verify import agree_on_chunks, plain_samples, replica_samples
-from .hf_config import base_tensors, names_note, narrowed_note, shapes_note
+from .hf_config import base_tensors, hf_tie_word_embeddings, names_note, narrowed_note, shapes_note
 from .hf_names import checkpoint_names, transformers_saved_shapes
 from .layout import TensorSpec
 from .masking import mask_url
@@ -89,34 +87,6 @@ def _destroy_dropped(comms: list[Comm], stop_engine: Callable[[], Any]) -> None:
     while comms:
         with contextlib.suppress(Exception):  # nobody is left to be told
             comms.pop().close()
-
-
-def hf_tie_word_embeddings(hf_config_dir: str | None) -> bool | None:
-    """``tie_word_embeddings`` from the HF config.json, so snapshots name tied weights the way the receiver's
-    model class expects (None when there is no config or it does not say). Multimodal configs keep the language
-    model's setting under ``text_config``, read when the top level does not say. When both say and disagree,
-    the top level wins (transformers 5 ties from it; 4.x read ``get_text_config()`` first), with a warning that
-    names both: pass ``tie_word_embeddings=`` to ``HotloadCallback`` to settle it."""
-    if not hf_config_dir:
-        return None
-    path = os.path.join(hf_config_dir, "config.json")
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
-        return None
-    if not isinstance(config, dict):
-        return None
-    value = config.get("tie_word_embeddings")
-    text_config = config.get("text_config")
-    nested = text_config.get("tie_word_embeddings") if isinstance(text_config, dict) else None
-    if not isinstance(value, bool):
-        value = nested
-    elif isinstance(nested, bool) and nested != value:
-        log.warning("hotload: %s says tie_word_embeddings=%s at the top level and %s under text_config; using %s "
-                    "(pass tie_word_embeddings= to HotloadCallback if the serving model reads the other)",
-                    path, value, nested, value)
-    return value if isinstance(value, bool) else None
 
 
 #: From this many chunks on a rank, rank 0 suggests ``gc.freeze()`` at start (README: Many tensors).

@@ -18,16 +18,18 @@ import fnmatch
 import json
 import logging
 import os
+import math
 import struct
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from .arc.container import FORMAT_NAME, K_FORMAT
 from .arc.stio import MAX_HEADER_BYTES
 from .layout import LayoutError
 
 __all__ = ["AUX_FILENAMES", "AUX_PATTERNS", "AUX_SUBFOLDERS", "base_tensor_shapes", "carried_files",
-           "dropped_config_keys", "dtype_note", "hf_aux_files", "ignored_config_keys", "is_aux_file", "names_note",
-           "snapshot_files", "weight_dtypes", "without_unbacked_quantization"]
+           "dropped_config_keys", "dtype_note", "hf_aux_files", "hf_tie_word_embeddings", "ignored_config_keys",
+           "is_aux_file", "names_note", "snapshot_files", "weight_dtypes", "weight_elements",
+           "without_unbacked_quantization"]
 
 log = logging.getLogger("fsdp_hotload")
 
@@ -40,6 +42,9 @@ AUX_FILENAMES: tuple[str, ...] = (
     "added_tokens.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "vocab.txt",
     "merges.txt", "chat_template.json", "preprocessor_config.json", "processor_config.json",
     "video_preprocessor_config.json", "tekken.json",
+    # tokenizers that read one more file of a fixed name: GPT-NeoX-Japanese's emoji table, DeBERTa-v2's and
+    # RemBERT's sentencepiece models, Whisper's English spelling normaliser
+    "emoji.json", "spm.model", "sentencepiece.model", "normalizer.json",
 )
 # Chat templates, tiktoken vocabularies, and remote code: every top-level module, since an "auto_map" may name
 # processors as well as models and tokenizers, and those modules import siblings (e.g. tool_declaration_ts.py).
@@ -92,6 +97,9 @@ def hf_aux_files(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, byte
         config = json.loads(out["config.json"].decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise LayoutError(f"{os.path.join(path, 'config.json')}: not valid JSON ({e})") from None
+    except RecursionError:  # the decoder recurses per nesting level
+        raise LayoutError(f"{os.path.join(path, 'config.json')}: not JSON we read, nested too deeply; point "
+                          "hf_config_dir at the base model's own config.json") from None
     if not isinstance(config, dict):
         kind = "nothing" if config is None else type(config).__name__
         raise LayoutError(f"{os.path.join(path, 'config.json')}: must be a JSON object, got {kind}")
@@ -111,8 +119,8 @@ def hf_aux_files(hf_config_dir: str | os.PathLike[str] | None) -> dict[str, byte
 
 # Names of the carried files that are a tokenizer's (any one is enough to load one; tokenizer_config.json is
 # not: it only configures one)
-_TOKENIZER_PREFIXES = ("tokenizer.", "vocab.", "merges.txt", "spiece.model", "sentencepiece.", "tekken.json",
-                       "tiktoken.model")
+_TOKENIZER_PREFIXES = ("tokenizer.", "vocab.", "merges.txt", "spiece.model", "sentencepiece.", "spm.model",
+                       "tekken.json", "tiktoken.model")
 
 
 # What a file cloned without `git lfs pull` holds instead of its bytes (https://git-lfs.com/spec/v1)
@@ -153,11 +161,48 @@ def _remote_code_named(files: dict[str, bytes]) -> bool:
         if name.endswith(".json"):
             try:
                 obj = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError):
+            except (UnicodeDecodeError, ValueError, RecursionError):
                 continue
             if isinstance(obj, dict) and "auto_map" in obj:
                 return True
     return False
+
+
+def hf_tie_word_embeddings(hf_config_dir: str | os.PathLike[str] | None) -> bool | None:
+    """``tie_word_embeddings`` from the HF config.json, so snapshots name tied weights the way the receiver's
+    model class expects; None when there is no config, it does not say, or it says two things.
+
+    Multimodal configs keep the language model's setting under ``text_config``, read when the top level does not
+    say. Why None when both say and disagree: which one a model follows depends on its class and the transformers
+    version (transformers 5 copies a nested true over a top-level false for LLaVA, Qwen2-VL, GLM-4V and others,
+    and the other way round for some; 4.x read ``get_text_config()`` first), so the model the trainer built
+    decides: an ``lm_head`` that is the input embedding's tensor is left out, one of its own is published. A
+    warning names both values; ``tie_word_embeddings=`` on ``HotloadCallback`` forces one.
+    Raises LayoutError for a config.json nested too deeply to read."""
+    if not hf_config_dir:
+        return None
+    path = os.path.join(os.fspath(hf_config_dir), "config.json")
+    try:
+        with open(path, "rb") as f:
+            config = json.loads(f.read())
+    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8 (hf_aux_files says so where it matters)
+        return None
+    except RecursionError:  # the decoder recurses per nesting level
+        raise LayoutError(f"{path}: not JSON we read, nested too deeply; point hf_config_dir at the base model's "
+                          "own config.json") from None
+    if not isinstance(config, dict):
+        return None
+    value = config.get("tie_word_embeddings")
+    text_config = config.get("text_config")
+    nested = text_config.get("tie_word_embeddings") if isinstance(text_config, dict) else None
+    if not isinstance(value, bool):
+        value = nested
+    elif isinstance(nested, bool) and nested != value:
+        log.warning("hotload: %s says tie_word_embeddings=%s at the top level and %s under text_config; the model "
+                    "decides (an lm_head that is the input embedding's tensor is left out, one of its own is "
+                    "published): pass tie_word_embeddings= to HotloadCallback to force one", path, value, nested)
+        return None
+    return value if isinstance(value, bool) else None
 
 
 def snapshot_files(hf_config_dir: str | os.PathLike[str] | None, dtypes: Iterable[str]) -> dict[str, bytes]:
@@ -165,10 +210,12 @@ def snapshot_files(hf_config_dir: str | os.PathLike[str] | None, dtypes: Iterabl
     return carried_files(hf_aux_files(hf_config_dir), dtypes)
 
 
-def carried_files(base_files: dict[str, bytes], dtypes: Iterable[str]) -> dict[str, bytes]:
-    """What snapshots carry of ``base_files`` (:func:`hf_aux_files`) for tensors of safetensors codes ``dtypes``:
-    :func:`without_unbacked_quantization`, after logging :func:`dtype_note` if there is one."""
-    dtypes = list(dtypes)
+def carried_files(base_files: dict[str, bytes], dtypes: Iterable[str] | Mapping[str, int]) -> dict[str, bytes]:
+    """What snapshots carry of ``base_files`` (:func:`hf_aux_files`) for tensors of safetensors codes ``dtypes``
+    (or codes and their element counts, :func:`weight_elements`): :func:`without_unbacked_quantization`, after
+    logging :func:`dtype_note` if there is one."""
+    if not isinstance(dtypes, Mapping):
+        dtypes = list(dtypes)
     note = dtype_note(base_files, dtypes)
     if note is not None:
         log.warning("%s", note)
@@ -218,25 +265,53 @@ def ignored_config_keys(base_files: dict[str, bytes], files: dict[str, bytes], d
 _CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "half": "F16", "float32": "F32", "float": "F32"}
 
 
-def dtype_note(files: dict[str, bytes], dtypes: Iterable[str]) -> str | None:
+def dtype_note(files: dict[str, bytes], dtypes: Iterable[str] | Mapping[str, int]) -> str | None:
     """A warning when the base ``config.json`` names a load dtype (``torch_dtype``, or ``dtype`` in recent
-    transformers) that none of the published floating tensors (safetensors codes ``dtypes``) has; else None.
+    transformers) other than the one most of the published floating-point elements have; else None. ``dtypes``:
+    safetensors codes and their element counts (:func:`weight_elements`), or one code per tensor (each counted
+    once). The dtype is read where vLLM reads it: the top level, else the text config's, else ``vision_config``'s.
 
     Why: ``config.json`` is carried unchanged (a rewritten value would differ from the base's, which the server
     rejects), so a server that loads in the config's dtype converts every weight: bf16 to float16 overflows
-    past 65504 and rounds, and the fleet no longer serves the trainer's bytes."""
+    past 65504 and rounds, and the fleet no longer serves the trainer's bytes. Why the most elements: one small
+    tensor in the config's dtype (a buffer, a ``dtype_overrides`` glob) leaves every other weight converted."""
     raw = files.get("config.json")
     config = json.loads(raw) if raw is not None else None
     if not isinstance(config, dict):
         return None
-    named = config.get("torch_dtype", config.get("dtype"))
+    named = _config_dtype(config)
     code = _CONFIG_DTYPES.get(str(named).removeprefix("torch.")) if named is not None else None
-    floating = sorted({str(d).upper() for d in dtypes} & {"BF16", "F16", "F32", "F64"})
-    if code is None or not floating or code in floating:
+    counts: dict[str, int] = {}
+    for d, n in (dtypes.items() if isinstance(dtypes, Mapping) else ((d, 1) for d in dtypes)):
+        if str(d).upper() in _FLOAT_CODES:
+            counts[str(d).upper()] = counts.get(str(d).upper(), 0) + n
+    if code is None or not counts or counts.get(code, -1) == max(counts.values()):
         return None
+    most = max(sorted(counts), key=counts.__getitem__)
+    share = counts[most] / (sum(counts.values()) or 1)
+    what = most if len(counts) == 1 else (f"mostly {most} ({share:.1%} of their elements; the rest "
+                                          f"{', '.join(c for c in sorted(counts) if c != most)})")
     return (f"hotload: the base config.json says the weights are {named}, but the snapshots' floating tensors are "
-            f"{', '.join(floating)}; a server that loads in the config's dtype converts them, so the fleet would "
-            f"not serve the trainer's bytes: set snapshot_dtype to {named} if that is what the fleet loads")
+            f"{what}; a server that loads in the config's dtype converts them, so the fleet would not serve the "
+            f"trainer's bytes: set snapshot_dtype to {named} if that is what the fleet loads")
+
+
+_FLOAT_CODES = ("BF16", "F16", "F32", "F64")
+# Where transformers' get_text_config() finds a composite model's text config (it refuses a config with two)
+_TEXT_CONFIG_KEYS = ("text_encoder", "decoder", "generator", "text_config")
+
+
+def _config_dtype(config: dict[str, Any]) -> Any:
+    """The load dtype a config names, where vLLM looks for it: the top level's ``torch_dtype`` (or ``dtype``),
+    else the text config's, else ``vision_config``'s (None where none names one)."""
+    texts = [config[k] for k in _TEXT_CONFIG_KEYS if isinstance(config.get(k), dict)]
+    vision = config.get("vision_config")
+    for part in (config, texts[0] if len(texts) == 1 else None, vision if isinstance(vision, dict) else None):
+        if part is not None:
+            named = part.get("torch_dtype", part.get("dtype"))
+            if named is not None:
+                return named
+    return None
 
 
 # The config keys that describe quantized weights: vLLM reads compressed-tensors' older ``compression_config`` too.
@@ -260,11 +335,22 @@ def weight_dtypes(tensors: Iterable[tuple[str, str]]) -> list[str]:
 
         weight_dtypes([("model.norm.weight", "BF16"), ("model.layers.0.attn.mask", "U8")])  # ["BF16"]
     """
-    def mask(name: str) -> bool:
-        last = str(name).rsplit(".", 1)[-1].lower()
-        return "mask" in last or last == "bias"
+    return [code for name, code in tensors if str(code).upper() not in ("I8", "U8") or not _is_mask(name)]
 
-    return [code for name, code in tensors if str(code).upper() not in ("I8", "U8") or not mask(name)]
+
+def _is_mask(name: str) -> bool:
+    last = str(name).rsplit(".", 1)[-1].lower()
+    return "mask" in last or last == "bias"
+
+
+def weight_elements(tensors: Iterable[tuple[str, str, Iterable[int]]]) -> dict[str, int]:
+    """The codes :func:`weight_dtypes` keeps of ``tensors`` (name, code, shape), each with its element count:
+    what :func:`dtype_note` weighs the config's dtype against."""
+    out: dict[str, int] = {}
+    for name, code, shape in tensors:
+        if weight_dtypes([(name, code)]):
+            out[code] = out.get(code, 0) + math.prod(shape)
+    return out
 
 
 def without_unbacked_quantization(files: dict[str, bytes], dtypes: Iterable[str]) -> dict[str, bytes]:

@@ -29,8 +29,9 @@ from .config import HotloadConfig
 from .dtype_policy import DtypePolicy
 from .engine.metrics import PublishMetrics
 from .engine.publisher import Publisher
-from .hf_config import base_tensors, names_note, narrowed_note, shapes_note
+from .hf_config import base_tensors, hf_tie_word_embeddings, names_note, narrowed_note, shapes_note
 from .layout import TensorSpec
+from .naming import is_tied_output
 
 log = logging.getLogger("fsdp_hotload")
 
@@ -109,6 +110,30 @@ def _check_held(name: str, t: torch.Tensor) -> None:
                          "give the tensor where its values are held (a gathered state dict)")
 
 
+def _tied_duplicates(tensors: Mapping[str, Any], hf_config_dir: str | None) -> dict[str, str]:
+    """The ``lm_head.weight`` entries (prefixed ones too) that are another entry's memory, each with that entry's
+    name, unless ``hf_config_dir``'s config.json says ``tie_word_embeddings`` false. Why: ``state_dict()`` lists
+    a tied tensor under both names, while ``save_pretrained`` (so the fleet's base model) holds it once, under the
+    embedding's name; a snapshot naming it twice is refused on every publish. The callback leaves it out alike."""
+    def place(value: Any) -> tuple[Any, ...] | None:
+        if isinstance(value, torch.Tensor) and not (value.layout != torch.strided or value.is_nested
+                                                    or value.device.type == "meta" or not value.numel()):
+            return _place(value)
+        return _place(value) if isinstance(value, np.ndarray) and value.size else None
+
+    heads = [n for n in tensors if is_tied_output(n) and place(tensors[n]) is not None]
+    if not heads:
+        return {}
+    by_place: dict[tuple[Any, ...], str] = {}
+    for name, value in tensors.items():
+        if not is_tied_output(name) and (where := place(value)) is not None:
+            by_place.setdefault(where, name)
+    shared = {n: by_place[where] for n in heads if (where := place(tensors[n])) in by_place}
+    if shared and hf_tie_word_embeddings(hf_config_dir) is False:
+        return {}
+    return shared
+
+
 def _warn_if_on_every_rank(engine_kwargs: Mapping[str, Any]) -> None:
     """A script run by torchrun builds one TensorPublisher per rank unless told otherwise: each publishes its own
     chain of snapshots, and with signalling their signals overwrite each other's on the deployment. Told on the
@@ -158,6 +183,13 @@ class TensorPublisher:
         bad = [n for n in self.names if not isinstance(n, str) or not n]
         if bad:  # before any name is split (the dtype policy, the layout)
             raise ValueError(f"tensor names must be non-empty strings, got {bad[0]!r}")
+        # A tied lm_head is left out, as save_pretrained leaves it out; later publishes may give it or not.
+        self._tied = _tied_duplicates(tensors, config.hf_config_dir)
+        if self._tied:
+            log.info("hotload: tied weights are left out of the snapshots, as save_pretrained leaves them out (the "
+                     "fleet ties them to the embedding; no config.json in hf_config_dir says tie_word_embeddings "
+                     "false): %s", "; ".join(f"{h!r} is the memory of {e!r}" for h, e in self._tied.items()))
+            self.names = [n for n in self.names if n not in self._tied]
         chunks = []
         copied = []
         policy = DtypePolicy.of(config.snapshot_dtype, config.dtype_overrides)
@@ -264,9 +296,9 @@ class TensorPublisher:
         """``tensors`` as torch tensors in construction order, with the construction's names, shapes, dtypes and
         devices: refused here, before the engine takes the step, so that the same step can be given again."""
         missing = [n for n in self.names if n not in tensors]
-        if missing or len(tensors) != len(self.names):
+        if missing or len(tensors) != len(self.names) + sum(n in tensors for n in self._tied):
             raise KeyError(f"publish needs exactly the tensors given at construction; missing {missing[:5]}, "
-                           f"unexpected {sorted(set(tensors) - set(self.names))[:5]}")
+                           f"unexpected {sorted(set(tensors) - set(self.names) - set(self._tied))[:5]}")
         given = []
         for name, (shape, dtype, device) in zip(self.names, self._kinds):
             t = _as_torch(name, tensors[name])

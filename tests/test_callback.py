@@ -243,7 +243,9 @@ def test_close_from_another_thread_still_waits_for_the_copy_at_the_next_optimize
 @pytest.mark.parametrize("config, tied", [
     ({"tie_word_embeddings": False}, False),
     ({"model_type": "llava", "text_config": {"tie_word_embeddings": True}}, True),  # multimodal: nested only
-    ({"tie_word_embeddings": False, "text_config": {"tie_word_embeddings": True}}, False),
+    ({"tie_word_embeddings": False, "text_config": {"tie_word_embeddings": True}}, None),  # the model decides
+    ({"tie_word_embeddings": True, "text_config": {"tie_word_embeddings": False}}, None),
+    ({"tie_word_embeddings": True, "text_config": {"tie_word_embeddings": True}}, True),
     ({"text_config": {"model_type": "llama"}}, None),
     ({"text_config": "llama"}, None),
     ([1, 2], None),
@@ -258,8 +260,8 @@ def test_tie_word_embeddings_disagreement_is_named(tmp_path: Path, caplog: pytes
     (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True,
                                                        "text_config": {"tie_word_embeddings": False}}))
     with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
-        assert hf_tie_word_embeddings(str(tmp_path)) is True
-    assert "tie_word_embeddings=True at the top level and False under text_config" in caplog.text
+        assert hf_tie_word_embeddings(str(tmp_path)) is None
+    assert "tie_word_embeddings=True at the top level and False under text_config; the model decides" in caplog.text
     caplog.clear()
     (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False,
                                                        "text_config": {"tie_word_embeddings": False}}))

@@ -3,13 +3,17 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from fsdp_hotload import HotloadConfig
-from fsdp_hotload.hf_config import carried_files, hf_aux_files, weight_dtypes, without_unbacked_quantization
+from fsdp_hotload.hf_config import (carried_files, hf_aux_files, hf_tie_word_embeddings, weight_dtypes,
+                                    without_unbacked_quantization)
+from fsdp_hotload.layout import LayoutError
 from fsdp_hotload.publish import TensorPublisher
 from tests.snapshots import rebuild_accepted
 
@@ -291,6 +295,79 @@ def test_a_config_dtype_the_snapshots_do_not_have_is_warned_about(
         assert carried_files(files, dtypes) is files
     named = config.get("torch_dtype", config.get("dtype"))
     assert (f"config.json says the weights are {named}" in caplog.text) is warned, caplog.text
+
+
+@pytest.mark.parametrize(("config", "dtypes", "named"), [
+    ({"model_type": "llava", "text_config": {"torch_dtype": "float16"}}, ["BF16"], "float16"),  # vLLM's fallback
+    ({"text_config": {"dtype": "float16"}, "vision_config": {"torch_dtype": "bfloat16"}}, ["BF16"], "float16"),
+    ({"vision_config": {"torch_dtype": "float16"}}, ["BF16"], "float16"),
+    ({"torch_dtype": "bfloat16", "text_config": {"torch_dtype": "float16"}}, ["BF16"], None),  # the top level's
+    ({"torch_dtype": "float16"}, ["BF16"] * 99 + ["F16"], "float16"),  # one tensor in the config's dtype
+    ({"torch_dtype": "float16"}, {"BF16": 10_000, "F16": 16}, "float16"),  # element counts
+    ({"torch_dtype": "float16"}, {"BF16": 16, "F16": 10_000, "I64": 50_000}, None),
+])
+def test_the_config_dtype_is_read_where_vllm_reads_it_and_weighed_by_elements(
+        caplog: pytest.LogCaptureFixture, config: dict, dtypes: Any, named: str | None) -> None:
+    """A multimodal config names its dtype under text_config (or vision_config), where vLLM finds it when the top
+    level names none; and a server loading in that dtype converts every weight but the few already in it."""
+    files = {"config.json": json.dumps(config).encode()}
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        assert carried_files(files, dtypes) is files
+    assert ("config.json says the weights are" in caplog.text) is (named is not None), caplog.text
+    if named is not None:
+        assert f"says the weights are {named}, but the snapshots' floating tensors are" in caplog.text
+
+
+def test_a_publisher_warns_when_most_weights_are_not_in_the_config_dtype(tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A small float16 tensor kept as it is beside a large one published as bf16, under a float16 config: the
+    large one is what a server loading in float16 converts."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "llama", "torch_dtype": "float16"}')
+    (hf / "tokenizer.json").write_text("{}")
+    cfg = HotloadConfig(bucket_url=str(tmp_path / "bucket"), hf_config_dir=str(hf), dtype_overrides={"b": "keep"})
+    with caplog.at_level(logging.WARNING, logger="fsdp_hotload"):
+        TensorPublisher({"w": torch.randn(64, 64), "b": torch.randn(4).half()}, cfg).close()
+    assert "floating tensors are mostly BF16 (99.9% of their elements; the rest F16)" in caplog.text, caplog.text
+
+
+def test_tokenizer_files_of_fixed_names_are_carried(tmp_path: Path) -> None:
+    """Tokenizers that read one more file: GPT-NeoX-Japanese's emoji.json, DeBERTa-v2's spm.model, RemBERT's
+    sentencepiece.model, Whisper's normalizer.json. A folder with spm.model alone holds a tokenizer."""
+    names = ["config.json", "emoji.json", "spm.model", "sentencepiece.model", "normalizer.json", "notes.json"]
+    for name in names:
+        (tmp_path / name).write_text("{}")
+    assert sorted(hf_aux_files(tmp_path)) == sorted(set(names) - {"notes.json"})
+
+
+def test_a_tokenizer_loads_from_the_files_a_snapshot_carries(tmp_path: Path) -> None:
+    """GPT-NeoX-Japanese (a causal LM) saves emoji.json beside vocab.txt; without it the tokenizer does not load."""
+    transformers = pytest.importorskip("transformers")
+    base, snap = tmp_path / "base", tmp_path / "snap"
+    base.mkdir(), snap.mkdir()
+    (tmp_path / "v.txt").write_text("\n".join(["<|endoftext|>", "<|startoftext|>", "<|padding|>", "<|separator|>",
+                                               "a", "b", "\u3042"]) + "\n", encoding="utf-8")
+    (tmp_path / "e.json").write_text(json.dumps({"emoji": {}, "emoji_inv": {}}))
+    transformers.GPTNeoXJapaneseTokenizer(str(tmp_path / "v.txt"), str(tmp_path / "e.json")).save_pretrained(base)
+    (base / "config.json").write_text(json.dumps({"model_type": "gpt_neox_japanese"}))
+    carried = hf_aux_files(base)
+    assert set(carried) == {p.name for p in base.iterdir()}
+    for name, data in carried.items():
+        (snap / name).write_bytes(data)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(snap))
+    assert tokenizer.convert_ids_to_tokens(tokenizer("ab")["input_ids"]) == ["a", "b"]
+
+
+def test_a_config_json_nested_too_deeply_is_an_error_naming_it(tmp_path: Path) -> None:
+    """The JSON decoder recurses per nesting level: a bare RecursionError named neither the file nor the folder."""
+    (tmp_path / "config.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    error = f"^{re.escape(str(tmp_path / 'config.json'))}: not JSON we read, nested too deeply"
+    with pytest.raises(LayoutError, match=error):
+        hf_aux_files(tmp_path)
+    with pytest.raises(LayoutError, match=error):
+        hf_tie_word_embeddings(tmp_path)
 
 
 def test_additional_chat_templates_are_carried_and_survive_a_rebuild(tmp_path: Path) -> None:

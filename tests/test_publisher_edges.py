@@ -280,9 +280,9 @@ def test_keep_last_1_without_a_hot_load_api_is_warned_about(tmp_path: Path, capl
 
 def test_tensor_publisher_warns_about_names_and_dtypes_the_base_checkpoint_disagrees_with(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A state dict published as given: a tied ``lm_head.weight`` the base does not have (the fleet refuses every
-    snapshot), and a bias the base keeps in F32 (DeepSeek-V3's routing bias) published as BF16, rounded. Both
-    were silent; both are named at start. The bytes are still published as asked."""
+    """A state dict published as given: an ``lm_head.weight`` of its own the base does not have (the fleet refuses
+    every snapshot), and a bias the base keeps in F32 (DeepSeek-V3's routing bias) published as BF16, rounded.
+    Both were silent; both are named at start. The bytes are still published as asked."""
     from safetensors.torch import save_file
 
     base = tmp_path / "base"
@@ -292,7 +292,7 @@ def test_tensor_publisher_warns_about_names_and_dtypes_the_base_checkpoint_disag
                "model.layers.0.mlp.gate.e_score_correction_bias": torch.zeros(8, dtype=torch.float32)},
               str(base / "model.safetensors"))
     emb = torch.randn(8, 4)
-    model = {"model.embed_tokens.weight": emb, "lm_head.weight": emb,
+    model = {"model.embed_tokens.weight": emb, "lm_head.weight": emb.clone(),
              "model.layers.0.mlp.gate.e_score_correction_bias": torch.randn(8)}
     cfg = HotloadConfig(bucket_url=str(tmp_path / "bucket"), hf_config_dir=str(base))
     with caplog.at_level("WARNING", logger="fsdp_hotload"):

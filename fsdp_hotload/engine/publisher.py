@@ -46,7 +46,7 @@ import torch
 from ..arc.codecs import get_codec
 from ..config import HotloadConfig
 from ..identity import new_identity
-from ..hf_config import carried_files, hf_aux_files, ignored_config_keys, weight_dtypes
+from ..hf_config import carried_files, hf_aux_files, ignored_config_keys, weight_elements
 from ..layout import ShardPlan, TensorSpec, plan_shards
 from ..retention import SESSION, discard_snapshot
 from ..storage import Storage
@@ -120,7 +120,7 @@ class Publisher:
             self._carrier = Carrier(self.carried, self.codec) if self.rank == 0 and self.carried else None
             self.metrics = MetricsSink(config.metrics_path if self.rank == 0 else None)
             base_files = hf_aux_files(config.hf_config_dir) if self.rank == 0 else {}  # read once: tokenizers are big
-            dtypes = weight_dtypes((s.name, s.dtype) for s in specs)  # masks left out: see weight_dtypes
+            dtypes = weight_elements((s.name, s.dtype, s.shape) for s in specs)  # masks left out: see weight_dtypes
             self._aux = carried_files(base_files, dtypes)
             self.signaller = signaller if signaller is not None else (  # last of what may fail: it starts a thread
                 Signaller.from_config(config) if (self.rank == 0 or config.send_hints) else None)

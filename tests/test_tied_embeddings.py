@@ -1,0 +1,134 @@
+"""Tied input and output embeddings are published once, under the embedding's name, as ``save_pretrained`` writes
+them: the fleet's base model holds no ``lm_head.weight`` then, and refuses a full snapshot that names one.
+
+Models are built by transformers from their configs and saved by ``save_pretrained``; the emulator stands for the
+fleet, checking each full snapshot's names against that checkpoint. Skipped where transformers is not installed.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+from safetensors import safe_open  # noqa: E402
+
+from fsdp_hotload import HotloadCallback, HotloadConfig  # noqa: E402
+from fsdp_hotload.emulator import HotLoadEmulator  # noqa: E402
+from fsdp_hotload.publish import TensorPublisher  # noqa: E402
+from tests.publisher_helpers import config, expected_sha, served  # noqa: E402
+from tests.snapshots import rebuild_accepted  # noqa: E402
+
+
+def saved_names(folder: Path) -> set[str]:
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
+def llava_config(top: bool, nested: bool) -> dict[str, Any]:
+    """A tiny LLaVA config.json whose top level and text_config say different things about tying."""
+    return {"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"], "image_token_index": 10,
+            "tie_word_embeddings": top,
+            "text_config": {"model_type": "qwen2", "hidden_size": 16, "intermediate_size": 32,
+                            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+                            "vocab_size": 64, "tie_word_embeddings": nested},
+            "vision_config": {"model_type": "clip_vision_model", "hidden_size": 16, "intermediate_size": 32,
+                              "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 8, "patch_size": 4,
+                              "projection_dim": 16}}
+
+
+@pytest.mark.parametrize("top, nested", [(False, True), (True, False)])
+def test_a_config_whose_levels_disagree_about_tying_follows_the_model(tmp_path: Path, top: bool,
+                                                                     nested: bool) -> None:
+    """A multimodal config.json with tie_word_embeddings false at the top level and true under text_config:
+    transformers builds a tied model from it (LLaVA copies the nested true up), and save_pretrained writes no
+    lm_head. The snapshot must name exactly the checkpoint's tensors, or the fleet refuses every full one."""
+    hf, bucket = tmp_path / "hf", tmp_path / "bucket"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(llava_config(top, nested)))
+    (hf / "tokenizer.json").write_text("{}")
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(transformers.AutoConfig.from_pretrained(str(hf)))
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    model.save_pretrained(str(tmp_path / "saved"))
+    want = saved_names(tmp_path / "saved")
+    with HotloadCallback(model, HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf),
+                                              busy_policy="wait")) as hot:
+        hot.step(0)
+        hot.wait()
+    (m,) = hot.metrics
+    assert m.ok
+    assert set(rebuild_accepted(bucket, hot.metrics)[m.identity]) == want
+
+
+def tiny_llama(tied: bool) -> Any:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=64, tie_word_embeddings=tied)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def test_tensor_publisher_leaves_out_a_tied_lm_head_and_the_fleet_loads_the_snapshots(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``TensorPublisher(model.state_dict(), cfg)`` for a tied model: state_dict() lists the shared tensor under
+    both names, the base checkpoint once. Each snapshot is loaded by the fleet (it refused every full one naming
+    lm_head.weight), whether a later publish gives the tied name or not; the log says what was left out."""
+    model = tiny_llama(tied=True)
+    base, bucket = tmp_path / "base", tmp_path / "bucket"
+    model.save_pretrained(str(base))
+    (base / "tokenizer.json").write_text("{}")
+    assert "lm_head.weight" not in saved_names(base)
+    with HotLoadEmulator(str(bucket), replicas=1, api_key="test-key", base_model=str(base)) as emu:
+        cfg = config(str(bucket), emu, tmp_path, hf_config_dir=str(base), busy_policy="wait")
+        state = model.state_dict()
+        with caplog.at_level(logging.INFO, logger="fsdp_hotload"):
+            pub = TensorPublisher(state, cfg)
+        assert "'lm_head.weight' is the memory of 'model.embed_tokens.weight'" in caplog.text
+        with pub:
+            for step, given in enumerate([state, {k: v for k, v in state.items() if k != "lm_head.weight"}]):
+                with torch.no_grad():
+                    model.model.embed_tokens.weight.add_(0.01 * (step + 1))
+                pub.publish(step, given)
+                pub.wait()
+                assert [m.ok for m in pub.metrics] == [True] * (step + 1), pub.metrics[-1].error
+                want = {k: v for k, v in state.items() if k != "lm_head.weight"}
+                assert served(emu)[0] == (pub.metrics[-1].identity, expected_sha(want))
+
+
+@pytest.mark.parametrize("config_says, tied, published", [
+    (False, True, True),     # the config says untied: the caller's names as given
+    (None, False, True),     # an lm_head of its own is a weight of its own
+    (None, True, False),     # silent config (GPT-2's default): the model's tying decides
+])
+def test_tensor_publisher_follows_config_json_for_a_tied_lm_head(tmp_path: Path, config_says: bool | None,
+                                                                 tied: bool, published: bool) -> None:
+    model = tiny_llama(tied)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    body: dict[str, Any] = {"model_type": "llama"}
+    if config_says is not None:
+        body["tie_word_embeddings"] = config_says
+    (hf / "config.json").write_text(json.dumps(body))
+    (hf / "tokenizer.json").write_text("{}")
+    state = model.state_dict()
+    bucket = tmp_path / "bucket"
+    with TensorPublisher(state, HotloadConfig(bucket_url=str(bucket), hf_config_dir=str(hf),
+                                              busy_policy="wait")) as pub:
+        pub.publish(0, state)
+        pub.wait()
+        if not published:  # the construction names, without the tied one, are enough
+            pub.publish(1, {k: v for k, v in state.items() if k != "lm_head.weight"})
+            pub.wait()
+        with pytest.raises(KeyError, match="unexpected.*'extra'"):
+            pub.publish(2, {**state, "extra": state["model.norm.weight"]})
+    assert all(m.ok for m in pub.metrics)
+    for names in rebuild_accepted(bucket, pub.metrics).values():
+        assert ("lm_head.weight" in names) is published
+        assert set(names) - {"lm_head.weight"} == set(state) - {"lm_head.weight"}
