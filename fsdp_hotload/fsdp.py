@@ -41,7 +41,7 @@ from .arc.dtypes import numel
 from .dtype_policy import DtypePolicy
 from .fsdp_sources import (FLAT, SHAPE, Joined, Segment, _DTensorSource, _dtensor_type, _Fsdp1Source,
                            _fsdp1_type, _fsdp2_type, _is_flat_param, _PlainSource, _Source, split_slots)
-from .naming import HELD_MODULE_ATTR, Rename, Split, clean_name, plan_names
+from .naming import HELD_MODULE_ATTR, Rename, Split, clean_name, is_tied_output, plan_names
 
 TensorSpec = tuple[str, tuple[int, ...], str]
 
@@ -219,6 +219,26 @@ def _slots(model: nn.Module, include_buffers: bool) -> list[tuple[str, _Source]]
     return slots
 
 
+def _untied_by_fsdp1(exc: ValueError, slots: Sequence[tuple[str, _Source]]) -> ValueError:
+    """``exc``, or where it refuses a tied ``lm_head`` that is a tensor of its own under FSDP1 with several FSDP
+    units, an error that says why. FSDP1 flattens each unit's parameters into that unit's own flat parameter, so a
+    weight tied across two units (the input embedding wrapped on its own, ``lm_head`` in the parent) becomes two
+    tensors that train apart: the model does tie them, and ``tie_word_embeddings=False`` would publish both while
+    the carried config.json says tied, so a server that ties them would serve another policy."""
+    if not str(exc).startswith("tie_word_embeddings=True but "):
+        return exc
+    heads = [(raw, src) for raw, src in slots if is_tied_output(raw) and isinstance(src, _Fsdp1Source)]
+    units = {id(src.handle) for _raw, src in slots if isinstance(src, _Fsdp1Source)}
+    if not heads or len(units) < 2:
+        return exc
+    return ValueError(
+        f"tie_word_embeddings=True but {heads[0][0]!r} is a tensor of its own under FSDP1: a weight tied across two "
+        "FSDP units is flattened into each unit's own tensor, and the two copies train apart. Wrap the input "
+        "embedding and the output projection in one FSDP unit (an auto-wrap policy that does not wrap the "
+        "embedding on its own), or use FSDP2 (fully_shard([embed, lm_head])). Only if the model is not meant to "
+        "tie them: a config.json in hf_config_dir (or tie_word_embeddings=) that says false.")
+
+
 def _plan(
     model: nn.Module, rename: Rename | None, tie_word_embeddings: bool | None, include_buffers: bool,
     split: Split | None = None,
@@ -233,8 +253,11 @@ def _plan(
     for _raw, src in slots:
         if isinstance(src, Segment):
             first.setdefault(id(src.base), id(src))
-    planned = plan_names([(raw, first.get(id(src), id(src))) for raw, src in slots], rename=rename,
-                         tie_word_embeddings=tie_word_embeddings)
+    try:
+        planned = plan_names([(raw, first.get(id(src), id(src))) for raw, src in slots], rename=rename,
+                             tie_word_embeddings=tie_word_embeddings)
+    except ValueError as exc:
+        raise _untied_by_fsdp1(exc, slots) from None
     blocks: dict[str, list[tuple[int, str, _Source]]] = {}  # a joined tensor's blocks, by its name
     for name, i, position in planned:
         if position is not None:

@@ -132,3 +132,18 @@ def test_tensor_publisher_follows_config_json_for_a_tied_lm_head(tmp_path: Path,
     for names in rebuild_accepted(bucket, pub.metrics).values():
         assert ("lm_head.weight" in names) is published
         assert set(names) - {"lm_head.weight"} == set(state) - {"lm_head.weight"}
+
+
+def test_fsdp1_units_that_untie_the_embedding_are_named_in_the_refusal(tmp_path: Path) -> None:
+    """torchrun, 2 ranks (dist_scripts/fsdp1_tied_units.py): FSDP1 flattens a weight tied across two FSDP units
+    into each unit's own tensor. The refusal said that lm_head was not tied in the model and advised
+    tie_word_embeddings=False, which would publish both copies under a config.json that says tied; it now names
+    the FSDP units and how to keep the weights in one. In one unit the tied lm_head is left out."""
+    from tests.dist_util import SCRIPTS, run_torchrun
+
+    run_torchrun(str(SCRIPTS / "fsdp1_tied_units.py"), 2, ["--out", str(tmp_path)])
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["one_unit"] == ["embed_tokens.weight", "proj.weight", "proj.bias"], got
+        assert "under FSDP1" in got["two_units"] and "in one FSDP unit" in got["two_units"], got
+        assert "Pass tie_word_embeddings=False" not in got["two_units"], got
