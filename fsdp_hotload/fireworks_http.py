@@ -478,6 +478,10 @@ def _exchange(conn: http.client.HTTPConnection, method: str, url: str, payload: 
             raise NotSent(f"{via}{type(exc).__name__}: {exc}") from exc
         raise NotTLS(f"{conn.host}:{conn.port} does not speak TLS (the handshake got {exc.reason})") from None
     except OSError as exc:
+        if isinstance(exc, TimeoutError) and progress.phase in ("tunnel", "tls"):
+            # The socket's own timeout, set to the deadline: on a loaded machine it can end the handshake (or the
+            # wait for the proxy's CONNECT answer) before the watchdog wakes. Said as the watchdog says it.
+            raise NotSent(str(_cut(deadline.why(), deadline, progress))) from exc
         raise NotSent(f"{via}{type(exc).__name__}: {exc}") from exc
     progress.phase = "connected"
     try:  # the deadline may have passed, or a cancel come, as the connection was made: send nothing then

@@ -120,6 +120,28 @@ def test_a_handshake_past_the_timeout_says_the_server_did_not_answer_it(tmp_path
         assert time.monotonic() - started < 2.0
 
 
+@pytest.mark.parametrize("route", ["direct", "proxy"])
+def test_a_handshake_that_the_socket_timeout_ends_before_the_watchdog_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, route: str) -> None:
+    """On a loaded machine the watchdog thread can wake after the socket's own timeout (set to the same deadline)
+    ended the handshake: the error was ssl's "TimeoutError: _ssl.c:989: The handshake operation timed out". It
+    must read as the watchdog's does. The watchdog is held back 1 s here, as a busy scheduler would."""
+    from fsdp_hotload import fireworks_http
+
+    run = fireworks_http._Watchdog._run
+
+    def late(self: fireworks_http._Watchdog) -> None:
+        time.sleep(1.0)
+        run(self)
+
+    monkeypatch.setattr(fireworks_http._Watchdog, "_run", late)
+    with api_url(tmp_path, route, monkeypatch) as url:
+        with pytest.raises(NotSent, match="did not answer the TLS handshake within 0.5s") as err:
+            send_once(urllib.parse.urlsplit(url), "GET", "/", None, {}, 0.5, tls_context())
+    assert ("tunnel of proxy" in str(err.value)) == (route == "proxy"), err.value
+    assert isinstance(err.value.__cause__, TimeoutError), repr(err.value.__cause__)
+
+
 def test_a_signaller_cancelled_mid_handshake_frees_the_publish_at_once(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """close(timeout=) gives up on a publish through Signaller.cancel(): a deployment whose API never answered the
