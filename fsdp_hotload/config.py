@@ -69,7 +69,8 @@ class HotloadConfig(BaseModel):
     storage_options: dict[str, Any] = Field(default_factory=dict, description='fsspec options, e.g. '
                                             '{"endpoint_url": "http://minio:9000"} for MinIO')
     upload_concurrency: int = Field(8, ge=1, le=256, description="parallel uploads per rank")
-    storage_attempts: int = Field(6, ge=1, le=100, description="tries per transient storage error before the "
+    storage_attempts: int = Field(6, ge=1, le=100, description="tries per transient storage error (and per "
+                                                              "refused part of a multipart upload) before the "
                                                               "publish fails (the next one is then full): the jittered "
                                                               "waits between 6 tries add up to 6.2 s at most, "
                                                               "between 10 tries to about 65 s")

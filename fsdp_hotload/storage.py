@@ -36,8 +36,9 @@ from .storage_errors import (_BACKEND_PACKAGES, ErrorClass, MissingBackendError,
                              StorageError, backend_install_hint, backoff_delay, classify_error, credential_hint)
 from .storage_local import TMP_PREFIX, atomic_write
 from .storage_paths import LOCAL_PROTOCOLS, OBJECT_STORE_PROTOCOLS, check_options, check_relpath, normalise_root
-from .storage_s3 import (DeadlineCalls, DeleteRefused, OpenUpload, ThrottleAnswers, abort_open_uploads,
-                         abort_upload, delete_checked, is_s3_root, list_uploads, owned_retries)
+from .storage_multipart import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, part_size_for, stream_write  # noqa: F401
+from .storage_s3 import (DeleteRefused, OpenUpload, RetryPolicy, ThrottleAnswers, abort_open_uploads, abort_upload,
+                         delete_checked, failed_request, is_s3_root, list_uploads, owned_retries)
 
 __all__ = ["Storage", "StorageStats", "StorageError", "MissingBackendError", "FileInfo", "ErrorClass",
            "classify_error", "backoff_delay", "backend_install_hint", "credential_hint", "TMP_PREFIX", "COMMIT_MARKER",
@@ -47,10 +48,6 @@ __all__ = ["Storage", "StorageStats", "StorageError", "MissingBackendError", "Fi
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: S3 rejects multipart parts under 5 MiB (except the last one).
-MIN_PART_SIZE = 5 * 2**20
-MAX_PART_SIZE = 5 * 2**30  # S3's largest part, and its most parts per upload below
-MAX_PARTS = 10_000
 _COPY_BLOCK = 8 * 2**20
 
 
@@ -297,9 +294,12 @@ class Storage:
                     raise FileNotFoundError(f"{uri}: {detail}") from _unless_masked(exc)
                 # else counted as answered; a DeleteObjects refusal came in an HTTP 200 the hook does not count
                 counted = kind is ErrorClass.THROTTLE and (self._throttles is None or isinstance(exc, DeleteRefused))
-                if not kind.retryable or attempt >= self.max_attempts:
+                request = failed_request(exc)  # one request of a multipart upload; a part has its own retries
+                settled = request is not None and request.final
+                if not kind.retryable or attempt >= self.max_attempts or settled:
                     self.stats.add(failures=1, throttled=int(counted))
-                    why = (f"after {attempt} attempts" if kind.retryable
+                    tries = request.attempts if settled and request is not None else attempt
+                    why = (f"after {tries} attempts" if kind.retryable
                            else f"({kind.value} error, not retried)")
                     raw = str(exc) or str(exc.__cause__ or "") or (  # s3fs's RequestTimeout is in the cause
                         "no reply before the call's deadline (call_timeout_s)"
@@ -307,8 +307,9 @@ class Storage:
                     detail = mask_text(raw)
                     hint = credential_hint(exc, self.storage_options) if kind is ErrorClass.FATAL else None
                     detail += f"; {hint}" if hint else ""
+                    detail += f" (in S3 request {request.name})" if request else ""
                     raise StorageError(f"{op} {uri} failed {why}: {type(exc).__name__}: {detail}", uri=uri,
-                                       op=op, attempts=attempt, cause=exc) from _unless_masked(exc)
+                                       op=op, attempts=tries, cause=exc) from _unless_masked(exc)
                 throttled = kind is ErrorClass.THROTTLE
                 base = self.throttle_backoff_s if throttled else self.base_backoff_s
                 delay = backoff_delay(attempt, base, self.max_backoff_s, self._rng.random())
@@ -430,33 +431,22 @@ class Storage:
             raise
 
     def _part_size(self, nbytes: int) -> int:
-        """The part size for an ``nbytes`` object: ``part_size``, or more where S3's 10,000 parts would not hold
-        it (a 50 GB file in 5 MiB parts failed at part 10,001, after sending the rest). Whole MiB."""
-        need = -(-nbytes // MAX_PARTS)
-        part = max(self.part_size, -(-need // 2**20) * 2**20)
-        if part > MAX_PART_SIZE:
-            raise ValueError(f"an object of {nbytes} bytes needs parts above S3's 5 GiB limit: lower max_file_bytes")
-        return part
+        """The part size for an ``nbytes`` object (:func:`~fsdp_hotload.storage_multipart.part_size_for`)."""
+        return part_size_for(nbytes, self.part_size)
+
+    def _retry_policy(self) -> RetryPolicy:
+        """This Storage's retries, for one S3 request retried on its own (a part of a multipart upload)."""
+        def count(kind: ErrorClass, delay: float) -> None:
+            self.stats.add(retries=1, backoff_seconds=delay,  # on S3 the hook counts each throttle answer
+                           throttled=int(kind is ErrorClass.THROTTLE and self._throttles is None))
+
+        return RetryPolicy(self.max_attempts, self.base_backoff_s, self.throttle_backoff_s, self.max_backoff_s,
+                           self._rng.random, self._sleep, count)
 
     def _stream_write(self, path: str, blocks: Iterable[bytes | memoryview], part_size: int | None = None) -> None:
-        """Write a large object to an object store part by part; on failure abort, never commit a partial object.
-        On S3 every request of the upload has a deadline (see :class:`~fsdp_hotload.storage_s3.DeadlineCalls`)."""
-        f = self._fs.open(path, "wb", block_size=part_size or self.part_size)
-        if self._chunked and getattr(self._fs, "async_impl", False) and hasattr(self._fs, "call_s3"):
-            f.fs = DeadlineCalls(f.fs, self._deadline)
-        try:
-            for block in blocks:
-                f.write(block)
-            f.close()
-        except BaseException:
-            if self._chunked:  # f.discard() aborts through a call that no deadline covers: ~30 s per silent try
-                abort_open_uploads(self._fs, path, self._deadline())
-            else:
-                with contextlib.suppress(Exception):
-                    f.discard()  # aborts the multipart upload
-            with contextlib.suppress(Exception):
-                f.closed = True  # so garbage collection does not close (and thereby commit) it
-            raise
+        """A large object, part by part; aborted on failure (:func:`~fsdp_hotload.storage_multipart.stream_write`)."""
+        stream_write(self._fs, path, blocks, part_size or self.part_size, s3=self._chunked, deadline=self._deadline,
+                     policy=self._retry_policy())
 
     # -- reads and listings -------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from enum import Enum
 from typing import Any, Iterator, Mapping
 
 __all__ = ["StorageError", "MissingBackendError", "ErrorClass", "classify_error", "backoff_delay",
-           "backend_install_hint", "credential_hint"]
+           "backend_install_hint", "credential_hint", "is_lost_upload"]
 
 
 class StorageError(Exception):
@@ -146,6 +146,12 @@ def credential_hint(exc: BaseException, storage_options: Mapping[str, Any] | Non
 def is_throttle(code: str | None, status: int | None) -> bool:
     """Whether a store's answer (its error code, its HTTP status) asks the caller to slow down."""
     return code in _THROTTLE_CODES or status in (429, 503)
+
+
+def is_lost_upload(exc: BaseException) -> bool:
+    """Whether ``exc`` says a multipart upload's id is gone (``NoSuchUpload``). A request naming that upload fails
+    the same way however often it is sent: only a fresh upload of the whole object helps."""
+    return any(_code_and_status(e)[0] in _LOST_UPLOAD_CODES for e in _exception_chain(exc))
 
 
 def _exception_chain(exc: BaseException) -> Iterator[BaseException]:

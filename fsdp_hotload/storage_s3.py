@@ -1,4 +1,5 @@
-"""S3 specifics of :class:`~fsdp_hotload.storage.Storage`: who retries, and deadlines on every request.
+"""S3 specifics of :class:`~fsdp_hotload.storage.Storage`: who retries, deadlines on every request, and the
+multipart uploads a failed write must not leave open.
 
 Kept apart so the generic storage layer stays backend-neutral. Everything here works on an s3fs filesystem
 through its public ``call_s3``/``split_path`` methods and fsspec's sync ``timeout=`` argument.
@@ -10,20 +11,26 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import fsspec.core
 
-from .storage_errors import ErrorClass, classify_error, is_throttle
+from .masking import mask_text
+from .storage_errors import ErrorClass, backoff_delay, classify_error, is_lost_upload, is_throttle
 
 __all__ = ["is_s3_root", "owned_retries", "DeadlineCalls", "ThrottleAnswers", "abort_open_uploads",
-           "DeleteRefused", "delete_checked", "OpenUpload", "list_uploads", "abort_upload"]
+           "DeleteRefused", "delete_checked", "OpenUpload", "list_uploads", "abort_upload", "RetryPolicy",
+           "FailedRequest", "failed_request", "abort_failed_upload", "abort_resent_uploads"]
 
 logger = logging.getLogger("fsdp_hotload.storage")
+T = TypeVar("T")
 
 
 def is_s3_root(root: str) -> bool:
@@ -48,34 +55,206 @@ def owned_retries(root: str, options: dict[str, Any]) -> tuple[dict[str, Any], b
     return {**options, "config_kwargs": config}, True
 
 
+@dataclass(frozen=True)
+class FailedRequest:
+    """The request of a multipart upload that failed (``UploadPart (part 3)``, ``CompleteMultipartUpload``), how
+    many times it was sent on its own (botocore's second try not counted), and whether that settles the write:
+    a part that used up its retries is not worth sending the whole object again for, while one cut off by its
+    deadline is (the connection may be what failed)."""
+
+    name: str
+    attempts: int = 1
+    final: bool = False
+
+
+_FAILED_REQUEST = "hotload_failed_request"
+
+
+def failed_request(exc: BaseException) -> FailedRequest | None:
+    """What :class:`DeadlineCalls` or :meth:`RetryPolicy.call` recorded on ``exc``; None for other errors."""
+    info = getattr(exc, _FAILED_REQUEST, None)
+    return info if isinstance(info, FailedRequest) else None
+
+
+def _record(exc: BaseException, info: FailedRequest) -> None:
+    with contextlib.suppress(AttributeError, TypeError):  # an exception type with __slots__ goes unannotated
+        setattr(exc, _FAILED_REQUEST, info)
+
+
+def _no_count(kind: ErrorClass, delay: float) -> None:
+    """A retry nothing counts (cleanup requests: only the store's throttle answers are counted, by the hook)."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Storage's retries for one S3 request sent again on its own (a part, an abort, a listing): the errors
+    :func:`~fsdp_hotload.storage_errors.classify_error` calls retryable, except a lost upload; ``max_attempts``
+    tries; full-jitter backoff from ``throttle_backoff_s`` after a throttle, ``base_backoff_s`` otherwise.
+    ``on_retry(kind, delay)`` counts each retry (Storage's stats).
+
+    Why: botocore's two tries per request are all a part had, so one part refused twice sent the whole object
+    again from part 1; a 160-part object at a 30% SlowDown rate then practically never got through. Sending a
+    part number again replaces that part, so a part alone can be retried."""
+
+    max_attempts: int
+    base_backoff_s: float
+    throttle_backoff_s: float
+    max_backoff_s: float
+    draw: Callable[[], float]
+    sleep: Callable[[float], None]
+    on_retry: Callable[[ErrorClass, float], None] = _no_count
+
+    def uncounted(self, max_attempts: int | None = None) -> RetryPolicy:
+        """The same retries, counted nowhere (and at most ``max_attempts`` tries when given)."""
+        return replace(self, on_retry=_no_count, max_attempts=max_attempts or self.max_attempts)
+
+    def call(self, name: str, fn: Callable[[], T], *, budget_s: float = math.inf, subject: str = "") -> T:
+        """``fn()``, tried again while its error is retryable, tries remain, and the time spent plus the next wait
+        stays within ``budget_s`` (so a request cut off by its deadline is not waited on ``max_attempts`` times).
+        The error raised carries a :class:`FailedRequest` (final when the tries ran out)."""
+        start = time.monotonic()
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return fn()
+            except Exception as exc:  # noqa: BLE001 - classified here, re-raised when not retried
+                kind = classify_error(exc)
+                retryable = kind.retryable and not is_lost_upload(exc)
+                spent = attempt >= self.max_attempts
+                delay = 0.0 if spent or not retryable else backoff_delay(
+                    attempt, self.throttle_backoff_s if kind is ErrorClass.THROTTLE else self.base_backoff_s,
+                    self.max_backoff_s, self.draw())
+                if not retryable or spent or time.monotonic() - start + delay >= budget_s:
+                    _record(exc, FailedRequest(name, attempt, final=retryable and spent))
+                    raise
+                self.on_retry(kind, delay)
+                logger.warning("%s of %s: %s error (%s: %s); retry %d/%d in %.2fs", name, subject, kind.value,
+                               type(exc).__name__, mask_text(str(exc)), attempt, self.max_attempts - 1, delay)
+                self.sleep(delay)
+
+
+def request_name(method: str, kwargs: dict[str, Any]) -> str:
+    """``upload_part`` with ``PartNumber=3`` -> ``UploadPart (part 3)``: the S3 operation as AWS's documents name
+    it, so an error says which request of a multipart upload failed."""
+    name = "".join(word.capitalize() for word in method.split("_"))
+    return f"{name} (part {kwargs['PartNumber']})" if "PartNumber" in kwargs else name
+
+
 class DeadlineCalls:
     """Stands in for an s3fs filesystem inside one open S3 file, so each request the file sends (create, part,
-    complete, abort) gets the same per-call deadline as Storage's other calls; everything else is delegated."""
+    complete, abort) gets the same per-call deadline as Storage's other calls; everything else is delegated.
 
-    def __init__(self, fs: Any, deadline: Callable[[int], dict[str, float]]) -> None:
+    With a ``policy``, a part is retried on its own, each retry starting within the part's own deadline (so a
+    part that timed out is not sent again here: the object is). Every failed request is recorded on its error
+    (:func:`failed_request`). ``create_sent`` and ``create_resent`` say whether an upload may exist that the file
+    does not know of: CreateMultipartUpload sent without an answer, or answered after botocore sent it again (the
+    first one's reply lost on the way back)."""
+
+    def __init__(self, fs: Any, deadline: Callable[[int], dict[str, float]], policy: RetryPolicy | None = None) -> None:
         self._fs = fs
         self._deadline_for = deadline
+        self._policy = policy
+        self.create_sent = False
+        self.create_resent = False
 
     def call_s3(self, method: str, *args: Any, **kwargs: Any) -> Any:
         body = kwargs.get("Body")
         nbytes = memoryview(body).nbytes if isinstance(body, (bytes, bytearray, memoryview)) else 0
-        return self._fs.call_s3(method, *args, **self._deadline_for(nbytes), **kwargs)
+        deadline = self._deadline_for(nbytes)
+        name = request_name(method, kwargs)
+
+        def send() -> Any:
+            return self._fs.call_s3(method, *args, **deadline, **kwargs)
+
+        if method == "upload_part" and self._policy is not None:
+            return self._policy.call(name, send, budget_s=deadline.get("timeout", math.inf),
+                                     subject=f"{kwargs.get('Bucket')}/{kwargs.get('Key')}")
+        self.create_sent |= method == "create_multipart_upload"
+        try:
+            out = send()
+        except Exception as exc:
+            _record(exc, FailedRequest(name))
+            raise
+        if method == "create_multipart_upload":
+            meta = out.get("ResponseMetadata") if isinstance(out, dict) else None
+            tries = meta.get("RetryAttempts") if isinstance(meta, dict) else None
+            own_loop = getattr(self._fs, "retries", 1)  # s3fs's loop (on when config_kwargs sets retries) resends too
+            self.create_resent = not isinstance(tries, int) or tries > 0 or (isinstance(own_loop, int) and own_loop > 1)
+        return out
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._fs, name)
 
 
+def abort_uploads_of(fs: Any, path: str, deadline: dict[str, float], keep: frozenset[str] = frozenset()) -> int:
+    """Abort every open multipart upload of exactly this key but those in ``keep`` (each file has one writer);
+    how many were aborted. A failed listing or abort raises."""
+    bucket, key, _ = fs.split_path(path)
+    listing = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key, **deadline)
+    aborted = 0
+    for upload in listing.get("Uploads") or []:
+        if upload.get("Key") == key and upload.get("UploadId") not in keep:
+            abort_upload(fs, path, upload["UploadId"], deadline)
+            aborted += 1
+    return aborted
+
+
 def abort_open_uploads(fs: Any, path: str, deadline: dict[str, float]) -> None:
     """Best effort: abort every open multipart upload of exactly this key (each file has one writer)."""
     try:
-        bucket, key, _ = fs.split_path(path)
-        listing = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key, **deadline)
-        for upload in listing.get("Uploads", []):
-            if upload.get("Key") == key:
-                fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload["UploadId"],
-                           **deadline)
+        abort_uploads_of(fs, path, deadline)
     except Exception as exc:  # noqa: BLE001 - the put's own error is what the caller needs to see
         logger.warning("could not abort open multipart uploads of %s: %s", path, exc)
+
+
+def abort_failed_upload(fs: Any, path: str, upload_id: str | None, calls: DeadlineCalls | None,
+                        deadline: dict[str, float], policy: RetryPolicy) -> None:
+    """Best effort, after a failed multipart write: abort its upload by the id the file holds, retried under
+    ``policy``; list the key's uploads instead when that fails, when no id came back, or when CreateMultipartUpload
+    was sent twice. The whole cleanup takes at most about one call's deadline (plus the call under way).
+
+    Why: S3 keeps and bills the parts of an upload until it is aborted, and no object listing shows it. The abort
+    used to list the key's uploads first, once; under throttling that listing was refused too, the next attempt
+    of the write succeeded, and the first attempt's parts stayed open for good."""
+    budget = deadline.get("timeout", math.inf)
+    start = time.monotonic()
+    listing = calls is None or (calls.create_sent and (upload_id is None or calls.create_resent))
+    if upload_id is not None:
+        try:
+            policy.call("AbortMultipartUpload", lambda: abort_upload(fs, path, upload_id, deadline),
+                        budget_s=budget, subject=path)
+        except Exception as exc:  # noqa: BLE001 - the write's own error is what the caller needs to see
+            logger.warning("could not abort the multipart upload %s of %s: %s", upload_id, path, exc)
+            listing = True
+    if not listing:
+        return
+    left = budget - (time.monotonic() - start)
+    if left <= 0:
+        logger.warning("multipart upload %s of %s may be left open (no time left to list the key's uploads): "
+                       "Storage.open_uploads() reports it, retention (keep_last) aborts it", upload_id, path)
+        return
+    try:
+        policy.call("ListMultipartUploads", lambda: abort_uploads_of(fs, path, deadline), budget_s=left,
+                    subject=path)
+    except Exception as exc:  # noqa: BLE001 - as above
+        logger.warning("could not abort open multipart uploads of %s: %s", path, exc)
+
+
+def abort_resent_uploads(fs: Any, path: str, completed: str | None, deadline: dict[str, float],
+                         policy: RetryPolicy) -> None:
+    """Best effort, after a multipart write that succeeded although CreateMultipartUpload was sent more than
+    once: abort the key's other uploads. Why: botocore sends a create again when its reply is lost, and the store
+    had made an upload for each; the write used the last one, and the first stayed open and billed."""
+    try:
+        n = policy.call("ListMultipartUploads", lambda: abort_uploads_of(
+            fs, path, deadline, frozenset({completed}) if completed else frozenset()),
+            budget_s=deadline.get("timeout", math.inf), subject=path)
+    except Exception as exc:  # noqa: BLE001 - the object is written; this is housekeeping
+        logger.warning("could not abort the other multipart uploads of %s: %s", path, exc)
+        return
+    if n:
+        logger.info("aborted %d multipart upload(s) of %s that a resent CreateMultipartUpload left open", n, path)
 
 
 @dataclass(frozen=True)
