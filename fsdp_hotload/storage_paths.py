@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import os
 from typing import Any
@@ -100,17 +101,77 @@ def check_options(root: str, options: dict[str, Any]) -> None:
     except (ImportError, ValueError):
         return  # the missing package is reported when the filesystem opens
     known = set(_FSSPEC_OPTIONS)
+    flags = {"skip_instance_cache", "use_listings_cache"}  # the options whose default is True or False
     for klass in cls.__mro__:
         init = vars(klass).get("__init__")
         if init is not None:
-            known.update(n for n, p in inspect.signature(init).parameters.items()
-                         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "self")
+            params = [p for n, p in inspect.signature(init).parameters.items()
+                      if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "self"]
+            known.update(p.name for p in params)
+            flags.update(p.name for p in params if isinstance(p.default, bool))
     unknown = sorted(str(k) for k in options if k not in known)
     if unknown:
-        hints = [f"{k!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, known, n=1))
-                 else repr(k) for k in unknown]
+        hints = [_did_you_mean(k, known) for k in unknown]
         raise StorageError(f"cannot open {mask_url(root)}: storage_options {', '.join(hints)} not accepted by "
                            f"{cls.__module__}.{cls.__name__}", uri=mask_url(root), op="open")
+    if protocol.lower() in ("s3", "s3a"):
+        _check_s3_options(root, options, flags)
+
+
+def _did_you_mean(key: str, known: set[str] | frozenset[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    return f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
+
+
+#: The S3 requests hotload sends through s3fs (writes, reads, listings, deletes, multipart uploads).
+_S3_OPERATIONS = ("PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload",
+                  "AbortMultipartUpload", "ListMultipartUploads", "GetObject", "HeadObject", "HeadBucket",
+                  "ListObjectsV2", "DeleteObject", "DeleteObjects")
+
+
+@functools.lru_cache(maxsize=1)
+def _s3_request_members() -> frozenset[str]:
+    """Every parameter any of :data:`_S3_OPERATIONS` takes, from botocore's model of S3 (imported here only: a
+    root on another store never loads it); empty when botocore cannot say, and then nothing is checked."""
+    try:
+        import botocore.session
+
+        model = botocore.session.get_session().get_service_model("s3")
+        return frozenset(name for op in _S3_OPERATIONS for name in model.operation_model(op).input_shape.members)
+    except Exception:  # noqa: BLE001 - an older botocore without one of the operations: check nothing
+        return frozenset()
+
+
+def _check_s3_options(root: str, options: dict[str, Any], flags: set[str]) -> None:
+    """Refuse what s3fs would take the wrong way without a word.
+
+    A flag given as a string: ``"anon": "false"`` (easily written in a JSON variable) is true to s3fs, which then
+    sends unsigned requests and drops the key and secret given beside it. A key in ``s3_additional_kwargs`` that
+    no request hotload sends takes: s3fs passes each request only the keys it takes, so a misspelt
+    ``ServerSideEncryption`` wrote every object unencrypted."""
+    shown = mask_url(root)
+    not_flags = sorted(k for k in options if k in flags and not isinstance(options[k], bool))
+    if not_flags:
+        key = not_flags[0]
+        raise StorageError(f"cannot open {shown}: storage_options.{key} must be true or false (a JSON boolean), not "
+                           f"{type(options[key]).__name__} {options[key]!r}: s3fs takes any non-empty value for true",
+                           uri=shown, op="open")
+    extra = options.get("s3_additional_kwargs")
+    if extra is None:
+        return
+    if not isinstance(extra, dict):
+        raise StorageError(f"cannot open {shown}: storage_options.s3_additional_kwargs must be an object of S3 "
+                           f"request parameters (e.g. {{\"ServerSideEncryption\": \"aws:kms\"}}), not "
+                           f"{type(extra).__name__}", uri=shown, op="open")
+    members = _s3_request_members()
+    unknown = sorted(str(k) for k in extra if members and k not in members)
+    if unknown:
+        names = [f"storage_options.s3_additional_kwargs.{k}" + (f" (did you mean {close[0]}?)" if (
+            close := difflib.get_close_matches(k, members, n=1)) else "") for k in unknown]
+        raise StorageError(f"cannot open {shown}: {', '.join(names)} {'is' if len(names) == 1 else 'are'} not a "
+                           "parameter of the S3 requests hotload sends (PutObject, the multipart upload's, GetObject, "
+                           "HeadObject, listings, deletes), so s3fs would drop it: spell it as botocore does "
+                           "(ServerSideEncryption, SSEKMSKeyId, StorageClass, ACL, ...)", uri=shown, op="open")
 
 
 def check_relpath(relpath: str, root: str, *, allow_empty: bool = False) -> str:

@@ -429,3 +429,17 @@ def test_list_and_dict_flags_say_they_take_json(capsys: pytest.CaptureFixture[st
     # the spelling the help shows is the one the flags take
     assert args.hotload_deployment_id == ["d1", "d2"]
     assert args.hotload_dtype_overrides == {"*.e_score_correction_bias": "keep"}
+
+
+def test_s3_options_s3fs_would_misread_are_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``"anon": "false"`` in a JSON variable is true to s3fs (unsigned requests, the credentials dropped), and a
+    misspelt s3_additional_kwargs key is dropped by it: both stop the launch, naming where they came from."""
+    pytest.importorskip("s3fs")
+    monkeypatch.setenv("HOTLOAD_STORAGE_OPTIONS", '{"anon": "false", "key": "AK", "secret": "SK"}')
+    with pytest.raises(SystemExit, match=r"HOTLOAD_STORAGE_OPTIONS: .*options\.anon must be true or false"):
+        config_from_args(parser().parse_args(["--hotload-bucket-url", "s3://b/p"]))
+    monkeypatch.delenv("HOTLOAD_STORAGE_OPTIONS")
+    flag = json.dumps({"s3_additional_kwargs": {"SSEKMSKeyID": "alias/k"}})
+    with pytest.raises(SystemExit, match=r"--hotload-storage-options: .*options\.s3_additional_kwargs\.SSEKMSKeyID "
+                                         r"\(did you mean SSEKMSKeyId\?\)"):
+        config_from_args(parser().parse_args(["--hotload-bucket-url", "s3://b/p", "--hotload-storage-options", flag]))
