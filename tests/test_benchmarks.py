@@ -395,6 +395,15 @@ def test_hint_latency_benchmark_reports_each_run() -> None:
     assert "ratio hook to served with 50 ms hints / no hints:" in proc.stdout and "machine:" in proc.stdout
 
 
+def test_s3_throttle_benchmark_writes_through_refused_parts_and_leaves_no_upload_open() -> None:
+    pytest.importorskip("moto.server")
+    proc = _run([str(BENCH / "s3_throttle.py"), "--parts", "2", "--trials", "1", "--rate", "0.5",
+                 "--backoff-s", "0.01"], 180)
+    assert re.search(r"^ baseline yes +[\d.]+ +2 +0 +2 +0 +0$", proc.stdout, re.M), proc.stdout
+    assert "succeeded: 1/1; open uploads left: 0" in proc.stdout and "machine:" in proc.stdout, proc.stdout
+    assert "part bodies sent per part of the object:" in proc.stdout, proc.stdout
+
+
 def test_retention_markers_benchmark_reads_each_marker_once() -> None:
     proc = _run([str(BENCH / "retention_markers.py"), "--chain", "20", "--get-ms", "1", "--passes", "2"], 120)
     # 21 then 22 markers; with the cache the new one, and the one before it again (keep_last=2)

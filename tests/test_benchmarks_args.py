@@ -45,6 +45,8 @@ CASES = [
     ("retention_markers.py", ["--passes", "0"], "--passes"),
     ("retention_overlap.py", ["--steps", "0"], "--steps"),
     ("routing_exchange.py", ["--gib", "0"], "--gib"),
+    ("s3_throttle.py", ["--parts", "1"], "--parts"),  # one part is no multipart upload
+    ("s3_throttle.py", ["--rate", "1.5"], "--rate"),
     ("split_staging.py", ["--layers", "0"], "--layers"),
     ("split_staging.py", ["--reps", "0"], "--reps"),
     ("tensor_count.py", ["--steps", "2"], "--steps"),
