@@ -494,7 +494,10 @@ _UNSHOWN = frozenset({"api_key", "hotload_api_headers", "storage_options"})
 
 def error_text(exc: ValidationError, name: Callable[[str], str]) -> str:
     """A validation error on one line, each field spelt ``name(field)`` once with the value given (a union's
-    members merged): pydantic's own text takes a few lines per field, names the Python field and adds a URL."""
+    members merged): pydantic's own text takes a few lines per field, names the Python field and adds a URL.
+    A field's own check that opens with the field's name loses it (the label says it already:
+    ``--hotload-snapshot-dtype: 'int8' is not ...``, not ``--hotload-snapshot-dtype: snapshot_dtype 'int8' ...``);
+    other fields it names are spelt as this path sets them."""
     parts: dict[str, tuple[str, list[str]]] = {}  # label: (the value shown, the messages)
     for e in exc.errors(include_url=False):
         msg = str(e.get("msg", "")).removeprefix("Value error, ")
@@ -504,6 +507,7 @@ def error_text(exc: ValidationError, name: Callable[[str], str]) -> str:
         else:
             field = str(e["loc"][0])
             key = name(field)
+            msg = spell_fields(re.sub(rf"^{field}(?![\w-])\s*", "", msg), name, but=field)
             value = e.get("input")
             if key not in parts:
                 parts[key] = ("" if field in _UNSHOWN or isinstance(value, dict) else f" (got {_short(value)})", [])

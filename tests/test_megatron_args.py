@@ -163,7 +163,7 @@ def test_dtype_overrides_are_normalised_and_a_bad_one_names_its_glob(monkeypatch
     assert cfg.dtype_overrides == {"*.gate.e_score_correction_bias": "keep", "*.norm*": "float32"}
     assert list(cfg.dtype_overrides) == ["*.gate.e_score_correction_bias", "*.norm*"]  # order is the rule order
     args = parser().parse_args(["--hotload-bucket-url", "/tmp/b", "--hotload-dtype-overrides", '{"*.bias": "int32"}'])
-    with pytest.raises(SystemExit, match=r"--hotload-dtype-overrides(.|\n)*dtype_overrides\['\*.bias'\] 'int32' is "
+    with pytest.raises(SystemExit, match=r"--hotload-dtype-overrides: \['\*.bias'\] 'int32' is "
                                          r"not a floating dtype; accepted: .*bfloat16.*, or 'keep'"):
         config_from_args(args)
     with pytest.raises(ValueError, match="empty glob"):
@@ -303,7 +303,7 @@ def test_null_and_empty_values_are_refused_by_name(monkeypatch: pytest.MonkeyPat
         HotloadConfig.from_env()
     monkeypatch.delenv("HOTLOAD_STORAGE_OPTIONS")
     monkeypatch.setenv("HOTLOAD_HOTLOAD_API_URL", "")  # an unset shell variable: signalling was silently off
-    with pytest.raises(ValueError, match=r"\(HOTLOAD_HOTLOAD_API_URL\)(.|\n)*hotload_api_url is empty"):
+    with pytest.raises(ValueError, match=r"\(HOTLOAD_HOTLOAD_API_URL\): HOTLOAD_HOTLOAD_API_URL: is empty"):
         HotloadConfig.from_env()
 
 
@@ -443,3 +443,28 @@ def test_s3_options_s3fs_would_misread_are_refused_naming_the_variable(monkeypat
     with pytest.raises(SystemExit, match=r"--hotload-storage-options: .*options\.s3_additional_kwargs\.SSEKMSKeyID "
                                          r"\(did you mean SSEKMSKeyId\?\)"):
         config_from_args(parser().parse_args(["--hotload-bucket-url", "s3://b/p", "--hotload-storage-options", flag]))
+
+
+def test_a_fields_own_check_is_labelled_once_and_names_other_fields_as_they_are_set(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The label (flag or variable) already names the field: its check's text does not name it again as the
+    Python field; other fields it names are spelt as this path sets them. Checks of several fields keep their text,
+    respelt."""
+    args = parser().parse_args(["--hotload-bucket-url", "/tmp/b", "--hotload-snapshot-dtype", "int8"])
+    with pytest.raises(SystemExit) as info:
+        config_from_args(args)
+    assert "(--hotload-snapshot-dtype): --hotload-snapshot-dtype: 'int8' is not a floating dtype" in str(info.value)
+    monkeypatch.setenv("HOTLOAD_BUCKET_URL", " /tmp/b")
+    with pytest.raises(ValueError, match=r": HOTLOAD_BUCKET_URL: ' /tmp/b' starts or ends with white space"):
+        HotloadConfig.from_env()
+    monkeypatch.setenv("HOTLOAD_BUCKET_URL", "/tmp/b")
+    monkeypatch.setenv("HOTLOAD_HOTLOAD_API_URL", "https://user:pw@api.example")
+    with pytest.raises(SystemExit) as info:
+        config_from_args(parser().parse_args([]))
+    assert ("HOTLOAD_HOTLOAD_API_URL: must not carry credentials before its host ('user:password@'); pass a "
+            "gateway's credentials as headers (HOTLOAD_HOTLOAD_API_HEADERS)") in str(info.value)
+    monkeypatch.delenv("HOTLOAD_HOTLOAD_API_URL")
+    args = parser().parse_args(["--hotload-carry-base-tensors", "mtp.*"])
+    with pytest.raises(SystemExit, match=r": --hotload-carry-base-tensors is set, so --hotload-hf-config-dir must be "
+                                         "set too"):
+        config_from_args(args)
