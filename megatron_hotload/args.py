@@ -18,10 +18,14 @@ key and the API headers come from the environment (``HOTLOAD_API_KEY`` or ``FIRE
 winning, and ``HOTLOAD_HOTLOAD_API_HEADERS``); their flags are hidden and refuse any use without showing the value.
 ``--hotload-storage-options`` refuses credential entries (use ``HOTLOAD_STORAGE_OPTIONS`` or the provider's own
 credential chain), and no flag takes a URL with credentials in it (``user:password@``, a signed query).
+Only the attributes the flags store into are read: any other ``hotload_*`` attribute (set through Megatron's
+``args_defaults``, or by a launcher that builds the namespace) is an error naming the one meant, and so is a secret
+set on the namespace.
 """
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 import types
@@ -175,14 +179,20 @@ def config_from_args(args: argparse.Namespace) -> HotloadConfig | None:
 
     A flag given as ``null`` sets its (optional) field to None, whatever the variable says. The entries of
     ``--hotload-storage-options`` are merged over those of ``HOTLOAD_STORAGE_OPTIONS``, and checked against the
-    storage root as the storage layer will check them. Call it where Megatron's arguments are parsed:
-    ``config_from_args(get_args())`` after ``initialize_megatron`` or in a provider ``pretrain`` calls. Raises
-    SystemExit naming the flags and variables at fault, and ValueError when ``args`` has no hotload flags at
-    all (the parser never had :func:`add_hotload_args`, or Megatron's ``--yaml-cfg`` replaced the arguments).
+    storage root as the storage layer will check them. Call it where Megatron's arguments are parsed: with
+    Megatron Core 0.18 and later, on what ``parse_and_validate_args(extra_args_provider=add_hotload_args)``
+    returns (their ``pretrain`` takes no ``extra_args_provider``); up to 0.17, ``config_from_args(get_args())``
+    after ``initialize_megatron`` or in a provider that ``pretrain(..., extra_args_provider=add_hotload_args)``
+    calls. Raises SystemExit naming the flags and variables at fault, a ``hotload_*`` attribute that no flag stores
+    into (set by ``args_defaults`` or a launcher: it would be ignored) or a secret on the namespace; and ValueError
+    when ``args`` has no hotload flags at all (the parser never had :func:`add_hotload_args`, or Megatron's
+    ``--yaml-cfg`` replaced the arguments).
     """
+    _check_namespace(args)
     if not hasattr(args, f"{PREFIX}_bucket_url"):
         raise ValueError("these arguments have no --hotload-* flags: pass megatron_hotload.add_hotload_args as "
-                         "Megatron's extra_args_provider (with --yaml-cfg, set HOTLOAD_* variables and call "
+                         "Megatron's extra_args_provider (to parse_and_validate_args from Megatron Core 0.18, to "
+                         "pretrain or initialize_megatron before; with --yaml-cfg, set HOTLOAD_* variables and call "
                          "HotloadConfig.from_env() instead)")
     values = {name: getattr(args, f"{PREFIX}_{name}") for name in HotloadConfig.model_fields
               if getattr(args, f"{PREFIX}_{name}", None) is not None}
@@ -198,6 +208,52 @@ def config_from_args(args: argparse.Namespace) -> HotloadConfig | None:
     _check_storage_options(cfg, flag_given="storage_options" in values)
     _check_fireworks_key(cfg)
     return cfg
+
+
+def _check_namespace(args: argparse.Namespace) -> None:
+    """SystemExit for a ``hotload_*`` attribute that no flag stores into, and for a secret on the namespace.
+
+    Why: only the flags' own attributes are read, so one set another way (Megatron's ``args_defaults``, a launcher
+    that builds the namespace) under another name was dropped without a word: ``hotload_api_url`` (the flag
+    ``--hotload-api-url`` stores into ``hotload_hotload_api_url``) published without signalling the fleet. And a
+    secret set there was taken, although Megatron prints the namespace and saves it in every checkpoint. The
+    values are never shown. Attributes not starting with ``hotload_`` (Megatron's own) are not looked at.
+    """
+    dests = {f"{PREFIX}_{name}": name for name in HotloadConfig.model_fields}
+    wrong: list[str] = []
+    secrets: dict[str, str] = {}  # attribute: the secret field it holds
+    for attr in sorted(vars(args)):
+        if not attr.startswith(PREFIX + "_") or attr == NULL_FIELDS:
+            continue
+        field = _field_meant(attr, dests)
+        if field in SECRET_FIELDS and getattr(args, attr) is not None:
+            secrets[attr] = field
+        elif attr not in dests:
+            meant = "" if field is None or field in SECRET_FIELDS else \
+                f" (did you mean {PREFIX}_{field}, which {flag_name(field)} stores into?)"
+            wrong.append(attr + meant)
+    if wrong:
+        many = len(wrong) > 1
+        raise SystemExit(f"unknown hotload argument{'s' if many else ''} {', '.join(wrong)}: only the attributes "
+                         f"the --{PREFIX}-* flags store into ({PREFIX}_<field>) are read, so "
+                         f"{'they' if many else 'it'} would be ignored; rename {'each' if many else 'it'} to the "
+                         "attribute meant, or give the flag instead")
+    if secrets:
+        variables = " and ".join(dict.fromkeys(SECRET_VARIABLES[f] for f in secrets.values()))
+        raise SystemExit(f"the arguments hold {' and '.join(secrets)} (the value not shown): a secret is not taken "
+                         "from them, since Megatron prints its arguments and saves them in its checkpoints; remove "
+                         f"{'them' if len(secrets) > 1 else 'it'} (from args_defaults, or wherever the namespace is "
+                         f"built) and set {variables} instead")
+
+
+def _field_meant(attr: str, dests: dict[str, str]) -> str | None:
+    """The field a ``hotload_*`` attribute stands for: its own, a ``hotload_*`` field named with one ``hotload_``
+    (``hotload_api_url``, as argparse would name ``--hotload-api-url``), or the closest field name."""
+    field = dests.get(attr) or dests.get(f"{PREFIX}_{attr}") or dests.get(attr.replace(f"{PREFIX}_", "", 1))
+    if field is None:
+        close = difflib.get_close_matches(attr[len(PREFIX) + 1:], list(dests.values()), n=1)
+        field = close[0] if close else None
+    return field
 
 
 def _check_storage_options(cfg: HotloadConfig, *, flag_given: bool) -> None:
