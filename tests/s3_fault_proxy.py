@@ -57,6 +57,20 @@ def operation(method: str, query: dict[str, list[str]]) -> str:
     return {"GET": "GetObject", "HEAD": "HeadObject", "PUT": "PutObject", "DELETE": "DeleteObject"}.get(method, method)
 
 
+def send_reply(handler: BaseHTTPRequestHandler, status: int, headers: dict[str, str], data: bytes,
+               length: str | None = None) -> None:
+    """Answer ``handler``'s request: ``data`` with ``headers``; a HEAD gets the headers only, with the
+    Content-Length ``length`` the store gave (the body it describes is not sent)."""
+    handler.send_response(status)
+    for k, v in headers.items():
+        handler.send_header(k, v)
+    head = handler.command == "HEAD"
+    handler.send_header("Content-Length", length if head and length is not None else str(len(data)))
+    handler.end_headers()
+    if not head:
+        handler.wfile.write(data)
+
+
 class S3FaultProxy:
     """Forwards every request to ``upstream`` unless ``rule`` says otherwise. ``log`` holds (op, part, action) for
     each request, in order; ``count(op, action)`` counts them."""
@@ -126,14 +140,7 @@ class S3FaultProxy:
                     self.connection.shutdown(socket.SHUT_RDWR)
 
             def _reply(self, status: int, headers: dict[str, str], data: bytes, length: str | None = None) -> None:
-                self.send_response(status)
-                for k, v in headers.items():
-                    self.send_header(k, v)
-                head = self.command == "HEAD"
-                self.send_header("Content-Length", length if head and length is not None else str(len(data)))
-                self.end_headers()
-                if not head:
-                    self.wfile.write(data)
+                send_reply(self, status, headers, data, length)
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 

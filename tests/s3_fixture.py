@@ -362,6 +362,8 @@ class DeleteErrorsProxy:
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
         from urllib.parse import urlsplit
 
+        from tests.s3_fault_proxy import send_reply
+
         target = urlsplit(upstream_url)
         proxy = self
         self.answered = 0
@@ -393,20 +395,12 @@ class DeleteErrorsProxy:
                     data = resp.read()
                     headers = {k: v for k, v in resp.getheaders()
                                if k.lower() not in ("transfer-encoding", "connection", "content-length")}
-                    self._reply(resp.status, headers, data, head=self.command == "HEAD",
-                                length=resp.getheader("Content-Length"))
+                    self._reply(resp.status, headers, data, length=resp.getheader("Content-Length"))
                 finally:
                     conn.close()
 
-            def _reply(self, status: int, headers: dict[str, str], data: bytes, *, head: bool = False,
-                       length: str | None = None) -> None:
-                self.send_response(status)
-                for k, v in headers.items():
-                    self.send_header(k, v)
-                self.send_header("Content-Length", length if head and length is not None else str(len(data)))
-                self.end_headers()
-                if not head:
-                    self.wfile.write(data)
+            def _reply(self, status: int, headers: dict[str, str], data: bytes, length: str | None = None) -> None:
+                send_reply(self, status, headers, data, length)
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 
