@@ -228,8 +228,20 @@ def _untied_by_fsdp1(exc: ValueError, slots: Sequence[tuple[str, _Source]]) -> V
     if not str(exc).startswith("tie_word_embeddings=True but "):
         return exc
     heads = [(raw, src) for raw, src in slots if is_tied_output(raw) and isinstance(src, _Fsdp1Source)]
-    units = {id(src.handle) for _raw, src in slots if isinstance(src, _Fsdp1Source)}
-    if not heads or len(units) < 2:
+    if not heads:
+        return exc
+
+    def shape(src: _Source) -> tuple[int, ...] | None:
+        try:
+            return src.shape()
+        except NotImplementedError:  # FSDP1 over tensor parallelism: refused on its own
+            return None
+
+    head = heads[0][1]
+    want = shape(head)
+    # The embedding it was tied to: a tensor of its shape in another unit. None there: FSDP did not untie them.
+    if want is None or not any(isinstance(src, _Fsdp1Source) and src.handle is not head.handle and shape(src) == want
+                               for raw, src in slots if not is_tied_output(raw)):
         return exc
     return ValueError(
         f"tie_word_embeddings=True but {heads[0][0]!r} is a tensor of its own under FSDP1: a weight tied across two "

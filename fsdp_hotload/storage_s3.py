@@ -179,8 +179,10 @@ class DeadlineCalls:
         if method == "create_multipart_upload":
             meta = out.get("ResponseMetadata") if isinstance(out, dict) else None
             tries = meta.get("RetryAttempts") if isinstance(meta, dict) else None
-            own_loop = getattr(self._fs, "retries", 1)  # s3fs's loop (on when config_kwargs sets retries) resends too
-            self.create_resent = not isinstance(tries, int) or tries > 0 or (isinstance(own_loop, int) and own_loop > 1)
+            # botocore's resends only: s3fs's own loop (on where config_kwargs sets retries) is not seen here, and
+            # an upload it left open holds no parts (retention aborts it); listing after every large file for it
+            # would cost a request each, and a warning each where the policy lacks ListBucketMultipartUploads.
+            self.create_resent = not isinstance(tries, int) or tries > 0
         return out
 
     def __getattr__(self, name: str) -> Any:

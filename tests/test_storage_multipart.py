@@ -126,6 +126,19 @@ def test_a_lost_create_reply_leaves_no_second_upload_open(s3_server: S3Server, p
     assert proxy.count("ListMultipartUploads") == 0 and proxy.count("AbortMultipartUpload") == 0
 
 
+def test_a_clean_write_lists_no_uploads_where_the_user_sets_botocore_retries(s3_server: S3Server,
+                                                                            proxy: S3FaultProxy) -> None:
+    """With ``config_kwargs.retries`` given, Storage leaves s3fs's own retry loop on (5 tries); every multipart
+    write then listed the key's uploads after it succeeded, a request per large file (and a warning per file where
+    the policy lacks s3:ListBucketMultipartUploads), though nothing was sent twice."""
+    options = {**s3_server.storage_options, "endpoint_url": proxy.url, "skip_instance_cache": True,
+               "config_kwargs": {"retries": {"mode": "standard", "total_max_attempts": 3}}}
+    st = Storage(s3_server.unique_uri("mpu"), options, multipart_threshold=10 * MiB)
+    st.put_bytes("snap/model.bin", DATA)
+    assert proxy.count("CreateMultipartUpload") == 1 and proxy.count("ListMultipartUploads") == 0
+    assert st.get_bytes("snap/model.bin") == DATA
+
+
 def test_a_create_whose_reply_was_lost_and_then_refused_is_aborted_by_listing(s3_server: S3Server,
                                                                                 proxy: S3FaultProxy) -> None:
     """No upload id came back (the first reply lost, the second try refused), yet the store made an upload: the

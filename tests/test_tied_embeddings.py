@@ -147,3 +147,4 @@ def test_fsdp1_units_that_untie_the_embedding_are_named_in_the_refusal(tmp_path:
         assert got["one_unit"] == ["embed_tokens.weight", "proj.weight", "proj.bias"], got
         assert "under FSDP1" in got["two_units"] and "in one FSDP unit" in got["two_units"], got
         assert "Pass tie_word_embeddings=False" not in got["two_units"], got
+        assert "is a tensor of its own, not shared" in got["own_head"] and "FSDP" not in got["own_head"], got

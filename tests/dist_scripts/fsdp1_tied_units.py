@@ -3,6 +3,7 @@
 In one FSDP unit the two stay one tensor, and a tied config leaves ``lm_head.weight`` out. With the embedding
 wrapped in a unit of its own (as a size-based auto-wrap policy does), FSDP1 flattens the tied weight into each
 unit's own tensor and the copies train apart: the refusal must say that the FSDP units untied them, on every rank.
+A head of its own beside the embedding in one unit (another unit elsewhere) is refused as before, FSDP not blamed.
 Results go to --out as JSON (one file per rank).
 """
 from __future__ import annotations
@@ -54,6 +55,14 @@ def main() -> None:
         results["two_units"] = "accepted"
     except ValueError as exc:
         results["two_units"] = str(exc)
+    untied = TiedLM()  # a head of its own, in the embedding's unit, with another unit beside them
+    untied.lm_head.weight = nn.Parameter(untied.embed_tokens.weight.detach().clone())
+    untied.proj = FSDP(untied.proj, device_id=cpu)
+    try:
+        full_tensor_specs(FSDP(untied, device_id=cpu), tie_word_embeddings=True)
+        results["own_head"] = "accepted"
+    except ValueError as exc:
+        results["own_head"] = str(exc)
     Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     finish()
 
