@@ -109,6 +109,8 @@ def check_options(root: str, options: dict[str, Any]) -> None:
                       if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "self"]
             known.update(p.name for p in params)
             flags.update(p.name for p in params if isinstance(p.default, bool))
+    if protocol.lower() in ("s3", "s3a"):
+        known.update(_session_options())
     unknown = sorted(str(k) for k in options if k not in known)
     if unknown:
         hints = [_did_you_mean(k, known) for k in unknown]
@@ -116,6 +118,17 @@ def check_options(root: str, options: dict[str, Any]) -> None:
                            f"{cls.__module__}.{cls.__name__}", uri=mask_url(root), op="open")
     if protocol.lower() in ("s3", "s3a"):
         _check_s3_options(root, options, flags)
+
+
+def _session_options() -> set[str]:
+    """The keywords s3fs hands on to ``aiobotocore.session.AioSession`` (its documented ``profile``, for one):
+    s3fs passes every option it does not take itself there."""
+    try:
+        from aiobotocore.session import AioSession
+    except ImportError:
+        return {"profile"}
+    return {n for n, p in inspect.signature(AioSession.__init__).parameters.items()
+            if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def _did_you_mean(key: str, known: set[str] | frozenset[str]) -> str:

@@ -49,3 +49,13 @@ def test_s3_flags_given_as_booleans_are_taken(s3_server: S3Server) -> None:
     assert st.fs.s3.meta.config.signature_version is not botocore.UNSIGNED
     st.put_bytes("a", b"x")
     assert st.get_bytes("a") == b"x"
+
+
+def test_the_options_s3fs_hands_to_its_botocore_session_are_taken() -> None:
+    """s3fs passes the keywords it does not take itself to ``aiobotocore``'s session: its documented
+    ``profile="<name>"`` was refused as not accepted by S3FileSystem. A misspelling of it still is, with a hint."""
+    from fsdp_hotload.storage_paths import check_options
+
+    check_options("s3://bucket/run", {"profile": "trainer", "endpoint_url": "http://127.0.0.1:9"})
+    with pytest.raises(StorageError, match=r"'profil' \(did you mean 'profile'\?\)"):
+        check_options("s3://bucket/run", {"profil": "trainer"})
