@@ -340,9 +340,7 @@ class Storage:
                     path, (view[off:off + step] for off in range(0, nbytes, step)), step))
             else:
                 payload = data if isinstance(data, (bytes, bytearray)) else view.tobytes()
-                kwargs = {"chunksize": self.part_size} if self._chunked else {}
-                kwargs.update(self._deadline(nbytes))
-                self._run("put", rel, lambda: self._pipe_file(path, payload, kwargs))
+                self._run("put", rel, lambda: self._pipe_file(path, payload))
         finally:
             self.stats.add(seconds=time.perf_counter() - t0)
         self.stats.add(puts=1, bytes_put=nbytes)
@@ -372,8 +370,7 @@ class Storage:
             else:
                 with open(local_path, "rb") as src:
                     payload = src.read()
-                kwargs = {"chunksize": self.part_size} if self._chunked else {}
-                self._pipe_file(path, payload, {**kwargs, **self._deadline(len(payload))})
+                self._pipe_file(path, payload)
 
         t0 = time.perf_counter()
         try:
@@ -419,10 +416,17 @@ class Storage:
                            f"first: {first}", uri=self.uri(rel), op="put_many",
                            attempts=getattr(first, "attempts", 0), cause=first) from first
 
-    def _pipe_file(self, path: str, payload: bytes | bytearray, kwargs: dict[str, Any]) -> None:
-        """One ``pipe_file``; on S3, a call cut off by its deadline also aborts the key's open multipart uploads.
-        Why: the deadline cancels s3fs's upload, whose own abort runs only on ``Exception``, so every timed-out
-        attempt left a billed, unlisted upload behind."""
+    def _pipe_file(self, path: str, payload: bytes | bytearray) -> None:
+        """One ``pipe_file`` under its deadline; on S3, one call cut off by it also aborts the key's open multipart
+        uploads. Why: the deadline cancels s3fs's upload, whose own abort runs only on ``Exception``, so every
+        timed-out attempt left a billed, unlisted upload behind.
+
+        On S3 the chunk size is over half the payload, so s3fs sends it in one PUT (up to S3's 5 GiB): s3fs goes
+        multipart from twice its chunk size, and at half the threshold a payload of exactly
+        ``multipart_threshold`` bytes went in parts that had no retry of their own (:meth:`_stream_write` has)."""
+        kwargs: dict[str, Any] = self._deadline(len(payload))
+        if self._chunked:
+            kwargs["chunksize"] = max(self.part_size, len(payload) // 2 + 1)
         try:
             self._fs.pipe_file(path, payload, **kwargs)
         except BaseException as exc:  # an interrupt (KeyboardInterrupt) skips s3fs's abort as well

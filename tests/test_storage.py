@@ -770,21 +770,26 @@ def test_the_streamed_upload_s_abort_has_a_deadline_too(s3_server: S3Server) -> 
     assert took < 20, took  # two attempts of (a part, an abort) at 1 s each, plus listing; was over 60 s
 
 
-def test_put_file_in_one_request_aborts_a_multipart_upload_cut_off_by_its_deadline(s3_server: S3Server,
-                                                                                    tmp_path: Path) -> None:
-    """A file of exactly multipart_threshold bytes goes in one pipe_file call, which s3fs still splits into
-    parts; put_file called it directly, so a timed-out attempt left its upload open (billed, never listed)."""
+def test_an_object_of_exactly_the_threshold_goes_in_one_put(s3_server: S3Server, tmp_path: Path) -> None:
+    """An object of exactly multipart_threshold bytes went through pipe_file at a chunk size of half the
+    threshold, which s3fs split into two parts with no retry of their own (a refused part failed the attempt,
+    so the whole object went again). It now goes in one PUT, which the part requests a proxy stalls never see."""
+    data = os.urandom(12 * MiB)
     src = tmp_path / "f"
-    src.write_bytes(os.urandom(12 * MiB))
+    src.write_bytes(data)
     with StallingProxy(s3_server.endpoint_url, b"partNumber=") as proxy:
-        st = Storage(s3_server.unique_uri("pfcut"), {**s3_server.storage_options, "endpoint_url": proxy.url,
+        st = Storage(s3_server.unique_uri("exact"), {**s3_server.storage_options, "endpoint_url": proxy.url,
                                                      "skip_instance_cache": True},
-                     multipart_threshold=12 * MiB, call_timeout_s=1, min_upload_mb_s=1e6, max_attempts=2,
+                     multipart_threshold=12 * MiB, call_timeout_s=5, min_upload_mb_s=1e6, max_attempts=2,
                      base_backoff_s=0.001)
-        with pytest.raises(StorageError, match="after 2 attempts"):
-            st.put_file("model.bin", str(src))
-        assert proxy.stalled >= 2
-    assert _open_uploads(s3_server, st) == []
+        st.put_file("model.bin", str(src))
+        st.put_bytes("view.bin", memoryview(data))
+        st.put_bytes("delta.bin", data[:12 * MiB - 1])
+        assert proxy.stalled == 0
+        assert st.get_bytes("model.bin") == data and st.get_bytes("delta.bin") == data[:12 * MiB - 1]
+    for rel in ("model.bin", "view.bin", "delta.bin"):
+        assert _parts_in_etag(s3_server, st, rel) == 1, rel
+    assert st.stats.retries == 0
 
 
 def test_a_request_timeout_answer_is_not_reported_as_a_missed_deadline() -> None:
