@@ -159,7 +159,9 @@ def test_skip_policy_overlaps_training(tmp_path: Path) -> None:
     recs, tail = run_job(tmp_path, 2, "fsdp2", "--steps", "12", "--busy-policy", "skip", "--no-wait", "--attach",
                          "--publish-every", "2")
     assert recs and all(r["ok"] for r in recs) and recs[0]["kind"] == "full"
-    assert len(recs) >= 3 and any(r["kind"] == "delta" for r in recs)
+    # How many steps between the first and the last are skipped depends on the machine's load (on a busy one the
+    # full snapshot's publish outlasts every step); close's delta of step 11 always follows step 0's full.
+    assert len(recs) >= 2 and recs[-1]["kind"] == "delta", recs
     assert all(r["rebuilt_exact"] for r in recs), recs
     steps = [r["step"] for r in recs]
     assert steps == sorted(steps) and len(set(steps)) == len(steps) and steps[-1] == 11
