@@ -1,5 +1,7 @@
 """The emulator's HTTP front door (how long a request may take to arrive, which request headers it needs) and
-what it accepts as a retried signal, over real sockets on loopback."""
+what it accepts as a retried signal, over real sockets on loopback; hostile requests (deeply nested JSON, a body
+truncated, chunked or oversized, a Content-Length that is not one plain number, a stalled client, other methods)
+get a JSON error, never an internal one."""
 from __future__ import annotations
 
 import json
@@ -34,6 +36,28 @@ def answer(sock: socket.socket) -> tuple[int, dict[str, object]]:
         data += chunk
     status_line, _, rest = data.partition(b"\r\n")
     return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+def exchange(emu: HotLoadEmulator, method: str, path: str, body: bytes = b"", *, headers: dict[str, str],
+             half_close: bool = True) -> tuple[int, dict[str, str], Any]:
+    """Send a hand-written request (any headers, any body, however short) over a socket; returns the status, the
+    response headers and the JSON body. ``half_close`` ends the client's side after sending, as a client that
+    gave up on its body does."""
+    host, port = emu.url.removeprefix("http://").rsplit(":", 1)
+    h = {"Authorization": f"Bearer {EMULATOR_API_KEY}", "fireworks-model": "accounts/acct/models/m",
+         "fireworks-deployment": DEP, **headers}
+    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\n" + "".join(f"{k}: {v}\r\n" for k, v in h.items()) + "\r\n"
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head.encode() + body)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    status_line, _, rest = data.partition(b"\r\n")
+    head_bytes, _, payload = rest.partition(b"\r\n\r\n")
+    resp_headers = dict(line.split(": ", 1) for line in head_bytes.decode().split("\r\n") if ": " in line)
+    return int(status_line.split()[1]), resp_headers, json.loads(payload) if payload else None
 
 
 def test_a_trickled_body_gets_408_at_the_request_deadline(tmp_path: Path) -> None:
@@ -266,3 +290,93 @@ def test_an_emulator_given_its_deployments_serves_only_those(tmp_path: Path) -> 
                       ({"d": "m", "accounts/acct/deployments/d": "n"}, "twice")]:
         with pytest.raises(ValueError, match=what):
             HotLoadEmulator(str(tmp_path), account_id="acct", deployments=bad)
+
+
+# ------------------------------------------------------------------------------------------------ hostile clients
+
+
+def test_deeply_nested_json_is_a_400_not_an_internal_error(emulator: HotLoadEmulator) -> None:
+    deep = b"[" * 100_000 + b"]" * 100_000
+    code, _, body = exchange(emulator, "POST", "/hot_load/v1/models/hot_load", deep,
+                             headers={"Content-Length": str(len(deep)), "Content-Type": "application/json"})
+    assert code == 400 and "not valid JSON" in body["error"]["message"]
+    emulator.check()  # nothing was recorded as an emulator bug
+
+
+def test_request_body_must_arrive_whole(emulator: HotLoadEmulator) -> None:
+    """A truncated body is not taken for the whole request, and a chunked one needs a Content-Length."""
+    code, _, body = exchange(emulator, "GET", "/emulator/v1/state", b"{}", headers={"Content-Length": "10"})
+    assert code == 400 and "2 of the 10 bytes" in body["error"]["message"]
+    chunked = b'10\r\n{"identity":"zz"}\r\n0\r\n\r\n'
+    code, _, body = exchange(emulator, "POST", "/hot_load/v1/models/hot_load", chunked,
+                             headers={"Transfer-Encoding": "chunked"})
+    assert code == 411 and "Content-Length" in body["error"]["message"]
+    assert emulator.state()["deployments"] == {}  # the chunked signal was not acted on
+    emulator.check()
+
+
+def test_content_length_must_be_one_plain_number(emulator: HotLoadEmulator) -> None:
+    """``int()`` took "1_8" and " +18", and of two different Content-Length headers the first won: a proxy that took
+    the other would split the stream elsewhere (RFC 9110 8.6 says refuse). A POST without one is not an empty body."""
+    payload = b'{"identity":"s-1"}'
+    for headers in ({"Content-Length": "1_8"}, {"Content-Length": "+18"}, {"Content-Length": "\u00b2"}):
+        code, _, body = exchange(emulator, "POST", "/hot_load/v1/models/hot_load", payload,
+                                 headers={"Content-Type": "application/json", **headers})
+        assert code == 400 and "Content-Length" in body["error"]["message"], headers
+    host, port = emulator.url.removeprefix("http://").rsplit(":", 1)
+    head = (f"POST /hot_load/v1/models/hot_load HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {EMULATOR_API_KEY}\r\n"
+            f"fireworks-model: accounts/acct/models/m\r\nfireworks-deployment: {DEP}\r\n"
+            "Content-Length: 18\r\nContent-Length: 3\r\n\r\n")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head.encode() + payload)
+        sock.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    assert data.split()[1] == b"400", data[:200]
+    code, _, body = exchange(emulator, "POST", "/hot_load/v1/models/hot_load", payload, headers={})
+    assert code == 411 and "Content-Length" in body["error"]["message"]
+    assert emulator.state()["deployments"] == {}  # none of them was acted on
+    code, _, _ = exchange(emulator, "GET", "/emulator/v1/state", headers={})  # a GET needs none
+    assert code == 200
+    emulator.check()
+
+
+def test_an_oversized_body_gets_its_413_while_the_client_is_still_sending(emulator: HotLoadEmulator) -> None:
+    """The 413 went out before the body was read, and the connection closed with it unread: a client still sending
+    its 8 MiB saw a broken pipe (or a reset) and never the answer. The body is now read and dropped first."""
+    from fsdp_hotload.emulator_http import MAX_BODY
+
+    host, port = emulator.url.removeprefix("http://").rsplit(":", 1)
+    body = b"x" * (8 * MAX_BODY)
+    head = (f"POST /hot_load/v1/models/hot_load HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {EMULATOR_API_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head.encode())
+        time.sleep(0.2)  # the server has the headers, and answered there and then before
+        sock.sendall(body)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    assert data.split()[1] == b"413", data[:200]
+    assert f"{len(body)} bytes" in json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+    emulator.check()
+
+
+def test_stalled_request_times_out(tmp_path: Path) -> None:
+    """A client that stops sending mid-body does not hold its handler thread forever."""
+    with HotLoadEmulator(str(tmp_path), replicas=1, api_key=EMULATOR_API_KEY, request_timeout_s=0.5) as emu:
+        started = time.monotonic()
+        code, _, body = exchange(emu, "GET", "/emulator/v1/state", b"{}", headers={"Content-Length": "10"},
+                                 half_close=False)
+        assert code == 408 and "0.5s" in body["error"]["message"] and time.monotonic() - started < 5
+
+
+def test_other_methods_get_json_errors(emulator: HotLoadEmulator) -> None:
+    for method, want in (("HEAD", 405), ("OPTIONS", 405), ("TRACE", 501)):
+        code, headers, body = exchange(emulator, method, "/hot_load/v1/models/hot_load", headers={})
+        assert code == want and headers["Content-Type"] == "application/json", method
+        if method == "HEAD":
+            assert body is None  # a HEAD answer has no body, only its length
+        else:
+            assert body["error"]["code"] == want and method in body["error"]["message"]
