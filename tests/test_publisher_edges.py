@@ -1,6 +1,6 @@
-"""Edges of the publisher's bookkeeping: a thread that cannot start, timeouts no lock accepts, a cold kernel cache
-at close(), and the counts a snapshot published at close reports. Real local-folder bucket; the bytes each case
-publishes are read back and compared with the trainer's."""
+"""Edges of the publisher's bookkeeping: timeouts no lock accepts, a cold kernel cache at close(), and the counts a
+snapshot published at close reports. Real local-folder bucket; the bytes each case publishes are read back and
+compared with the trainer's. The helpers here are shared with test_publisher_threads.py."""
 from __future__ import annotations
 
 import json
@@ -37,63 +37,6 @@ def _assert_bucket_serves(bucket: str, pub: TensorPublisher, model: dict[str, to
     """The newest accepted snapshot, rebuilt from the bucket as the fleet would, holds the trainer's bytes."""
     got = rebuild_accepted(bucket, pub.metrics)[pub.metrics[-1].identity]
     assert {k: bytes(v.data) for k, v in got.items()} == _bf16_bytes(model)
-
-
-def test_a_publisher_thread_that_cannot_start_leaves_no_slot_taken(tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """"can't start new thread" (a thread limit) at the first publish used to leave its slot taken and the snapshot
-    counted as pending: every later publish was skipped as busy without an error, and close() waited for ever."""
-    bucket = str(tmp_path / "bucket")
-    model = _model()
-    start = threading.Thread.start
-    refused: list[str] = []
-
-    def start_once_refused(self: threading.Thread) -> None:
-        if self.name.startswith("hotload-publisher") and not refused:
-            refused.append(self.name)
-            raise RuntimeError("can't start new thread")
-        start(self)
-
-    monkeypatch.setattr(threading.Thread, "start", start_once_refused)
-    pub = TensorPublisher(model, _config(tmp_path, busy_policy="wait"))
-    with pytest.raises(RuntimeError, match="can't start new thread"):
-        pub.publish(0)
-    assert refused and pub.engine.stager.free_slots() == 1 and pub.engine._pending == 0
-    for step in (1, 2):
-        model["model.norm.weight"].add_(0.5)
-        assert pub.publish(step)
-    pub.close(timeout=30)
-    assert [(m.step, m.ok) for m in pub.metrics] == [(1, True), (2, True)]
-    _assert_bucket_serves(bucket, pub, model)
-
-
-def test_upload_workers_that_started_end_when_a_later_one_cannot_start(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A pool whose third worker could not start ("can't start new thread") was never returned, so nothing shut
-    down the two that had: they waited on its queue for good, two more at each snapshot that failed so."""
-    bucket = str(tmp_path / "bucket")
-    model = _model()
-    start = threading.Thread.start
-    refused: list[str] = []
-
-    def refuse_the_third_upload_worker(self: threading.Thread) -> None:
-        if self.name.startswith("hotload-upload") and self.name.endswith("_2") and len(refused) < 2:
-            refused.append(self.name)
-            raise RuntimeError("can't start new thread")
-        start(self)
-
-    monkeypatch.setattr(threading.Thread, "start", refuse_the_third_upload_worker)
-    pub = TensorPublisher(model, _config(tmp_path, upload_concurrency=4, busy_policy="wait",
-                                         keep_training_on_error=True))
-    for step in range(3):
-        model["model.norm.weight"].add_(0.5)
-        pub.publish(step)
-        pub.wait(30)
-    pub.close(timeout=30)
-    assert len(refused) == 2 and [(m.step, m.ok) for m in pub.metrics] == [(0, False), (1, False), (2, True)]
-    assert "can't start new thread" in (pub.metrics[0].error or "")
-    assert not [t.name for t in threading.enumerate() if t.name.startswith("hotload-upload")]
-    _assert_bucket_serves(bucket, pub, model)
 
 
 @pytest.mark.parametrize("timeout", [math.inf, 1e12])
@@ -499,38 +442,6 @@ def test_uploads_never_wait_for_a_slow_hint_endpoint(tmp_path: Path) -> None:
     assert [m.ok for m in pub.metrics] == [True, True]
     assert len(held) == 2 * len(model) and all(held)
     assert len(dep["hints"]) == 2 * len(model) and all(h["file_present"] for h in dep["hints"])
-
-
-def test_hint_threads_that_cannot_start_cost_the_snapshot_its_hints_only(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Hints are best effort: "can't start new thread" for their pool leaves that snapshot without hints, and
-    the pool is tried again at the next one; the snapshot itself is published and served."""
-    from fsdp_hotload.emulator import HotLoadEmulator
-    from tests.publisher_helpers import API_KEY, config, expected_sha, served
-
-    bucket = str(tmp_path / "bucket")
-    model = _model()
-    start = threading.Thread.start
-    refused: list[str] = []
-
-    def refuse_a_hint_worker_once(self: threading.Thread) -> None:
-        if self.name.startswith("hotload-hint") and self.name.endswith("_1") and not refused:
-            refused.append(self.name)
-            raise RuntimeError("can't start new thread")
-        start(self)
-
-    monkeypatch.setattr(threading.Thread, "start", refuse_a_hint_worker_once)
-    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
-        with TensorPublisher(model, config(bucket, emu, tmp_path, upload_concurrency=2, busy_policy="wait")) as pub:
-            for step in range(2):
-                model["model.norm.weight"].add_(0.5)
-                pub.publish(step)
-                pub.wait(60)
-        (dep,) = emu.state()["deployments"].values()
-        assert served(emu) == [(pub.metrics[-1].identity, expected_sha(model))]
-    assert refused and [m.ok for m in pub.metrics] == [True, True]
-    assert {h["identity"] for h in dep["hints"]} == {pub.metrics[1].identity}
-    assert not [t.name for t in threading.enumerate() if t.name.startswith("hotload-hint")]
 
 
 def test_a_failed_publish_reports_how_far_the_fleet_trails(tmp_path: Path) -> None:

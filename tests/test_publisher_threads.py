@@ -1,6 +1,6 @@
-"""The publisher's threads and ranks: background priority, thread lifetimes, the codec warm-up, the side group's
-collectives, close() from another thread or on an exception path, and errors raised at the same step on every
-rank."""
+"""The publisher's threads and ranks: background priority, thread lifetimes, threads that cannot start (a thread
+limit), the codec warm-up, the side group's collectives, close() from another thread or on an exception path, and
+errors raised at the same step on every rank."""
 from __future__ import annotations
 
 import os
@@ -23,6 +23,7 @@ from fsdp_hotload.publish import TensorPublisher, WholeChunk
 from fsdp_hotload.storage import Storage
 from tests.publisher_helpers import config, make_model, train_step
 from tests.s3_fixture import FaultyFileSystem
+from tests.test_publisher_edges import _assert_bucket_serves, _config, _model
 from tests.thread_comm import Meeting, ThreadComm, run_ranks
 
 
@@ -215,3 +216,92 @@ def test_with_several_ranks_an_error_is_raised_at_the_same_step_on_every_rank(
     assert all(m.ok for m in records if m.step != 3), [(m.step, m.ok, m.error) for m in records]
     after = [m.kind for m in records if m.step > 3]
     assert after and after[0] == "full", after
+
+
+def test_a_publisher_thread_that_cannot_start_leaves_no_slot_taken(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """"can't start new thread" (a thread limit) at the first publish used to leave its slot taken and the snapshot
+    counted as pending: every later publish was skipped as busy without an error, and close() waited for ever."""
+    bucket = str(tmp_path / "bucket")
+    model = _model()
+    start = threading.Thread.start
+    refused: list[str] = []
+
+    def start_once_refused(self: threading.Thread) -> None:
+        if self.name.startswith("hotload-publisher") and not refused:
+            refused.append(self.name)
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start_once_refused)
+    pub = TensorPublisher(model, _config(tmp_path, busy_policy="wait"))
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        pub.publish(0)
+    assert refused and pub.engine.stager.free_slots() == 1 and pub.engine._pending == 0
+    for step in (1, 2):
+        model["model.norm.weight"].add_(0.5)
+        assert pub.publish(step)
+    pub.close(timeout=30)
+    assert [(m.step, m.ok) for m in pub.metrics] == [(1, True), (2, True)]
+    _assert_bucket_serves(bucket, pub, model)
+
+
+def test_upload_workers_that_started_end_when_a_later_one_cannot_start(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool whose third worker could not start ("can't start new thread") was never returned, so nothing shut
+    down the two that had: they waited on its queue for good, two more at each snapshot that failed so."""
+    bucket = str(tmp_path / "bucket")
+    model = _model()
+    start = threading.Thread.start
+    refused: list[str] = []
+
+    def refuse_the_third_upload_worker(self: threading.Thread) -> None:
+        if self.name.startswith("hotload-upload") and self.name.endswith("_2") and len(refused) < 2:
+            refused.append(self.name)
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse_the_third_upload_worker)
+    pub = TensorPublisher(model, _config(tmp_path, upload_concurrency=4, busy_policy="wait",
+                                         keep_training_on_error=True))
+    for step in range(3):
+        model["model.norm.weight"].add_(0.5)
+        pub.publish(step)
+        pub.wait(30)
+    pub.close(timeout=30)
+    assert len(refused) == 2 and [(m.step, m.ok) for m in pub.metrics] == [(0, False), (1, False), (2, True)]
+    assert "can't start new thread" in (pub.metrics[0].error or "")
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("hotload-upload")]
+    _assert_bucket_serves(bucket, pub, model)
+
+
+def test_hint_threads_that_cannot_start_cost_the_snapshot_its_hints_only(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hints are best effort: "can't start new thread" for their pool leaves that snapshot without hints, and
+    the pool is tried again at the next one; the snapshot itself is published and served."""
+    from fsdp_hotload.emulator import HotLoadEmulator
+    from tests.publisher_helpers import API_KEY, config, expected_sha, served
+
+    bucket = str(tmp_path / "bucket")
+    model = _model()
+    start = threading.Thread.start
+    refused: list[str] = []
+
+    def refuse_a_hint_worker_once(self: threading.Thread) -> None:
+        if self.name.startswith("hotload-hint") and self.name.endswith("_1") and not refused:
+            refused.append(self.name)
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse_a_hint_worker_once)
+    with HotLoadEmulator(bucket, replicas=1, api_key=API_KEY) as emu:
+        with TensorPublisher(model, config(bucket, emu, tmp_path, upload_concurrency=2, busy_policy="wait")) as pub:
+            for step in range(2):
+                model["model.norm.weight"].add_(0.5)
+                pub.publish(step)
+                pub.wait(60)
+        (dep,) = emu.state()["deployments"].values()
+        assert served(emu) == [(pub.metrics[-1].identity, expected_sha(model))]
+    assert refused and [m.ok for m in pub.metrics] == [True, True]
+    assert {h["identity"] for h in dep["hints"]} == {pub.metrics[1].identity}
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("hotload-hint")]
