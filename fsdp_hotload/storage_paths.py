@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import importlib
 import inspect
 import os
 from typing import Any
@@ -84,8 +85,9 @@ _FSSPEC_OPTIONS = frozenset({"skip_instance_cache", "use_listings_cache", "listi
 
 
 def check_options(root: str, options: dict[str, Any]) -> None:
-    """Refuse ``storage_options`` an object-store backend does not take. s3fs accepts and ignores any keyword, so
-    ``{"endpoint": ...}`` for ``endpoint_url`` would send a MinIO user's snapshots to AWS S3 without a word."""
+    """Refuse ``storage_options`` an object-store backend does not take, or would take the wrong way. s3fs (and
+    gcsfs) accept and ignore any keyword, so ``{"endpoint": ...}`` for ``endpoint_url`` would send a MinIO user's
+    snapshots to AWS S3 without a word."""
     protocol, _ = fsspec.core.split_protocol(root)
     if "::" not in root and (protocol is None or protocol.lower() in LOCAL_PROTOCOLS | {"memory"}):
         unused = sorted(set(options) - _FSSPEC_OPTIONS - {"auto_mkdir"})
@@ -109,15 +111,24 @@ def check_options(root: str, options: dict[str, Any]) -> None:
                       if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "self"]
             known.update(p.name for p in params)
             flags.update(p.name for p in params if isinstance(p.default, bool))
-    if protocol.lower() in ("s3", "s3a"):
+    scheme = protocol.lower()
+    if scheme in ("s3", "s3a"):
         known.update(_session_options())
+    else:
+        known.update(_gcs_kwargs_options(cls))
+        if "anon" in options and "anon" not in known:
+            raise StorageError(f"cannot open {mask_url(root)}: storage_options.anon is s3fs's option, which gcsfs does "
+                               "not take: for unauthenticated access to gs:// give \"token\": \"anon\" instead, "
+                               "otherwise drop it", uri=mask_url(root), op="open")
     unknown = sorted(str(k) for k in options if k not in known)
     if unknown:
         hints = [_did_you_mean(k, known) for k in unknown]
         raise StorageError(f"cannot open {mask_url(root)}: storage_options {', '.join(hints)} not accepted by "
                            f"{cls.__module__}.{cls.__name__}", uri=mask_url(root), op="open")
-    if protocol.lower() in ("s3", "s3a"):
+    if scheme in ("s3", "s3a"):
         _check_s3_options(root, options, flags)
+    else:
+        _check_gcs_options(root, options, flags)
 
 
 def _session_options() -> set[str]:
@@ -163,12 +174,7 @@ def _check_s3_options(root: str, options: dict[str, Any], flags: set[str]) -> No
     no request hotload sends takes: s3fs passes each request only the keys it takes, so a misspelt
     ``ServerSideEncryption`` wrote every object unencrypted."""
     shown = mask_url(root)
-    not_flags = sorted(k for k in options if k in flags and not isinstance(options[k], bool))
-    if not_flags:
-        key = not_flags[0]
-        raise StorageError(f"cannot open {shown}: storage_options.{key} must be true or false (a JSON boolean), not "
-                           f"{type(options[key]).__name__} {options[key]!r}: s3fs takes any non-empty value for true",
-                           uri=shown, op="open")
+    _check_flags(root, options, flags, "s3fs")
     extra = options.get("s3_additional_kwargs")
     if extra is None:
         return
@@ -185,6 +191,87 @@ def _check_s3_options(root: str, options: dict[str, Any], flags: set[str]) -> No
                            "parameter of the S3 requests hotload sends (PutObject, the multipart upload's, GetObject, "
                            "HeadObject, listings, deletes), so s3fs would drop it: spell it as botocore does "
                            "(ServerSideEncryption, SSEKMSKeyId, StorageClass, ACL, ...)", uri=shown, op="open")
+
+
+def _check_flags(root: str, options: dict[str, Any], flags: set[str], backend: str) -> None:
+    """Refuse a true/false option given as anything but a bool: s3fs and gcsfs test it for truth, so the string
+    ``"false"`` (easily written in a JSON variable) turns it on."""
+    not_flags = sorted(k for k in options if k in flags and not isinstance(options[k], bool))
+    if not_flags:
+        key, shown = not_flags[0], mask_url(root)
+        raise StorageError(f"cannot open {shown}: storage_options.{key} must be true or false (a JSON boolean), not "
+                           f"{type(options[key]).__name__} {options[key]!r}: {backend} takes any non-empty value for "
+                           "true", uri=shown, op="open")
+
+
+def _gcs_kwargs_options(cls: type) -> set[str]:
+    """The keywords gcsfs's default class (``ExtendedGcsFileSystem``) reads from its ``**kwargs`` rather than its
+    signature: the documented ``retry_timeout``, ``retry_initial``, ``retry_maximum``, ``retry_multiplier`` (its
+    Storage Control API retries) and ``memmove_max_workers``. The plain ``GCSFileSystem`` (with
+    ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false``) reads none of them, and fsspec would drop them without a word."""
+    try:
+        from gcsfs.extended_gcsfs import ExtendedGcsFileSystem
+        from gcsfs.retry import DEFAULT_RETRY_CONFIG
+    except ImportError:
+        return set()
+    if not (isinstance(cls, type) and issubclass(cls, ExtendedGcsFileSystem)):
+        return set()
+    return {f"retry_{k}" for k in DEFAULT_RETRY_CONFIG} | {"memmove_max_workers"}
+
+
+#: The upload checks gcsfs knows; it takes any other ``consistency`` for "none" and checks nothing.
+_GCS_CONSISTENCY = ("none", "size", "md5", "crc32c")
+#: Strings a JSON variable carries for a flag: gcsfs would send them as the billing project of every request.
+_FLAG_WORDS = frozenset({"true", "false", "0", "1", "yes", "no", "on", "off"})
+
+
+def _gcs_crc32c_available() -> bool:
+    """gcsfs's crc32c check needs ``crcmod``, which ``gcsfs.checkers`` imports when it loads; without it the
+    first write fails, after the step's tensors were gathered. A gcsfs that no longer imports crcmod is trusted."""
+    try:
+        checkers = importlib.import_module("gcsfs.checkers")
+    except ImportError:
+        return True
+    return getattr(checkers, "crcmod", True) is not None
+
+
+def _check_gcs_options(root: str, options: dict[str, Any], flags: set[str]) -> None:
+    """Refuse what gcsfs would take the wrong way without a word: a flag given as a string (``"version_aware":
+    "false"`` turns version-aware mode on); a ``requester_pays`` of ``"false"``, which gcsfs sends as the billing
+    project (``userProject=false``) of every request; a ``consistency`` it does not know (``"crc32"`` checks
+    nothing) or cannot run (``"crc32c"`` without crcmod fails at the first write); a retry setting that is not a
+    number, which fails only when a request is retried."""
+    shown = mask_url(root)
+    _check_flags(root, options, flags - {"requester_pays"}, "gcsfs")
+    if "requester_pays" in options:
+        pays = options["requester_pays"]
+        if isinstance(pays, str) and pays.strip().lower() in _FLAG_WORDS:
+            raise StorageError(f"cannot open {shown}: storage_options.requester_pays is the string {pays!r}, which "
+                               f"gcsfs would send as the project to bill (userProject={pays}) on every request: give "
+                               "a JSON boolean (true bills the credentials' project), or the id of the project to "
+                               "bill", uri=shown, op="open")
+        if not isinstance(pays, bool) and (not isinstance(pays, str) or not pays or any(c.isspace() for c in pays)):
+            raise StorageError(f"cannot open {shown}: storage_options.requester_pays must be true, false (JSON "
+                               "booleans) or the id of the project to bill (a string without spaces), not "
+                               f"{type(pays).__name__} {pays!r}", uri=shown, op="open")
+    if "consistency" in options:
+        check = options["consistency"]
+        if not isinstance(check, str) or check not in _GCS_CONSISTENCY:
+            close = difflib.get_close_matches(str(check).lower(), _GCS_CONSISTENCY, n=1)
+            raise StorageError(f"cannot open {shown}: storage_options.consistency must be one of "
+                               f"{', '.join(map(repr, _GCS_CONSISTENCY))}, not {check!r}"
+                               + (f" (did you mean {close[0]!r}?)" if close else "")
+                               + ": gcsfs takes any other value for 'none' and checks no upload", uri=shown, op="open")
+        if check == "crc32c" and not _gcs_crc32c_available():
+            raise StorageError(f"cannot open {shown}: storage_options.consistency 'crc32c' needs the crcmod package, "
+                               "which gcsfs cannot import here (the first write would fail): pip install crcmod "
+                               "(gcsfs's [crc] extra), or choose 'md5'", uri=shown, op="open")
+    for key in sorted(k for k in options if k.startswith("retry_") and options[k] is not None):
+        value = options[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise StorageError(f"cannot open {shown}: storage_options.{key} must be a positive number (seconds, or "
+                               f"the multiplier for retry_multiplier), not {type(value).__name__} {value!r}",
+                               uri=shown, op="open")
 
 
 def check_relpath(relpath: str, root: str, *, allow_empty: bool = False) -> str:
