@@ -65,7 +65,8 @@ def trial(endpoint: str, bucket: str, proxy: object, data: bytes, rate: float, s
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
     options = {"key": "bench", "secret": "bench", "endpoint_url": proxy.url,  # type: ignore[attr-defined]
                "client_kwargs": {"region_name": "us-east-1"}, "skip_instance_cache": True}
-    st = Storage(f"s3://{bucket}/{prefix}", options, max_attempts=attempts, multipart_threshold=2 * PART,
+    # Every object above the threshold goes in 5 MiB parts (the part size is at least S3's 5 MiB minimum).
+    st = Storage(f"s3://{bucket}/{prefix}", options, max_attempts=attempts, multipart_threshold=PART,
                  throttle_backoff_s=backoff_s, base_backoff_s=backoff_s / 5, rng=random.Random(seed))
     t0 = time.perf_counter()
     error = ""
