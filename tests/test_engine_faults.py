@@ -110,7 +110,8 @@ def test_a_rank_that_cannot_route_its_pieces_fails_the_snapshot_without_hanging_
                 pubs[rank].wait()
             except Exception as exc:  # noqa: BLE001 - step 1 raises step 0's error, on both ranks
                 assert step == 1 and "routing failed" in str(exc), exc
-            waited[rank] = max(waited.get(rank, 0.0), time.perf_counter() - t0)
+            if step <= 1:  # the failed snapshot and the step that raises it (step 3's delta may wait for numba's
+                waited[rank] = max(waited.get(rank, 0.0), time.perf_counter() - t0)  # compile on a busy machine)
         pubs[rank].close()
 
     run_ranks(train, 2, timeout_s=40)
