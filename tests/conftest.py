@@ -1,4 +1,4 @@
-"""Shared fixtures: a moto S3 server on loopback and the hot-load emulator."""
+"""Shared fixtures: a moto S3 server and a GCS emulator on loopback, and the hot-load emulator."""
 from __future__ import annotations
 
 import os
@@ -7,8 +7,12 @@ import signal
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Before any import of gcsfs: its default filesystem asks a bucket's layout over gRPC, which the GCS emulator does not
+# serve, and waits up to 60 s for that on every call.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 from tests.emulator_fixture import emulator  # noqa: E402,F401
+from tests.gcs_fixture import gcs_server  # noqa: E402,F401
 from tests.s3_fixture import s3_server  # noqa: E402,F401
 
 
