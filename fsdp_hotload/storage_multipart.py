@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterable
 
+from .storage_gcs import is_gcsfs, open_write
 from .storage_s3 import DeadlineCalls, RetryPolicy, abort_failed_upload, abort_resent_uploads
 
 __all__ = ["MIN_PART_SIZE", "MAX_PART_SIZE", "MAX_PARTS", "part_size_for", "stream_write"]
@@ -49,8 +50,10 @@ def stream_write(fs: Any, path: str, blocks: Iterable[bytes | memoryview], part_
     ``policy`` (see :class:`~fsdp_hotload.storage_s3.DeadlineCalls`). A failed upload is aborted by the id the file
     holds, with retries (:func:`~fsdp_hotload.storage_s3.abort_failed_upload`); s3fs's own ``discard`` aborts
     through a call no deadline covers (~30 s per silent try). After a success, uploads a resent
-    CreateMultipartUpload left open are aborted. Elsewhere (GCS) the file's ``discard`` aborts."""
-    f = fs.open(path, "wb", block_size=part_size)
+    CreateMultipartUpload left open are aborted. Elsewhere the file's ``discard`` aborts; on GCS every request of
+    the resumable upload, that cancel included, has its deadline too (:func:`~fsdp_hotload.storage_gcs.open_write`).
+    """
+    f = open_write(fs, path, part_size, deadline) if is_gcsfs(fs) else fs.open(path, "wb", block_size=part_size)
     calls = None
     if s3 and getattr(fs, "async_impl", False) and hasattr(fs, "call_s3"):
         f.fs = calls = DeadlineCalls(f.fs, deadline, policy)

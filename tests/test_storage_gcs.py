@@ -3,19 +3,45 @@ operations, and what a silent endpoint or a live upload does to writes, reads an
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
-from fsdp_hotload.storage import Storage
-from tests.gcs_fixture import GcsServer
+from fsdp_hotload.storage import Storage, StorageError
+from tests.gcs_fixture import GcsServer, StallingGcsProxy
 
 MiB = 2**20
 
 
-def _storage(server: GcsServer, label: str, **kwargs: Any) -> Storage:
-    return Storage(server.unique_uri(label), server.storage_options, **kwargs)
+def _storage(server: GcsServer, label: str, endpoint: str | None = None, **kwargs: Any) -> Storage:
+    options = server.storage_options
+    if endpoint is not None:  # a filesystem of its own: gcsfs caches one per set of options
+        options = {**options, "endpoint_url": endpoint, "skip_instance_cache": True}
+    return Storage(server.unique_uri(label), options, **kwargs)
+
+
+def _outcome(fn: Callable[[], Any], limit_s: float = 90.0) -> tuple[BaseException | None, float]:
+    """Run ``fn`` on a daemon thread; its error (None on success) and how long it took. A call still held after
+    ``limit_s`` fails the test rather than hanging the suite."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        t0 = time.monotonic()
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["error"] = exc
+        box["seconds"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    if thread.is_alive():
+        pytest.fail(f"still held after {limit_s:.0f} s: a request that is never answered has no deadline")
+    return box.get("error"), box["seconds"]
 
 
 def test_round_trip(gcs_server: GcsServer, tmp_path: Path) -> None:
@@ -39,3 +65,32 @@ def test_round_trip(gcs_server: GcsServer, tmp_path: Path) -> None:
     assert not st.exists("snap/config.json")
     with pytest.raises(FileNotFoundError):
         st.get_bytes("snap/config.json")
+
+
+def _starts_upload(method: str, path: str) -> bool:
+    return method == "POST" and "uploadType=resumable" in path
+
+
+def _sends_chunk(method: str, path: str) -> bool:
+    return method in ("POST", "PUT") and "upload_id=" in path
+
+
+@pytest.mark.parametrize("stalled", [_starts_upload, _sends_chunk], ids=["start", "chunk"])
+def test_a_large_write_to_a_silent_endpoint_fails_in_bounded_time(gcs_server: GcsServer,
+                                                                   stalled: Callable[[str, str], bool]) -> None:
+    """A write above ``multipart_threshold`` is a resumable upload: a request that starts it, then its chunks. An
+    endpoint that took a chunk and never answered held the write for good (no timeout covered the chunks); now
+    each request has ``call_timeout_s`` plus its bytes at ``min_upload_mb_s``, and a write cut off by it is
+    cancelled and tried again, then fails."""
+    with StallingGcsProxy(gcs_server.endpoint_url, stalled) as proxy:
+        st = _storage(gcs_server, "stall-write", proxy.url, multipart_threshold=6 * MiB, call_timeout_s=1.0,
+                      min_upload_mb_s=100.0, max_attempts=2, base_backoff_s=0.0)
+        error, seconds = _outcome(lambda: st.put_bytes("snap/model-00001-of-00001.safetensors",
+                                                       b"\x01" * (12 * MiB)))
+        assert isinstance(error, StorageError), error
+        assert error.attempts == 2 and "FSTimeoutError" in str(error)
+        assert proxy.stalled == 2  # one stalled request per attempt
+        assert seconds < 60
+        if stalled is _sends_chunk:  # each attempt's upload was cancelled
+            assert proxy.count(lambda method, path: method == "DELETE" and "upload_id=" in path) == 2
+    assert not Storage(st.root, gcs_server.storage_options).exists("snap/model-00001-of-00001.safetensors")
