@@ -140,8 +140,8 @@ class Storage:
     On asynchronous backends (s3fs, gcsfs) each write, listing, existence check or delete gets a deadline of
     ``call_timeout_s`` plus the time to send its bytes at ``min_upload_mb_s``; a call past it counts as a
     transient failure and is retried. Why: an endpoint that accepts the connection and never answers held an
-    s3fs write for good (no library timeout covers its wait for ``100 Continue``). Whole-object reads have no
-    deadline, since their size is not known up front.
+    s3fs write for good (no library timeout covers its wait for ``100 Continue``). A whole-object read learns
+    its size first (:meth:`get_bytes`); a large write's every part or chunk has its own deadline.
     """
 
     def __init__(self, root: str, storage_options: dict | None = None, *, max_attempts: int = 6,
@@ -454,10 +454,27 @@ class Storage:
 
     # -- reads and listings -------------------------------------------------------------------------------
 
-    def get_bytes(self, relpath: str) -> bytes:
-        """Read one object whole; FileNotFoundError passes straight through (never retried)."""
+    def get_bytes(self, relpath: str, size_hint: int | None = None) -> bytes:
+        """Read one object whole; FileNotFoundError passes straight through (never retried).
+
+        On asynchronous backends the read has a deadline of ``call_timeout_s`` plus the object's size at
+        ``min_upload_mb_s``: ``size_hint`` (a caller that knows the size, e.g. from a listing), else the size the
+        store reports first, in a request of its own under ``call_timeout_s``. Why: gcsfs sets no HTTP timeout,
+        so one GET an endpoint never answered (a commit marker read by retention) held the pass, and ``close()``
+        with it, for good."""
         rel = check_relpath(relpath, self._shown)
-        data = self._run("get", rel, lambda: self._fs.cat_file(self._path(rel)))
+        path = self._path(rel)
+
+        def get() -> bytes:
+            if not getattr(self._fs, "async_impl", False):
+                return self._fs.cat_file(path)
+            size = size_hint
+            if size is None:
+                self._fs.invalidate_cache(path)  # a cached listing's size may be an older object's
+                size = int(self._fs.info(path, **self._deadline()).get("size") or 0)
+            return self._fs.cat_file(path, **self._deadline(max(0, size)))
+
+        data = self._run("get", rel, get)
         self.stats.add(gets=1, bytes_got=len(data))
         return bytes(data)
 

@@ -94,3 +94,56 @@ def test_a_large_write_to_a_silent_endpoint_fails_in_bounded_time(gcs_server: Gc
         if stalled is _sends_chunk:  # each attempt's upload was cancelled
             assert proxy.count(lambda method, path: method == "DELETE" and "upload_id=" in path) == 2
     assert not Storage(st.root, gcs_server.storage_options).exists("snap/model-00001-of-00001.safetensors")
+
+
+def _reads_media(method: str, path: str) -> bool:
+    return method == "GET" and "alt=media" in path
+
+
+def _reads_metadata(method: str, path: str) -> bool:
+    return method == "GET" and "/o/" in path and "alt=media" not in path
+
+
+@pytest.mark.parametrize("stalled", [_reads_media, _reads_metadata], ids=["media", "metadata"])
+def test_a_read_from_a_silent_endpoint_fails_in_bounded_time(gcs_server: GcsServer,
+                                                             stalled: Callable[[str, str], bool]) -> None:
+    """gcsfs sets no HTTP timeout, and a whole-object read had no deadline: one GET an endpoint never answered held
+    it for good. Now the read asks the object's size first (under ``call_timeout_s``) and reads it under
+    ``call_timeout_s`` plus that size at ``min_upload_mb_s``; a read cut off is tried again, then fails."""
+    writer = _storage(gcs_server, "stall-read")
+    writer.put_bytes("snap/hotload.commit.json", b"{}")
+    with StallingGcsProxy(gcs_server.endpoint_url, stalled) as proxy:
+        st = Storage(writer.root, {**gcs_server.storage_options, "endpoint_url": proxy.url,
+                                   "skip_instance_cache": True}, call_timeout_s=1.0, max_attempts=2,
+                     base_backoff_s=0.0)
+        error, seconds = _outcome(lambda: st.get_bytes("snap/hotload.commit.json"))
+        assert isinstance(error, StorageError), error
+        assert error.attempts == 2 and "FSTimeoutError" in str(error)
+        assert proxy.stalled >= 2 and seconds < 60  # gcsfs may ask the object and its folder at once
+        if stalled is _reads_metadata:  # a caller that knows the size asks no metadata
+            assert st.get_bytes("snap/hotload.commit.json", size_hint=2) == b"{}"
+    assert writer.get_bytes("snap/hotload.commit.json") == b"{}"
+
+
+def test_a_retention_pass_is_not_held_by_a_marker_read_never_answered(gcs_server: GcsServer) -> None:
+    """Retention reads every commit marker it has not read before; one GET the endpoint never answered held the
+    pass, and ``close()`` waiting for it, for good. Now the pass ends in bounded time, deleting nothing."""
+    from fsdp_hotload.markers import commit_snapshot
+    from fsdp_hotload.retention import apply_retention
+
+    writer = _storage(gcs_server, "stall-retention")
+    ident = "step-000001-aaaaaaaa"
+    writer.put_bytes(f"{ident}/model-00001-of-00001.safetensors", b"\x00" * 1024)
+    commit_snapshot(writer, ident, "full", None, {"model-00001-of-00001.safetensors": 1024}, {"config.json": b"{}"})
+    with StallingGcsProxy(gcs_server.endpoint_url, _reads_media) as proxy:
+        st = Storage(writer.root, {**gcs_server.storage_options, "endpoint_url": proxy.url,
+                                   "skip_instance_cache": True}, call_timeout_s=1.0, max_attempts=2,
+                     base_backoff_s=0.0)
+        result: dict[str, Any] = {}
+        error, seconds = _outcome(lambda: result.setdefault(
+            "deleted", apply_retention(st, 1, {ident}, session="aaaaaaaa", since=time.time())))
+        assert proxy.stalled >= 1 and seconds < 60
+        assert isinstance(error, StorageError) and "hotload.commit.json" in str(error), error
+        assert result.get("deleted", []) == []
+    assert writer.list(ident) == [f"{ident}/config.json", f"{ident}/hotload.commit.json",
+                                  f"{ident}/model-00001-of-00001.safetensors"]
