@@ -246,6 +246,13 @@ def _open_uploads(storage: Storage) -> list[OpenUpload] | None:
         return None
 
 
+def _unmarked_grace(storage: Storage) -> float:
+    """How old every file of an unmarked folder must be before it is swept. Where an upload in flight shows in no
+    listing and cannot be listed (GCS's resumable uploads), its folder's finished files say nothing of a shard still
+    being sent there, however old they are: such a folder goes only at the age an open S3 upload is aborted."""
+    return ABANDONED_UPLOAD_AGE_S if storage.hidden_uploads else INCOMPLETE_GRACE_S
+
+
 def _uploading(uploads: list[OpenUpload] | None, now: float) -> set[str]:
     """The folders with an open multipart upload begun less than ``ABANDONED_UPLOAD_AGE_S`` before ``now`` (or at
     a time the store does not give): a live writer may be sending a shard there, which no listing shows until it
@@ -340,7 +347,9 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
     in them is ``INCOMPLETE_GRACE_S`` old, by the store's time of this session's newest commit (or ``now``, when
     earlier); a session's that never committed once every file is that much older than ``since`` (or than that
     store time). On S3, the multipart uploads such a folder's writer left open go too (see
-    :func:`_abort_abandoned_uploads`).
+    :func:`_abort_abandoned_uploads`); where uploads in flight cannot be listed (GCS:
+    :attr:`~fsdp_hotload.storage.Storage.hidden_uploads`), ``ABANDONED_UPLOAD_AGE_S`` replaces
+    ``INCOMPLETE_GRACE_S``, since a shard still being sent there shows in no listing until it completes.
 
     Children go before parents, and each snapshot loses its commit marker before its files, so a crash half way
     leaves no committed snapshot whose chain or files are gone; its shards go last, so what such a crash leaves
@@ -443,7 +452,7 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
                 uploading = _uploading(uploads, min(time.time(), store_time))
             if uploads is None or identity in uploading:
                 continue
-            limit = min(now if finished else since, store_time) - INCOMPLETE_GRACE_S
+            limit = min(now if finished else since, store_time) - _unmarked_grace(storage)
             infos = storage.list_info(identity, include_temp=True)
             times = [f.mtime for f in infos.values()]
             if (_looks_like_ours(identity, infos, remnant=finished) and times
@@ -466,7 +475,10 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
             times = [f.mtime for f in infos.values()]
             if any(t is None for t in times):
                 continue  # empty, or the backend gives no times: its age is unknown, keep it
-            if max(t for t in times if t is not None) < newest:
+            newest_file = max(t for t in times if t is not None)
+            if storage.hidden_uploads and newest_file >= now - ABANDONED_UPLOAD_AGE_S:
+                continue  # a shard of it may still be in flight, which no listing shows
+            if newest_file < newest:
                 _delete_files(storage, identity)
                 deleted.append(identity)
                 logger.info("retention: deleted incomplete snapshot %s", storage.uri(identity))

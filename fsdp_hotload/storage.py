@@ -15,16 +15,12 @@ its commit marker last (see :mod:`fsdp_hotload.retention`, whose names are re-ex
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import os
 import random
-import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
-from dataclasses import dataclass, field, fields
-from datetime import datetime
 from typing import Any, BinaryIO, Callable, Iterable, Iterator, TypeVar
 
 import fsspec
@@ -34,6 +30,7 @@ from .daemon_pool import DaemonPool
 from .masking import mask_text, mask_url
 from .storage_errors import (_BACKEND_PACKAGES, ErrorClass, MissingBackendError,  # noqa: F401 (re-exported)
                              StorageError, backend_install_hint, backoff_delay, classify_error, credential_hint)
+from .storage_info import FileInfo, StorageStats, mtime_of
 from .storage_local import TMP_PREFIX, atomic_write
 from .storage_paths import LOCAL_PROTOCOLS, OBJECT_STORE_PROTOCOLS, check_options, check_relpath, normalise_root
 from .storage_multipart import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, part_size_for, stream_write  # noqa: F401
@@ -49,57 +46,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _COPY_BLOCK = 8 * 2**20
-
-
-# -- stats and listings ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class StorageStats:
-    """Counters for one Storage, safe to update from many threads. ``seconds`` sums the time spent inside put
-    calls (retries and backoff included), so under ``put_many`` it can exceed wall time."""
-
-    puts: int = 0
-    bytes_put: int = 0
-    gets: int = 0
-    bytes_got: int = 0
-    retries: int = 0
-    throttled: int = 0
-    failures: int = 0
-    seconds: float = 0.0
-    backoff_seconds: float = 0.0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, **deltas: float) -> None:
-        with self._lock:
-            for name, value in deltas.items():
-                setattr(self, name, getattr(self, name) + value)
-
-    def snapshot(self) -> dict[str, float]:
-        """A consistent copy of the counters (for per-publish metrics: take one before and one after)."""
-        with self._lock:
-            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
-
-
-@dataclass(frozen=True)
-class FileInfo:
-    """Size and modification time (seconds since the epoch; None when the backend does not say) of one file."""
-
-    size: int
-    mtime: float | None
-
-
-def _mtime_of(info: dict[str, Any]) -> float | None:
-    for key in ("mtime", "LastModified", "updated", "modified", "created"):
-        value = info.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, datetime):
-            return value.timestamp()
-        if isinstance(value, str):
-            with contextlib.suppress(ValueError):
-                return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    return None
 
 
 # -- storage ----------------------------------------------------------------------------------------------------
@@ -197,6 +143,8 @@ class Storage:
         self._object_store = bool(protos & OBJECT_STORE_PROTOCOLS)
         # s3fs's pipe_file takes the multipart part size; other backends' may not.
         self._chunked = bool(protos & {"s3", "s3a"})
+        # Where a write in flight shows in no listing and open uploads cannot be listed (see hidden_uploads).
+        self._hidden_uploads = not (self._local or "memory" in protos or (self._chunked and hasattr(fs, "call_s3")))
 
     @staticmethod
     def _open_fs(root: str, options: dict) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -511,7 +459,7 @@ class Storage:
             child = self._rel(name)
             if child is None or (not include_temp and os.path.basename(child).startswith(TMP_PREFIX)):
                 continue
-            out[child] = FileInfo(size=int(info.get("size") or 0), mtime=_mtime_of(info))
+            out[child] = FileInfo(size=int(info.get("size") or 0), mtime=mtime_of(info))
         return dict(sorted(out.items()))
 
     def list(self, prefix: str = "") -> list[str]:
@@ -535,9 +483,17 @@ class Storage:
                 names.add(entry["name"].rstrip("/").rsplit("/", 1)[-1])
         return sorted(names)
 
+    @property
+    def hidden_uploads(self) -> bool:
+        """True where an upload in flight (another run's) shows in no listing until it completes and
+        :meth:`open_uploads` cannot list it: GCS (a resumable upload) and other remote stores than S3. Local
+        folders show one as a hidden temp file, and ``memory://`` is this process's own."""
+        return self._hidden_uploads
+
     def open_uploads(self) -> list[OpenUpload]:
         """Multipart uploads under the root that were neither completed nor aborted (a writer killed mid-upload):
-        no listing shows them, yet S3 keeps and bills their parts. Only S3 reports them; elsewhere ``[]``."""
+        no listing shows them, yet S3 keeps and bills their parts. Only S3 reports them; elsewhere ``[]``, which
+        means none where :attr:`hidden_uploads` is False, and cannot tell where it is True."""
         if not (self._chunked and hasattr(self._fs, "call_s3")):
             return []
         return self._run("list_uploads", "", lambda: list_uploads(self._fs, self._fs_root, self._deadline()))

@@ -147,3 +147,71 @@ def test_a_retention_pass_is_not_held_by_a_marker_read_never_answered(gcs_server
         assert result.get("deleted", []) == []
     assert writer.list(ident) == [f"{ident}/config.json", f"{ident}/hotload.commit.json",
                                   f"{ident}/model-00001-of-00001.safetensors"]
+
+
+def test_an_unmarked_folder_with_an_upload_in_flight_is_kept(gcs_server: GcsServer) -> None:
+    """Another run is sending a shard to its folder: a GCS resumable upload, which shows in no listing until it
+    completes and cannot be listed (as S3's open uploads can). Its finished shard alone said the folder was
+    abandoned once 10 minutes old, and retention deleted it under the live upload; the run's commit then failed.
+    Now such a folder goes only once all its files are ``ABANDONED_UPLOAD_AGE_S`` old. Time is moved ahead by
+    passing ``since``/``now``: this run started 20 minutes after the other run's first shard landed."""
+    from fsdp_hotload.markers import commit_snapshot
+    from fsdp_hotload.retention import apply_retention
+
+    other = _storage(gcs_server, "live-upload")
+    mine = Storage(other.root, {**gcs_server.storage_options, "skip_instance_cache": True})
+    assert mine.hidden_uploads
+    ident = "step-000004-bbbbbbbb"
+    shard2 = f"{ident}/model-00002-of-00002.safetensors"
+    other.put_bytes(f"{ident}/model-00001-of-00002.safetensors", b"\x01" * 4096)
+    f = other.fs.open(other.root.removeprefix("gs://") + "/" + shard2, "wb", block_size=2**18)
+    f.write(b"\x02" * MiB)
+    f.flush()  # the first chunks are sent; the upload stays open
+    later = time.time() + 1200
+    assert apply_retention(mine, keep_last=1, session="aaaaaaaa", since=later, now=later) == []
+    f.write(b"\x02" * MiB)
+    f.close()
+    commit_snapshot(other, ident, "full", None, {"model-00001-of-00002.safetensors": 4096,
+                                                 "model-00002-of-00002.safetensors": 2 * MiB}, {"config.json": b"{}"})
+    assert mine.list(ident)[-1] == shard2
+
+
+def test_an_unmarked_folder_goes_once_every_file_is_older_than_an_abandoned_upload(gcs_server: GcsServer) -> None:
+    """The longer wait still clears what a crashed run left: past ``ABANDONED_UPLOAD_AGE_S`` the folder goes."""
+    from fsdp_hotload.retention import ABANDONED_UPLOAD_AGE_S, apply_retention
+
+    st = _storage(gcs_server, "abandoned")
+    ident = "step-000004-bbbbbbbb"
+    st.put_bytes(f"{ident}/model-00001-of-00002.safetensors", b"\x01" * 4096)
+    almost = time.time() + ABANDONED_UPLOAD_AGE_S - 600
+    assert apply_retention(st, keep_last=1, session="aaaaaaaa", since=almost, now=almost) == []
+    later = time.time() + ABANDONED_UPLOAD_AGE_S + 60
+    assert apply_retention(st, keep_last=1, session="aaaaaaaa", since=later, now=later) == [ident]
+    assert st.list() == []
+
+
+def test_which_roots_hide_uploads_in_flight(gcs_server: GcsServer, s3_server: Any, tmp_path: Path) -> None:
+    """S3 lists its open uploads, a local folder shows a write in flight as a hidden temp file, and ``memory://`` is
+    this process's own; GCS shows neither."""
+    assert _storage(gcs_server, "hidden").hidden_uploads
+    assert not Storage(s3_server.unique_uri("hidden"), s3_server.storage_options).hidden_uploads
+    assert not Storage(str(tmp_path)).hidden_uploads
+    assert not Storage("memory://hidden-uploads").hidden_uploads
+
+
+def test_delete_incomplete_keeps_a_folder_that_may_have_an_upload_in_flight(gcs_server: GcsServer) -> None:
+    """``delete_incomplete`` removes unmarked folders older than the newest commit; on GCS one younger than
+    ``ABANDONED_UPLOAD_AGE_S`` may still get a shard no listing shows, so it stays until then."""
+    from fsdp_hotload.markers import commit_snapshot
+    from fsdp_hotload.retention import ABANDONED_UPLOAD_AGE_S, apply_retention
+
+    st = _storage(gcs_server, "incomplete")
+    unmarked = "step-000004-bbbbbbbb"
+    st.put_bytes(f"{unmarked}/model-00001-of-00002.safetensors", b"\x01" * 4096)
+    time.sleep(1.1)  # the commit below is newer than every file of the unmarked folder
+    st.put_bytes("step-000005-aaaaaaaa/model-00001-of-00001.safetensors", b"\x02" * 16)
+    commit_snapshot(st, "step-000005-aaaaaaaa", "full", None, {"model-00001-of-00001.safetensors": 16},
+                    {"config.json": b"{}"})
+    assert apply_retention(st, keep_last=5, delete_incomplete=True) == []
+    later = time.time() + ABANDONED_UPLOAD_AGE_S + 60
+    assert apply_retention(st, keep_last=5, delete_incomplete=True, now=later) == [unmarked]
