@@ -15,6 +15,7 @@ its commit marker last (see :mod:`fsdp_hotload.retention`, whose names are re-ex
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -527,19 +528,25 @@ class Storage:
             else:
                 self._fs.rm(target, recursive=isinstance(target, str), **self._deadline())
 
+        def delete_unless_gone(target: str | list[str]) -> None:
+            # Each delete on its own: files already gone (another deleter, a resent batch whose answer was lost)
+            # before the first must not skip the second, the shards, while the call reports success.
+            with contextlib.suppress(FileNotFoundError):
+                delete(target)
+
         def rm() -> None:
-            try:
-                if last is None:
-                    delete(path)
-                else:
+            if last is None:
+                delete_unless_gone(path)
+            else:
+                try:
                     names = self._fs.find(path, **self._deadline())
-                    kept = [last(self._rel(n) or n) for n in names]
-                    if not all(kept):
-                        delete([n for n, k in zip(names, kept) if not k])
-                    # On S3 the listing just taken names the rest; elsewhere a recursive delete takes the folders too.
-                    delete([n for n, k in zip(names, kept) if k] if s3 else path)
-            except FileNotFoundError:
-                pass
+                except FileNotFoundError:
+                    names = []
+                kept = [last(self._rel(n) or n) for n in names]
+                if not all(kept):
+                    delete_unless_gone([n for n, k in zip(names, kept) if not k])
+                # On S3 the listing just taken names the rest; elsewhere a recursive delete takes the folders too.
+                delete_unless_gone([n for n, k in zip(names, kept) if k] if s3 else path)
             self._fs.invalidate_cache(path)
 
         self._run("delete", rel, rm)
