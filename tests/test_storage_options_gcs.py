@@ -4,17 +4,19 @@ sent: a gcsfs filesystem with ``token="anon"`` opens without the network."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 pytest.importorskip("gcsfs")
 
-import fsspec  # noqa: E402
-
 from fsdp_hotload.storage import Storage, StorageError  # noqa: E402
-from fsdp_hotload.storage_paths import check_options  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[1]
 #: Options every test opens with: unauthenticated, so no credential lookup, and a project, so no warning.
 BASE = {"token": "anon", "project": "hotload-tests", "skip_instance_cache": True}
 
@@ -78,19 +80,30 @@ def test_the_s3fs_anon_option_is_refused_with_the_gcsfs_spelling(value: Any) -> 
         _open(anon=value)
 
 
-def _extended_gcsfs() -> bool:
-    from gcsfs.extended_gcsfs import ExtendedGcsFileSystem
+_RETRY_OPTIONS = r"""
+import fsspec, pytest
+from gcsfs.extended_gcsfs import ExtendedGcsFileSystem
+from fsdp_hotload.storage import Storage, StorageError
+from fsdp_hotload.storage_paths import check_options
 
-    return issubclass(fsspec.get_filesystem_class("gs"), ExtendedGcsFileSystem)
+assert issubclass(fsspec.get_filesystem_class("gs"), ExtendedGcsFileSystem)
+st = Storage("gs://bucket/run", {**BASE, "retry_timeout": 30.0, "retry_initial": 0.5, "retry_maximum": 10,
+                                 "retry_multiplier": 3, "memmove_max_workers": 2})
+assert st.fs.retry_config == {"timeout": 30.0, "initial": 0.5, "maximum": 10, "multiplier": 3}
+with pytest.raises(StorageError, match=r"'retry_timeot' \(did you mean 'retry_timeout'\?\) not accepted"):
+    check_options("gs://bucket/run", {"retry_timeot": 30})
+with pytest.raises(StorageError, match=r"storage_options\.retry_timeout must be a positive number.*not str '30'"):
+    check_options("gs://bucket/run", {"retry_timeout": "30"})
+"""
 
 
-@pytest.mark.skipif(not _extended_gcsfs(), reason="GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT turned gcsfs's default off")
 def test_the_retry_options_gcsfs_reads_from_its_keywords_are_taken() -> None:
     """gcsfs's default filesystem documents retry_timeout, retry_initial, retry_maximum and retry_multiplier (read
-    from its ``**kwargs``): they were refused as not accepted. A misspelling, or a number given as a string, is."""
-    st = _open(retry_timeout=30.0, retry_initial=0.5, retry_maximum=10, retry_multiplier=3, memmove_max_workers=2)
-    assert st.fs.retry_config == {"timeout": 30.0, "initial": 0.5, "maximum": 10, "multiplier": 3}
-    with pytest.raises(StorageError, match=r"'retry_timeot' \(did you mean 'retry_timeout'\?\) not accepted"):
-        check_options("gs://bucket/run", {"retry_timeot": 30})
-    with pytest.raises(StorageError, match=r"storage_options\.retry_timeout must be a positive number.*not str '30'"):
-        check_options("gs://bucket/run", {"retry_timeout": "30"})
+    from its ``**kwargs``): they were refused as not accepted. A misspelling, or a number given as a string, is.
+    In a process of its own: conftest turns gcsfs's default class off (GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT) for the
+    GCS emulator, and that plain class reads none of them."""
+    env = {k: v for k, v in os.environ.items() if k != "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    code = _RETRY_OPTIONS.replace("**BASE", f"**{BASE!r}")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
