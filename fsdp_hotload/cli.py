@@ -1,7 +1,7 @@
 """The ``hotload`` command line: diff / apply / verify / inspect snapshots, run the emulator or the demo.
 
 Exit codes: 0 success, 1 verification failed (checksum, parent or layout mismatch, corrupt payload),
-2 bad usage or unreadable input. User errors print one line, never a traceback.
+2 bad usage or unreadable input, 130 interrupted (Ctrl-C). User errors print one line, never a traceback.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 if TYPE_CHECKING:
     from .retention import CommitInfo
 
-EXIT_OK, EXIT_VERIFY, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_VERIFY, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 class Progress:
@@ -215,7 +215,7 @@ _DELTA = "the delta: a .safetensors file or a snapshot folder written by 'hotloa
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hotload", description="Lossless delta snapshots for RL weight hot-loading.")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")  # "required: COMMAND", not "cmd"
     d = sub.add_parser("diff", help="encode NEW as a delta against PARENT")
     d.add_argument("parent", help=_PARENT)
     d.add_argument("new", help="the newer full snapshot: a .safetensors file, or a folder with the same weight files")
@@ -243,6 +243,28 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(args_list)
+    except KeyboardInterrupt:  # while starting up (importing torch takes seconds), or in emulate's or demo's set-up
+        cmd = args_list[0] if args_list and not args_list[0].startswith("-") else "hotload"
+        return _interrupted(cmd, None)
+
+
+def _interrupted(cmd: str, out: str | None) -> int:
+    """One line for a Ctrl-C instead of a KeyboardInterrupt traceback, and exit 130 as a shell reports SIGINT. A
+    snapshot folder OUT is left without its commit marker (written last), which readers take as incomplete; it is
+    not removed here, since it may be one the user made, but the user is told to. A file OUT is written through a
+    temp file renamed over it, so it is as it was."""
+    from .retention import COMMIT_MARKER
+
+    line = f"interrupted: {cmd} did not finish"
+    if out is not None and os.path.isdir(out) and not os.path.exists(os.path.join(out, COMMIT_MARKER)):
+        line += f"; OUT {out} is incomplete (it has no {COMMIT_MARKER}): remove it before running again"
+    print(("\n" if sys.stderr.isatty() else "") + line, file=sys.stderr)  # after the ^C or a progress bar
+    return EXIT_INTERRUPTED
+
+
+def _main(args_list: list[str]) -> int:
     if args_list[:1] in (["emulate"], ["demo"]):
         if args_list[0] == "emulate":
             from .emulator import run_emulator_cli as run
@@ -348,6 +370,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"kind: {report.kind}" + (f"  parent: {report.parent}" if report.parent else ""))
             _print_table(report, show_status=False)
         sys.stdout.flush()  # here, where a closed pipe is caught below, not at exit
+    except KeyboardInterrupt:
+        return _interrupted(args.cmd, getattr(args, "out", None))
     except BrokenPipeError:
         # The reader stopped early (``| head``): not a failure of the command. Later writes, and the flush at
         # exit, go nowhere instead of raising again.

@@ -111,7 +111,9 @@ def _model() -> Any:
 
 def _served(url: str) -> list[tuple[str | None, dict[str, str]]]:
     req = urllib.request.Request(f"{url}/emulator/v1/state", headers={"Authorization": f"Bearer {API_KEY}"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
+    # The emulator is on loopback: urlopen would send this through $http_proxy (set on many clusters) unless
+    # $no_proxy names 127.0.0.1, and a proxy cannot reach our loopback.
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=30) as resp:
         (dep,) = json.load(resp)["deployments"].values()
     return [(r["identity"], {k: t["digest"] for k, t in r["tensors"].items()}) for r in dep["replicas"]]
 
@@ -122,9 +124,9 @@ def job(args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from .arc.dtypes import RawTensor
     from .callback import HotloadCallback
     from .config import HotloadConfig
+    from .engine.jobs import PublishError
     from .fsdp_verify import gather_full_state
 
     dist.init_process_group("gloo")
@@ -144,46 +146,69 @@ def job(args: argparse.Namespace) -> None:
                         busy_policy="wait",  # the demo checks every publish before the next step
                         metrics_path=os.path.join(args.workdir, "metrics.jsonl"))
     gen = torch.Generator().manual_seed(1234 + rank)
-    rows = []
+    rows: list[dict[str, Any]] = []
     if rank == 0:
         print(f"{'step':>4} {'kind':<5} {'identity':<22} {'weights B':>10} {'ratio':>7} {'changed':>8} "
               f"{'block ms':>8} {'upload s':>8} {'ready s':>7}  verified", flush=True)
-    with HotloadCallback(model, cfg) as hot:
-        hot.attach(opt)  # publishes from optimizer.step()'s post-step hook
-        for step in range(args.steps):
-            ids = torch.randint(0, VOCAB, (4, 33), generator=gen)
-            logits = model(ids[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            hot.wait()  # the demo checks every publish; a real job keeps training while it uploads
-            full = gather_full_state(model)
-            if rank == 0:
-                m = hot.metrics[-1]
-                want = {k: RawTensor.from_any(v).digest() for k, v in full.items()}
-                ok = m.ok and all(i == m.identity and shas == want for i, shas in _served(args.url))
-                rows.append({"kind": m.kind, "bytes": m.bytes_written, "raw": m.raw_bytes, "verified": ok,
-                             "identity": m.identity, "folder": _folder_bytes(os.path.join(args.bucket, m.identity))})
-                changed = f"{100 * m.changed_fraction:.2f}%" if m.changed_fraction is not None else "-"
-                print(f"{step:>4} {m.kind:<5} {m.identity:<22} {m.bytes_written:>10,} {m.ratio or 0:>6.1f}x "
-                      f"{changed:>8} {m.blocking_ms:>8.2f} {m.upload_s:>8.3f} {m.ready_s:>7.3f}  "
-                      f"{'yes' if ok else 'NO'}", flush=True)
+    error = None
+    try:
+        with HotloadCallback(model, cfg) as hot:
+            hot.attach(opt)  # publishes from optimizer.step()'s post-step hook
+            for step in range(args.steps):
+                ids = torch.randint(0, VOCAB, (4, 33), generator=gen)
+                logits = model(ids[:, :-1])
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                hot.wait()  # the demo checks every publish; a real job keeps training while it uploads
+                full = gather_full_state(model)
+                if rank == 0:
+                    rows.append(_row(step, hot.metrics[-1], full, args))
+    except PublishError as exc:
+        # Every rank raises it at the same publish (the ranks agree on each outcome): the summary below, and
+        # the launcher's one line naming the cause, instead of a traceback per rank.
+        error = str(exc)
     if rank == 0:
-        # every file of each snapshot's folder: weights, and the config, tokenizer, index, spec and marker files
-        sent, weights = sum(r["folder"] for r in rows), sum(r["bytes"] for r in rows)
-        fulls = [r["folder"] for r in rows if r["kind"] == "full"]
-        full_every_step = len(rows) * (sum(fulls) / len(fulls) if fulls else max(r["raw"] for r in rows))
-        verified = bool(rows) and all(r["verified"] for r in rows)
-        print(f"\n{len(rows)} publishes: {sum(r['kind'] == 'full' for r in rows)} full, "
-              f"{sum(r['kind'] == 'delta' for r in rows)} delta; sent {sent / 1e6:.2f} MB ({weights / 1e6:.2f} MB "
-              f"of weight files, the rest config, tokenizer, index and marker files) vs {full_every_step / 1e6:.2f} "
-              f"MB for a full snapshot every step ({full_every_step / max(sent, 1):.1f}x less traffic); every "
-              f"replica verified bit-exact: {'yes' if verified else 'NO'}", flush=True)
+        verified = _summary(rows, error)
         with open(os.path.join(args.workdir, "demo_result.json"), "w") as f:
-            json.dump({"verified": verified, "rows": rows}, f)
+            json.dump({"verified": verified, "rows": rows, "error": error}, f)
     dist.barrier()
     _exit_cleanly()
+
+
+def _summary(rows: list[dict[str, Any]], error: str | None) -> bool:
+    """Print the run's summary line; whether every publish was made and verified on every replica. The traffic
+    is that of the snapshots published: a failed one's files are not a snapshot anyone loads."""
+    done = [r for r in rows if r["ok"]]
+    # every file of each snapshot's folder: weights, and the config, tokenizer, index, spec and marker files
+    sent, weights = sum(r["folder"] for r in done), sum(r["bytes"] for r in done)
+    fulls = [r["folder"] for r in done if r["kind"] == "full"]
+    full_every_step = len(done) * (sum(fulls) / len(fulls) if fulls else max((r["raw"] for r in done), default=0))
+    verified = bool(rows) and all(r["verified"] for r in rows) and error is None
+    failed = f", {len(rows) - len(done)} FAILED" if len(done) < len(rows) else ""
+    traffic = (f"; sent {sent / 1e6:.2f} MB ({weights / 1e6:.2f} MB of weight files, the rest config, tokenizer, "
+               f"index and marker files) vs {full_every_step / 1e6:.2f} MB for a full snapshot every step "
+               f"({full_every_step / max(sent, 1):.1f}x less traffic)") if done else ""
+    print(f"\n{len(rows)} publishes: {sum(r['kind'] == 'full' for r in rows)} full, "
+          f"{sum(r['kind'] == 'delta' for r in rows)} delta{failed}{traffic}; every replica verified bit-exact: "
+          f"{'yes' if verified else 'NO'}", flush=True)
+    return verified
+
+
+def _row(step: int, m: Any, full: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Check one publish against every replica, print its row and return it (rank 0). A publish that failed shows
+    FAILED and no ratio: the bytes it wrote before failing are not a snapshot anyone serves."""
+    from .arc.dtypes import RawTensor
+
+    want = {k: RawTensor.from_any(v).digest() for k, v in full.items()}
+    ok = m.ok and all(i == m.identity and shas == want for i, shas in _served(args.url))
+    changed = f"{100 * m.changed_fraction:.2f}%" if m.changed_fraction is not None and m.ok else "-"
+    size, ratio = (f"{m.bytes_written:>10,}", f"{m.ratio or 0:>6.1f}x") if m.ok else (f"{'FAILED':>10}", f"{'-':>7}")
+    print(f"{step:>4} {m.kind:<5} {m.identity:<22} {size} {ratio} {changed:>8} {m.blocking_ms:>8.2f} "
+          f"{m.upload_s:>8.3f} {m.ready_s:>7.3f}  {'yes' if ok else 'NO'}", flush=True)
+    return {"kind": m.kind, "bytes": m.bytes_written, "raw": m.raw_bytes, "verified": ok, "ok": m.ok,
+            "identity": m.identity, "folder": _folder_bytes(os.path.join(args.bucket, m.identity))}
 
 
 def _folder_bytes(folder: str) -> int:
@@ -253,16 +278,9 @@ def run_demo_cli(argv: list[str] | None = None) -> int:
         for name in RESULT_FILES:  # a re-run in the same --workdir must not append to, or report, the last run's
             if os.path.isfile(os.path.join(workdir, name)):
                 os.remove(os.path.join(workdir, name))
-    except OSError as exc:  # under a file, read-only, a bucket/ that is a file: one line, as every user error
+        _write_base_model(hf)
+    except OSError as exc:  # under a file, read-only, full, a bucket/ that is a file: one line, as every user error
         p.error(f"--workdir {workdir} cannot be set up: {exc}")
-    with open(os.path.join(hf, "config.json"), "w") as f:
-        json.dump({"model_type": "llama", "vocab_size": VOCAB, "hidden_size": DIM, "intermediate_size": FFN,
-                   "num_hidden_layers": LAYERS, "tie_word_embeddings": False}, f)
-    with open(os.path.join(hf, "tokenizer_config.json"), "w") as f:
-        json.dump({"model_max_length": 32}, f)
-    with open(os.path.join(hf, "tokenizer.json"), "w") as f:  # a word-level tokenizer of the model's vocabulary
-        json.dump({"version": "1.0", "pre_tokenizer": {"type": "WhitespaceSplit"},
-                   "model": {"type": "WordLevel", "unk_token": "t0", "vocab": {f"t{i}": i for i in range(VOCAB)}}}, f)
     print(f"hotload demo: {args.nproc}-rank FSDP2 job on CPU, {args.steps} steps, full every {args.full_every}, "
           f"codec {args.codec}; bucket {bucket}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCH_CPP_LOG_LEVEL="ERROR")
@@ -271,7 +289,7 @@ def run_demo_cli(argv: list[str] | None = None) -> int:
     with HotLoadEmulator(bucket, replicas=2, api_key=API_KEY, compression_formats=codec_names(),
                          base_model=hf) as emu:
         print(f"emulator: {emu.url} (2 replicas rebuild and verify every snapshot from the bucket)\n", flush=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+        cmd = [sys.executable, "-m", "fsdp_hotload.demo_torchrun", "--standalone", f"--nproc-per-node={args.nproc}",
                "-m", "fsdp_hotload.demo", "--job", "--bucket", bucket, "--url", emu.url, "--hf-dir", hf,
                "--workdir", workdir, "--steps", str(args.steps), "--full-every", str(args.full_every),
                "--codec", args.codec, "--lr", str(args.lr)]
@@ -289,15 +307,43 @@ def run_demo_cli(argv: list[str] | None = None) -> int:
                 proc.wait()
             print(f"\ninterrupted; snapshots so far are in {bucket}", file=sys.stderr)
             return 130
-    if rc != 0:
+    if rc != 0:  # a rank failed: its own error is above
         print(f"demo job failed (exit {rc})", file=sys.stderr)
         return 1
     with open(os.path.join(workdir, "demo_result.json")) as f:
         result = json.load(f)
-    ok, last = result["verified"], result["rows"][-1]["identity"] if result["rows"] else None
-    inspect = f"; try: hotload inspect {shlex.quote(os.path.join(bucket, last))}" if last else ""
-    print(f"\nsnapshots and metrics are in {workdir}{inspect}")
-    return 0 if ok else 1
+    good = [r["identity"] for r in result["rows"] if r["verified"]]
+    inspect = f"; try: {_hotload_command()} inspect {shlex.quote(os.path.join(bucket, good[-1]))}" if good else ""
+    print(f"\nsnapshots and metrics are in {workdir}{inspect}", flush=True)
+    if result.get("error"):  # the last line says why: the publish's own error, once, not a traceback per rank
+        print(f"\ndemo FAILED: a publish failed: {result['error']}", file=sys.stderr)
+        return 1
+    return 0 if result["verified"] else 1
+
+
+def _write_base_model(hf: str) -> None:
+    """The base model's config and a word-level tokenizer of its vocabulary: what the trainer uploads with every
+    full snapshot, and what the emulator compares each snapshot's config with."""
+    with open(os.path.join(hf, "config.json"), "w") as f:
+        json.dump({"model_type": "llama", "vocab_size": VOCAB, "hidden_size": DIM, "intermediate_size": FFN,
+                   "num_hidden_layers": LAYERS, "tie_word_embeddings": False}, f)
+    with open(os.path.join(hf, "tokenizer_config.json"), "w") as f:
+        json.dump({"model_max_length": 32}, f)
+    with open(os.path.join(hf, "tokenizer.json"), "w") as f:
+        json.dump({"version": "1.0", "pre_tokenizer": {"type": "WhitespaceSplit"},
+                   "model": {"type": "WordLevel", "unk_token": "t0", "vocab": {f"t{i}": i for i in range(VOCAB)}}}, f)
+
+
+def _hotload_command() -> str:
+    """How to run ``hotload`` from the user's shell: its path in the venv the demo runs from when that venv is not
+    activated (a bare ``hotload`` would then be "command not found", or another install's)."""
+    sibling = os.path.join(os.path.dirname(sys.executable), "hotload")
+    if not os.access(sibling, os.X_OK):
+        return "hotload"
+    found = shutil.which("hotload")
+    if found is not None and os.path.samefile(found, sibling):
+        return "hotload"
+    return shlex.quote(sibling)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import sys
 import threading
@@ -170,7 +171,9 @@ def main(args: list[str] | None = None) -> int:
     try:
         emu.start()
     except OSError as exc:
-        print(f"hotload emulate: cannot listen on {ns.host}:{ns.port}: {exc}", file=sys.stderr)
+        what = "pick another --port, or 0 for a free one" if exc.errno in (errno.EADDRINUSE, errno.EACCES) else \
+            "check --host (an address of this machine) and --port"
+        print(f"hotload emulate: error: cannot listen on {ns.host}:{ns.port}: {exc}; {what}", file=sys.stderr)
         return 2
     stop = threading.Event()
     try:  # entered before the URL is printed, so a Ctrl-C right after it still stops cleanly

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,10 @@ def test_demo_publishes_and_verifies(tmp_path: Path) -> None:
     (tmp_path / ".hotload-demo").write_text("made by hotload demo")
     (tmp_path / "metrics.jsonl").write_text('{"stale": true}\n' * 3)
     (tmp_path / "demo_result.json").write_text('{"verified": true, "rows": []}')
+    # as from an activated venv (its bin/ first on PATH): the closing hint says plain "hotload"
+    env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
     proc = subprocess.run([*DEMO, "--steps", "7", "--full-every", "3", "--workdir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "demo_result.json").read_text())
     assert result["verified"]
