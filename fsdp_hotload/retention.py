@@ -139,11 +139,15 @@ def _final_name(name: str) -> str:
 
 
 def plan_retention(snapshots: list[CommitInfo], keep_last: int, protected: set[str] | frozenset[str],
-                   present: set[str] | frozenset[str] = frozenset()) -> list[str]:
+                   present: set[str] | frozenset[str] = frozenset(),
+                   uncounted: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """Identities to delete (oldest first), given the committed snapshots. Pure; nothing is touched.
 
-    Kept: the ``keep_last`` newest snapshots, every ``protected`` one (a deployment serves it, and the next
-    delta will name it as parent), and all ancestors of any kept snapshot back to its full base. A kept snapshot
+    Kept: the ``keep_last`` newest snapshots but the ``uncounted`` ones, every ``protected`` one (a deployment
+    serves it, and the next delta will name it as parent), and all ancestors of any kept snapshot back to its full
+    base. ``uncounted`` names snapshots kept for another reason (another live publisher's, protected too): counted,
+    they would take the places of the caller's own, and with two publishers under one root ``keep_last=2`` would
+    keep one snapshot of each, deleting the previous one a reader may still be downloading. A kept snapshot
     whose parent is not committed but ``present`` (its folder is listed: its marker was not read, say a store that
     answered "not found" once) also keeps every snapshot of the parent's session committed before it: the chain
     beyond the unread link is unknown, and its full base must not go. A ``protected`` snapshot that is ``present``
@@ -157,7 +161,8 @@ def plan_retention(snapshots: list[CommitInfo], keep_last: int, protected: set[s
             raise ValueError(f"snapshot {snap.identity!r} listed twice")
         by_id[snap.identity] = snap
     ordered = sorted(snapshots, key=lambda s: (s.created_at, s.identity))
-    roots = [s.identity for s in ordered[-keep_last:]] + [p for p in protected if p in by_id]
+    counted = [s for s in ordered if s.identity not in uncounted]
+    roots = [s.identity for s in counted[-keep_last:]] + [p for p in protected if p in by_id]
     keep = _ancestors_closure(roots, by_id)
     # A protected snapshot whose marker was not read (a store that answered "not found" once) names no parent
     # here: its chain is unknown, so every snapshot of its run stays for this pass.
@@ -300,14 +305,17 @@ def _abort_abandoned_uploads(storage: Storage, uploads: list[OpenUpload] | None,
 
 def _reread_kept(storage: Storage, committed: list[CommitInfo], keep_last: int, protected: frozenset[str],
                  markers: MarkerCache) -> list[CommitInfo]:
-    """``committed`` with the markers taken from ``markers`` that the pass keeps by count (the newest ``keep_last``)
-    or protects read again, and those now gone left out. Why: a cached marker someone else removed (an operator
-    retracting a snapshot) took a ``keep_last`` place, and the snapshot an operator rolls back to went instead.
-    About ``keep_last`` GETs per pass; an older cached marker only adds parents to what is kept, or goes anyway."""
+    """``committed`` with the markers taken from ``markers`` that the pass may keep by count or protects read
+    again, and those now gone left out. Why: a cached marker someone else removed (an operator retracting a
+    snapshot) took a ``keep_last`` place, and the snapshot an operator rolls back to went instead. Only this
+    session's markers are cached, and those kept by count are among its ``keep_last`` newest (another live
+    session's hold no place, so this run's may be older than the newest of all): about ``keep_last`` GETs per pass;
+    an older cached marker only adds parents to what is kept, or goes anyway."""
     checked: set[str] = set()
     while True:
         by_id = {c.identity: c for c in committed}
-        suspects = ({c.identity for c in committed[-keep_last:]} | (protected & by_id.keys())) & markers.reused
+        own = [c.identity for c in committed if session_of(c.identity) == markers.session]
+        suspects = (set(own[-keep_last:]) | (protected & by_id.keys())) & markers.reused
         suspects -= checked
         if not suspects:
             return committed
@@ -340,13 +348,13 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
 
     With ``session`` (the caller's identity suffix) and ``since`` (when the caller started, ``time.time()``),
     snapshots of another session that committed since then, or within ``grace_s`` of ``now`` (default:
-    ``time.time()``), are kept with their chains; a warning names a session that committed since this one
-    started: another publisher is live under this root. Folders without a marker that a session left (a crash
-    mid-upload, a delete that stopped part way) go too, only under names a publisher makes (``PUBLISHED_NAME``) and
-    never a committed snapshot's parent: a finished session's (it committed here, and is not live) once every file
-    in them is ``INCOMPLETE_GRACE_S`` old, by the store's time of this session's newest commit (or ``now``, when
-    earlier); a session's that never committed once every file is that much older than ``since`` (or than that
-    store time). On S3, the multipart uploads such a folder's writer left open go too (see
+    ``time.time()``), are kept with their chains, and hold no ``keep_last`` place; a warning names a session that
+    committed since this one started: another publisher is live under this root. Folders without a marker that a
+    session left (a crash mid-upload, a delete that stopped part way) go too, only under names a publisher makes
+    (``PUBLISHED_NAME``) and never a committed snapshot's parent: a finished session's (it committed here, and is
+    not live) once every file in them is ``INCOMPLETE_GRACE_S`` old, by the store's time of this session's newest
+    commit (or ``now``, when earlier); a session's that never committed once every file is that much older than
+    ``since`` (or than that store time). On S3, the multipart uploads such a folder's writer left open go too (see
     :func:`_abort_abandoned_uploads`); where uploads in flight cannot be listed (GCS:
     :attr:`~fsdp_hotload.storage.Storage.hidden_uploads`), ``ABANDONED_UPLOAD_AGE_S`` replaces
     ``INCOMPLETE_GRACE_S``, since a shard still being sent there shows in no listing until it completes.
@@ -396,7 +404,9 @@ def apply_retention(storage: Storage, keep_last: int, protected: Iterable[str] =
                                "%s too; retention keeps them. Give each trainer its own bucket_url: two trainers "
                                "signalling one deployment replace each other's weights and break each other's "
                                "delta chains", other, identities[-1], storage.uri(""))
-    doomed = plan_retention(committed, keep_last, protected, frozenset(dirs))
+    # another live publisher's snapshots are kept anyway (protected): they hold no keep_last place
+    doomed = plan_retention(committed, keep_last, protected, frozenset(dirs),
+                            frozenset(i for identities in live.values() for i in identities))
     deleted: list[str] = []
     for identity in sorted(doomed, key=lambda i: (by_id[i].created_at, i), reverse=True):
         if markers is not None:

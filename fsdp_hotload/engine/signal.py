@@ -40,8 +40,9 @@ from ..fireworks_models import (HotLoadCancelled, HotLoadError, HotLoadTimeout, 
 from .catch_up import CatchUps
 from .hints import Hints
 from .pool import DaemonPool
-from .signal_limits import (HINT_DEADLINE_S, LOAD_ERROR_SETTLE_S, MANAGER_WAIT_S, SIGNAL_RETRY_BUDGET_S, join_wait_s,
-                            longest_signal_s, say_behind, say_left_behind, say_what_is_served, warn_at_start)
+from .signal_limits import (HINT_DEADLINE_S, LOAD_ERROR_SETTLE_S, MANAGER_WAIT_S, SIGNAL_RETRY_BUDGET_S, found_in,
+                            join_wait_s, longest_signal_s, say_behind, say_left_behind, say_what_is_served,
+                            warn_at_start)
 
 __all__ = ["HINT_DEADLINE_S", "MANAGER_WAIT_S", "SIGNAL_RETRY_BUDGET_S", "LoadedNowhere", "NotSignalled",
            "Signaller", "longest_signal_s", "warn_at_start"]
@@ -94,6 +95,9 @@ class Signaller(Hints, CatchUps):
         self._down_why: dict[str, str] = {}  # deployment -> how it was last found down (read while it is not up)
         self._lane_loads = 0  # snapshots the catch-ups brought a deployment to (close() waits while they go on)
         self._first_seen: dict[str, Any] = {}  # deployment -> the status that first reported a replica, until logged
+        # deployment -> what its replicas served or loaded when first seen (an earlier run's snapshots, after a
+        # restart), until it serves one of this run's: a deployment left behind keeps serving them (may_serve)
+        self._found: dict[str, set[str]] = {}
         self._hint_lock = threading.Lock()
         # "any" only: the snapshots served since the newest full one, in order (what a catch-up signals), each
         # deployment's catch-up in flight, and the snapshots of that chain whose signal each accepted
@@ -141,11 +145,13 @@ class Signaller(Hints, CatchUps):
                    straggler_wait_s=cfg.straggler_wait_s, settle_s=LOAD_ERROR_SETTLE_S if cfg.keep_last else 0.0)
 
     def may_serve(self) -> set[str]:
-        """Every snapshot a deployment serves, or was signalled and may load yet. Retention spares them and their
-        chains. Why: a deployment left behind (``deployments_required="any"``) serves an older snapshot than
-        the others, and a replica of it that restarts rebuilds that snapshot from the bucket."""
+        """Every snapshot a deployment serves, or was signalled and may load yet, or served when this run first saw
+        it (until it serves one of this run's). Retention spares them and their chains. Why: a deployment left behind
+        (``deployments_required="any"``) serves an older snapshot than the others (after a restart, the earlier
+        run's, once past ``retention_grace_s``), and a replica of it that restarts rebuilds that snapshot from the
+        bucket."""
         with self._state:
-            return {i for i in self.served.values() if i}.union(*self._signalled.values())
+            return {i for i in self.served.values() if i}.union(*self._signalled.values(), *self._found.values())
 
     def not_serving(self, identity: str) -> list[str]:
         """The deployments not known to serve ``identity`` (for the metrics)."""
@@ -419,6 +425,7 @@ class Signaller(Hints, CatchUps):
 
             def wait(c: Any) -> None:
                 self._first_seen[c.deployment_name] = c.wait_manager(timeout_s=max(0.0, deadline - time.monotonic()))
+                self._note_found(c.deployment_name, self._first_seen[c.deployment_name])
                 asked[c.deployment_name] = time.monotonic()
 
             for rounds in itertools.count(1):
@@ -484,6 +491,13 @@ class Signaller(Hints, CatchUps):
             raise RuntimeError("it reports no replica yet (its hot-load manager is not up)")
         if c.deployment_name not in self._managers_up:  # logged before its next signal
             self._first_seen[c.deployment_name] = st
+            self._note_found(c.deployment_name, st)
+
+    def _note_found(self, name: str, st: Any) -> None:
+        """Record what ``name``'s replicas serve or load in its first status (:attr:`_found`)."""
+        with self._state:
+            if self.served[name] is None and name not in self._found:
+                self._found[name] = found_in(st)
 
     def _go_on(self, clients: list[Any], failed: dict[str, Exception], left: dict[str, str], what: str,
                kind: type[RuntimeError]) -> list[Any]:
@@ -518,6 +532,7 @@ class Signaller(Hints, CatchUps):
         """Every replica of ``name`` serves ``identity``. Called under ``_state``."""
         self.served[name] = identity
         self._signalled.pop(name, None)
+        self._found.pop(name, None)
         self._timed_out.discard(name)
         self._released.pop(name, None)
 

@@ -1,5 +1,6 @@
 """How long signalling may take, and the settings that cost publishes, said once at start; what a deployment
-serves, said before its first signal; those that fall behind or catch up; at close, those left behind.
+serves, said before its first signal (and kept from retention while it may serve it); those that fall behind or
+catch up; at close, those left behind.
 
 Apart from :mod:`.signal` so that the Signaller's module holds the signalling itself.
 
@@ -106,6 +107,14 @@ def say_what_is_served(deployment: str, st: Any, identity: str) -> None:
     now = f"serving {', '.join(served)}{' (another run)' if others else ''}" if served else "serving no snapshot yet"
     log.info("hotload: deployment %s is up (%d replica(s)), %s; signalling %s", deployment, len(st.replicas), now,
              identity)
+
+
+def found_in(st: Any) -> set[str]:
+    """The snapshots a deployment's first status shows its replicas serving or loading (not those whose load
+    failed). Why: after a restart they are the earlier run's, which a deployment left behind serves on; retention
+    must keep them while it may, so that a replica of it that restarts can rebuild one."""
+    return {i for r in st.replicas for i in (r.current_snapshot_identity, r.target if r.stage != "error" else None)
+            if i}
 
 
 def say_behind(identity: str, before: dict[str, str], now: dict[str, str]) -> None:
