@@ -13,7 +13,7 @@ from fsdp_hotload.fireworks import HotLoadError
 from fsdp_hotload.publish import TensorPublisher
 from tests.emulator_fixture import EMULATOR_API_KEY, digest_map, perturb, write_delta_snapshot
 from tests.test_emulator import DEP, client_for, load_full, served, settle
-from tests.test_format import _corrupt_header
+from tests.test_format_corrupt import _corrupt_header
 from tests.publisher_helpers import config, expected_sha, make_model, train_step
 from tests.publisher_helpers import served as served_by
 
