@@ -1,11 +1,15 @@
-"""Progress reports of long publishes: real publisher, real emulator over HTTP, real (slowed) storage."""
+"""Progress reports of long publishes: real publisher, real emulator over HTTP, real (slowed) storage; and a
+replica's load error quoted in a progress line without the API key (the Signaller against a real HTTP server)."""
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
 import time
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
+from typing import Any
 
 import fsspec
 import pytest
@@ -13,8 +17,11 @@ import pytest
 from fsdp_hotload.config import HotloadConfig
 from fsdp_hotload.emulator import HotLoadEmulator
 from fsdp_hotload.engine.progress import ProgressLog
+from fsdp_hotload.engine.signal import Signaller
+from fsdp_hotload.fireworks import HotLoadClient
 from fsdp_hotload.publish import TensorPublisher
 from fsdp_hotload.storage import Storage
+from tests.http_fixture import serve
 from tests.s3_fixture import FaultyFileSystem
 from tests.publisher_helpers import API_KEY, config, expected_sha, make_model, served, train_step
 
@@ -148,3 +155,54 @@ def test_the_interval_is_validated_by_name() -> None:
         with pytest.raises(ValueError, match="progress_log_s"):
             HotloadConfig(bucket_url="/tmp/b", progress_log_s=bad)
     assert HotloadConfig(bucket_url="/tmp/b").progress_log_s == 30.0
+
+
+def test_progress_lines_do_not_quote_the_api_key_from_a_replicas_error() -> None:
+    """A replica's load error is the server's own text, and may quote a request, header and all. The client's
+    errors were redacted, but the progress line took the text as it came."""
+    from fsdp_hotload.engine.progress import PublishProgress
+
+    key = "fw-secret-0123456789"
+    polls: list[int] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._reply({"status": "ok"})
+
+        def do_GET(self) -> None:  # noqa: N802
+            polls.append(1)
+            stale = {"current_snapshot_identity": "s0", "readiness": True, "loading_state": {
+                "stage": "error", "target_snapshot_identity": "old",
+                "error": f"fetch refused: Authorization: Bearer {key}"}}
+            ready = {"current_snapshot_identity": "s1", "readiness": True, "loading_state": {"stage": "done"}}
+            self._reply({"replicas": [stale if len(polls) <= 3 else ready]})
+
+        def _reply(self, body: Any) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    progress = PublishProgress("s1", "full", step=1, t0=time.perf_counter())
+    lines: list[str] = []
+
+    def on_poll(deployment: str, status: Any, redact: Any) -> None:
+        progress.polled(deployment, status, redact)
+        lines.append(progress.describe(time.perf_counter()))
+
+    with serve(Handler) as url:
+        client = HotLoadClient(url, account_id="a", model_id="m", deployment_id="d", api_key=key,
+                               poll_interval_s=0.02)
+        sig = Signaller([client], ready_timeout_s=10)
+        try:
+            sig.signal_and_wait("s1", None, on_poll=on_poll)
+        finally:
+            sig.close()
+    stale_lines = [s for s in lines if "fetch refused" in s]
+    assert stale_lines, lines  # the replica's error is still told, without the key
+    assert all(key not in s and "<redacted>" in s for s in stale_lines), stale_lines
