@@ -403,7 +403,7 @@ def test_reads_snapshots_from_s3(tmp_path: Path, s3_server: Any) -> None:
         store.put_many({f"{ident}/{f.name}": f.read_bytes() for f in folder.iterdir()})
     with HotLoadEmulator(uri, storage_options=s3_server.storage_options, replicas=1,
                          api_key=EMULATOR_API_KEY) as emu:
-        client = client_for(emu)
+        client = client_for(emu, retry_budget_s=60)  # the emulator's first S3 access answers this signal
         client.signal("step-1")
         client.wait_ready("step-1", timeout_s=60)
         client.signal("step-2", previous_identity="step-1")

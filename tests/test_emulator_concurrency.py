@@ -95,6 +95,15 @@ def test_stop_waits_for_every_replica_against_one_deadline_and_says_which_still_
     assert replica_threads() == [] and len(started) == 4
 
 
+def wait_accepted(before: set[threading.Thread], timeout_s: float = 30) -> None:
+    """Until the emulator's accept loop took the connection (a handler thread runs): one still in the listen queue
+    at stop() is reset, not answered 503, and a loaded machine may not run the accept loop within a fixed sleep."""
+    deadline = time.monotonic() + timeout_s
+    while not any("process_request_thread" in t.name for t in set(threading.enumerate()) - before):
+        assert time.monotonic() < deadline, "the emulator never accepted the connection"
+        time.sleep(0.01)
+
+
 @pytest.mark.parametrize("method, path", [("GET", "/v1/accounts"), ("GET", "/emulator/v1/state"),
                                           ("GET", "/v1/accounts/acct/deployments/d1/ledger"),
                                           ("DELETE", "/v1/accounts/acct/deployments/d1/ledger"),
@@ -104,11 +113,12 @@ def test_every_route_answers_503_to_a_request_finished_after_stop(tmp_path: Path
     answered a request that was in flight as stop() ran as if the emulator were still up."""
     emu = HotLoadEmulator(str(tmp_path), replicas=1, api_key=EMULATOR_API_KEY).start()
     host, port = emu.url.removeprefix("http://").rsplit(":", 1)
+    before = set(threading.enumerate())
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {EMULATOR_API_KEY}\r\n"
                      "fireworks-model: accounts/acct/models/m\r\n"
                      f"fireworks-deployment: {DEPLOYMENTS[0]}\r\n".encode())  # the headers are not finished
-        time.sleep(0.3)
+        wait_accepted(before)
         emu.stop()
         sock.sendall(b"\r\n")
         data = b""

@@ -4,7 +4,6 @@ base bytes or whose file names another parent, a missing file, and a weight spec
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -74,9 +73,10 @@ def test_files_written_after_the_signal_fail_the_load(emulator: HotLoadEmulator)
     is durable" had no oracle. The folder is now listed at the signal and again after the read."""
     client = client_for(emulator)
     m1 = tiny_model(1)
-    emulator.set_load_delay(0.3)
+    emulator.set_load_delay(600)  # held until the files are written, however late this thread runs
     client.signal("step-1")  # nothing uploaded yet
     write_full_snapshot(emulator.bucket, "step-1", m1)
+    emulator.set_load_delay(0)
     with pytest.raises(HotLoadError, match="changed after it was signalled"):
         client.wait_ready("step-1", timeout_s=30)
     assert [p["stage"] for p in settle(emulator, "step-1")] == ["error", "error"]
@@ -89,10 +89,10 @@ def test_files_written_after_the_signal_fail_the_load(emulator: HotLoadEmulator)
     victim = folder / "model-00001.safetensors"
     good = victim.read_bytes()
     victim.write_bytes(b"not yet")  # a shard still being written when the signal goes out
-    emulator.set_load_delay(0.3)
+    emulator.set_load_delay(600)
     client.signal("step-3", previous_identity="step-2")
-    time.sleep(0.05)
     victim.write_bytes(good)  # complete before any replica reads it
+    emulator.set_load_delay(0)
     with pytest.raises(HotLoadError, match="model-00001.safetensors"):
         client.wait_ready("step-3", timeout_s=30)
     assert all("changed after it was signalled" in p["error"] for p in settle(emulator, "step-3"))

@@ -17,6 +17,7 @@ import pytest
 from fsdp_hotload.emulator import HotLoadEmulator
 from fsdp_hotload.fireworks import HotLoadClient
 from tests.emulator_fixture import EMULATOR_API_KEY, perturb, tiny_model, write_delta_snapshot, write_full_snapshot
+from tests.test_emulator_concurrency import wait_accepted
 
 DEP = "accounts/acct/deployments/dep"
 HOT_LOAD = "/hot_load/v1/models/hot_load"
@@ -164,9 +165,10 @@ def test_a_request_in_flight_as_stop_runs_leaves_no_replica_running(tmp_path: Pa
 
     emu = HotLoadEmulator(str(tmp_path), replicas=2, api_key=EMULATOR_API_KEY).start()
     host, port = emu.url.removeprefix("http://").rsplit(":", 1)
+    before = set(threading.enumerate())
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(head("GET", HOT_LOAD, 2) + b"{")
-        time.sleep(0.3)  # the handler waits for the body's second byte
+        wait_accepted(before)  # the handler waits for the body's second byte
         emu.stop()
         sock.sendall(b"}")
         code, reply = answer(sock)
@@ -194,7 +196,7 @@ def test_a_bucket_that_cannot_be_listed_is_a_storage_error_not_an_emulator_bug(s
                               storage_options={**s3_server.storage_options, "endpoint_url": proxy.url}).start()
         try:
             client = HotLoadClient(emu.url, account_id="acct", model_id="m", deployment_id="dep",
-                                   api_key=EMULATOR_API_KEY, poll_interval_s=0.02, retry_budget_s=3.0,
+                                   api_key=EMULATOR_API_KEY, poll_interval_s=0.02, retry_budget_s=60.0,
                                    backoff_initial_s=0.05, backoff_max_s=0.1)  # 0.5 s: one listing outlasted it
             client.wait_manager(timeout_s=10)
             with pytest.raises(HotLoadError, match="HTTP 424.*cannot list 'step-1'.*Access Denied") as info:

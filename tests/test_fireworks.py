@@ -178,7 +178,7 @@ def test_retry_budget_exhausted_reports_server_message(server: tuple[str, Script
     url, script = server
     script.default = (503, {"error": {"message": "replica pool draining"}}, {})
     with pytest.raises(HotLoadError) as info:
-        make_client(url, retry_budget_s=0.1).signal("s1")
+        make_client(url, retry_budget_s=1.0).signal("s1")  # room for a retry on a busy machine
     assert info.value.status_code == 503
     assert "replica pool draining" in str(info.value) and "what to do" in str(info.value)
     assert len(script.requests) >= 2

@@ -163,7 +163,7 @@ def test_an_exchange_ends_when_the_callers_until_comes(phase: str, stalled_resol
                       None, lambda: release[0])
         took = time.monotonic() - started
     timer.cancel()
-    assert 0.45 < took < 2.0, took
+    assert 0.45 < took < 10.0, took  # the timeout it stands for is 30 s; a busy machine wakes the timer late
     if phase == "answer":
         assert "the caller's wait ended" in str(caught.value)
 

@@ -302,7 +302,7 @@ def test_a_signal_is_never_taken_only_where_no_attempt_can_have_reached_the_serv
             sock.close()
     else:
         with serve(Scripted) as url, pytest.raises(HotLoadError, match="HTTP") as err:
-            _client(url, retry_budget_s=0.3).signal("step-1")
+            _client(url, retry_budget_s=1.0).signal("step-1")
     assert never_taken(err.value) is not taken, (err.value, err.value.attempts)
 
 
@@ -353,7 +353,7 @@ def test_a_proxy_failing_to_reach_the_api_is_retried(monkeypatch: pytest.MonkeyP
     with refusing_proxy(502) as (proxy, lines):
         _use_proxy(monkeypatch, https_proxy=proxy)
         with pytest.raises(HotLoadError, match="no answer") as err:
-            _client(f"https://{API_HOST}", retry_budget_s=0.5).signal("step-1")
+            _client(f"https://{API_HOST}", retry_budget_s=2.0).signal("step-1")
     assert len(lines) > 1 and "could not open a tunnel" in str(err.value)
     assert f"the proxy {proxy}" in (err.value.hint or "")
 

@@ -188,7 +188,7 @@ def echo_server() -> Iterator[str]:
 def test_a_header_value_echoed_json_escaped_is_redacted(echo_server: str, caplog: pytest.LogCaptureFixture) -> None:
     secret = "dG9w/U0VDUkVU+gw/token"  # base64 tokens hold '/'
     client = HotLoadClient(echo_server, account_id="a", model_id="m", deployment_id="d", api_key="fw-test-key-0123",
-                           additional_headers={"X-Gateway-Token": secret}, retry_budget_s=0.1)
+                           additional_headers={"X-Gateway-Token": secret}, retry_budget_s=1.0)
     with caplog.at_level(logging.DEBUG), pytest.raises(HotLoadError) as info:
         client.signal("step-1")
     assert "gateway refused token <redacted>" in str(info.value), str(info.value)
