@@ -155,12 +155,16 @@ def commit_snapshot(storage: Storage, identity: str, kind: str, parent: str | No
                                             created_at=time.time()))
 
 
+#: A bound on a commit marker's size for its read's deadline (a marker of 10,000 files is about 1 MB).
+_MARKER_READ_BOUND = 16 * 2**20
+
+
 def read_commit_marker(storage: Storage, identity: str) -> CommitInfo | None:
     """The snapshot's marker, or None when it has none (incomplete, or still uploading)."""
     path = _marker_path(identity)
     uri = storage.uri(path)
     try:
-        raw = storage.get_bytes(path)
+        raw = storage.get_bytes(path, size_hint=_MARKER_READ_BOUND)  # no size request first: a pass reads many
     except FileNotFoundError:
         return None
     try:

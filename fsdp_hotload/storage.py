@@ -407,7 +407,7 @@ class Storage:
         """Read one object whole; FileNotFoundError passes straight through (never retried).
 
         On asynchronous backends the read has a deadline of ``call_timeout_s`` plus the object's size at
-        ``min_upload_mb_s``: ``size_hint`` (a caller that knows the size, e.g. from a listing), else the size the
+        ``min_upload_mb_s``: ``size_hint`` (a caller that knows the size or a bound on it), else the size the
         store reports first, in a request of its own under ``call_timeout_s``. Why: gcsfs sets no HTTP timeout,
         so one GET an endpoint never answered (a commit marker read by retention) held the pass, and ``close()``
         with it, for good."""

@@ -380,11 +380,11 @@ class OneMissingMarker(Storage):
     """A local store that answers "not found" once for the file named in ``miss``."""
     miss: str | None = None
 
-    def get_bytes(self, relpath: str) -> bytes:
+    def get_bytes(self, relpath: str, size_hint: int | None = None) -> bytes:
         if relpath == self.miss:
             self.miss = None
             raise FileNotFoundError(f"{self.uri(relpath)}: not found (once)")
-        return super().get_bytes(relpath)
+        return super().get_bytes(relpath, size_hint)
 
 
 def test_a_marker_read_as_missing_once_does_not_break_the_served_chain(tmp_path: Path,
