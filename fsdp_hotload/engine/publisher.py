@@ -462,9 +462,11 @@ class Publisher:
                                        f"({exc!r})")
                 if self._broken is None:
                     self._broken = exc
+                    # With a known cause (a peer that closed or left), a timeout hint would send the user astray.
+                    hint = "" if why is not None else (" If it timed out, raise collective_timeout_s (now "
+                                                       f"{self.config.side_group_timeout_s:.0f} s).")
                     log.error("hotload: a collective on the publisher's side group failed (%r); publishing "
-                              "stops for the rest of this job, training goes on. If it timed out, raise "
-                              "collective_timeout_s (now %.0f s).", exc, self.config.side_group_timeout_s)
+                              "stops for the rest of this job, training goes on.%s", exc, hint)
                 # before the slot is free (see publish()); logged by the line above, or by rank 0's summary below
                 self._errors.store(exc, job.seq, logged=self._broken is exc or self.rank == 0 and bool(job.identity))
                 self.cadence.on_failure()
