@@ -35,9 +35,9 @@ def run(cached: bool, chain: int, get_s: float, passes: int) -> tuple[float, flo
 
     real = Storage.get_bytes
 
-    def slow_get(self: Storage, relpath: str) -> bytes:
+    def slow_get(self: Storage, relpath: str, size_hint: int | None = None) -> bytes:
         time.sleep(get_s)
-        return real(self, relpath)
+        return real(self, relpath, size_hint)
 
     def commit(st: Storage, step: int) -> str:
         name = f"step-{step:06d}-{SESSION}"
