@@ -19,6 +19,14 @@ EXIT_INTERRUPTED = 130
 
 
 def main() -> int:
+    try:
+        return _main()
+    except KeyboardInterrupt:  # a Ctrl-C before torchrun took over its signals (importing torch takes seconds)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return EXIT_INTERRUPTED
+
+
+def _main() -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun

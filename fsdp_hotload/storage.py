@@ -118,7 +118,7 @@ class Storage:
         self.max_backoff_s = max_backoff_s
         self.max_concurrency = max_concurrency
         self.multipart_threshold = multipart_threshold
-        # s3fs goes multipart when size >= 2 * chunksize: half the threshold makes "above threshold" multipart.
+        # The part size of an object above the threshold (streamed part by part): half of it, at least S3's minimum.
         self.part_size = max(MIN_PART_SIZE, multipart_threshold // 2)
         self.stats = StorageStats()
         self._rng = rng or random.Random()

@@ -98,3 +98,23 @@ def test_a_workdir_that_cannot_be_written_is_a_usage_error(tmp_path: Path) -> No
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == \
         f"hotload demo: error: --workdir {workdir} cannot be set up: [Errno 27] File too large", proc.stderr
+
+
+_INTERRUPTED_IMPORT = """
+import builtins, sys
+real = builtins.__import__
+def interrupted(name, *args, **kwargs):
+    if name.startswith("torch.distributed.elastic"):
+        raise KeyboardInterrupt  # Ctrl-C while the wrapper imports torchrun, before torchrun handles signals
+    return real(name, *args, **kwargs)
+builtins.__import__ = interrupted
+from fsdp_hotload import demo_torchrun
+sys.exit(demo_torchrun.main())
+"""
+
+
+def test_ctrl_c_while_the_demo_s_torchrun_starts_exits_130_without_a_traceback() -> None:
+    """A Ctrl-C in the second or two torchrun's wrapper spends importing torch came before its handlers: a
+    KeyboardInterrupt traceback, and death by SIGINT rather than exit 130."""
+    proc = subprocess.run([sys.executable, "-c", _INTERRUPTED_IMPORT], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, (proc.returncode, proc.stderr[-3000:])
