@@ -24,7 +24,8 @@ def run_job(tmp_path: Path, nproc: int, mode: str, *extra: str) -> tuple[list[di
     (hf / "config.json").write_text('{"model_type": "tiny", "tie_word_embeddings": true}')
     with HotLoadEmulator(str(bucket), replicas=2, api_key="test-key") as emu:
         run_torchrun(str(SCRIPTS / "train_publish.py"), nproc,
-                     ["--mode", mode, "--bucket", str(bucket), "--url", emu.url, "--out", str(out), "--hf-dir", str(hf), *extra],
+                     ["--mode", mode, "--bucket", str(bucket), "--url", emu.url, "--out", str(out), "--hf-dir", str(hf),
+                      *extra],
                      timeout=300)
     *recs, tail = json.loads(out.read_text())
     return recs, tail
