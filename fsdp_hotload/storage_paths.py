@@ -254,7 +254,7 @@ def _check_gcs_options(root: str, options: dict[str, Any], flags: set[str]) -> N
             raise StorageError(f"cannot open {shown}: storage_options.requester_pays must be true, false (JSON "
                                "booleans) or the id of the project to bill (a string without spaces), not "
                                f"{type(pays).__name__} {pays!r}", uri=shown, op="open")
-    if "consistency" in options:
+    if options.get("consistency") is not None:  # null: gcsfs's default, no check (as retry_* of null)
         check = options["consistency"]
         if not isinstance(check, str) or check not in _GCS_CONSISTENCY:
             close = difflib.get_close_matches(str(check).lower(), _GCS_CONSISTENCY, n=1)
