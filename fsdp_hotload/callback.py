@@ -32,8 +32,8 @@ from .engine.comm import Comm, GlooComm, LocalComm
 from .engine.copies import storage_ptr
 from .engine.metrics import PublishMetrics
 from .engine.publisher import Publisher
-from .fsdp import (OwnershipError, full_tensor_specs, local_chunks, model_parallel_note, source_dtypes,
-                   storage_fingerprint, tensor_paths)
+from .fsdp import (OwnershipError, fsdp1_untied_note, full_tensor_specs, local_chunks, model_parallel_note,
+                   source_dtypes, storage_fingerprint, tensor_paths)
 from .fsdp_recheck import RecheckReplicas
 from .fsdp_verify import agree_on_chunks, plain_samples, replica_samples
 from .hf_config import base_tensors, hf_tie_word_embeddings, names_note, narrowed_note, shapes_note
@@ -256,9 +256,10 @@ class HotloadCallback:
 
     def _warn_about_model(self) -> None:
         """Said once, on rank 0: settings under which the fleet would serve something other than the trained
-        policy without any error (a lossy dtype cast, a glob that matches nothing, unmerged LoRA adapters), and
-        names the fleet's loader would refuse on every publish (tensors that are not the base checkpoint's, or,
-        without its weights in ``hf_config_dir``, not those transformers would save for the model)."""
+        policy without any error (a lossy dtype cast, a glob that matches nothing, unmerged LoRA adapters, an
+        ``lm_head`` that FSDP1 may have untied from the embedding), and names the fleet's loader would refuse on
+        every publish (tensors that are not the base checkpoint's, or, without its weights in ``hf_config_dir``,
+        not those transformers would save for the model)."""
         plan = self.names_plan
         if plan is not None:
             what = [f"{plan.split_tensors} tensor(s) split into the checkpoint's"] if plan.split_tensors else []
@@ -283,6 +284,7 @@ class HotloadCallback:
                  "the tensors transformers' save_pretrained writes for this model")
         notes = [*policy.notes(source_dtypes(self.model, **kw)),
                  adapter_note(tensor_paths(self.model, include_buffers=False)),
+                 fsdp1_untied_note(self.model, **kw),
                  names_note([*(name for name, _shape, _dtype in self._specs), *(t.name for t in self.engine.carried)],
                             base, saved=saved),
                  shapes_note(((name, shape) for name, shape, _dtype in self._specs), base or saved, where=where),

@@ -219,17 +219,15 @@ def _slots(model: nn.Module, include_buffers: bool) -> list[tuple[str, _Source]]
     return slots
 
 
-def _untied_by_fsdp1(exc: ValueError, slots: Sequence[tuple[str, _Source]]) -> ValueError:
-    """``exc``, or where it refuses a tied ``lm_head`` that is a tensor of its own under FSDP1 with several FSDP
-    units, an error that says why. FSDP1 flattens each unit's parameters into that unit's own flat parameter, so a
-    weight tied across two units (the input embedding wrapped on its own, ``lm_head`` in the parent) becomes two
-    tensors that train apart: the model does tie them, and ``tie_word_embeddings=False`` would publish both while
-    the carried config.json says tied, so a server that ties them would serve another policy."""
-    if not str(exc).startswith("tie_word_embeddings=True but "):
-        return exc
+def _fsdp1_untied_head(slots: Sequence[tuple[str, _Source]]) -> tuple[str, str] | None:
+    """(``lm_head``'s path, the embedding's path) where FSDP1 holds an ``lm_head`` in one unit and a tensor of its
+    shape in another, or None. Why a guess by shape: FSDP1 flattens each unit's parameters into that unit's own flat
+    parameter, so a weight tied across two units (the input embedding wrapped on its own, ``lm_head`` in the
+    parent) becomes two tensors, and once wrapped nothing in the model records that they were one; an untied head
+    of the embedding's shape in another unit looks the same."""
     heads = [(raw, src) for raw, src in slots if is_tied_output(raw) and isinstance(src, _Fsdp1Source)]
     if not heads:
-        return exc
+        return None
 
     def shape(src: _Source) -> tuple[int, ...] | None:
         try:
@@ -237,18 +235,61 @@ def _untied_by_fsdp1(exc: ValueError, slots: Sequence[tuple[str, _Source]]) -> V
         except NotImplementedError:  # FSDP1 over tensor parallelism: refused on its own
             return None
 
-    head = heads[0][1]
+    raw, head = heads[0]
     want = shape(head)
-    # The embedding it was tied to: a tensor of its shape in another unit. None there: FSDP did not untie them.
-    if want is None or not any(isinstance(src, _Fsdp1Source) and src.handle is not head.handle and shape(src) == want
-                               for raw, src in slots if not is_tied_output(raw)):
+    if want is None:
+        return None
+    for other, src in slots:  # the embedding it was tied to; none there: FSDP did not untie them
+        if (not is_tied_output(other) and isinstance(src, _Fsdp1Source) and src.handle is not head.handle
+                and shape(src) == want):
+            return raw, other
+    return None
+
+
+def _untied_by_fsdp1(exc: ValueError, slots: Sequence[tuple[str, _Source]]) -> ValueError:
+    """``exc``, or where it refuses a tied ``lm_head`` that is a tensor of its own under FSDP1 with several FSDP
+    units, an error that says why: the model does tie them, and ``tie_word_embeddings=False`` would publish both
+    while the carried config.json says tied, so a server that ties them would serve another policy."""
+    if not str(exc).startswith("tie_word_embeddings=True but "):
+        return exc
+    found = _fsdp1_untied_head(slots)
+    if found is None:
         return exc
     return ValueError(
-        f"tie_word_embeddings=True but {heads[0][0]!r} is a tensor of its own under FSDP1: a weight tied across two "
+        f"tie_word_embeddings=True but {found[0]!r} is a tensor of its own under FSDP1: a weight tied across two "
         "FSDP units is flattened into each unit's own tensor, and the two copies train apart. Wrap the input "
         "embedding and the output projection in one FSDP unit (an auto-wrap policy that does not wrap the "
         "embedding on its own), or use FSDP2 (fully_shard([embed, lm_head])). Only if the model is not meant to "
         "tie them: a config.json in hf_config_dir (or tie_word_embeddings=) that says false.")
+
+
+def fsdp1_untied_note(model: nn.Module, *, rename: Rename | None = None, tie_word_embeddings: bool | None = None,
+                      include_buffers: bool = True, split: Split | None = None) -> str | None:
+    """A warning, or None: with ``tie_word_embeddings`` unknown (None: no config.json says, nor the caller), an
+    ``lm_head`` published as a tensor of its own that FSDP1 may have untied from the input embedding.
+
+    Why a warning and not the refusal that True gets: None means "the model decides", and the wrapped model holds
+    two tensors, which is what the trainer computes with; but after wrapping, a head FSDP1 split from the
+    embedding cannot be told from an untied head of the embedding's shape (Llama's) in another unit, and refusing
+    would stop such a model. The warning names both readings and the setting that settles it."""
+    if tie_word_embeddings is not None:
+        return None
+    found = _fsdp1_untied_head(split_slots(_slots(model, include_buffers), split))
+    if found is None:
+        return None
+    raw, embed = found
+    names = [name for name, _src, paths in _plan(model, rename, None, include_buffers, split) if raw in paths]
+    if not names:  # left out: by the rename, or shared with a name that ties it
+        return None
+    where = "" if names[0] == raw else f" ({raw!r} in the model)"
+    return (f"{names[0]!r}{where} is published as a tensor of its own beside {embed!r}, of its "
+            "shape, in another FSDP1 unit, and no config.json in hf_config_dir nor tie_word_embeddings= says "
+            "whether the model ties them. If it does, FSDP1 has untied them: it flattens each unit's parameters "
+            "into that unit's own tensor, so a weight tied across two units becomes two copies that train apart, "
+            "and a server that ties them serves the embedding's copy as the output projection. Then wrap the "
+            "input embedding and lm_head in one FSDP unit (or use FSDP2) and set tie_word_embeddings true "
+            "(config.json in hf_config_dir, or HotloadCallback(tie_word_embeddings=True)); if the model does not "
+            "tie them, set it false to say so")
 
 
 def _plan(

@@ -148,3 +148,37 @@ def test_fsdp1_units_that_untie_the_embedding_are_named_in_the_refusal(tmp_path:
         assert "under FSDP1" in got["two_units"] and "in one FSDP unit" in got["two_units"], got
         assert "Pass tie_word_embeddings=False" not in got["two_units"], got
         assert "is a tensor of its own, not shared" in got["own_head"] and "FSDP" not in got["own_head"], got
+
+
+def test_fsdp1_units_that_may_untie_the_embedding_are_warned_about_when_tying_is_unknown(tmp_path: Path) -> None:
+    """torchrun, 2 ranks (dist_scripts/fsdp1_tied_unknown.py): with no config.json and no tie_word_embeddings=, an
+    lm_head that FSDP1 split from its embedding (the embedding in a unit of its own) is published as a tensor of
+    its own, as the model decides. Rank 0 warns once, naming the tensor, what FSDP1 did and what to set; said as
+    false, or with both in one unit (tied, left out), nothing is said."""
+    from tests.dist_util import SCRIPTS, run_torchrun
+
+    out = tmp_path / "out"
+    out.mkdir()
+    job = run_torchrun(str(SCRIPTS / "fsdp1_tied_unknown.py"), 2, ["--bucket", str(tmp_path / "b"), "--out", str(out)])
+    for rank in range(2):
+        got = json.loads((out / f"rank{rank}.json").read_text())
+        assert got["two_units"] == ["embed_tokens.weight", "proj.weight", "proj.bias", "lm_head.weight"], got
+        assert got["two_units_false"] == got["two_units"], got
+        assert got["one_unit"] == ["embed_tokens.weight", "proj.weight", "proj.bias"], got
+    said: dict[str, list[str]] = {}
+    lines: list[str] = []
+    for line in job.stdout.splitlines():
+        if line.startswith("rank0 WARNING CASE "):
+            said[line.split()[3]], lines = lines, []
+        elif line.startswith("rank0 WARNING hotload: "):
+            lines.append(line)
+    assert set(said) == {"two_units", "two_units_false", "one_unit"}, job.stdout
+    untied = [line for line in said["two_units"] if "lm_head.weight" in line]
+    assert len(untied) == 1, job.stdout
+    for words in ("'lm_head.weight'", "'embed_tokens.weight'", "FSDP1", "two copies that train apart",
+                  "one FSDP unit", "config.json in hf_config_dir", "HotloadCallback(tie_word_embeddings=True)",
+                  "set it false"):
+        assert words in untied[0], untied[0]
+    assert not [line for line in said["two_units_false"] + said["one_unit"] if "lm_head" in line], job.stdout
+    assert "tensor of its own beside" not in "".join(line for line in job.stdout.splitlines()
+                                                     if line.startswith("rank1 ")), job.stdout
