@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -127,11 +128,15 @@ def job(args: argparse.Namespace) -> None:
     from .callback import HotloadCallback
     from .config import HotloadConfig
     from .engine.jobs import PublishError
+    from .engine.metrics import METRICS_ATTR
     from .fsdp_verify import gather_full_state
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)
+    # Each publish's outcome is a row of the table below, and a failed one's cause the launcher's last line: the
+    # library's own line for a failed publish would say that cause a second time.
+    logging.getLogger("fsdp_hotload").addFilter(lambda record: not hasattr(record, METRICS_ATTR))
     model = _model()
     # A CPU mesh, named: without one, fully_shard picks CUDA wherever torch sees a GPU, and a one-GPU machine
     # then fails on rank 1 ("invalid device ordinal").

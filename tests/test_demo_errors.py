@@ -30,7 +30,8 @@ def _disk_full_at(limit: int) -> Callable[[], None]:
 @pytest.mark.slow
 def test_a_failed_publish_ends_the_demo_with_its_cause(tmp_path: Path) -> None:
     """The full snapshot's shards (~400 KB) cannot be written, the deltas' (~25 KB) could: the first publish fails,
-    the job stops at the next one, and the last line names the cause."""
+    the job stops at the next one, and the last line names the cause, which nothing else printed repeats (the
+    library's warning for a failed publish said it too, above the table's FAILED row)."""
     proc = subprocess.run([*DEMO, "--steps", "3", "--workdir", str(tmp_path)], capture_output=True, text=True,
                           timeout=300, preexec_fn=_disk_full_at(200_000))
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -43,6 +44,9 @@ def test_a_failed_publish_ends_the_demo_with_its_cause(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "demo_result.json").read_text())
     assert not result["verified"] and "File too large" in result["error"]
     assert [r["ok"] for r in result["rows"]] == [False]
+    printed = (proc.stdout + proc.stderr).splitlines()
+    assert (proc.stdout + proc.stderr).count(result["error"]) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [line for line in printed if "File too large" in line] == [last], printed
 
 
 @pytest.mark.slow

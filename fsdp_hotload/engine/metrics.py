@@ -9,6 +9,10 @@ from dataclasses import asdict, dataclass, field
 
 log = logging.getLogger("fsdp_hotload")
 
+#: The attribute of the log record of each publish's summary line that holds its :class:`PublishMetrics`, so that a
+#: program that reports outcomes its own way (``hotload demo``'s table) can leave those lines out with a filter.
+METRICS_ATTR = "hotload_metrics"
+
 
 @dataclass
 class PublishMetrics:
@@ -89,7 +93,7 @@ class MetricsSink:
     def emit(self, m: PublishMetrics) -> None:
         """Log the summary, then append the line; raises the file's OSError (after logging, so that a full disk
         does not hide what the publish did)."""
-        (log.info if m.ok else log.warning)("hotload: %s", m.summary())
+        (log.info if m.ok else log.warning)("hotload: %s", m.summary(), extra={METRICS_ATTR: m})
         with self._lock:
             self.records.append(m)
             if len(self.records) > self.keep:
