@@ -35,8 +35,9 @@ from .storage_info import FileInfo, StorageStats, mtime_of
 from .storage_local import TMP_PREFIX, atomic_write
 from .storage_paths import LOCAL_PROTOCOLS, OBJECT_STORE_PROTOCOLS, check_options, check_relpath, normalise_root
 from .storage_multipart import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, part_size_for, stream_write  # noqa: F401
-from .storage_s3 import (DeleteRefused, OpenUpload, RetryPolicy, ThrottleAnswers, abort_open_uploads, abort_upload,
-                         delete_checked, failed_request, is_s3_root, list_uploads, owned_retries)
+from .storage_s3 import (DeleteRefused, OpenUpload, RetryPolicy, ThrottleAnswers, ViewBody, abort_open_uploads,
+                         abort_upload, delete_checked, failed_request, is_s3_root, list_uploads, owned_retries,
+                         single_send)
 
 __all__ = ["Storage", "StorageStats", "StorageError", "MissingBackendError", "FileInfo", "ErrorClass",
            "classify_error", "backoff_delay", "backend_install_hint", "credential_hint", "TMP_PREFIX", "COMMIT_MARKER",
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _COPY_BLOCK = 8 * 2**20
+_VIEW_BODY_MIN = 2**20  # bytes from which a one-request S3 put reads the caller's buffer (Storage._small_body)
 
 
 # -- storage ----------------------------------------------------------------------------------------------------
@@ -270,7 +272,8 @@ class Storage:
     # -- writes ------------------------------------------------------------------------------------------
 
     def put_bytes(self, relpath: str, data: bytes | bytearray | memoryview) -> None:
-        """Write one object (replacing any old one), retrying transient failures."""
+        """Write one object (replacing any old one), retrying transient failures. ``data`` must not change until
+        this returns: on S3 and local paths it is read as it is sent, not copied first."""
         rel = check_relpath(relpath, self._shown)
         view = memoryview(data)
         if view.ndim != 1 or view.format not in ("B", "b", "c"):
@@ -288,11 +291,28 @@ class Storage:
                 self._run("put", rel, lambda: self._stream_write(
                     path, (view[off:off + step] for off in range(0, nbytes, step)), step))
             else:
-                payload = data if isinstance(data, (bytes, bytearray)) else view.tobytes()
-                self._run("put", rel, lambda: self._pipe_file(path, payload))
+                body = self._small_body(data, view)
+                self._run("put", rel, lambda: self._pipe_file(path, body()))
         finally:
             self.stats.add(seconds=time.perf_counter() - t0)
         self.stats.add(puts=1, bytes_put=nbytes)
+
+    def _small_body(self, data: bytes | bytearray | memoryview, view: memoryview,
+                    ) -> Callable[[], bytes | bytearray | ViewBody]:
+        """The body of each attempt of a one-request put. On S3 (where s3fs sends each request once), from
+        ``_VIEW_BODY_MIN`` bytes up: a fresh :class:`~fsdp_hotload.storage_s3.ViewBody` over the caller's buffer
+        per attempt, read from its start. Otherwise ``bytes`` as they are, and one copy of any other buffer
+        (gcsfs and other backends take bytes only).
+
+        Why: a publisher's file is a view of the buffer it was assembled in, up to ``multipart_threshold`` bytes;
+        copying it to ``bytes`` cost that much host memory again for each upload in flight (8 at once by default),
+        and a ``bytes`` body sent over plain HTTP was copied once more into the socket's send buffer. Below
+        ``_VIEW_BODY_MIN`` the copy is small, and a file body would cost a round trip (botocore asks the store for
+        ``100 Continue`` before sending one)."""
+        if self._chunked and view.nbytes >= _VIEW_BODY_MIN and single_send(self._fs):
+            return lambda: ViewBody(view)
+        payload = data if isinstance(data, (bytes, bytearray)) else view.tobytes()
+        return lambda: payload
 
     def put_file(self, relpath: str, local_path: str) -> None:
         """Upload a local file. Files above ``multipart_threshold`` are streamed (multipart on object stores)
@@ -365,7 +385,7 @@ class Storage:
                            f"first: {first}", uri=self.uri(rel), op="put_many",
                            attempts=getattr(first, "attempts", 0), cause=first) from first
 
-    def _pipe_file(self, path: str, payload: bytes | bytearray) -> None:
+    def _pipe_file(self, path: str, payload: bytes | bytearray | ViewBody) -> None:
         """One ``pipe_file`` under its deadline; on S3, one call cut off by it also aborts the key's open multipart
         uploads. Why: the deadline cancels s3fs's upload, whose own abort runs only on ``Exception``, so every
         timed-out attempt left a billed, unlisted upload behind.

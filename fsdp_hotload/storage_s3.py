@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import math
 import time
@@ -27,7 +28,8 @@ from .storage_errors import ErrorClass, backoff_delay, classify_error, is_lost_u
 
 __all__ = ["is_s3_root", "owned_retries", "DeadlineCalls", "ThrottleAnswers", "abort_open_uploads",
            "DeleteRefused", "delete_checked", "OpenUpload", "list_uploads", "abort_upload", "RetryPolicy",
-           "FailedRequest", "failed_request", "abort_failed_upload", "abort_resent_uploads"]
+           "FailedRequest", "failed_request", "abort_failed_upload", "abort_resent_uploads", "ViewBody",
+           "single_send"]
 
 logger = logging.getLogger("fsdp_hotload.storage")
 T = TypeVar("T")
@@ -53,6 +55,74 @@ def owned_retries(root: str, options: dict[str, Any]) -> tuple[dict[str, Any], b
         return options, False
     config["retries"] = {"mode": "standard", "total_max_attempts": 2}
     return {**options, "config_kwargs": config}, True
+
+
+class ViewBody(io.RawIOBase):
+    """A read-only, seekable file over a byte buffer: the body of one PutObject, read from the caller's buffer.
+
+    Why: a file below the multipart threshold went up as ``bytes``, so a buffer the publisher had just assembled
+    (a memoryview, up to 64 MiB) was copied whole first, and over plain HTTP the unsent rest of a ``bytes`` body
+    was copied again into the socket's send buffer: with 8 uploads at once up to 1 GiB more host memory per rank,
+    on the cores the trainer uses. botocore takes a file-like body as it is: it reads it in chunks for the checksum
+    (and, over plain HTTP, the payload signature), rewinds it (``seek``), and the HTTP client reads it again in
+    256 KiB chunks while sending, so only chunks are ever copied. botocore's own retry rewinds it to offset 0; a
+    request sent again by s3fs's loop would not be rewound, so a body is given only to a filesystem that sends
+    each request once (:func:`single_send`), and each attempt of Storage's gets a fresh one.
+
+    The buffer must not change until the put returns (each chunk is read as it is sent). ``len()`` is the bytes
+    left from the current position (what botocore sizes the request by, and s3fs's ``len(data)``).
+    """
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        super().__init__()
+        view = memoryview(data)
+        self._view = view if view.ndim == 1 and view.format in ("B", "b", "c") else view.cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._view.nbytes}.get(whence)
+        if base is None:
+            raise ValueError(f"whence must be 0, 1 or 2, got {whence}")
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def read(self, size: int | None = -1) -> bytes:
+        """Up to ``size`` bytes (all that is left for None or a negative size), as a copy of that chunk only."""
+        start = self._pos
+        if start >= self._view.nbytes:
+            return b""
+        end = self._view.nbytes if size is None or size < 0 else min(start + size, self._view.nbytes)
+        self._pos = end
+        return self._view[start:end].tobytes()
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        start = self._pos
+        n = max(0, min(out.nbytes, self._view.nbytes - start))
+        out[:n] = self._view[start:start + n]
+        self._pos += n
+        return n
+
+    def __len__(self) -> int:
+        return max(0, self._view.nbytes - self._pos)
+
+
+def single_send(fs: Any) -> bool:
+    """Whether ``fs`` (s3fs) sends each request once (its own retry loop set to one try, as Storage sets it where
+    it owns the retries): only then may a request's body be a :class:`ViewBody`, which s3fs would send again
+    from where the failed try left it."""
+    return getattr(fs, "retries", None) == 1 and hasattr(fs, "call_s3")
 
 
 @dataclass(frozen=True)

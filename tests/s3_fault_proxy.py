@@ -10,7 +10,7 @@ Example::
 A rule returns None (forward the request), ``"slowdown"`` (answer 503 SlowDown itself; the store never sees
 it), ``"internal"`` (answer 500 InternalError so), ``"nosuchupload"`` (answer 404 NoSuchUpload so: an upload
 aborted under the writer) or ``"lost"`` (forward it, so the store applies it, then close
-the connection without an answer: a reply lost on its way back).
+the connection without an answer: a reply lost on its way back). :class:`TlsFront` puts HTTPS in front of it.
 """
 from __future__ import annotations
 
@@ -171,3 +171,85 @@ class S3FaultProxy:
     def __exit__(self, *exc_info: Any) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
+
+
+class TlsFront:
+    """HTTPS in front of a plain HTTP server on loopback (a self-signed certificate for 127.0.0.1, in ``cafile``),
+    so botocore takes its HTTPS path: a streamed body sent ``aws-chunked``, its checksum in a trailer.
+
+    Example::
+
+        with S3FaultProxy(s3_server.endpoint_url) as proxy, TlsFront(proxy.url, tmp_path) as tls:
+            options = {**s3_server.storage_options, "endpoint_url": tls.url,
+                       "client_kwargs": {"region_name": "us-east-1", "verify": tls.cafile}}
+    """
+
+    def __init__(self, upstream: str, workdir: Any) -> None:
+        import datetime
+        import ipaddress
+        import ssl
+        from pathlib import Path
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+        now = datetime.datetime.now(datetime.timezone.utc)
+        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+                .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+                .not_valid_after(now + datetime.timedelta(hours=1))
+                .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                               critical=False)
+                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                .sign(key, hashes.SHA256()))
+        self.cafile = str(Path(workdir) / "tls-front-cert.pem")
+        keyfile = Path(workdir) / "tls-front-key.pem"
+        Path(self.cafile).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        keyfile.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                              serialization.NoEncryption()))
+        self._context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self._context.load_cert_chain(self.cafile, str(keyfile))
+        target = urlsplit(upstream)
+        self._upstream = (target.hostname or "127.0.0.1", target.port or 80)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"https://127.0.0.1:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            secure = self._context.wrap_socket(client, server_side=True)
+            upstream = socket.create_connection(self._upstream)
+        except OSError:
+            client.close()
+            return
+        threading.Thread(target=self._pump, args=(upstream, secure), daemon=True).start()
+        self._pump(secure, upstream)
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def __enter__(self) -> TlsFront:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._listener.close()
