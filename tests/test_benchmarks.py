@@ -404,6 +404,16 @@ def test_s3_throttle_benchmark_writes_through_refused_parts_and_leaves_no_upload
     assert "part bodies sent per part of the object:" in proc.stdout, proc.stdout
 
 
+def test_s3_small_puts_benchmark_reads_back_every_object_of_every_run() -> None:
+    pytest.importorskip("moto.server")
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("the benchmark resets the peak resident memory through /proc/self/clear_refs")
+    proc = _run([str(BENCH / "s3_small_puts.py"), "--files", "2", "--mib", "2", "--threads", "2"], 180)
+    for run in ("copied", "views", "bytes"):
+        assert re.search(rf"^ *{run} +\d+ +[\d.]+ +[\d.]+  byte-identical$", proc.stdout, re.M), proc.stdout
+    assert "copied (baseline): peak" in proc.stdout and "machine:" in proc.stdout, proc.stdout
+
+
 def test_retention_markers_benchmark_reads_each_marker_once() -> None:
     proc = _run([str(BENCH / "retention_markers.py"), "--chain", "20", "--get-ms", "1", "--passes", "2"], 120)
     # 21 then 22 markers; with the cache the new one, and the one before it again (keep_last=2)
