@@ -63,8 +63,9 @@ class HotloadConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, hide_input_in_errors=True)
 
     # --- where snapshots go
-    bucket_url: str = Field(description="Snapshot root: local path, file://, memory://, s3://, gs:// (the "
-                                        "deployment's hot-load bucket URL; snapshot N lives at "
+    bucket_url: str = Field(description="Snapshot root: local path, file://, s3:// (s3a://), gs:// (gcs://), or "
+                                        "memory:// for single-process tests; other schemes and fsspec chains are "
+                                        "refused (the deployment's hot-load bucket URL; snapshot N lives at "
                                         "<bucket_url>/<identity>/)")
     storage_options: dict[str, Any] = Field(default_factory=dict, description='fsspec options, e.g. '
                                             '{"endpoint_url": "http://minio:9000"} for MinIO')
@@ -269,10 +270,12 @@ class HotloadConfig(BaseModel):
             raise ValueError(f"bucket_url {mask_url(v)!r} names no folder or bucket")
         if v != v.strip():  # a line read from an env file: s3 would take the newline into every key
             raise ValueError(f"bucket_url {mask_url(v)!r} starts or ends with white space")
-        if "://" not in root:
-            from .storage_paths import check_local_root
+        from .storage_paths import normalise_root
 
-            check_local_root(root)
+        try:  # what the storage layer would refuse when it opens, refused before any training step
+            normalise_root(root)
+        except ValueError as exc:
+            raise ValueError(re.sub(r"^storage root\b", "bucket_url", str(exc))) from None
         return root
 
     @field_validator("hotload_api_url")

@@ -5,8 +5,10 @@ object stores fail in ways that need different answers: a quick retry, a longer 
 error at once (:mod:`fsdp_hotload.storage_errors` decides which). Every operation takes a path relative to one
 root URI (the deployment's bucket prefix), so callers never build URIs by hand.
 
-Backends: local paths (``/tmp/x``, ``file://``), ``memory://``, ``s3://`` (s3fs; MinIO/Nebius through
-``endpoint_url``) and ``gs://`` (gcsfs). s3fs and gcsfs are optional and imported only when a root needs them.
+Backends: local paths (``/tmp/x``, ``file://``, ``local://``), ``memory://``, ``s3://`` (s3fs; MinIO/Nebius
+through ``endpoint_url``) and ``gs://`` (gcsfs). s3fs and gcsfs are optional and imported only when a root needs
+them. Any other scheme, and any fsspec chain (``simplecache::s3://...``, ``dir::...``), is refused when the storage
+opens (:func:`~fsdp_hotload.storage_paths.normalise_root` says why).
 
 Local writes go to a hidden temporary name in the target directory and are renamed into place, so a reader
 never sees a torn file. Object stores give the same guarantee natively (an object appears when its PUT or its
@@ -140,8 +142,8 @@ class Storage:
         self._fs = fs
         self._fs_root = str(fs_root).rstrip("/") or "/"
         protos = _protocols(fs)
-        # A caching layer (simplecache::s3://...) says local_file too, yet its paths are the store's: only a local
-        # protocol writes through a temp file and os.replace.
+        # A caching layer (an injected fs; a simplecache:: root is refused) says local_file too, yet its paths are
+        # the store's: only a local protocol writes through a temp file and os.replace.
         self._local = bool(getattr(fs, "local_file", False)) and bool(protos & LOCAL_PROTOCOLS)
         self._object_store = bool(protos & OBJECT_STORE_PROTOCOLS)
         # s3fs's pipe_file takes the multipart part size; other backends' may not.
@@ -152,16 +154,14 @@ class Storage:
     @staticmethod
     def _open_fs(root: str, options: dict) -> tuple[fsspec.AbstractFileSystem, str]:
         shown = mask_url(root)
-        for link in root.split("::"):
-            protocol, _ = fsspec.core.split_protocol(link)
-            hint = backend_install_hint(protocol) if protocol else None
-            if hint is not None:
-                module = _BACKEND_PACKAGES[protocol.lower()][0]
-                try:
-                    importlib.import_module(module)
-                except ImportError as exc:
-                    raise MissingBackendError(f"cannot open {shown}: {hint}", uri=shown, op="open",
-                                              cause=exc) from exc
+        protocol, _ = fsspec.core.split_protocol(root)  # one link: normalise_root refuses fsspec chains
+        hint = backend_install_hint(protocol) if protocol else None
+        if hint is not None:
+            module = _BACKEND_PACKAGES[protocol.lower()][0]
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                raise MissingBackendError(f"cannot open {shown}: {hint}", uri=shown, op="open", cause=exc) from exc
         check_options(root, options)
         options, own_retries = owned_retries(root, options)
         if is_s3_root(root):  # a filesystem of its own: the throttle count hooks its client (ThrottleAnswers)

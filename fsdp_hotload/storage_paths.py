@@ -18,6 +18,7 @@ import functools
 import importlib
 import inspect
 import os
+import re
 from typing import Any
 
 import fsspec
@@ -26,12 +27,24 @@ import fsspec.core
 from .masking import mask_url, url_has_credentials
 from .storage_errors import StorageError
 
-__all__ = ["LOCAL_PROTOCOLS", "OBJECT_STORE_PROTOCOLS", "check_local_root", "check_options", "check_relpath",
-           "normalise_root"]
+__all__ = ["LOCAL_PROTOCOLS", "OBJECT_STORE_PROTOCOLS", "SUPPORTED_PROTOCOLS", "SUPPORTED_ROOTS", "check_local_root",
+           "check_options", "check_relpath", "normalise_root"]
 
 #: Protocols whose files opened for writing only become visible when closed, so streaming into them is safe.
 OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})
 LOCAL_PROTOCOLS = frozenset({"file", "local"})
+#: What hotload writes snapshots to, and its tests cover end to end: every other scheme is refused when the config
+#: is validated and when the storage opens, since another fsspec backend was found out only at the first publish
+#: (after the step's tensors were gathered), or wrote somewhere no reader looks.
+SUPPORTED_PROTOCOLS = LOCAL_PROTOCOLS | OBJECT_STORE_PROTOCOLS | {"memory"}
+#: The supported roots, as refusals name them.
+SUPPORTED_ROOTS = ("a local path, file:// (or local://), s3:// (or s3a://; S3-compatible stores through "
+                   "storage_options.endpoint_url), gs:// (or gcs://), or memory:// (one process's memory, for "
+                   "single-process tests)")
+_AZURE_PROTOCOLS = frozenset({"az", "abfs", "abfss", "adl", "wasb", "wasbs"})
+#: fsspec's caching links: each keeps a local copy of what passes through it.
+_CACHING_PROTOCOLS = frozenset({"simplecache", "filecache", "blockcache", "cached"})
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*(?=://)")
 
 
 def check_local_root(root: str) -> None:
@@ -39,44 +52,119 @@ def check_local_root(root: str) -> None:
     shown = mask_url(root)
     head = root.split("/", 1)[0]
     scheme = head.split(":", 1)[0].lower() if ":" in head else None
-    if scheme and scheme in fsspec.available_protocols():  # s3:/bucket/run, s3:bucket/run, gs:bucket
-        rest = root.split(":", 1)[1].lstrip("/")
-        meant = f"{scheme}:///{rest}" if scheme in LOCAL_PROTOCOLS else f"{scheme}://{rest}"
+    if scheme and scheme in fsspec.available_protocols():  # s3:/bucket/run, s3:bucket/run, gs:bucket, file:~/run
+        rest = root.split(":", 1)[1]
+        if scheme not in SUPPORTED_PROTOCOLS:
+            raise ValueError(f"storage root {shown!r} is a local path that starts with {scheme}:, and {scheme}:// "
+                             f"is not a storage hotload writes to: give {SUPPORTED_ROOTS}")
+        if scheme in LOCAL_PROTOCOLS:  # the folder meant: file:~/run is ~/run, file:runs/exp1 is ./runs/exp1
+            meant = f"{scheme}://{os.path.abspath(os.path.expanduser(rest))}"
+        else:
+            meant = f"{scheme}://{rest.lstrip('/')}"
         raise ValueError(f"storage root {shown!r} is a local path that starts with {scheme}: - did you mean "
                          f"{mask_url(meant)}?")
     if "::" in root:  # fsspec would open '/x/a::b' as the chain 'b' over '/x/a', writing to /x/a
-        raise ValueError(f"storage root {shown!r} holds '::', which fsspec reads as a chain of filesystems: "
-                         "rename the folder, or give the chain with each link's scheme (simplecache::s3://b/p)")
+        raise ValueError(f"storage root {shown!r} holds '::', which fsspec reads as a chain of filesystems: rename "
+                         "the folder")
+
+
+def _check_scheme(root: str) -> None:
+    """Refuse a root whose scheme hotload does not write to, and every fsspec chain (``a::b://...``).
+
+    A chain's links change what a write does: ``dir::s3://b/run`` roots the filesystem at ``b/run`` and hotload
+    adds the root again (every object, commit marker included, landed under ``s3://b/run/b/run/``, and every publish
+    reported ok); a caching link (``simplecache::``) keeps a local copy of every byte written for the life of the
+    process (retention deletes only the store's copy) and hides the object store from the storage layer, so a large
+    file loses its per-part retries and deadlines and an open multipart upload is never aborted."""
+    shown = mask_url(root)
+    links = root.split("::")
+    protocol = fsspec.core.split_protocol(links[-1])[0]  # the store a chain ends on: its plain URL's
+    protocol = protocol.lower() if protocol else None
+    if protocol in _AZURE_PROTOCOLS:
+        raise ValueError(f"storage root {shown!r}: Azure Blob Storage ({protocol}://) is not a supported backend; "
+                         f"give {SUPPORTED_ROOTS}")
+    if protocol is not None and protocol not in SUPPORTED_PROTOCOLS:
+        raise ValueError(f"storage root {shown!r}: {protocol}:// is not a storage hotload writes to; give "
+                         f"{SUPPORTED_ROOTS}")
+    if len(links) > 1:
+        plain = mask_url(links[-1])
+        names = [(fsspec.core.split_protocol(link)[0] or link).lower() for link in links[:-1]]
+        caching = [n for n in names if n in _CACHING_PROTOCOLS]
+        if caching:
+            raise ValueError(f"storage root {shown!r} puts fsspec's {caching[0]} in front of the store: it keeps a "
+                             "local copy of every byte written for the life of the process (retention deletes only "
+                             "the store's copy, so the trainer's disk fills), and the store's per-part retries, "
+                             f"deadlines and multipart aborts would not apply: give the plain URL {plain}")
+        raise ValueError(f"storage root {shown!r} is a chain of fsspec filesystems ({'::'.join(names)}::), which "
+                         "hotload does not write through: a link changes where or how each write lands (dir:: roots "
+                         "the store at the path and hotload added the path again, so objects landed under "
+                         f"<root>/<root>/): give the plain URL {plain}")
+
+
+def _local_host(root: str) -> str:
+    """``file://localhost/abs`` (RFC 8089: this machine) as ``file:///abs``; any other host refused. Why: fsspec
+    reads ``file://tmp/x`` as the relative path ``tmp/x`` and ``file://localhost/abs`` as ``<cwd>/localhost/abs``,
+    so snapshots landed under the working directory, where no reader started elsewhere looks."""
+    scheme, sep, rest = root.partition("://")
+    if not sep or scheme not in LOCAL_PROTOCOLS or not rest or rest.startswith(("/", "~")):
+        return root
+    host, _, path = rest.partition("/")
+    if host.lower() == "localhost":
+        return f"{scheme}:///{path}"
+    shown = mask_url(root)
+    if "@" in host:  # user:password@host: no hint that would show them
+        raise ValueError(f"storage root {shown!r} names a host, which fsspec reads as a folder under the working "
+                         f"directory: a {scheme}:// root is a path on this machine ({scheme}:///abs/path)")
+    meant = os.path.abspath(rest) if host in (".", "..") else f"/{rest}"
+    raise ValueError(f"storage root {shown!r} names a host ({host!r}), which fsspec reads as a folder under the "
+                     f"working directory: did you mean {scheme}://{meant}?")
 
 
 def normalise_root(root: str) -> str:
+    """``root`` as the storage layer opens it (a local path made absolute, the scheme in lower case, no trailing
+    ``/``), or ValueError saying why hotload refuses it: an unsupported scheme, an fsspec chain, or a path that
+    would write where no reader, commit check or retention pass looks. The config's ``bucket_url`` runs this
+    check too, so a bad root is refused before any training step."""
     root = os.fspath(root).strip()
     if not root:
         raise ValueError("storage root is empty")
+    scheme = _SCHEME.match(root)
+    if scheme:  # S3://b/run: fsspec knows no "S3" ("Protocol not known"); only the scheme, never the bucket
+        root = scheme[0].lower() + root[scheme.end():]
     protocol, _ = fsspec.core.split_protocol(root)
     if protocol is None:
         check_local_root(root)
         root = os.path.abspath(os.path.expanduser(root))
+    _check_scheme(root)
+    root = _local_host(root)
     stripped = root.rstrip("/")
     shown = mask_url(root)
-    if not stripped or stripped.endswith(":") or stripped.endswith("::"):
+    if not stripped or stripped.endswith(":"):
         raise ValueError(f"storage root {shown!r} names no directory or bucket")
-    for link in stripped.split("::"):
-        protocol, path = fsspec.core.split_protocol(link)
-        # s3fs/gcsfs read 'KEY:SECRET@b' (as Hadoop's s3a:// did) as a bucket name, and every error showed the keys
-        if protocol and protocol.lower() in OBJECT_STORE_PROTOCOLS and url_has_credentials(link):
-            raise ValueError(f"storage root {protocol}:// must not carry credentials ('KEY:SECRET@bucket'): pass "
-                             "them in storage_options, or leave them to the provider's own credential chain")
-        # fsspec's rm expands * ? [ on object stores (and memory://): a root "runs/exp[12]" would delete the
-        # snapshots of "runs/exp1" and "runs/exp2" at the first retention pass, and none of its own.
-        if protocol and protocol.lower() not in LOCAL_PROTOCOLS and any(c in path for c in "*?["):
-            raise ValueError(f"storage root {shown!r} has a glob character (* ? [), which fsspec expands on "
-                             f"{protocol}:// when deleting: rename that folder")
-        # An object store keeps "a//b" as a key with an empty segment, which listings never return: every write
-        # would land where no commit check or retention pass can see it.
-        if protocol and protocol.lower() in OBJECT_STORE_PROTOCOLS and any(
-                seg in ("", ".", "..") for seg in path.split("/")):
-            raise ValueError(f"storage root {shown!r} has an empty, '.' or '..' segment after the bucket")
+    protocol, path = fsspec.core.split_protocol(stripped)
+    # s3fs/gcsfs read 'KEY:SECRET@b' (as Hadoop's s3a:// did) as a bucket name, and every error showed the keys
+    if protocol in OBJECT_STORE_PROTOCOLS and url_has_credentials(stripped):
+        raise ValueError(f"storage root {protocol}:// must not carry credentials ('KEY:SECRET@bucket'): pass "
+                         "them in storage_options, or leave them to the provider's own credential chain")
+    if protocol and protocol not in LOCAL_PROTOCOLS and "?" in path:
+        raise ValueError(f"storage root {shown!r} has a '?', which starts a URL's query (s3fs reads ?versionId= as "
+                         "an object version, gcsfs ?generation= as an object generation) and which fsspec expands "
+                         "as a glob when deleting: give the bucket and folder path alone")
+    # gcsfs reads 'gs://b/run#5' as the object 'run' at generation 5 (and turns version-aware mode on): the root's
+    # listings (commit checks, retention) would look at 'run', while writes land under 'run#5/'.
+    if protocol in ("gs", "gcs") and "#" in path:
+        raise ValueError(f"storage root {shown!r} has a '#', which gcsfs reads as the start of an object generation "
+                         "(gs://b/run#5 lists the object run at generation 5, not the folder run#5): give the bucket "
+                         "and folder path alone")
+    # fsspec's rm expands * and [ on object stores (and memory://): a root "runs/exp[12]" would delete the
+    # snapshots of "runs/exp1" and "runs/exp2" at the first retention pass, and none of its own.
+    if protocol and protocol not in LOCAL_PROTOCOLS and any(c in path for c in "*["):
+        raise ValueError(f"storage root {shown!r} has a glob character (* or [), which fsspec expands on "
+                         f"{protocol}:// when deleting, reaching other folders: rename that folder")
+    # An object store keeps "a//b" as a key with an empty segment, which listings never return: every write
+    # would land where no commit check or retention pass can see it.
+    if protocol in OBJECT_STORE_PROTOCOLS and any(seg in ("", ".", "..") for seg in path.split("/")):
+        raise ValueError(f"storage root {shown!r} has an empty, '.' or '..' segment after the bucket")
     return stripped
 
 
@@ -89,14 +177,14 @@ def check_options(root: str, options: dict[str, Any]) -> None:
     gcsfs) accept and ignore any keyword, so ``{"endpoint": ...}`` for ``endpoint_url`` would send a MinIO user's
     snapshots to AWS S3 without a word."""
     protocol, _ = fsspec.core.split_protocol(root)
-    if "::" not in root and (protocol is None or protocol.lower() in LOCAL_PROTOCOLS | {"memory"}):
+    if protocol is None or protocol.lower() in LOCAL_PROTOCOLS | {"memory"}:
         unused = sorted(set(options) - _FSSPEC_OPTIONS - {"auto_mkdir"})
         if unused:  # e.g. "my-bucket/run" with an endpoint_url: the snapshots would land on the local disk
             raise ValueError(f"storage_options {unused} are for an object store, but the storage root "
                              f"{mask_url(root)!r} is a {protocol or 'local'} path: give the root its scheme (s3://, "
                              "gs://) or drop them")
         return
-    if "::" in root or protocol is None or protocol.lower() not in OBJECT_STORE_PROTOCOLS or not options:
+    if protocol.lower() not in OBJECT_STORE_PROTOCOLS or not options:
         return
     try:
         cls = fsspec.get_filesystem_class(protocol.lower())
@@ -308,8 +396,8 @@ def root_key(url: str, options: dict[str, Any] | None = None) -> str:
     if not sep:
         return os.path.realpath(root)
     scheme = scheme.lower()
-    if scheme in ("file", "local"):
-        return os.path.realpath(rest)
+    if scheme in LOCAL_PROTOCOLS:  # file://~/x writes where ~/x does: fsspec expands the ~
+        return os.path.realpath(os.path.expanduser(rest))
     scheme = _SAME_BACKEND.get(scheme, scheme)
     options = options or {}
     nested = options.get("client_kwargs") if isinstance(options.get("client_kwargs"), dict) else {}

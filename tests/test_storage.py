@@ -307,9 +307,10 @@ def test_missing_optional_backend(monkeypatch: pytest.MonkeyPatch, uri: str, mod
     assert isinstance(info.value, ImportError)
 
 
-def test_unknown_protocol_names_the_uri() -> None:
-    with pytest.raises(StorageError, match="nosuchproto://bucket/x"):
+def test_unknown_protocol_names_the_uri_and_the_supported_ones() -> None:
+    with pytest.raises(ValueError, match="nosuchproto://bucket/x") as info:
         Storage("nosuchproto://bucket/x")
+    assert all(s in str(info.value) for s in ("file://", "s3://", "gs://", "memory://"))
 
 
 @pytest.mark.parametrize("root", ["s3://bkt//dbl", "s3://bkt/./x", "gs://b/a/../c"])
@@ -319,12 +320,14 @@ def test_object_store_roots_with_empty_or_dot_segments_are_refused(root: str) ->
         Storage(root)
 
 
-@pytest.mark.parametrize("root", ["memory://runs/exp[12]", "s3://bkt/runs/exp*", "gs://b/run?"])
+@pytest.mark.parametrize("root", ["memory://runs/exp[12]", "s3://bkt/runs/exp*", "gs://b/run*"])
 def test_object_store_roots_with_glob_characters_are_refused(root: str) -> None:
     """fsspec's rm expands * ? [ on object stores: retention under "runs/exp[12]" deleted the snapshots of
-    "runs/exp1" and "runs/exp2" and none of its own."""
+    "runs/exp1" and "runs/exp2" and none of its own ('?', a URL's query, is refused as one)."""
     with pytest.raises(ValueError, match=r"glob character"):
         Storage(root)
+    with pytest.raises(ValueError, match=r"'\?', which starts a URL's query .* expands as a glob"):
+        Storage("memory://runs/exp?")
 
 
 @pytest.mark.parametrize("root, meant", [("s3:/my-bucket/run", "s3://my-bucket/run"), ("s3:bkt/run", "s3://bkt/run"),
@@ -386,10 +389,15 @@ def test_a_very_long_file_name_is_written_through_a_shorter_temp_name(tmp_path: 
     assert st.get_bytes(f"d/{name}") == b"x"
 
 
-def test_a_caching_layer_over_a_store_is_not_written_as_a_local_disk() -> None:
-    """``simplecache::`` says local_file too: writes took the temp-file-and-os.replace path, uploading the temp
-    object in full and then failing every put on a local rename (FileNotFoundError, not retried)."""
-    st = Storage(f"simplecache::memory://chain-{uuid.uuid4().hex[:8]}/root")
+def test_a_caching_layer_over_a_store_is_refused_and_not_written_as_a_local_disk() -> None:
+    """A ``simplecache::`` root kept a local copy of every byte written for the life of the process, and hid the
+    object store from the storage layer: it is refused, naming the plain URL. A caching filesystem given as ``fs``
+    says local_file too: writes took the temp-file-and-os.replace path, uploading the temp object in full and then
+    failing every put on a local rename (FileNotFoundError, not retried)."""
+    root = f"memory://chain-{uuid.uuid4().hex[:8]}/root"
+    with pytest.raises(ValueError, match=f"simplecache in front of the store.*give the plain URL {root}"):
+        Storage(f"simplecache::{root}")
+    st = Storage(root, fs=fsspec.filesystem("simplecache", target_protocol="memory"))
     assert not st._local
     st.put_bytes("step-000001-a1b2c3d4/model-00001-of-00001.safetensors", b"x" * 1000)
     assert st.get_bytes("step-000001-a1b2c3d4/model-00001-of-00001.safetensors") == b"x" * 1000
