@@ -47,6 +47,8 @@ CASES = [
     ("routing_exchange.py", ["--gib", "0"], "--gib"),
     ("s3_throttle.py", ["--parts", "1"], "--parts"),  # one part is no multipart upload
     ("s3_throttle.py", ["--rate", "1.5"], "--rate"),
+    ("s3_small_puts.py", ["--files", "0"], "--files"),
+    ("s3_small_puts.py", ["--mib", "64"], "--mib"),  # 64 MiB is the multipart threshold: no longer one PUT
     ("split_staging.py", ["--layers", "0"], "--layers"),
     ("split_staging.py", ["--reps", "0"], "--reps"),
     ("tensor_count.py", ["--steps", "2"], "--steps"),
