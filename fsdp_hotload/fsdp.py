@@ -263,6 +263,15 @@ def _untied_by_fsdp1(exc: ValueError, slots: Sequence[tuple[str, _Source]]) -> V
         "tie them: a config.json in hf_config_dir (or tie_word_embeddings=) that says false.")
 
 
+def _model_says_untied(model: nn.Module) -> bool:
+    """Whether the model object's own config (``model.config``, reached through FSDP1's wrapper) says its output
+    projection is not tied, with no ``text_config`` that says otherwise."""
+    cfg = getattr(model, "config", None)
+    top = getattr(cfg, "tie_word_embeddings", None)
+    text = getattr(getattr(cfg, "text_config", None), "tie_word_embeddings", None)
+    return top is False and text in (None, False)
+
+
 def fsdp1_untied_note(model: nn.Module, *, rename: Rename | None = None, tie_word_embeddings: bool | None = None,
                       include_buffers: bool = True, split: Split | None = None) -> str | None:
     """A warning, or None: with ``tie_word_embeddings`` unknown (None: no config.json says, nor the caller), an
@@ -271,8 +280,10 @@ def fsdp1_untied_note(model: nn.Module, *, rename: Rename | None = None, tie_wor
     Why a warning and not the refusal that True gets: None means "the model decides", and the wrapped model holds
     two tensors, which is what the trainer computes with; but after wrapping, a head FSDP1 split from the
     embedding cannot be told from an untied head of the embedding's shape (Llama's) in another unit, and refusing
-    would stop such a model. The warning names both readings and the setting that settles it."""
-    if tie_word_embeddings is not None:
+    would stop such a model. The warning names both readings and the setting that settles it. A model object that
+    carries its own config saying it does not tie them (a transformers model's ``config.tie_word_embeddings``,
+    which its ``tie_weights()`` reads) settles it too: nothing to say."""
+    if tie_word_embeddings is not None or _model_says_untied(model):
         return None
     found = _fsdp1_untied_head(split_slots(_slots(model, include_buffers), split))
     if found is None:

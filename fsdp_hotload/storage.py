@@ -307,12 +307,17 @@ class Storage:
         Why: a publisher's file is a view of the buffer it was assembled in, up to ``multipart_threshold`` bytes;
         copying it to ``bytes`` cost that much host memory again for each upload in flight (8 at once by default),
         and a ``bytes`` body sent over plain HTTP was copied once more into the socket's send buffer. Below
-        ``_VIEW_BODY_MIN`` the copy is small, and a file body would cost a round trip (botocore asks the store for
-        ``100 Continue`` before sending one)."""
-        if self._chunked and view.nbytes >= _VIEW_BODY_MIN and single_send(self._fs):
+        ``_VIEW_BODY_MIN`` the copy is cheap (markers and configs are bytes already). From 5 GiB (a size only a
+        ``multipart_threshold`` set above it lets through) s3fs cuts the body into parts itself by slicing it, so
+        such a body is bytes as before."""
+        if self._view_body(view.nbytes):
             return lambda: ViewBody(view)
         payload = data if isinstance(data, (bytes, bytearray)) else view.tobytes()
         return lambda: payload
+
+    def _view_body(self, nbytes: int) -> bool:
+        """Whether a one-request put of ``nbytes`` is sent from a view body (:meth:`_small_body` says why)."""
+        return self._chunked and _VIEW_BODY_MIN <= nbytes < MAX_PART_SIZE and single_send(self._fs)
 
     def put_file(self, relpath: str, local_path: str) -> None:
         """Upload a local file. Files above ``multipart_threshold`` are streamed (multipart on object stores)

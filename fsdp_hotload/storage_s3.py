@@ -76,7 +76,10 @@ class ViewBody(io.RawIOBase):
     def __init__(self, data: bytes | bytearray | memoryview) -> None:
         super().__init__()
         view = memoryview(data)
-        self._view = view if view.ndim == 1 and view.format in ("B", "b", "c") else view.cast("B")
+        # unsigned bytes where it can be cast, so that readinto can copy into any byte buffer ('b' and 'c' views
+        # refuse that); a strided 1-D view cannot be cast, and read() copies each chunk of it as it is
+        keep = view.ndim == 1 and (view.format == "B" or (view.format in ("b", "c") and not view.c_contiguous))
+        self._view = view if keep else view.cast("B")
         self._pos = 0
 
     def readable(self) -> bool:

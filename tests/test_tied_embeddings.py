@@ -154,7 +154,7 @@ def test_fsdp1_units_that_may_untie_the_embedding_are_warned_about_when_tying_is
     """torchrun, 2 ranks (dist_scripts/fsdp1_tied_unknown.py): with no config.json and no tie_word_embeddings=, an
     lm_head that FSDP1 split from its embedding (the embedding in a unit of its own) is published as a tensor of
     its own, as the model decides. Rank 0 warns once, naming the tensor, what FSDP1 did and what to set; said as
-    false, or with both in one unit (tied, left out), nothing is said."""
+    false, by the model's own config, or with both in one unit (tied, left out), nothing is said."""
     from tests.dist_util import SCRIPTS, run_torchrun
 
     out = tmp_path / "out"
@@ -163,7 +163,7 @@ def test_fsdp1_units_that_may_untie_the_embedding_are_warned_about_when_tying_is
     for rank in range(2):
         got = json.loads((out / f"rank{rank}.json").read_text())
         assert got["two_units"] == ["embed_tokens.weight", "proj.weight", "proj.bias", "lm_head.weight"], got
-        assert got["two_units_false"] == got["two_units"], got
+        assert got["two_units_false"] == got["two_units"] == got["two_units_config_untied"], got
         assert got["one_unit"] == ["embed_tokens.weight", "proj.weight", "proj.bias"], got
     said: dict[str, list[str]] = {}
     lines: list[str] = []
@@ -172,13 +172,14 @@ def test_fsdp1_units_that_may_untie_the_embedding_are_warned_about_when_tying_is
             said[line.split()[3]], lines = lines, []
         elif line.startswith("rank0 WARNING hotload: "):
             lines.append(line)
-    assert set(said) == {"two_units", "two_units_false", "one_unit"}, job.stdout
+    assert set(said) == {"two_units", "two_units_false", "two_units_config_untied", "one_unit"}, job.stdout
     untied = [line for line in said["two_units"] if "lm_head.weight" in line]
     assert len(untied) == 1, job.stdout
     for words in ("'lm_head.weight'", "'embed_tokens.weight'", "FSDP1", "two copies that train apart",
                   "one FSDP unit", "config.json in hf_config_dir", "HotloadCallback(tie_word_embeddings=True)",
                   "set it false"):
         assert words in untied[0], untied[0]
-    assert not [line for line in said["two_units_false"] + said["one_unit"] if "lm_head" in line], job.stdout
+    quiet = said["two_units_false"] + said["two_units_config_untied"] + said["one_unit"]
+    assert not [line for line in quiet if "lm_head" in line], job.stdout
     assert "tensor of its own beside" not in "".join(line for line in job.stdout.splitlines()
                                                      if line.startswith("rank1 ")), job.stdout

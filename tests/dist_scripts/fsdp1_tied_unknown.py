@@ -3,7 +3,7 @@
 A model whose ``lm_head`` is its input embedding's weight, with the embedding wrapped in an FSDP1 unit of its own,
 holds two tensors once wrapped, which train apart. With no config.json and no ``tie_word_embeddings=``, the model
 decides, so ``lm_head.weight`` is published; rank 0 must warn about it once, at start. Said as False, or kept in one
-unit (tied, left out), nothing is said. Each case's ``HotloadCallback`` logs to stderr with the rank in front, and a
+unit (tied, left out), or untied by the model's own config, nothing is said. Each case's ``HotloadCallback`` logs to stderr with the rank in front, and a
 ``CASE <name> done`` line follows it; what each published goes to --out as JSON (one file per rank).
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,16 @@ def main() -> None:
         model.embed_tokens = FSDP(model.embed_tokens, device_id=cpu)
         return FSDP(model, device_id=cpu)
 
+    def two_units_config_untied() -> torch.nn.Module:
+        model = TiedLM()
+        model.lm_head.weight = torch.nn.Parameter(model.embed_tokens.weight.detach().clone())
+        # as a transformers model carries it: its own config says the head is not tied
+        model.config = SimpleNamespace(tie_word_embeddings=False)
+        model.embed_tokens = FSDP(model.embed_tokens, device_id=cpu)
+        return FSDP(model, device_id=cpu)
+
     cases = {"two_units": (two_units, None), "two_units_false": (two_units, False),
+             "two_units_config_untied": (two_units_config_untied, None),
              "one_unit": (lambda: FSDP(TiedLM(), device_id=cpu), None)}
     results: dict[str, list[str]] = {}
     for name, (build, tie) in cases.items():
