@@ -391,20 +391,24 @@ class Storage:
                            attempts=getattr(first, "attempts", 0), cause=first) from first
 
     def _pipe_file(self, path: str, payload: bytes | bytearray | ViewBody) -> None:
-        """One ``pipe_file`` under its deadline; on S3, one call cut off by it also aborts the key's open multipart
-        uploads. Why: the deadline cancels s3fs's upload, whose own abort runs only on ``Exception``, so every
-        timed-out attempt left a billed, unlisted upload behind.
+        """One ``pipe_file`` under its deadline; on S3, a call of 5 GiB or more cut off by it also aborts the key's
+        open multipart uploads. Why: the deadline cancels s3fs's upload, whose own abort runs only on
+        ``Exception``, so every timed-out attempt left a billed, unlisted upload behind.
 
         On S3 the chunk size is over half the payload, so s3fs sends it in one PUT (up to S3's 5 GiB): s3fs goes
         multipart from twice its chunk size, and at half the threshold a payload of exactly
-        ``multipart_threshold`` bytes went in parts that had no retry of their own (:meth:`_stream_write` has)."""
-        kwargs: dict[str, Any] = self._deadline(len(payload))
+        ``multipart_threshold`` bytes went in parts that had no retry of their own (:meth:`_stream_write` has).
+        Below 5 GiB there is thus no upload to abort, and none is listed: against a store that went silent, that
+        listing waited out a deadline of its own after every timed-out put of a small file."""
+        size = len(payload)  # before the call: a ViewBody's length shrinks as it is read
+        kwargs: dict[str, Any] = self._deadline(size)
         if self._chunked:
-            kwargs["chunksize"] = max(self.part_size, len(payload) // 2 + 1)
+            kwargs["chunksize"] = max(self.part_size, size // 2 + 1)
         try:
             self._fs.pipe_file(path, payload, **kwargs)
         except BaseException as exc:  # an interrupt (KeyboardInterrupt) skips s3fs's abort as well
-            if self._chunked and (type(exc).__name__ == "FSTimeoutError" or not isinstance(exc, Exception)):
+            cut_off = type(exc).__name__ == "FSTimeoutError" or not isinstance(exc, Exception)
+            if self._chunked and cut_off and size >= MAX_PART_SIZE:
                 abort_open_uploads(self._fs, path, self._deadline())
             raise
 

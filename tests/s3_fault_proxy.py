@@ -9,8 +9,9 @@ Example::
 
 A rule returns None (forward the request), ``"slowdown"`` (answer 503 SlowDown itself; the store never sees
 it), ``"internal"`` (answer 500 InternalError so), ``"nosuchupload"`` (answer 404 NoSuchUpload so: an upload
-aborted under the writer) or ``"lost"`` (forward it, so the store applies it, then close
-the connection without an answer: a reply lost on its way back). :class:`TlsFront` puts HTTPS in front of it.
+aborted under the writer), ``"lost"`` (forward it, so the store applies it, then close
+the connection without an answer: a reply lost on its way back) or ``"silent"`` (read it and never answer, until
+the proxy closes: a store that accepts requests and goes quiet). :class:`TlsFront` puts HTTPS in front of it.
 """
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ class S3FaultProxy:
         self.log: list[tuple[str, int | None, str]] = []
         self._seen: Counter[Any] = Counter()
         self._lock = threading.Lock()
+        self._closed = threading.Event()  # releases the requests held by "silent"
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -99,6 +101,10 @@ class S3FaultProxy:
                 action = proxy.rule(request)
                 with proxy._lock:
                     proxy.log.append((op, part, action or "forward"))
+                if action == "silent":
+                    proxy._closed.wait()
+                    self._hang_up()
+                    return
                 if action in _ANSWERS:
                     status, code, message = _ANSWERS[action]
                     self._reply(status, {"Content-Type": "application/xml"},
@@ -169,6 +175,7 @@ class S3FaultProxy:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
+        self._closed.set()
         self._httpd.shutdown()
         self._httpd.server_close()
 

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
-from fsdp_hotload.storage import Storage
+from fsdp_hotload.storage import Storage, StorageError
 from fsdp_hotload.storage_s3 import ViewBody
 from tests.s3_fault_proxy import S3FaultProxy, TlsFront
 from tests.s3_fixture import S3Server
@@ -208,3 +208,21 @@ def test_an_object_of_5_gib_or_more_is_not_given_a_view_body(s3_server: S3Server
     st = Storage(s3_server.unique_uri("huge"), s3_server.storage_options, multipart_threshold=6 * 2**30)
     assert not st._view_body(5 * 2**30) and not st._view_body(6 * 2**30)
     assert st._view_body(5 * 2**30 - 1) and st._view_body(MiB) and not st._view_body(MiB - 1)
+
+
+def test_a_silent_store_costs_a_small_put_one_deadline_per_attempt(s3_server: S3Server, proxy: S3FaultProxy,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A store that takes every PutObject and never answers: each attempt of a small file is cut off by its
+    deadline. After each one, the key's open multipart uploads used to be listed (a one-request put has none), and
+    that listing waited out a deadline of its own, a warning each time: a publish to such a store took about twice
+    max_attempts x call_timeout_s to fail. Now nothing but the puts is sent."""
+    proxy.rule = lambda req: "silent" if req.op == "PutObject" else None
+    st = Storage(s3_server.unique_uri("silent"), {**s3_server.storage_options, "endpoint_url": proxy.url,
+                                                   "skip_instance_cache": True},
+                 max_attempts=2, call_timeout_s=1.5, min_upload_mb_s=1e6, base_backoff_s=0.01)
+    for name, payload in (("commit.json", b"{}" * 100), ("delta.bin", _buffer(2 * MiB, 7))):
+        with pytest.raises(StorageError, match="after 2 attempts: FSTimeoutError"):
+            st.put_bytes(name, payload)
+    assert proxy.count("PutObject") == 4
+    assert proxy.count("ListMultipartUploads") == 0 and proxy.count("AbortMultipartUpload") == 0
+    assert not [r for r in caplog.records if "could not abort" in r.getMessage()]
