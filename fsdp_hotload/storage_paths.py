@@ -192,6 +192,7 @@ def check_options(root: str, options: dict[str, Any]) -> None:
         return  # the missing package is reported when the filesystem opens
     known = set(_FSSPEC_OPTIONS)
     flags = {"skip_instance_cache", "use_listings_cache"}  # the options whose default is True or False
+    numbers: set[str] = set()  # those whose default is a number (s3fs's max_concurrency)
     for klass in cls.__mro__:
         init = vars(klass).get("__init__")
         if init is not None:
@@ -199,6 +200,8 @@ def check_options(root: str, options: dict[str, Any]) -> None:
                       if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "self"]
             known.update(p.name for p in params)
             flags.update(p.name for p in params if isinstance(p.default, bool))
+            numbers.update(p.name for p in params
+                           if isinstance(p.default, (int, float)) and not isinstance(p.default, bool))
     scheme = protocol.lower()
     if scheme in ("s3", "s3a"):
         known.update(_session_options())
@@ -213,6 +216,13 @@ def check_options(root: str, options: dict[str, Any]) -> None:
         hints = [_did_you_mean(k, known) for k in unknown]
         raise StorageError(f"cannot open {mask_url(root)}: storage_options {', '.join(hints)} not accepted by "
                            f"{cls.__module__}.{cls.__name__}", uri=mask_url(root), op="open")
+    wrong = sorted(k for k in options if k in numbers - flags and options[k] is not None
+                   and (isinstance(options[k], bool) or not isinstance(options[k], (int, float))))
+    if wrong:
+        key = wrong[0]
+        raise StorageError(f"cannot open {mask_url(root)}: storage_options.{key} must be a number, not "
+                           f"{type(options[key]).__name__} {options[key]!r} (write it without quotes in JSON)",
+                           uri=mask_url(root), op="open")
     if scheme in ("s3", "s3a"):
         _check_s3_options(root, options, flags)
     else:
@@ -263,6 +273,7 @@ def _check_s3_options(root: str, options: dict[str, Any], flags: set[str]) -> No
     ``ServerSideEncryption`` wrote every object unencrypted."""
     shown = mask_url(root)
     _check_flags(root, options, flags, "s3fs")
+    _check_s3_client_options(root, options)
     extra = options.get("s3_additional_kwargs")
     if extra is None:
         return
@@ -279,6 +290,60 @@ def _check_s3_options(root: str, options: dict[str, Any], flags: set[str]) -> No
                            "parameter of the S3 requests hotload sends (PutObject, the multipart upload's, GetObject, "
                            "HeadObject, listings, deletes), so s3fs would drop it: spell it as botocore does "
                            "(ServerSideEncryption, SSEKMSKeyId, StorageClass, ACL, ...)", uri=shown, op="open")
+
+
+#: s3fs's own options and the botocore client keyword each is handed on as, beside ``client_kwargs``.
+_S3_CLIENT_TWINS = {"endpoint_url": "endpoint_url", "key": "aws_access_key_id", "secret": "aws_secret_access_key",
+                    "token": "aws_session_token"}
+#: botocore ``Config`` settings that are numbers: a JSON string there fails only inside the first request.
+_S3_CONFIG_NUMBERS = {"connect_timeout": "seconds", "read_timeout": "seconds", "max_pool_connections": "a count"}
+
+
+def _check_s3_client_options(root: str, options: dict[str, Any]) -> None:
+    """Refuse what s3fs hands botocore and only the first request (or a client built then) trips over: the same
+    setting given at the top level and in ``client_kwargs`` with two values (botocore is given both: "multiple
+    values for keyword argument 'endpoint_url'"), a number written as a JSON string in ``config_kwargs``, and a
+    ``client_kwargs.verify`` of ``"false"``/``"true"``, which botocore reads as the path of a CA bundle. Why: the
+    options are often merged from two places (a cluster-wide variable and a job's flag), and the clash came out
+    at the first publishing step, naming neither."""
+    shown = mask_url(root)
+
+    def refuse(message: str) -> StorageError:
+        return StorageError(f"cannot open {shown}: {message}", uri=shown, op="open")
+
+    for name in ("client_kwargs", "config_kwargs"):
+        if options.get(name) is not None and not isinstance(options[name], dict):
+            raise refuse(f"storage_options.{name} must be an object (a JSON dict), not {type(options[name]).__name__}")
+    client = options.get("client_kwargs") or {}
+    for top, nested in _S3_CLIENT_TWINS.items():
+        a, b = options.get(top), client.get(nested)
+        if a is not None and b is not None and a != b:
+            values = f" ({mask_url(str(a))!r} and {mask_url(str(b))!r})" if top == "endpoint_url" else ""
+            raise refuse(f"storage_options.{top} and client_kwargs.{nested} are both given, with different "
+                         f"values{values}: s3fs would hand botocore both and fail to connect; keep one "
+                         "(where the options are merged from a flag and a variable, spell it the same way in both)")
+    verify = client.get("verify")
+    if isinstance(verify, str) and verify.strip().lower() in _FLAG_WORDS:
+        raise refuse(f"storage_options.client_kwargs.verify is the string {verify!r}, which botocore reads as the "
+                     "path of a CA bundle: give a JSON boolean (false turns certificate checks off), or the path of "
+                     "a CA bundle file")
+    if verify is not None and not isinstance(verify, (bool, str)):
+        raise refuse(f"storage_options.client_kwargs.verify must be true, false (JSON booleans) or the path of a CA "
+                     f"bundle, not {type(verify).__name__} {verify!r}")
+    config = options.get("config_kwargs") or {}
+    for where, holder in (("", options), ("client_kwargs.", client), ("config_kwargs.", config)):
+        region = holder.get("region_name")
+        if region is not None and not isinstance(region, str):
+            raise refuse(f"storage_options.{where}region_name must be a string (e.g. \"us-east-1\"), not "
+                         f"{type(region).__name__} {region!r}")
+    for key, unit in _S3_CONFIG_NUMBERS.items():
+        value = config.get(key)
+        whole = key == "max_pool_connections"
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int if whole else (int, float))
+                                  or not value > 0):
+            raise refuse(f"storage_options.config_kwargs.{key} must be a positive {'whole ' if whole else ''}number "
+                         f"({unit}), not {type(value).__name__} {value!r}: botocore fails on it only at the first "
+                         "request")
 
 
 def _check_flags(root: str, options: dict[str, Any], flags: set[str], backend: str) -> None:

@@ -320,7 +320,8 @@ def test_storage_option_flag_merges_over_the_variable(monkeypatch: pytest.Monkey
         "client_kwargs": {"aws_access_key_id": "AK", "aws_secret_access_key": "SK", "region_name": "us-east-1"},
         "s3_additional_kwargs": {"SSECustomerAlgorithm": "AES256", "SSECustomerKey": "K"}}))
     flag = {"client_kwargs": {"endpoint_url": "https://minio:9000", "region_name": "eu"},
-            "s3_additional_kwargs": {"ACL": "bucket-owner-full-control"}, "config_kwargs": {"retries": {"mode": "a"}}}
+            "s3_additional_kwargs": {"ACL": "bucket-owner-full-control"},
+            "config_kwargs": {"retries": {"mode": "adaptive"}}}
     cfg = config_from_args(parser().parse_args(["--hotload-bucket-url", "s3://b/p", "--hotload-storage-options",
                                                 json.dumps(flag)]))
     assert cfg is not None and cfg.storage_options == {
@@ -328,7 +329,7 @@ def test_storage_option_flag_merges_over_the_variable(monkeypatch: pytest.Monkey
                           "endpoint_url": "https://minio:9000"},
         "s3_additional_kwargs": {"SSECustomerAlgorithm": "AES256", "SSECustomerKey": "K",
                                  "ACL": "bucket-owner-full-control"},
-        "config_kwargs": {"retries": {"mode": "a"}}}
+        "config_kwargs": {"retries": {"mode": "adaptive"}}}
     monkeypatch.setenv("HOTLOAD_STORAGE_OPTIONS", "{bad")
     with pytest.raises(SystemExit, match="HOTLOAD_STORAGE_OPTIONS: not valid JSON"):
         config_from_args(parser().parse_args(["--hotload-bucket-url", "s3://b", "--hotload-storage-options", "{}"]))

@@ -6,6 +6,7 @@ cannot be sent, storage options the storage layer refuses. Real argparse parsers
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -191,3 +192,43 @@ def test_a_local_root_does_not_import_the_s3_backend(tmp_path: Path) -> None:
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("variable, flag, match", [
+    ({"client_kwargs": {"endpoint_url": "http://minio-a.internal:9000"}}, {"endpoint_url": "http://127.0.0.1:9000"},
+     r"options\.endpoint_url and client_kwargs\.endpoint_url are both given, with different values "
+     r"\('http://127\.0\.0\.1:9000' and 'http://minio-a\.internal:9000'\)"),
+    ({}, {"config_kwargs": {"retries": {"mode": "a"}}}, r"InvalidRetryModeError: .*\"mode\": \"a\" must be one of"),
+    ({}, {"max_concurrency": "4"}, r"options\.max_concurrency must be a number, not str '4'"),
+    ({"client_kwargs": {"region_name": 5}}, {}, r"client_kwargs\.region_name must be a string"),
+    ({}, {"client_kwargs": {"verify": "false"}}, r"client_kwargs\.verify is the string 'false', which botocore reads "
+                                                  r"as the path of a CA bundle"),
+    ({}, {"config_kwargs": {"connect_timeout": "5"}}, r"config_kwargs\.connect_timeout must be a positive number")])
+def test_s3_options_botocore_cannot_use_are_refused_at_startup(
+        variable: dict, flag: dict, match: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Options merged from a cluster-wide variable and a job's flag passed the start-up check and failed only on
+    rank 0 at the first publishing step (after the step's gather), naming neither: an endpoint spelt two ways with
+    two values, a retry mode botocore does not know, a number written as a JSON string, a region that is no
+    string, a certificate check turned "off" with a string. The storage is opened at start-up now (s3fs builds its
+    client offline: no request is sent), and the error names both places the options came from."""
+    pytest.importorskip("s3fs")
+    monkeypatch.setenv("HOTLOAD_STORAGE_OPTIONS", json.dumps({"key": "AK", "secret": "SK", **variable}))
+    argv = ["--hotload-bucket-url", "s3://bucket/run", "--hotload-storage-options", json.dumps(flag)]
+    with pytest.raises(SystemExit, match=r"^invalid hotload setting --hotload-storage-options merged over "
+                                         rf"HOTLOAD_STORAGE_OPTIONS: cannot open s3://bucket/run: .*{match}"):
+        config_from_args(parser().parse_args(argv))
+
+
+def test_s3_options_botocore_takes_pass_the_startup_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same settings, written as botocore takes them, start: one endpoint spelt the same way twice, a known
+    retry mode, numbers and booleans in JSON, a CA bundle's path."""
+    pytest.importorskip("s3fs")
+    monkeypatch.setenv("HOTLOAD_STORAGE_OPTIONS", json.dumps({
+        "key": "AK", "secret": "SK", "client_kwargs": {"endpoint_url": "http://127.0.0.1:9000", "region_name": "eu"}}))
+    flag = {"endpoint_url": "http://127.0.0.1:9000", "max_concurrency": 4,
+            "client_kwargs": {"verify": "/etc/ssl/certs/ca-certificates.crt"},
+            "config_kwargs": {"retries": {"mode": "standard"}, "connect_timeout": 5, "read_timeout": 30.5}}
+    cfg = config_from_args(parser().parse_args(["--hotload-bucket-url", "s3://bucket/run",
+                                                "--hotload-storage-options", json.dumps(flag)]))
+    assert cfg is not None and cfg.storage_options["config_kwargs"]["retries"] == {"mode": "standard"}
+    assert cfg.storage_options["client_kwargs"]["region_name"] == "eu"
