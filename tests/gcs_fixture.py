@@ -11,6 +11,9 @@ HTTP proxy in front of it that stalls chosen requests.
 gcsfs must be imported with ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` (tests/conftest.py sets it): its default
 filesystem asks the bucket's layout over gRPC, which the emulator does not serve, and waits up to 60 s per call.
 
+The emulator's reading of a one-request upload (``uploadType=multipart``, gcsfs's path for every object under its
+block size) is replaced here (:func:`keep_trailing_cr`): it lost an object's last byte when that byte was 0x0d.
+
 ``StallingGcsProxy`` forwards every request to the emulator, except those its ``stall`` predicate picks (by method
 and path), which it reads and never answers: an endpoint that accepts a request and goes silent::
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import logging
 import threading
 import uuid
@@ -58,12 +62,56 @@ class GcsServer:
         return self.uri(f"{label}-{next(self._counter)}-{uuid.uuid4().hex[:8]}")
 
 
+def split_related(body: bytes, content_type: str) -> tuple[bytes, bytes, str]:
+    """The metadata, the content and the content's type of a ``multipart/related`` upload body, split at its
+    boundary lines by hand. The line break before each boundary line is the boundary's, in the style the body's
+    first boundary line ends with (gcsfs writes a bare LF): an object's own last byte, a 0x0d, stays its own."""
+    boundary = content_type.split("boundary=", 1)[1].split(";", 1)[0].strip().strip('"').encode()
+    dash = b"--" + boundary
+    first = body.index(dash) + len(dash)
+    nl = b"\r\n" if body[first:first + 2] == b"\r\n" else b"\n"
+    second = body.index(nl + dash, first)  # the metadata is JSON: it holds no boundary line
+    close = body.rindex(nl + dash + b"--")  # the content may: the last boundary line ends it
+    meta = body[first + len(nl):second].split(nl + nl, 1)[1]
+    head, content = body[second + len(nl + dash + nl):close].split(nl + nl, 1)
+    kind = "application/octet-stream"
+    for line in head.decode("latin-1").split(nl.decode()):
+        name, _, value = line.partition(":")
+        if name.strip().lower() == "content-type":
+            kind = value.strip()
+    return meta, content, kind
+
+
+def keep_trailing_cr(server_module: Any) -> None:
+    """Make the emulator read one-request uploads with :func:`split_related`. Why: it parses them with the email
+    package, which takes an object's last byte 0x0d and gcsfs's bare-LF boundary line for one CRLF and drops the
+    byte (one random binary object in 256): a publish test then failed its commit check ("has 3844 bytes, the
+    marker says 3845") for the test server's fault. Batch requests (``multipart/mixed``) are read as before."""
+    if getattr(server_module, "_hotload_keeps_trailing_cr", False):
+        return
+    read_data = server_module._read_data
+
+    def read_related(handler: Any, query: Any) -> Any:
+        content_type = handler.headers.get("Content-Type") or ""
+        if not content_type.startswith("multipart/related"):
+            return read_data(handler, query)
+        raw = server_module._decode_raw_data(server_module._read_raw_data(handler), handler)
+        if not raw:
+            return None
+        meta, content, kind = split_related(raw, content_type)
+        return {"meta": json.loads(meta), "content": content, "content-type": kind}
+
+    server_module._read_data = read_related
+    server_module._hotload_keeps_trailing_cr = True
+
+
 @pytest.fixture(scope="session")
 def gcs_server() -> Iterator[GcsServer]:
     """Start gcp-storage-emulator (in memory) on a free loopback port with one bucket for the session; stop it
     afterwards. ``STORAGE_EMULATOR_HOST`` is removed while it runs, so only the options given reach a server."""
     pytest.importorskip("gcsfs")
     emulator = pytest.importorskip("gcp_storage_emulator.server")
+    keep_trailing_cr(emulator)
     logging.getLogger("gcp_storage_emulator").setLevel(logging.WARNING)
     bucket = f"hotload-test-{uuid.uuid4().hex[:8]}"
     with pytest.MonkeyPatch.context() as mp:

@@ -67,6 +67,18 @@ def test_round_trip(gcs_server: GcsServer, tmp_path: Path) -> None:
         st.get_bytes("snap/config.json")
 
 
+@pytest.mark.parametrize("tail", [b"\r", b"\r\n", b"\n--==0==--\r"])
+def test_an_object_ending_in_a_carriage_return_is_read_back_whole(gcs_server: GcsServer, tail: bytes) -> None:
+    """gcsfs sends a small object in one multipart request whose boundary lines end in a bare LF; the test server
+    read a last byte 0x0d and that LF as one CRLF and dropped the byte (one random binary file in 256), so a
+    publish test failed its commit check now and then. Content that holds gcsfs's boundary text is kept too."""
+    st = _storage(gcs_server, "cr")
+    data = bytes(range(256)) * 4 + tail
+    st.put_bytes("snap/model.bin", data)
+    assert st.size("snap/model.bin") == len(data)
+    assert st.get_bytes("snap/model.bin") == data
+
+
 def _starts_upload(method: str, path: str) -> bool:
     return method == "POST" and "uploadType=resumable" in path
 
