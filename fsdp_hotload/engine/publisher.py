@@ -63,6 +63,7 @@ from .jobs import Job, Outcome, PublishError, RankStatus
 from .metrics import MetricsSink, PublishMetrics, staleness
 from .pool import StoredError, serve_weakly, start_warm_up, stop_dropped, weak_getter
 from .progress import OTHER_RANKS_SLOWER, ProgressLog, PublishProgress
+from .root_check import RootProbe, check_shared_root, refuse_process_local_root
 from .signal import Signaller, warn_at_start
 from .staging import ChunkLike, Stager
 from .writer import FileWriter
@@ -102,6 +103,9 @@ class Publisher:
         self.carried, problem = agree_on_carried(self.ctrl, config.carry_base_tensors, config.hf_config_dir,
                                                  {s.name: s.dtype for s in specs})
         specs = [*specs, *(TensorSpec(t.name, t.shape, t.dtype) for t in self.carried)]
+        # The session and the agreements' key in the job's store (rank 0's are taken: a session may be given again)
+        start = (session or secrets.token_hex(4), secrets.token_hex(8))
+        probe: RootProbe | None = None
         try:  # set-up that can fail on some ranks only (rank 0 alone reads hf_config_dir and writes the metrics)
             if problem is not None:
                 raise problem
@@ -113,6 +117,11 @@ class Publisher:
             self.storage = storage or Storage(config.bucket_url, config.storage_options,
                                               max_concurrency=config.upload_concurrency,
                                               max_attempts=config.storage_attempts)
+            if self.world > 1:  # every rank must write where rank 0 commits (see root_check)
+                refuse_process_local_root(self.storage, self.world)
+                if self.rank == 0:
+                    probe = RootProbe.write(self.storage, start[1])
+                    made.append(probe)
             self.stager = Stager(self.chunks, slots=config.max_inflight, cache_on=config.cache_on)
             made.append(self.stager)
             self.chunks = self.stager.chunks  # without their sources, which only the stager holds (see ChunkInfo)
@@ -134,11 +143,12 @@ class Publisher:
             shared = None if problem is not None else {  # the tensors too, for callers that did not compare them
                 **config.shared_settings(), "tensor specs": hashlib.sha256(self.plan.to_spec_json()).hexdigest()[:16]}
             # The agreements' key in the job's store: unique to this publisher (a session may be given again).
-            self.session, self._store_key = agree_on_start(
-                self.ctrl, problem, (session or secrets.token_hex(4), secrets.token_hex(8)), shared)
+            self.session, self._store_key = agree_on_start(self.ctrl, problem, start, shared)
             if not SESSION.fullmatch(self.session):  # retention only sweeps, and aborts uploads in, folders named so
                 raise ValueError(f"session {self.session!r}: must be 8 lowercase hex digits, as a publisher makes")
             new_identity(0, prefix=config.identity_prefix, session=self.session)  # a bad prefix fails here
+            if self.world > 1:  # the same on every rank: each raises the same error, or none does
+                check_shared_root(self.ctrl, self.storage, self._store_key, probe)
         except BaseException:
             for part in made:
                 part.close()
