@@ -18,6 +18,7 @@ its commit marker last (see :mod:`fsdp_hotload.retention`, whose names are re-ex
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import logging
 import os
@@ -186,6 +187,15 @@ class Storage:
 
     def __repr__(self) -> str:
         return f"Storage({self._shown!r})"
+
+    def limited(self, *, max_attempts: int, call_timeout_s: float) -> "Storage":
+        """This storage (the same filesystem and stats) with at most ``max_attempts`` tries and ``call_timeout_s``
+        per call. Why: a check at start (the root probe) must not hold the trainer for the whole retry budget of a
+        publish (6 tries of up to 2 minutes each against a store that stopped answering)."""
+        other = copy.copy(self)
+        other.max_attempts = min(self.max_attempts, max_attempts)
+        other.call_timeout_s = min(self.call_timeout_s, call_timeout_s)
+        return other
 
     def _deadline(self, nbytes: int = 0) -> dict[str, float]:
         """``timeout=`` for one call of an asynchronous backend (fsspec's sync wrapper takes it), else nothing."""

@@ -120,8 +120,8 @@ class Publisher:
             if self.world > 1:  # every rank must write where rank 0 commits (see root_check)
                 refuse_process_local_root(self.storage, self.world)
                 if self.rank == 0:
-                    probe = RootProbe.write(self.storage, start[1])
-                    made.append(probe)
+                    probe = RootProbe.write(self.storage, start[1])  # None: the store did not answer in time
+                    made.extend([probe] if probe is not None else [])
             self.stager = Stager(self.chunks, slots=config.max_inflight, cache_on=config.cache_on)
             made.append(self.stager)
             self.chunks = self.stager.chunks  # without their sources, which only the stager holds (see ChunkInfo)

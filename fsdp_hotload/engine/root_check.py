@@ -34,6 +34,9 @@ log = logging.getLogger("fsdp_hotload")
 #: The probe's name under the root: a file (never a folder), starting with "." as no snapshot identity may.
 PROBE_PREFIX = ".hotload-root-probe-"
 PROBE_WAIT_S = 5.0  # how long a rank looks again for a probe not found (a network filesystem's caches)
+#: Each probe call's budget: a store that is down or silent at start holds construction this long, not for a
+#: publish's whole retry budget; the first publish then reports it with that budget.
+PROBE_ATTEMPTS, PROBE_CALL_TIMEOUT_S = 2, 30.0
 _FIRST_LOOK_S = 0.1  # the first pause between two looks; doubled up to 1 s
 _SHARED = ("give every rank one shared root: an object store (s3://, gs://) or a filesystem that every node "
            "mounts at that same path (NFS, Lustre, ...)")
@@ -58,6 +61,12 @@ def refuse_process_local_root(storage: Storage, world: int) -> None:
             f"memory:// is for single-process use; with {world} ranks, {_SHARED}")
 
 
+def _bounded(storage: Storage) -> Storage:
+    """``storage`` with the probe's budget (a storage given by a caller without ``limited`` as it is)."""
+    limited = getattr(storage, "limited", None)
+    return storage if limited is None else limited(max_attempts=PROBE_ATTEMPTS, call_timeout_s=PROBE_CALL_TIMEOUT_S)
+
+
 class RootProbe:
     """The object rank 0 wrote under the root; :meth:`close` deletes it (best effort, once)."""
 
@@ -66,12 +75,22 @@ class RootProbe:
         self._deleted = False
 
     @classmethod
-    def write(cls, storage: Storage, key: str) -> "RootProbe":
-        """Rank 0: write the probe (the storage's retries); an error names ``bucket_url``."""
-        probe = cls(storage, key)
+    def write(cls, storage: Storage, key: str) -> "RootProbe | None":
+        """Rank 0: write the probe, under the probe's budget. A refusal for good (no permission, no such bucket)
+        raises, naming ``bucket_url``: no snapshot could be written either. A store that did not answer in time
+        (down, throttling) is warned about and None returned: the check is skipped, and the first publish, with
+        the full retry budget, reports what is wrong, as it did before this check."""
+        from ..storage_errors import ErrorClass, classify_error
+
+        probe = cls(_bounded(storage), key)
         try:
-            storage.put_bytes(probe.name, _content(key))
+            probe.storage.put_bytes(probe.name, _content(key))
         except Exception as exc:
+            if classify_error(getattr(exc, "cause", None) or exc.__cause__ or exc).retryable:
+                log.warning("hotload: could not check at start that every rank sees bucket_url %r: rank 0 could not "
+                            "write a small file there (%s); the check is skipped: %s", storage.uri(""), probe.name,
+                            exc)
+                return None
             raise RuntimeError(f"bucket_url {storage.uri('')!r}: rank 0 could not write a small file there at start "
                                f"({probe.name}), so no snapshot could be written either: {exc}") from exc
         return probe
@@ -114,7 +133,7 @@ def check_shared_root(ctrl: Comm, storage: Storage, key: str, probe: RootProbe |
     that could not read it for another reason (no read permission: only rank 0 reads the bucket) is logged by rank
     0, not refused. Every rank takes part in both collectives whatever its own look raised."""
     try:
-        seen = ("seen", "") if ctrl.rank == 0 else _look(storage, key, wait_s)
+        seen = ("seen", "") if ctrl.rank == 0 else _look(_bounded(storage), key, wait_s)
     except Exception as exc:  # noqa: BLE001 - told to rank 0 like any other view
         seen = ("unreadable", f"{type(exc).__name__}: {exc}")
     gathered = ctrl.gather(seen)
@@ -122,7 +141,8 @@ def check_shared_root(ctrl: Comm, storage: Storage, key: str, probe: RootProbe |
     if gathered is not None:
         if probe is not None:
             probe.close()
-        verdict = [(r, why) for r, (kind, why) in enumerate(gathered) if kind == "missing"]
+        # no probe on rank 0: it could not write one in time (warned), so whether the others saw it says nothing
+        verdict = [(r, why) for r, (kind, why) in enumerate(gathered) if kind == "missing" and probe is not None]
         for r, (kind, why) in enumerate(gathered):
             if kind == "unreadable":
                 log.warning("hotload: rank %d could not read back the file rank 0 wrote under bucket_url %r at "
