@@ -34,6 +34,7 @@ from .daemon_pool import DaemonPool
 from .masking import mask_text, mask_url
 from .storage_errors import (_BACKEND_PACKAGES, ErrorClass, MissingBackendError,  # noqa: F401 (re-exported)
                              StorageError, backend_install_hint, backoff_delay, classify_error, credential_hint)
+from .storage_gcs import put_from_buffer, sends_from_buffer
 from .storage_info import FileInfo, StorageStats, mtime_of
 from .storage_local import TMP_PREFIX, atomic_write
 from .storage_paths import LOCAL_PROTOCOLS, OBJECT_STORE_PROTOCOLS, check_options, check_relpath, normalise_root
@@ -283,7 +284,7 @@ class Storage:
 
     def put_bytes(self, relpath: str, data: bytes | bytearray | memoryview) -> None:
         """Write one object (replacing any old one), retrying transient failures. ``data`` must not change until
-        this returns: on S3 and local paths it is read as it is sent, not copied first."""
+        this returns: on S3, gs:// and local paths it is read as it is sent, not copied first."""
         rel = check_relpath(relpath, self._shown)
         view = memoryview(data)
         if view.ndim != 1 or view.format not in ("B", "b", "c"):
@@ -300,6 +301,8 @@ class Storage:
                 step = self._part_size(nbytes)
                 self._run("put", rel, lambda: self._stream_write(
                     path, (view[off:off + step] for off in range(0, nbytes, step)), step))
+            elif nbytes >= _VIEW_BODY_MIN and sends_from_buffer(self._fs):  # gcsfs joined a copy of the body
+                self._run("put", rel, lambda: put_from_buffer(self._fs, path, view, self._deadline(nbytes)))
             else:
                 body = self._small_body(data, view)
                 self._run("put", rel, lambda: self._pipe_file(path, body()))
@@ -312,7 +315,7 @@ class Storage:
         """The body of each attempt of a one-request put. On S3 (where s3fs sends each request once), from
         ``_VIEW_BODY_MIN`` bytes up: a fresh :class:`~fsdp_hotload.storage_s3.ViewBody` over the caller's buffer
         per attempt, read from its start. Otherwise ``bytes`` as they are, and one copy of any other buffer
-        (gcsfs and other backends take bytes only).
+        (on gs:// from ``_VIEW_BODY_MIN`` up :func:`~fsdp_hotload.storage_gcs.put_from_buffer` sends the buffer).
 
         Why: a publisher's file is a view of the buffer it was assembled in, up to ``multipart_threshold`` bytes;
         copying it to ``bytes`` cost that much host memory again for each upload in flight (8 at once by default),

@@ -30,6 +30,8 @@ CASES = [
     ("encode_threads.py", ["--workers", "1,0"], "--workers"),
     ("full_memory.py", ["--gb", "0"], "--gb"),
     ("full_memory.py", ["--nproc", "0"], "--nproc"),
+    ("gcs_small_puts.py", ["--files", "0"], "--files"),
+    ("gcs_small_puts.py", ["--mib", "64"], "--mib"),  # 64 MiB is the multipart threshold: no longer one request
     ("gpu_diff.py", ["--changed", "-0.1"], "--changed"),
     ("gpu_diff.py", ["--gb", "nan"], "--gb"),
     ("hint_latency.py", ["--deltas", "0"], "--deltas"),
