@@ -17,6 +17,9 @@ Example::
 from __future__ import annotations
 
 import json
+import logging
+import sys
+import threading
 import uuid
 from typing import Any, AsyncIterator, Callable
 from urllib.parse import quote
@@ -25,6 +28,7 @@ import fsspec.asyn
 
 __all__ = ["is_gcsfs", "DeadlineGcsCalls", "open_write", "RelatedBody", "sends_from_buffer", "put_from_buffer"]
 
+log = logging.getLogger("fsdp_hotload.storage")
 PIECE = 2**20  # bytes of the buffer handed to the connection at a time (RelatedBody)
 
 _GCS_PROTOCOLS = frozenset({"gs", "gcs"})
@@ -117,10 +121,16 @@ class RelatedBody:
         yield self.tail
 
 
+#: Set on a filesystem whose gcsfs internals did not take :func:`put_from_buffer`'s call: its puts go by gcsfs again.
+_OFF = "_hotload_buffer_puts_off"
+_OFF_LOCK = threading.Lock()
+
+
 def sends_from_buffer(fs: Any) -> bool:
     """Whether :func:`put_from_buffer` can drive ``fs``: gcsfs, with the request call and upload endpoint it uses
-    (``_call``, ``_location``) and the event loop it runs on."""
-    return is_gcsfs(fs) and all(hasattr(fs, name) for name in ("_call", "_location", "loop", "split_path"))
+    (``_call``, ``_location``) and the event loop it runs on, and no earlier call found them changed."""
+    return (is_gcsfs(fs) and not getattr(fs, _OFF, False)
+            and all(hasattr(fs, name) for name in ("_call", "_location", "loop", "split_path")))
 
 
 async def _put(fs: Any, path: str, data: memoryview) -> None:
@@ -150,5 +160,19 @@ def put_from_buffer(fs: Any, path: str, data: bytes | bytearray | memoryview, de
     """Write ``data`` to ``path`` (``bucket/key``) on gcsfs in one request whose body is read from ``data`` as it is
     sent (:class:`RelatedBody`), the whole call, gcsfs's own retries included, under ``deadline`` (fsspec's
     ``timeout=``). The filesystem's ``consistency`` check (``md5``, ``crc32c``, ``size``) is made against the
-    object the store reports, as gcsfs's ``pipe_file`` makes it; a mismatch raises gcsfs's ``ChecksumError``."""
-    fsspec.asyn.sync(fs.loop, _put, fs, path, memoryview(data), **deadline)
+    object the store reports, as gcsfs's ``pipe_file`` makes it; a mismatch raises gcsfs's ``ChecksumError``.
+
+    The call leans on gcsfs internals (``_call``, ``gcsfs.checkers``). Where a gcsfs release changed them (a
+    TypeError, AttributeError or ImportError from the call), this put and every later one on ``fs`` go through
+    gcsfs's own ``pipe_file`` (a copy of the buffer), said once, rather than failing every publish."""
+    try:
+        fsspec.asyn.sync(fs.loop, _put, fs, path, memoryview(data), **deadline)
+    except (TypeError, AttributeError, ImportError) as exc:
+        with _OFF_LOCK:  # said once per filesystem, however many puts found it at once
+            first = not getattr(fs, _OFF, False)
+            setattr(fs, _OFF, True)
+        if first:
+            log.warning("hotload: gcsfs %s did not take the one-request upload sent from the file's buffer (%s: %s); "
+                        "gs:// puts go through gcsfs's own upload from now on, with a copy of each file",
+                        getattr(sys.modules.get("gcsfs"), "__version__", "?"), type(exc).__name__, exc)
+        fs.pipe_file(path, memoryview(data).tobytes(), **deadline)

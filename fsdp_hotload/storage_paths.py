@@ -331,6 +331,16 @@ def _check_s3_client_options(root: str, options: dict[str, Any]) -> None:
         raise refuse(f"storage_options.client_kwargs.verify must be true, false (JSON booleans) or the path of a CA "
                      f"bundle, not {type(verify).__name__} {verify!r}")
     config = options.get("config_kwargs") or {}
+    try:  # botocore checks a Config's values (a retry mode it does not know) when it is built, offline
+        from botocore.config import Config
+    except ImportError:
+        Config = None
+    if config and Config is not None:
+        try:
+            Config(**config)
+        except Exception as exc:  # noqa: BLE001 - botocore's own words name what is wrong
+            raise refuse(f"storage_options.config_kwargs is refused by botocore: {type(exc).__name__}: {exc}") \
+                from None
     for where, holder in (("", options), ("client_kwargs.", client), ("config_kwargs.", config)):
         region = holder.get("region_name")
         if region is not None and not isinstance(region, str):

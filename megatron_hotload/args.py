@@ -260,23 +260,16 @@ def _check_storage_options(cfg: HotloadConfig, *, flag_given: bool) -> None:
     """SystemExit naming the flag or variable when the storage layer would refuse ``storage_options`` (a misspelt
     s3fs option, object-store options on a local root). Why here: the refusal came only when the storage opened,
     often at the first publishing step, naming the Python field. The backend's package is imported only for an
-    object-store root with options (its keywords are what is checked).
-
-    An ``s3://`` root with options is also opened here, as rank 0's publisher will open it: s3fs builds its
-    botocore client then, which checks the values (a retry mode, a region, a number as a JSON string) and sends no
-    request. A missing s3fs is left to the publisher, which names the package to install."""
-    from fsdp_hotload.storage_errors import MissingBackendError, StorageError
+    object-store root with options (its keywords are what is checked), and on ``s3://`` the values botocore would
+    trip over (a retry mode it does not know, a number as a JSON string, an endpoint given twice with two values).
+    The storage is not opened here: s3fs's client looks up credentials when it is built (instance metadata, a
+    container's endpoint, a ``credential_process``), on every rank, and a passing failure there is no setting's
+    fault."""
+    from fsdp_hotload.storage_errors import StorageError
     from fsdp_hotload.storage_paths import check_options
 
     try:
         check_options(cfg.bucket_url, cfg.storage_options)
-        if cfg.storage_options and cfg.bucket_url.split("://", 1)[0].lower() in ("s3", "s3a"):
-            from fsdp_hotload.storage import Storage
-
-            try:
-                Storage(cfg.bucket_url, cfg.storage_options)
-            except MissingBackendError:
-                pass
     except (ValueError, StorageError) as exc:
         variable = f"{ENV_PREFIX}STORAGE_OPTIONS"
         names = [flag_name("storage_options")] if flag_given else []

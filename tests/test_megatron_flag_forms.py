@@ -10,6 +10,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -209,8 +211,8 @@ def test_s3_options_botocore_cannot_use_are_refused_at_startup(
     """Options merged from a cluster-wide variable and a job's flag passed the start-up check and failed only on
     rank 0 at the first publishing step (after the step's gather), naming neither: an endpoint spelt two ways with
     two values, a retry mode botocore does not know, a number written as a JSON string, a region that is no
-    string, a certificate check turned "off" with a string. The storage is opened at start-up now (s3fs builds its
-    client offline: no request is sent), and the error names both places the options came from."""
+    string, a certificate check turned "off" with a string. They are checked at start-up now, offline (the storage
+    is not opened: its client would look up credentials), and the error names both places the options came from."""
     pytest.importorskip("s3fs")
     monkeypatch.setenv("HOTLOAD_STORAGE_OPTIONS", json.dumps({"key": "AK", "secret": "SK", **variable}))
     argv = ["--hotload-bucket-url", "s3://bucket/run", "--hotload-storage-options", json.dumps(flag)]
@@ -232,3 +234,42 @@ def test_s3_options_botocore_takes_pass_the_startup_check(monkeypatch: pytest.Mo
                                                 "--hotload-storage-options", json.dumps(flag)]))
     assert cfg is not None and cfg.storage_options["config_kwargs"]["retries"] == {"mode": "standard"}
     assert cfg.storage_options["client_kwargs"]["region_name"] == "eu"
+
+
+def test_the_startup_check_of_s3_options_looks_up_no_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opening the storage at flag parsing built s3fs's client, which looked up credentials on every rank (the
+    instance metadata endpoint here, a local server that counts what it is asked; a container's endpoint or a
+    credential_process alike), and a passing failure there stopped the launch as an invalid setting."""
+    pytest.importorskip("s3fs")
+    seen: list[str] = []
+
+    class Metadata(BaseHTTPRequestHandler):
+        def _any(self) -> None:
+            seen.append(f"{self.command} {self.path}")
+            self.send_response(500)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_PUT = _any
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Metadata)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        for name in [k for k in os.environ if k.startswith("AWS_")]:
+            monkeypatch.delenv(name)
+        monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+        monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}/")
+        monkeypatch.delenv("HOTLOAD_STORAGE_OPTIONS", raising=False)
+        flag = {"endpoint_url": "http://127.0.0.1:9", "client_kwargs": {"region_name": "us-east-1"},
+                "config_kwargs": {"retries": {"mode": "standard"}}}
+        cfg = config_from_args(parser().parse_args(["--hotload-bucket-url", "s3://bucket/run",
+                                                    "--hotload-storage-options", json.dumps(flag)]))
+        assert cfg is not None and cfg.storage_options["endpoint_url"] == "http://127.0.0.1:9"
+        assert seen == []
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -90,7 +90,8 @@ def test_a_store_that_does_not_answer_at_start_holds_construction_for_the_probes
         s3_server: S3Server, caplog: pytest.LogCaptureFixture) -> None:
     """A store that takes every request and never answers: the probe is written and read with 2 tries of at most
     30 s (here the storage's own 1 s), not a publish's whole retry budget (6 tries here), and the check is skipped
-    with a warning, as the first publish reports what is wrong. Before the check, construction sent no request."""
+    with a warning, as the first publish reports what is wrong; the other ranks do not look for it. Before the
+    check, construction sent no request."""
     with S3FaultProxy(s3_server.endpoint_url) as proxy:
         proxy.rule = lambda req: "silent"
         options = {**s3_server.storage_options, "endpoint_url": proxy.url, "skip_instance_cache": True}
@@ -102,6 +103,8 @@ def test_a_store_that_does_not_answer_at_start_holds_construction_for_the_probes
         try:
             assert took < 15, took  # 6 tries would be 6 s for the write alone, and the read as many
             assert proxy.count("PutObject") == 2, proxy.count("PutObject")
+            # rank 1 did not look for a probe rank 0 could not write (each look waited out the same budget)
+            assert proxy.count("HeadObject") + proxy.count("GetObject") == 0
             assert [r for r in caplog.records if "could not check at start that every rank sees bucket_url"
                     in r.getMessage()], [r.getMessage() for r in caplog.records]
         finally:

@@ -10,7 +10,7 @@ How, and what it costs: ``memory://`` is refused outright. Otherwise rank 0 writ
 (:data:`PROBE_PREFIX` and the publisher's agreed key: a hidden name, never a folder, so no listing of snapshots,
 commit check or retention pass takes it for a snapshot), the other ranks read it back with the storage's retries
 and deadlines, and say over the trainer's side group, in one gather and one broadcast (bounded by its timeout, as
-the start's agreement is), whether they saw it; rank 0 deletes it. No listing of the root.
+the start's agreement is), whether they saw it; rank 0 deletes it. The root's snapshots are not listed.
 
 Example::
 
@@ -132,6 +132,10 @@ def check_shared_root(ctrl: Comm, storage: Storage, key: str, probe: RootProbe |
     every rank, or raises the same ValueError on every rank, naming the ranks that could not see the probe. A rank
     that could not read it for another reason (no read permission: only rank 0 reads the bucket) is logged by rank
     0, not refused. Every rank takes part in both collectives whatever its own look raised."""
+    # Whether rank 0 wrote it: where it could not in time (warned), the others need not look for it, each look
+    # waiting out the same budget against a store that is down.
+    if not ctrl.broadcast(probe is not None if ctrl.rank == 0 else None):
+        return
     try:
         seen = ("seen", "") if ctrl.rank == 0 else _look(_bounded(storage), key, wait_s)
     except Exception as exc:  # noqa: BLE001 - told to rank 0 like any other view
@@ -141,8 +145,7 @@ def check_shared_root(ctrl: Comm, storage: Storage, key: str, probe: RootProbe |
     if gathered is not None:
         if probe is not None:
             probe.close()
-        # no probe on rank 0: it could not write one in time (warned), so whether the others saw it says nothing
-        verdict = [(r, why) for r, (kind, why) in enumerate(gathered) if kind == "missing" and probe is not None]
+        verdict = [(r, why) for r, (kind, why) in enumerate(gathered) if kind == "missing"]
         for r, (kind, why) in enumerate(gathered):
             if kind == "unreadable":
                 log.warning("hotload: rank %d could not read back the file rank 0 wrote under bucket_url %r at "
