@@ -80,7 +80,7 @@ class RootProbe:
         raises, naming ``bucket_url``: no snapshot could be written either. A store that did not answer in time
         (down, throttling) is warned about and None returned: the check is skipped, and the first publish, with
         the full retry budget, reports what is wrong, as it did before this check."""
-        from ..storage_errors import ErrorClass, classify_error
+        from ..storage_errors import classify_error
 
         probe = cls(_bounded(storage), key)
         try:
