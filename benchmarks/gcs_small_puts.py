@@ -30,28 +30,17 @@ import argparse
 import json
 import logging
 import os
-import resource
-import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
+from typing import Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_args import arg_int  # noqa: E402  (the repository root is on sys.path)
+from benchmarks.put_memory import MiB, add_arguments, measure, run_all  # noqa: E402  (the root is on sys.path)
 
-MiB = 2**20
-RUNS = ("copied", "views", "bytes")
 _PROJECT = "bench"
-
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def _buffers(files: int, mib: int) -> list:
@@ -74,49 +63,17 @@ def _options(endpoint: str) -> dict[str, str]:
 
 def child(run: str, endpoint: str, bucket: str, files: int, mib: int, threads: int) -> dict[str, float | str]:
     """One run in this (fresh) process: the puts, measured; what it measured, and the prefix it wrote under."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from fsdp_hotload.storage import Storage
 
     prefix = f"bench-{run}-{uuid.uuid4().hex[:8]}"
     st = Storage(f"gs://{bucket}/{prefix}", _options(endpoint), max_concurrency=threads)
     st.exists("warm-up")  # the filesystem, its session and a connection exist before the measurement
-    arrays = _buffers(files, mib)
-    datas: list[bytes | memoryview] = [a.tobytes() for a in arrays] if run == "bytes" else [memoryview(a)
-                                                                                                for a in arrays]
-    if run == "bytes":
-        del arrays  # the bytes are the buffers now
-
-    def put(i: int) -> None:
-        rel, data = f"f{i:03d}.bin", datas[i]
-        if run == "copied":
-            st._run("put", rel, lambda: st._pipe_file(st._path(rel), memoryview(data).tobytes()))
-        else:
-            st.put_bytes(rel, data)
-
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the resident memory now
-    rss0 = _status_kib("VmRSS")
-    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(put, range(files)))
-    wall = time.perf_counter() - t0
-    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-    peak = _status_kib("VmHWM")
-    return {"prefix": prefix, "peak_mib": (peak - rss0) / 1024, "wall_s": wall,
-            "cpu_s": cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime}
+    return {"prefix": prefix, **measure(st, _buffers(files, mib), run, threads)}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--files", type=arg_int(1), default=8, help="files written (default 8)")
-    p.add_argument("--mib", type=arg_int(1, 63), default=48,
-                   help="MiB per file, below the 64 MiB multipart threshold (default 48)")
-    p.add_argument("--threads", type=arg_int(1), default=8, help="puts at once (upload_concurrency; default 8)")
-    p.add_argument("--repeat", type=arg_int(1), default=1, help="rounds of the three runs (default 1)")
-    p.add_argument("--child", choices=RUNS, help=argparse.SUPPRESS)
-    p.add_argument("--endpoint", help=argparse.SUPPRESS)
-    p.add_argument("--bucket", help=argparse.SUPPRESS)
+    add_arguments(p)
     args = p.parse_args(argv)
     # gcsfs's default filesystem asks a bucket's layout over gRPC, which the emulator does not serve
     os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
@@ -128,7 +85,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("gcp_storage_emulator").setLevel(logging.WARNING)
     from gcp_storage_emulator.server import create_server
 
-    from benchmarks.machine_info import machine
     from fsdp_hotload.storage import Storage
 
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
@@ -144,41 +100,18 @@ def main(argv: list[str] | None = None) -> int:
     httpd.handle_error = handle_error
     try:
         endpoint = f"http://127.0.0.1:{httpd.server_address[1]}"
+
+        def read_back(prefix: str, expected: Sequence[bytes]) -> bool:
+            reader = Storage(f"gs://{bucket}/{prefix}", _options(endpoint))
+            same = all(reader.get_bytes(f"f{i:03d}.bin") == e for i, e in enumerate(expected))
+            for i in range(len(expected)):  # the emulator holds them in memory
+                reader.delete_prefix(f"f{i:03d}.bin")
+            return same
+
         expected = [a.tobytes() for a in _buffers(args.files, args.mib)]
-        print(f"machine: {machine()}")
-        print(f"{args.files} files of {args.mib} MiB, {args.threads} puts at once, one request each; "
-              f"peak = resident memory over that just before the puts (the buffers)")
-        print(f"{'run':>7} {'peak MiB':>9} {'CPU s':>6} {'wall s':>7}  objects")
-        results: dict[str, list[dict[str, float | str]]] = {run: [] for run in RUNS}
-        for _ in range(args.repeat):
-            for run in RUNS:
-                proc = subprocess.run([sys.executable, __file__, "--child", run, "--endpoint", endpoint,
-                                       "--bucket", bucket, "--files", str(args.files), "--mib", str(args.mib),
-                                       "--threads", str(args.threads)], capture_output=True, text=True,
-                                      cwd=REPO, timeout=600)
-                if proc.returncode != 0:
-                    print(f"run {run} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}", file=sys.stderr)
-                    return 1
-                out = json.loads(proc.stdout.strip().splitlines()[-1])
-                reader = Storage(f"gs://{bucket}/{out['prefix']}", _options(endpoint))
-                same = all(reader.get_bytes(f"f{i:03d}.bin") == expected[i] for i in range(args.files))
-                for i in range(args.files):  # the emulator holds them in memory
-                    reader.delete_prefix(f"f{i:03d}.bin")
-                results[run].append(out)
-                print(f"{run:>7} {out['peak_mib']:9.0f} {out['cpu_s']:6.2f} {out['wall_s']:7.2f}  "
-                      f"{'byte-identical' if same else 'DIFFERENT'}")
-                if not same:
-                    return 1
+        return run_all(__file__, args, endpoint, bucket, "one request each", read_back, expected)
     finally:
         server.stop()
-    base = min(float(r["peak_mib"]) for r in results["copied"])
-    total = args.files * args.mib
-    print(f"copied (baseline): peak {base:.0f} MiB ({base / total:.2f}x the files' {total} MiB)")
-    for run in RUNS[1:]:
-        peak = min(float(r["peak_mib"]) for r in results[run])
-        print(f"{run}: peak {peak:.0f} MiB ({peak / total:.2f}x the files' bytes), {peak - base:+.0f} MiB against "
-              f"the baseline (lowest of {args.repeat})")
-    return 0
 
 
 if __name__ == "__main__":
