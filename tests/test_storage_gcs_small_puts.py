@@ -8,11 +8,9 @@ import email.parser
 import http.client
 import json
 import logging
-import os
 import re
 import subprocess
 import sys
-import textwrap
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -26,6 +24,7 @@ import pytest
 from fsdp_hotload.storage import Storage, StorageError
 from fsdp_hotload.storage_gcs import RelatedBody
 from tests.gcs_fixture import GcsServer, StallingGcsProxy
+from tests.put_memory_check import view_puts_peak_mib
 
 MiB = 2**20
 REPO = Path(__file__).resolve().parents[1]
@@ -120,38 +119,9 @@ def test_a_view_put_holds_no_copy_of_the_buffer(gcs_server: GcsServer) -> None:
     """Four 16 MiB views put at once (one request each) from a process of their own: its resident memory rises by a
     fraction of the files' 64 MiB while they are sent. Each view used to be copied to bytes, gcsfs joined that copy
     and its framing into another, and the event loop copied the unsent rest again: about three times the files."""
-    if not os.access("/proc/self/clear_refs", os.W_OK):
-        pytest.skip("the peak resident memory cannot be reset here (/proc/self/clear_refs)")
-    script = textwrap.dedent("""
-        import json, sys
-        from concurrent.futures import ThreadPoolExecutor
-        from pathlib import Path
-        import numpy as np
-        from fsdp_hotload.storage import Storage
-
-        def kib(field):
-            return next(int(l.split()[1]) for l in Path("/proc/self/status").read_text().splitlines()
-                        if l.startswith(field + ":"))
-
-        uri, options = sys.argv[1], json.loads(sys.argv[2])
-        st = Storage(uri, options)
-        st.exists("warm-up")
-        arrays = [np.random.default_rng(i).integers(0, 256, 16 * 2**20, dtype=np.uint8) for i in range(4)]
-        for a in arrays:
-            a[-1] = a[-1] if a[-1] != 0x0D else 0
-        views = [memoryview(a) for a in arrays]
-        Path("/proc/self/clear_refs").write_text("5")
-        rss0 = kib("VmRSS")
-        with ThreadPoolExecutor(4) as pool:
-            list(pool.map(lambda i: st.put_bytes(f"f{i}.bin", views[i]), range(4)))
-        print((kib("VmHWM") - rss0) / 1024)
-    """)
     uri = gcs_server.unique_uri("small-rss")
-    proc = subprocess.run([sys.executable, "-c", script, uri, json.dumps(gcs_server.storage_options)],
-                          capture_output=True, text=True, timeout=180, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    peak_mib = float(proc.stdout.split()[-1])
+    peak_mib = view_puts_peak_mib(uri, gcs_server.storage_options, env={"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"},
+                                  no_final_cr=True)
     assert peak_mib < 24, f"resident memory rose by {peak_mib:.0f} MiB while 64 MiB of views were put"
     st = Storage(uri, gcs_server.storage_options)
     for i in range(4):

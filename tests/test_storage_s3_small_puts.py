@@ -6,11 +6,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
-import json
 import os
-import subprocess
-import sys
-import textwrap
 import zlib
 from pathlib import Path
 from typing import Any, Iterator
@@ -20,11 +16,11 @@ import pytest
 
 from fsdp_hotload.storage import Storage, StorageError
 from fsdp_hotload.storage_s3 import ViewBody
+from tests.put_memory_check import view_puts_peak_mib
 from tests.s3_fault_proxy import S3FaultProxy, TlsFront
 from tests.s3_fixture import S3Server
 
 MiB = 2**20
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -58,35 +54,8 @@ def test_a_view_put_holds_no_copy_of_the_buffer(s3_server: S3Server) -> None:
     """Four 16 MiB views put at once (one PutObject each) from a process of their own: its resident memory rises by
     a fraction of the files' 64 MiB while they are sent. Each view used to be copied to bytes first, and that
     bytes body copied again into the socket's buffer: twice the files' bytes."""
-    script = textwrap.dedent("""
-        import json, sys
-        from concurrent.futures import ThreadPoolExecutor
-        from pathlib import Path
-        import numpy as np
-        from fsdp_hotload.storage import Storage
-
-        def kib(field):
-            return next(int(l.split()[1]) for l in Path("/proc/self/status").read_text().splitlines()
-                        if l.startswith(field + ":"))
-
-        uri, options = sys.argv[1], json.loads(sys.argv[2])
-        st = Storage(uri, options)
-        st.exists("warm-up")
-        views = [memoryview(np.random.default_rng(i).integers(0, 256, 16 * 2**20, dtype=np.uint8)) for i in range(4)]
-        Path("/proc/self/clear_refs").write_text("5")
-        rss0 = kib("VmRSS")
-        with ThreadPoolExecutor(4) as pool:
-            list(pool.map(lambda i: st.put_bytes(f"f{i}.bin", views[i]), range(4)))
-        print((kib("VmHWM") - rss0) / 1024)
-    """)
-    if not os.access("/proc/self/clear_refs", os.W_OK):
-        pytest.skip("the peak resident memory cannot be reset here (/proc/self/clear_refs)")
     uri = s3_server.unique_uri("small-rss")
-    proc = subprocess.run([sys.executable, "-c", script, uri, json.dumps(s3_server.storage_options)],
-                          capture_output=True, text=True, timeout=120, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    peak_mib = float(proc.stdout.split()[-1])
+    peak_mib = view_puts_peak_mib(uri, s3_server.storage_options)
     assert peak_mib < 24, f"resident memory rose by {peak_mib:.0f} MiB while 64 MiB of views were put"
     st = Storage(uri, s3_server.storage_options)
     for i in range(4):
