@@ -131,7 +131,7 @@ def check_shared_root(ctrl: Comm, storage: Storage, key: str, probe: RootProbe |
     """Collective at construction, after the ranks agreed on ``key`` (rank 0 wrote ``probe`` before): returns on
     every rank, or raises the same ValueError on every rank, naming the ranks that could not see the probe. A rank
     that could not read it for another reason (no read permission: only rank 0 reads the bucket) is logged by rank
-    0, not refused. Every rank takes part in both collectives whatever its own look raised."""
+    0, not refused. Every rank takes part in each collective whatever its own look raised."""
     # Whether rank 0 wrote it: where it could not in time (warned), the others need not look for it, each look
     # waiting out the same budget against a store that is down.
     if not ctrl.broadcast(probe is not None if ctrl.rank == 0 else None):
