@@ -23,8 +23,12 @@ from safetensors.torch import save_file
 HOTLOAD = [sys.executable, "-m", "fsdp_hotload.cli"]
 
 
-def _interrupt_when(proc: subprocess.Popen[str], ready: Callable[[], bool]) -> tuple[str, str]:
-    """SIGINT ``proc`` once ``ready()``; its stdout and stderr once it exits."""
+def _interrupt_when(proc: subprocess.Popen[str], ready: Callable[[], bool],
+                    release: Callable[[], None] | None = None) -> tuple[str, str]:
+    """SIGINT ``proc`` once ``ready()``; its stdout and stderr once it exits. Where it has not exited 10 s later,
+    ``release()`` lets a read it is blocked in return: a read inside a native library (safetensors reads a file in
+    Rust, which retries a read the signal interrupted) holds the signal until it returns, as Ctrl-C during a long read
+    of a real file waits for that read."""
     deadline = time.monotonic() + 120
     try:
         while not ready():
@@ -32,6 +36,11 @@ def _interrupt_when(proc: subprocess.Popen[str], ready: Callable[[], bool]) -> t
             assert time.monotonic() < deadline, "the command never reached the point to interrupt"
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
+        if release is not None:
+            try:
+                return proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                release()
         return proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -58,11 +67,14 @@ def test_an_interrupted_command_says_so_in_one_line(tmp_path: Path, cmd: str) ->
                 raise
         return bool(writer)
 
+    def release() -> None:  # the pipe's end: the read returns, and the pending interrupt is taken
+        while writer:
+            os.close(writer.pop())
+
     try:
-        _, err = _interrupt_when(proc, reading)
+        _, err = _interrupt_when(proc, reading, release)
     finally:
-        for fd in writer:
-            os.close(fd)
+        release()
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert err.strip().splitlines() == [f"interrupted: {cmd} did not finish"], err
