@@ -126,6 +126,21 @@ def gcs_server() -> Iterator[GcsServer]:
             server.stop()
 
 
+def forward(handler: BaseHTTPRequestHandler, upstream: tuple[str, int], body: bytes,
+            ) -> tuple[http.client.HTTPResponse, bytes]:
+    """Send the request ``handler`` holds (its method, path, headers and ``body``) to ``upstream``; its answer and
+    that answer's body (the test proxies in front of the emulator pass it on, or change it)."""
+    conn = http.client.HTTPConnection(*upstream, timeout=60)
+    try:
+        headers = {k: v for k, v in handler.headers.items()
+                   if k.lower() not in ("host", "content-length", "transfer-encoding", "connection")}
+        conn.request(handler.command, handler.path, body=body, headers=headers)
+        resp = conn.getresponse()
+        return resp, resp.read()
+    finally:
+        conn.close()
+
+
 class StallingGcsProxy:
     """An HTTP proxy in front of a real GCS endpoint. A request for which ``stall(method, path)`` is true is read
     whole and never answered (until the proxy closes); every other one is forwarded, and the ``Location`` of a
@@ -155,15 +170,7 @@ class StallingGcsProxy:
                     proxy._closed.wait()
                     self.close_connection = True
                     return
-                conn = http.client.HTTPConnection(*upstream, timeout=60)
-                try:
-                    headers = {k: v for k, v in self.headers.items()
-                               if k.lower() not in ("host", "content-length", "transfer-encoding", "connection")}
-                    conn.request(self.command, self.path, body=body, headers=headers)
-                    resp = conn.getresponse()
-                    data = resp.read()
-                finally:
-                    conn.close()
+                resp, data = forward(self, upstream, body)
                 self.send_response(resp.status)
                 for key, value in resp.getheaders():
                     if key.lower() in ("content-length", "transfer-encoding", "connection"):

@@ -5,7 +5,6 @@ stalled request is sent again whole, and the filesystem's consistency check stil
 from __future__ import annotations
 
 import email.parser
-import http.client
 import json
 import logging
 import re
@@ -23,7 +22,7 @@ import pytest
 
 from fsdp_hotload.storage import Storage, StorageError
 from fsdp_hotload.storage_gcs import RelatedBody
-from tests.gcs_fixture import GcsServer, StallingGcsProxy
+from tests.gcs_fixture import GcsServer, StallingGcsProxy, forward
 from tests.put_memory_check import view_puts_peak_mib
 
 MiB = 2**20
@@ -76,15 +75,7 @@ class FaultGcsProxy:
                         self._answer(503, [("Content-Type", "application/json")],
                                      b'{"error": {"code": 503, "message": "Service Unavailable"}}')
                         return
-                conn = http.client.HTTPConnection(*upstream, timeout=60)
-                try:
-                    headers = {k: v for k, v in self.headers.items()
-                               if k.lower() not in ("host", "content-length", "transfer-encoding", "connection")}
-                    conn.request(self.command, self.path, body=body, headers=headers)
-                    resp = conn.getresponse()
-                    data = resp.read()
-                finally:
-                    conn.close()
+                resp, data = forward(self, upstream, body)
                 if upload and md5 is not None and resp.status == 200:
                     data = json.dumps({**json.loads(data), "md5Hash": md5}).encode()
                 self._answer(resp.status, resp.getheaders(), data)
