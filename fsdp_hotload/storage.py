@@ -41,7 +41,7 @@ from .storage_paths import LOCAL_PROTOCOLS, OBJECT_STORE_PROTOCOLS, check_option
 from .storage_multipart import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, part_size_for, stream_write  # noqa: F401
 from .storage_s3 import (DeleteRefused, OpenUpload, RetryPolicy, ThrottleAnswers, ViewBody, abort_open_uploads,
                          abort_upload, delete_checked, failed_request, is_s3_root, list_uploads, owned_retries,
-                         single_send)
+                         single_send, whole_get_options)
 
 __all__ = ["Storage", "StorageStats", "StorageError", "MissingBackendError", "FileInfo", "ErrorClass",
            "classify_error", "backoff_delay", "backend_install_hint", "credential_hint", "TMP_PREFIX", "COMMIT_MARKER",
@@ -463,7 +463,7 @@ class Storage:
             if size is None:
                 self._fs.invalidate_cache(path)  # a cached listing's size may be an older object's
                 size = int(self._fs.info(path, **self._deadline()).get("size") or 0)
-            return self._fs.cat_file(path, **self._deadline(max(0, size)))
+            return self._fs.cat_file(path, **self._deadline(max(0, size)), **whole_get_options(self._fs, size))
 
         data = self._run("get", rel, get)
         self.stats.add(gets=1, bytes_got=len(data))

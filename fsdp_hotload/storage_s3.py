@@ -29,7 +29,7 @@ from .storage_errors import ErrorClass, backoff_delay, classify_error, is_lost_u
 __all__ = ["is_s3_root", "owned_retries", "DeadlineCalls", "ThrottleAnswers", "abort_open_uploads",
            "DeleteRefused", "delete_checked", "OpenUpload", "list_uploads", "abort_upload", "RetryPolicy",
            "FailedRequest", "failed_request", "abort_failed_upload", "abort_resent_uploads", "ViewBody",
-           "single_send"]
+           "single_send", "whole_get_options"]
 
 logger = logging.getLogger("fsdp_hotload.storage")
 T = TypeVar("T")
@@ -126,6 +126,17 @@ def single_send(fs: Any) -> bool:
     it owns the retries): only then may a request's body be a :class:`ViewBody`, which s3fs would send again
     from where the failed try left it."""
     return getattr(fs, "retries", None) == 1 and hasattr(fs, "call_s3")
+
+
+def whole_get_options(fs: Any, size: int) -> dict[str, int]:
+    """Options for ``fs.cat_file`` of a whole object of at most ``size`` bytes. Why: s3fs (with its default
+    ``max_concurrency`` of 10) first sends a HEAD to learn whether an object is big enough to read in concurrent
+    ranges, one more round trip to a store that may be in another region for every commit marker, manifest and
+    hint read; an object no larger than its block size is read in one GET anyway, so that GET goes alone."""
+    block = getattr(fs, "default_block_size", None)
+    if not hasattr(fs, "call_s3") or not isinstance(block, int) or size > block:
+        return {}
+    return {"max_concurrency": 1}
 
 
 @dataclass(frozen=True)

@@ -223,3 +223,27 @@ def test_a_credential_ending_in_a_newline_fails_at_once_naming_it(s3_server: S3S
     # keys in the options are the ones botocore signs with: a stray variable in the environment is not blamed
     assert credential_hint(access_denied_error(), {"key": "k", "secret": "s"}) is None
     assert credential_hint(ConnectionError("reset"), {}) is None  # only for errors a credential causes
+
+
+def test_a_whole_read_of_a_small_object_is_one_get(s3_server: S3Server) -> None:
+    """A marker, manifest or hint read (its size known, or a bound on it) is one GetObject: s3fs used to send a
+    HeadObject before each one (to split big objects into concurrent ranged reads), a second round trip to a
+    store that may be in another region. A read without a size still asks for it once, and a big object is still
+    read in s3fs's concurrent ranges; every read returns the object's bytes."""
+    from tests.s3_fault_proxy import S3FaultProxy
+
+    with S3FaultProxy(s3_server.endpoint_url) as proxy:
+        st = Storage(s3_server.unique_uri("one-get"), {**s3_server.storage_options, "endpoint_url": proxy.url,
+                                                        "skip_instance_cache": True, "default_block_size": 5 * MiB})
+        small, big = os.urandom(300), os.urandom(6 * MiB + 3)
+        st.put_bytes("snap/marker.json", small)
+        st.put_bytes("snap/big.bin", big)
+        proxy.reset()
+        assert st.get_bytes("snap/marker.json", size_hint=4096) == small
+        assert (proxy.count("HeadObject"), proxy.count("GetObject")) == (0, 1)
+        proxy.reset()
+        assert st.get_bytes("snap/marker.json") == small
+        assert (proxy.count("HeadObject"), proxy.count("GetObject")) == (1, 1)
+        proxy.reset()
+        assert st.get_bytes("snap/big.bin") == big
+        assert proxy.count("GetObject") == 2  # two ranges of at most 5 MiB
