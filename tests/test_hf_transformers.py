@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -73,19 +74,30 @@ def write_base_folder(folder: Path, kind: str, tie: bool) -> None:
 
 
 @pytest.fixture(scope="module")
-def published(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hf")
-    cases = {}
-    for name, (kind, tie) in CASES.items():
-        case = root / name
-        for sub in ("hf", "bucket", "out"):
-            (case / sub).mkdir(parents=True)
-        write_base_folder(case / "hf", kind, tie)
-        if name in EXPERT_DIMS:
-            (case / "fsdp.json").write_text(json.dumps(EXPERT_DIMS[name]))
-        cases[name] = case
-    args = [a for case in cases.values() for a in ("--case", str(case))]
-    run_torchrun(str(SCRIPTS / "hf_train_publish.py"), 2, [*args, "--steps", "5", "--full-every", "3"], timeout=300)
+def published(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[str, Path]:
+    """The job's folders, one per case. The job runs once per test session: pytest-xdist workers that got cases
+    of this module share the session's temporary root, and the first one to take the lock runs it (each worker
+    ran the whole 2-rank job before, ~20 s of both cores)."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if hasattr(request.config, "workerinput") else base  # an xdist worker's, or the run's
+    root = shared / "hf-published"
+    cases = {name: root / name for name in CASES}
+    with FileLock(str(shared / "hf-published.lock")):
+        if (root / "done").exists():
+            return cases
+        shutil.rmtree(root, ignore_errors=True)  # a job that failed on another worker: run it again here
+        for name, (kind, tie) in CASES.items():
+            for sub in ("hf", "bucket", "out"):
+                (cases[name] / sub).mkdir(parents=True)
+            write_base_folder(cases[name] / "hf", kind, tie)
+            if name in EXPERT_DIMS:
+                (cases[name] / "fsdp.json").write_text(json.dumps(EXPERT_DIMS[name]))
+        args = [a for case in cases.values() for a in ("--case", str(case))]
+        run_torchrun(str(SCRIPTS / "hf_train_publish.py"), 2, [*args, "--steps", "5", "--full-every", "3"],
+                     timeout=300)
+        (root / "done").touch()
     return cases
 
 

@@ -150,7 +150,7 @@ def test_a_retention_pass_is_not_held_by_a_marker_read_never_answered(gcs_server
     with StallingGcsProxy(gcs_server.endpoint_url, _reads_media) as proxy:
         st = Storage(writer.root, {**gcs_server.storage_options, "endpoint_url": proxy.url,
                                    "skip_instance_cache": True}, call_timeout_s=1.0, max_attempts=2,
-                     base_backoff_s=0.0)
+                     base_backoff_s=0.0, min_upload_mb_s=100.0)  # a marker read's deadline: ~1.2 s, not 9.4
         result: dict[str, Any] = {}
         error, seconds = _outcome(lambda: result.setdefault(
             "deleted", apply_retention(st, 1, {ident}, session="aaaaaaaa", since=time.time())))
