@@ -81,7 +81,10 @@ def open_write(fs: Any, path: str, part_size: int, deadline: Callable[..., dict[
 class RelatedBody:
     """The body of a one-request (``multipart/related``) upload: the object's metadata, then its bytes read from the
     caller's buffer ``PIECE`` bytes at a time, then the closing boundary. aiohttp sends an async-iterable body piece
-    by piece, waiting for the socket to drain between pieces, so only about one piece is ever copied.
+    by piece, waiting for the socket to drain between pieces, so only about one piece is ever copied. Each piece
+    is a copy, never a view of the buffer: from Python 3.12 a plain-TCP transport queues a view of what the socket
+    did not take, and a connection cut off by its deadline goes on sending that queue after the put returned
+    (from a retry), while the caller may be writing its next file into the same buffer.
 
     Why: gcsfs builds this body by joining its framing and the file into one new ``bytes``, after ``put_bytes`` had
     turned a view into ``bytes``, and the event loop copied whatever the socket did not take at once into its send
@@ -111,13 +114,13 @@ class RelatedBody:
         """The request's ``Content-Length``."""
         return len(self.head) + self.view.nbytes + len(self.tail)
 
-    def __aiter__(self) -> AsyncIterator[bytes | memoryview]:
+    def __aiter__(self) -> AsyncIterator[bytes]:
         return self._pieces()
 
-    async def _pieces(self) -> AsyncIterator[bytes | memoryview]:
+    async def _pieces(self) -> AsyncIterator[bytes]:
         yield self.head
         for start in range(0, self.view.nbytes, PIECE):
-            yield self.view[start:start + PIECE]
+            yield self.view[start:start + PIECE].tobytes()
         yield self.tail
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import fsspec
+import numpy as np
 import pytest
 
 from fsdp_hotload.storage import (
@@ -209,6 +210,19 @@ def test_round_trip_and_listing(kind: str, make_storage: Callable[..., Storage],
         st.size("snap-1/config.json")
     assert st.stats.puts == 11 and st.stats.retries == 0
     assert st.stats.bytes_put == len(payload) + 8 + 4 + 0 + 15 + src.stat().st_size + 2
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_any_buffer_is_written_as_its_bytes_in_c_order(kind: str, make_storage: Callable[..., Storage]) -> None:
+    """A strided view of floats and a Fortran-order array (a caller's, not the publisher's) are written as
+    ``tobytes()`` would give them; such a view cannot be cast to bytes, and the put raised a bare TypeError."""
+    st = make_storage(kind)
+    floats = np.arange(3 * 2**18, dtype=np.float32)
+    cases = {"strided.bin": floats[::3], "fortran.bin": np.asfortranarray(floats.reshape(1024, -1)),
+             "c.bin": floats.reshape(1024, -1)}
+    for name, array in cases.items():
+        st.put_bytes(name, memoryview(array))
+        assert st.get_bytes(name) == array.tobytes(), name
 
 
 @pytest.mark.parametrize("kind", ["local", "memory", "s3"])

@@ -237,6 +237,25 @@ def test_a_related_body_parses_as_two_parts_and_restarts_at_each_iteration(loop:
     assert content.get_content_type() == "application/octet-stream" and content.get_payload(decode=True) == data
 
 
+def test_a_related_body_s_pieces_do_not_change_with_the_buffer(loop: Any) -> None:
+    """A piece the event loop still holds (a socket that did not take it all) must keep the bytes the put read:
+    the caller may write its next file into the buffer once the put returned, and a connection cut off by its
+    deadline may still be sending. Each piece is a copy of at most one ``PIECE``."""
+    from fsdp_hotload.storage_gcs import PIECE
+
+    buf = np.zeros(2 * PIECE + 5, np.uint8)
+    body = RelatedBody("run/f.bin", memoryview(buf))
+
+    async def collect() -> list[Any]:
+        return [piece async for piece in body]
+
+    pieces = fsspec.asyn.sync(loop, collect)
+    buf[:] = 7  # the caller's next file
+    data = pieces[1:-1]
+    assert [len(p) for p in data] == [PIECE, PIECE, 5]
+    assert all(bytes(p) == bytes(len(p)) for p in data), "a piece changed with the caller's buffer"
+
+
 def test_a_gcsfs_whose_request_call_changed_falls_back_to_its_own_upload(gcs_server: GcsServer,
                                                                         caplog: pytest.LogCaptureFixture) -> None:
     """The one-request upload leans on gcsfs's private ``_call``: a release that changed it (here a subclass whose
