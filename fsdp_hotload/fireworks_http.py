@@ -111,6 +111,10 @@ CA_BUNDLE_VARS = ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
 _CERT_HINT = "check the host name of base_url (hotload_api_url) and the system CA certificates; for a private CA " \
     "(a gateway's own, a TLS-inspecting proxy) point SSL_CERT_FILE, or REQUESTS_CA_BUNDLE, at its PEM bundle"
 
+#: What OpenSSL's strict mode (``VERIFY_X509_STRICT``, on in Python 3.13's default context) refuses in a chain a
+#: trusted CA signed: extensions a certificate lacks or marks wrongly (OpenSSL's messages, lower-cased).
+_STRICT_CHECKS = ("authority key identifier", "subject key identifier", "basic constraints", "key usage")
+
 
 def tls_context() -> ssl.SSLContext:
     """The TLS settings of the client: the system's CA certificates (``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` where
@@ -135,6 +139,12 @@ def unsendable(exc: BaseException, base: urllib.parse.SplitResult) -> tuple[str,
     """What to say, and what to do, about a failure of :func:`send_once` that no retry can pass; None for one
     that is worth a retry (an ``OSError`` or ``HTTPException`` that is none of these)."""
     if isinstance(exc, ssl.SSLCertVerificationError):
+        why = str(getattr(exc, "verify_message", "") or exc)
+        if any(check in why.lower() for check in _STRICT_CHECKS):  # the CA is trusted; its certificates are not
+            return f"TLS certificate verification failed: {exc}", (
+                f"the certificate chain fails a strict X.509 check ({why}) that Python 3.13 and later make by "
+                "default: trusting the CA (SSL_CERT_FILE, REQUESTS_CA_BUNDLE) cannot waive it; have the CA's "
+                "certificates reissued with that extension, or run on Python 3.12")
         return f"TLS certificate verification failed: {exc}", _CERT_HINT
     if isinstance(exc, NotTLS):
         return str(exc), "the server at this port does not speak TLS: use http:// (for a host other than " \

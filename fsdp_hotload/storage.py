@@ -287,8 +287,10 @@ class Storage:
         this returns: on S3, gs:// and local paths it is read as it is sent, not copied first."""
         rel = check_relpath(relpath, self._shown)
         view = memoryview(data)
-        if view.ndim != 1 or view.format not in ("B", "b", "c"):  # a strided view of other items: its bytes in C order
-            view = view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
+        if not view.c_contiguous:  # a strided or Fortran-order buffer: its bytes in C order (a local write needs so)
+            view = memoryview(view.tobytes())
+        elif view.ndim != 1 or view.format not in ("B", "b", "c"):
+            view = view.cast("B")
         nbytes = view.nbytes
         path = self._path(rel)
         t0 = time.perf_counter()

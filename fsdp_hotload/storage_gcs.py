@@ -63,7 +63,14 @@ class DeadlineGcsCalls:
         self._deadline = deadline
 
     def call(self, *args: Any, **kwargs: Any) -> Any:
-        return self._fs.call(*args, **{**kwargs, **self._deadline(_nbytes(kwargs.get("data")))})
+        data = kwargs.get("data")
+        if isinstance(data, memoryview):
+            # A chunk is a view of the file's BytesIO. A request cut off by its deadline stays in garbage cycles
+            # (the cancelled coroutines' frames), and the cycle collector then freed that BytesIO with the view
+            # still exported: Python 3.12.0/3.12.1 crash there (CPython gh-111049), 3.13 prints a BufferError.
+            # A copy of one chunk per upload in flight keeps the file's buffer out of those cycles.
+            kwargs = {**kwargs, "data": data.tobytes()}
+        return self._fs.call(*args, **{**kwargs, **self._deadline(_nbytes(data))})
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._fs, name)

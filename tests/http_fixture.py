@@ -62,9 +62,11 @@ def forwarding(target: str, before_hint: Callable[[bytes], None]) -> Iterator[st
         yield url
 
 
-def tls_files(tmp_path: Path, host: str) -> tuple[Path, Path, Path]:
+def tls_files(tmp_path: Path, host: str, key_ids: bool = True) -> tuple[Path, Path, Path]:
     """A CA, and a server certificate it signs for ``host``, written under ``tmp_path``: (CA file, certificate
-    file, key file). The CA is no system's: a client that does not load it fails to verify the certificate."""
+    file, key file). The CA is no system's: a client that does not load it fails to verify the certificate.
+    Without ``key_ids`` the certificates lack their key identifiers, as many private CAs make them (which OpenSSL's
+    strict mode, Python 3.13's default, refuses)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -79,16 +81,18 @@ def tls_files(tmp_path: Path, host: str) -> tuple[Path, Path, Path]:
           .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
           .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
                                        data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                       crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
-          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-          .sign(ca_key, hashes.SHA256()))
+                                       crl_sign=True, encipher_only=False, decipher_only=False), critical=True))
+    if key_ids:
+        ca = ca.add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
     cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)]))
             .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.SubjectAlternativeName([x509.DNSName(host)]), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-            .sign(ca_key, hashes.SHA256()))
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False))
+    if key_ids:
+        cert = cert.add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+                                  critical=False)
+    ca, cert = ca.sign(ca_key, hashes.SHA256()), cert.sign(ca_key, hashes.SHA256())
     paths = tmp_path / "ca.pem", tmp_path / "cert.pem", tmp_path / "key.pem"
     paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))

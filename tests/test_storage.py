@@ -214,12 +214,13 @@ def test_round_trip_and_listing(kind: str, make_storage: Callable[..., Storage],
 
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_any_buffer_is_written_as_its_bytes_in_c_order(kind: str, make_storage: Callable[..., Storage]) -> None:
-    """A strided view of floats and a Fortran-order array (a caller's, not the publisher's) are written as
-    ``tobytes()`` would give them; such a view cannot be cast to bytes, and the put raised a bare TypeError."""
+    """A strided view (of floats or of bytes) and a Fortran-order array (a caller's, not the publisher's) are
+    written as ``tobytes()`` would give them; the put raised a bare TypeError (such a view cannot be cast to bytes)
+    or, for strided bytes on a local root, a BufferError from the file's write."""
     st = make_storage(kind)
     floats = np.arange(3 * 2**18, dtype=np.float32)
     cases = {"strided.bin": floats[::3], "fortran.bin": np.asfortranarray(floats.reshape(1024, -1)),
-             "c.bin": floats.reshape(1024, -1)}
+             "c.bin": floats.reshape(1024, -1), "strided-bytes.bin": floats.view(np.uint8)[::5]}
     for name, array in cases.items():
         st.put_bytes(name, memoryview(array))
         assert st.get_bytes(name) == array.tobytes(), name

@@ -227,3 +227,30 @@ def test_delete_incomplete_keeps_a_folder_that_may_have_an_upload_in_flight(gcs_
     assert apply_retention(st, keep_last=5, delete_incomplete=True) == []
     later = time.time() + ABANDONED_UPLOAD_AGE_S + 60
     assert apply_retention(st, keep_last=5, delete_incomplete=True, now=later) == [unmarked]
+
+
+def test_a_chunk_cut_off_by_its_deadline_leaves_no_view_of_the_file_s_buffer_to_the_garbage_collector(
+        gcs_server: GcsServer) -> None:
+    """A resumable upload's chunk request cut off by its deadline stays referenced from garbage cycles (the
+    cancelled coroutines' frames, aiohttp's request). Its body was a view of the write file's BytesIO, so the
+    cycle collector freed that BytesIO with a buffer still exported: on Python 3.12.0/3.12.1 the process crashes
+    there (CPython gh-111049), on 3.13 it prints an ignored BufferError. Each chunk now goes as a copy, so no view
+    of a BytesIO is left for the collector (seen here with ``gc.DEBUG_SAVEALL``, which keeps what it would free)."""
+    import gc
+
+    chunks = lambda method, path: method in ("POST", "PUT") and "upload_id=" in path  # noqa: E731
+    with StallingGcsProxy(gcs_server.endpoint_url, chunks) as proxy:
+        st = _storage(gcs_server, "chunk-gc", proxy.url, multipart_threshold=6 * MiB, call_timeout_s=1.0,
+                      min_upload_mb_s=100.0, max_attempts=1)
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            with pytest.raises(StorageError):
+                st.put_bytes("snap/model-00001-of-00001.safetensors", b"\x01" * (12 * MiB))
+            gc.collect()
+            views = [o for o in gc.garbage if isinstance(o, memoryview) and type(o.obj).__name__ == "_BytesIOBuffer"]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+    assert proxy.stalled >= 1
+    assert views == [], f"{len(views)} view(s) of a write file's buffer left to the garbage collector"
