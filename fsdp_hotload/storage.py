@@ -303,7 +303,7 @@ class Storage:
                 step = self._part_size(nbytes)
                 self._run("put", rel, lambda: self._stream_write(
                     path, (view[off:off + step] for off in range(0, nbytes, step)), step))
-            elif nbytes >= _VIEW_BODY_MIN and view.c_contiguous and sends_from_buffer(self._fs):  # not a copy
+            elif nbytes >= _VIEW_BODY_MIN and sends_from_buffer(self._fs):  # not a copy
                 self._run("put", rel, lambda: put_from_buffer(self._fs, path, view, self._deadline(nbytes)))
             else:
                 body = self._small_body(data, view)
